@@ -1,0 +1,320 @@
+"""The backend protocol: AttentionBackend -> AttentionMetadataBuilder (once per step) and
+AttentionImpl (once per layer), as vLLM's v1 attention splits them and FlashInfer's plan()/run().
+
+A backend author writes three small classes:
+  - a backend: ``name``, ``capabilities``, ``metadata_builder()``, ``impl()``;
+  - a builder: ``plan(batch, common_prefix_len)``: all host-side work of a step, once;
+  - an impl: ``store_kv(...)`` and ``attend(...)``: per layer, thin.
+The base classes do everything shared: refusing unsupported specs with reasons, validating every
+call before anything is written, allocating caches and outputs.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from attnhub import validation
+from attnhub.batch import BatchMetadata
+from attnhub.capabilities import Capabilities, GraphSupport
+from attnhub.errors import (
+    BackendUnavailableError,
+    InvalidInputError,
+    UnsupportedConfigurationError,
+)
+from attnhub.kv_cache import PagedKVCache
+from attnhub.spec import AttentionSpec
+
+
+def device_type(device: torch.device | str) -> str:
+    """"cuda:0" -> "cuda"; works for device types torch has not registered (e.g. "npu")."""
+    return str(device).split(":", 1)[0]
+
+
+def as_device(device: torch.device | str) -> torch.device:
+    """A torch.device, or raise InvalidInputError for a string torch does not know."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidInputError(f"device {device!r} is not a device torch knows: {exc}") from None
+
+
+@dataclass
+class AttentionMetadata:
+    """What a builder returns: the step's batch plus whatever the backend planned from it.
+
+    Backends subclass this and add their planned fields. ``checked_num_blocks`` remembers the
+    cache size the batch's block table was checked against, so layers after the first skip it.
+    """
+
+    batch: BatchMetadata
+    common_prefix_len: int = 0
+    checked_num_blocks: int | None = field(default=None, repr=False)
+
+
+M = TypeVar("M", bound=AttentionMetadata)
+
+
+class AttentionBackend(abc.ABC):
+    """A vendor's attention, bound to one spec and one device.
+
+    Class-level facts answer before anything is built (``availability``,
+    ``unsupported_reasons``); the constructor refuses with every reason at once.
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    # --- questions answered before an instance exists --------------------------------------
+    @classmethod
+    def availability(cls, device: torch.device | str, emulate: bool = False) -> str | None:
+        """None when this backend can run on ``device`` (natively or, with ``emulate``,
+        through an emulator); otherwise why not."""
+        dt = device_type(device)
+        if not cls.capabilities.supports_device(dt):
+            devices = sorted(cls.capabilities.devices or ())
+            return f"device type {dt!r} is not supported (supported: {', '.join(devices)})"
+        return None
+
+    @classmethod
+    def is_emulated(cls, device: torch.device | str) -> bool:
+        """True when running on ``device`` means running through a CPU emulator."""
+        return False
+
+    @classmethod
+    def unsupported_reasons(cls, spec: AttentionSpec) -> list[str]:
+        """Every reason this backend refuses ``spec`` (empty list = supported)."""
+        return cls.capabilities.unsupported_reasons(spec)
+
+    # --- an instance -----------------------------------------------------------------------
+    def __init__(
+        self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
+    ) -> None:
+        why = self.availability(device, emulate)
+        if why is not None:
+            raise BackendUnavailableError(self.name, str(device), why)
+        reasons = self.unsupported_reasons(spec)
+        if reasons:
+            raise UnsupportedConfigurationError(self.name, reasons)
+        self.spec = spec
+        self.device = as_device(device)
+        self.emulate = emulate
+        self.emulated = self.is_emulated(device)
+
+    def __repr__(self) -> str:
+        mode = ", emulated" if self.emulated else ""
+        return f"<{type(self).__name__} {self.name!r} on {self.device}{mode}>"
+
+    def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
+        """A zeroed cache for ``num_blocks`` blocks in this backend's layout and format."""
+        return PagedKVCache.for_spec(
+            self.spec, num_blocks, self.device, layout=self.capabilities.kv_cache_layout
+        )
+
+    @abc.abstractmethod
+    def metadata_builder(self) -> AttentionMetadataBuilder[Any]:
+        """The per-model builder; call ``build(batch)`` once per step."""
+
+    @abc.abstractmethod
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> AttentionImpl:
+        """The per-layer implementation (ALiBi slopes and sinks are per-layer weights)."""
+
+
+class AttentionMetadataBuilder(abc.ABC, Generic[M]):
+    """Turns a step's BatchMetadata into the backend's metadata, once for all layers."""
+
+    #: Requests with query_len <= this are decodes the backend wants first (None: any order).
+    reorder_batch_threshold: ClassVar[int | None] = None
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        self.backend = backend
+        self.spec = backend.spec
+
+    @property
+    def graph_support(self) -> GraphSupport:
+        return self.backend.capabilities.graph_capture
+
+    def build(self, batch: BatchMetadata, *, common_prefix_len: int = 0) -> M:
+        """Validate the batch (host copies only) and plan the step."""
+        validation.check_batch_for_spec(self.spec, batch, self.backend.device)
+        if common_prefix_len:
+            if not self.backend.capabilities.cascade:
+                raise UnsupportedConfigurationError(
+                    self.backend.name,
+                    [f"common_prefix_len = {common_prefix_len}: cascade attention is not "
+                     "supported"],
+                )
+            if common_prefix_len < 0 or (
+                batch.num_reqs and common_prefix_len > int(batch.context_lens_cpu.min())
+            ):
+                raise InvalidInputError(
+                    f"common_prefix_len = {common_prefix_len} must be in 0..the shortest context"
+                )
+        return self.plan(batch, common_prefix_len)
+
+    @abc.abstractmethod
+    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> M:
+        """Backend-specific host-side work of one step (the batch is already validated)."""
+
+    def build_for_graph_capture(self, batch: BatchMetadata) -> M:
+        """Metadata for capturing a device graph on a dummy batch of the captured size."""
+        if self.graph_support == GraphSupport.NEVER:
+            raise UnsupportedConfigurationError(
+                self.backend.name, ["device-graph capture is not supported"]
+            )
+        return self.build(batch)
+
+
+class AttentionImpl(abc.ABC):
+    """One layer's attention: write the new keys/values, then attend over the cache."""
+
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        *,
+        alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        self.backend = backend
+        self.spec = spec = backend.spec
+        self.alibi_slopes = self._per_head("alibi_slopes", alibi_slopes, spec.use_alibi)
+        self.sinks = self._per_head("sinks", sinks, spec.use_sinks)
+        #: Whether calls check slot/block values (a device sync off the CPU; see validation).
+        self.checks_values = (
+            backend.device.type == "cpu"
+            or backend.capabilities.graph_capture == GraphSupport.NEVER
+        )
+
+    def _per_head(
+        self, name: str, t: torch.Tensor | None, declared: bool
+    ) -> torch.Tensor | None:  # [num_heads] float32 on the backend's device
+        flag = "use_alibi" if name == "alibi_slopes" else "use_sinks"
+        if t is None:
+            if declared:
+                raise InvalidInputError(f"spec.{flag} is True but no {name} were given")
+            return None
+        if not declared:
+            raise InvalidInputError(f"{name} were given but spec.{flag} is False")
+        t = torch.as_tensor(t)
+        if t.shape != (self.spec.num_heads,) or not t.is_floating_point():
+            raise InvalidInputError(
+                f"{name} must be a float tensor [num_heads={self.spec.num_heads}], "
+                f"got {t.dtype} {list(t.shape)}"
+            )
+        return t.to(self.backend.device, torch.float32)
+
+    # --- public calls ----------------------------------------------------------------------
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,  # [n <= num_tokens] int, -1 = padding
+    ) -> None:
+        """Write new keys/values to their slots; padding slots (-1) are skipped."""
+        dev = self.backend.device
+        validation.check_cache(self.spec, self.backend.capabilities.kv_cache_layout, cache, dev)
+        validation.check_tensor(
+            "slot_mapping", slot_mapping, (None,), (torch.int32, torch.int64), dev
+        )
+        validation.check_kv(self.spec, key, value, dev, slot_mapping.shape[0])
+        if self.checks_values:
+            validation.check_slot_values(slot_mapping, cache)
+        self.store_kv(key, value, cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_size]; None: nothing new
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        output: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size] in spec.dtype
+        """Write this step's keys/values (unless None), then attend for every query token.
+
+        Rows past ``num_actual_tokens`` (padding) come back as zeros.
+        """
+        out = self.check_forward(query, key, value, cache, meta, output)
+        if key is not None:
+            assert value is not None
+            self.store_kv(key, value, cache, meta.batch.slot_mapping)
+        n = meta.batch.num_actual_tokens
+        if out.shape[0] > n:
+            out[n:].zero_()
+        self.attend(query, key, value, cache, meta, out)
+        return out
+
+    def check_forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        output: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Validate a forward call completely (nothing written yet); return the output buffer."""
+        spec, dev = self.spec, self.backend.device
+        if not isinstance(meta, AttentionMetadata):
+            raise InvalidInputError(
+                f"meta must be what this backend's metadata_builder().build(batch) returns, "
+                f"got {type(meta).__name__}"
+            )
+        batch = meta.batch
+        validation.check_cache(spec, self.backend.capabilities.kv_cache_layout, cache, dev)
+        q = validation.check_tensor(
+            "query", query, (None, spec.num_heads, spec.head_size), spec.dtype, dev
+        )
+        if q.shape[0] < batch.num_actual_tokens:
+            raise InvalidInputError(
+                f"query has {q.shape[0]} tokens, the batch has {batch.num_actual_tokens}"
+            )
+        if (key is None) != (value is None):
+            raise InvalidInputError("key and value must both be given or both be None")
+        if key is not None:
+            validation.check_kv(spec, key, value, dev, batch.num_tokens)
+        if output is None:
+            output = torch.empty_like(q)
+        else:
+            validation.check_tensor("output", output, tuple(q.shape), spec.dtype, dev)
+        if self.checks_values:
+            if key is not None:
+                validation.check_slot_values(batch.slot_mapping, cache)
+            if meta.checked_num_blocks != cache.num_blocks:
+                validation.check_block_table_values(batch, cache)
+                meta.checked_num_blocks = cache.num_blocks
+        return output
+
+    # --- what a backend implements ---------------------------------------------------------
+    @abc.abstractmethod
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write keys/values (already validated) to the cache; skip slots < 0."""
+
+    @abc.abstractmethod
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention of every query token of ``meta.batch`` over the cache, into ``out``.
+
+        ``key``/``value`` are this step's new tokens (already in the cache), or None; a backend
+        may use them where that is cheaper than reading the cache back.
+        """

@@ -1,0 +1,389 @@
+"""BatchMetadata: what one engine step asks of attention (vLLM's ``CommonAttentionMetadata``).
+
+Lengths, per request r (requests packed in batch order):
+  query_len[r]   new tokens of r in this step (their q/k/v rows are packed, request by request)
+  seq_len[r]     tokens of r in the KV cache once this step's keys are written
+  context_len[r] = seq_len[r] - query_len[r]: tokens already cached before this step
+
+A query token at position p (0-based within its sequence; new tokens take positions
+context_len .. seq_len-1) sees keys 0..p when causal ("bottom-right" alignment), every key of its
+sequence when not. Its key and value go to cache slot
+``block_table[r, p // block_size] * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from attnhub.errors import InvalidInputError
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _as_host_int_tensor(values: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
+    t = torch.as_tensor(values)
+    if t.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        raise InvalidInputError(f"{name} must hold integers, got dtype {t.dtype}")
+    if t.dim() != 1:
+        raise InvalidInputError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    return t.to("cpu", torch.int32)
+
+
+@dataclass
+class BatchMetadata:
+    """One step's batch, shared by every attention layer of the model.
+
+    Device tensors are on the attention device; the ``*_cpu`` twins are host copies so that
+    builders never read device memory.
+    """
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32: cumulative query lengths, from 0
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, host
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    seq_lens_cpu: torch.Tensor  # [num_reqs] int32, host
+    num_reqs: int
+    num_actual_tokens: int  # query_start_loc[-1]; rows past it (padding) are ignored
+    max_query_len: int
+    max_seq_len: int
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding (never written)
+    block_size: int
+    causal: bool = True
+
+    # --- construction ------------------------------------------------------------------
+    @classmethod
+    def from_lengths(
+        cls,
+        query_lens: Sequence[int] | torch.Tensor,
+        seq_lens: Sequence[int] | torch.Tensor,
+        block_table: Sequence[Sequence[int]] | torch.Tensor,
+        block_size: int,
+        device: str | torch.device = "cpu",
+        *,
+        causal: bool = True,
+        num_tokens: int | None = None,
+    ) -> BatchMetadata:
+        """Build a batch from per-request lengths and the block table.
+
+        ``num_tokens`` (>= sum of query lengths) pads ``slot_mapping`` with -1, as engines do
+        for graph-captured steps. Everything is validated; errors name the bad value.
+        """
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise InvalidInputError(f"block_size = {block_size!r} must be a positive int")
+        q = _as_host_int_tensor(query_lens, "query_lens")
+        s = _as_host_int_tensor(seq_lens, "seq_lens")
+        if q.numel() != s.numel():
+            raise InvalidInputError(
+                f"query_lens has {q.numel()} requests but seq_lens has {s.numel()}"
+            )
+        if isinstance(block_table, torch.Tensor):
+            table = block_table.to("cpu")
+        elif len(block_table) == 0:
+            table = torch.zeros((0, 1), dtype=torch.int32)
+        else:
+            width = max(len(row) for row in block_table)
+            table = torch.zeros((len(block_table), max(width, 1)), dtype=torch.int32)
+            for r, row in enumerate(block_table):
+                table[r, : len(row)] = torch.as_tensor(list(row), dtype=torch.int32)
+        if table.dim() != 2 or table.shape[0] != q.numel():
+            raise InvalidInputError(
+                f"block_table must be [num_reqs={q.numel()}, max_blocks], "
+                f"got shape {tuple(table.shape)}"
+            )
+        if table.dtype not in _INT_DTYPES:
+            raise InvalidInputError(f"block_table must be int32 or int64, got {table.dtype}")
+        table = table.to(torch.int32)
+        _check_lengths(q, s)
+        _check_table_width(s, table.shape[1], block_size)
+
+        qsl = torch.zeros(q.numel() + 1, dtype=torch.int32)
+        torch.cumsum(q, 0, out=qsl[1:])
+        total = int(qsl[-1])
+        slots = slot_mapping_from_positions(q, s, table, block_size)
+        if num_tokens is not None:
+            if num_tokens < total:
+                raise InvalidInputError(
+                    f"num_tokens = {num_tokens} is less than the {total} query tokens"
+                )
+            slots = torch.cat([slots, slots.new_full((num_tokens - total,), -1)])
+        dev = torch.device(device)
+        return cls(
+            query_start_loc=qsl.to(dev),
+            query_start_loc_cpu=qsl,
+            seq_lens=s.to(dev),
+            seq_lens_cpu=s,
+            num_reqs=q.numel(),
+            num_actual_tokens=total,
+            max_query_len=int(q.max()) if q.numel() else 0,
+            max_seq_len=int(s.max()) if s.numel() else 0,
+            block_table=table.to(dev),
+            slot_mapping=slots.to(dev),
+            block_size=block_size,
+            causal=causal,
+        )
+
+    # --- derived (host) -----------------------------------------------------------------
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:  # [num_reqs] int32
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    @property
+    def context_lens_cpu(self) -> torch.Tensor:  # [num_reqs] int32
+        return self.seq_lens_cpu - self.query_lens_cpu
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of q/k/v this step carries, padding included (= len(slot_mapping))."""
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.query_start_loc.device
+
+    def validate(self) -> None:
+        """Check internal consistency using host copies only. Raises InvalidInputError."""
+        qsl = self.query_start_loc_cpu
+        if qsl.dim() != 1 or qsl.numel() != self.num_reqs + 1:
+            raise InvalidInputError(
+                f"query_start_loc must have num_reqs + 1 = {self.num_reqs + 1} entries, "
+                f"got shape {tuple(qsl.shape)}"
+            )
+        if self.seq_lens_cpu.shape != (self.num_reqs,):
+            raise InvalidInputError(
+                f"seq_lens must have num_reqs = {self.num_reqs} entries, "
+                f"got shape {tuple(self.seq_lens_cpu.shape)}"
+            )
+        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+            t = getattr(self, name)
+            if t.dtype not in _INT_DTYPES:
+                raise InvalidInputError(f"{name} must be int32 or int64, got {t.dtype}")
+        for name in ("seq_lens", "block_table", "slot_mapping"):
+            if getattr(self, name).device != self.device:
+                raise InvalidInputError(
+                    f"{name} is on {getattr(self, name).device}, query_start_loc on {self.device}"
+                )
+        if self.num_reqs and int(qsl[0]) != 0:
+            raise InvalidInputError(f"query_start_loc[0] = {int(qsl[0])} must be 0")
+        steps = qsl[1:] - qsl[:-1]
+        bad = (steps < 1).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise InvalidInputError(
+                f"query_start_loc is not strictly increasing: query_start_loc[{i}] = "
+                f"{int(qsl[i])}, query_start_loc[{i + 1}] = {int(qsl[i + 1])}"
+            )
+        _check_lengths(steps, self.seq_lens_cpu)
+        total = int(qsl[-1]) if self.num_reqs else 0
+        if self.num_actual_tokens != total:
+            raise InvalidInputError(
+                f"num_actual_tokens = {self.num_actual_tokens} but query_start_loc[-1] = {total}"
+            )
+        if self.slot_mapping.dim() != 1 or self.slot_mapping.shape[0] < total:
+            raise InvalidInputError(
+                f"slot_mapping has shape {tuple(self.slot_mapping.shape)}, "
+                f"needs at least {total} entries"
+            )
+        bt = self.block_table
+        if bt.dim() != 2 or bt.shape[0] != self.num_reqs:
+            raise InvalidInputError(
+                f"block_table must be [num_reqs={self.num_reqs}, max_blocks], "
+                f"got shape {tuple(bt.shape)}"
+            )
+        _check_table_width(self.seq_lens_cpu, bt.shape[1], self.block_size)
+        if self.num_reqs:
+            if self.max_query_len != int(steps.max()):
+                raise InvalidInputError(
+                    f"max_query_len = {self.max_query_len} but the longest query is "
+                    f"{int(steps.max())}"
+                )
+            if self.max_seq_len != int(self.seq_lens_cpu.max()):
+                raise InvalidInputError(
+                    f"max_seq_len = {self.max_seq_len} but the longest sequence is "
+                    f"{int(self.seq_lens_cpu.max())}"
+                )
+
+
+def _check_lengths(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    bad = (query_lens < 1).nonzero()
+    if bad.numel():
+        r = int(bad[0, 0])
+        raise InvalidInputError(f"query_lens[{r}] = {int(query_lens[r])} must be >= 1")
+    bad = (seq_lens < query_lens).nonzero()
+    if bad.numel():
+        r = int(bad[0, 0])
+        raise InvalidInputError(
+            f"seq_lens[{r}] = {int(seq_lens[r])} is less than query_lens[{r}] = "
+            f"{int(query_lens[r])}"
+        )
+
+
+def _check_table_width(seq_lens: torch.Tensor, width: int, block_size: int) -> None:
+    if not seq_lens.numel():
+        return
+    needed = (seq_lens + block_size - 1) // block_size
+    bad = (needed > width).nonzero()
+    if bad.numel():
+        r = int(bad[0, 0])
+        raise InvalidInputError(
+            f"block_table has {width} blocks per request, but request {r} has seq_len "
+            f"{int(seq_lens[r])} = {int(needed[r])} blocks of {block_size}"
+        )
+
+
+def slot_mapping_from_positions(
+    query_lens: torch.Tensor,  # [B] int, host
+    seq_lens: torch.Tensor,  # [B] int, host
+    block_table: torch.Tensor,  # [B, max_blocks] int, host
+    block_size: int,
+) -> torch.Tensor:  # [sum(query_lens)] int64: the cache slot of each new token
+    """Slot of every new token: positions context_len..seq_len-1 of each request, packed."""
+    q = query_lens.long()
+    req = torch.repeat_interleave(torch.arange(q.numel()), q)
+    starts = torch.cumsum(q, 0) - q
+    offset_in_req = torch.arange(int(q.sum())) - starts[req]
+    pos = (seq_lens.long() - q)[req] + offset_in_req
+    blocks = block_table.long()[req, pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+# --- helpers engines need around a batch ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodePrefillSplit:
+    """Counts for a batch whose decode requests come first (see :func:`reorder_decodes_first`)."""
+
+    num_decodes: int
+    num_prefills: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+
+
+def split_decodes_and_prefills(
+    batch: BatchMetadata, decode_threshold: int = 1
+) -> DecodePrefillSplit:
+    """Split a decodes-first batch: a request is a decode when query_len <= decode_threshold.
+
+    Raises InvalidInputError when a decode follows a prefill (reorder the batch first).
+    """
+    is_decode = batch.query_lens_cpu <= decode_threshold
+    num_decodes = int(is_decode.sum())
+    if bool(is_decode[num_decodes:].any()):
+        r = num_decodes + int(is_decode[num_decodes:].nonzero()[0, 0])
+        raise InvalidInputError(
+            f"request {r} (query_len {int(batch.query_lens_cpu[r])}) is a decode after a "
+            "prefill: reorder the batch with reorder_decodes_first()"
+        )
+    num_decode_tokens = int(batch.query_start_loc_cpu[num_decodes])
+    return DecodePrefillSplit(
+        num_decodes=num_decodes,
+        num_prefills=batch.num_reqs - num_decodes,
+        num_decode_tokens=num_decode_tokens,
+        num_prefill_tokens=batch.num_actual_tokens - num_decode_tokens,
+    )
+
+
+@dataclass(frozen=True)
+class BatchReorder:
+    """How :func:`reorder_decodes_first` permuted a batch.
+
+    ``request_order[i]`` is the old index of new request i; ``token_order[j]`` the old row of new
+    token row j (padding rows keep their place at the end). Apply it to q/k/v with
+    ``x[token_order]`` and undo it on the output with ``out[inverse_token_order]``.
+    """
+
+    request_order: torch.Tensor  # [num_reqs] int64, host
+    token_order: torch.Tensor  # [num_tokens] int64, host
+
+    @property
+    def inverse_token_order(self) -> torch.Tensor:
+        return torch.argsort(self.token_order)
+
+
+def reorder_decodes_first(
+    batch: BatchMetadata, decode_threshold: int = 1
+) -> tuple[BatchMetadata, BatchReorder]:
+    """Stable-reorder requests so that decodes (query_len <= threshold) come first."""
+    qlens = batch.query_lens_cpu.long()
+    is_prefill = (qlens > decode_threshold).long()
+    order = torch.sort(is_prefill, stable=True).indices
+    starts = batch.query_start_loc_cpu[:-1].long()
+    rows = [torch.arange(int(starts[r]), int(starts[r] + qlens[r])) for r in order.tolist()]
+    pad = torch.arange(batch.num_actual_tokens, batch.num_tokens)
+    token_order = torch.cat([*rows, pad]) if rows else pad
+    new_q = qlens[order]
+    qsl = torch.zeros(batch.num_reqs + 1, dtype=torch.int32)
+    torch.cumsum(new_q.int(), 0, out=qsl[1:])
+    dev = batch.device
+    seq = batch.seq_lens_cpu[order]
+    reordered = replace(
+        batch,
+        query_start_loc=qsl.to(dev),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq.to(dev),
+        seq_lens_cpu=seq,
+        block_table=batch.block_table[order.to(dev)],
+        slot_mapping=batch.slot_mapping[token_order.to(dev)],
+    )
+    return reordered, BatchReorder(request_order=order, token_order=token_order)
+
+
+def make_local_attention_virtual_batches(
+    batch: BatchMetadata, attn_chunk_size: int
+) -> BatchMetadata:
+    """Chunked local attention (Llama 4): a query at position p sees keys
+    ``(p // attn_chunk_size) * attn_chunk_size .. p``.
+
+    Each request becomes one virtual request per chunk its new tokens touch, with a block table
+    that starts at that chunk, so any causal backend computes local attention unchanged. Token
+    rows keep their order, so q/k/v and the slot mapping need no permutation.
+    """
+    chunk = attn_chunk_size
+    bs = batch.block_size
+    if chunk <= 0 or chunk % bs:
+        raise InvalidInputError(
+            f"attn_chunk_size = {chunk} must be a positive multiple of block_size = {bs}"
+        )
+    q = batch.query_lens_cpu.long()
+    s = batch.seq_lens_cpu.long()
+    ctx = s - q
+    first = ctx // chunk  # first chunk touched by new tokens
+    last = (s - 1) // chunk
+    n_virtual = last - first + 1
+    req = torch.repeat_interleave(torch.arange(batch.num_reqs), n_virtual)
+    k = torch.arange(int(n_virtual.sum())) - torch.repeat_interleave(
+        torch.cumsum(n_virtual, 0) - n_virtual, n_virtual
+    )
+    c = first[req] + k  # chunk index of each virtual request
+    chunk_start = c * chunk
+    q_start = torch.maximum(ctx[req], chunk_start)
+    q_end = torch.minimum(s[req], chunk_start + chunk)
+    v_query = (q_end - q_start).int()
+    v_seq = (q_end - chunk_start).int()
+    blocks_per_chunk = chunk // bs
+    table_cpu = batch.block_table.to("cpu")
+    cols = (chunk_start // bs)[:, None] + torch.arange(blocks_per_chunk)[None, :]
+    valid = cols < table_cpu.shape[1]
+    v_table = torch.where(
+        valid, table_cpu[req[:, None], cols.clamp(max=table_cpu.shape[1] - 1)], 0
+    ).to(torch.int32)
+    qsl = torch.zeros(v_query.numel() + 1, dtype=torch.int32)
+    torch.cumsum(v_query, 0, out=qsl[1:])
+    dev = batch.device
+    return BatchMetadata(
+        query_start_loc=qsl.to(dev),
+        query_start_loc_cpu=qsl,
+        seq_lens=v_seq.to(dev),
+        seq_lens_cpu=v_seq,
+        num_reqs=v_query.numel(),
+        num_actual_tokens=batch.num_actual_tokens,
+        max_query_len=int(v_query.max()) if v_query.numel() else 0,
+        max_seq_len=int(v_seq.max()) if v_seq.numel() else 0,
+        block_table=v_table.to(dev),
+        slot_mapping=batch.slot_mapping,
+        block_size=bs,
+        causal=batch.causal,
+    )

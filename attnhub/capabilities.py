@@ -1,0 +1,142 @@
+"""Capabilities: what a backend can do, declared as data (as xformers' fmha ops declare theirs).
+
+Selection, refusal messages and the conformance suite's test matrix are all derived from this one
+declaration, so a backend never has to describe itself twice.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType
+
+#: Optional features a spec may use and a backend may declare (names used everywhere).
+FEATURES = ("sliding_window", "softcap", "alibi", "sinks")
+
+
+class GraphSupport(enum.IntEnum):
+    """How much of a step a backend lets a device graph capture (vLLM's AttentionCGSupport)."""
+
+    NEVER = 0  # forward reads host data or has data-dependent shapes
+    UNIFORM_DECODE = 1  # decode-only batches of one query length per request
+    ALWAYS = 2  # any batch, padded to a captured size
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Accepted difference from the float64 reference: |out - ref| <= atol + rtol * |ref|."""
+
+    atol: float
+    rtol: float
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """A backend's declaration. ``None`` in a set-valued field means "any".
+
+    ``devices`` are device types ("cpu", "cuda", "npu"); ``priority`` ranks backends per device
+    type when several can serve a spec (higher wins; a device type absent from ``priority`` gets
+    0). ``head_size_multiple`` / ``block_size_multiple`` add a divisibility rule on top of the
+    explicit sets.
+    """
+
+    devices: frozenset[str] | None
+    dtypes: frozenset[torch.dtype]
+    head_sizes: frozenset[int] | None = None
+    max_head_size: int | None = None
+    head_size_multiple: int = 1
+    block_sizes: frozenset[int] | None = None
+    block_size_multiple: int = 1
+    kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
+    kv_cache_layout: str = "NHD"
+    attn_types: frozenset[AttentionType] = frozenset({AttentionType.DECODER})
+    sliding_window: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    sinks: bool = False
+    multi_token_decode: bool = False  # decode requests with query_len > 1 (speculation)
+    chunked_prefill: bool = True  # prefill requests with cached context
+    cascade: bool = False  # shared-prefix (cascade) attention via common_prefix_len
+    graph_capture: GraphSupport = GraphSupport.NEVER
+    tolerances: Mapping[torch.dtype, Tolerance] = field(default_factory=dict)
+    priority: Mapping[str, int] = field(default_factory=dict)
+
+    def supports_feature(self, feature: str) -> bool:
+        if feature not in FEATURES:
+            raise KeyError(f"unknown feature {feature!r}; known: {', '.join(FEATURES)}")
+        return bool(getattr(self, feature))
+
+    def tolerance(self, dtype: torch.dtype) -> Tolerance:
+        try:
+            return self.tolerances[dtype]
+        except KeyError:
+            raise KeyError(f"no tolerance declared for {dtype}") from None
+
+    def supports_device(self, device_type: str) -> bool:
+        return self.devices is None or device_type in self.devices
+
+    def unsupported_reasons(self, spec: AttentionSpec) -> list[str]:
+        """Every reason this declaration refuses ``spec``, as sentences (empty = supported)."""
+        reasons = []
+        if spec.dtype not in self.dtypes:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
+            reasons.append(f"dtype {spec.dtype} is not supported (supported: {names})")
+        hs = spec.head_size
+        if self.head_sizes is not None and hs not in self.head_sizes:
+            reasons.append(f"head_size {hs} is not one of {sorted(self.head_sizes)}")
+        if self.max_head_size is not None and hs > self.max_head_size:
+            reasons.append(f"head_size {hs} exceeds the maximum {self.max_head_size}")
+        if hs % self.head_size_multiple:
+            reasons.append(f"head_size {hs} is not a multiple of {self.head_size_multiple}")
+        bs = spec.block_size
+        if self.block_sizes is not None and bs not in self.block_sizes:
+            reasons.append(f"block_size {bs} is not one of {sorted(self.block_sizes)}")
+        if bs % self.block_size_multiple:
+            reasons.append(f"block_size {bs} is not a multiple of {self.block_size_multiple}")
+        if spec.kv_cache_dtype not in self.kv_cache_dtypes:
+            reasons.append(
+                f"kv_cache_dtype {spec.kv_cache_dtype!r} is not supported (supported: "
+                + ", ".join(k for k in KV_CACHE_DTYPES if k in self.kv_cache_dtypes)
+                + ")"
+            )
+        if spec.attn_type not in self.attn_types:
+            assert isinstance(spec.attn_type, AttentionType)
+            reasons.append(
+                f"attention type {spec.attn_type.value!r} is not supported (supported: "
+                + ", ".join(sorted(t.value for t in self.attn_types))
+                + ")"
+            )
+        for feature in sorted(spec.features()):
+            if not self.supports_feature(feature):
+                reasons.append(f"feature {feature!r} is not supported")
+        return reasons
+
+    def summary(self) -> dict[str, object]:
+        """A JSON-friendly view (for ``attnhub list`` and conformance reports)."""
+
+        def names(xs: object) -> object:
+            if xs is None:
+                return "any"
+            return sorted(str(x).removeprefix("torch.") for x in xs)  # type: ignore[attr-defined]
+
+        return {
+            "devices": names(self.devices),
+            "dtypes": names(self.dtypes),
+            "head_sizes": "any" if self.head_sizes is None else sorted(self.head_sizes),
+            "max_head_size": self.max_head_size,
+            "block_sizes": "any" if self.block_sizes is None else sorted(self.block_sizes),
+            "block_size_multiple": self.block_size_multiple,
+            "kv_cache_dtypes": [k for k in KV_CACHE_DTYPES if k in self.kv_cache_dtypes],
+            "kv_cache_layout": self.kv_cache_layout,
+            "attn_types": sorted(t.value for t in self.attn_types),
+            "features": [f for f in FEATURES if self.supports_feature(f)],
+            "multi_token_decode": self.multi_token_decode,
+            "chunked_prefill": self.chunked_prefill,
+            "cascade": self.cascade,
+            "graph_capture": self.graph_capture.name.lower(),
+            "priority": dict(self.priority),
+        }

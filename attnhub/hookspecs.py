@@ -1,0 +1,33 @@
+"""The plugin surface: one hook. A backend distribution is a module with
+
+    import attnhub
+
+    @attnhub.hookimpl
+    def attnhub_backends():
+        return [MyBackend]
+
+registered under the entry-point group ``attnhub`` in its pyproject.toml:
+
+    [project.entry-points.attnhub]
+    mybackend = "my_package.plugin"
+
+Hooks run once, at discovery; never per attention call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from attnhub.backend import AttentionBackend
+
+PROJECT = "attnhub"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def attnhub_backends() -> list[type[AttentionBackend]]:  # type: ignore[empty-body]
+    """Return the backend classes this plugin provides."""

@@ -1,0 +1,266 @@
+"""PagedKVCache: the paged key/value storage of one attention layer.
+
+Layouts (named after the order of the last three dims):
+  "NHD": key/value [num_blocks, block_size, num_kv_heads, head_size]  (vLLM, flash-attn, Ascend)
+  "HND": key/value [num_blocks, num_kv_heads, block_size, head_size]  (Iluvatar)
+Token position p of a request lives at slot ``block * block_size + offset``.
+Scale planes of quantized caches follow ``attnhub.spec.KV_CACHE_DTYPES``:
+  "tensor":  a float32 scalar;  "slot": NHD [num_blocks, block_size, num_kv_heads] or
+  HND [num_blocks, num_kv_heads, block_size];  "channel": [num_kv_heads, head_size].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from attnhub.errors import InvalidInputError
+from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
+
+LAYOUTS = ("NHD", "HND")
+
+
+def _scale_plane(
+    kind: str, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+    layout: str, device: torch.device | str,
+) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    if kind == "tensor":
+        return torch.ones((), dtype=torch.float32, device=device)
+    if kind == "slot":
+        shape = (
+            (num_blocks, block_size, num_kv_heads)
+            if layout == "NHD"
+            else (num_blocks, num_kv_heads, block_size)
+        )
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    if kind == "channel":
+        return torch.ones((num_kv_heads, head_size), dtype=torch.float32, device=device)
+    raise ValueError(f"unknown scale kind {kind!r}")
+
+
+@dataclass
+class PagedKVCache:
+    key: torch.Tensor  # NHD or HND, see module docstring
+    value: torch.Tensor
+    block_size: int
+    layout: str = "NHD"
+    kv_cache_dtype: str = "auto"
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise InvalidInputError(f"layout = {self.layout!r} is not one of {LAYOUTS}")
+        if self.key.dim() != 4 or self.key.shape != self.value.shape:
+            raise InvalidInputError(
+                f"key and value caches must be 4-D and alike, got {tuple(self.key.shape)} "
+                f"and {tuple(self.value.shape)}"
+            )
+        size_dim = 1 if self.layout == "NHD" else 2
+        if self.key.shape[size_dim] != self.block_size:
+            raise InvalidInputError(
+                f"a {self.layout} cache of shape {tuple(self.key.shape)} does not have "
+                f"block_size = {self.block_size} in dim {size_dim}"
+            )
+
+    @classmethod
+    def allocate(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        *,
+        layout: str = "NHD",
+        kv_cache_dtype: str = "auto",
+    ) -> PagedKVCache:
+        """Zero-filled planes (scales: ones for static scales, zeros per slot)."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise InvalidInputError(f"num_blocks = {num_blocks!r} must be a positive int")
+        if layout not in LAYOUTS:
+            raise InvalidInputError(f"layout = {layout!r} is not one of {LAYOUTS}")
+        fmt = KV_CACHE_DTYPES[kv_cache_dtype]
+        kdt, vdt = fmt.storage_dtypes(dtype)
+        shape = (
+            (num_blocks, block_size, num_kv_heads, head_size)
+            if layout == "NHD"
+            else (num_blocks, num_kv_heads, block_size, head_size)
+        )
+        args = (num_blocks, block_size, num_kv_heads, head_size, layout, device)
+        return cls(
+            key=torch.zeros(shape, dtype=kdt, device=device),
+            value=torch.zeros(shape, dtype=vdt, device=device),
+            block_size=block_size,
+            layout=layout,
+            kv_cache_dtype=kv_cache_dtype,
+            key_scale=_scale_plane(fmt.key_scale, *args),
+            value_scale=_scale_plane(fmt.value_scale, *args),
+        )
+
+    @classmethod
+    def for_spec(
+        cls, spec: AttentionSpec, num_blocks: int, device: torch.device | str, layout: str = "NHD"
+    ) -> PagedKVCache:
+        return cls.allocate(
+            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, device,
+            layout=layout, kv_cache_dtype=spec.kv_cache_dtype,
+        )
+
+    # --- shape facts -----------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return int(self.key.shape[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.key.shape[2] if self.layout == "NHD" else self.key.shape[1])
+
+    @property
+    def head_size(self) -> int:
+        return int(self.key.shape[3])
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.key.device
+
+    def planes(self) -> dict[str, torch.Tensor]:
+        """Every per-block tensor (those copy/swap move), by name."""
+        out = {"key": self.key, "value": self.value}
+        fmt = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if fmt.key_scale == "slot" and self.key_scale is not None:
+            out["key_scale"] = self.key_scale
+        if fmt.value_scale == "slot" and self.value_scale is not None:
+            out["value_scale"] = self.value_scale
+        return out
+
+    def key_nhd(self) -> torch.Tensor:  # [num_blocks, block_size, num_kv_heads, head_size] view
+        return self.key if self.layout == "NHD" else self.key.transpose(1, 2)
+
+    def value_nhd(self) -> torch.Tensor:
+        return self.value if self.layout == "NHD" else self.value.transpose(1, 2)
+
+    def slot_scale_nhd(self, which: str) -> torch.Tensor | None:
+        """A "slot" scale plane as [num_blocks, block_size, num_kv_heads], else None."""
+        kind = getattr(KV_CACHE_DTYPES[self.kv_cache_dtype], which)
+        plane = self.key_scale if which == "key_scale" else self.value_scale
+        if kind != "slot" or plane is None:
+            return None
+        return plane if self.layout == "NHD" else plane.transpose(1, 2)
+
+    # --- block operations ------------------------------------------------------------------
+    def _check_mapping(
+        self, block_mapping: torch.Tensor | Sequence[Sequence[int]], dst_blocks: int
+    ) -> torch.Tensor:  # [n, 2] int64 (src, dst) on the host
+        m = torch.as_tensor(block_mapping, dtype=torch.int64).to("cpu")
+        if m.numel() == 0:
+            return m.reshape(0, 2)
+        if m.dim() != 2 or m.shape[1] != 2:
+            raise InvalidInputError(
+                f"block_mapping must be [n, 2] (src, dst) pairs, got shape {tuple(m.shape)}"
+            )
+        for col, name, limit in ((0, "src", self.num_blocks), (1, "dst", dst_blocks)):
+            bad = ((m[:, col] < 0) | (m[:, col] >= limit)).nonzero()
+            if bad.numel():
+                i = int(bad[0, 0])
+                raise InvalidInputError(
+                    f"block_mapping[{i}] {name} block {int(m[i, col])} is outside the cache "
+                    f"({limit} blocks)"
+                )
+        return m
+
+    def copy_blocks(self, block_mapping: torch.Tensor | Sequence[Sequence[int]]) -> None:
+        """Copy whole blocks within this cache (copy-on-write of a shared prefix).
+
+        All sources are read before any destination is written.
+        """
+        m = self._check_mapping(block_mapping, self.num_blocks)
+        if not m.numel():
+            return
+        src, dst = m[:, 0].to(self.device), m[:, 1].to(self.device)
+        for plane in self.planes().values():
+            plane.index_copy_(0, dst, plane.index_select(0, src))
+
+    def swap_blocks(
+        self, dst: PagedKVCache, block_mapping: torch.Tensor | Sequence[Sequence[int]]
+    ) -> None:
+        """Copy blocks ``self[src] -> dst[dst]``, e.g. between device and host caches."""
+        if (dst.layout, dst.kv_cache_dtype, dst.block_size) != (
+            self.layout, self.kv_cache_dtype, self.block_size
+        ) or dst.key.shape[1:] != self.key.shape[1:]:
+            raise InvalidInputError(
+                "swap_blocks needs caches of the same layout, dtype and block shape: "
+                f"{self.layout}/{self.kv_cache_dtype}/{tuple(self.key.shape[1:])} vs "
+                f"{dst.layout}/{dst.kv_cache_dtype}/{tuple(dst.key.shape[1:])}"
+            )
+        m = self._check_mapping(block_mapping, dst.num_blocks)
+        if not m.numel():
+            return
+        dst_planes = dst.planes()
+        for name, plane in self.planes().items():
+            moved = plane.index_select(0, m[:, 0].to(plane.device)).to(dst.device)
+            dst_planes[name].index_copy_(0, m[:, 1].to(dst.device), moved)
+
+    def empty_like(
+        self, num_blocks: int | None = None, device: torch.device | str | None = None
+    ) -> PagedKVCache:
+        """A zeroed cache of the same format (static scales copied), e.g. a host swap space."""
+        n = self.num_blocks if num_blocks is None else num_blocks
+        dev = self.device if device is None else torch.device(device)
+
+        def fresh(t: torch.Tensor | None, per_block: bool) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if per_block:
+                return torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=dev)
+            return t.detach().clone().to(dev)
+
+        fmt = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        return replace(
+            self,
+            key=fresh(self.key, True),
+            value=fresh(self.value, True),
+            key_scale=fresh(self.key_scale, fmt.key_scale == "slot"),
+            value_scale=fresh(self.value_scale, fmt.value_scale == "slot"),
+        )
+
+    def clone(self) -> PagedKVCache:
+        """A deep copy (tests compare caches byte for byte before and after a call)."""
+        return replace(
+            self,
+            key=self.key.clone(),
+            value=self.value.clone(),
+            key_scale=None if self.key_scale is None else self.key_scale.clone(),
+            value_scale=None if self.value_scale is None else self.value_scale.clone(),
+        )
+
+    def equal(self, other: PagedKVCache) -> bool:
+        """Byte-for-byte equality of every plane (NaN-safe)."""
+
+        def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+            if a is None or b is None:
+                return a is b
+            if a.shape != b.shape or a.dtype != b.dtype:
+                return False
+            return bool(
+                torch.equal(
+                    a.contiguous().reshape(-1).view(torch.uint8),
+                    b.contiguous().reshape(-1).view(torch.uint8),
+                )
+            )
+
+        return (
+            same(self.key, other.key)
+            and same(self.value, other.value)
+            and same(self.key_scale, other.key_scale)
+            and same(self.value_scale, other.value_scale)
+        )

@@ -1,0 +1,219 @@
+"""The golden math: attention per request, in float64, from first principles. Slow on purpose.
+
+This is the one place attnhub's conventions are written plainly; every backend is checked against
+it, and it reproduces every case of ``shared/golden/attention_conventions.json``.
+
+Conventions, in the order they are applied to the scores of one request:
+  1. scores   s[h, i, j] = scale * q[i, h] . k[j, h // (num_heads / num_kv_heads)]  (GQA)
+  2. softcap  s = cap * tanh(s / cap)                       (after scaling, before bias/mask)
+  3. ALiBi    s += -slope[h] * |pos(i) - j|                 (= slope * (j - pos(i)) when causal)
+  4. mask     query i sits at position pos(i) = context_len + i ("bottom-right" alignment) and
+              sees key j iff pos(i) - left <= j <= pos(i) + right, where (left, right) is the
+              window (-1 = unbounded) and causal forces right = 0
+  5. sinks    one logit per query head joins the softmax denominator (not scaled, no value)
+  6. out      softmax(s) @ v;  LSE = log(sum_j exp(s_j) [+ exp(sink)]), natural log
+A row that sees no key (and has no sink) gives output 0 and LSE +inf (flash-attn's convention).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attnhub.batch import BatchMetadata
+from attnhub.kv_cache import PagedKVCache
+from attnhub.quant import (
+    dequantize_fp8,
+    dequantize_int8,
+    int8_scale,
+    quantize_fp8,
+    quantize_int8,
+    quantize_int8_dynamic,
+)
+from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
+
+__all__ = [
+    "attention",
+    "dequantize_fp8",
+    "dequantize_int8",
+    "int8_scale",
+    "quantize_fp8",
+    "quantize_int8",
+    "quantize_int8_dynamic",
+    "merge_attn_states",
+    "paged_attention",
+    "read_sequence",
+    "write_kv",
+]
+
+F64 = torch.float64
+
+
+def attention(
+    query: torch.Tensor,  # [query_len, num_heads, head_size]
+    key: torch.Tensor,  # [seq_len, num_kv_heads, head_size]: the whole sequence
+    value: torch.Tensor,  # [seq_len, num_kv_heads, head_size]
+    *,
+    scale: float,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads]
+    sinks: torch.Tensor | None = None,  # [num_heads]
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [query_len, num_heads, head_size], lse [H, q_len]
+    """Attention of one request whose last ``query_len`` positions are the new tokens."""
+    q_len, num_heads, _ = query.shape
+    seq_len, num_kv_heads, _ = key.shape
+    assert q_len <= seq_len, "the query tokens are the last positions of the sequence"
+    group = num_heads // num_kv_heads
+    q = query.to(F64)
+    # GQA: query head h reads kv head h // group.
+    k = key.to(F64).repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_size]
+    v = value.to(F64).repeat_interleave(group, dim=1)
+
+    s = torch.einsum("ihd,jhd->hij", q, k) * scale  # [num_heads, q_len, seq_len]
+    if logits_soft_cap:
+        s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+
+    # Bottom-right alignment: new token i is at position context_len + i.
+    pos_q = torch.arange(q_len, dtype=F64)[:, None] + (seq_len - q_len)  # [q_len, 1]
+    pos_k = torch.arange(seq_len, dtype=F64)[None, :]  # [1, seq_len]
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.to(F64)[:, None, None] * (pos_q - pos_k).abs()
+
+    left, right = window
+    if causal:
+        right = 0
+    visible = torch.ones(q_len, seq_len, dtype=torch.bool)
+    if left >= 0:
+        visible &= pos_k >= pos_q - left
+    if right >= 0:
+        visible &= pos_k <= pos_q + right
+    s = s.masked_fill(~visible, -math.inf)
+
+    # Sinks: an extra logit per head in the denominator, carrying no value.
+    if sinks is not None:
+        sink = sinks.to(F64)[:, None, None].expand(num_heads, q_len, 1)
+        lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)  # [num_heads, q_len]
+    else:
+        lse = torch.logsumexp(s, dim=-1)
+    empty = torch.isneginf(lse)  # rows that see nothing: output 0, LSE +inf
+    p = torch.exp(s - lse.masked_fill(empty, 0)[..., None]).masked_fill(~visible, 0)
+    out = torch.einsum("hij,jhd->ihd", p, v)
+    return out, lse.masked_fill(empty, math.inf)
+
+
+def merge_attn_states(
+    a_out: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    a_lse: torch.Tensor,  # [num_heads, num_tokens], natural log, +inf = empty
+    b_out: torch.Tensor,
+    b_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over two disjoint key sets into attention over their union."""
+    a_lse, b_lse = a_lse.to(F64), b_lse.to(F64)
+    # +inf marks an empty part: it contributes weight 0.
+    la = a_lse.masked_fill(torch.isposinf(a_lse), -math.inf)
+    lb = b_lse.masked_fill(torch.isposinf(b_lse), -math.inf)
+    m = torch.maximum(la, lb)
+    both_empty = torch.isneginf(m)
+    m = m.masked_fill(both_empty, 0)
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    total = wa + wb
+    denom = total.masked_fill(both_empty, 1)
+    out = (wa.T[..., None] * a_out.to(F64) + wb.T[..., None] * b_out.to(F64)) / denom.T[..., None]
+    lse = (m + torch.log(denom)).masked_fill(both_empty, math.inf)
+    return out, lse
+
+
+def read_sequence(
+    cache: PagedKVCache, block_table_row: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # key, value: [seq_len, num_kv_heads, head_size] f64
+    """The keys and values of positions 0..seq_len-1 as the cache holds them, dequantized."""
+    bs = cache.block_size
+    pos = torch.arange(seq_len)
+    blocks = block_table_row.to("cpu").long()[pos // bs]
+    offsets = pos % bs
+    fmt = KV_CACHE_DTYPES[cache.kv_cache_dtype]
+    planes = []
+    for which, data in (("key", cache.key_nhd()), ("value", cache.value_nhd())):
+        raw = data.to("cpu")[blocks, offsets]  # [seq_len, num_kv_heads, head_size]
+        kind = getattr(fmt, f"{which}_scale")
+        scale = getattr(cache, f"{which}_scale")
+        if kind == "none":
+            planes.append(raw.to(F64))
+            continue
+        assert scale is not None
+        scale = scale.to("cpu", F64)
+        if kind == "slot":
+            per_slot = cache.slot_scale_nhd(f"{which}_scale")
+            assert per_slot is not None
+            scale = per_slot.to("cpu", F64)[blocks, offsets][..., None]  # [seq_len, Hkv, 1]
+        planes.append(raw.to(F64) * scale)
+    return planes[0], planes[1]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    cache: PagedKVCache,
+    batch: BatchMetadata,
+    spec: AttentionSpec,
+    *,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_actual_tokens, H, D] f64, lse [H, tokens]
+    """What a backend's forward must return for ``batch``, reading keys from ``cache``."""
+    qsl = batch.query_start_loc_cpu.tolist()
+    outs, lses = [], []
+    for r in range(batch.num_reqs):  # one request at a time, nothing shared between them
+        seq_len = int(batch.seq_lens_cpu[r])
+        k, v = read_sequence(cache, batch.block_table[r], seq_len)
+        out, lse = attention(
+            query[qsl[r] : qsl[r + 1]].to("cpu"),
+            k,
+            v,
+            scale=spec.scale,  # type: ignore[arg-type]
+            causal=spec.causal and batch.causal,
+            window=spec.window,  # type: ignore[arg-type]
+            logits_soft_cap=spec.logits_soft_cap,
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes.to("cpu"),
+            sinks=None if sinks is None else sinks.to("cpu"),
+        )
+        outs.append(out)
+        lses.append(lse)
+    h, d = spec.num_heads, spec.head_size
+    if not outs:
+        return torch.zeros(0, h, d, dtype=F64), torch.zeros(h, 0, dtype=F64)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def write_kv(
+    cache: PagedKVCache,
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [n <= num_tokens]; -1 = padding
+) -> None:
+    """Write token by token what a cache must hold after a KV write (padding skipped)."""
+    fmt = KV_CACHE_DTYPES[cache.kv_cache_dtype]
+    key_nhd, value_nhd = cache.key_nhd(), cache.value_nhd()
+    bs = cache.block_size
+    for t, slot in enumerate(slot_mapping.to("cpu").tolist()):
+        if slot < 0:  # padding token: never written
+            continue
+        b, o = divmod(slot, bs)
+        for which, src, dst in (("key", key[t], key_nhd), ("value", value[t], value_nhd)):
+            kind = getattr(fmt, f"{which}_scale")
+            scale = getattr(cache, f"{which}_scale")
+            if kind == "none":
+                dst[b, o] = src.to(dst.dtype)
+            elif kind == "tensor":
+                dst[b, o] = quantize_fp8(src, scale, dst.dtype)
+            elif kind == "channel":
+                dst[b, o] = quantize_int8(src, scale)
+            elif kind == "slot":
+                q, s = quantize_int8_dynamic(src, dim=-1)  # per kv head, over head_size
+                dst[b, o] = q
+                plane = cache.slot_scale_nhd(f"{which}_scale")
+                assert plane is not None
+                plane[b, o] = s[:, 0]
+

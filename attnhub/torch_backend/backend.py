@@ -1,0 +1,166 @@
+"""The built-in ``torch`` backend: portable paged attention on any device PyTorch runs on.
+
+Per step, the builder plans chunks of requests (``plan.py``); per layer, the impl gathers each
+chunk's blocks with ``index_select`` into a reused buffer and makes one attention call
+(``kernels.py``). The Python loop is over chunks, not tokens: measured on CPU, one SDPA call per
+request (or per few decode requests) beats padding the whole batch to its longest request by 6x
+for ragged batches (see docs/backends/torch.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnhub.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+)
+from attnhub.batch import BatchMetadata
+from attnhub.capabilities import Capabilities, GraphSupport, Tolerance
+from attnhub.kv_cache import PagedKVCache
+from attnhub.quant import quantize_fp8
+from attnhub.spec import AttentionType
+from attnhub.torch_backend import kernels
+from attnhub.torch_backend.plan import StepPlan, plan_step
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    plan: StepPlan | None = None
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+    capabilities = Capabilities(
+        devices=None,  # any device torch runs on
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3", "fp8_e5m2"}),
+        kv_cache_layout="NHD",
+        attn_types=frozenset(AttentionType),
+        sliding_window=True,
+        softcap=True,
+        alibi=True,
+        sinks=True,
+        multi_token_decode=True,
+        chunked_prefill=True,
+        graph_capture=GraphSupport.NEVER,
+        tolerances={
+            torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
+            torch.float16: Tolerance(atol=3e-3, rtol=3e-3),
+            torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
+        },
+        priority={"cpu": 50},  # the portable default; vendor backends outrank it natively
+    )
+
+    #: Requests with query_len <= this are batched into decode chunks.
+    decode_query_len = 16
+    #: Decode requests per chunk (one SDPA call each); measured on CPU, see docs.
+    decode_chunk = 4
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def metadata_builder(self) -> TorchMetadataBuilder:
+        return TorchMetadataBuilder(self)
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return TorchAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A reused scratch tensor of at least ``shape`` (grown, never shrunk; no page faults
+        per call). Shared by every layer of this backend instance."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
+    backend: TorchBackend
+
+    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> TorchAttentionMetadata:
+        spec = self.spec
+        eager = bool({"softcap", "alibi", "sinks"} & spec.features())
+        step = plan_step(
+            spec,
+            batch,
+            decode_query_len=self.backend.decode_query_len,
+            decode_chunk=self.backend.decode_chunk,
+            eager=eager,
+            device=self.backend.device,
+        )
+        return TorchAttentionMetadata(batch=batch, common_prefix_len=common_prefix_len, plan=step)
+
+
+class TorchAttentionImpl(AttentionImpl):
+    backend: TorchBackend
+
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, Hkv, D]
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,  # [n] int, -1 = padding
+    ) -> None:
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        keep = slots >= 0
+        rows = None if bool(keep.all()) else keep.nonzero()[:, 0]
+        if rows is not None:
+            slots = slots[rows]
+        blk, off = slots // cache.block_size, slots % cache.block_size
+        for src, dst, scale in (
+            (key[:n], cache.key, cache.key_scale),
+            (value[:n], cache.value, cache.value_scale),
+        ):
+            if rows is not None:
+                src = src[rows]
+            if scale is not None:  # fp8: stored as fp8(x / scale)
+                src = quantize_fp8(src, scale, dst.dtype)
+            dst.index_put_((blk, off), src)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: TorchAttentionMetadata,  # type: ignore[override]
+        out: torch.Tensor,
+    ) -> None:
+        spec, backend = self.spec, self.backend
+        assert meta.plan is not None
+        eager = bool({"softcap", "alibi", "sinks"} & spec.features())
+        bs, Hkv, D = cache.block_size, spec.num_kv_heads, spec.head_size
+        buf_shape = (meta.plan.max_gather_blocks, bs, Hkv, D)
+        k_buf = backend.buffer("key", buf_shape, cache.key.dtype)
+        v_buf = backend.buffer("value", buf_shape, cache.value.dtype)
+        for chunk in meta.plan.chunks:
+            C, n = chunk.num_reqs, chunk.num_reqs * chunk.num_blocks
+            k = torch.index_select(cache.key, 0, chunk.block_ids, out=k_buf[:n])
+            v = torch.index_select(cache.value, 0, chunk.block_ids, out=v_buf[:n])
+            k = k.view(C, chunk.num_blocks * bs, Hkv, D)[:, : chunk.kv_len]  # [C, L, Hkv, D]
+            v = v.view(C, chunk.num_blocks * bs, Hkv, D)[:, : chunk.kv_len]
+            if cache.key_scale is not None:  # fp8 cache: dequantize what was gathered
+                k = k.to(spec.dtype) * cache.key_scale.to(spec.dtype)
+            if cache.value_scale is not None:
+                v = v.to(spec.dtype) * cache.value_scale.to(spec.dtype)
+            rows = slice(chunk.first_token, chunk.first_token + C * chunk.query_len)
+            if eager:
+                kernels.attend_eager(
+                    query[rows], k, v, chunk, spec.scale, spec.logits_soft_cap,  # type: ignore[arg-type]
+                    self.alibi_slopes, self.sinks, out[rows],
+                )
+            else:
+                kernels.attend_sdpa(query[rows], k, v, chunk, spec.scale, out[rows])  # type: ignore[arg-type]

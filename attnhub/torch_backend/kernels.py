@@ -1,0 +1,93 @@
+"""The torch backend's per-layer math: gather a chunk's blocks, then one attention call.
+
+Two paths, both checked against ``attnhub.reference`` by the tests:
+  - SDPA: ``torch.nn.functional.scaled_dot_product_attention`` with GQA folded into the query
+    rows (no K/V head expansion), an explicit visibility mask where needed (SDPA's own
+    ``is_causal`` is top-left aligned, so it is used only when query_len == kv_len);
+  - eager: scores computed in float32, tiled over query tokens, for what SDPA cannot express
+    (softcap, ALiBi, sinks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attnhub.torch_backend.plan import Chunk
+
+EAGER_QUERY_TILE = 256  # query tokens per eager tile: bounds the [rows, L] score matrix
+
+
+def attend_sdpa(
+    q_rows: torch.Tensor,  # [C * Q, H, D]
+    k: torch.Tensor,  # [C, L, Hkv, D]
+    v: torch.Tensor,
+    chunk: Chunk,
+    scale: float,
+    out_rows: torch.Tensor,  # [C * Q, H, D]
+) -> None:
+    C, Q = chunk.num_reqs, chunk.query_len
+    _, _, Hkv, D = k.shape
+    H = q_rows.shape[1]
+    if chunk.causal_square:
+        # One request, no cached context: bottom-right == top-left, so is_causal is exact.
+        q = q_rows.transpose(0, 1)[None]  # [1, H, Q, D]
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+            enable_gqa=H != Hkv,
+        )
+        out_rows.copy_(o[0].transpose(0, 1))
+        return
+    group = H // Hkv
+    q = (
+        q_rows.view(C, Q, Hkv, group, D)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(C, Hkv, group * Q, D)
+    )
+    o = F.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=chunk.mask, scale=scale
+    )  # [C, Hkv, group * Q, D]
+    out_rows.view(C, Q, Hkv, group, D).copy_(o.view(C, Hkv, group, Q, D).permute(0, 3, 1, 2, 4))
+
+
+def attend_eager(
+    q_rows: torch.Tensor,  # [C * Q, H, D]
+    k: torch.Tensor,  # [C, L, Hkv, D]
+    v: torch.Tensor,
+    chunk: Chunk,
+    scale: float,
+    softcap: float | None,
+    alibi_slopes: torch.Tensor | None,  # [H] float32
+    sinks: torch.Tensor | None,  # [H] float32
+    out_rows: torch.Tensor,  # [C * Q, H, D]
+) -> None:
+    C, Q = chunk.num_reqs, chunk.query_len
+    _, L, Hkv, D = k.shape
+    group = q_rows.shape[1] // Hkv
+    q = q_rows.view(C, Q, Hkv, group, D).permute(0, 2, 3, 1, 4).float()  # [C, Hkv, g, Q, D]
+    kf = k.permute(0, 2, 1, 3).float()[:, :, None]  # [C, Hkv, 1, L, D]
+    vf = v.permute(0, 2, 1, 3).float()[:, :, None]
+    out = out_rows.view(C, Q, Hkv, group, D)
+    slopes = None if alibi_slopes is None else alibi_slopes.view(1, Hkv, group, 1, 1)
+    sink = None if sinks is None else sinks.view(1, Hkv, group, 1, 1)
+    for t0 in range(0, Q, EAGER_QUERY_TILE):
+        t1 = min(Q, t0 + EAGER_QUERY_TILE)
+        s = (q[:, :, :, t0:t1] @ kf.transpose(-1, -2)) * scale  # [C, Hkv, g, t, L]
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        if slopes is not None:
+            assert chunk.distance is not None
+            s = s - slopes * chunk.distance[:, :, :, t0:t1]
+        if chunk.visible is not None:
+            s = s.masked_fill(~chunk.visible[:, :, :, t0:t1], -math.inf)
+        m = s.amax(dim=-1, keepdim=True)
+        if sink is not None:
+            m = torch.maximum(m, sink)
+        p = torch.exp(s - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        if sink is not None:
+            denom = denom + torch.exp(sink - m)
+        o = (p @ vf) / denom  # [C, Hkv, g, t, D]
+        out[:, t0:t1].copy_(o.permute(0, 3, 1, 2, 4))

@@ -1,0 +1,139 @@
+"""What a valid attention call is. Every check runs before anything is written, so a rejected
+call leaves the KV cache byte-identical. Errors are InvalidInputError naming the bad value.
+
+Shape checks read only Python metadata. Value checks (slot and block ranges) read tensor values;
+on CPU that is free, on an accelerator it is a device-to-host sync, so backends that declare graph
+capture run them outside capture only (see ``AttentionImpl.checks_values``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnhub.batch import BatchMetadata
+from attnhub.errors import InvalidInputError
+from attnhub.kv_cache import PagedKVCache
+from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    return a.index is None or b.index is None or a.index == b.index
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    shape: tuple[int | None, ...],
+    dtype: torch.dtype | tuple[torch.dtype, ...],
+    device: torch.device,
+) -> torch.Tensor:
+    """``t`` is a tensor of ``shape`` (None = any size), ``dtype`` and ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise InvalidInputError(f"{name} has shape {list(t.shape)}, expected {want}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        raise InvalidInputError(
+            f"{name} has dtype {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}"
+        )
+    if not _same_device(t.device, device):
+        raise InvalidInputError(f"{name} is on {t.device}, expected {device}")
+    return t
+
+
+def check_cache(spec: AttentionSpec, layout: str, cache: PagedKVCache, device: torch.device) -> None:
+    """The cache has this spec's geometry, storage dtypes, layout and scale planes."""
+    if not isinstance(cache, PagedKVCache):
+        raise InvalidInputError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    if cache.layout != layout:
+        raise InvalidInputError(f"cache layout is {cache.layout!r}, this backend uses {layout!r}")
+    if cache.kv_cache_dtype != spec.kv_cache_dtype:
+        raise InvalidInputError(
+            f"cache kv_cache_dtype is {cache.kv_cache_dtype!r}, the spec says "
+            f"{spec.kv_cache_dtype!r}"
+        )
+    if cache.block_size != spec.block_size:
+        raise InvalidInputError(
+            f"cache block_size is {cache.block_size}, the spec says {spec.block_size}"
+        )
+    if (cache.num_kv_heads, cache.head_size) != (spec.num_kv_heads, spec.head_size):
+        raise InvalidInputError(
+            f"cache holds {cache.num_kv_heads} kv heads of size {cache.head_size}, the spec "
+            f"says {spec.num_kv_heads} of size {spec.head_size}"
+        )
+    kdt, vdt = KV_CACHE_DTYPES[spec.kv_cache_dtype].storage_dtypes(spec.dtype)
+    if cache.key.dtype != kdt or cache.value.dtype != vdt:
+        raise InvalidInputError(
+            f"cache stores {cache.key.dtype}/{cache.value.dtype}, kv_cache_dtype "
+            f"{spec.kv_cache_dtype!r} needs {kdt}/{vdt}"
+        )
+    if not _same_device(cache.device, device):
+        raise InvalidInputError(f"cache is on {cache.device}, expected {device}")
+    fmt = KV_CACHE_DTYPES[spec.kv_cache_dtype]
+    for which in ("key_scale", "value_scale"):
+        if getattr(fmt, which) != "none" and getattr(cache, which) is None:
+            raise InvalidInputError(
+                f"kv_cache_dtype {spec.kv_cache_dtype!r} needs cache.{which}, which is None"
+            )
+
+
+def check_kv(
+    spec: AttentionSpec, key: object, value: object, device: torch.device, num_slots: int
+) -> None:
+    """New keys/values: [n >= num_slots, num_kv_heads, head_size] in the model dtype."""
+    shape = (None, spec.num_kv_heads, spec.head_size)
+    k = check_tensor("key", key, shape, spec.dtype, device)
+    v = check_tensor("value", value, shape, spec.dtype, device)
+    if k.shape[0] != v.shape[0]:
+        raise InvalidInputError(f"key has {k.shape[0]} tokens but value has {v.shape[0]}")
+    if k.shape[0] < num_slots:
+        raise InvalidInputError(
+            f"key has {k.shape[0]} tokens but slot_mapping has {num_slots} entries"
+        )
+
+
+def check_slot_values(slot_mapping: torch.Tensor, cache: PagedKVCache) -> None:
+    """Every slot is -1 (padding) or inside the cache. Reads values."""
+    if not slot_mapping.numel():
+        return
+    bad = ((slot_mapping < -1) | (slot_mapping >= cache.num_slots)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise InvalidInputError(
+            f"slot_mapping[{i}] = {int(slot_mapping[i])} is outside the cache "
+            f"({cache.num_blocks} blocks x {cache.block_size} slots)"
+            + ("; use -1 for padding" if int(slot_mapping[i]) < 0 else "")
+        )
+
+
+def check_block_table_values(batch: BatchMetadata, cache: PagedKVCache) -> None:
+    """Every block a request reads (its first ceil(seq_len / block_size) entries) is in the
+    cache. Reads values."""
+    if not batch.num_reqs:
+        return
+    table = batch.block_table.to("cpu")
+    used = (batch.seq_lens_cpu.long() + batch.block_size - 1) // batch.block_size
+    in_use = torch.arange(table.shape[1])[None, :] < used[:, None]
+    bad = (in_use & ((table < 0) | (table >= cache.num_blocks))).nonzero()
+    if bad.numel():
+        r, c = int(bad[0, 0]), int(bad[0, 1])
+        raise InvalidInputError(
+            f"block_table[{r}, {c}] = {int(table[r, c])} is outside the cache "
+            f"({cache.num_blocks} blocks)"
+        )
+
+
+def check_batch_for_spec(spec: AttentionSpec, batch: BatchMetadata, device: torch.device) -> None:
+    if not isinstance(batch, BatchMetadata):
+        raise InvalidInputError(f"batch must be a BatchMetadata, got {type(batch).__name__}")
+    if batch.block_size != spec.block_size:
+        raise InvalidInputError(
+            f"batch block_size is {batch.block_size}, the spec says {spec.block_size}"
+        )
+    if not _same_device(batch.device, device):
+        raise InvalidInputError(f"batch tensors are on {batch.device}, expected {device}")
+    batch.validate()
