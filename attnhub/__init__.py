@@ -1,10 +1,10 @@
 """attnhub: vendor-neutral paged attention for LLM inference engines.
 
-    spec = attnhub.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128)
-    backend = attnhub.select_backend(spec, device="cpu")
-    cache = backend.allocate_kv_cache(num_blocks=1024)
-    meta = backend.metadata_builder().build(batch)        # once per step
-    out = backend.impl().forward(q, k, v, cache, meta)    # per layer
+spec = attnhub.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128)
+backend = attnhub.select_backend(spec, device="cpu")
+cache = backend.allocate_kv_cache(num_blocks=1024)
+meta = backend.metadata_builder().build(batch)        # once per step
+out = backend.impl().forward(q, k, v, cache, meta)    # per layer
 """
 
 from attnhub import errors, reference

@@ -30,7 +30,7 @@ from attnhub.spec import AttentionSpec
 
 
 def device_type(device: torch.device | str) -> str:
-    """"cuda:0" -> "cuda"; works for device types torch has not registered (e.g. "npu")."""
+    """ "cuda:0" -> "cuda"; works for device types torch has not registered (e.g. "npu")."""
     return str(device).split(":", 1)[0]
 
 
@@ -146,8 +146,10 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
             if not self.backend.capabilities.cascade:
                 raise UnsupportedConfigurationError(
                     self.backend.name,
-                    [f"common_prefix_len = {common_prefix_len}: cascade attention is not "
-                     "supported"],
+                    [
+                        f"common_prefix_len = {common_prefix_len}: cascade attention is not "
+                        "supported"
+                    ],
                 )
             if common_prefix_len < 0 or (
                 batch.num_reqs and common_prefix_len > int(batch.context_lens_cpu.min())
@@ -186,8 +188,7 @@ class AttentionImpl(abc.ABC):
         self.sinks = self._per_head("sinks", sinks, spec.use_sinks)
         #: Whether calls check slot/block values (a device sync off the CPU; see validation).
         self.checks_values = (
-            backend.device.type == "cpu"
-            or backend.capabilities.graph_capture == GraphSupport.NEVER
+            backend.device.type == "cpu" or backend.capabilities.graph_capture == GraphSupport.NEVER
         )
 
     def _per_head(

@@ -25,6 +25,8 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 def _as_host_int_tensor(values: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
     t = torch.as_tensor(values)
+    if not isinstance(values, torch.Tensor) and t.numel() == 0:
+        t = t.to(torch.int32)  # torch.as_tensor([]) is float32: an empty list holds no floats
     if t.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
         raise InvalidInputError(f"{name} must hold integers, got dtype {t.dtype}")
     if t.dim() != 1:

@@ -23,8 +23,13 @@ LAYOUTS = ("NHD", "HND")
 
 
 def _scale_plane(
-    kind: str, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-    layout: str, device: torch.device | str,
+    kind: str,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    layout: str,
+    device: torch.device | str,
 ) -> torch.Tensor | None:
     if kind == "none":
         return None
@@ -40,6 +45,13 @@ def _scale_plane(
     if kind == "channel":
         return torch.ones((num_kv_heads, head_size), dtype=torch.float32, device=device)
     raise ValueError(f"unknown scale kind {kind!r}")
+
+
+def _indexable(plane: torch.Tensor) -> torch.Tensor:
+    """``plane`` itself, or a uint8 view of it where torch lacks index_copy_ (fp8 on CPU)."""
+    if plane.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return plane.view(torch.uint8)
+    return plane
 
 
 @dataclass
@@ -108,8 +120,14 @@ class PagedKVCache:
         cls, spec: AttentionSpec, num_blocks: int, device: torch.device | str, layout: str = "NHD"
     ) -> PagedKVCache:
         return cls.allocate(
-            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, device,
-            layout=layout, kv_cache_dtype=spec.kv_cache_dtype,
+            num_blocks,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_size,
+            spec.dtype,
+            device,
+            layout=layout,
+            kv_cache_dtype=spec.kv_cache_dtype,
         )
 
     # --- shape facts -----------------------------------------------------------------------
@@ -188,27 +206,29 @@ class PagedKVCache:
             return
         src, dst = m[:, 0].to(self.device), m[:, 1].to(self.device)
         for plane in self.planes().values():
+            plane = _indexable(plane)
             plane.index_copy_(0, dst, plane.index_select(0, src))
 
     def swap_blocks(
         self, dst: PagedKVCache, block_mapping: torch.Tensor | Sequence[Sequence[int]]
     ) -> None:
         """Copy blocks ``self[src] -> dst[dst]``, e.g. between device and host caches."""
-        if (dst.layout, dst.kv_cache_dtype, dst.block_size) != (
-            self.layout, self.kv_cache_dtype, self.block_size
-        ) or dst.key.shape[1:] != self.key.shape[1:]:
+        mine = (self.layout, self.kv_cache_dtype, self.key.dtype, self.value.dtype)
+        theirs = (dst.layout, dst.kv_cache_dtype, dst.key.dtype, dst.value.dtype)
+        if mine != theirs or dst.key.shape[1:] != self.key.shape[1:]:
             raise InvalidInputError(
                 "swap_blocks needs caches of the same layout, dtype and block shape: "
-                f"{self.layout}/{self.kv_cache_dtype}/{tuple(self.key.shape[1:])} vs "
-                f"{dst.layout}/{dst.kv_cache_dtype}/{tuple(dst.key.shape[1:])}"
+                f"{self.layout}/{self.kv_cache_dtype}/{self.key.dtype}/"
+                f"{tuple(self.key.shape[1:])} vs {dst.layout}/{dst.kv_cache_dtype}/"
+                f"{dst.key.dtype}/{tuple(dst.key.shape[1:])}"
             )
         m = self._check_mapping(block_mapping, dst.num_blocks)
         if not m.numel():
             return
         dst_planes = dst.planes()
         for name, plane in self.planes().items():
-            moved = plane.index_select(0, m[:, 0].to(plane.device)).to(dst.device)
-            dst_planes[name].index_copy_(0, m[:, 1].to(dst.device), moved)
+            moved = _indexable(plane).index_select(0, m[:, 0].to(plane.device)).to(dst.device)
+            _indexable(dst_planes[name]).index_copy_(0, m[:, 1].to(dst.device), moved)
 
     def empty_like(
         self, num_blocks: int | None = None, device: torch.device | str | None = None
@@ -225,10 +245,12 @@ class PagedKVCache:
             return t.detach().clone().to(dev)
 
         fmt = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        key, value = fresh(self.key, True), fresh(self.value, True)
+        assert key is not None and value is not None
         return replace(
             self,
-            key=fresh(self.key, True),
-            value=fresh(self.value, True),
+            key=key,
+            value=value,
             key_scale=fresh(self.key_scale, fmt.key_scale == "slot"),
             value_scale=fresh(self.value_scale, fmt.value_scale == "slot"),
         )

@@ -38,11 +38,11 @@ __all__ = [
     "dequantize_fp8",
     "dequantize_int8",
     "int8_scale",
+    "merge_attn_states",
+    "paged_attention",
     "quantize_fp8",
     "quantize_int8",
     "quantize_int8_dynamic",
-    "merge_attn_states",
-    "paged_attention",
     "read_sequence",
     "write_kv",
 ]
@@ -172,9 +172,9 @@ def paged_attention(
             query[qsl[r] : qsl[r + 1]].to("cpu"),
             k,
             v,
-            scale=spec.scale,  # type: ignore[arg-type]
+            scale=spec.softmax_scale,
             causal=spec.causal and batch.causal,
-            window=spec.window,  # type: ignore[arg-type]
+            window=spec.window_pair,
             logits_soft_cap=spec.logits_soft_cap,
             alibi_slopes=None if alibi_slopes is None else alibi_slopes.to("cpu"),
             sinks=None if sinks is None else sinks.to("cpu"),
@@ -216,4 +216,3 @@ def write_kv(
                 plane = cache.slot_scale_nhd(f"{which}_scale")
                 assert plane is not None
                 plane[b, o] = s[:, 0]
-

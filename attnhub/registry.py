@@ -116,8 +116,13 @@ class Registry:
         )
 
     def _add(
-        self, cls: object, plugin: str, dist: str | None, version: str | None,
-        *, replace: bool = False,
+        self,
+        cls: object,
+        plugin: str,
+        dist: str | None,
+        version: str | None,
+        *,
+        replace: bool = False,
     ) -> None:
         if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
             raise TypeError(f"{cls!r} is not an AttentionBackend subclass")
@@ -144,7 +149,7 @@ class Registry:
         self._infos.pop(name, None)
 
     # --- queries ---------------------------------------------------------------------------
-    def list(self) -> list[BackendInfo]:
+    def infos(self) -> list[BackendInfo]:
         self.discover()
         return sorted(self._infos.values(), key=lambda i: i.name) + list(self._failures)
 
@@ -220,7 +225,7 @@ def default_registry() -> Registry:
 
 def list_backends() -> list[BackendInfo]:
     """Every discovered backend (and every plugin that failed to load, with its error)."""
-    return _REGISTRY.list()
+    return _REGISTRY.infos()
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
@@ -228,7 +233,9 @@ def get_backend(name: str) -> type[AttentionBackend]:
     return _REGISTRY.get(name)
 
 
-def register_backend(cls: type[AttentionBackend], *, replace: bool = False) -> type[AttentionBackend]:
+def register_backend(
+    cls: type[AttentionBackend], *, replace: bool = False
+) -> type[AttentionBackend]:
     """Register a backend class in-process. Returns it, so it can decorate the class."""
     _REGISTRY.register(cls, replace=replace)
     return cls

@@ -9,6 +9,7 @@ disagreement between them is an error.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import torch
@@ -212,13 +213,19 @@ class AttentionSpec:
             )
         set_(self, "kv_cache_dtype", kv)
         scale = self.head_size**-0.5 if self.scale is None else self.scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise InvalidSpecError(f"scale = {self.scale!r} must be a positive float")
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float))
+            or not 0 < scale < math.inf
+        ):
+            raise InvalidSpecError(f"scale = {self.scale!r} must be a positive finite float")
         set_(self, "scale", float(scale))
         cap = self.logits_soft_cap
         if cap is not None and cap != 0:
-            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-                raise InvalidSpecError(f"logits_soft_cap = {cap!r} must be > 0 (or None)")
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
+                raise InvalidSpecError(
+                    f"logits_soft_cap = {cap!r} must be finite and > 0 (or None)"
+                )
             set_(self, "logits_soft_cap", float(cap))
         else:
             set_(self, "logits_soft_cap", None)
@@ -226,7 +233,17 @@ class AttentionSpec:
         set_(self, "window", pair)
         set_(self, "sliding_window", sliding)
 
-    # --- derived facts -------------------------------------------------------------------
+    # --- derived facts (typed views of the normalized fields) ------------------------------
+    @property
+    def softmax_scale(self) -> float:
+        assert self.scale is not None  # set by __post_init__
+        return self.scale
+
+    @property
+    def window_pair(self) -> tuple[int, int]:
+        assert self.window is not None  # set by __post_init__
+        return self.window
+
     @property
     def causal(self) -> bool:
         assert isinstance(self.attn_type, AttentionType)

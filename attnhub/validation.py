@@ -32,7 +32,10 @@ def check_tensor(
     """``t`` is a tensor of ``shape`` (None = any size), ``dtype`` and ``device``."""
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+    wrong_shape = t.dim() != len(shape) or any(
+        s is not None and s != n for s, n in zip(shape, t.shape, strict=True)
+    )
+    if wrong_shape:
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise InvalidInputError(f"{name} has shape {list(t.shape)}, expected {want}")
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
@@ -45,7 +48,9 @@ def check_tensor(
     return t
 
 
-def check_cache(spec: AttentionSpec, layout: str, cache: PagedKVCache, device: torch.device) -> None:
+def check_cache(
+    spec: AttentionSpec, layout: str, cache: PagedKVCache, device: torch.device
+) -> None:
     """The cache has this spec's geometry, storage dtypes, layout and scale planes."""
     if not isinstance(cache, PagedKVCache):
         raise InvalidInputError(f"cache must be a PagedKVCache, got {type(cache).__name__}")

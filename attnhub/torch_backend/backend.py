@@ -23,7 +23,7 @@ from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Tolerance
 from attnhub.kv_cache import PagedKVCache
 from attnhub.quant import quantize_fp8
-from attnhub.spec import AttentionType
+from attnhub.spec import AttentionSpec, AttentionType
 from attnhub.torch_backend import kernels
 from attnhub.torch_backend.plan import StepPlan, plan_step
 
@@ -61,8 +61,10 @@ class TorchBackend(AttentionBackend):
     #: Decode requests per chunk (one SDPA call each); measured on CPU, see docs.
     decode_chunk = 4
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
+    ) -> None:
+        super().__init__(spec, device, emulate=emulate)
         self._buffers: dict[str, torch.Tensor] = {}
 
     def metadata_builder(self) -> TorchMetadataBuilder:
@@ -159,8 +161,15 @@ class TorchAttentionImpl(AttentionImpl):
             rows = slice(chunk.first_token, chunk.first_token + C * chunk.query_len)
             if eager:
                 kernels.attend_eager(
-                    query[rows], k, v, chunk, spec.scale, spec.logits_soft_cap,  # type: ignore[arg-type]
-                    self.alibi_slopes, self.sinks, out[rows],
+                    query[rows],
+                    k,
+                    v,
+                    chunk,
+                    spec.softmax_scale,
+                    spec.logits_soft_cap,
+                    self.alibi_slopes,
+                    self.sinks,
+                    out[rows],
                 )
             else:
-                kernels.attend_sdpa(query[rows], k, v, chunk, spec.scale, out[rows])  # type: ignore[arg-type]
+                kernels.attend_sdpa(query[rows], k, v, chunk, spec.softmax_scale, out[rows])

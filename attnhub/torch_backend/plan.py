@@ -53,7 +53,7 @@ def plan_step(
     bs = batch.block_size
     group = spec.num_queries_per_kv
     causal = spec.causal and batch.causal
-    left, right = spec.window  # type: ignore[misc]
+    left, right = spec.window_pair
     if causal:
         right = 0
     qlens = batch.query_lens_cpu.tolist()

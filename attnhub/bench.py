@@ -1,0 +1,170 @@
+"""``attnhub bench``: a backend's forward against dense SDPA, timed in the same run, as ratios.
+
+Absolute times drift on shared machines; ratios measured back to back do not (much). Each case
+times the backend's full per-layer ``forward`` (KV write + attention over the paged cache, with
+metadata built once outside the timing, as an engine does) and the baseline on the same shapes
+with contiguous, unpaged K/V (dense ``scaled_dot_product_attention``, GQA folded into the query
+rows for decode, K/V heads expanded for causal prefill: the fastest dense forms measured here).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from attnhub.batch import BatchMetadata
+from attnhub.registry import select_backend
+from attnhub.spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    name: str
+    kind: str  # "decode" | "prefill"
+    num_reqs: int
+    seq_len: int
+    dtype: torch.dtype
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 16
+    target: float | None = None  # the ratio (backend / dense) we aim to stay under
+
+
+@dataclass
+class BenchResult:
+    case: str
+    backend: str
+    dtype: str
+    backend_ms: float
+    dense_ms: float
+    ratio: float
+    target: float | None
+    build_us: float  # metadata build per step (host), microseconds
+
+    @property
+    def meets_target(self) -> bool | None:
+        return None if self.target is None else self.ratio <= self.target
+
+
+def default_cases(quick: bool = False) -> list[BenchCase]:
+    """The issue's targets: decode 32 x 2048 <= 1.5x dense, prefill 1 x 2048 <= 1.15x."""
+    if quick:  # small shapes for a smoke run (CI); ratios are not meaningful at this size
+        return [
+            BenchCase("decode 8x256", "decode", 8, 256, torch.float32, 8, 2, 64, target=None),
+            BenchCase("prefill 1x256", "prefill", 1, 256, torch.float32, 8, 2, 64, target=None),
+        ]
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        cases.append(BenchCase("decode 32x2048", "decode", 32, 2048, dtype, target=1.5))
+        cases.append(BenchCase("prefill 1x2048", "prefill", 1, 2048, dtype, target=1.15))
+    return cases
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def run_case(
+    case: BenchCase,
+    *,
+    backend: str | None = None,
+    device: str = "cpu",
+    repeats: int = 7,
+    emulate: bool = False,
+) -> BenchResult:
+    gen = torch.Generator().manual_seed(0)
+    H, Hkv, D, bs = case.num_heads, case.num_kv_heads, case.head_size, case.block_size
+    group = H // Hkv
+    spec = AttentionSpec(
+        num_heads=H, num_kv_heads=Hkv, head_size=D, dtype=case.dtype, block_size=bs
+    )
+    be = select_backend(spec, device, prefer=backend, emulate=emulate)
+    impl = be.impl()
+    blocks_per_req = -(-case.seq_len // bs)
+    num_blocks = case.num_reqs * blocks_per_req + 1  # block 0 stays unused
+    cache = be.allocate_kv_cache(num_blocks)
+    for plane in (cache.key, cache.value):
+        plane.copy_(torch.randn(plane.shape, generator=gen).to(plane.dtype))
+    table = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(case.num_reqs, -1)
+    q_len = 1 if case.kind == "decode" else case.seq_len
+    batch = BatchMetadata.from_lengths(
+        [q_len] * case.num_reqs, [case.seq_len] * case.num_reqs, table, bs, device
+    )
+    T = batch.num_actual_tokens
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(device, case.dtype)
+
+    q, k, v = rand(T, H, D), rand(T, Hkv, D), rand(T, Hkv, D)
+    builder = be.metadata_builder()
+    t0 = time.perf_counter()
+    n_build = 20
+    for _ in range(n_build):
+        meta = builder.build(batch)
+    build_us = (time.perf_counter() - t0) / n_build * 1e6
+    backend_ms = _median_ms(lambda: impl.forward(q, k, v, cache, meta), repeats)
+
+    B, L = case.num_reqs, case.seq_len
+    if case.kind == "decode":
+        dq = rand(B, Hkv, group, D)  # GQA folded into the query rows
+        dk, dv = rand(B, Hkv, L, D), rand(B, Hkv, L, D)
+
+        def dense() -> object:
+            return F.scaled_dot_product_attention(dq, dk, dv)
+    else:
+        dq = rand(B, H, L, D)
+        dk, dv = rand(B, H, L, D), rand(B, H, L, D)  # heads expanded, contiguous
+
+        def dense() -> object:
+            return F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+
+    dense_ms = _median_ms(dense, repeats)
+    return BenchResult(
+        case=case.name,
+        backend=be.name,
+        dtype=str(case.dtype).removeprefix("torch."),
+        backend_ms=backend_ms,
+        dense_ms=dense_ms,
+        ratio=backend_ms / dense_ms,
+        target=case.target,
+        build_us=build_us,
+    )
+
+
+def results_as_dicts(results: list[BenchResult]) -> list[dict[str, object]]:
+    return [asdict(r) | {"meets_target": r.meets_target} for r in results]
+
+
+def plot(results: list[BenchResult], path: str) -> None:
+    """A bar chart of the ratios (needs matplotlib: ``pip install attnhub[plot]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("plotting needs matplotlib: pip install 'attnhub[plot]'") from exc
+    labels = [f"{r.case}\n{r.dtype}" for r in results]
+    fig, ax = plt.subplots(figsize=(1.6 * len(results) + 2, 3.5))
+    ax.bar(labels, [r.ratio for r in results], color="#4c72b0")
+    for i, r in enumerate(results):
+        if r.target is not None:
+            ax.hlines(r.target, i - 0.4, i + 0.4, colors="#c44e52", linestyles="dashed")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_ylabel("time / dense SDPA time")
+    ax.set_title(f"attnhub {results[0].backend if results else ''} backend vs dense SDPA")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,79 @@
+"""Sessions: lint, typecheck, tests, conformance per backend (default run); bench (on request).
+
+Every session that installs attnhub pins torch==2.13.0 (a CPU build is on this machine kind's
+package index; an unpinned torch would pull several GB of CUDA packages). Vendor libraries are
+never installed: vendor backends run through their CPU emulators.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests", "conformance"]
+nox.options.error_on_external_run = True
+
+TORCH = "torch==2.13.0"
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".ci-results")
+
+#: In-repo backends the conformance sessions run: name -> extra distributions to install.
+#: Vendor backends are added here as they land (each runs emulated on a machine without its
+#: hardware).
+BACKENDS: dict[str, list[str]] = {"torch": []}
+
+
+def _junit(name: str) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    return f"--junitxml={os.path.join(RESULTS, name + '.xml')}"
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check (needs no torch)."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy on the core package."""
+    session.install(TORCH, "mypy>=1.10")
+    session.install("-e", ".")
+    session.run("mypy")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Unit tests of the core and the suite's own tests (mutants, third-party plugin)."""
+    session.install(TORCH)
+    session.install("-e", ".[test]", "-e", "conformance")
+    session.run("pytest", "tests", "conformance/tests", "-q", _junit("tests"), *session.posargs)
+
+
+@nox.session
+@nox.parametrize("backend", list(BACKENDS))
+def conformance(session: nox.Session, backend: str) -> None:
+    """The conformance suite against one in-repo backend (emulated without its hardware)."""
+    session.install(TORCH)
+    session.install("-e", ".", "-e", "conformance", *BACKENDS[backend])
+    session.run(
+        "pytest",
+        "--pyargs",
+        "attnhub_conformance",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--attnhub-backend={backend}",
+        _junit(f"conformance-{backend}"),
+        *session.posargs,
+    )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """attnhub bench: the torch backend vs dense SDPA, as ratios (pass --quick for a smoke)."""
+    session.install(TORCH)
+    session.install("-e", ".")
+    session.run("attnhub", "bench", *session.posargs)
