@@ -142,7 +142,7 @@ class Registry:
     def register(self, cls: type[AttentionBackend], *, replace: bool = False) -> None:
         """Register a backend class in this process (no entry point needed)."""
         self.discover()
-        module = getattr(sys.modules.get(cls.__module__), "__name__", None)
+        module = getattr(sys.modules.get(getattr(cls, "__module__", "")), "__name__", None)
         self._add(cls, "<in-process>", module, None, replace=replace)
 
     def unregister(self, name: str) -> None:

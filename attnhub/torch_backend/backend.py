@@ -58,8 +58,9 @@ class TorchBackend(AttentionBackend):
 
     #: Requests with query_len <= this are batched into decode chunks.
     decode_query_len = 16
-    #: Decode requests per chunk (one SDPA call each); measured on CPU, see docs.
-    decode_chunk = 4
+    #: Bytes of gathered K+V per decode chunk (one SDPA call each). Measured on CPU: a chunk
+    #: that outgrows the CPU caches is slower than one call per request (docs/backends/torch.md).
+    gather_budget_bytes = 4 << 20
 
     def __init__(
         self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
@@ -91,6 +92,14 @@ class TorchBackend(AttentionBackend):
 class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
     backend: TorchBackend
 
+    def __init__(self, backend: TorchBackend) -> None:
+        super().__init__(backend)
+        spec = self.spec
+        k_dtype, v_dtype = spec.kv_cache_format.storage_dtypes(spec.dtype)
+        self._bytes_per_token = (
+            spec.num_kv_heads * spec.head_size * (k_dtype.itemsize + v_dtype.itemsize)
+        )
+
     def plan(self, batch: BatchMetadata, common_prefix_len: int) -> TorchAttentionMetadata:
         spec = self.spec
         eager = bool({"softcap", "alibi", "sinks"} & spec.features())
@@ -98,7 +107,7 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
             spec,
             batch,
             decode_query_len=self.backend.decode_query_len,
-            decode_chunk=self.backend.decode_chunk,
+            gather_budget_tokens=self.backend.gather_budget_bytes // self._bytes_per_token,
             eager=eager,
             device=self.backend.device,
         )

@@ -1,8 +1,10 @@
 """Host-side planning of one step for the torch backend (done once, shared by every layer).
 
 A step's requests are cut into *chunks*; each chunk is one attention call:
-  - consecutive requests with the same query_len <= ``decode_query_len`` share a chunk (up to
-    ``decode_chunk`` requests): their blocks are gathered side by side, padded to the longest;
+  - consecutive requests with the same query_len <= ``decode_query_len`` share a chunk while
+    the chunk's gathered K/V (padded to its longest request) stays within
+    ``gather_budget_tokens``: short decodes batch into one call, long ones go one at a time so
+    that what was gathered is still in the CPU cache when attention reads it;
   - every other request is a chunk of its own.
 For each chunk the planner precomputes, on the device: the block ids to gather and, where the
 attention pattern is not plain, a visibility mask (True = the query row sees the key) and the
@@ -25,8 +27,8 @@ class Chunk:
     first_token: int  # first query row of the chunk in q/out
     num_reqs: int  # C: requests in the chunk, consecutive in the batch
     query_len: int  # Q: every request of the chunk has this query_len
-    kv_len: int  # L: keys per request after gathering (the longest seq_len of the chunk)
-    num_blocks: int  # blocks gathered per request (ceil(L / block_size))
+    kv_len: int  # L: keys gathered per request (from the first visible block to the longest end)
+    num_blocks: int  # blocks gathered per request
     block_ids: torch.Tensor  # [C * num_blocks] int64, device
     visible: torch.Tensor | None  # [C, 1, 1, Q, L] bool, device; None: every key visible
     mask: torch.Tensor | None  # visible as SDPA wants it: [C, 1, group * Q, L] (SDPA path only)
@@ -45,7 +47,7 @@ def plan_step(
     batch: BatchMetadata,
     *,
     decode_query_len: int,
-    decode_chunk: int,
+    gather_budget_tokens: int,
     eager: bool,
     device: torch.device,
 ) -> StepPlan:
@@ -67,40 +69,53 @@ def plan_step(
     while r < batch.num_reqs:
         end = r + 1
         if qlens[r] <= decode_query_len:
-            while end < batch.num_reqs and end - r < decode_chunk and qlens[end] == qlens[r]:
+            longest = seqs[r]
+            while end < batch.num_reqs and qlens[end] == qlens[r]:
+                longest = max(longest, seqs[end])
+                if (end - r + 1) * longest > gather_budget_tokens:
+                    break
                 end += 1
         spans.append((r, end))
         r = end
 
+    # 2. Per chunk: which blocks to gather (only those a query can see: a sliding window
+    #    skips the older ones), and the mask / ALiBi distances where the pattern is not plain.
+    #    Built on the host, then sent to the device in one transfer per kind.
     chunks = []
+    host_ids: list[torch.Tensor] = []
+    host_visible: list[torch.Tensor | None] = []
+    host_distance: list[torch.Tensor | None] = []
     max_gather = 0
     for a, b in spans:
         C, Q = b - a, qlens[a]
         lens = seqs[a:b]
-        L = max(lens)
-        nblk = (L + bs - 1) // bs
-        ids = table[a:b, :nblk].to(torch.int64).reshape(-1)
+        longest = max(lens)
+        first_visible = 0 if left < 0 else max(0, min(lens) - Q - left)
+        first_blk = first_visible // bs
+        key_offset = first_blk * bs  # position of the first gathered key
+        nblk = (longest + bs - 1) // bs - first_blk
+        L = longest - key_offset
+        host_ids.append(table[a:b, first_blk : first_blk + nblk].to(torch.int64).reshape(-1))
         max_gather = max(max_gather, C * nblk)
 
-        ragged = any(x != L for x in lens)
+        ragged = any(x != longest for x in lens)
         needs_pattern = (causal and Q > 1) or left >= 0 or (right >= 0 and not causal)
         causal_square = C == 1 and Q == L and causal and not spec.features()
-        visible_dev = mask = distance = None
-        if ragged or needs_pattern or spec.use_alibi:
+        visible = distance = None
+        if ((ragged or needs_pattern) and not causal_square) or spec.use_alibi:
             kv_len = torch.tensor(lens)[:, None, None]  # [C, 1, 1]
             pos_q = (kv_len - Q) + torch.arange(Q)[None, :, None]  # [C, Q, 1]
-            pos_k = torch.arange(L)[None, None, :]  # [1, 1, L]
-            visible = pos_k < kv_len  # [C, Q, L]: padding keys of shorter requests
-            if left >= 0:
-                visible = visible & (pos_k >= pos_q - left)
-            if right >= 0:
-                visible = visible & (pos_k <= pos_q + right)
+            pos_k = key_offset + torch.arange(L)[None, None, :]  # [1, 1, L]
             if (ragged or needs_pattern) and not causal_square:
-                visible_dev = visible[:, None, None].to(device)  # [C, 1, 1, Q, L]
-                if not eager:
-                    mask = visible_dev.expand(C, 1, group, Q, L).reshape(C, 1, group * Q, L)
+                visible = pos_k < kv_len  # [C, Q, L]: padding keys of shorter requests
+                if left >= 0:
+                    visible = visible & (pos_k >= pos_q - left)
+                if right >= 0:
+                    visible = visible & (pos_k <= pos_q + right)
             if spec.use_alibi:
-                distance = (pos_q - pos_k).abs().to(torch.float32)[:, None, None].to(device)
+                distance = (pos_q - pos_k).abs().to(torch.float32)
+        host_visible.append(visible)
+        host_distance.append(distance)
         chunks.append(
             Chunk(
                 first_token=starts[a],
@@ -108,11 +123,43 @@ def plan_step(
                 query_len=Q,
                 kv_len=L,
                 num_blocks=nblk,
-                block_ids=ids.to(device),
-                visible=visible_dev,
-                mask=mask,
+                block_ids=host_ids[-1],
+                visible=None,
+                mask=None,
                 causal_square=causal_square,
-                distance=distance,
+                distance=None,
             )
         )
+
+    for chunk, ids in zip(chunks, _to_device(host_ids, device), strict=True):
+        chunk.block_ids = ids
+    for chunk, vis in zip(chunks, _to_device(host_visible, device), strict=True):
+        if vis is None:
+            continue
+        C, Q, L = vis.shape
+        chunk.visible = vis[:, None, None]  # [C, 1, 1, Q, L]
+        if not eager:
+            chunk.mask = chunk.visible.expand(C, 1, group, Q, L).reshape(C, 1, group * Q, L)
+    for chunk, dist in zip(chunks, _to_device(host_distance, device), strict=True):
+        if dist is not None:
+            chunk.distance = dist[:, None, None]  # [C, 1, 1, Q, L]
     return StepPlan(chunks=chunks, max_gather_blocks=max_gather)
+
+
+def _to_device(
+    tensors: list[torch.Tensor | None], device: torch.device
+) -> list[torch.Tensor | None]:
+    """Move host tensors (of one dtype) to ``device`` in one copy; views of it come back."""
+    present = [t for t in tensors if t is not None]
+    if not present or device.type == "cpu":
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1) for t in present]).to(device, non_blocking=True)
+    out: list[torch.Tensor | None] = []
+    offset = 0
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        out.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
