@@ -47,7 +47,8 @@ class AttentionMetadata:
     """What a builder returns: the step's batch plus whatever the backend planned from it.
 
     Backends subclass this and add their planned fields. ``checked_num_blocks`` remembers the
-    cache size the batch's block table was checked against, so layers after the first skip it.
+    cache size the batch's slots and block table were checked against, so layers after the
+    first skip those value checks.
     """
 
     batch: BatchMetadata
@@ -245,7 +246,7 @@ class AttentionImpl(abc.ABC):
         out = self.check_forward(query, key, value, cache, meta, output)
         if key is not None:
             assert value is not None
-            self.store_kv(key, value, cache, meta.batch.slot_mapping)
+            self.store_step_kv(key, value, cache, meta)
         n = meta.batch.num_actual_tokens
         if out.shape[0] > n:
             out[n:].zero_()
@@ -285,12 +286,11 @@ class AttentionImpl(abc.ABC):
             output = torch.empty_like(q)
         else:
             validation.check_tensor("output", output, tuple(q.shape), spec.dtype, dev)
-        if self.checks_values:
-            if key is not None:
-                validation.check_slot_values(batch.slot_mapping, cache)
-            if meta.checked_num_blocks != cache.num_blocks:
-                validation.check_block_table_values(batch, cache)
-                meta.checked_num_blocks = cache.num_blocks
+        if self.checks_values and meta.checked_num_blocks != cache.num_blocks:
+            # Once per step and cache size: every layer shares the batch and cache geometry.
+            validation.check_slot_values(batch.slot_mapping, cache)
+            validation.check_block_table_values(batch, cache)
+            meta.checked_num_blocks = cache.num_blocks
         return output
 
     # --- what a backend implements ---------------------------------------------------------
@@ -303,6 +303,13 @@ class AttentionImpl(abc.ABC):
         slot_mapping: torch.Tensor,
     ) -> None:
         """Write keys/values (already validated) to the cache; skip slots < 0."""
+
+    def store_step_kv(
+        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
+    ) -> None:
+        """The KV write of ``forward``; override to use what the builder planned for the step
+        (e.g. slots already filtered of padding). Default: ``store_kv`` with the slot mapping."""
+        self.store_kv(key, value, cache, meta.batch.slot_mapping)
 
     @abc.abstractmethod
     def attend(

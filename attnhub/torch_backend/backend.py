@@ -22,10 +22,10 @@ from attnhub.backend import (
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Tolerance
 from attnhub.kv_cache import PagedKVCache
-from attnhub.quant import quantize_fp8
+from attnhub.quant import FP8_DTYPES, quantize_fp8
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub.torch_backend import kernels
-from attnhub.torch_backend.plan import StepPlan, plan_step
+from attnhub.torch_backend.plan import SlotWrite, StepPlan, plan_slot_write, plan_step
 
 
 @dataclass
@@ -124,22 +124,37 @@ class TorchAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         slot_mapping: torch.Tensor,  # [n] int, -1 = padding
     ) -> None:
-        n = slot_mapping.shape[0]
-        slots = slot_mapping.long()
-        keep = slots >= 0
-        rows = None if bool(keep.all()) else keep.nonzero()[:, 0]
-        if rows is not None:
-            slots = slots[rows]
-        blk, off = slots // cache.block_size, slots % cache.block_size
+        self._scatter(key, value, cache, plan_slot_write(slot_mapping))
+
+    def store_step_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        meta: TorchAttentionMetadata,  # type: ignore[override]
+    ) -> None:
+        assert meta.plan is not None
+        self._scatter(key, value, cache, meta.plan.write)
+
+    @staticmethod
+    def _scatter(
+        key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, write: SlotWrite
+    ) -> None:
+        n = write.slots.shape[0]
         for src, dst, scale in (
-            (key[:n], cache.key, cache.key_scale),
-            (value[:n], cache.value, cache.value_scale),
+            (key, cache.key, cache.key_scale),
+            (value, cache.value, cache.value_scale),
         ):
-            if rows is not None:
-                src = src[rows]
+            src = src[:n] if write.rows is None else src[write.rows]
             if scale is not None:  # fp8: stored as fp8(x / scale)
                 src = quantize_fp8(src, scale, dst.dtype)
-            dst.index_put_((blk, off), src)
+            if dst.dtype in FP8_DTYPES:  # no fp8 index_copy_ kernel: copy the bytes
+                dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+            if dst.is_contiguous():  # [num_slots, Hkv, D] view: one index_copy_
+                dst.view(-1, *dst.shape[2:]).index_copy_(0, write.slots, src)
+            else:
+                bs = dst.shape[1]
+                dst.index_put_((write.slots // bs, write.slots % bs), src)
 
     def attend(
         self,
@@ -161,6 +176,12 @@ class TorchAttentionImpl(AttentionImpl):
             C, n = chunk.num_reqs, chunk.num_reqs * chunk.num_blocks
             k = torch.index_select(cache.key, 0, chunk.block_ids, out=k_buf[:n])
             v = torch.index_select(cache.value, 0, chunk.block_ids, out=v_buf[:n])
+            if chunk.pad_tokens is not None:  # rows past a shorter request's keys: zeros
+                for gathered in (k, v):
+                    flat = gathered.view(n * bs, Hkv, D)
+                    if flat.dtype in FP8_DTYPES:
+                        flat = flat.view(torch.uint8)
+                    flat.index_fill_(0, chunk.pad_tokens, 0)
             k = k.view(C, chunk.num_blocks * bs, Hkv, D)[:, : chunk.kv_len]  # [C, L, Hkv, D]
             v = v.view(C, chunk.num_blocks * bs, Hkv, D)[:, : chunk.kv_len]
             if cache.key_scale is not None:  # fp8 cache: dequantize what was gathered

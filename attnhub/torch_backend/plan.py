@@ -14,6 +14,7 @@ share a kv head become ``group * query_len`` rows of that kv head, ordered (head
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ class Chunk:
     kv_len: int  # L: keys gathered per request (from the first visible block to the longest end)
     num_blocks: int  # blocks gathered per request
     block_ids: torch.Tensor  # [C * num_blocks] int64, device
+    pad_tokens: torch.Tensor | None  # [n] int64: gathered rows past a request's own keys
     visible: torch.Tensor | None  # [C, 1, 1, Q, L] bool, device; None: every key visible
     mask: torch.Tensor | None  # visible as SDPA wants it: [C, 1, group * Q, L] (SDPA path only)
     causal_square: bool  # C == 1, Q == L, causal, no feature: SDPA's is_causal applies
@@ -40,6 +42,25 @@ class Chunk:
 class StepPlan:
     chunks: list[Chunk]
     max_gather_blocks: int  # the largest C * num_blocks, to size the gather buffer once
+    write: SlotWrite  # where this step's keys/values go
+
+
+@dataclass
+class SlotWrite:
+    """A KV write with padding removed: rows ``rows`` (None: the first len(slots) rows) of the
+    new keys/values go to flat cache slots ``slots``."""
+
+    slots: torch.Tensor  # [n] int64, every slot >= 0
+    rows: torch.Tensor | None  # [n] int64
+
+
+def plan_slot_write(slot_mapping: torch.Tensor) -> SlotWrite:
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if bool(keep.all()):
+        return SlotWrite(slots=slots, rows=None)
+    rows = keep.nonzero()[:, 0]
+    return SlotWrite(slots=slots[rows], rows=rows)
 
 
 def plan_step(
@@ -83,6 +104,7 @@ def plan_step(
     #    Built on the host, then sent to the device in one transfer per kind.
     chunks = []
     host_ids: list[torch.Tensor] = []
+    host_pads: list[torch.Tensor | None] = []
     host_visible: list[torch.Tensor | None] = []
     host_distance: list[torch.Tensor | None] = []
     max_gather = 0
@@ -95,10 +117,26 @@ def plan_step(
         key_offset = first_blk * bs  # position of the first gathered key
         nblk = (longest + bs - 1) // bs - first_blk
         L = longest - key_offset
-        host_ids.append(table[a:b, first_blk : first_blk + nblk].to(torch.int64).reshape(-1))
+        ids = table[a:b, first_blk : first_blk + nblk].to(torch.int64)  # [C, nblk]
+        ragged = any(x != longest for x in lens)
+        pad_tokens = None
+        if ragged:
+            # A shorter request's columns past its own blocks may hold anything (-1, another
+            # request's block): gather its first block there instead, then zero every padded
+            # row, since a masked key still multiplies its value (0 * stale NaN = NaN).
+            own = torch.tensor([(x + bs - 1) // bs - first_blk for x in lens])  # [C]
+            past = torch.arange(nblk)[None, :] >= own[:, None]
+            ids = torch.where(past, ids[:, :1], ids)
+            pad_tokens = torch.cat(
+                [
+                    torch.arange(c * nblk * bs + x - key_offset, c * nblk * bs + L)
+                    for c, x in enumerate(lens)
+                ]
+            )
+        host_ids.append(ids.reshape(-1))
+        host_pads.append(pad_tokens)
         max_gather = max(max_gather, C * nblk)
 
-        ragged = any(x != longest for x in lens)
         needs_pattern = (causal and Q > 1) or left >= 0 or (right >= 0 and not causal)
         causal_square = C == 1 and Q == L and causal and not spec.features()
         visible = distance = None
@@ -107,7 +145,8 @@ def plan_step(
             pos_q = (kv_len - Q) + torch.arange(Q)[None, :, None]  # [C, Q, 1]
             pos_k = key_offset + torch.arange(L)[None, None, :]  # [1, 1, L]
             if (ragged or needs_pattern) and not causal_square:
-                visible = pos_k < kv_len  # [C, Q, L]: padding keys of shorter requests
+                # [C, Q, L]: padding keys of shorter requests are invisible
+                visible = (pos_k < kv_len).expand(C, Q, L)
                 if left >= 0:
                     visible = visible & (pos_k >= pos_q - left)
                 if right >= 0:
@@ -124,6 +163,7 @@ def plan_step(
                 kv_len=L,
                 num_blocks=nblk,
                 block_ids=host_ids[-1],
+                pad_tokens=None,
                 visible=None,
                 mask=None,
                 causal_square=causal_square,
@@ -131,8 +171,11 @@ def plan_step(
             )
         )
 
-    for chunk, ids in zip(chunks, _to_device(host_ids, device), strict=True):
-        chunk.block_ids = ids
+    for chunk, moved in zip(chunks, _to_device(list(host_ids), device), strict=True):
+        assert moved is not None
+        chunk.block_ids = moved
+    for chunk, pads in zip(chunks, _to_device(host_pads, device), strict=True):
+        chunk.pad_tokens = pads
     for chunk, vis in zip(chunks, _to_device(host_visible, device), strict=True):
         if vis is None:
             continue
@@ -143,17 +186,19 @@ def plan_step(
     for chunk, dist in zip(chunks, _to_device(host_distance, device), strict=True):
         if dist is not None:
             chunk.distance = dist[:, None, None]  # [C, 1, 1, Q, L]
-    return StepPlan(chunks=chunks, max_gather_blocks=max_gather)
+    return StepPlan(
+        chunks=chunks, max_gather_blocks=max_gather, write=plan_slot_write(batch.slot_mapping)
+    )
 
 
 def _to_device(
-    tensors: list[torch.Tensor | None], device: torch.device
+    tensors: Sequence[torch.Tensor | None], device: torch.device
 ) -> list[torch.Tensor | None]:
     """Move host tensors (of one dtype) to ``device`` in one copy; views of it come back."""
     present = [t for t in tensors if t is not None]
     if not present or device.type == "cpu":
         return list(tensors)
-    flat = torch.cat([t.reshape(-1) for t in present]).to(device, non_blocking=True)
+    flat = torch.cat([t.reshape(-1) for t in present]).to(device)
     out: list[torch.Tensor | None] = []
     offset = 0
     for t in tensors:
