@@ -100,6 +100,7 @@ class BatchMetadata:
         table = table.to(torch.int32)
         _check_lengths(q, s)
         _check_table_width(s, table.shape[1], block_size)
+        _check_table_not_negative(s, table, block_size)
 
         qsl = torch.zeros(q.numel() + 1, dtype=torch.int32)
         torch.cumsum(q, 0, out=qsl[1:])
@@ -220,6 +221,16 @@ def _check_lengths(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> None:
             f"seq_lens[{r}] = {int(seq_lens[r])} is less than query_lens[{r}] = "
             f"{int(query_lens[r])}"
         )
+
+
+def _check_table_not_negative(seq_lens: torch.Tensor, table: torch.Tensor, block_size: int) -> None:
+    """Blocks a request uses are >= 0 (a negative one would alias padding slot -1)."""
+    needed = (seq_lens + block_size - 1) // block_size
+    used = torch.arange(table.shape[1])[None, :] < needed[:, None]
+    bad = (used & (table < 0)).nonzero()
+    if bad.numel():
+        r, c = int(bad[0, 0]), int(bad[0, 1])
+        raise InvalidInputError(f"block_table[{r}, {c}] = {int(table[r, c])} is negative")
 
 
 def _check_table_width(seq_lens: torch.Tensor, width: int, block_size: int) -> None:

@@ -179,7 +179,10 @@ class PagedKVCache:
     def _check_mapping(
         self, block_mapping: torch.Tensor | Sequence[Sequence[int]], dst_blocks: int
     ) -> torch.Tensor:  # [n, 2] int64 (src, dst) on the host
-        m = torch.as_tensor(block_mapping, dtype=torch.int64).to("cpu")
+        m = torch.as_tensor(block_mapping)
+        if m.numel() and (m.is_floating_point() or m.is_complex() or m.dtype == torch.bool):
+            raise InvalidInputError(f"block_mapping must hold block ids, got dtype {m.dtype}")
+        m = m.to("cpu", torch.int64)
         if m.numel() == 0:
             return m.reshape(0, 2)
         if m.dim() != 2 or m.shape[1] != 2:

@@ -128,7 +128,9 @@ def normalize_window(
         left = sliding_window - 1
         from_w = (left, 0) if causal else (left, left)
     from_pair: tuple[int, int] | None = None
-    if window is not None:
+    # (-1, -1) is "no window", the normal form of window=None: it never conflicts with a
+    # sliding_window, so dataclasses.replace(spec, sliding_window=W) works on a windowless spec.
+    if window is not None and tuple(window) != (-1, -1):
         try:
             left, right = (int(x) for x in window)
         except (TypeError, ValueError):

@@ -1,0 +1,591 @@
+"""The built-in torch backend agrees with the float64 reference, writes exactly what it should,
+and behaves like a backend must (output buffers, padding, reuse, determinism, batch invariance).
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers import (
+    alibi_slopes,
+    assert_within,
+    fill_cache_random,
+    gen,
+    make_batch,
+    poison_unused_slots,
+    random_qkv,
+    reference_after_write,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, Tolerance, reference
+from attnhub.torch_backend import TorchBackend
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def tol(dtype: torch.dtype) -> Tolerance:
+    return TorchBackend.capabilities.tolerance(dtype)
+
+
+def _many() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """70 requests, mostly decodes, some short prefills, seq lens 1..60 (deterministic)."""
+    r = random.Random(0)
+    q = [1] * 56 + [r.randint(2, 6) for _ in range(14)]
+    r.shuffle(q)
+    return tuple(q), tuple(max(x, r.randint(1, 60)) for x in q)
+
+
+# (query_lens, seq_lens) per batch mix
+MIXES = {
+    "decode": ((1, 1, 1, 1, 1, 1), (17, 5, 33, 1, 64, 16)),
+    "prefill": ((7, 20, 3), (7, 20, 3)),
+    "chunked": ((5, 24, 40), (21, 40, 95)),
+    "mixed": ((1, 1, 6, 1, 12), (30, 9, 6, 50, 40)),
+    "mtd": ((3, 2, 3, 4, 2, 3), (20, 15, 33, 8, 2, 3)),  # multi-token decode, ragged
+    "one": ((4,), (37,)),
+    "many": _many(),
+    "len1": ((1, 1, 1), (1, 1, 1)),
+    # runs of equal multi-token query lens with ragged seq lens: they share decode chunks
+    "runs": ((2, 2, 2, 3, 3, 1, 1), (5, 19, 2, 40, 3, 7, 30)),
+    # a long chunk after context (the eager path tiles queries by 256) next to a decode
+    "long": ((300, 1), (333, 290)),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    mix: str
+    heads: tuple[int, int] = (8, 2)  # (num_heads, num_kv_heads)
+    head_size: int = 64
+    block_size: int = 16
+    dtype: torch.dtype = F32
+    kv: str = "auto"
+    attn_type: str = "decoder"
+    sliding_window: int | None = None
+    softcap: float | None = None
+    alibi: bool = False
+    sinks: bool = False
+    batch_causal: bool = True
+
+    @property
+    def id(self) -> str:
+        parts = [
+            self.mix,
+            f"gqa{self.heads[0] // self.heads[1]}",
+            f"d{self.head_size}",
+            f"bs{self.block_size}",
+            str(self.dtype).removeprefix("torch."),
+        ]
+        if self.kv != "auto":
+            parts.append(self.kv)
+        if self.attn_type != "decoder":
+            parts.append(self.attn_type)
+        if self.sliding_window:
+            parts.append(f"window{self.sliding_window}")
+        if self.softcap:
+            parts.append("softcap")
+        if self.alibi:
+            parts.append("alibi")
+        if self.sinks:
+            parts.append("sinks")
+        if not self.batch_causal:
+            parts.append("batch_non_causal")
+        return "-".join(parts)
+
+    def spec(self) -> AttentionSpec:
+        return AttentionSpec(
+            num_heads=self.heads[0],
+            num_kv_heads=self.heads[1],
+            head_size=self.head_size,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            kv_cache_dtype=self.kv,
+            attn_type=self.attn_type,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.softcap,
+            use_alibi=self.alibi,
+            use_sinks=self.sinks,
+        )
+
+
+# Pairwise-ish: every batch mix, GQA ratio, head size, block size and dtype meet each other
+# somewhere; each feature / cache format / attention type runs under several dtypes and mixes.
+CASES = [
+    # shapes x batch mixes
+    Case("decode", (4, 4), 64, 16, F32),
+    Case("decode", (16, 2), 128, 1, BF16),
+    Case("decode", (8, 2), 256, 32, F16),
+    Case("prefill", (8, 2), 128, 32, F16),
+    Case("prefill", (4, 4), 256, 1, F32),
+    Case("prefill", (16, 2), 64, 16, BF16),
+    Case("chunked", (16, 2), 256, 16, BF16),
+    Case("chunked", (4, 4), 128, 32, F32),
+    Case("chunked", (8, 2), 64, 1, F16),
+    Case("mixed", (8, 2), 64, 1, F32),
+    Case("mixed", (16, 2), 128, 16, F16),
+    Case("mixed", (4, 4), 256, 32, BF16),
+    Case("mtd", (8, 2), 128, 16, F32),
+    Case("mtd", (16, 2), 64, 32, BF16),
+    Case("mtd", (4, 4), 64, 1, F16),
+    Case("one", (4, 4), 64, 16, F16),
+    Case("one", (16, 2), 256, 32, F32),
+    Case("many", (8, 2), 64, 16, F32),
+    Case("many", (16, 2), 128, 32, BF16),
+    Case("len1", (8, 2), 64, 16, F32),
+    Case("len1", (4, 4), 128, 1, BF16),
+    # features
+    Case("mixed", sliding_window=8, dtype=F32),
+    Case("chunked", sliding_window=1, dtype=BF16, block_size=32),
+    Case("mtd", (16, 2), sliding_window=5, dtype=F16, block_size=1),
+    Case("decode", sliding_window=20, dtype=F16),
+    Case("mixed", softcap=2.0, dtype=F32),
+    Case("chunked", (16, 2), 128, softcap=5.0, dtype=BF16),
+    Case("decode", (4, 4), softcap=1.0, dtype=F16, block_size=1),
+    Case("mixed", alibi=True, dtype=F16),
+    Case("prefill", (16, 2), alibi=True, dtype=F32, block_size=32),
+    Case("mtd", alibi=True, dtype=BF16),
+    Case("mixed", sinks=True, dtype=BF16),
+    Case("decode", (16, 2), 128, sinks=True, dtype=F32),
+    Case("chunked", (4, 4), sinks=True, dtype=F16, block_size=1),
+    Case("mixed", sliding_window=6, softcap=3.0, alibi=True, sinks=True, dtype=F32),
+    Case("many", sliding_window=16, alibi=True, sinks=True, dtype=BF16),
+    # quantized caches
+    Case("mixed", kv="fp8_e4m3", dtype=F16),
+    Case("decode", (16, 2), 128, 32, kv="fp8_e4m3", dtype=BF16),
+    Case("chunked", (4, 4), kv="fp8_e4m3", dtype=F32, block_size=1),
+    Case("mtd", kv="fp8_e5m2", dtype=F32),
+    Case("prefill", (16, 2), kv="fp8_e5m2", dtype=BF16, block_size=32),
+    Case("mixed", kv="fp8_e4m3", sliding_window=8, sinks=True, dtype=F16),
+    # non-causal attention
+    Case("prefill", attn_type="encoder_only", dtype=F32),
+    Case("prefill", (16, 2), 128, 1, attn_type="encoder_only", dtype=BF16, sliding_window=5),
+    Case("prefill", (4, 4), attn_type="encoder", dtype=F16, block_size=32),
+    Case("len1", attn_type="encoder", dtype=F32),
+    Case("prefill", attn_type="encoder_only", alibi=True, softcap=4.0, dtype=F32),
+    Case("chunked", attn_type="encoder_only", dtype=F16),  # non-causal over cached context
+    Case("mixed", batch_causal=False, dtype=F32),
+    Case("mtd", (16, 2), batch_causal=False, dtype=BF16, block_size=1),
+    # shared chunks of multi-token queries
+    Case("runs", (8, 2), 64, 16, F32),
+    Case("runs", (16, 2), 128, 1, BF16, sliding_window=3),
+    Case("runs", (4, 4), batch_causal=False, dtype=BF16),
+    Case("runs", (8, 2), batch_causal=False, dtype=F32),
+    Case("runs", (8, 2), batch_causal=False, sliding_window=4, dtype=F32),
+    Case("runs", (16, 2), 128, attn_type="encoder_only", dtype=F16),
+    Case("runs", attn_type="encoder_only", alibi=True, dtype=F32),
+    # long chunks
+    Case("long", (8, 2), 128, 16, BF16),
+    Case("long", alibi=True, softcap=8.0, dtype=F32),
+    Case("long", (4, 4), sliding_window=64, sinks=True, dtype=F16, block_size=32),
+]
+
+
+def seed_of(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def per_head_weights(spec: AttentionSpec, seed: int) -> dict[str, torch.Tensor]:
+    w = {}
+    if spec.use_alibi:
+        w["alibi_slopes"] = alibi_slopes(spec.num_heads)
+    if spec.use_sinks:
+        w["sinks"] = torch.randn(spec.num_heads, generator=gen(seed))
+    return w
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_forward_matches_reference(case: Case) -> None:
+    seed = seed_of(case.id)
+    spec = case.spec()
+    q_lens, s_lens = MIXES[case.mix]
+    batch, nblk = make_batch(q_lens, s_lens, case.block_size, seed=seed, causal=case.batch_causal)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, gen(seed + 1), model_dtype=spec.dtype)
+    q, k, v = random_qkv(spec, batch.num_tokens, gen(seed + 2), q_gain=3.0 if case.softcap else 1.0)
+    weights = per_head_weights(spec, seed + 3)
+    expected_cache, expected = reference_after_write(
+        spec,
+        cache,
+        batch,
+        q,
+        k,
+        v,
+        alibi=weights.get("alibi_slopes"),
+        sinks=weights.get("sinks"),
+    )
+
+    meta = backend.metadata_builder().build(batch)
+    out = backend.impl(**weights).forward(q, k, v, cache, meta)
+
+    assert out.dtype == spec.dtype and out.shape == q.shape
+    assert cache.equal(expected_cache), "the cache does not hold exactly the written tokens"
+    assert_within(out, expected, tol(spec.dtype), case.id)
+
+
+def test_matrix_covers_the_required_axes() -> None:
+    assert {c.mix for c in CASES} == set(MIXES)
+    assert {c.heads[0] // c.heads[1] for c in CASES} >= {1, 4, 8}
+    assert {c.head_size for c in CASES} >= {64, 128, 256}
+    assert {c.block_size for c in CASES} >= {1, 16, 32}
+    assert {c.dtype for c in CASES} == {F32, F16, BF16}
+    assert {c.kv for c in CASES} == {"auto", "fp8_e4m3", "fp8_e5m2"}
+    assert {c.attn_type for c in CASES} >= {"decoder", "encoder", "encoder_only"}
+    assert len(MIXES["many"][0]) >= 64
+    assert any(s % 16 for s in MIXES["mixed"][1])
+    assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
+
+
+# --- cross attention ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
+def test_cross_attention_reuses_encoder_kv_with_key_none(dtype: torch.dtype) -> None:
+    spec = AttentionSpec(
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=dtype,
+        block_size=16,
+        attn_type="encoder_decoder",
+    )
+    enc_lens = (7, 30, 16)
+    backend = TorchBackend(spec, "cpu")
+    impl = backend.impl()
+    enc_batch, nblk = make_batch(enc_lens, enc_lens, 16, seed=21)
+    cache = backend.allocate_kv_cache(nblk)
+    _, k_enc, v_enc = random_qkv(spec, enc_batch.num_tokens, gen(22))
+    impl.write_kv(k_enc, v_enc, cache, enc_batch.slot_mapping)  # once, from the encoder output
+    builder = backend.metadata_builder()
+    for step, dec_lens in enumerate([(3, 1, 5), (1, 1, 1)]):
+        # decoder queries attend over all encoder keys; nothing new is written
+        batch = BatchMetadata.from_lengths(dec_lens, enc_lens, enc_batch.block_table, 16)
+        q, _, _ = random_qkv(spec, batch.num_tokens, gen(23 + step))
+        before = cache.clone()
+        out = impl.forward(q, None, None, cache, builder.build(batch))
+        assert cache.equal(before)
+        expected, _ = reference.paged_attention(q, cache, batch, spec)
+        assert_within(out, expected, tol(dtype), f"cross attention step {step}")
+
+
+def test_cross_attention_with_equal_multi_token_queries_over_ragged_encoders() -> None:
+    spec = AttentionSpec(
+        num_heads=8, num_kv_heads=2, head_size=64, dtype=F32, attn_type="encoder_decoder"
+    )
+    enc_lens = (7, 30)
+    backend = TorchBackend(spec, "cpu")
+    enc_batch, nblk = make_batch(enc_lens, enc_lens, 16, seed=24)
+    cache = backend.allocate_kv_cache(nblk)
+    _, k_enc, v_enc = random_qkv(spec, enc_batch.num_tokens, gen(25))
+    backend.impl().write_kv(k_enc, v_enc, cache, enc_batch.slot_mapping)
+    batch = BatchMetadata.from_lengths((2, 2), enc_lens, enc_batch.block_table, 16)
+    q, _, _ = random_qkv(spec, batch.num_tokens, gen(26))
+    out = backend.impl().forward(q, None, None, cache, backend.metadata_builder().build(batch))
+    expected, _ = reference.paged_attention(q, cache, batch, spec)
+    assert_within(out, expected, tol(F32), "cross attention, 2 queries per request")
+
+
+# --- the KV write ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_write_kv_puts_exactly_the_written_tokens_in_their_slots(kv: str) -> None:
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=32, dtype=BF16, block_size=4, kv_cache_dtype=kv
+    )
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(12)
+    fill_cache_random(cache, gen(31), model_dtype=BF16)
+    _, k, v = random_qkv(spec, 7, gen(32))
+    slots = torch.tensor([5, -1, 17, 0, -1, 46, 9])  # padding anywhere, not only at the end
+    expected = cache.clone()
+    reference.write_kv(expected, k, v, slots)
+    backend.impl().write_kv(k, v, cache, slots)
+    assert cache.equal(expected)
+
+
+def test_write_kv_changes_nothing_but_the_written_slots() -> None:
+    spec = AttentionSpec(num_heads=2, num_kv_heads=2, head_size=8, dtype=F32, block_size=4)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(4)
+    cache.key.fill_(7.0)
+    cache.value.fill_(7.0)
+    _, k, v = random_qkv(spec, 2, gen(33))
+    backend.impl().write_kv(k, v, cache, torch.tensor([6, -1], dtype=torch.int32))
+    flat_k, flat_v = cache.key.reshape(16, 2, 8), cache.value.reshape(16, 2, 8)
+    assert torch.equal(flat_k[6], k[0]) and torch.equal(flat_v[6], v[0])
+    others = [s for s in range(16) if s != 6]
+    assert (flat_k[others] == 7).all() and (flat_v[others] == 7).all()
+
+
+def test_write_kv_with_fewer_slots_than_tokens_writes_the_first_ones() -> None:
+    spec = AttentionSpec(num_heads=2, num_kv_heads=2, head_size=8, dtype=F32, block_size=4)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(4)
+    _, k, v = random_qkv(spec, 5, gen(34))
+    expected = cache.clone()
+    reference.write_kv(expected, k, v, torch.tensor([3, 2]))
+    backend.impl().write_kv(k, v, cache, torch.tensor([3, 2]))
+    assert cache.equal(expected)
+
+
+Tensor = torch.Tensor
+Setup = tuple[AttentionSpec, BatchMetadata, TorchBackend, PagedKVCache, Tensor, Tensor, Tensor]
+
+
+def padded_setup(dtype: torch.dtype = F32, kv: str = "auto") -> Setup:
+    spec = AttentionSpec(
+        num_heads=8, num_kv_heads=2, head_size=64, dtype=dtype, block_size=16, kv_cache_dtype=kv
+    )
+    batch, nblk = make_batch((1, 5, 1), (20, 9, 33), 16, seed=41, num_tokens=12)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, gen(42), model_dtype=dtype)
+    q, k, v = random_qkv(spec, 12, gen(43))
+    return spec, batch, backend, cache, q, k, v
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_forward_skips_padding_slots(kv: str) -> None:
+    spec, batch, backend, cache, q, k, v = padded_setup(kv=kv)
+    assert batch.slot_mapping[batch.num_actual_tokens :].eq(-1).all()
+    expected_cache, _ = reference_after_write(spec, cache, batch, q, k, v)
+    backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    assert cache.equal(expected_cache)
+
+
+def test_rows_past_num_actual_tokens_are_zero() -> None:
+    spec, batch, backend, cache, q, k, v = padded_setup()
+    out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    n = batch.num_actual_tokens
+    assert out.shape == (12, 8, 64)
+    assert (out[n:] == 0).all()
+    _, expected = reference_after_write(spec, cache.clone(), batch, q, k, v)
+    # the cache now already holds this step's keys: the reference reads the same thing
+    assert_within(out[:n], expected, tol(F32), "padded batch")
+
+
+def test_output_buffer_is_written_and_returned() -> None:
+    spec, batch, backend, cache, q, k, v = padded_setup(dtype=F16)
+    ref_cache = cache.clone()
+    buf = torch.full_like(q, float("nan"))
+    out = backend.impl().forward(
+        q, k, v, cache, backend.metadata_builder().build(batch), output=buf
+    )
+    assert out is buf
+    n = batch.num_actual_tokens
+    assert (buf[n:] == 0).all()
+    _, expected = reference_after_write(spec, ref_cache, batch, q, k, v)
+    assert_within(buf[:n], expected, tol(F16), "output buffer")
+
+
+def test_forward_returns_a_fresh_tensor_in_spec_dtype_without_output() -> None:
+    _, batch, backend, cache, q, k, v = padded_setup(dtype=BF16)
+    out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    assert out.dtype == BF16
+    assert out.data_ptr() not in (q.data_ptr(), k.data_ptr(), v.data_ptr())
+
+
+# --- reuse, determinism, invariance ----------------------------------------------------------
+
+
+def test_metadata_built_once_serves_every_layer() -> None:
+    spec = AttentionSpec(
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=F32,
+        block_size=16,
+        sliding_window=12,
+        use_sinks=True,
+    )
+    q_lens, s_lens = MIXES["mixed"]
+    batch, nblk = make_batch(q_lens, s_lens, 16, seed=51)
+    backend = TorchBackend(spec, "cpu")
+    builder = backend.metadata_builder()
+    layers = []
+    for layer in range(3):
+        cache = backend.allocate_kv_cache(nblk)
+        fill_cache_random(cache, gen(60 + layer), model_dtype=F32)
+        sinks = torch.randn(8, generator=gen(70 + layer))
+        layers.append((cache, sinks, *random_qkv(spec, batch.num_tokens, gen(80 + layer))))
+
+    shared = builder.build(batch)
+    once = []
+    for cache, sinks, q, k, v in layers:
+        once.append(backend.impl(sinks=sinks).forward(q, k, v, cache.clone(), shared))
+    for (cache, sinks, q, k, v), got in zip(layers, once, strict=True):
+        fresh_meta = backend.metadata_builder().build(batch)
+        per_layer = backend.impl(sinks=sinks).forward(q, k, v, cache.clone(), fresh_meta)
+        assert torch.equal(got, per_layer)
+
+
+@pytest.mark.parametrize(
+    "features", [{}, {"use_alibi": True, "logits_soft_cap": 3.0}], ids=["sdpa", "eager"]
+)
+def test_forward_is_deterministic(features: dict) -> None:
+    spec = AttentionSpec(
+        num_heads=8, num_kv_heads=2, head_size=64, dtype=BF16, block_size=16, **features
+    )
+    batch, nblk = make_batch(*MIXES["mixed"], 16, seed=91)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, gen(92), model_dtype=BF16)
+    q, k, v = random_qkv(spec, batch.num_tokens, gen(93))
+    weights = per_head_weights(spec, 94)
+    outs, caches = [], []
+    for _ in range(2):
+        c = cache.clone()
+        meta = backend.metadata_builder().build(batch)
+        outs.append(backend.impl(**weights).forward(q, k, v, c, meta))
+        caches.append(c)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert caches[0].equal(caches[1])
+
+
+@pytest.mark.parametrize(
+    ("target_q", "target_s"), [(1, 40), (7, 30), (3, 12)], ids=["decode", "prefill", "mtd"]
+)
+def test_request_output_is_batch_invariant(target_q: int, target_s: int) -> None:
+    """A request computes the same alone as inside a bigger batch (other requests around it)."""
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, dtype=BF16, block_size=16)
+    backend = TorchBackend(spec, "cpu")
+    q_lens = (1, 1, target_q, 1, 4, target_q)
+    s_lens = (9, 70, target_s, 3, 20, 25)
+    big, nblk = make_batch(q_lens, s_lens, 16, seed=101)
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, gen(102), model_dtype=BF16)
+    q, k, v = random_qkv(spec, big.num_tokens, gen(103))
+    rows = slice(int(big.query_start_loc_cpu[2]), int(big.query_start_loc_cpu[3]))
+
+    out_big = backend.impl().forward(q, k, v, cache.clone(), backend.metadata_builder().build(big))
+    alone = BatchMetadata.from_lengths([target_q], [target_s], big.block_table[2:3], 16)
+    out_alone = backend.impl().forward(
+        q[rows], k[rows], v[rows], cache.clone(), backend.metadata_builder().build(alone)
+    )
+    assert_within(out_big[rows], out_alone.double(), tol(BF16), "alone vs in a batch")
+
+
+# --- robustness to what a cache holds outside the batch's sequences ---------------------------
+
+
+@pytest.mark.parametrize(
+    "mix",
+    [
+        "decode",
+        "mtd",
+        "mixed",
+        "many",
+        "runs",
+    ],
+)
+def test_stale_nan_outside_the_sequences_does_not_leak(mix: str) -> None:
+    """Slots no sequence covers (block 0 that padded table entries point at, the tail of a
+    partly used block, freed blocks) may hold anything, even NaN (fp8 garbage bytes, a cache
+    allocated with torch.empty); a backend must not let them reach the output."""
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, dtype=F32, block_size=16)
+    batch, nblk = make_batch(*MIXES[mix], 16, seed=111)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, gen(112), model_dtype=F32)
+    poison_unused_slots(cache, batch)
+    q, k, v = random_qkv(spec, batch.num_tokens, gen(113))
+    _, expected = reference_after_write(spec, cache, batch, q, k, v)
+    out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    assert_within(out, expected, tol(F32), "with NaN in unused slots")
+
+
+@pytest.mark.parametrize("mix", ["decode", "mixed", "runs"])
+def test_block_table_entries_past_a_sequence_are_ignored(mix: str) -> None:
+    """Only the first ceil(seq_len / block_size) entries of a row are read (validation checks
+    only those); the rest may be stale ids, e.g. -1 from an engine's padded table."""
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, dtype=F32, block_size=16)
+    batch, nblk = make_batch(*MIXES[mix], 16, seed=121, pad_value=-1)
+    assert (batch.block_table == -1).any()
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, gen(122), model_dtype=F32)
+    q, k, v = random_qkv(spec, batch.num_tokens, gen(123))
+    _, expected = reference_after_write(spec, cache, batch, q, k, v)
+    out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    assert_within(out, expected, tol(F32), "with -1 past each sequence's blocks")
+
+
+def test_batch_with_no_requests_gives_zero_padding_rows() -> None:
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype=F32, block_size=16)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(2)
+    before = cache.clone()
+    batch = BatchMetadata.from_lengths([], [], [], 16, num_tokens=4)
+    q, k, v = random_qkv(spec, 4, gen(131))
+    out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    assert (out == 0).all()
+    assert cache.equal(before)
+
+
+def test_non_contiguous_query_is_accepted() -> None:
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, dtype=F32, block_size=16)
+    batch, nblk = make_batch(*MIXES["mixed"], 16, seed=141)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, gen(142), model_dtype=F32)
+    _, k, v = random_qkv(spec, batch.num_tokens, gen(143))
+    qkv = torch.randn(batch.num_tokens, 8, 3 * 64, generator=gen(144))
+    q = qkv[..., :64]  # a view into a fused projection, as engines pass it
+    _, expected = reference_after_write(spec, cache, batch, q, k, v)
+    out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    assert_within(out, expected, tol(F32), "non-contiguous query")
+
+
+# --- random batches and features ---------------------------------------------------------------
+
+
+@st.composite
+def random_setups(draw: st.DrawFn) -> dict:
+    n = draw(st.integers(1, 9))
+    # query lens from a small set, so runs of equal lengths (shared decode chunks) are common
+    q = draw(st.lists(st.sampled_from([1, 1, 1, 2, 3, 17]), min_size=n, max_size=n))
+    ctx = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+    return {
+        "query_lens": q,
+        "seq_lens": [a + b for a, b in zip(q, ctx, strict=True)],
+        "heads": draw(st.sampled_from([(4, 4), (4, 1), (8, 2)])),
+        "head_size": draw(st.sampled_from([16, 32])),
+        "block_size": draw(st.sampled_from([1, 4, 16])),
+        "dtype": draw(st.sampled_from([F32, BF16])),
+        "kv": draw(st.sampled_from(["auto", "auto", "fp8_e4m3"])),
+        "attn_type": draw(st.sampled_from(["decoder", "decoder", "encoder_only"])),
+        "sliding_window": draw(st.one_of(st.none(), st.integers(1, 24))),
+        "softcap": draw(st.sampled_from([None, None, 2.5])),
+        "alibi": draw(st.booleans()),
+        "sinks": draw(st.booleans()),
+        "batch_causal": draw(st.sampled_from([True, True, False])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(max_examples=30, deadline=None)
+@given(random_setups())
+def test_forward_matches_reference_on_random_batches(setup: dict) -> None:
+    s = dict(setup)
+    q_lens, s_lens, seed = s.pop("query_lens"), s.pop("seq_lens"), s.pop("seed")
+    case = Case("random", **s)
+    spec = case.spec()
+    batch, nblk = make_batch(q_lens, s_lens, case.block_size, seed=seed, causal=case.batch_causal)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, gen(seed + 1), model_dtype=spec.dtype)
+    q, k, v = random_qkv(spec, batch.num_tokens, gen(seed + 2))
+    weights = per_head_weights(spec, seed + 3)
+    expected_cache, expected = reference_after_write(
+        spec, cache, batch, q, k, v, alibi=weights.get("alibi_slopes"), sinks=weights.get("sinks")
+    )
+    out = backend.impl(**weights).forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    assert cache.equal(expected_cache)
+    assert_within(out, expected, tol(spec.dtype), f"{case.id} {q_lens=} {s_lens=}")
