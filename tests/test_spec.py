@@ -176,8 +176,6 @@ def test_equal_specs_are_equal_and_hashable() -> None:
 
 
 def test_replace_adds_a_sliding_window_to_a_windowless_spec():
-    import dataclasses
-
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8)
     windowed = dataclasses.replace(spec, sliding_window=128)
     assert windowed.window == (127, 0)
