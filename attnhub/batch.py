@@ -168,9 +168,47 @@ class BatchMetadata:
                 raise InvalidInputError(
                     f"{name} is on {getattr(self, name).device}, query_start_loc on {self.device}"
                 )
-        if self.num_reqs and int(qsl[0]) != 0:
-            raise InvalidInputError(f"query_start_loc[0] = {int(qsl[0])} must be 0")
+        bt = self.block_table
+        if bt.dim() != 2 or bt.shape[0] != self.num_reqs:
+            raise InvalidInputError(
+                f"block_table must be [num_reqs={self.num_reqs}, max_blocks], "
+                f"got shape {tuple(bt.shape)}"
+            )
+        if not self.num_reqs:
+            if self.num_actual_tokens != 0:
+                raise InvalidInputError(
+                    f"num_actual_tokens = {self.num_actual_tokens} but the batch has no request"
+                )
+            return
+        # Every value check in one reduction (a step is paid per engine step, so keep it
+        # cheap); the detailed checks below run only to name what is wrong.
+        seq = self.seq_lens_cpu
         steps = qsl[1:] - qsl[:-1]
+        width_needed = (seq + self.block_size - 1) // self.block_size
+        first, min_step, min_ctx, max_width, max_q, max_s, total = torch.stack(
+            [
+                qsl[0],
+                steps.min(),
+                (seq - steps).min(),
+                width_needed.max(),
+                steps.max(),
+                seq.max(),
+                qsl[-1],
+            ]
+        ).tolist()
+        if (
+            first == 0
+            and min_step >= 1
+            and min_ctx >= 0
+            and max_width <= bt.shape[1]
+            and (max_q, max_s, total)
+            == (self.max_query_len, self.max_seq_len, self.num_actual_tokens)
+            and self.slot_mapping.dim() == 1
+            and self.slot_mapping.shape[0] >= total
+        ):
+            return
+        if first != 0:
+            raise InvalidInputError(f"query_start_loc[0] = {first} must be 0")
         bad = (steps < 1).nonzero()
         if bad.numel():
             i = int(bad[0, 0])
@@ -178,8 +216,7 @@ class BatchMetadata:
                 f"query_start_loc is not strictly increasing: query_start_loc[{i}] = "
                 f"{int(qsl[i])}, query_start_loc[{i + 1}] = {int(qsl[i + 1])}"
             )
-        _check_lengths(steps, self.seq_lens_cpu)
-        total = int(qsl[-1]) if self.num_reqs else 0
+        _check_lengths(steps, seq)
         if self.num_actual_tokens != total:
             raise InvalidInputError(
                 f"num_actual_tokens = {self.num_actual_tokens} but query_start_loc[-1] = {total}"
@@ -189,24 +226,14 @@ class BatchMetadata:
                 f"slot_mapping has shape {tuple(self.slot_mapping.shape)}, "
                 f"needs at least {total} entries"
             )
-        bt = self.block_table
-        if bt.dim() != 2 or bt.shape[0] != self.num_reqs:
+        _check_table_width(seq, bt.shape[1], self.block_size)
+        if self.max_query_len != max_q:
             raise InvalidInputError(
-                f"block_table must be [num_reqs={self.num_reqs}, max_blocks], "
-                f"got shape {tuple(bt.shape)}"
+                f"max_query_len = {self.max_query_len} but the longest query is {max_q}"
             )
-        _check_table_width(self.seq_lens_cpu, bt.shape[1], self.block_size)
-        if self.num_reqs:
-            if self.max_query_len != int(steps.max()):
-                raise InvalidInputError(
-                    f"max_query_len = {self.max_query_len} but the longest query is "
-                    f"{int(steps.max())}"
-                )
-            if self.max_seq_len != int(self.seq_lens_cpu.max()):
-                raise InvalidInputError(
-                    f"max_seq_len = {self.max_seq_len} but the longest sequence is "
-                    f"{int(self.seq_lens_cpu.max())}"
-                )
+        raise InvalidInputError(
+            f"max_seq_len = {self.max_seq_len} but the longest sequence is {max_s}"
+        )
 
 
 def _check_lengths(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> None:
