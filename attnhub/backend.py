@@ -143,6 +143,7 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
     def build(self, batch: BatchMetadata, *, common_prefix_len: int = 0) -> M:
         """Validate the batch (host copies only) and plan the step."""
         validation.check_batch_for_spec(self.spec, batch, self.backend.device)
+        self._check_batch_kinds(batch)
         if common_prefix_len:
             if not self.backend.capabilities.cascade:
                 raise UnsupportedConfigurationError(
@@ -159,6 +160,36 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
                     f"common_prefix_len = {common_prefix_len} must be in 0..the shortest context"
                 )
         return self.plan(batch, common_prefix_len)
+
+    def _check_batch_kinds(self, batch: BatchMetadata) -> None:
+        """Refuse requests of a kind the backend does not declare.
+
+        A request with cached context and query_len > 1 is a multi-token decode when
+        query_len <= ``reorder_batch_threshold`` (speculative tokens), else a chunked prefill.
+        """
+        caps = self.backend.capabilities
+        if caps.chunked_prefill and caps.multi_token_decode:
+            return
+        q = batch.query_lens_cpu
+        with_context = (batch.seq_lens_cpu > q) & (q > 1)
+        if not bool(with_context.any()):
+            return
+        threshold = max(1, self.reorder_batch_threshold or 1)
+        kinds = (
+            ("chunked prefill", caps.chunked_prefill, with_context & (q > threshold)),
+            ("multi-token decode", caps.multi_token_decode, with_context & (q <= threshold)),
+        )
+        for kind, declared, found in kinds:
+            if not declared and bool(found.any()):
+                r = int(found.nonzero()[0, 0])
+                raise UnsupportedConfigurationError(
+                    self.backend.name,
+                    [
+                        f"request {r} (query_len {int(q[r])}, context_len "
+                        f"{int(batch.seq_lens_cpu[r] - q[r])}) is a {kind}, which this backend "
+                        "does not support"
+                    ],
+                )
 
     @abc.abstractmethod
     def plan(self, batch: BatchMetadata, common_prefix_len: int) -> M:

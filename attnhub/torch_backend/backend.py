@@ -62,6 +62,19 @@ class TorchBackend(AttentionBackend):
     #: that outgrows the CPU caches is slower than one call per request (docs/backends/torch.md).
     gather_budget_bytes = 4 << 20
 
+    @classmethod
+    def availability(cls, device: torch.device | str, emulate: bool = False) -> str | None:
+        """Usable wherever torch can allocate on ``device`` (probed, not assumed)."""
+        why = super().availability(device, emulate)
+        if why is not None:
+            return why
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
+            return f"torch cannot allocate on {str(device)!r}: {first_line}"
+        return None
+
     def __init__(
         self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
     ) -> None:
