@@ -1,0 +1,861 @@
+"""Conformance cases, generated from what a backend declares (as xformers parametrizes its tests
+from each op's declarations).
+
+A declared feature is tested against the reference; an undeclared one must be refused at
+construction, with a reason. Every case names what it proves (``rows``: the lines of the
+features x backends matrix it stands for) and carries a test id that names the backend and the
+whole configuration, e.g. ``torch-chunked_prefill-bf16-h128-gqa4-bs16-sliding_window``.
+
+Lengths are written relative to the block size so that every shape crosses block boundaries and
+ends mid-block whatever block size a backend declares.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import torch
+
+from attnhub import FEATURES, Capabilities, GraphSupport
+from attnhub.errors import InvalidSpecError
+from attnhub.spec import KV_CACHE_DTYPES, MODEL_DTYPES, AttentionSpec, AttentionType
+from attnhub_conformance.targets import Target
+
+# --- the axes --------------------------------------------------------------------------------
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+#: The base dtype is the first one a backend declares, in this order.
+DTYPE_PREFERENCE = (torch.bfloat16, torch.float16, torch.float32)
+
+SOFTCAP = 1.5  # small enough that tanh bends scores of N(0, 1) inputs
+
+
+def sliding_window_for(block_size: int) -> int:
+    """A window that is not a multiple of the block size and shorter than most sequences."""
+    return block_size + block_size // 2 + 5
+
+
+@dataclass(frozen=True)
+class Heads:
+    name: str  # mha, gqa4, mqa: the id token
+    num_heads: int
+    num_kv_heads: int
+
+
+HEADS = (Heads("gqa4", 8, 2), Heads("mha", 4, 4), Heads("mqa", 8, 1))
+
+
+@dataclass(frozen=True)
+class Scope:
+    """How wide the matrix is: ``quick`` keeps every declared feature and every batch shape
+    but few shape/dtype combinations; ``full`` crosses the axes."""
+
+    name: str
+    long_context: int  # context tokens of the chunked-prefill request
+    many_requests: int  # requests in the many_requests batch (at least 64)
+    head_sizes: tuple[int, ...]  # candidates, filtered by what the backend supports
+    block_sizes: tuple[int, ...]
+    full: bool
+
+
+QUICK = Scope("quick", 384, 64, (64, 128, 256, 96, 80, 32), (16, 64, 32, 128, 8), full=False)
+FULL = Scope(
+    "full", 2100, 160, (64, 32, 80, 96, 112, 128, 192, 256), (16, 1, 8, 32, 64, 128), full=True
+)
+SCOPES = {"quick": QUICK, "full": FULL}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One attention layer configuration: everything that goes into an AttentionSpec."""
+
+    dtype: torch.dtype
+    head_size: int
+    heads: Heads
+    block_size: int
+    kv_cache_dtype: str = "auto"
+    attn_type: AttentionType = AttentionType.DECODER
+    features: tuple[str, ...] = ()
+
+    def spec(self) -> AttentionSpec:
+        f = set(self.features)
+        return AttentionSpec(
+            num_heads=self.heads.num_heads,
+            num_kv_heads=self.heads.num_kv_heads,
+            head_size=self.head_size,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            attn_type=self.attn_type,
+            sliding_window=sliding_window_for(self.block_size) if "sliding_window" in f else None,
+            logits_soft_cap=SOFTCAP if "softcap" in f else None,
+            use_alibi="alibi" in f,
+            use_sinks="sinks" in f,
+        )
+
+    def with_(self, **changes: object) -> Config:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def id(self) -> str:
+        parts = [
+            DTYPE_NAMES.get(self.dtype, str(self.dtype).removeprefix("torch.")),
+            f"h{self.head_size}",
+            self.heads.name,
+            f"bs{self.block_size}",
+        ]
+        if self.features:
+            parts.append("+".join(self.features))
+        if self.kv_cache_dtype != "auto":
+            parts.append(f"kv_{self.kv_cache_dtype}")
+        if self.attn_type is not AttentionType.DECODER:
+            parts.append(self.attn_type.value)
+        return "-".join(parts)
+
+
+# --- batch shapes ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The lengths of one step: what the harness turns into a BatchMetadata."""
+
+    requests: tuple[tuple[int, int], ...]  # (query_len, seq_len) per request, in batch order
+    padding: int = 0  # slot_mapping rows of -1 after the real tokens (a graph-padded step)
+    shared_prefix_blocks: int = 0  # cascade: leading blocks every request shares
+    new_kv: bool = True  # False: forward(key=None) over keys written earlier (cross-attention)
+
+    @property
+    def query_lens(self) -> list[int]:
+        return [q for q, _ in self.requests]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [s for _, s in self.requests]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A batch composition; ``plan`` sizes it for a block size, a backend and a scope."""
+
+    name: str
+    proves: str
+    plan: Callable[[int, Capabilities, Scope], BatchPlan] = field(compare=False, repr=False)
+    needs: str | None = None  # the Capabilities flag the shape requires, if any
+
+
+def _decode(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    lens = (bs + 1, 3, 2 * bs, 5 * bs - 3, 2, 4 * bs + 9, bs - 1 if bs > 1 else 4)
+    return BatchPlan(tuple((1, s) for s in lens), padding=1)
+
+
+def _prefill(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    return BatchPlan(tuple((n, n) for n in (bs + 5, 2 * bs, 3, 37)))
+
+
+def _mixed(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    reqs = [(1, 3 * bs + 1), (1, 9), (bs + 3, bs + 3), (1, 2 * bs), (1, 1)]
+    if caps.chunked_prefill:
+        reqs.insert(3, (9, 9 + 2 * bs + 3))
+    if caps.multi_token_decode:
+        reqs.insert(1, (3, 3 + bs))
+    return BatchPlan(tuple(reqs), padding=3)
+
+
+def _chunked_prefill(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    return BatchPlan(((37, 37 + scope.long_context + 5), (bs + 1, 6 * bs), (1, 2 * bs + 1)))
+
+
+def _multi_token_decode(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    return BatchPlan(((2, 3 * bs + 2), (3, 17), (1, 40), (4, 5), (2, 2 * bs + 1), (3, 3 + bs)))
+
+
+def _one_request(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    return BatchPlan(((7, bs + 11),) if caps.chunked_prefill else ((bs + 11, bs + 11),))
+
+
+def _many_requests(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    rng = random.Random(f"many_requests-{bs}")
+    reqs = []
+    for i in range(scope.many_requests):
+        if i % 8 == 7:
+            q = rng.randint(1, 2 * bs + 3)
+            reqs.append((q, q))
+        elif i % 8 == 6 and caps.chunked_prefill:
+            q = rng.randint(5, bs + 3)
+            reqs.append((q, q + rng.randint(1, 2 * bs)))
+        elif i % 8 == 5 and caps.multi_token_decode:
+            q = rng.randint(2, 4)
+            reqs.append((q, q + rng.randint(1, 3 * bs)))
+        else:
+            reqs.append((1, 1 + rng.randint(1, 3 * bs + 5)))
+    return BatchPlan(tuple(reqs), padding=5)
+
+
+def _unaligned(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    b = max(bs, 4)
+    reqs = [(b - 1, b - 1), (1, b + 1), (1, 2 * b - 1), (b + 1, b + 1)]
+    if caps.chunked_prefill:
+        reqs.append((b + 1, 2 * b + 3))  # new tokens start mid-block and cross a boundary
+    return BatchPlan(tuple(reqs))
+
+
+def _length_one(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    return BatchPlan(((1, 1), (1, 1), (1, 2), (1, 1)))
+
+
+def _cascade(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    reqs = [(1, 2 * bs + 5), (1, 3 * bs + 1), (1, 2 * bs + 1)]
+    if caps.chunked_prefill:
+        reqs.append((5, 2 * bs + 9))
+    return BatchPlan(tuple(reqs), shared_prefix_blocks=2)
+
+
+def _encoder_prefill(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    return BatchPlan(tuple((n, n) for n in (bs + 5, 2 * bs, 3, 37, 1)))
+
+
+def _encoder_many(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    rng = random.Random(f"encoder_many-{bs}")
+    return BatchPlan(
+        tuple((n, n) for n in (rng.randint(1, 2 * bs + 3) for _ in range(scope.many_requests)))
+    )
+
+
+def _cross_attention(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    return BatchPlan(((1, 23), (5, 5 + bs), (3, 2 * bs + 7), (1, 1)), new_kv=False)
+
+
+def _cross_one(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    return BatchPlan(((4, 2 * bs + 3),), new_kv=False)
+
+
+DECODE = Shape(
+    "decode", "decode-only step (query_len 1 over cached context), graph-padded", _decode
+)
+PREFILL = Shape("prefill", "prefill-only step (no cached context)", _prefill)
+MIXED = Shape("mixed", "decodes, prefills and chunked prefills in one step, padded", _mixed)
+CHUNKED_PREFILL = Shape(
+    "chunked_prefill",
+    "prefill chunks over a long cached context",
+    _chunked_prefill,
+    needs="chunked_prefill",
+)
+MULTI_TOKEN_DECODE = Shape(
+    "multi_token_decode",
+    "speculative decode: ragged small query lengths over context",
+    _multi_token_decode,
+    needs="multi_token_decode",
+)
+ONE_REQUEST = Shape("one_request", "a batch of one request", _one_request)
+MANY_REQUESTS = Shape("many_requests", "64+ requests of mixed kinds", _many_requests)
+UNALIGNED = Shape("unaligned", "lengths that are not multiples of the block size", _unaligned)
+LENGTH_ONE = Shape("length_one", "sequences of length 1", _length_one)
+CASCADE = Shape(
+    "cascade",
+    "requests sharing prefix blocks, built with common_prefix_len",
+    _cascade,
+    needs="cascade",
+)
+ENCODER_PREFILL = Shape("prefill", "non-causal attention over whole sequences", _encoder_prefill)
+ENCODER_MANY = Shape("many_requests", "64+ non-causal sequences", _encoder_many)
+CROSS_ATTENTION = Shape(
+    "cross_attention", "decoder queries over encoder keys already cached", _cross_attention
+)
+CROSS_ONE = Shape("one_request", "one request's queries over its encoder keys", _cross_one)
+UNALIGNED_PREFILL = Shape(
+    "unaligned",
+    "lengths that are not multiples of the block size",
+    lambda bs, caps, scope: BatchPlan(tuple((n, n) for n in (max(bs, 4) - 1, max(bs, 4) + 1, 7))),
+)
+
+DECODER_SHAPES = (
+    DECODE,
+    PREFILL,
+    MIXED,
+    CHUNKED_PREFILL,
+    MULTI_TOKEN_DECODE,
+    ONE_REQUEST,
+    MANY_REQUESTS,
+    UNALIGNED,
+    LENGTH_ONE,
+)
+#: Every row a shape can stand for, in matrix order.
+SHAPE_ORDER = [s.name for s in DECODER_SHAPES] + ["cascade", "cross_attention"]
+
+
+def shapes_for(caps: Capabilities, attn_type: AttentionType) -> list[Shape]:
+    """The batch shapes that make sense for ``attn_type`` and that ``caps`` declares."""
+    if attn_type is AttentionType.ENCODER_DECODER:
+        return [CROSS_ATTENTION, CROSS_ONE]
+    if attn_type is not AttentionType.DECODER:
+        return [ENCODER_PREFILL, ENCODER_MANY, UNALIGNED_PREFILL, LENGTH_ONE]
+    return [s for s in DECODER_SHAPES if s.needs is None or getattr(caps, s.needs)]
+
+
+def main_shape(attn_type: AttentionType) -> Shape:
+    """The shape each non-shape axis is tested with: the one that mixes the most."""
+    if attn_type is AttentionType.ENCODER_DECODER:
+        return CROSS_ATTENTION
+    if attn_type is not AttentionType.DECODER:
+        return ENCODER_PREFILL
+    return MIXED
+
+
+# --- cases -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One test instance: a backend, what is checked, and the matrix rows it stands for."""
+
+    target: Target
+    kind: str
+    name: str  # the test id after the backend name
+    rows: tuple[str, ...]
+    proves: str
+    config: Config | None = None
+    shape: Shape | None = None
+    entry: str | None = None  # the catalogue entry or refused capability, where one applies
+    skip: str | None = None  # skip with this reason instead of running
+    not_supported: bool = False  # a pass proves a refusal: the matrix says "not supported"
+    scope: Scope = QUICK
+
+    @property
+    def id(self) -> str:
+        return f"{self.target.name}-{self.name}"
+
+    def plan(self) -> BatchPlan:
+        assert self.config is not None and self.shape is not None
+        return self.shape.plan(self.config.block_size, self.target.capabilities, self.scope)
+
+
+class Cases:
+    """Collects cases; the same configuration reached from two axes is one case with both rows."""
+
+    def __init__(self, target: Target, kind: str, scope: Scope) -> None:
+        self.target, self.kind, self.scope = target, kind, scope
+        self._by_name: dict[str, Case] = {}
+
+    def add(
+        self,
+        row: str,
+        proves: str,
+        *,
+        config: Config | None = None,
+        shape: Shape | None = None,
+        entry: str | None = None,
+        name: str | None = None,
+        skip: str | None = None,
+        not_supported: bool = False,
+    ) -> None:
+        if name is None:
+            assert config is not None and shape is not None
+            name = f"{shape.name}-{config.id}"
+        old = self._by_name.get(name)
+        if old is not None:
+            if row not in old.rows:
+                self._by_name[name] = replace(old, rows=(*old.rows, row))
+            return
+        self._by_name[name] = Case(
+            self.target,
+            self.kind,
+            name,
+            (row,),
+            proves,
+            config,
+            shape,
+            entry,
+            skip,
+            not_supported,
+            self.scope,
+        )
+
+    def list(self) -> list[Case]:
+        return list(self._by_name.values())
+
+
+class Axes:
+    """The values of each axis that a backend supports, around one supported base config."""
+
+    def __init__(self, target: Target, scope: Scope) -> None:
+        self.target, self.scope = target, scope
+        caps = self.caps = target.capabilities
+        self.head_size_candidates = _unique([*scope.head_sizes, *sorted(caps.head_sizes or ())])
+        self.block_size_candidates = _unique([*scope.block_sizes, *sorted(caps.block_sizes or ())])
+        self.base = self._find_base()
+
+    def _find_base(self) -> Config | None:
+        caps = self.caps
+        kvs = ["auto", *sorted(k for k in caps.kv_cache_dtypes if k != "auto")]
+        attns = [AttentionType.DECODER, *sorted(caps.attn_types, key=lambda t: t.value)]
+        for dtype, attn, kv, heads, hs, bs in itertools.product(
+            [d for d in DTYPE_PREFERENCE if d in caps.dtypes],
+            attns,
+            kvs,
+            HEADS,
+            self.head_size_candidates,
+            self.block_size_candidates,
+        ):
+            config = Config(dtype, hs, heads, bs, kv, attn)
+            if self.supports(config):
+                return config
+        return None
+
+    def supports(self, config: Config) -> bool:
+        """The backend accepts ``config`` (and it is a valid spec at all)."""
+        try:
+            spec = config.spec()
+        except InvalidSpecError:
+            return False
+        return not self.target.refusal(spec)
+
+    @cached_property
+    def dtypes(self) -> list[torch.dtype]:
+        assert self.base
+        return [d for d in DTYPE_PREFERENCE if self.supports(self.base.with_(dtype=d))]
+
+    @cached_property
+    def head_sizes(self) -> list[int]:
+        assert self.base
+        ok = [h for h in self.head_size_candidates if self.supports(self.base.with_(head_size=h))]
+        if self.scope.full:
+            return sorted(ok)
+        larger = [h for h in ok if h > self.base.head_size]  # in candidate order: 128 first
+        return [self.base.head_size, *larger[:1]]  # head size 64 and one larger
+
+    @cached_property
+    def heads(self) -> list[Heads]:
+        assert self.base
+        return [h for h in HEADS if self.supports(self.base.with_(heads=h))]
+
+    @cached_property
+    def block_sizes(self) -> list[int]:
+        assert self.base
+        ok = [b for b in self.block_size_candidates if self.supports(self.base.with_(block_size=b))]
+        if self.scope.full:
+            return sorted(ok)
+        return ok[:2]
+
+    @cached_property
+    def features(self) -> list[str]:
+        assert self.base
+        return [
+            f
+            for f in FEATURES
+            if self.caps.supports_feature(f) and self.supports(self.base.with_(features=(f,)))
+        ]
+
+    @cached_property
+    def kv_cache_dtypes(self) -> list[str]:
+        assert self.base
+        return [
+            k
+            for k in KV_CACHE_DTYPES
+            if k != self.base.kv_cache_dtype
+            and k in self.caps.kv_cache_dtypes
+            and self.supports(self.base.with_(kv_cache_dtype=k))
+        ]
+
+    @cached_property
+    def attn_types(self) -> list[AttentionType]:
+        assert self.base
+        return [
+            t
+            for t in AttentionType
+            if t is not self.base.attn_type
+            and t in self.caps.attn_types
+            and self.supports(self.base.with_(attn_type=t))
+        ]
+
+    def combined_features(self, config: Config) -> Config | None:
+        """``config`` with every declared feature at once (their interplay), if supported."""
+        feats = tuple(self.features)
+        if len(feats) < 2:
+            return None
+        combined = config.with_(features=feats)
+        return combined if self.supports(combined) else None
+
+
+def _unique(xs: list[int]) -> list[int]:
+    return list(dict.fromkeys(xs))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+# --- generators, one per kind of test ---------------------------------------------------------
+
+
+def output_cases(target: Target, scope: Scope) -> list[Case]:
+    """``test_matches_reference``: every declared shape, dtype, head size, head layout, block
+    size, feature, KV-cache format and attention type, checked against the reference."""
+    ax = Axes(target, scope)
+    out = Cases(target, "outputs", scope)
+    base = ax.base
+    if base is None:
+        return []
+    caps = ax.caps
+    proves = "forward matches attnhub.reference within the declared tolerance"
+
+    def add(config: Config, shape: Shape, row: str) -> None:
+        if ax.supports(config):
+            out.add(row, proves, config=config, shape=shape)
+
+    shapes = shapes_for(caps, base.attn_type)
+    mixed = main_shape(base.attn_type)
+    for shape, dtype in itertools.product(shapes, ax.dtypes):  # every shape in every dtype
+        add(base.with_(dtype=dtype), shape, f"batch: {shape.name}")
+        add(base.with_(dtype=dtype), shape, f"dtype: {dtype_name(dtype)}")
+    if caps.cascade and base.attn_type is AttentionType.DECODER:
+        add(base, CASCADE, "cascade")
+    for hs in ax.head_sizes:
+        add(base.with_(head_size=hs), mixed, f"head size: {hs}")
+    for heads in ax.heads:
+        add(base.with_(heads=heads), mixed, f"heads: {heads.name}")
+    for bs in ax.block_sizes:
+        for shape in (mixed, UNALIGNED if mixed is MIXED else UNALIGNED_PREFILL):
+            add(base.with_(block_size=bs), shape, f"block size: {bs}")
+    feature_shapes = [s for s in (mixed, CHUNKED_PREFILL, DECODE, PREFILL) if s in shapes][:3]
+    for feature, dtype in itertools.product(ax.features, ax.dtypes):
+        for shape in feature_shapes:
+            add(base.with_(features=(feature,), dtype=dtype), shape, f"feature: {feature}")
+    combined = ax.combined_features(base)
+    if combined is not None:
+        for shape, dtype in itertools.product(feature_shapes[:2], ax.dtypes):
+            add(combined.with_(dtype=dtype), shape, "feature: combined")
+    for kv, dtype in itertools.product(ax.kv_cache_dtypes, ax.dtypes):
+        for shape in (mixed, DECODE if DECODE in shapes else mixed):
+            add(base.with_(kv_cache_dtype=kv, dtype=dtype), shape, f"kv cache: {kv}")
+    for attn in ax.attn_types:
+        config = base.with_(attn_type=attn)
+        for shape in shapes_for(caps, attn)[: None if scope.full else 2]:
+            add(config, shape, f"attention: {attn.value}")
+        if "sliding_window" in ax.features and not attn.is_causal:
+            add(
+                config.with_(features=("sliding_window",)),
+                main_shape(attn),
+                "feature: sliding_window",
+            )
+    if scope.full:
+        _full_output_cases(ax, add)
+    return out.list()
+
+
+def _full_output_cases(ax: Axes, add: Callable[[Config, Shape, str], None]) -> None:
+    base = ax.base
+    assert base is not None
+    caps = ax.caps
+    shapes = shapes_for(caps, base.attn_type)
+    mixed = main_shape(base.attn_type)
+    for shape, dtype, heads in itertools.product(shapes, ax.dtypes, ax.heads):
+        add(base.with_(dtype=dtype, heads=heads), shape, f"batch: {shape.name}")
+    for dtype, hs, bs in itertools.product(ax.dtypes, ax.head_sizes, ax.block_sizes):
+        config = base.with_(dtype=dtype, head_size=hs, block_size=bs)
+        add(config, mixed, f"head size: {hs}")
+        add(config, mixed, f"block size: {bs}")
+    feature_sets = [(f,) for f in ax.features]
+    combined = ax.combined_features(base)
+    if combined is not None:
+        feature_sets.append(combined.features)
+    for feats, dtype, shape in itertools.product(feature_sets, ax.dtypes, shapes):
+        row = "feature: combined" if len(feats) > 1 else f"feature: {feats[0]}"
+        add(base.with_(features=feats, dtype=dtype), shape, row)
+    for kv, dtype, shape in itertools.product(ax.kv_cache_dtypes, ax.dtypes, shapes):
+        add(base.with_(kv_cache_dtype=kv, dtype=dtype), shape, f"kv cache: {kv}")
+    for attn, dtype, heads in itertools.product(ax.attn_types, ax.dtypes, ax.heads):
+        for shape in shapes_for(caps, attn):
+            add(
+                base.with_(attn_type=attn, dtype=dtype, heads=heads),
+                shape,
+                f"attention: {attn.value}",
+            )
+
+
+def kv_cache_cases(target: Target, scope: Scope) -> list[Case]:
+    """The cache holds exactly what was written; every other slot (padding included) is
+    byte-identical. Through ``forward`` and through ``write_kv`` alone; for the base config,
+    every KV format, every block size and every attention type that writes new keys (full
+    scope: every dtype with every format too)."""
+    ax = Axes(target, scope)
+    out = Cases(target, "kv_cache", scope)
+    base = ax.base
+    if base is None:
+        return []
+    configs = [base]
+    configs += [base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes]
+    configs += [base.with_(block_size=b) for b in ax.block_sizes]
+    configs += [base.with_(attn_type=t) for t in ax.attn_types]
+    if scope.full:
+        configs += [
+            base.with_(dtype=d, kv_cache_dtype=k)
+            for d in ax.dtypes
+            for k in [base.kv_cache_dtype, *ax.kv_cache_dtypes]
+        ]
+    for config in configs:
+        if config.attn_type is AttentionType.ENCODER_DECODER:
+            continue  # cross-attention steps write no new keys
+        shape = main_shape(config.attn_type)
+        for call in ("forward", "write_kv"):
+            out.add(
+                "kv cache writes",
+                f"{call} writes exactly the new tokens' slots; padding (-1) and every other "
+                "slot stay byte-identical",
+                config=config,
+                shape=shape,
+                entry=call,
+                name=f"{call}-{shape.name}-{config.id}",
+            )
+    return out.list()
+
+
+def simple_cases(kind: str, row: str, proves: str, target: Target, scope: Scope) -> list[Case]:
+    """Cases for the checks that need a few representative configs, not the whole matrix:
+    the base, all declared features together, each quantized cache (full: every dtype)."""
+    ax = Axes(target, scope)
+    out = Cases(target, kind, scope)
+    base = ax.base
+    if base is None:
+        return []
+    shape = main_shape(base.attn_type)
+    configs = [base]
+    combined = ax.combined_features(base)
+    configs += [combined] if combined else [base.with_(features=(f,)) for f in ax.features]
+    configs += [base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes]
+    if scope.full:
+        configs += [base.with_(dtype=d) for d in ax.dtypes]
+        configs += [base.with_(heads=h) for h in ax.heads]
+    for config in configs:
+        out.add(row, proves, config=config, shape=shape)
+    return out.list()
+
+
+def host_sync_cases(target: Target, scope: Scope) -> list[Case]:
+    """A backend declaring graph capture does no device-to-host sync in forward."""
+    ax = Axes(target, scope)
+    out = Cases(target, "host_sync", scope)
+    base = ax.base
+    row = "graph capture (no host sync)"
+    if base is None:
+        return []
+    level = ax.caps.graph_capture
+    if level == GraphSupport.NEVER:
+        out.add(
+            row,
+            "the backend declares graph_capture=NEVER",
+            name="graph_capture",
+            skip="graph_capture is NEVER: forward may sync with the host; check skipped",
+            not_supported=True,
+        )
+        return out.list()
+    proves = "forward reads no device tensor on the host (no .item(), bool(), .cpu(), ...)"
+    if level == GraphSupport.UNIFORM_DECODE:
+        shapes = [DECODE] if base.attn_type is AttentionType.DECODER else []
+    else:
+        shapes = [
+            s
+            for s in (main_shape(base.attn_type), DECODE, CHUNKED_PREFILL)
+            if s in shapes_for(ax.caps, base.attn_type)
+        ]
+    configs = [base]
+    combined = ax.combined_features(base)
+    configs += [combined] if combined else [base.with_(features=(f,)) for f in ax.features]
+    configs += [base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes]
+    for config, shape in itertools.product(configs, shapes):
+        out.add(row, proves, config=config, shape=shape)
+    return out.list()
+
+
+# Head and block sizes tried, in order, to find one a restricted backend refuses.
+_REFUSED_HEAD_SIZES = (48, 72, 104, 160, 200, 320, 512, 33, 65, 129, 1024)
+_REFUSED_BLOCK_SIZES = (24, 48, 256, 512, 1024, 2, 4, 8, 1, 15, 17)
+
+
+def refusal_cases(target: Target, scope: Scope) -> list[Case]:
+    """Every undeclared capability is refused at construction (or, for batch-level ones, at
+    build) with a reason: never a wrong answer."""
+    ax = Axes(target, scope)
+    out = Cases(target, "refusals", scope)
+    base = ax.base
+    if base is None:
+        return []
+    caps = ax.caps
+    proves = "refused at construction with UnsupportedConfigurationError and its reasons"
+
+    def refuse(config: Config, row: str, name: str) -> None:
+        try:
+            config.spec()
+        except InvalidSpecError:
+            return
+        out.add(row, proves, config=config, name=name, not_supported=True)
+
+    for dtype in MODEL_DTYPES:
+        if dtype not in caps.dtypes:
+            refuse(
+                base.with_(dtype=dtype), f"dtype: {dtype_name(dtype)}", f"dtype_{dtype_name(dtype)}"
+            )
+    for kv in KV_CACHE_DTYPES:
+        if kv not in caps.kv_cache_dtypes:
+            refuse(base.with_(kv_cache_dtype=kv), f"kv cache: {kv}", f"kv_cache_{kv}")
+    for attn in AttentionType:
+        if attn not in caps.attn_types:
+            refuse(
+                base.with_(attn_type=attn), f"attention: {attn.value}", f"attention_{attn.value}"
+            )
+    for feature in FEATURES:
+        if not caps.supports_feature(feature):
+            refuse(base.with_(features=(feature,)), f"feature: {feature}", f"feature_{feature}")
+    for hs in _REFUSED_HEAD_SIZES:
+        if caps.unsupported_reasons(base.with_(head_size=hs).spec()):
+            refuse(base.with_(head_size=hs), f"head size: {hs}", f"head_size_{hs}")
+            break
+    for bs in _REFUSED_BLOCK_SIZES:
+        if caps.unsupported_reasons(base.with_(block_size=bs).spec()):
+            refuse(base.with_(block_size=bs), f"block size: {bs}", f"block_size_{bs}")
+            break
+    if base.attn_type is AttentionType.DECODER:
+        if not caps.cascade:
+            out.add(
+                "cascade",
+                "build(batch, common_prefix_len > 0) raises UnsupportedConfigurationError",
+                config=base,
+                shape=CASCADE,
+                entry="cascade",
+                name="cascade",
+                not_supported=True,
+            )
+        for flag, shape in (
+            ("multi_token_decode", MULTI_TOKEN_DECODE),
+            ("chunked_prefill", CHUNKED_PREFILL),
+        ):
+            if not getattr(caps, flag):
+                out.add(
+                    f"batch: {shape.name}",
+                    "an undeclared batch kind is refused with a "
+                    "reason or computed correctly, never answered wrongly",
+                    config=base,
+                    shape=shape,
+                    entry=flag,
+                    name=flag,
+                )
+    if caps.graph_capture == GraphSupport.NEVER:
+        out.add(
+            "graph capture (no host sync)",
+            "build_for_graph_capture raises UnsupportedConfigurationError",
+            config=base,
+            shape=main_shape(base.attn_type),
+            entry="graph_capture",
+            name="graph_capture",
+            not_supported=True,
+        )
+    return out.list()
+
+
+def invalid_input_cases(target: Target, scope: Scope) -> list[Case]:
+    """Each catalogue entry raises its typed error and leaves the cache byte-identical."""
+    from attnhub_conformance.catalogue import INVALID_INPUTS
+
+    ax = Axes(target, scope)
+    out = Cases(target, "invalid_inputs", scope)
+    base = ax.base
+    if base is None:
+        return []
+    configs = [base]
+    if scope.full:
+        configs += [base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes]
+    for config in configs:
+        suffix = "" if config is base else f"-{config.id}"
+        for entry in INVALID_INPUTS:
+            if entry.not_applicable(target, config) is None:
+                out.add(
+                    "invalid inputs",
+                    entry.proves,
+                    config=config,
+                    shape=main_shape(config.attn_type),
+                    entry=entry.name,
+                    name=f"{entry.name}{suffix}",
+                )
+    return out.list()
+
+
+def availability_case(target: Target, scope: Scope) -> Case:
+    """Every selected backend gets one: it loads, runs here, and serves some spec."""
+    config = None
+    if target.load_error is not None:
+        proves = "the backend's plugin loads"
+    elif target.unavailable is not None:
+        proves = "the backend runs on this device"
+    else:
+        proves = "the backend serves a spec of the suite's candidates and allocates a cache"
+        config = Axes(target, scope).base
+    return Case(
+        target,
+        "availability",
+        "availability",
+        ("availability",),
+        proves,
+        config=config,
+        skip=None if target.load_error else target.unavailable,
+        scope=scope,
+    )
+
+
+def property_case(target: Target, scope: Scope) -> list[Case]:
+    ax = Axes(target, scope)
+    if ax.base is None:
+        return []
+    return [
+        Case(
+            target,
+            "properties",
+            "random_batches",
+            ("random batches (hypothesis)",),
+            "random batch compositions within the declared capabilities match the reference",
+            config=ax.base,
+            scope=scope,
+        )
+    ]
+
+
+GENERATORS: dict[str, Callable[[Target, Scope], list[Case]]] = {
+    "outputs": output_cases,
+    "kv_cache": kv_cache_cases,
+    "invalid_inputs": invalid_input_cases,
+    "refusals": refusal_cases,
+    "host_sync": host_sync_cases,
+    "properties": property_case,
+    "output_buffer": lambda t, s: simple_cases(
+        "output_buffer", "output buffer", "forward(..., output=buf) fills and returns buf", t, s
+    ),
+    "determinism": lambda t, s: simple_cases(
+        "determinism", "determinism", "the same inputs give the same bits", t, s
+    ),
+    "batch_invariance": lambda t, s: simple_cases(
+        "batch_invariance",
+        "batch invariance",
+        "a request's output does not depend on its neighbours or its place in the batch",
+        t,
+        s,
+    ),
+    "metadata_reuse": lambda t, s: simple_cases(
+        "metadata_reuse",
+        "metadata reuse",
+        "metadata built once serves every layer, unchanged by forward",
+        t,
+        s,
+    ),
+}
+
+
+def generate(kind: str, target: Target, scope: Scope) -> list[Case]:
+    """The cases of one kind of test for one target (none for a target that cannot run)."""
+    if kind == "availability":
+        return [availability_case(target, scope)]
+    if not target.runnable:
+        return []
+    return GENERATORS[kind](target, scope)

@@ -1,0 +1,339 @@
+"""The catalogue of invalid inputs: each must raise its typed ``attnhub.errors`` exception and
+leave the KV cache byte-identical (every check runs before anything is written).
+
+An entry provokes one mistake on an otherwise valid step (see ``harness.prepare``): a wrong
+dtype, shape or device of q/k/v, a slot or block outside the cache, an impossible batch, a cache
+or metadata that does not belong to this backend, or a spec the backend does not support.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from attnhub import BatchMetadata, PagedKVCache
+from attnhub.errors import (
+    AttnhubError,
+    InvalidInputError,
+    InvalidSpecError,
+    UnsupportedConfigurationError,
+)
+from attnhub.spec import KV_CACHE_DTYPES, MODEL_DTYPES, AttentionType
+from attnhub_conformance.cases import Config
+from attnhub_conformance.harness import Layer, Step
+from attnhub_conformance.targets import Target
+
+
+@dataclass(frozen=True)
+class InvalidInput:
+    name: str
+    proves: str
+    error: type[AttnhubError]
+    provoke: Callable[[Step, Layer], object]
+    #: Why the entry does not apply to a backend/config (None: it applies).
+    not_applicable: Callable[[Target, Config], str | None] = lambda target, config: None
+
+
+def wrong_device(step: Step) -> str:
+    return "meta" if step.device.type != "meta" else "cpu"
+
+
+def other_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype != torch.float32 else torch.float16
+
+
+def _forward(
+    step: Step, layer: Layer, *, batch: BatchMetadata | None = None, **inputs: object
+) -> object:
+    """Build (from ``batch`` if given) and forward, with some inputs replaced."""
+    meta = inputs.pop("meta", None)
+    if meta is None:
+        meta = step.build(batch)
+    args = {"query": layer.query, "key": layer.key, "value": layer.value, "cache": layer.cache}
+    if not step.plan.new_kv:
+        args["key"] = args["value"] = None
+    args.update(inputs)
+    output = args.pop("output", None)
+    return layer.impl.forward(
+        args["query"],
+        args["key"],
+        args["value"],
+        args["cache"],
+        meta,
+        **({} if output is None else {"output": output}),
+    )
+
+
+def _with_slot(step: Step, slot: int) -> BatchMetadata:
+    """The batch with its last real token's slot replaced (earlier tokens stay valid, so a
+    backend that writes before checking corrupts the cache)."""
+    slots = step.batch.slot_mapping.clone()
+    slots[step.n - 1] = slot
+    return replace(step.batch, slot_mapping=slots)
+
+
+def _with_block(step: Step, block: int) -> BatchMetadata:
+    """The batch with one block-table entry replaced: a block of cached context only (so the
+    slot mapping stays valid) where there is one."""
+    bs = step.spec.block_size
+    table = step.batch.block_table.clone()
+    r, c = 0, 0
+    for i, (q, s) in enumerate(step.plan.requests):
+        if s - q >= bs:
+            r = i
+            break
+    table[r, c] = block
+    return replace(step.batch, block_table=table)
+
+
+def _with_lengths(
+    step: Step, *, query_start_loc: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
+) -> BatchMetadata:
+    b = step.batch
+    qsl = b.query_start_loc_cpu if query_start_loc is None else query_start_loc
+    seq = b.seq_lens_cpu if seq_lens is None else seq_lens
+    return replace(
+        b,
+        query_start_loc=qsl.to(b.device),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq.to(b.device),
+        seq_lens_cpu=seq,
+    )
+
+
+def _query_len_zero(step: Step, layer: Layer) -> object:
+    qsl = step.batch.query_start_loc_cpu.clone()
+    qsl[1] = qsl[0]  # request 0 gets no tokens
+    return _forward(step, layer, batch=_with_lengths(step, query_start_loc=qsl))
+
+
+def _seq_below_query(step: Step, layer: Layer) -> object:
+    q = step.batch.query_lens_cpu
+    r = int(torch.argmax(q))
+    seq = step.batch.seq_lens_cpu.clone()
+    seq[r] = q[r] - 1
+    return _forward(step, layer, batch=_with_lengths(step, seq_lens=seq))
+
+
+def _other_cache(step: Step, **changes: object) -> PagedKVCache:
+    spec = replace(step.spec, **changes)  # type: ignore[arg-type]
+    return PagedKVCache.for_spec(
+        spec, step.num_blocks, step.device, layout=step.backend.capabilities.kv_cache_layout
+    )
+
+
+def _cache_of_other_format(step: Step, layer: Layer) -> object:
+    current = step.spec.kv_cache_dtype
+    other = "auto" if current != "auto" else "fp8_e4m3"
+    if current == "auto" and step.spec.dtype == torch.float32:
+        cache = _other_cache(step, dtype=torch.float16)  # same format name, other storage dtype
+    else:
+        cache = _other_cache(step, kv_cache_dtype=other)
+    return _forward(step, layer, cache=cache)
+
+
+def _unsupported_spec(target: Target, config: Config) -> Config | None:
+    """The base config with one thing the backend does not declare (None: it declares all)."""
+    caps = target.capabilities
+    candidates = [config.with_(dtype=d) for d in MODEL_DTYPES if d not in caps.dtypes]
+    candidates += [
+        config.with_(kv_cache_dtype=k) for k in KV_CACHE_DTYPES if k not in caps.kv_cache_dtypes
+    ]
+    candidates += [config.with_(attn_type=t) for t in AttentionType if t not in caps.attn_types]
+    candidates += [config.with_(head_size=h) for h in (72, 160, 320, 1024)]
+    candidates += [config.with_(block_size=b) for b in (24, 48, 2048)]
+    for c in candidates:
+        try:
+            if caps.unsupported_reasons(c.spec()):
+                return c
+        except InvalidSpecError:
+            continue
+    return None
+
+
+def _construct_unsupported(step: Step, layer: Layer) -> object:
+    config = _unsupported_spec(step.target, step.config)
+    assert config is not None
+    return step.target.create(config.spec())
+
+
+def _alibi_undeclared(step: Step, layer: Layer) -> object:
+    return step.backend.impl(alibi_slopes=torch.ones(step.spec.num_heads))
+
+
+def _prefix_too_long(step: Step, layer: Layer) -> object:
+    shortest = int(step.batch.context_lens_cpu.min())
+    return step.builder.build(step.batch, common_prefix_len=shortest + 1)
+
+
+def _write_kv_bad_slot(step: Step, layer: Layer) -> object:
+    slots = step.batch.slot_mapping[: step.n].clone()
+    slots[-1] = layer.cache.num_slots
+    return layer.impl.write_kv(layer.key, layer.value, layer.cache, slots)
+
+
+def _needs_new_kv(target: Target, config: Config) -> str | None:
+    if config.attn_type is AttentionType.ENCODER_DECODER:
+        return "cross-attention steps write no new keys"
+    return None
+
+
+def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[dim] = size
+    return torch.zeros(shape, dtype=t.dtype, device=t.device)
+
+
+def _e(
+    name: str,
+    proves: str,
+    provoke: Callable[[Step, Layer], object],
+    error: type[AttnhubError] = InvalidInputError,
+    not_applicable: Callable[[Target, Config], str | None] | None = None,
+) -> InvalidInput:
+    return InvalidInput(name, proves, error, provoke, not_applicable or (lambda t, c: None))
+
+
+INVALID_INPUTS: tuple[InvalidInput, ...] = (
+    _e(
+        "query_dtype",
+        "a query in another dtype than the spec's",
+        lambda s, la: _forward(s, la, query=la.query.to(other_dtype(s.spec.dtype))),
+    ),
+    _e(
+        "key_dtype",
+        "a key in another dtype than the spec's",
+        lambda s, la: _forward(s, la, key=la.key.to(other_dtype(s.spec.dtype))),
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "value_dtype",
+        "a value in another dtype than the spec's",
+        lambda s, la: _forward(s, la, value=la.value.to(other_dtype(s.spec.dtype))),
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "query_num_heads",
+        "a query with num_heads + 1 heads",
+        lambda s, la: _forward(s, la, query=_resized(la.query, 1, s.spec.num_heads + 1)),
+    ),
+    _e(
+        "key_num_kv_heads",
+        "a key with num_kv_heads + 1 heads",
+        lambda s, la: _forward(s, la, key=_resized(la.key, 1, s.spec.num_kv_heads + 1)),
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "value_head_size",
+        "a value with another head size",
+        lambda s, la: _forward(s, la, value=_resized(la.value, 2, s.spec.head_size + 8)),
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "query_rank",
+        "a 2-D query [num_tokens, num_heads * head_size]",
+        lambda s, la: _forward(s, la, query=la.query.reshape(la.query.shape[0], -1)),
+    ),
+    _e(
+        "query_too_few_tokens",
+        "fewer query rows than the batch has tokens",
+        lambda s, la: _forward(s, la, query=la.query[: s.n - 1]),
+    ),
+    _e(
+        "key_too_few_tokens",
+        "fewer key/value rows than slot_mapping entries",
+        lambda s, la: _forward(s, la, key=la.key[: s.n - 1], value=la.value[: s.n - 1]),
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "query_device",
+        "a query on another device",
+        lambda s, la: _forward(s, la, query=la.query.to(wrong_device(s))),
+    ),
+    _e(
+        "value_device",
+        "a value on another device",
+        lambda s, la: _forward(s, la, value=la.value.to(wrong_device(s))),
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "output_dtype",
+        "an output buffer in another dtype",
+        lambda s, la: _forward(
+            s, la, output=torch.empty(la.query.shape, dtype=torch.float64, device=s.device)
+        ),
+    ),
+    _e(
+        "cache_block_size",
+        "a cache allocated for another block size",
+        lambda s, la: _forward(s, la, cache=_other_cache(s, block_size=s.spec.block_size * 2)),
+    ),
+    _e("cache_format", "a cache of another storage format", _cache_of_other_format),
+    _e(
+        "slot_outside_cache",
+        "slot_mapping entry = num_slots (one past the cache)",
+        lambda s, la: _forward(s, la, batch=_with_slot(s, la.cache.num_slots)),
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "slot_negative",
+        "slot_mapping entry = -2 (only -1 means padding)",
+        lambda s, la: _forward(s, la, batch=_with_slot(s, -2)),
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "write_kv_slot_outside_cache",
+        "write_kv with a slot one past the cache",
+        _write_kv_bad_slot,
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "block_table_outside_cache",
+        "a block table entry = num_blocks",
+        lambda s, la: _forward(s, la, batch=_with_block(s, s.num_blocks)),
+    ),
+    _e(
+        "block_table_negative",
+        "a block table entry = -1",
+        lambda s, la: _forward(s, la, batch=_with_block(s, -1)),
+    ),
+    _e("query_len_zero", "a request with query_len 0", _query_len_zero),
+    _e("seq_len_below_query_len", "a request with seq_len < query_len", _seq_below_query),
+    _e(
+        "batch_block_size",
+        "a batch built for another block size",
+        lambda s, la: _forward(s, la, batch=replace(s.batch, block_size=s.spec.block_size * 2)),
+    ),
+    _e(
+        "meta_not_built",
+        "forward given a BatchMetadata instead of the builder's metadata",
+        lambda s, la: _forward(s, la, meta=s.batch),
+    ),
+    _e(
+        "alibi_slopes_undeclared",
+        "ALiBi slopes given to a layer whose spec has no ALiBi",
+        _alibi_undeclared,
+        not_applicable=lambda t, c: "the spec uses ALiBi" if "alibi" in c.features else None,
+    ),
+    _e(
+        "common_prefix_too_long",
+        "common_prefix_len longer than the shortest context",
+        _prefix_too_long,
+        not_applicable=lambda t, c: None if t.capabilities.cascade else "cascade not declared",
+    ),
+    _e(
+        "unsupported_spec",
+        "a spec the capabilities refuse, at construction",
+        _construct_unsupported,
+        error=UnsupportedConfigurationError,
+        not_applicable=lambda t, c: (
+            None
+            if _unsupported_spec(t, c)
+            else "the backend declares every capability the suite can name"
+        ),
+    ),
+)
+
+CATALOGUE = {entry.name: entry for entry in INVALID_INPUTS}

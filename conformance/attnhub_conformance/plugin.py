@@ -1,0 +1,261 @@
+"""The pytest plugin (entry point ``pytest11``): options, case generation, the matrix.
+
+    pytest --pyargs attnhub_conformance --attnhub-backend torch [--attnhub-scope full]
+           [--attnhub-emulate] [--attnhub-device cpu] [--attnhub-report matrix.json]
+
+Installed plugins load in every pytest session; this one stays inert (options only, nothing
+imported beyond pytest) until a test marked ``attnhub_cases`` is collected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from attnhub_conformance.cases import Case, Scope
+    from attnhub_conformance.report import Matrix
+    from attnhub_conformance.targets import Target
+
+MARKER = "attnhub_cases"
+PROPERTY = "attnhub"  # the user_properties key a test's matrix facts travel under
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("attnhub", "attnhub conformance suite")
+    group.addoption(
+        "--attnhub-backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="backend to test (repeatable; default: every discovered backend)",
+    )
+    group.addoption(
+        "--attnhub-emulate",
+        action="store_true",
+        default=False,
+        help="run vendor backends through their CPU emulators where the hardware is absent",
+    )
+    group.addoption(
+        "--attnhub-device",
+        default="cpu",
+        metavar="DEVICE",
+        help="device to run the backends on (default: cpu)",
+    )
+    group.addoption(
+        "--attnhub-scope",
+        choices=("quick", "full"),
+        default="quick",
+        help="quick: every declared feature and batch shape, few combinations (default); "
+        "full: the wider matrix",
+    )
+    group.addoption(
+        "--attnhub-report",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="write the features x backends matrix to PATH (.json, .md or .html; repeatable)",
+    )
+    group.addoption(
+        "--attnhub-hypothesis-examples",
+        type=int,
+        default=15,
+        metavar="N",
+        help="examples per backend for the random-batch property test (default: 15)",
+    )
+
+
+class SuiteState:
+    """Per-config state and the hooks that need it: resolved targets, the matrix being filled,
+    the terminal table and the report files."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self._targets: list[Target] | None = None
+        self._matrix: Matrix | None = None
+        self._cases: dict[tuple[str, str], list[Case]] = {}
+
+    @property
+    def scope(self) -> Scope:
+        from attnhub_conformance.cases import SCOPES
+
+        return SCOPES[self.config.getoption("attnhub_scope")]
+
+    @property
+    def targets(self) -> list[Target]:
+        if self._targets is None:
+            from attnhub_conformance.targets import resolve_targets
+
+            try:
+                self._targets = resolve_targets(
+                    self.config.getoption("attnhub_backend"),
+                    self.config.getoption("attnhub_device"),
+                    self.config.getoption("attnhub_emulate"),
+                )
+            except LookupError as exc:
+                raise pytest.UsageError(str(exc)) from None
+        return self._targets
+
+    @property
+    def matrix(self) -> Matrix:
+        if self._matrix is None:
+            from attnhub_conformance.report import Matrix
+
+            self._matrix = Matrix(
+                scope=self.config.getoption("attnhub_scope"),
+                device=self.config.getoption("attnhub_device"),
+            )
+        return self._matrix
+
+    @property
+    def has_results(self) -> bool:
+        return self._matrix is not None and bool(self._matrix.results)
+
+    def cases(self, kind: str) -> list[Case]:
+        from attnhub_conformance.cases import generate
+
+        out = []
+        for target in self.targets:
+            key = (kind, target.name)
+            if key not in self._cases:
+                self._cases[key] = generate(kind, target, self.scope)
+            out += self._cases[key]
+        return out
+
+    # --- hooks ---------------------------------------------------------------------------
+    def pytest_sessionstart(self) -> None:
+        # Resolve named backends now (after every plugin's pytest_configure, so in-process
+        # registrations count): an unknown name is a usage error, not a collection error.
+        if self.config.getoption("attnhub_backend"):
+            self.targets  # noqa: B018
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        for key, facts in report.user_properties:
+            if key == PROPERTY:
+                self.matrix.record(
+                    report.nodeid, report.when, report.outcome, facts, _short_reason(report)
+                )
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.has_results:
+            return
+        from attnhub_conformance.report import render_text
+
+        tw = self.config.get_terminal_writer()
+        terminalreporter.write_sep("=", "attnhub conformance matrix")
+        terminalreporter.write(
+            render_text(self.matrix, self.targets, width=tw.fullwidth, color=tw.hasmarkup)
+        )
+
+    def pytest_sessionfinish(self) -> None:
+        if hasattr(self.config, "workerinput"):  # an xdist worker: the controller reports
+            return
+        paths = self.config.getoption("attnhub_report")
+        if not paths:
+            return
+        from attnhub_conformance.report import write_report
+
+        for path in paths:
+            write_report(self.matrix, self.targets, path)
+
+
+_STATE = pytest.StashKey[SuiteState]()
+
+
+def state_of(config: pytest.Config) -> SuiteState:
+    return config.stash[_STATE]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(kind): parametrize 'case' with the attnhub conformance cases of "
+        "this kind, generated from each backend's declared capabilities",
+    )
+    state = config.stash[_STATE] = SuiteState(config)
+    config.pluginmanager.register(state, "attnhub-conformance-state")
+    for path in config.getoption("attnhub_report"):
+        if not path.lower().endswith((".json", ".md", ".markdown", ".html", ".htm")):
+            raise pytest.UsageError(f"--attnhub-report {path}: use a .json, .md or .html file name")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker(MARKER)
+    if marker is None:
+        return
+    kind = marker.args[0]
+    cases = state_of(metafunc.config).cases(kind)
+    if not cases:
+        metafunc.parametrize(
+            "case",
+            [
+                pytest.param(
+                    None, marks=pytest.mark.skip(reason="no backend runs this check"), id="none"
+                )
+            ],
+        )
+        return
+    metafunc.parametrize("case", cases, ids=[c.id for c in cases])
+
+
+def _case_of(item: pytest.Item) -> Case | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or item.get_closest_marker(MARKER) is None:
+        return None
+    return callspec.params.get("case")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        case = _case_of(item)
+        if case is None:
+            continue
+        t = case.target
+        item.user_properties.append(
+            (
+                PROPERTY,
+                {
+                    "backend": t.name,
+                    "rows": list(case.rows),
+                    "status": t.status,
+                    "not_supported": case.not_supported,
+                    "reason": t.load_error or t.unavailable,
+                },
+            )
+        )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    case = _case_of(item)
+    if case is not None and case.skip is not None:
+        pytest.skip(case.skip)
+
+
+@pytest.fixture
+def attnhub_record(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """``attnhub_record("not supported")``: the test proved a refusal rather than a result."""
+
+    def record(label: str) -> None:
+        for key, facts in request.node.user_properties:
+            if key == PROPERTY:
+                facts["not_supported"] = label == "not supported"
+
+    return record
+
+
+@pytest.fixture
+def attnhub_hypothesis_examples(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("attnhub_hypothesis_examples"))
+
+
+def _short_reason(report: pytest.TestReport) -> str | None:
+    """A skip's reason, or the first line of a failure's message."""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = getattr(crash, "message", None) or report.longreprtext
+        return message.strip().splitlines()[0][:500] if message.strip() else None
+    return None

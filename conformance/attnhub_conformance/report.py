@@ -1,0 +1,392 @@
+"""The features x backends matrix: filled from test reports, rendered as a rich table, JSON,
+Markdown or HTML.
+
+A cell says what the session proved about one feature of one backend:
+  pass           every test of the row passed (natively)
+  emulated       every test passed, through the backend's CPU emulator
+  fail           at least one test of the row failed (the failures are listed)
+  not supported  the backend does not declare the feature and refused it with a reason
+  unavailable    the backend cannot run on this device (the reason is given)
+  skipped        tests were skipped for another reason
+  -              nothing of the row ran for this backend (filtered out, or not applicable)
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attnhub_conformance.cases import SHAPE_ORDER
+from attnhub_conformance.targets import Target
+
+STATES = ("fail", "pass", "emulated", "not supported", "unavailable", "skipped", "-")
+STYLES = {
+    "pass": "green",
+    "emulated": "cyan",
+    "fail": "bold red",
+    "not supported": "yellow",
+    "unavailable": "magenta",
+    "skipped": "dim",
+    "-": "dim",
+}
+#: Matrix sections, in order; a row belongs to the first section its name starts with.
+SECTIONS = (
+    "availability",
+    "batch:",
+    "cascade",
+    "attention:",
+    "dtype:",
+    "head size:",
+    "heads:",
+    "block size:",
+    "feature:",
+    "kv cache:",
+    "kv cache writes",
+    "output buffer",
+    "invalid inputs",
+    "determinism",
+    "batch invariance",
+    "metadata reuse",
+    "graph capture",
+    "random batches",
+)
+_ORDER_WITHIN = {
+    "batch:": SHAPE_ORDER,
+    "attention:": ["decoder", "encoder", "encoder_only", "encoder_decoder"],
+    "dtype:": ["bf16", "fp16", "fp32"],
+    "heads:": ["mha", "gqa4", "mqa"],
+    "feature:": ["sliding_window", "softcap", "alibi", "sinks", "combined"],
+    "kv cache:": ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int8_k"],
+}
+
+
+def row_key(row: str) -> tuple[int, int, float, str]:
+    section = next((i for i, s in enumerate(SECTIONS) if row.startswith(s)), len(SECTIONS))
+    prefix = SECTIONS[section] if section < len(SECTIONS) else ""
+    rest = row[len(prefix) :].strip()
+    order = _ORDER_WITHIN.get(prefix, [])
+    known = order.index(rest) if rest in order else len(order)
+    number = float(rest) if re.fullmatch(r"\d+", rest) else 0.0
+    return (section, known, number, rest)
+
+
+@dataclass
+class Result:
+    """One test's outcome, as far as the matrix cares."""
+
+    backend: str
+    rows: list[str]
+    status: str  # the backend's: native, emulated, unavailable, failed to load
+    outcome: str = "passed"  # passed, failed, skipped
+    not_supported: bool = False
+    reason: str | None = None
+
+
+@dataclass
+class Cell:
+    passed: int = 0
+    failed: int = 0
+    not_supported: int = 0
+    skipped: int = 0
+    emulated: bool = False
+    unavailable: bool = False
+    failures: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def state(self) -> str:
+        if self.failed:
+            return "fail"
+        if self.passed:
+            return "emulated" if self.emulated else "pass"
+        if self.not_supported:
+            return "not supported"
+        if self.unavailable:
+            return "unavailable"
+        if self.skipped:
+            return "skipped"
+        return "-"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "passed": self.passed,
+            "failed": self.failed,
+            "not_supported": self.not_supported,
+            "skipped": self.skipped,
+            "failures": self.failures,
+            "reasons": sorted(set(self.reasons)),
+        }
+
+
+class Matrix:
+    """Results by test id; cells by (row, backend) computed from them."""
+
+    def __init__(self, scope: str, device: str) -> None:
+        self.scope, self.device = scope, device
+        self.results: dict[str, Result] = {}
+
+    def record(
+        self, nodeid: str, when: str, outcome: str, facts: dict[str, Any], reason: str | None
+    ) -> None:
+        r = self.results.get(nodeid)
+        if r is None:
+            r = self.results[nodeid] = Result(
+                facts["backend"], list(facts["rows"]), facts["status"], reason=facts.get("reason")
+            )
+        r.not_supported = bool(facts.get("not_supported"))
+        if outcome == "failed":
+            r.outcome, r.reason = "failed", reason
+        elif outcome == "skipped" and r.outcome != "failed":
+            r.outcome, r.reason = "skipped", reason or r.reason
+
+    @property
+    def backends(self) -> list[str]:
+        return sorted({r.backend for r in self.results.values()})
+
+    @property
+    def rows(self) -> list[str]:
+        return sorted({row for r in self.results.values() for row in r.rows}, key=row_key)
+
+    def cells(self) -> dict[tuple[str, str], Cell]:
+        cells: dict[tuple[str, str], Cell] = {}
+        for nodeid, r in self.results.items():
+            for row in r.rows:
+                c = cells.setdefault((row, r.backend), Cell())
+                c.emulated = r.status == "emulated"
+                if r.outcome == "failed":
+                    c.failed += 1
+                    c.failures.append(nodeid)
+                elif r.not_supported:
+                    c.not_supported += 1
+                elif r.outcome == "skipped":
+                    c.skipped += 1
+                    c.unavailable = r.status in ("unavailable", "failed to load")
+                else:
+                    c.passed += 1
+                if r.reason and r.outcome != "passed":
+                    c.reasons.append(r.reason)
+        return cells
+
+    def cell(self, cells: dict[tuple[str, str], Cell], row: str, backend: str, status: str) -> Cell:
+        """The cell, or what an absent one means for a backend that did not run at all."""
+        c = cells.get((row, backend))
+        if c is not None:
+            return c
+        return Cell(unavailable=status in ("unavailable", "failed to load"))
+
+    @property
+    def failed(self) -> bool:
+        return any(r.outcome == "failed" for r in self.results.values())
+
+
+def _columns(matrix: Matrix, targets: list[Target]) -> list[tuple[str, str]]:
+    """(backend, status) for every backend with results, in target order."""
+    status = {t.name: t.status for t in targets}
+    names = [t.name for t in targets if t.name in matrix.backends]
+    names += [b for b in matrix.backends if b not in names]
+    return [(n, status.get(n, "native")) for n in names]
+
+
+def as_json(matrix: Matrix, targets: list[Target]) -> dict[str, Any]:
+    import attnhub
+
+    cells = matrix.cells()
+    cols = _columns(matrix, targets)
+    by_name = {t.name: t for t in targets}
+    backends = {}
+    for name, status in cols:
+        t = by_name.get(name)
+        caps = None
+        if t is not None and t.backend is not None:
+            caps = t.backend.capabilities.summary()
+        backends[name] = {
+            "status": status,
+            "reason": None if t is None else (t.load_error or t.unavailable),
+            "distribution": None if t is None else t.distribution,
+            "version": None if t is None else t.version,
+            "capabilities": caps,
+        }
+    return {
+        "suite": "attnhub-conformance",
+        "attnhub_version": attnhub.__version__,
+        "scope": matrix.scope,
+        "device": matrix.device,
+        "states": list(STATES),
+        "backends": backends,
+        "rows": matrix.rows,
+        "matrix": {
+            row: {name: matrix.cell(cells, row, name, status).as_dict() for name, status in cols}
+            for row in matrix.rows
+        },
+        "failed": matrix.failed,
+    }
+
+
+def _table(matrix: Matrix, targets: list[Target]):  # type: ignore[no-untyped-def]
+    from rich.table import Table
+    from rich.text import Text
+
+    cells = matrix.cells()
+    cols = _columns(matrix, targets)
+    table = Table()
+    table.add_column("feature", no_wrap=True)
+    for name, status in cols:
+        table.add_column(name if status == "native" else f"{name}\n({status})", no_wrap=True)
+    section = None
+    for row in matrix.rows:
+        this = row_key(row)[0]
+        if section is not None and this != section:
+            table.add_section()
+        section = this
+        out = [Text(row)]
+        for name, status in cols:
+            c = matrix.cell(cells, row, name, status)
+            state = c.state
+            n = c.passed + c.failed
+            count = f" {c.passed}/{n}" if n > 1 else ""
+            out.append(Text(state + count, style=STYLES[state]))
+        table.add_row(*out)
+    return table
+
+
+def render_text(
+    matrix: Matrix, targets: list[Target], *, width: int = 100, color: bool = False
+) -> str:
+    """The matrix as a terminal table (with ANSI colours when ``color``)."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(
+        file=buf,
+        width=max(width, 60),
+        force_terminal=color,
+        color_system="standard" if color else None,
+        highlight=False,
+    )
+    print_matrix(matrix, targets, console)
+    return buf.getvalue()
+
+
+def print_matrix(matrix: Matrix, targets: list[Target], console: Any) -> None:
+    console.print(
+        f"[bold]attnhub conformance[/] ({matrix.scope} scope, device {matrix.device})",
+        soft_wrap=True,
+    )
+    console.print(_table(matrix, targets))
+    for t in targets:
+        if t.load_error or t.unavailable:
+            console.print(
+                f"[magenta]{t.name}[/]: {t.status}: {t.load_error or t.unavailable}", soft_wrap=True
+            )
+    failed = [
+        (row, name, c)
+        for (row, name), c in sorted(matrix.cells().items(), key=lambda kv: row_key(kv[0][0]))
+        if c.failed
+    ]
+    if failed:
+        console.print("[bold red]failing cases[/] (rerun one with pytest -k '<id>'):")
+        seen: set[str] = set()
+        for _, _, c in failed:
+            for nodeid in c.failures:
+                if nodeid not in seen:
+                    seen.add(nodeid)
+                    console.print(f"  {nodeid}", markup=False, soft_wrap=True)
+
+
+def as_markdown(matrix: Matrix, targets: list[Target]) -> str:
+    cells = matrix.cells()
+    cols = _columns(matrix, targets)
+    lines = [
+        f"# attnhub conformance ({matrix.scope} scope, device `{matrix.device}`)",
+        "",
+        "| feature | "
+        + " | ".join(name if status == "native" else f"{name} ({status})" for name, status in cols)
+        + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for row in matrix.rows:
+        states = []
+        for name, status in cols:
+            c = matrix.cell(cells, row, name, status)
+            states.append(f"**{c.state}**" if c.state == "fail" else c.state)
+        lines.append(f"| {row} | " + " | ".join(states) + " |")
+    notes = [
+        f"- `{t.name}`: {t.status}: {t.load_error or t.unavailable}"
+        for t in targets
+        if t.load_error or t.unavailable
+    ]
+    failures = sorted({n for c in cells.values() for n in c.failures})
+    if notes:
+        lines += ["", *notes]
+    if failures:
+        lines += ["", "## Failing cases", "", *(f"- `{n}`" for n in failures)]
+    return "\n".join(lines) + "\n"
+
+
+def as_html(matrix: Matrix, targets: list[Target]) -> str:
+    colors = {
+        "pass": "#c8f7c5",
+        "emulated": "#c5e9f7",
+        "fail": "#f7c5c5",
+        "not supported": "#f7efc5",
+        "unavailable": "#e9c5f7",
+        "skipped": "#eeeeee",
+        "-": "#ffffff",
+    }
+    cells = matrix.cells()
+    cols = _columns(matrix, targets)
+    esc = html.escape
+    head = "".join(
+        f"<th>{esc(n)}" + ("" if s == "native" else f"<br><small>{esc(s)}</small>") + "</th>"
+        for n, s in cols
+    )
+    body = []
+    for row in matrix.rows:
+        tds = []
+        for name, status in cols:
+            c = matrix.cell(cells, row, name, status)
+            title = esc("\n".join(c.failures or sorted(set(c.reasons))))
+            tds.append(
+                f'<td style="background:{colors[c.state]}" title="{title}">{esc(c.state)}</td>'
+            )
+        body.append(f"<tr><th>{esc(row)}</th>{''.join(tds)}</tr>")
+    failures = sorted({n for c in cells.values() for n in c.failures})
+    fail_html = (
+        "<h2>Failing cases</h2><ul>"
+        + "".join(f"<li><code>{esc(n)}</code></li>" for n in failures)
+        + "</ul>"
+        if failures
+        else ""
+    )
+    title = f"attnhub conformance ({esc(matrix.scope)} scope, device {esc(matrix.device)})"
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>{title}</title><style>body{{font-family:sans-serif}}"
+        "table{border-collapse:collapse}td,th{border:1px solid #999;padding:2px 8px;"
+        "text-align:left}</style></head><body>"
+        f"<h1>{title}</h1><table><tr><th>feature</th>{head}</tr>{''.join(body)}</table>"
+        f"{fail_html}</body></html>\n"
+    )
+
+
+def write_report(matrix: Matrix, targets: list[Target], path: str | Path) -> Path:
+    """Write the matrix in the format named by ``path``'s suffix (.json, .md, .html)."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix == ".json":
+        text = json.dumps(as_json(matrix, targets), indent=2) + "\n"
+    elif suffix in (".md", ".markdown"):
+        text = as_markdown(matrix, targets)
+    elif suffix in (".html", ".htm"):
+        text = as_html(matrix, targets)
+    else:
+        raise ValueError(f"report {str(path)!r}: use a .json, .md or .html file name")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text, encoding="utf-8")
+    return p

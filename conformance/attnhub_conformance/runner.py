@@ -1,0 +1,237 @@
+"""``attnhub conformance``: run the suite in-process with a progress bar, then print the matrix.
+
+    attnhub conformance [--backend NAME ...] [--emulate/--no-emulate] [--quick|--full]
+                        [--report PATH ...] [--device DEV]
+
+By default every discovered backend runs: natively where it can, through its CPU emulator where
+its hardware is absent (``--no-emulate`` reports those as unavailable instead). pytest's own
+output is kept off the terminal; failures are listed with their test ids and the first lines of
+their messages, and the return code is non-zero when anything failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import io
+import os
+from typing import Any
+
+import pytest
+
+PLUGIN = "attnhub_conformance.plugin"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="attnhub conformance",
+        description="Run the attnhub conformance suite against backends and print the "
+        "features x backends matrix.",
+    )
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="backend to test (repeatable; default: every discovered backend)",
+    )
+    p.add_argument(
+        "--emulate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run vendor backends through their CPU emulators where the hardware "
+        "is absent (default: on)",
+    )
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--quick",
+        dest="scope",
+        action="store_const",
+        const="quick",
+        help="every declared feature and batch shape, few combinations (default)",
+    )
+    scope.add_argument(
+        "--full", dest="scope", action="store_const", const="full", help="the wider matrix"
+    )
+    p.set_defaults(scope="quick")
+    p.add_argument(
+        "--report",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also write the matrix to PATH (.json, .md or .html; repeatable)",
+    )
+    p.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
+    p.add_argument(
+        "--hypothesis-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="examples per backend of the random-batch property test",
+    )
+    p.add_argument(
+        "-k",
+        dest="keyword",
+        metavar="EXPR",
+        help="only run tests matching the pytest -k expression",
+    )
+    p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show pytest's own report too (full failure tracebacks)",
+    )
+    return p
+
+
+def pytest_args(ns: argparse.Namespace) -> list[str]:
+    args = ["-q", "-p", "no:cacheprovider"]
+    if not _plugin_autoloads():
+        args += ["-p", PLUGIN]
+    args += [
+        "--pyargs",
+        "attnhub_conformance",
+        "--attnhub-scope",
+        ns.scope,
+        "--attnhub-device",
+        ns.device,
+    ]
+    for name in ns.backend:
+        args += ["--attnhub-backend", name]
+    if ns.emulate:
+        args.append("--attnhub-emulate")
+    for path in ns.report:
+        args += ["--attnhub-report", path]
+    if ns.hypothesis_examples is not None:
+        args += ["--attnhub-hypothesis-examples", str(ns.hypothesis_examples)]
+    if ns.keyword:
+        args += ["-k", ns.keyword]
+    if ns.exitfirst:
+        args.append("-x")
+    return args
+
+
+def _plugin_autoloads() -> bool:
+    """True when pytest will load the suite's plugin through its ``pytest11`` entry point."""
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        return False
+    return any(ep.value == PLUGIN for ep in md.entry_points(group="pytest11"))
+
+
+class Progress:
+    """A pytest plugin that drives a rich progress bar and keeps what the runner prints after.
+
+    The bar is redrawn from pytest hooks only (never from a thread), at moments when pytest is
+    not capturing output. pytest's terminal reporter writes into a buffer instead of the
+    terminal unless ``verbose``.
+    """
+
+    def __init__(self, console: Any, verbose: bool) -> None:
+        self.console = console
+        self.verbose = verbose
+        self.buffer = io.StringIO()
+        self.progress: Any = None
+        self.task: Any = None
+        self.counts = {"passed": 0, "failed": 0, "skipped": 0}
+        self.failures: list[tuple[str, str]] = []
+        self.state: Any = None  # the suite plugin's SuiteState (targets and matrix)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_configure(self, config: pytest.Config) -> None:
+        from attnhub_conformance.plugin import state_of
+
+        self.state = state_of(config)
+        if self.verbose:
+            return
+        reporter = config.pluginmanager.getplugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+            config.pluginmanager.register(
+                pytest.TerminalReporter(config, self.buffer), "terminalreporter"
+            )
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichProgress
+
+        if self.verbose:
+            return
+        self.progress = RichProgress(
+            TextColumn("[bold]conformance"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[counts]}"),
+            TimeElapsedColumn(),
+            TextColumn("[dim]{task.fields[current]}"),
+            console=self.console,
+            auto_refresh=False,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
+        self.task = self.progress.add_task("tests", total=len(session.items), counts="", current="")
+        self.progress.start()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            self.failures.append((report.nodeid, report.longreprtext))
+        done = report.when == "teardown"
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            self.counts[report.outcome] += 1
+        if self.progress is None:
+            return
+        name = report.nodeid.rsplit("::", 1)[-1]
+        counts = (
+            f"[green]{self.counts['passed']} passed[/] "
+            f"[red]{self.counts['failed']} failed[/] "
+            f"[yellow]{self.counts['skipped']} skipped[/]"
+        )
+        self.progress.update(self.task, advance=1 if done else 0, counts=counts, current=name[:60])
+        self.progress.refresh()
+
+    def pytest_sessionfinish(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def _first_lines(text: str, n: int = 6) -> str:
+    """The assertion message of a failure (pytest's E lines), else its last lines."""
+    lines = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")]
+    lines = lines or text.strip().splitlines()[-n:]
+    return "\n".join(lines[:n])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the suite; print the matrix; return 0 only when nothing failed."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    ns = build_parser().parse_args(argv)
+    console = Console(stderr=True, highlight=False)
+    out = Console(highlight=False)
+    plugin = Progress(console, ns.verbose)
+    code = pytest.main(pytest_args(ns), plugins=[plugin])
+    state = plugin.state
+    if state is not None and state.has_results:
+        from attnhub_conformance.report import print_matrix
+
+        if plugin.failures and not ns.verbose:
+            out.print(f"[bold red]{len(plugin.failures)} failed:[/]")
+            for nodeid, text in plugin.failures:
+                out.print(f"[red]FAILED[/] {escape(nodeid)}", soft_wrap=True)
+                out.print(_first_lines(text), markup=False, soft_wrap=True)
+        print_matrix(state.matrix, state.targets, out)
+        c = plugin.counts
+        out.print(f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
+        for path in ns.report:
+            out.print(f"matrix written to {path}")
+    elif code != pytest.ExitCode.OK and not ns.verbose:
+        # Nothing ran (a usage error, an internal error, nothing collected): show pytest's words.
+        console.print(plugin.buffer.getvalue(), markup=False, highlight=False)
+    return int(code)
+
+
+if __name__ == "__main__":  # python -m attnhub_conformance.runner
+    raise SystemExit(main())

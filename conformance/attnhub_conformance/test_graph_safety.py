@@ -1,0 +1,44 @@
+"""A backend that declares graph capture does no device-to-host sync in forward.
+
+On a CPU nothing syncs, so every device-side tensor forward receives (the metadata's, q/k/v,
+the cache's) is wrapped in a tensor that raises on host reads (see ``hostsync``). The base
+class's value checks (slot and block ranges) are switched off, as they are on an accelerator
+for such backends (``AttentionImpl.checks_values``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from attnhub_conformance import harness
+from attnhub_conformance.cases import Case
+from attnhub_conformance.hostsync import (
+    HostSyncError,
+    guard,
+    guard_cache,
+    guard_tree,
+    unguard,
+    where,
+)
+
+
+@pytest.mark.attnhub_cases("host_sync")
+def test_forward_does_not_sync_with_the_host(case: Case) -> None:
+    step = harness.prepare(case)
+    layer = step.layers[0]
+    meta = step.builder.build_for_graph_capture(step.batch)
+    guarded_meta = guard_tree(meta, "meta")
+    layer.impl.checks_values = False
+    key = guard(layer.key, "the key input") if step.plan.new_kv else None
+    value = guard(layer.value, "the value input") if step.plan.new_kv else None
+    try:
+        out = layer.impl.forward(
+            guard(layer.query, "the query input"),
+            key,
+            value,
+            guard_cache(layer.cache),
+            guarded_meta,
+        )
+    except HostSyncError as exc:
+        raise HostSyncError(f"{case.id}: {exc} (at {where(exc)})") from None
+    harness.assert_matches_reference(step, layer, unguard(out), "forward under graph rules")

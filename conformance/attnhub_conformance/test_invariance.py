@@ -1,0 +1,78 @@
+"""Results depend on the inputs only: not on the run, not on the neighbours in the batch, not
+on how many layers already used the step's metadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnhub_conformance import harness
+from attnhub_conformance.cases import Case
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous().view(torch.uint8)
+
+
+@pytest.mark.attnhub_cases("determinism")
+def test_same_inputs_give_the_same_bits(case: Case) -> None:
+    step = harness.prepare(case)
+    layer = step.layers[0]
+    start = layer.cache.clone()
+    first = step.forward(layer, cache=start.clone())
+    second_cache = start.clone()
+    second = step.forward(layer, cache=second_cache)
+    assert torch.equal(_bits(first), _bits(second)), (
+        f"{case.id}: two forwards of the same inputs differ in "
+        f"{int((first != second).sum())} output elements"
+    )
+    third_cache = start.clone()
+    step.forward(layer, cache=third_cache)
+    assert second_cache.equal(third_cache), f"{case.id}: the same write left different caches"
+
+
+@pytest.mark.attnhub_cases("batch_invariance")
+def test_output_does_not_depend_on_neighbours(case: Case) -> None:
+    step = harness.prepare(case)
+    layer = step.layers[0]
+    start = layer.cache.clone()
+    full = step.forward(layer, cache=start.clone())[: step.n]
+    atol, rtol = harness.tolerance(step)
+    num_reqs = step.batch.num_reqs
+    threshold = step.builder.reorder_batch_threshold
+    reversed_order = list(reversed(range(num_reqs)))
+    if threshold is not None:
+        reversed_order = sorted(reversed_order, key=lambda r: step.plan.requests[r][0] > threshold)
+    orders = {"reversed": reversed_order}
+    orders |= {f"alone (request {r})": [r] for r in range(num_reqs)}
+    for what, order in orders.items():
+        batch, q, k, v, rows = harness.sub_batch(step, layer, order)
+        meta = step.builder.build(batch)
+        cache = start.clone()
+        new_kv = step.plan.new_kv
+        out = layer.impl.forward(q, k if new_kv else None, v if new_kv else None, cache, meta)
+        why = harness.mismatch(
+            out, full[rows.to(full.device)].to("cpu", torch.float64), atol, rtol, batch
+        )
+        assert why is None, (
+            f"{case.id}: requests {order} {what} differ from the same requests in the full "
+            f"batch: {why}"
+        )
+
+
+@pytest.mark.attnhub_cases("metadata_reuse")
+def test_metadata_built_once_serves_every_layer(case: Case) -> None:
+    step = harness.prepare(case)
+    for _ in range(2):
+        step.add_layer()
+    meta = step.build()
+    outs = []
+    for i, layer in enumerate(step.layers):
+        out = step.forward(layer, meta)
+        harness.assert_matches_reference(step, layer, out, f"layer {i} (shared metadata)")
+        outs.append(out.clone())
+    again = step.forward(step.layers[0], meta)
+    assert torch.equal(_bits(again), _bits(outs[0])), (
+        f"{case.id}: layer 0 run again with the same metadata after the other layers gives "
+        "different bits: forward changed the metadata"
+    )

@@ -1,0 +1,280 @@
+"""Mutant backends: the torch backend with one realistic bug each. The suite must catch every one.
+Variants: conforming backends that declare other things; the suite must adapt and pass.
+
+Load as a pytest plugin (``-p mutants``, or ``PYTEST_PLUGINS=mutants``, with this directory on
+PYTHONPATH): it registers them in-process, so ``--attnhub-backend <name>`` selects them.
+
+The bugs are written against the backend protocol only (``store_kv`` / ``store_step_kv`` /
+``attend`` / ``checks_values``), not the torch backend's internals, so they stay bugs while those
+internals change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+import attnhub
+from attnhub import BatchMetadata, GraphSupport, PagedKVCache, reference
+from attnhub.backend import AttentionMetadata
+from attnhub.errors import UnsupportedConfigurationError
+from attnhub.spec import AttentionType
+from attnhub.torch_backend import TorchAttentionImpl, TorchBackend, TorchMetadataBuilder
+
+
+# --- a plain per-request attention with one convention swappable --------------------------------
+class PerRequestImpl(TorchAttentionImpl):
+    """Attention request by request in float32 over keys read back from the cache; subclasses
+    get the visibility rule wrong in one way each."""
+
+    def visible(self, q_len: int, seq_len: int) -> torch.Tensor:  # [q_len, seq_len] bool
+        ctx = seq_len - q_len
+        pos_q = torch.arange(q_len)[:, None] + self.query_offset(ctx)
+        pos_k = torch.arange(seq_len)[None, :]
+        left, right = self.window()
+        if self.spec.causal:
+            right = 0
+        ok = torch.ones(q_len, seq_len, dtype=torch.bool)
+        if left >= 0:
+            ok &= pos_k >= pos_q - left
+        if right >= 0:
+            ok &= pos_k <= pos_q + right
+        return ok
+
+    def query_offset(self, context_len: int) -> int:
+        return context_len  # bottom-right: new tokens sit after the context
+
+    def window(self) -> tuple[int, int]:
+        return self.spec.window_pair
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        spec, batch = self.spec, meta.batch
+        group = spec.num_heads // spec.num_kv_heads
+        qsl = batch.query_start_loc_cpu.tolist()
+        for r in range(batch.num_reqs):
+            s = int(batch.seq_lens_cpu[r])
+            k, v = reference.read_sequence(cache, batch.block_table[r], s)
+            k = k.float().repeat_interleave(group, 1)  # [s, H, D]
+            v = v.float().repeat_interleave(group, 1)
+            q = query[qsl[r] : qsl[r + 1]].float()  # [q, H, D]
+            scores = torch.einsum("ihd,jhd->hij", q, k) * spec.scale
+            if spec.logits_soft_cap:
+                scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
+            if self.alibi_slopes is not None:
+                pos_q = torch.arange(q.shape[0])[:, None] + s - q.shape[0]
+                dist = (pos_q - torch.arange(s)[None, :]).abs()
+                scores = scores - self.alibi_slopes[:, None, None] * dist
+            scores = scores.masked_fill(~self.visible(q.shape[0], s), -math.inf)
+            if self.sinks is not None:
+                sink = self.sinks[:, None, None].expand(-1, q.shape[0], 1)
+                p = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+            else:
+                p = torch.softmax(scores, -1).nan_to_num(0.0)
+            out[qsl[r] : qsl[r + 1]] = torch.einsum("hij,jhd->ihd", p, v).to(out.dtype)
+
+
+# --- 1. top-left causal alignment (SDPA's is_causal where q_len != kv_len) ---------------------
+class TopLeftImpl(PerRequestImpl):
+    def query_offset(self, context_len: int) -> int:
+        return 0  # query i sees keys 0..i: the cached context is ignored
+
+
+class TopLeftCausalBackend(TorchBackend):
+    name = "top_left_causal"
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return TopLeftImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+# --- 2. padding slots written: slot -1 used as an index wraps to the last slot ------------------
+class WritesPaddingImpl(TorchAttentionImpl):
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()  # no filtering of -1
+        blk, off = slots // cache.block_size, slots % cache.block_size
+        cache.key_nhd().index_put_((blk, off), key[:n])
+        cache.value_nhd().index_put_((blk, off), value[:n])
+
+    def store_step_kv(
+        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
+    ) -> None:  # type: ignore[override]
+        self.store_kv(key, value, cache, meta.batch.slot_mapping)
+
+
+class WritesPaddingBackend(TorchBackend):
+    name = "writes_padding"
+    capabilities = replace(TorchBackend.capabilities, kv_cache_dtypes=frozenset({"auto"}))
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return WritesPaddingImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+# --- 3. the sliding window declared but ignored ------------------------------------------------
+class NoWindowImpl(PerRequestImpl):
+    def window(self) -> tuple[int, int]:
+        return (-1, -1)
+
+
+class IgnoresWindowBackend(TorchBackend):
+    name = "ignores_window"
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return NoWindowImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+# --- 4. graph capture declared, but forward reads device data on the host ---------------------
+class SyncingImpl(TorchAttentionImpl):
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        if int(meta.batch.seq_lens.max()) == 0:  # "nothing to do": a device-to-host sync
+            return
+        super().attend(query, key, value, cache, meta, out)  # type: ignore[arg-type]
+
+
+class SyncsInForwardBackend(TorchBackend):
+    name = "syncs_in_forward"
+    capabilities = replace(TorchBackend.capabilities, graph_capture=GraphSupport.ALWAYS)
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return SyncingImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+# --- 5. an out-of-range slot accepted, and the cache written partly before failing -------------
+class CorruptsOnBadSlotImpl(TorchAttentionImpl):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.checks_values = False  # "range checks are too slow"
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        bs = cache.block_size
+        for t, slot in enumerate(slot_mapping.tolist()):
+            if slot >= 0:
+                cache.key[slot // bs, slot % bs] = key[t]  # IndexError on a bad slot, too late
+                cache.value[slot // bs, slot % bs] = value[t]
+
+    def store_step_kv(
+        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
+    ) -> None:  # type: ignore[override]
+        self.store_kv(key, value, cache, meta.batch.slot_mapping)
+
+
+class CorruptsOnBadSlotBackend(TorchBackend):
+    name = "corrupts_on_bad_slot"
+    capabilities = replace(TorchBackend.capabilities, kv_cache_dtypes=frozenset({"auto"}))
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return CorruptsOnBadSlotImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+MUTANTS = (
+    TopLeftCausalBackend,
+    WritesPaddingBackend,
+    IgnoresWindowBackend,
+    SyncsInForwardBackend,
+    CorruptsOnBadSlotBackend,
+)
+
+
+# --- well-behaved variants: the suite must adapt to what they declare, and pass ----------------
+class RefusesContextBuilder(TorchMetadataBuilder):
+    reorder_batch_threshold = 1
+
+    def plan(self, batch: BatchMetadata, common_prefix_len: int):
+        q, ctx = batch.query_lens_cpu, batch.context_lens_cpu
+        if bool(((q > 1) & (ctx > 0)).any()):
+            raise UnsupportedConfigurationError(
+                self.backend.name, ["prefill requests with cached context are not supported"]
+            )
+        return super().plan(batch, common_prefix_len)
+
+
+class RestrictedBackend(TorchBackend):
+    """Declares little: fp16, head sizes 128/256, block sizes of 16s, one feature, no chunked
+    prefill (refused in build), decodes first."""
+
+    name = "restricted"
+    capabilities = replace(
+        TorchBackend.capabilities,
+        dtypes=frozenset({torch.float16}),
+        head_sizes=frozenset({128, 256}),
+        block_size_multiple=16,
+        kv_cache_dtypes=frozenset({"auto"}),
+        attn_types=frozenset({AttentionType.DECODER}),
+        softcap=False,
+        alibi=False,
+        sinks=False,
+        multi_token_decode=False,
+        chunked_prefill=False,
+    )
+
+    def metadata_builder(self) -> TorchMetadataBuilder:
+        return RefusesContextBuilder(self)
+
+
+class CascadeBackend(TorchBackend):
+    """Declares cascade: attention over a shared prefix is plain attention over the same blocks,
+    so the torch backend's per-request computation is already right."""
+
+    name = "declares_cascade"
+    capabilities = replace(TorchBackend.capabilities, cascade=True)
+
+
+class FakeVendorBackend(TorchBackend):
+    """A vendor backend whose hardware is absent: usable only through its 'emulator'."""
+
+    name = "fake_vendor"
+
+    @classmethod
+    def availability(cls, device: torch.device | str, emulate: bool = False) -> str | None:
+        return None if emulate else "the fake vendor's accelerator is not present"
+
+    @classmethod
+    def is_emulated(cls, device: torch.device | str) -> bool:
+        return True
+
+
+VARIANTS = (RestrictedBackend, CascadeBackend, FakeVendorBackend)
+
+
+def pytest_configure() -> None:
+    for cls in (*MUTANTS, *VARIANTS):
+        attnhub.register_backend(cls, replace=True)

@@ -1,0 +1,125 @@
+"""Cases grow from declarations: what is declared is tested, what is not is refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from attnhub_conformance.cases import DECODER_SHAPES, FULL, QUICK, BatchPlan, generate
+from attnhub_conformance.harness import random_block_table
+from attnhub_conformance.hostsync import HostSyncError, guard, guard_tree
+from attnhub_conformance.targets import Target
+
+from attnhub import FEATURES
+from attnhub.torch_backend import TorchBackend
+
+
+def target_for(cls: type[TorchBackend], name: str = "t") -> Target:
+    return Target(name=name, device="cpu", emulate=False, backend=cls)
+
+
+def all_rows(kind: str, target: Target, scope=QUICK) -> set[str]:
+    return {row for case in generate(kind, target, scope) for row in case.rows}
+
+
+def test_every_declared_feature_and_shape_is_tested() -> None:
+    rows = all_rows("outputs", target_for(TorchBackend))
+    assert {f"feature: {f}" for f in FEATURES} <= rows
+    assert {f"batch: {s.name}" for s in DECODER_SHAPES} <= rows
+    assert {
+        "dtype: bf16",
+        "dtype: fp16",
+        "dtype: fp32",
+        "head size: 64",
+        "head size: 128",
+        "heads: mha",
+        "heads: gqa4",
+        "heads: mqa",
+        "kv cache: fp8_e4m3",
+        "attention: encoder_decoder",
+    } <= rows
+
+
+def test_case_ids_name_the_backend_and_the_configuration() -> None:
+    ids = {c.id for c in generate("outputs", target_for(TorchBackend, "torch"), QUICK)}
+    assert "torch-chunked_prefill-bf16-h64-gqa4-bs16-sliding_window" in ids
+    assert "torch-mixed-bf16-h128-gqa4-bs16" in ids
+
+
+class Narrow(TorchBackend):
+    name = "narrow"
+    capabilities = replace(
+        TorchBackend.capabilities,
+        dtypes=frozenset({torch.float16}),
+        head_sizes=frozenset({128}),
+        block_sizes=frozenset({32}),
+        softcap=False,
+        alibi=False,
+        kv_cache_dtypes=frozenset({"auto"}),
+        multi_token_decode=False,
+    )
+
+
+def test_undeclared_capabilities_become_refusal_cases() -> None:
+    target = target_for(Narrow, "narrow")
+    outputs = generate("outputs", target, QUICK)
+    assert outputs and all(c.config.dtype == torch.float16 for c in outputs)
+    assert all((c.config.head_size, c.config.block_size) == (128, 32) for c in outputs)
+    assert "batch: multi_token_decode" not in {r for c in outputs for r in c.rows}
+    refusals = {c.name for c in generate("refusals", target, QUICK)}
+    assert {
+        "dtype_bf16",
+        "dtype_fp32",
+        "feature_softcap",
+        "feature_alibi",
+        "kv_cache_fp8_e4m3",
+        "multi_token_decode",
+        "cascade",
+        "graph_capture",
+    } <= refusals
+    assert any(n.startswith("head_size_") for n in refusals)
+    assert any(n.startswith("block_size_") for n in refusals)
+
+
+def test_full_scope_is_wider_than_quick() -> None:
+    t = target_for(TorchBackend)
+    quick, full = generate("outputs", t, QUICK), generate("outputs", t, FULL)
+    assert len(full) > 2 * len(quick)
+    assert max(s for c in full for _, s in c.plan().requests) > 2048  # long context
+
+
+def test_block_tables_are_shuffled_and_leave_block_zero_unused() -> None:
+    plan = BatchPlan(((1, 40), (5, 5), (3, 70)), shared_prefix_blocks=0)
+    table, num_blocks = random_block_table(plan, 16, torch.Generator().manual_seed(0))
+    used = [int(b) for r, (_, s) in enumerate(plan.requests) for b in table[r, : -(-s // 16)]]
+    assert 0 not in used and len(set(used)) == len(used)
+    assert max(used) < num_blocks and used != sorted(used)
+
+
+def test_host_sync_guard_raises_on_host_reads() -> None:
+    t = guard(torch.arange(4), "a test tensor")
+    reads = (
+        lambda: t[0].item(),
+        t.tolist,
+        lambda: bool(t[0]),
+        t.cpu,
+        lambda: int(t[1]),
+        lambda: [0, 1, 2][t[1]],
+        lambda: bool((t > 0).all()),
+        t.nonzero,
+    )
+    for read in reads:
+        with pytest.raises(HostSyncError):
+            read()
+    assert (t + 1).sum().shape == ()  # device-side work is fine
+
+
+def test_guard_tree_leaves_host_copies_alone() -> None:
+    from attnhub import BatchMetadata
+
+    batch = BatchMetadata.from_lengths([1, 2], [5, 2], [[1], [2]], 16)
+    guarded = guard_tree(batch, "batch")
+    assert type(guarded.slot_mapping).__name__ == "HostSyncGuard"
+    assert type(guarded.seq_lens_cpu) is torch.Tensor
+    assert batch.slot_mapping.__class__ is torch.Tensor  # the original is untouched

@@ -1,0 +1,62 @@
+"""Each mutant backend carries one realistic bug; the suite must fail on it, naming the case."""
+
+from __future__ import annotations
+
+import pytest
+
+# (mutant, -k selection, a failing case id, words of the failure, the matrix row that fails)
+MUTANT_RUNS = [
+    pytest.param(
+        "top_left_causal",
+        "test_matches_reference and chunked_prefill",
+        "test_matches_reference[top_left_causal-chunked_prefill-bf16-h64-gqa4-bs16]",
+        "differs from attnhub.reference",
+        "batch: chunked_prefill",
+        id="top_left_causal",
+    ),
+    pytest.param(
+        "writes_padding",
+        "test_writes_exactly_the_new_slots",
+        "test_writes_exactly_the_new_slots[writes_padding-forward-mixed-bf16-h64-gqa4-bs16]",
+        "a padding slot -1 used as an index wraps to it",
+        "kv cache writes",
+        id="writes_padding",
+    ),
+    pytest.param(
+        "ignores_window",
+        "test_matches_reference and sliding_window",
+        "test_matches_reference[ignores_window-chunked_prefill-bf16-h64-gqa4-bs16-sliding_window]",
+        "differs from attnhub.reference",
+        "feature: sliding_window",
+        id="ignores_window",
+    ),
+    pytest.param(
+        "syncs_in_forward",
+        "test_forward_does_not_sync_with_the_host",
+        "test_forward_does_not_sync_with_the_host[syncs_in_forward-decode-bf16-h64-gqa4-bs16]",
+        "device-to-host sync",
+        "graph capture (no host sync)",
+        id="syncs_in_forward",
+    ),
+    pytest.param(
+        "corrupts_on_bad_slot",
+        "test_rejects_invalid_input",
+        "test_rejects_invalid_input[corrupts_on_bad_slot-slot_outside_cache]",
+        "the KV cache changed",
+        "invalid inputs",
+        id="corrupts_on_bad_slot",
+    ),
+]
+
+
+@pytest.mark.parametrize(("mutant", "select", "failing", "words", "row"), MUTANT_RUNS)
+def test_suite_fails_on_mutant_naming_the_case(
+    run_suite, mutant: str, select: str, failing: str, words: str, row: str
+) -> None:
+    run = run_suite("--attnhub-backend", mutant, "-k", select)
+    assert run.returncode == 1, run.output[-4000:]
+    assert "FAILED " in run.output and failing in run.output, run.output[-4000:]
+    case_id = failing.split("[", 1)[1].rstrip("]")
+    assert f"{case_id}:" in run.output, f"the message does not name {case_id}"
+    assert words in run.output, run.output[-4000:]
+    assert run.state(row, mutant) == "fail"

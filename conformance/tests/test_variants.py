@@ -1,0 +1,69 @@
+"""Conforming backends pass, whatever they declare; the matrix says what they support."""
+
+from __future__ import annotations
+
+
+def test_restricted_backend_passes_and_its_refusals_are_reported(run_suite) -> None:
+    run = run_suite("--attnhub-backend", "restricted")
+    assert run.returncode == 0, run.output[-4000:]
+    for row in (
+        "batch: chunked_prefill",
+        "batch: multi_token_decode",
+        "dtype: bf16",
+        "dtype: fp32",
+        "feature: softcap",
+        "kv cache: fp8_e4m3",
+        "attention: encoder",
+        "cascade",
+        "head size: 48",
+        "block size: 24",
+        "graph capture (no host sync)",
+    ):
+        assert run.state(row, "restricted") == "not supported", row
+    for row in (
+        "batch: decode",
+        "dtype: fp16",
+        "head size: 128",
+        "feature: sliding_window",
+        "invalid inputs",
+        "kv cache writes",
+        "random batches (hypothesis)",
+    ):
+        assert run.state(row, "restricted") == "pass", row
+
+
+def test_declared_cascade_is_tested(run_suite) -> None:
+    run = run_suite(
+        "--attnhub-backend", "declares_cascade", "-k", "cascade-bf16 or common_prefix_too_long"
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.state("cascade", "declares_cascade") == "pass"
+    assert run.state("invalid inputs", "declares_cascade") == "pass"
+
+
+def test_backend_without_its_hardware_is_skipped_as_unavailable(run_suite) -> None:
+    run = run_suite("--attnhub-backend", "fake_vendor")
+    assert run.returncode == 0, run.output[-4000:]
+    assert "the fake vendor's accelerator is not present" in run.output
+    assert run.state("availability", "fake_vendor") == "unavailable"
+    assert (
+        run.report is not None and run.report["backends"]["fake_vendor"]["status"] == "unavailable"
+    )
+
+
+def test_emulated_backend_runs_and_is_reported_as_emulated(run_suite) -> None:
+    run = run_suite(
+        "--attnhub-backend",
+        "fake_vendor",
+        "--attnhub-emulate",
+        "-k",
+        "test_matches_reference and mixed-bf16-h64-gqa4-bs16]",
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.state("batch: mixed", "fake_vendor") == "emulated"
+
+
+def test_unknown_backend_is_a_usage_error(run_suite) -> None:
+    run = run_suite("--attnhub-backend", "no_such_backend")
+    assert run.returncode == 4, run.output[-2000:]
+    assert "no attnhub backend named 'no_such_backend'" in run.output
