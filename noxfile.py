@@ -1,4 +1,5 @@
-"""Sessions: lint, typecheck, tests, conformance per backend (default run); bench (on request).
+"""Sessions: lint, typecheck, tests, conformance per backend, contracts (default run); bench
+(on request).
 
 Every session that installs attnhub pins torch==2.13.0 (a CPU build is on this machine kind's
 package index; an unpinned torch would pull several GB of CUDA packages). Vendor libraries are
@@ -11,7 +12,7 @@ import os
 
 import nox
 
-nox.options.sessions = ["lint", "typecheck", "tests", "conformance"]
+nox.options.sessions = ["lint", "typecheck", "tests", "conformance", "contracts"]
 nox.options.error_on_external_run = True
 
 TORCH = "torch==2.13.0"
@@ -20,7 +21,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".ci-results"
 #: In-repo backends the conformance sessions run: name -> extra distributions to install.
 #: Vendor backends are added here as they land (each runs emulated on a machine without its
 #: hardware).
-BACKENDS: dict[str, list[str]] = {"torch": []}
+BACKENDS: dict[str, list[str]] = {"torch": [], "ascend": ["-e", "backends/ascend"]}
+#: Every in-repo distribution, for the sessions that install them all.
+ALL_DISTRIBUTIONS = ["-e", ".[test]", "-e", "conformance", "-e", "backends/ascend"]
 
 
 def _single_threaded(session: nox.Session) -> None:
@@ -44,19 +47,31 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy on the core package."""
+    """mypy on the core package and the backend packages."""
     session.install(TORCH, "mypy>=1.10")
-    session.install("-e", ".")
+    session.install(*ALL_DISTRIBUTIONS)
     session.run("mypy")
+    session.run("mypy", "backends/ascend/attnhub_ascend")
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit tests of the core and the suite's own tests (mutants, third-party plugin)."""
+    """Unit tests of the core, the suite's own tests (mutants, third-party plugin) and the
+    vendor backends' translation and emulator tests (their schema contracts: ``contracts``)."""
     session.install(TORCH)
-    session.install("-e", ".[test]", "-e", "conformance")
+    session.install(*ALL_DISTRIBUTIONS)
     _single_threaded(session)
-    session.run("pytest", "tests", "conformance/tests", "-q", _junit("tests"), *session.posargs)
+    session.run(
+        "pytest",
+        "tests",
+        "conformance/tests",
+        "backends/ascend/tests",
+        "-m",
+        "not contract",
+        "-q",
+        _junit("tests"),
+        *session.posargs,
+    )
 
 
 @nox.session
@@ -74,7 +89,27 @@ def conformance(session: nox.Session, backend: str) -> None:
         "-p",
         "no:cacheprovider",
         f"--attnhub-backend={backend}",
+        "--attnhub-emulate",
         _junit(f"conformance-{backend}"),
+        *session.posargs,
+    )
+
+
+@nox.session
+def contracts(session: nox.Session) -> None:
+    """Vendor emulators against the vendors' published schemas (downloads the torch-npu wheel
+    once, cached in $ATTNHUB_WHEEL_CACHE, default ~/.cache/attnhub/wheels)."""
+    session.install(TORCH)
+    session.install("-e", ".", "-e", "backends/ascend", "pytest>=8")
+    session.run(
+        "pytest",
+        "backends/ascend/tests",
+        "-m",
+        "contract",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        _junit("contracts"),
         *session.posargs,
     )
 

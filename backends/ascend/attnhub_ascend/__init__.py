@@ -1,0 +1,20 @@
+"""attnhub's Huawei Ascend backend: ``torch_npu`` kernels natively, a CPU emulator elsewhere."""
+
+from attnhub_ascend.backend import (
+    AscendAttentionImpl,
+    AscendAttentionMetadata,
+    AscendAttentionState,
+    AscendBackend,
+    AscendMetadataBuilder,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AscendAttentionImpl",
+    "AscendAttentionMetadata",
+    "AscendAttentionState",
+    "AscendBackend",
+    "AscendMetadataBuilder",
+    "__version__",
+]

@@ -1,0 +1,587 @@
+"""The ``ascend`` backend: attnhub's protocol translated into ``torch_npu``'s calling conventions.
+
+Per step, the builder does every host-side thing once (FlashInfer's ``plan``): it names the
+step's state, turns the lengths into the lists the kernels take (cumulative query ends,
+per-sequence KV lengths with the paged cache, cumulative KV ends for packed K/V), converts the
+block table and slot mapping to int32, and picks up the compressed 2048x2048 causal mask (one
+per device, built once per process). Per layer, the impl makes one KV write and **one** fused
+attention call for the whole batch, mixed or not, with no loop over requests and no host read
+of a device tensor:
+
+  decoder          npu_fused_infer_attention_score.out     TND, paged NHD cache viewed as
+                   (..._v2.out with learnable_sink)        (num_blocks, block_size, KV_N*D),
+                                                           sparse_mode 3 (causal) or 4 (window)
+  non-causal       npu_fusion_attention                    TND, packed K/V: this step's keys,
+  (encoder types)                                          or gathered from the cache where
+                                                           there is context (cross-attention),
+                                                           sparse_mode 0 (4 with a window)
+  KV write         _npu_reshape_and_cache                  int32 slots, padding skipped
+
+Every ``[inferred]`` vendor semantic relied on is marked where it is used and listed in
+docs/backends/ascend.md.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from attnhub.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+)
+from attnhub.batch import BatchMetadata
+from attnhub.capabilities import Capabilities, GraphSupport, Tolerance
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.kv_cache import PagedKVCache
+from attnhub.spec import AttentionSpec, AttentionType
+from attnhub_ascend import ops
+
+INT_MAX = 2147483647  # the kernels' default for pre_tokens / next_tokens: unbounded
+MASK_SIZE = 2048
+#: The kernels' limits that Capabilities cannot express (checked in unsupported_reasons).
+MAX_HEADS = 256
+MAX_GQA_RATIO = 64
+MAX_KV_HIDDEN = 65535  # KV_N * D in the (num_blocks, block_size, KV_N*D) cache view
+MAX_SINK_HEAD_SIZE = 128
+MAX_ENCODER_BATCH = 1024  # npu_fusion_attention varlen: at most 1024 sequences per call
+
+
+class AscendAttentionState(enum.Enum):
+    """What kind of step a batch is (vllm-ascend's ``AscendAttentionState``).
+
+    Decided once per step by the builder from host lengths. Every state is served by the same
+    single fused call; the state only decides what the builder prepares (e.g. the window
+    padding of decode rows) and tells engines and tests what the step was.
+    """
+
+    PREFILL_NO_CACHE = "prefill_no_cache"  # every request starts at position 0
+    PREFILL_CACHE_HIT = "prefill_cache_hit"  # prefills only, some over a cached prefix
+    DECODE_ONLY = "decode_only"  # every request has one new token over cached context
+    MULTI_TOKEN_DECODE = "multi_token_decode"  # decodes of up to decode_query_len tokens
+    CHUNKED_PREFILL = "chunked_prefill"  # anything mixed: decodes with (chunked) prefills
+
+
+_MASKS: dict[torch.device, torch.Tensor] = {}
+
+
+def compressed_causal_mask(device: torch.device) -> torch.Tensor:  # [2048, 2048] int8
+    """The mask sparse_mode 2/3/4 take: ``triu(ones(2048, 2048), 1)``, 1 = masked (the kernels'
+    polarity). Built once per device and process, shared by every step, layer and backend."""
+    mask = _MASKS.get(device)
+    if mask is None:
+        ones = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device)
+        mask = _MASKS[device] = torch.triu(ones, 1)
+    return mask
+
+
+@dataclass(frozen=True)
+class SparseArgs:
+    """The spec's mask pattern in the kernels' terms (the same for every step and layer)."""
+
+    sparse_mode: int
+    pre_tokens: int
+    next_tokens: int
+    needs_mask: bool
+
+    @classmethod
+    def for_spec(cls, spec: AttentionSpec, causal: bool) -> SparseArgs:
+        left, right = spec.window_pair
+        if causal:
+            if left < 0:
+                # sparse_mode 3: bottom-right causal, key j visible to query i iff
+                # j <= i + (kv_len - q_len); pre/next are ignored.
+                return cls(3, INT_MAX, INT_MAX, True)
+            # sparse_mode 4, the documented band: keep -pre <= (j - i) - (kv - q) <= next.
+            # attnhub's sliding_window W keeps W keys (left = W - 1), so pre_tokens = W - 1 and
+            # next_tokens = 0. vllm-ascend passes pre_tokens = W, which by the same band keeps
+            # W + 1 keys; we follow the documented band (a deliberate difference).
+            return cls(4, left, 0, True)
+        if left < 0 and right < 0:
+            return cls(0, INT_MAX, INT_MAX, False)  # non-causal, no window: no mask at all
+        return cls(4, left if left >= 0 else INT_MAX, right if right >= 0 else INT_MAX, True)
+
+
+@dataclass
+class AscendAttentionMetadata(AttentionMetadata):
+    """One step, planned: every host-side argument of the kernels, ready to pass."""
+
+    state: AscendAttentionState = AscendAttentionState.PREFILL_NO_CACHE
+    num_actual_tokens: int = 0
+    #: True: non-causal attention over packed K/V (npu_fusion_attention); False: the fused
+    #: paged call (FIA).
+    packed: bool = False
+    #: Packed path reading the cache (context or cross-attention): the cache slot of every key,
+    #: request after request. None: the keys are this step's new ones.
+    kv_slots: torch.Tensor | None = None  # [sum(seq_lens)] int64, device
+    sparse: SparseArgs = field(default_factory=lambda: SparseArgs(3, INT_MAX, INT_MAX, True))
+    #: TND ``actual_seq_lengths`` / ``actual_seq_qlen``: cumulative query ends, one per request
+    #: (including the window padding rows of decode requests, see ``query_rows``).
+    query_ends: list[int] = field(default_factory=list)
+    #: ``actual_seq_lengths_kv`` with the paged cache: per-sequence KV lengths (seq_lens); for
+    #: npu_fusion_attention's packed K/V, ``actual_seq_kvlen``: cumulative KV ends.
+    kv_lengths: list[int] = field(default_factory=list)
+    block_table: torch.Tensor | None = None  # [num_reqs, max_blocks] int32, device
+    slot_mapping: torch.Tensor | None = None  # [num_actual_tokens] int32, device
+    atten_mask: torch.Tensor | None = None  # the per-device compressed causal mask, or None
+    #: Window decode rows (see AscendMetadataBuilder._pad_window_decodes): the query row each
+    #: kernel row reads, and the kernel row each real token's output comes from. None: 1:1.
+    query_rows: torch.Tensor | None = None  # [kernel_tokens] int64, device
+    output_rows: torch.Tensor | None = None  # [num_actual_tokens] int64, device
+    kernel_tokens: int = 0  # T of the fused call (num_actual_tokens + window padding rows)
+
+
+class AscendBackend(AttentionBackend):
+    name = "ascend"
+    capabilities = Capabilities(
+        devices=frozenset({"npu", "cpu"}),  # cpu: through the emulator only (emulate=True)
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_size_multiple=16,  # FIA: D 16-aligned for float16/bfloat16
+        max_head_size=512,
+        # FIA page attention with query lengths > 1 needs block_size a multiple of 128 in
+        # 128..512; one fused call serves prefills too, so decode-only sizes (16-aligned) are
+        # not enough.
+        block_sizes=frozenset({128, 256, 384, 512}),
+        kv_cache_dtypes=frozenset({"auto"}),
+        kv_cache_layout="NHD",
+        attn_types=frozenset(AttentionType),
+        sliding_window=True,
+        softcap=False,
+        alibi=False,
+        sinks=True,
+        multi_token_decode=True,
+        chunked_prefill=True,
+        cascade=False,
+        # The fused call bakes host-side length lists into a captured graph; replaying it
+        # needs Ascend's task-group update, which attnhub's graph runner does not drive yet.
+        graph_capture=GraphSupport.NEVER,
+        # The emulator computes in float32 and rounds once; the kernels accumulate in float32
+        # with float16/bfloat16 operands.
+        tolerances={
+            torch.float16: Tolerance(atol=5e-3, rtol=5e-3),
+            torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
+        },
+        priority={"npu": 100},
+    )
+
+    #: Requests with query_len <= this over cached context count as (multi-token) decodes
+    #: when the builder names the step's state.
+    decode_query_len = 16
+
+    @classmethod
+    def availability(cls, device: torch.device | str, emulate: bool = False) -> str | None:
+        return ops.unavailable_reason(device, emulate)
+
+    @classmethod
+    def is_emulated(cls, device: torch.device | str) -> bool:
+        return ops.is_emulated(device)
+
+    @classmethod
+    def unsupported_reasons(cls, spec: AttentionSpec) -> list[str]:
+        reasons = [_explain(r) for r in cls.capabilities.unsupported_reasons(spec)]
+        ratio = spec.num_heads // spec.num_kv_heads
+        if spec.num_heads > MAX_HEADS:
+            reasons.append(f"num_heads {spec.num_heads} exceeds the kernels' {MAX_HEADS}")
+        if ratio > MAX_GQA_RATIO:
+            reasons.append(
+                f"num_heads / num_kv_heads = {ratio} exceeds the kernels' GQA ratio limit "
+                f"{MAX_GQA_RATIO}"
+            )
+        if spec.num_kv_heads * spec.head_size > MAX_KV_HIDDEN:
+            reasons.append(
+                f"num_kv_heads * head_size = {spec.num_kv_heads * spec.head_size} exceeds "
+                f"{MAX_KV_HIDDEN}, FIA's limit for the (num_blocks, block_size, KV_N*D) cache"
+            )
+        if spec.use_sinks:
+            if not spec.causal:
+                reasons.append(
+                    "sinks are supported for decoder attention only (learnable_sink of "
+                    "npu_fused_infer_attention_score_v2; the encoder path, "
+                    "npu_fusion_attention, documents no sink semantics)"
+                )
+            if spec.dtype != torch.bfloat16:
+                reasons.append(
+                    f"sinks need dtype bfloat16 (learnable_sink is bfloat16 only), got {spec.dtype}"
+                )
+            if spec.head_size > MAX_SINK_HEAD_SIZE:
+                reasons.append(
+                    f"sinks need head_size <= {MAX_SINK_HEAD_SIZE} (learnable_sink), got "
+                    f"{spec.head_size}"
+                )
+        return reasons
+
+    def __init__(
+        self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
+    ) -> None:
+        super().__init__(spec, device, emulate=emulate)
+        #: torch_npu or the emulator, resolved once for this instance.
+        self.ops: Any = ops.namespace(self.device, emulate)
+
+    def metadata_builder(self) -> AscendMetadataBuilder:
+        return AscendMetadataBuilder(self)
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> AscendAttentionImpl:
+        return AscendAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+_EXPLAINED = {
+    "feature 'softcap'": "FIA has no logit soft-capping",
+    "feature 'alibi'": "FIA's pse_shift bias is not supported with the TND layout",
+    "kv_cache_dtype": "FIA's int8 antiquant modes are not supported with page attention in TND",
+    "block_size": "FIA page attention with query lengths > 1 needs a multiple of 128 up to 512",
+    "head_size": "FIA needs head_size a multiple of 16, at most 512",
+    "dtype": "the kernels take float16 and bfloat16",
+}
+
+
+def _explain(reason: str) -> str:
+    for prefix, why in _EXPLAINED.items():
+        if reason.startswith(prefix):
+            return f"{reason} ({why})"
+    return reason
+
+
+class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
+    """Plans a step once for every layer: state, length lists, int32 tensors, mask."""
+
+    backend: AscendBackend
+
+    def __init__(self, backend: AscendBackend) -> None:
+        super().__init__(backend)
+        #: The mask pattern of causal steps and of non-causal ones (an encoder spec, or a
+        #: decoder spec given a batch with causal=False).
+        self.sparse_causal = SparseArgs.for_spec(self.spec, causal=True)
+        self.sparse_full = SparseArgs.for_spec(self.spec, causal=False)
+
+    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> AscendAttentionMetadata:
+        spec = self.spec
+        n = batch.num_actual_tokens
+        q_lens = batch.query_lens_cpu  # [num_reqs] int32, host
+        seq_lens = batch.seq_lens_cpu
+        state = self.state_of(q_lens, seq_lens)
+        causal = spec.causal and batch.causal
+        sparse = self.sparse_causal if causal else self.sparse_full
+        # Padding rows (past num_actual_tokens) are never written: the KV write gets only
+        # the real tokens, and the op itself skips any slot < 0 among them.
+        slots = batch.slot_mapping[:n].to(torch.int32)  # once per step, not per layer
+        meta = AscendAttentionMetadata(
+            batch=batch,
+            common_prefix_len=common_prefix_len,
+            state=state,
+            num_actual_tokens=n,
+            slot_mapping=slots,
+            packed=not causal,
+            sparse=sparse,
+            atten_mask=compressed_causal_mask(self.backend.device) if sparse.needs_mask else None,
+            kernel_tokens=n,
+        )
+        query_ends = batch.query_start_loc_cpu[1:].tolist()
+        if not causal:  # npu_fusion_attention over packed K/V
+            if batch.num_reqs > MAX_ENCODER_BATCH:
+                raise UnsupportedConfigurationError(
+                    self.backend.name,
+                    [
+                        f"{batch.num_reqs} sequences in one step: npu_fusion_attention's "
+                        f"varlen mode takes at most {MAX_ENCODER_BATCH}"
+                    ],
+                )
+            meta.query_ends = query_ends
+            meta.kv_lengths = torch.cumsum(seq_lens, 0).tolist()  # cumulative KV ends
+            cross = spec.attn_type is AttentionType.ENCODER_DECODER
+            if cross or bool((seq_lens != q_lens).any()):
+                meta.kv_slots = self._kv_slots(batch)
+            return meta
+        meta.block_table = batch.block_table.to(torch.int32).contiguous()
+        meta.query_ends = query_ends
+        meta.kv_lengths = seq_lens.tolist()  # paged cache: per-sequence KV lengths
+        if sparse.sparse_mode == 4 and state is not AscendAttentionState.PREFILL_NO_CACHE:
+            self._pad_window_decodes(meta, q_lens, seq_lens)
+        return meta
+
+    def _kv_slots(self, batch: BatchMetadata) -> torch.Tensor:  # [sum(seq_lens)] int64, device
+        """The cache slot of every key of every request, in order, for the packed path to gather
+        (non-causal attention over cached context, cross-attention). Positions are host data;
+        the block table is read on the device, so building it needs no device-to-host sync."""
+        seq = batch.seq_lens_cpu.long()
+        req = torch.repeat_interleave(torch.arange(batch.num_reqs), seq)
+        pos = torch.arange(int(seq.sum())) - (torch.cumsum(seq, 0) - seq)[req]
+        dev, bs = self.backend.device, batch.block_size
+        req_d, pos_d = req.to(dev), pos.to(dev)
+        return batch.block_table[req_d, pos_d // bs].long() * bs + pos_d % bs
+
+    def state_of(self, q_lens: torch.Tensor, seq_lens: torch.Tensor) -> AscendAttentionState:
+        """The step's state, from host lengths."""
+        context = seq_lens - q_lens
+        if not bool((context > 0).any()):
+            return AscendAttentionState.PREFILL_NO_CACHE
+        if bool((q_lens == 1).all()):
+            return AscendAttentionState.DECODE_ONLY
+        small = q_lens <= self.backend.decode_query_len
+        if bool(small.all()):
+            return AscendAttentionState.MULTI_TOKEN_DECODE
+        if not bool((small & (context > 0)).any()):
+            return AscendAttentionState.PREFILL_CACHE_HIT
+        return AscendAttentionState.CHUNKED_PREFILL
+
+    def _pad_window_decodes(
+        self, meta: AscendAttentionMetadata, q_lens: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
+        """Give every windowed one-token request a leading padding row.
+
+        FIA computes a request with one query token in its incremental (IFA) branch, where
+        sparse_mode, pre_tokens and next_tokens are ignored [doc: "Q_S为1时该参数无效"; read
+        per decode row of a TND batch, as vendor-ops.md does]: such a row would see all its
+        keys, not the window. With one extra query row in front (a copy of the token's query,
+        aligned one position earlier, its output dropped) the request has two query tokens and
+        the band applies to the real one. Only requests whose window actually cuts
+        (seq_len > W) are padded; if the hardware does apply the band to single rows, the
+        padding changes nothing.
+        """
+        visible = self.spec.window_pair[0] + 1
+        pad = (q_lens == 1) & (seq_lens > visible)
+        if not bool(pad.any()):
+            return
+        q = q_lens.long()
+        extra = pad.long()
+        kq = q + extra  # kernel query rows per request
+        k_starts = torch.cumsum(kq, 0) - kq
+        q_starts = meta.batch.query_start_loc_cpu[:-1].long()
+        reqs = torch.arange(q.numel())
+        total = int(kq.sum())
+        req_of_row = torch.repeat_interleave(reqs, kq)  # [kernel_tokens]
+        offset = torch.arange(total) - k_starts[req_of_row]
+        # the padding row (offset 0 of a padded request) reads the request's own query row
+        src = q_starts[req_of_row] + (offset - extra[req_of_row]).clamp(min=0)
+        req_of_token = torch.repeat_interleave(reqs, q)  # [num_actual_tokens]
+        token_offset = torch.arange(int(q.sum())) - q_starts[req_of_token]
+        dst = k_starts[req_of_token] + extra[req_of_token] + token_offset
+        dev = self.backend.device
+        meta.query_rows = src.to(dev)
+        meta.output_rows = dst.to(dev)
+        meta.query_ends = torch.cumsum(kq, 0).tolist()
+        meta.kernel_tokens = total
+
+
+class AscendAttentionImpl(AttentionImpl):
+    """One layer: one KV write, then one fused attention call for the whole batch."""
+
+    backend: AscendBackend
+
+    def __init__(
+        self,
+        backend: AscendBackend,
+        *,
+        alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(backend, alibi_slopes=alibi_slopes, sinks=sinks)
+        # learnable_sink is bfloat16 (Q_N,) [doc]: converted once per layer, not per call. The
+        # rounding of attnhub's float32 sinks stays within the bf16 tolerance [inferred].
+        self.learnable_sink = None if self.sinks is None else self.sinks.to(torch.bfloat16)
+        # softmax_lse of the .out overloads is a reserved output without the LSE flag; a
+        # one-element float32 tensor is accepted there [inferred; the docs' example passes one].
+        self._lse = torch.empty(1, dtype=torch.float32, device=backend.device)
+
+    def check_forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        output: torch.Tensor | None,
+    ) -> torch.Tensor:
+        out = super().check_forward(query, key, value, cache, meta, output)
+        if not isinstance(meta, AscendAttentionMetadata):
+            raise InvalidInputError(
+                f"meta must come from the ascend backend's metadata_builder().build(batch), "
+                f"got {type(meta).__name__}"
+            )
+        if meta.packed and meta.kv_slots is None and key is None:
+            raise InvalidInputError(
+                "this non-causal step attends over its own new keys (npu_fusion_attention, "
+                "no cached context): key and value must be given"
+            )
+        _check_cache_storage(cache)
+        return out
+
+    # --- KV write ---------------------------------------------------------------------------
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [>= n, num_kv_heads, head_size]
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,  # [n] int32/int64, -1 = padding
+    ) -> None:
+        n = slot_mapping.shape[0]
+        if n == 0:
+            return
+        _check_cache_storage(cache)
+        # The engine's own slot tensor (write_kv alone): converted per call.
+        self._write(key[:n], value[:n], cache, slot_mapping.to(torch.int32))
+
+    def store_step_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+    ) -> None:
+        assert isinstance(meta, AscendAttentionMetadata) and meta.slot_mapping is not None
+        n = meta.num_actual_tokens
+        if n:
+            self._write(key[:n], value[:n], cache, meta.slot_mapping)  # int32, planned once
+
+    def _write(
+        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor
+    ) -> None:
+        # _npu_reshape_and_cache skips slots < 0 [schema from op registrations, vendor-ops.md]
+        self.backend.ops._npu_reshape_and_cache(
+            key=key.contiguous(),
+            value=value.contiguous(),
+            key_cache=cache.key,
+            value_cache=cache.value,
+            slot_indices=slots.contiguous(),
+        )
+
+    # --- attention ----------------------------------------------------------------------------
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    ) -> None:
+        assert isinstance(meta, AscendAttentionMetadata)
+        n = meta.num_actual_tokens
+        if n == 0:
+            return
+        if meta.packed:
+            if meta.kv_slots is None:  # no context: the keys are this step's
+                assert key is not None and value is not None  # check_forward
+                k, v = key[:n], value[:n]
+            else:  # one gather per layer of every request's keys from the cache
+                k = _flat(cache.key).index_select(0, meta.kv_slots)
+                v = _flat(cache.value).index_select(0, meta.kv_slots)
+            self._attend_packed(query[:n], k, v, meta, out[:n])
+            return
+        if meta.query_rows is None:
+            q = query[:n].contiguous()
+            direct = out[:n].is_contiguous()
+            target = out[:n] if direct else torch.empty_like(q)
+        else:  # window decode rows padded: kernel rows != token rows
+            q = query.index_select(0, meta.query_rows)
+            direct = False
+            target = torch.empty_like(q)
+        self._attend_paged(q, cache, meta, target)
+        if direct:
+            return
+        if meta.output_rows is not None:
+            target = target.index_select(0, meta.output_rows)
+        out[:n].copy_(target)
+
+    def _attend_paged(
+        self,
+        q: torch.Tensor,  # [kernel_tokens, num_heads, head_size], TND
+        cache: PagedKVCache,
+        meta: AscendAttentionMetadata,
+        target: torch.Tensor,  # like q: written by the kernel
+    ) -> None:
+        spec, sparse, ops_ = self.spec, meta.sparse, self.backend.ops
+        num_blocks, block_size = cache.key.shape[:2]
+        # NHD cache viewed as (num_blocks, block_size, KV_N * D): a view, made per call so a
+        # reallocated cache is never stale. TND + this paged view with float16 or head sizes
+        # other than 128/192 follows vllm-ascend's callers over one docs section that lists
+        # "BFLOAT16, D 128/192" for TND [callers over doc, inferred to cover paged TND].
+        key_cache = cache.key.view(num_blocks, block_size, -1)
+        value_cache = cache.value.view(num_blocks, block_size, -1)
+        shared: dict[str, Any] = dict(
+            atten_mask=meta.atten_mask,
+            block_table=meta.block_table,
+            num_key_value_heads=spec.num_kv_heads,
+            pre_tokens=sparse.pre_tokens,
+            next_tokens=sparse.next_tokens,
+            input_layout="TND",
+            sparse_mode=sparse.sparse_mode,
+            block_size=block_size,
+            workspace=None,
+            out=[target, self._lse],
+        )
+        if self.learnable_sink is None:
+            ops_.npu_fused_infer_attention_score.out(
+                q,
+                key_cache,
+                value_cache,
+                actual_seq_lengths=meta.query_ends,  # cumulative query ends (TND)
+                actual_seq_lengths_kv=meta.kv_lengths,  # per-sequence (paged cache)
+                num_heads=spec.num_heads,
+                scale=spec.softmax_scale,
+                **shared,
+            )
+        else:
+            ops_.npu_fused_infer_attention_score_v2.out(
+                q,
+                key_cache,
+                value_cache,
+                actual_seq_qlen=meta.query_ends,
+                actual_seq_kvlen=meta.kv_lengths,
+                learnable_sink=self.learnable_sink,
+                num_query_heads=spec.num_heads,
+                softmax_scale=spec.softmax_scale,
+                **shared,
+            )
+
+    def _attend_packed(
+        self,
+        query: torch.Tensor,  # [n, num_heads, head_size]
+        key: torch.Tensor,  # [sum(seq_lens), num_kv_heads, head_size], request after request
+        value: torch.Tensor,
+        meta: AscendAttentionMetadata,
+        out: torch.Tensor,  # [n, num_heads, head_size]
+    ) -> None:
+        # Non-causal attention goes through the training FA, not FIA's sparse_mode 0: FIA with
+        # TND + sparse_mode 0 + no mask was reported to skip the softmax on one CANN stack
+        # (vllm-ascend#13699); vllm-ascend's pooling path uses npu_fusion_attention too.
+        spec, sparse = self.spec, meta.sparse
+        result = self.backend.ops.npu_fusion_attention(
+            query.contiguous(),
+            key.contiguous(),
+            value.contiguous(),
+            spec.num_heads,
+            "TND",
+            atten_mask=meta.atten_mask,  # None without a window: full attention
+            scale=spec.softmax_scale,
+            pre_tockens=sparse.pre_tokens,  # sic: the vendor's spelling
+            next_tockens=sparse.next_tokens,
+            actual_seq_qlen=meta.query_ends,  # cumulative (TND)
+            actual_seq_kvlen=meta.kv_lengths,  # cumulative (packed K/V)
+            sparse_mode=sparse.sparse_mode,
+        )
+        out.copy_(result[0])
+
+
+def _flat(plane: torch.Tensor) -> torch.Tensor:  # [num_slots, num_kv_heads, head_size] view
+    return plane.view(-1, *plane.shape[2:])
+
+
+def _check_cache_storage(cache: PagedKVCache) -> None:
+    """The kernels take contiguous caches (they view them as (num_blocks, block_size, -1)) with
+    slots addressable by int32."""
+    if not (cache.key.is_contiguous() and cache.value.is_contiguous()):
+        raise InvalidInputError(
+            "the ascend backend needs contiguous key/value cache tensors "
+            "(allocate them with backend.allocate_kv_cache)"
+        )
+    if cache.num_slots > INT_MAX:
+        raise InvalidInputError(
+            f"a cache of {cache.num_slots} slots cannot be addressed by int32 slot indices"
+        )

@@ -1,0 +1,1017 @@
+"""A pure-PyTorch CPU emulator of exactly the ``torch_npu`` ops ``attnhub_ascend`` calls.
+
+On a machine without an Ascend NPU, ``ops.py`` hands the backend this module instead of
+``torch_npu``, so the backend's real translation code runs on CPU. Every op here has the vendor's
+name, parameter names, positional/keyword-only split, defaults (checked against the real wheel's
+schema by ``backends/ascend/tests/test_contract.py``), ``.out`` overload, layout, mask polarity,
+length conventions and return tuple, from the vendor docs shipped in the wheel
+(``torch_npu/_op_plugin_docs.py``) and ``shared/vendor-ops.md``.
+
+It is strict: where the vendor op rejects a call (wrong layout, int64 block table, a lengths list
+of the wrong kind or length, a mask of the wrong shape) it raises :class:`NpuOpError`; where the
+call is valid for the vendor but uses something not emulated here (other layouts, quantization,
+full masks) it raises :class:`NotEmulatedError`. It computes in float32 from its own reading of
+the docs and never calls ``attnhub.reference`` (the conformance suite compares the two).
+
+Emulated ops (the names ``torch_npu`` exposes):
+  npu_fused_infer_attention_score     (+ ``.out``)  "FIA": TND layout, paged or packed K/V
+  npu_fused_infer_attention_score_v2  (+ ``.out``)  FIA v2: the same plus ``learnable_sink``
+  npu_fusion_attention                              training FA: TND, packed K/V (encoder)
+  _npu_reshape_and_cache                            ATB KV-cache write, int32 slots
+
+Conventions, as the docs state them (``[inferred]`` marks our reading where they are silent):
+  - TND: query [T, N, D]; ``actual_seq_lengths`` / ``actual_seq_qlen`` are **cumulative** query
+    ends (one per request; their count is the batch size B).
+  - Paged K/V (``block_table`` given): cache [num_blocks, block_size, KV_N*D] or
+    [num_blocks, KV_N, block_size, D]; ``block_table`` int32 [B, max_blocks];
+    ``actual_seq_lengths_kv`` are **per-sequence** KV lengths. Packed TND K/V: cumulative ends.
+  - ``atten_mask``: 1/True = masked out. sparse_mode 2/3/4 take the compressed 2048x2048 mask
+    ``triu(ones, 1)``; with q_len/kv_len of request b, query i and key j:
+      2 keep j <= i (top-left)   3 keep j <= i + kv - q (bottom-right)
+      4 keep -pre_tokens <= (j - i) - (kv - q) <= next_tokens (band; pre_tokens=W keeps W+1 keys)
+      0 without a mask: every key (pre/next ignored).
+  - FIA: a request with one query token is computed by the incremental (IFA) branch, where
+    sparse_mode, pre_tokens and next_tokens are ignored ("Q_S为1时该参数无效"): it sees all
+    kv_len keys. vendor-ops.md reads this per decode row of a TND batch; we emulate that,
+    the strictest reading.
+  - A query row that sees no key gives output 0 and LSE +inf [inferred].
+  - FIA returns (attention_out, softmax_lse); the LSE (float32, (T, N, 1) for TND) only with
+    ``softmax_lse_flag`` / ``return_softmax_lse``, else a [1] zero tensor (the wheel's docs;
+    vendor-ops.md says "an empty tensor").
+  - npu_fusion_attention: without ``atten_mask``, sparse_mode / pre_tockens / next_tockens have
+    no effect (full attention); varlen rows that see no key are rejected.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Call",
+    "NotEmulatedError",
+    "NpuOpError",
+    "OpPacket",
+    "_npu_reshape_and_cache",
+    "call_counts",
+    "compressed_causal_mask",
+    "npu_fused_infer_attention_score",
+    "npu_fused_infer_attention_score_v2",
+    "npu_fusion_attention",
+    "record_calls",
+    "reset_call_counts",
+]
+
+INT_MAX = 2147483647
+MASK_SIZE = 2048  # the compressed mask of sparse_mode 2/3/4 is MASK_SIZE x MASK_SIZE
+MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+MODEL_DTYPES = (torch.float16, torch.bfloat16)
+LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND", "TND", "TND_NTD", "NTD_TND")
+
+
+class NpuOpError(RuntimeError):
+    """The call is one ``torch_npu`` rejects (the real op raises a RuntimeError too)."""
+
+
+class NotEmulatedError(NotImplementedError):
+    """A valid ``torch_npu`` call that uses something this emulator does not implement."""
+
+
+# --- call accounting (tests count the fused calls a step makes) ----------------------------------
+
+#: op name (with ``.out`` for the out overload) -> number of calls since the last reset.
+call_counts: Counter[str] = Counter()
+
+
+@dataclass(frozen=True)
+class Call:
+    """One emulated op call, as the caller made it."""
+
+    name: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+_recorders: list[list[Call]] = []
+
+
+def reset_call_counts() -> None:
+    call_counts.clear()
+
+
+@contextmanager
+def record_calls() -> Iterator[list[Call]]:
+    """Collect every emulated op call made inside the block (name, args, kwargs)."""
+    calls: list[Call] = []
+    _recorders.append(calls)
+    try:
+        yield calls
+    finally:
+        _recorders.remove(calls)
+
+
+def _counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def op(*args: Any, **kwargs: Any) -> Any:
+        call_counts[name] += 1
+        for calls in _recorders:
+            calls.append(Call(name, args, dict(kwargs)))
+        try:
+            sig.bind(*args, **kwargs)  # the vendor binding rejects unknown / missing arguments
+        except TypeError as exc:
+            raise TypeError(f"torch_npu.{name}(): {exc}") from None
+        return fn(*args, **kwargs)
+
+    return op
+
+
+class OpPacket:
+    """An op as ``torch_npu`` exposes it (a ``torch.ops.npu`` packet): calling it runs the
+    default overload; ``.out`` is the out overload where the vendor has one."""
+
+    def __init__(
+        self, name: str, default: Callable[..., Any], out: Callable[..., Any] | None = None
+    ) -> None:
+        self.__name__ = name
+        self.default = _counted(name, default)
+        self.__signature__ = inspect.signature(default)
+        self.__doc__ = default.__doc__
+        if out is not None:
+            self.out = _counted(name + ".out", out)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.default(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<emulated torch_npu.{self.__name__}>"
+
+
+# --- shared checks -------------------------------------------------------------------------------
+
+
+def _fail(op: str, message: str) -> NpuOpError:
+    return NpuOpError(f"{op}: {message}")
+
+
+def _not_emulated(op: str, **params: object) -> None:
+    """Raise for any parameter that is set (not None / not its default) and not emulated."""
+    for name, value in params.items():
+        if value is not None and value is not False:
+            raise NotEmulatedError(
+                f"{op}: {name} is valid for torch_npu but not emulated (attnhub_ascend does "
+                "not use it)"
+            )
+
+
+def _int_list(op: str, name: str, values: object, required: bool) -> list[int] | None:
+    """A ``SymInt[]?`` argument: None or a list/tuple of Python ints, as the binding takes it."""
+    if values is None:
+        if required:
+            raise _fail(op, f"{name} is required with input_layout='TND'")
+        return None
+    if isinstance(values, torch.Tensor) or not isinstance(values, (list, tuple)):
+        raise _fail(
+            op,
+            f"{name} must be a list of ints (SymInt[]), got {type(values).__name__}; build it on "
+            "the host once per step",
+        )
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _fail(op, f"{name}[{i}] = {v!r} is not an int")
+        out.append(v)
+    return out
+
+
+def _cumulative(op: str, name: str, ends: list[int], total: int) -> list[int]:
+    """Per-request lengths from cumulative ends; the last end must be ``total`` (the T of the
+    packed tensor). A per-request list passed where ends belong fails here."""
+    lengths = []
+    prev = 0
+    for i, end in enumerate(ends):
+        if end < prev:
+            raise _fail(
+                op,
+                f"{name} holds cumulative ends (each >= the previous, from 0), got "
+                f"{name}[{i}] = {end} after {prev}: was a per-request length list passed?",
+            )
+        lengths.append(end - prev)
+        prev = end
+    if prev != total:
+        raise _fail(
+            op,
+            f"{name}[-1] = {prev} must equal the packed T = {total} (cumulative ends; a "
+            "per-request length list was passed where ends belong?)",
+        )
+    return lengths
+
+
+def _check_tensor(op: str, name: str, t: object, dims: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise _fail(op, f"{name} must be {dims}-D, got shape {list(t.shape)}")
+    if t.device != device:
+        raise _fail(op, f"{name} is on {t.device}, query on {device}")
+    if not t.is_contiguous():
+        raise _fail(op, f"{name} must be contiguous (non-contiguous tensors are not supported)")
+    return t
+
+
+_checked_masks: dict[tuple[int, int, int], bool] = {}
+
+
+def compressed_causal_mask(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The mask sparse_mode 2/3/4 take: int8 [2048, 2048], 1 above the diagonal (= masked)."""
+    return torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device), 1)
+
+
+def _check_compressed_mask(op: str, mask: object, sparse_mode: int, device: torch.device) -> None:
+    if mask is None:
+        raise _fail(op, f"sparse_mode={sparse_mode} needs the compressed 2048x2048 atten_mask")
+    if not isinstance(mask, torch.Tensor):
+        raise _fail(op, f"atten_mask must be a Tensor, got {type(mask).__name__}")
+    if mask.dtype not in MASK_DTYPES:
+        raise _fail(op, f"atten_mask must be bool, int8 or uint8, got {mask.dtype}")
+    if tuple(mask.shape) not in (
+        (MASK_SIZE, MASK_SIZE),
+        (1, MASK_SIZE, MASK_SIZE),
+        (1, 1, MASK_SIZE, MASK_SIZE),
+    ):
+        raise _fail(
+            op,
+            f"sparse_mode={sparse_mode} takes the compressed atten_mask of shape (2048, 2048), "
+            f"(1, 2048, 2048) or (1, 1, 2048, 2048), got {list(mask.shape)}",
+        )
+    if mask.device != device:
+        raise _fail(op, f"atten_mask is on {mask.device}, query on {device}")
+    # The kernel reads the compressed mask as a lower-triangular template and the caller must
+    # guarantee it is one (1 = masked above the diagonal). A wrong mask makes the real kernel
+    # compute garbage silently; the emulator refuses it. Checked once per tensor version.
+    key = (id(mask), mask.data_ptr(), mask._version)
+    if key not in _checked_masks:
+        flat = mask.reshape(MASK_SIZE, MASK_SIZE).to("cpu", torch.int8)
+        if not torch.equal(flat, compressed_causal_mask()):
+            raise _fail(
+                op,
+                "atten_mask must be the compressed causal mask triu(ones(2048, 2048), 1) with "
+                "1 = masked (polarity inverted or not triangular?)",
+            )
+        _checked_masks.clear()  # keep one entry: callers reuse one mask per device
+        _checked_masks[key] = True
+
+
+def _visible(
+    q_len: int, kv_len: int, sparse_mode: int, pre_tokens: int, next_tokens: int
+) -> torch.Tensor | None:  # [q_len, kv_len] bool, True = the query row sees the key; None: all
+    """The documented sparse geometry of one request (query i, key j; offset = kv - q)."""
+    if sparse_mode == 0:
+        return None  # defaultMask without a mask: full attention, pre/next ignored
+    i = torch.arange(q_len)[:, None]
+    j = torch.arange(kv_len)[None, :]
+    if sparse_mode == 2:  # leftUpCausal
+        return j <= i
+    d = (j - i) - (kv_len - q_len)  # distance from the bottom-right aligned diagonal
+    if sparse_mode == 3:  # rightDownCausal
+        return d <= 0
+    if sparse_mode == 4:  # band, anchored bottom-right
+        return (d >= -pre_tokens) & (d <= next_tokens)
+    raise AssertionError(sparse_mode)
+
+
+def _attend(
+    q: torch.Tensor,  # [q_len, N, D] (any float dtype)
+    k: torch.Tensor,  # [kv_len, KV_N, D]
+    v: torch.Tensor,  # [kv_len, KV_N, D]
+    scale: float,
+    visible: torch.Tensor | None,  # [q_len, kv_len] bool; None: every key
+    sink: torch.Tensor | None,  # [N] float32 logits joining the denominator
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [q_len, N, D] f32, lse [q_len, N] f32
+    """softmax(scale * q k^T [masked]) v for one request, GQA head h -> kv head h // (N/KV_N)."""
+    q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    # [KV_N, group * q_len, D]: the query heads sharing a kv head, stacked as rows
+    qf = q.float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    qf = qf.reshape(num_kv_heads, group * q_len, head_dim)
+    kf = k.float().permute(1, 0, 2)  # [KV_N, kv_len, D]
+    vf = v.float().permute(1, 0, 2)
+    s = torch.bmm(qf, kf.transpose(1, 2)).mul_(scale)  # [KV_N, group * q_len, kv_len]
+    s = s.view(num_kv_heads, group, q_len, kv_len)
+    if visible is not None:
+        s = s.masked_fill(~visible, -math.inf)
+    m = s.amax(dim=-1, keepdim=True) if kv_len else s.new_full((*s.shape[:3], 1), -math.inf)
+    if sink is not None:
+        sink4 = sink.float().view(num_kv_heads, group, 1, 1)
+        m = torch.maximum(m, sink4)
+    safe_m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - safe_m)  # exp(-inf) = 0 for masked keys
+    denom = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink4 - safe_m)
+    empty = denom == 0  # no visible key and no sink: output 0, LSE +inf [inferred]
+    p = e / torch.where(empty, torch.ones_like(denom), denom)
+    out = torch.matmul(p.view(num_kv_heads, group * q_len, kv_len), vf)
+    out = out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+    lse = torch.where(empty, torch.full_like(denom, math.inf), safe_m + torch.log(denom))
+    lse = lse.view(num_kv_heads, group, q_len).permute(2, 0, 1)
+    return out.reshape(q_len, num_heads, head_dim), lse.reshape(q_len, num_heads)
+
+
+# --- FIA: npu_fused_infer_attention_score (v1, v2) -----------------------------------------------
+
+
+@dataclass
+class _FiaCall:
+    """The arguments FIA v1 and v2 share, under v1's names."""
+
+    op: str
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    atten_mask: torch.Tensor | None
+    actual_seq_lengths: Sequence[int] | None
+    actual_seq_lengths_kv: Sequence[int] | None
+    block_table: torch.Tensor | None
+    num_heads: int
+    num_key_value_heads: int
+    scale: float
+    pre_tokens: int
+    next_tokens: int
+    input_layout: str
+    sparse_mode: int
+    block_size: int
+    sink: torch.Tensor | None = None
+
+
+def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (query dtype), lse
+    op = c.op
+    if c.input_layout not in LAYOUTS:
+        raise _fail(op, f"input_layout={c.input_layout!r} is not one of {', '.join(LAYOUTS)}")
+    if c.input_layout != "TND":
+        raise NotEmulatedError(
+            f"{op}: input_layout={c.input_layout!r} is valid but only 'TND' is emulated"
+        )
+    q = c.query
+    if not isinstance(q, torch.Tensor):
+        raise _fail(op, f"query must be a Tensor, got {type(q).__name__}")
+    dev = q.device
+    _check_tensor(op, "query", q, 3, dev)
+    if q.dtype not in MODEL_DTYPES:
+        raise (NotEmulatedError if q.dtype == torch.int8 else NpuOpError)(
+            f"{op}: query dtype {q.dtype} (supported: float16, bfloat16, int8; int8 not emulated)"
+        )
+    total, num_heads, head_dim = q.shape
+    if num_heads != c.num_heads:
+        raise _fail(op, f"num_heads={c.num_heads} but the TND query has {num_heads} heads")
+    kv_heads = c.num_key_value_heads or num_heads
+    if num_heads % kv_heads or num_heads // kv_heads > 64:
+        raise _fail(
+            op,
+            f"num_heads={num_heads} must be a multiple of num_key_value_heads={kv_heads}, "
+            "with a ratio of at most 64",
+        )
+    if num_heads > 256 or head_dim > 512 or head_dim % 16:
+        raise _fail(
+            op,
+            f"N={num_heads} (<= 256) and D={head_dim} (<= 512, a multiple of 16 for "
+            "float16/bfloat16) are out of range",
+        )
+    for name, t in (("key", c.key), ("value", c.value)):
+        if not isinstance(t, torch.Tensor):
+            raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dtype != q.dtype:
+            raise _fail(op, f"{name} dtype {t.dtype} differs from query dtype {q.dtype}")
+        if t.shape != c.key.shape:
+            raise _fail(op, f"key and value shapes differ: {list(c.key.shape)} vs {list(t.shape)}")
+        _check_tensor(op, name, t, t.dim(), dev)
+
+    q_ends = _int_list(op, "actual_seq_lengths", c.actual_seq_lengths, required=True)
+    assert q_ends is not None
+    q_lens = _cumulative(op, "actual_seq_lengths", q_ends, total)
+    batch = len(q_lens)
+    kv_list = _int_list(op, "actual_seq_lengths_kv", c.actual_seq_lengths_kv, required=True)
+    assert kv_list is not None
+    if len(kv_list) != batch:
+        raise _fail(
+            op,
+            f"actual_seq_lengths_kv has {len(kv_list)} entries, the batch has {batch} "
+            "(len(actual_seq_lengths))",
+        )
+
+    keys: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    if c.block_table is not None:  # paged K/V: per-sequence kv lengths
+        keys, kv_lens = _paged_keys(c, q_lens, kv_list, kv_heads, head_dim)
+    else:  # packed TND K/V: cumulative kv ends
+        _check_tensor(op, "key", c.key, 3, dev)
+        if tuple(c.key.shape[1:]) != (kv_heads, head_dim):
+            raise _fail(
+                op, f"TND key must be [T_kv, {kv_heads}, {head_dim}], got {list(c.key.shape)}"
+            )
+        kv_lens = _cumulative(op, "actual_seq_lengths_kv", kv_list, c.key.shape[0])
+        starts = [e - n for e, n in zip(kv_list, kv_lens, strict=True)]
+
+        def keys(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = slice(starts[b], starts[b] + kv_lens[b])
+            return c.key[rows], c.value[rows]
+
+    if c.sparse_mode not in (0, 1, 2, 3, 4, 9):
+        raise _fail(op, f"sparse_mode={c.sparse_mode} is not one of 0, 1, 2, 3, 4, 9")
+    if c.sparse_mode in (1, 9) or (c.sparse_mode == 0 and c.atten_mask is not None):
+        raise NotEmulatedError(
+            f"{op}: sparse_mode={c.sparse_mode} with a full atten_mask is not emulated"
+        )
+    if c.sparse_mode in (2, 3, 4):
+        _check_compressed_mask(op, c.atten_mask, c.sparse_mode, dev)
+    if c.sparse_mode == 4 and c.pre_tokens + c.next_tokens < 0:
+        raise _fail(op, f"band: pre_tokens + next_tokens = {c.pre_tokens + c.next_tokens} < 0")
+
+    sink = None
+    if c.sink is not None:
+        sink = c.sink
+        if not isinstance(sink, torch.Tensor) or sink.shape != (num_heads,):
+            raise _fail(op, f"learnable_sink must be a Tensor of shape ({num_heads},)")
+        if sink.dtype != torch.bfloat16:
+            raise _fail(op, f"learnable_sink must be bfloat16, got {sink.dtype}")
+        if sink.device != dev:
+            raise _fail(op, f"learnable_sink is on {sink.device}, query on {dev}")
+        if head_dim > 128:
+            raise _fail(op, f"learnable_sink needs value D <= 128, got {head_dim}")
+
+    out = torch.empty_like(q)
+    lse = torch.empty(total, num_heads, 1, dtype=torch.float32, device=dev)
+    start = 0
+    for b in range(batch):  # the emulator loops; the backend never does
+        q_len, kv_len = q_lens[b], kv_lens[b]
+        if q_len == 0:
+            continue
+        k, v = keys(b)
+        # One query token: the IFA branch, where sparse_mode / pre / next are ignored.
+        visible = (
+            None
+            if q_len == 1
+            else _visible(q_len, kv_len, c.sparse_mode, c.pre_tokens, c.next_tokens)
+        )
+        o, l_ = _attend(q[start : start + q_len], k, v, c.scale, visible, sink)
+        out[start : start + q_len] = o.to(q.dtype)
+        lse[start : start + q_len, :, 0] = l_
+        start += q_len
+    return out, lse
+
+
+def _paged_keys(
+    c: _FiaCall, q_lens: list[int], kv_lens: list[int], kv_heads: int, head_dim: int
+) -> tuple[Callable[[int], tuple[torch.Tensor, torch.Tensor]], list[int]]:
+    """Checks of the page-attention arguments; returns a reader of request b's K/V."""
+    op, table, bs, key, value = c.op, c.block_table, c.block_size, c.key, c.value
+    assert table is not None
+    if not isinstance(table, torch.Tensor):
+        raise _fail(op, f"block_table must be a Tensor, got {type(table).__name__}")
+    if table.dtype != torch.int32:
+        raise _fail(op, f"block_table must be int32, got {table.dtype}")
+    if table.dim() != 2 or table.shape[0] != len(q_lens):
+        raise _fail(
+            op,
+            f"block_table must be [B={len(q_lens)}, max_blocks] (B = len(actual_seq_lengths)), "
+            f"got {list(table.shape)}",
+        )
+    if table.device != c.query.device:
+        raise _fail(op, f"block_table is on {table.device}, query on {c.query.device}")
+    if bs <= 0:
+        raise _fail(op, f"block_size={bs}: page attention needs the cache's block size")
+    if any(n > 1 for n in q_lens):  # the PFA branch
+        if bs % 128 or not 128 <= bs <= 512:
+            raise _fail(
+                op,
+                f"block_size={bs}: with query lengths > 1, page attention needs a multiple of "
+                "128 in 128..512",
+            )
+    elif bs % 16 or bs > 512:  # the IFA branch (every request has one query token)
+        raise _fail(op, f"block_size={bs}: must be a multiple of 16, at most 512")
+    if key.dim() == 3:  # (num_blocks, block_size, KV_N * D)
+        if key.shape[1] != bs or key.shape[2] != kv_heads * head_dim:
+            raise _fail(
+                op,
+                f"a 3-D paged cache must be [num_blocks, block_size={bs}, "
+                f"KV_N*D={kv_heads * head_dim}], got {list(key.shape)}",
+            )
+        if kv_heads * head_dim > 65535:
+            raise _fail(op, f"KV_N*D = {kv_heads * head_dim} exceeds 65535 in the 3-D layout")
+        flat_k = key.view(-1, kv_heads, head_dim)
+        flat_v = value.view(-1, kv_heads, head_dim)
+    elif key.dim() == 4:  # (num_blocks, KV_N, block_size, D)
+        if tuple(key.shape[1:]) != (kv_heads, bs, head_dim):
+            raise _fail(
+                op,
+                f"a 4-D paged cache must be [num_blocks, KV_N={kv_heads}, block_size={bs}, "
+                f"D={head_dim}], got {list(key.shape)}",
+            )
+        flat_k = key.transpose(1, 2).reshape(-1, kv_heads, head_dim)
+        flat_v = value.transpose(1, 2).reshape(-1, kv_heads, head_dim)
+    else:
+        raise _fail(op, f"a paged cache must be 3-D or 4-D, got {list(key.shape)}")
+    num_blocks = key.shape[0]
+    capacity = table.shape[1] * bs
+    table_l = table.to("cpu", torch.int64)
+    for b, kv_len in enumerate(kv_lens):
+        if kv_len < 0 or kv_len > capacity:
+            raise _fail(
+                op,
+                f"actual_seq_lengths_kv[{b}] = {kv_len} is not a per-sequence length within "
+                f"the block table ({table.shape[1]} blocks x {bs}); with a paged cache it is "
+                "the per-sequence KV length, not a cumulative end",
+            )
+        used = table_l[b, : (kv_len + bs - 1) // bs]
+        if bool(((used < 0) | (used >= num_blocks)).any()):
+            raise _fail(op, f"block_table[{b}] names a block outside the {num_blocks} blocks")
+
+    def keys(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(kv_lens[b])
+        slots = (table_l[b, pos // bs] * bs + pos % bs).to(key.device)
+        return flat_k.index_select(0, slots), flat_v.index_select(0, slots)
+
+    return keys, kv_lens
+
+
+def _lse_result(
+    op: str, lse: torch.Tensor, want: bool
+) -> torch.Tensor:  # (T, N, 1) float32 or a [1] zero
+    return lse if want else torch.zeros(1, dtype=torch.float32, device=lse.device)
+
+
+def _write_out(
+    op: str, out: object, result: torch.Tensor, lse: torch.Tensor, want_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The out overloads write ``out=[attention_out, softmax_lse]`` (torch binds the schema's two
+    out arguments as one ``out`` list, the form torch_npu's docs and graph handlers use)."""
+    if not isinstance(out, (list, tuple)) or len(out) != 2:
+        raise _fail(op, "out must be [attention_out, softmax_lse]")
+    attention_out, softmax_lse = out
+    if (
+        not isinstance(attention_out, torch.Tensor)
+        or attention_out.shape != result.shape
+        or (attention_out.dtype != result.dtype)
+    ):
+        raise _fail(
+            op,
+            f"attention_out must be a {result.dtype} tensor of the query's shape "
+            f"{list(result.shape)}",
+        )
+    if not attention_out.is_contiguous():
+        raise _fail(op, "attention_out must be contiguous")
+    if not isinstance(softmax_lse, torch.Tensor) or softmax_lse.dtype != torch.float32:
+        raise _fail(op, "softmax_lse must be a float32 tensor")
+    attention_out.copy_(result)
+    if want_lse:
+        if softmax_lse.shape != lse.shape:
+            raise _fail(op, f"softmax_lse must be {list(lse.shape)} with the LSE flag set")
+        softmax_lse.copy_(lse)
+    elif softmax_lse.numel() < 1:
+        raise _fail(op, "softmax_lse (reserved without the LSE flag) needs at least 1 element")
+    return attention_out, softmax_lse
+
+
+def _fia_v1(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    pse_shift: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    actual_seq_lengths: Sequence[int] | None = None,
+    actual_seq_lengths_kv: Sequence[int] | None = None,
+    dequant_scale1: torch.Tensor | None = None,
+    quant_scale1: torch.Tensor | None = None,
+    dequant_scale2: torch.Tensor | None = None,
+    quant_scale2: torch.Tensor | None = None,
+    quant_offset2: torch.Tensor | None = None,
+    antiquant_scale: torch.Tensor | None = None,
+    antiquant_offset: torch.Tensor | None = None,
+    key_antiquant_scale: torch.Tensor | None = None,
+    key_antiquant_offset: torch.Tensor | None = None,
+    value_antiquant_scale: torch.Tensor | None = None,
+    value_antiquant_offset: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    query_padding_size: torch.Tensor | None = None,
+    kv_padding_size: torch.Tensor | None = None,
+    key_shared_prefix: torch.Tensor | None = None,
+    value_shared_prefix: torch.Tensor | None = None,
+    actual_shared_prefix_len: Sequence[int] | None = None,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    key_rope_antiquant_scale: torch.Tensor | None = None,
+    num_heads: int = 1,
+    scale: float = 1.0,
+    pre_tokens: int = 2147483647,
+    next_tokens: int = 2147483647,
+    input_layout: str = "BSH",
+    num_key_value_heads: int = 0,
+    sparse_mode: int = 0,
+    inner_precise: int = 0,
+    block_size: int = 0,
+    antiquant_mode: int = 0,
+    key_antiquant_mode: int = 0,
+    value_antiquant_mode: int = 0,
+    softmax_lse_flag: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FIA: returns (attention_out [query's shape and dtype], softmax_lse)."""
+    op = "npu_fused_infer_attention_score"
+    _not_emulated(
+        op,
+        pse_shift=pse_shift,
+        dequant_scale1=dequant_scale1,
+        quant_scale1=quant_scale1,
+        dequant_scale2=dequant_scale2,
+        quant_scale2=quant_scale2,
+        quant_offset2=quant_offset2,
+        antiquant_scale=antiquant_scale,
+        antiquant_offset=antiquant_offset,
+        key_antiquant_scale=key_antiquant_scale,
+        key_antiquant_offset=key_antiquant_offset,
+        value_antiquant_scale=value_antiquant_scale,
+        value_antiquant_offset=value_antiquant_offset,
+        query_padding_size=query_padding_size,
+        kv_padding_size=kv_padding_size,
+        key_shared_prefix=key_shared_prefix,
+        value_shared_prefix=value_shared_prefix,
+        actual_shared_prefix_len=actual_shared_prefix_len,
+        query_rope=query_rope,
+        key_rope=key_rope,
+        key_rope_antiquant_scale=key_rope_antiquant_scale,
+    )
+    if inner_precise not in (0, 1, 2, 3):
+        raise _fail(op, f"inner_precise={inner_precise} is not one of 0, 1, 2, 3")
+    if antiquant_mode or key_antiquant_mode or value_antiquant_mode:
+        raise NotEmulatedError(f"{op}: antiquant modes are not emulated")
+    out, lse = _fia(
+        _FiaCall(
+            op,
+            query,
+            key,
+            value,
+            atten_mask,
+            actual_seq_lengths,
+            actual_seq_lengths_kv,
+            block_table,
+            num_heads,
+            num_key_value_heads,
+            scale,
+            pre_tokens,
+            next_tokens,
+            input_layout,
+            sparse_mode,
+            block_size,
+        )
+    )
+    return out, _lse_result(op, lse, softmax_lse_flag)
+
+
+def _fia_v1_out(
+    *args: Any, workspace: torch.Tensor | None = None, out: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    result, lse = _fia_v1(*args, **{**kwargs, "softmax_lse_flag": True})
+    want = bool(kwargs.get("softmax_lse_flag", False))
+    return _write_out("npu_fused_infer_attention_score.out", out, result, lse, want)
+
+
+def _fia_v2(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    pse_shift: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    actual_seq_qlen: Sequence[int] | None = None,
+    actual_seq_kvlen: Sequence[int] | None = None,
+    block_table: torch.Tensor | None = None,
+    dequant_scale_query: torch.Tensor | None = None,
+    dequant_scale_key: torch.Tensor | None = None,
+    dequant_offset_key: torch.Tensor | None = None,
+    dequant_scale_value: torch.Tensor | None = None,
+    dequant_offset_value: torch.Tensor | None = None,
+    dequant_scale_key_rope: torch.Tensor | None = None,
+    quant_scale_out: torch.Tensor | None = None,
+    quant_offset_out: torch.Tensor | None = None,
+    quant_scale_p: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
+    num_query_heads: int = 1,
+    num_key_value_heads: int = 0,
+    softmax_scale: float = 1.0,
+    pre_tokens: int = 2147483647,
+    next_tokens: int = 2147483647,
+    input_layout: str = "BSH",
+    sparse_mode: int = 0,
+    block_size: int = 0,
+    query_quant_mode: int = 0,
+    key_quant_mode: int = 0,
+    value_quant_mode: int = 0,
+    inner_precise: int = 0,
+    return_softmax_lse: bool = False,
+    query_dtype: int | None = None,
+    key_dtype: int | None = None,
+    value_dtype: int | None = None,
+    query_rope_dtype: int | None = None,
+    key_rope_dtype: int | None = None,
+    key_shared_prefix_dtype: int | None = None,
+    value_shared_prefix_dtype: int | None = None,
+    dequant_scale_query_dtype: int | None = None,
+    dequant_scale_key_dtype: int | None = None,
+    dequant_scale_value_dtype: int | None = None,
+    dequant_scale_key_rope_dtype: int | None = None,
+    out_dtype: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FIA v2: v1's computation under new names, plus ``learnable_sink`` (the sink logit per
+    query head, bfloat16 (Q_N,), TND only, value D <= 128)."""
+    op = "npu_fused_infer_attention_score_v2"
+    _not_emulated(
+        op,
+        query_rope=query_rope,
+        key_rope=key_rope,
+        pse_shift=pse_shift,
+        dequant_scale_query=dequant_scale_query,
+        dequant_scale_key=dequant_scale_key,
+        dequant_offset_key=dequant_offset_key,
+        dequant_scale_value=dequant_scale_value,
+        dequant_offset_value=dequant_offset_value,
+        dequant_scale_key_rope=dequant_scale_key_rope,
+        quant_scale_out=quant_scale_out,
+        quant_offset_out=quant_offset_out,
+        quant_scale_p=quant_scale_p,
+        out_dtype=out_dtype,
+    )
+    if query_quant_mode or key_quant_mode or value_quant_mode:
+        raise NotEmulatedError(f"{op}: quant modes are not emulated")
+    if inner_precise not in (0, 1, 2, 3):
+        raise _fail(op, f"inner_precise={inner_precise} is not one of 0, 1, 2, 3")
+    if learnable_sink is not None and input_layout not in ("TND", "NTD_TND"):
+        raise _fail(op, f"learnable_sink needs input_layout TND or NTD_TND, got {input_layout!r}")
+    out, lse = _fia(
+        _FiaCall(
+            op,
+            query,
+            key,
+            value,
+            atten_mask,
+            actual_seq_qlen,
+            actual_seq_kvlen,
+            block_table,
+            num_query_heads,
+            num_key_value_heads,
+            softmax_scale,
+            pre_tokens,
+            next_tokens,
+            input_layout,
+            sparse_mode,
+            block_size,
+            learnable_sink,
+        )
+    )
+    return out, _lse_result(op, lse, return_softmax_lse)
+
+
+def _fia_v2_out(
+    *args: Any, workspace: torch.Tensor | None = None, out: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    result, lse = _fia_v2(*args, **{**kwargs, "return_softmax_lse": True})
+    want = bool(kwargs.get("return_softmax_lse", False))
+    return _write_out("npu_fused_infer_attention_score_v2.out", out, result, lse, want)
+
+
+def _out_signature(default: Callable[..., Any]) -> inspect.Signature:
+    """The out overload's signature: the default's, then ``workspace=None`` and ``out``."""
+    sig = inspect.signature(default)
+    kw = inspect.Parameter.KEYWORD_ONLY
+    extra = [
+        inspect.Parameter("workspace", kw, default=None, annotation="torch.Tensor | None"),
+        inspect.Parameter("out", kw, annotation="list[torch.Tensor]"),
+    ]
+    return sig.replace(parameters=[*sig.parameters.values(), *extra])
+
+
+_fia_v1_out.__signature__ = _out_signature(_fia_v1)  # type: ignore[attr-defined]
+_fia_v2_out.__signature__ = _out_signature(_fia_v2)  # type: ignore[attr-defined]
+
+
+# --- npu_fusion_attention (training FA; TND with packed K/V) -------------------------------------
+
+
+def _npu_fusion_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    prefix: Sequence[int] | None = None,
+    actual_seq_qlen: Sequence[int] | None = None,
+    actual_seq_kvlen: Sequence[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    seed: int = 0,
+    offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    """Returns (attention_out, softmax_max, softmax_sum, softmax_out (reserved), seed, offset,
+    numels). Every argument is positional-or-keyword, and ``tockens`` is the vendor's spelling.
+    With atten_mask None, sparse_mode / pre_tockens / next_tockens have no effect (full)."""
+    op = "npu_fusion_attention"
+    _not_emulated(
+        op, pse=pse, padding_mask=padding_mask, prefix=prefix, sink=sink, dropout_mask=dropout_mask
+    )
+    if keep_prob != 1.0:
+        raise NotEmulatedError(f"{op}: dropout (keep_prob={keep_prob}) is not emulated")
+    if input_layout not in ("BSH", "SBH", "BSND", "BNSD", "TND"):
+        raise _fail(op, f"input_layout={input_layout!r} is not one of BSH, SBH, BSND, BNSD, TND")
+    if input_layout != "TND":
+        raise NotEmulatedError(f"{op}: input_layout={input_layout!r} is valid but not emulated")
+    if not isinstance(query, torch.Tensor):
+        raise _fail(op, f"query must be a Tensor, got {type(query).__name__}")
+    dev = query.device
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(op, name, t, 3, dev)
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32) or t.dtype != query.dtype:
+            raise _fail(
+                op,
+                f"query, key, value must share one of float16/bfloat16/float32, "
+                f"got {query.dtype}, {key.dtype}, {value.dtype}",
+            )
+    total, num_heads, head_dim = query.shape
+    if num_heads != head_num:
+        raise _fail(op, f"head_num={head_num} but the TND query has {num_heads} heads")
+    if key.shape != value.shape or key.shape[2] != head_dim or num_heads % key.shape[1]:
+        raise _fail(
+            op,
+            f"key/value must be alike [T_kv, N_kv, {head_dim}] with N/N_kv an integer, got "
+            f"{list(key.shape)} and {list(value.shape)}",
+        )
+    if num_heads > 256 or not 1 <= head_dim <= 768:
+        raise _fail(op, f"N={num_heads} (1..256) or D={head_dim} (1..768) out of range")
+    if softmax_layout not in ("", "TND"):
+        raise _fail(op, f"softmax_layout={softmax_layout!r} (TND takes '' or 'TND')")
+    q_ends = _int_list(op, "actual_seq_qlen", actual_seq_qlen, required=True)
+    kv_ends = _int_list(op, "actual_seq_kvlen", actual_seq_kvlen, required=True)
+    assert q_ends is not None and kv_ends is not None
+    if len(q_ends) != len(kv_ends):
+        raise _fail(
+            op, f"actual_seq_qlen has {len(q_ends)} entries, actual_seq_kvlen {len(kv_ends)}"
+        )
+    if not 1 <= len(q_ends) <= 1024:
+        raise _fail(op, f"varlen batch of {len(q_ends)}: 1..1024 supported")
+    q_lens = _cumulative(op, "actual_seq_qlen", q_ends, total)
+    kv_lens = _cumulative(op, "actual_seq_kvlen", kv_ends, key.shape[0])
+    if sparse_mode not in range(9):
+        raise _fail(op, f"sparse_mode={sparse_mode} is not one of 0..8")
+    if atten_mask is None:
+        sparse_mode = 0  # no mask: sparse_mode / pre / next have no effect
+    elif sparse_mode in (2, 3, 4):
+        _check_compressed_mask(op, atten_mask, sparse_mode, dev)
+    else:
+        raise NotEmulatedError(f"{op}: sparse_mode={sparse_mode} with a mask is not emulated")
+    if sparse_mode == 4 and pre_tockens + next_tockens < 0:
+        raise _fail(op, "band: pre_tockens and next_tockens must overlap")
+
+    out = torch.empty_like(query)
+    row_max = torch.empty(total, num_heads, dtype=torch.float32, device=dev)
+    row_sum = torch.empty(total, num_heads, dtype=torch.float32, device=dev)
+    qs = ks = 0
+    for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
+        visible = _visible(q_len, kv_len, sparse_mode, pre_tockens, next_tockens)
+        if visible is not None and not bool(visible.any(dim=1).all()):
+            raise _fail(op, "varlen: a query row sees no key (fully masked rows are unsupported)")
+        o, lse = _attend(
+            query[qs : qs + q_len],
+            key[ks : ks + kv_len],
+            value[ks : ks + kv_len],
+            scale,
+            visible,
+            None,
+        )
+        out[qs : qs + q_len] = o.to(query.dtype)
+        # softmax_max / softmax_sum: sum = exp(lse - max) with max the row's largest score
+        m = _row_max(query[qs : qs + q_len], key[ks : ks + kv_len], scale, visible)
+        row_max[qs : qs + q_len] = m
+        row_sum[qs : qs + q_len] = torch.exp(lse - m)
+        qs += q_len
+        ks += kv_len
+    # The kernel keeps 8 copies of each per-row statistic [inferred]; layout NTD unless 'TND'.
+    stats = [t[..., None].expand(total, num_heads, 8).contiguous() for t in (row_max, row_sum)]
+    if softmax_layout != "TND":
+        stats = [t.permute(1, 0, 2).contiguous() for t in stats]
+    reserved = torch.empty(0, dtype=query.dtype, device=dev)
+    return out, stats[0], stats[1], reserved, seed, offset, 0
+
+
+def _row_max(
+    q: torch.Tensor, k: torch.Tensor, scale: float, visible: torch.Tensor | None
+) -> torch.Tensor:  # [q_len, N] f32: max visible score per row
+    group = q.shape[1] // k.shape[1]
+    kk = k.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("ihd,jhd->hij", q.float(), kk) * scale
+    if visible is not None:
+        s = s.masked_fill(~visible, -math.inf)
+    return s.amax(dim=-1).T
+
+
+# --- KV-cache write (ATB) -------------------------------------------------------------------------
+
+
+def _reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_indices: torch.Tensor,
+) -> None:
+    """Write key/value [T, KV_N, D] row t to slot ``slot_indices[t]`` of caches
+    [num_blocks, block_size, KV_N, D] (slot = block * block_size + offset). ``slot_indices``
+    must be int32; slots < 0 are skipped (padding). Returns nothing (mutates the caches)."""
+    op = "_npu_reshape_and_cache"
+    for name, t in (
+        ("key", key),
+        ("value", value),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("slot_indices", slot_indices),
+    ):
+        if not isinstance(t, torch.Tensor):
+            raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
+    if slot_indices.dtype != torch.int32:
+        raise _fail(op, f"slot_indices must be int32, got {slot_indices.dtype}")
+    if slot_indices.dim() != 1 or key.dim() != 3 or key.shape != value.shape:
+        raise _fail(
+            op,
+            f"key/value must be alike [T, KV_N, D] and slot_indices [T], got "
+            f"{list(key.shape)}, {list(value.shape)}, {list(slot_indices.shape)}",
+        )
+    if slot_indices.shape[0] != key.shape[0]:
+        raise _fail(
+            op, f"slot_indices has {slot_indices.shape[0]} entries, key {key.shape[0]} rows"
+        )
+    if (
+        key_cache.dim() != 4
+        or key_cache.shape != value_cache.shape
+        or (tuple(key_cache.shape[2:]) != tuple(key.shape[1:]))
+    ):
+        raise _fail(
+            op,
+            f"caches must be alike [num_blocks, block_size, KV_N, D] matching key "
+            f"{list(key.shape)}, got {list(key_cache.shape)} and {list(value_cache.shape)}",
+        )
+    if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
+        raise _fail(op, "key/value dtypes must match the caches'")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise _fail(op, "the caches must be contiguous")
+    devices = {t.device for t in (key, value, key_cache, value_cache, slot_indices)}
+    if len(devices) != 1:
+        raise _fail(op, f"tensors on several devices: {sorted(map(str, devices))}")
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    slots = slot_indices.long()
+    keep = slots >= 0
+    if bool((slots >= num_slots).any()):
+        raise _fail(op, f"a slot index is >= the cache's {num_slots} slots")
+    rows = keep.nonzero()[:, 0]
+    for src, dst in ((key, key_cache), (value, value_cache)):
+        dst.view(num_slots, *dst.shape[2:]).index_copy_(0, slots[rows], src[rows])
+
+
+# --- the namespace -------------------------------------------------------------------------------
+
+npu_fused_infer_attention_score = OpPacket("npu_fused_infer_attention_score", _fia_v1, _fia_v1_out)
+npu_fused_infer_attention_score_v2 = OpPacket(
+    "npu_fused_infer_attention_score_v2", _fia_v2, _fia_v2_out
+)
+npu_fusion_attention = OpPacket("npu_fusion_attention", _npu_fusion_attention)
+_npu_reshape_and_cache = OpPacket("_npu_reshape_and_cache", _reshape_and_cache)
+
+#: Every emulated op, by the name ``torch_npu`` exposes it under.
+OPS: dict[str, OpPacket] = {
+    p.__name__: p
+    for p in (
+        npu_fused_infer_attention_score,
+        npu_fused_infer_attention_score_v2,
+        npu_fusion_attention,
+        _npu_reshape_and_cache,
+    )
+}

@@ -1,0 +1,103 @@
+"""Discovery, availability, selection and refusals of the ascend backend."""
+
+from __future__ import annotations
+
+import ascend_helpers as h
+import pytest
+import torch
+from attnhub_ascend import AscendBackend, emulator, ops
+
+import attnhub
+from attnhub.errors import BackendUnavailableError, UnsupportedConfigurationError
+from attnhub.spec import AttentionType
+
+
+def test_the_plugin_registers_the_backend_through_its_entry_point() -> None:
+    info = {i.name: i for i in attnhub.list_backends()}["ascend"]
+    assert info.backend is AscendBackend and info.error is None
+    assert info.distribution == "attnhub-ascend"
+
+
+def test_cpu_needs_emulation_and_says_how() -> None:
+    why = AscendBackend.availability("cpu")
+    assert why is not None and "emulate=True" in why
+    assert AscendBackend.availability("cpu", emulate=True) is None
+    assert AscendBackend.is_emulated("cpu") and not AscendBackend.is_emulated("npu:0")
+
+
+def test_npu_without_torch_npu_is_unavailable_with_the_import_error() -> None:
+    if ops._import_torch_npu()[0] is not None:
+        pytest.skip("torch_npu imports here")
+    why = AscendBackend.availability("npu:0", emulate=True)
+    assert why is not None and why.startswith("torch_npu is not importable (needs the CANN")
+    with pytest.raises(BackendUnavailableError, match="torch_npu"):
+        AscendBackend(h.spec(), "npu")
+
+
+def test_other_devices_are_refused_with_the_supported_ones() -> None:
+    why = AscendBackend.availability("cuda:0", emulate=True)
+    assert why is not None and "'npu'" in why and "'cuda'" in why
+
+
+def test_the_emulator_is_the_namespace_on_cpu() -> None:
+    assert h.backend().ops is emulator
+
+
+def test_selection_prefers_native_backends_and_serves_ascend_when_named() -> None:
+    spec = h.spec()
+    assert attnhub.select_backend(spec, "cpu", emulate=True).name == "torch"
+    chosen = attnhub.select_backend(spec, "cpu", prefer="ascend", emulate=True)
+    assert isinstance(chosen, AscendBackend) and chosen.emulated
+    with pytest.raises(BackendUnavailableError, match="emulate"):
+        attnhub.select_backend(spec, "cpu", prefer="ascend")
+
+
+def test_the_nhd_cache_is_what_fia_views_as_three_dimensional() -> None:
+    cache = h.backend().allocate_kv_cache(4)
+    assert cache.layout == "NHD" and tuple(cache.key.shape) == (4, 128, 2, 64)
+    assert cache.key.view(4, 128, -1).shape == (4, 128, 128)
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        (dict(dtype=torch.float32), "float16 and bfloat16"),
+        (dict(block_size=16), "multiple of 128"),
+        (dict(head_size=72), "multiple of 16"),
+        (dict(head_size=576), "at most 512"),
+        (dict(logits_soft_cap=30.0), "soft-capping"),
+        (dict(use_alibi=True), "pse_shift"),
+        (dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
+        (dict(num_heads=130, num_kv_heads=2), "GQA ratio"),
+        (dict(num_heads=512, num_kv_heads=512), "256"),
+        (dict(num_heads=8, num_kv_heads=8, head_size=512, block_size=128), None),
+        (dict(use_sinks=True, dtype=torch.float16), "bfloat16"),
+        (dict(use_sinks=True, head_size=256), "head_size <= 128"),
+        (dict(use_sinks=True, attn_type=AttentionType.ENCODER_ONLY), "decoder attention only"),
+    ],
+)
+def test_undeclared_configurations_are_refused_with_reasons(
+    changes: dict[str, object], reason: str | None
+) -> None:
+    spec = h.spec(**changes)
+    reasons = AscendBackend.unsupported_reasons(spec)
+    if reason is None:
+        assert reasons == []
+        return
+    assert any(reason in r for r in reasons), reasons
+    with pytest.raises(UnsupportedConfigurationError):
+        AscendBackend(spec, "cpu", emulate=True)
+
+
+def test_kv_hidden_size_limit_of_the_three_dimensional_cache_view() -> None:
+    spec = h.spec(num_heads=256, num_kv_heads=256, head_size=512)
+    assert any("65535" in r for r in AscendBackend.unsupported_reasons(spec))
+
+
+def test_cascade_and_graph_capture_are_refused_at_build() -> None:
+    st = h.step([(1, 300), (1, 290)])
+    builder = st.backend.metadata_builder()
+    with pytest.raises(UnsupportedConfigurationError, match="cascade"):
+        builder.build(st.batch, common_prefix_len=128)
+    with pytest.raises(UnsupportedConfigurationError, match="graph"):
+        builder.build_for_graph_capture(st.batch)

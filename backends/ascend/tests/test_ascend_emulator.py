@@ -1,0 +1,283 @@
+"""The emulator follows the vendor's conventions and rejects what the vendor op rejects."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import pytest
+import torch
+from attnhub_ascend import emulator
+from attnhub_ascend.emulator import NotEmulatedError, NpuOpError
+
+FIA = emulator.npu_fused_infer_attention_score
+FA = emulator.npu_fusion_attention
+MASK = emulator.compressed_causal_mask()
+BS = 128
+
+
+def _paged(
+    q_lens: list[int],
+    kv_lens: list[int],
+    *,
+    heads: int = 4,
+    kv_heads: int = 2,
+    d: int = 64,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """FIA arguments for a TND batch over a paged cache (num_blocks, block_size, KV_N*D)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [math.ceil(n / BS) for n in kv_lens]
+    nb = sum(blocks) + 1
+    key = torch.randn(nb, BS, kv_heads * d, generator=g).to(torch.bfloat16)
+    value = torch.randn(nb, BS, kv_heads * d, generator=g).to(torch.bfloat16)
+    table = torch.zeros(len(kv_lens), max(blocks), dtype=torch.int32)
+    nxt = 1
+    for r, n in enumerate(blocks):
+        table[r, :n] = torch.arange(nxt, nxt + n, dtype=torch.int32)
+        nxt += n
+    ends = torch.cumsum(torch.tensor(q_lens), 0).tolist()
+    q = torch.randn(ends[-1], heads, d, generator=g).to(torch.bfloat16)
+    return dict(
+        query=q,
+        key=key,
+        value=value,
+        actual_seq_lengths=ends,
+        actual_seq_lengths_kv=kv_lens,
+        block_table=table,
+        block_size=BS,
+        num_heads=heads,
+        num_key_value_heads=kv_heads,
+        scale=d**-0.5,
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=MASK,
+    )
+
+
+def _fia(args: dict[str, Any]) -> torch.Tensor:
+    a = dict(args)
+    return FIA(a.pop("query"), a.pop("key"), a.pop("value"), **a)[0]
+
+
+def _dense(args: dict[str, Any], b: int, visible: torch.Tensor) -> torch.Tensor:
+    """Request b by plain softmax over its gathered keys, with an explicit visibility."""
+    ends = [0, *args["actual_seq_lengths"]]
+    q = args["query"][ends[b] : ends[b + 1]].float()
+    kv = args["actual_seq_lengths_kv"][b]
+    rows = args["block_table"][b].long()
+    pos = torch.arange(kv)
+    slots = rows[pos // BS] * BS + pos % BS
+    kvh = args["num_key_value_heads"]
+    k = args["key"].view(-1, kvh, q.shape[2])[slots].float()
+    v = args["value"].view(-1, kvh, q.shape[2])[slots].float()
+    group = q.shape[1] // kvh
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.einsum("ihd,jhd->hij", q, k) * args["scale"]
+    s = s.masked_fill(~visible, -math.inf)
+    return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v)
+
+
+# --- geometry ------------------------------------------------------------------------------------
+
+
+def test_sparse_mode_3_is_bottom_right_causal() -> None:
+    args = _paged([5, 1], [20, 9])
+    out = _fia(args)
+    i, j = torch.arange(5)[:, None], torch.arange(20)[None, :]
+    want = _dense(args, 0, j <= i + 15)
+    torch.testing.assert_close(out[:5].float(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_band_pre_tokens_w_keeps_w_plus_1_keys() -> None:
+    """The documented band: -pre <= (j - i) - (kv - q) <= next, so pre_tokens=W shows W+1."""
+    args = _paged([4], [30]) | dict(sparse_mode=4, pre_tokens=6, next_tokens=0)
+    out = _fia(args)
+    i, j = torch.arange(4)[:, None], torch.arange(30)[None, :]
+    d = (j - i) - 26
+    want = _dense(args, 0, (d >= -6) & (d <= 0))  # 7 keys per row
+    assert int(((d >= -6) & (d <= 0)).sum(1)[0]) == 7
+    torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_decode_rows_ignore_sparse_mode_and_the_band() -> None:
+    """One query token goes through the IFA branch: it sees every key of its sequence."""
+    args = _paged([1], [30]) | dict(sparse_mode=4, pre_tokens=3, next_tokens=0)
+    out = _fia(args)
+    want = _dense(args, 0, torch.ones(1, 30, dtype=torch.bool))
+    torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_no_mask_with_sparse_mode_0_is_full_attention() -> None:
+    args = _paged([4], [9]) | dict(sparse_mode=0, atten_mask=None, pre_tokens=0)
+    torch.testing.assert_close(
+        _fia(args).float(),
+        _dense(args, 0, torch.ones(4, 9, dtype=torch.bool)),
+        atol=1e-2,
+        rtol=1e-2,
+    )
+
+
+def test_lse_comes_back_only_with_the_flag() -> None:
+    args = _paged([3, 1], [3, 7])
+    a = dict(args)
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    _, lse = FIA(q, k, v, **a)
+    assert lse.shape == (1,) and float(lse[0]) == 0
+    _, lse = FIA(q, k, v, softmax_lse_flag=True, **a)
+    assert lse.shape == (4, 4, 1) and lse.dtype == torch.float32
+
+
+def test_out_overload_writes_the_given_buffers() -> None:
+    a = _paged([3, 1], [3, 7])
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    buf, lse = torch.empty_like(q), torch.empty(1)
+    res = FIA.out(q, k, v, workspace=None, out=[buf, lse], **a)
+    assert res[0] is buf
+    torch.testing.assert_close(buf, FIA(q, k, v, **a)[0])
+
+
+def test_learnable_sink_joins_the_denominator() -> None:
+    a = _paged([2], [5])
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    sink = torch.full((4,), 50.0, dtype=torch.bfloat16)  # a huge sink takes all the weight
+    out, _ = emulator.npu_fused_infer_attention_score_v2(
+        q,
+        k,
+        v,
+        actual_seq_qlen=a["actual_seq_lengths"],
+        actual_seq_kvlen=a["actual_seq_lengths_kv"],
+        block_table=a["block_table"],
+        learnable_sink=sink,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        softmax_scale=a["scale"],
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=MASK,
+        block_size=BS,
+    )
+    assert float(out.float().abs().max()) < 1e-6
+
+
+def test_reshape_and_cache_skips_negative_slots() -> None:
+    kc, vc = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    k = torch.arange(3 * 16, dtype=torch.float32).view(3, 1, 16) + 1
+    emulator._npu_reshape_and_cache(k, k, kc, vc, torch.tensor([5, -1, 0], dtype=torch.int32))
+    assert torch.equal(kc.view(8, 1, 16)[5], k[0]) and torch.equal(kc.view(8, 1, 16)[0], k[2])
+    assert int((kc.view(8, -1).abs().sum(1) > 0).sum()) == 2
+
+
+# --- strictness ----------------------------------------------------------------------------------
+
+
+def test_int64_block_table_is_rejected() -> None:
+    a = _paged([2], [5])
+    a["block_table"] = a["block_table"].long()
+    with pytest.raises(NpuOpError, match="block_table must be int32"):
+        _fia(a)
+
+
+def test_per_request_query_lengths_are_rejected() -> None:
+    a = _paged([3, 2, 4], [9, 9, 9])
+    a["actual_seq_lengths"] = [3, 2, 4]
+    with pytest.raises(NpuOpError, match="cumulative"):
+        _fia(a)
+
+
+def test_cumulative_kv_lengths_with_a_paged_cache_are_rejected() -> None:
+    a = _paged([1, 1], [100, 100])
+    a["actual_seq_lengths_kv"] = [100, 200]
+    with pytest.raises(NpuOpError, match="per-sequence"):
+        _fia(a)
+
+
+def test_kv_lengths_of_the_wrong_count_are_rejected() -> None:
+    a = _paged([1, 1], [10, 10])
+    a["actual_seq_lengths_kv"] = [10]
+    with pytest.raises(NpuOpError, match="entries"):
+        _fia(a)
+
+
+def test_lengths_as_a_tensor_are_rejected() -> None:
+    a = _paged([1, 1], [10, 10])
+    a["actual_seq_lengths_kv"] = torch.tensor([10, 10])
+    with pytest.raises(NpuOpError, match="list of ints"):
+        _fia(a)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [torch.ones(16, 16, dtype=torch.int8), MASK.float(), 1 - MASK, torch.tril(MASK.T)],
+    ids=["shape", "dtype", "polarity", "transposed"],
+)
+def test_a_wrong_compressed_mask_is_rejected(mask: torch.Tensor) -> None:
+    with pytest.raises(NpuOpError, match="atten_mask"):
+        _fia(_paged([3], [3]) | dict(atten_mask=mask))
+
+
+def test_missing_mask_for_causal_is_rejected() -> None:
+    with pytest.raises(NpuOpError, match="needs the compressed"):
+        _fia(_paged([3], [3]) | dict(atten_mask=None))
+
+
+def test_prefill_block_size_must_be_a_multiple_of_128() -> None:
+    a = _paged([3], [3])
+    nb = a["key"].shape[0]
+    a |= dict(
+        key=a["key"].view(nb * 2, 64, -1), value=a["value"].view(nb * 2, 64, -1), block_size=64
+    )
+    with pytest.raises(NpuOpError, match="multiple of 128"):
+        _fia(a)
+
+
+def test_layouts_outside_tnd_are_valid_but_not_emulated() -> None:
+    with pytest.raises(NotEmulatedError):
+        _fia(_paged([3], [3]) | dict(input_layout="BSH"))
+    with pytest.raises(NpuOpError):
+        _fia(_paged([3], [3]) | dict(input_layout="THD"))
+
+
+def test_vendor_keyword_spellings_are_enforced() -> None:
+    a = _paged([3], [3])
+    a.pop("scale")
+    with pytest.raises(TypeError, match="scale_value"):
+        _fia(a | dict(scale_value=0.1))  # that is npu_incre_flash_attention's keyword
+    q = torch.zeros(4, 2, 16, dtype=torch.float16)
+    with pytest.raises(TypeError, match="pre_tokens"):
+        FA(q, q, q, 2, "TND", actual_seq_qlen=[4], actual_seq_kvlen=[4], pre_tokens=1)
+    with pytest.raises(TypeError):
+        FIA(q, q, q, None)  # everything after value is keyword-only
+
+
+def test_fusion_attention_takes_cumulative_lengths_and_returns_seven_outputs() -> None:
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(7, 2, 16, generator=g).to(torch.float16)
+    res = FA(q, q, q, 2, "TND", scale=0.25, actual_seq_qlen=[3, 7], actual_seq_kvlen=[3, 7])
+    assert len(res) == 7 and res[0].shape == q.shape and res[4:] == (0, 0, 0)
+    with pytest.raises(NpuOpError, match="cumulative"):
+        FA(q, q, q, 2, "TND", actual_seq_qlen=[3, 4], actual_seq_kvlen=[3, 4])
+
+
+def test_reshape_and_cache_needs_int32_slots() -> None:
+    kc = torch.zeros(2, 4, 1, 16)
+    k = torch.ones(1, 1, 16)
+    with pytest.raises(NpuOpError, match="int32"):
+        emulator._npu_reshape_and_cache(k, k, kc, kc.clone(), torch.tensor([1]))
+
+
+def test_every_call_is_counted_under_its_overload() -> None:
+    a = _paged([3], [3])
+    _fia(a)
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    FIA.out(q, k, v, out=[torch.empty_like(q), torch.empty(1)], **a)
+    assert emulator.call_counts == {
+        "npu_fused_infer_attention_score": 1,
+        "npu_fused_infer_attention_score.out": 1,
+    }
+
+
+def test_the_emulator_never_uses_attnhubs_reference() -> None:
+    source = inspect.getsource(emulator)
+    assert "import attnhub" not in source and "from attnhub" not in source

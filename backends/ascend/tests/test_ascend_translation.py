@@ -1,0 +1,346 @@
+"""One test per translation rule: what the backend passes to torch_npu, checked on the emulated
+calls it records."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ascend_helpers as h
+import pytest
+import torch
+from attnhub_ascend import AscendAttentionState, emulator
+from attnhub_ascend.backend import INT_MAX, compressed_causal_mask
+
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.spec import AttentionType
+
+FIA = "npu_fused_infer_attention_score.out"
+FIA_V2 = "npu_fused_infer_attention_score_v2.out"
+FA = "npu_fusion_attention"
+WRITE = "_npu_reshape_and_cache"
+
+#: decodes, a multi-token decode, a chunked prefill, a fresh prefill: every kind in one step
+MIXED = [(1, 300), (3, 140), (1, 9), (40, 300), (130, 130)]
+
+
+def _calls(st: h.Step) -> tuple[torch.Tensor, list[emulator.Call]]:
+    with emulator.record_calls() as calls:
+        out = h.forward(st)
+    return out, calls
+
+
+def _only(calls: list[emulator.Call], name: str) -> emulator.Call:
+    found = [c for c in calls if c.name == name]
+    assert len(found) == 1, f"{name} called {len(found)} times: {[c.name for c in calls]}"
+    return found[0]
+
+
+# --- one fused call ------------------------------------------------------------------------------
+
+
+def test_a_mixed_batch_is_one_fused_attention_call_and_one_kv_write() -> None:
+    st = h.step(MIXED, padding=3)
+    out = h.forward(st)
+    assert dict(emulator.call_counts) == {FIA: 1, WRITE: 1}
+    h.assert_matches_reference(st, out)
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [[(1, 5), (1, 260), (1, 129)], [(7, 7), (130, 130)], [(2, 200), (4, 20), (3, 3)]],
+    ids=["decode_only", "prefill_no_cache", "multi_token_decode"],
+)
+def test_every_kind_of_step_is_one_fused_call(requests: list[tuple[int, int]]) -> None:
+    h.forward(h.step(requests))
+    assert dict(emulator.call_counts) == {FIA: 1, WRITE: 1}
+
+
+def test_layers_share_the_step_plan_and_make_one_call_each() -> None:
+    st = h.step(MIXED)
+    meta = st.backend.metadata_builder().build(st.batch)
+    with emulator.record_calls() as calls:
+        for _ in range(3):
+            st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    fia = [c for c in calls if c.name == FIA]
+    assert len(fia) == 3
+    # the same host lists and int32 tensors every layer: converted once per step, not per layer
+    assert all(c.kwargs["block_table"] is meta.block_table for c in fia)
+    assert all(c.kwargs["actual_seq_lengths"] is meta.query_ends for c in fia)
+    writes = [c for c in calls if c.name == WRITE]
+    assert all(c.kwargs["slot_indices"] is meta.slot_mapping for c in writes)
+
+
+# --- lengths -------------------------------------------------------------------------------------
+
+
+def test_query_lengths_are_cumulative_ends() -> None:
+    st = h.step(MIXED)
+    _, calls = _calls(st)
+    fia = _only(calls, FIA)
+    assert fia.kwargs["input_layout"] == "TND"
+    assert fia.kwargs["actual_seq_lengths"] == [1, 4, 5, 45, 175]  # query_start_loc[1:]
+    assert fia.args[0].shape[0] == 175  # the TND query holds exactly the real tokens
+
+
+def test_kv_lengths_are_per_sequence_with_the_paged_cache() -> None:
+    st = h.step(MIXED)
+    _, calls = _calls(st)
+    assert _only(calls, FIA).kwargs["actual_seq_lengths_kv"] == [300, 140, 9, 300, 130]
+
+
+def test_encoder_kv_lengths_are_cumulative_ends_of_the_packed_keys() -> None:
+    s = h.spec(attn_type=AttentionType.ENCODER_ONLY)
+    st = h.step([(5, 5), (3, 3), (9, 9)], s, padding=2)
+    out, calls = _calls(st)
+    fa = _only(calls, FA)
+    assert fa.args[3:5] == (4, "TND")  # head_num, input_layout: positional, as documented
+    assert fa.kwargs["actual_seq_qlen"] == [5, 8, 17]
+    assert fa.kwargs["actual_seq_kvlen"] == [5, 8, 17]
+    assert fa.args[1].shape[0] == 17  # this step's keys, packed, padding rows dropped
+    assert fa.kwargs["sparse_mode"] == 0 and fa.kwargs["atten_mask"] is None
+    assert FIA not in emulator.call_counts
+    h.assert_matches_reference(st, out)
+
+
+# --- masks and windows ---------------------------------------------------------------------------
+
+
+def test_causal_is_sparse_mode_3_with_the_compressed_mask() -> None:
+    _, calls = _calls(h.step(MIXED))
+    fia = _only(calls, FIA)
+    assert fia.kwargs["sparse_mode"] == 3
+    mask = fia.kwargs["atten_mask"]
+    assert mask.shape == (2048, 2048) and mask.dtype == torch.int8
+    assert torch.equal(mask, torch.triu(torch.ones(2048, 2048, dtype=torch.int8), 1))  # 1=masked
+
+
+def test_the_mask_is_allocated_once_per_device() -> None:
+    causal, windowed = h.step([(3, 3)]), h.step([(1, 9)], h.spec(sliding_window=7))
+    masks = [
+        st.backend.metadata_builder().build(st.batch).atten_mask
+        for st in (causal, windowed, causal)
+    ]
+    assert masks[0] is masks[1] is masks[2] is compressed_causal_mask(torch.device("cpu"))
+
+
+def test_window_is_band_mode_with_pre_tokens_w_minus_1_and_next_tokens_0() -> None:
+    s = h.spec(sliding_window=40)
+    st = h.step([(60, 60), (5, 200)], s)
+    out, calls = _calls(st)
+    fia = _only(calls, FIA)
+    # the documented band keeps pre_tokens + 1 keys: W keys need pre_tokens = W - 1
+    assert fia.kwargs["sparse_mode"] == 4
+    assert fia.kwargs["pre_tokens"] == 39 and fia.kwargs["next_tokens"] == 0
+    h.assert_matches_reference(st, out)
+
+
+def test_window_decode_rows_get_a_padding_row_so_the_band_applies() -> None:
+    s = h.spec(sliding_window=40)
+    # a decode the window cuts (seq 200 > 40), one it does not (seq 30), a prefill
+    st = h.step([(1, 200), (1, 30), (6, 100)], s, padding=2)
+    meta = st.backend.metadata_builder().build(st.batch)
+    assert meta.kernel_tokens == 9 and meta.query_ends == [2, 3, 9]
+    assert meta.query_rows is not None and meta.output_rows is not None
+    assert meta.query_rows.tolist() == [0, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert meta.output_rows.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    out = st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    h.assert_matches_reference(st, out)
+    assert dict(emulator.call_counts) == {FIA: 1, WRITE: 1}
+
+
+def test_non_causal_window_is_a_two_sided_band() -> None:
+    s = h.spec(attn_type=AttentionType.ENCODER, sliding_window=5)
+    st = h.step([(20, 20), (9, 9)], s)
+    out, calls = _calls(st)
+    fa = _only(calls, FA)
+    assert fa.kwargs["sparse_mode"] == 4
+    assert fa.kwargs["pre_tockens"] == 4 and fa.kwargs["next_tockens"] == 4
+    assert fa.kwargs["atten_mask"] is compressed_causal_mask(torch.device("cpu"))
+    h.assert_matches_reference(st, out)
+
+
+# --- sinks ---------------------------------------------------------------------------------------
+
+
+def test_sinks_go_through_v2_as_a_bfloat16_learnable_sink() -> None:
+    st = h.step(MIXED, h.spec(use_sinks=True))
+    out, calls = _calls(st)
+    v2 = _only(calls, FIA_V2)
+    sink = v2.kwargs["learnable_sink"]
+    assert sink.dtype == torch.bfloat16 and sink.shape == (4,)
+    assert v2.kwargs["actual_seq_qlen"] == [1, 4, 5, 45, 175]
+    assert v2.kwargs["actual_seq_kvlen"] == [300, 140, 9, 300, 130]
+    assert v2.kwargs["num_query_heads"] == 4 and "softmax_scale" in v2.kwargs
+    assert FIA not in emulator.call_counts
+    h.assert_matches_reference(st, out)
+
+
+# --- int32 tensors and the KV write --------------------------------------------------------------
+
+
+def test_block_table_and_slot_mapping_are_int32() -> None:
+    st = h.step(MIXED, padding=4)
+    st.batch.block_table = st.batch.block_table.long()  # an engine may hand int64 tables
+    meta = st.backend.metadata_builder().build(st.batch)
+    assert meta.block_table is not None and meta.block_table.dtype == torch.int32
+    assert meta.slot_mapping is not None and meta.slot_mapping.dtype == torch.int32
+    with emulator.record_calls() as calls:
+        st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    assert _only(calls, FIA).kwargs["block_table"].dtype == torch.int32
+    assert _only(calls, WRITE).kwargs["slot_indices"].dtype == torch.int32
+
+
+def test_padding_rows_are_not_handed_to_the_kv_write() -> None:
+    st = h.step(MIXED, padding=5)
+    _, calls = _calls(st)
+    write = _only(calls, WRITE)
+    assert write.kwargs["key"].shape[0] == write.kwargs["slot_indices"].shape[0] == 175
+    assert bool((write.kwargs["slot_indices"] >= 0).all())
+
+
+def test_write_kv_converts_the_engines_slots_to_int32_and_skips_padding() -> None:
+    st = h.step([(5, 5)])
+    impl = st.backend.impl()
+    before = st.cache.clone()
+    slots = torch.tensor([3, -1, 130, -1, 7], dtype=torch.int64)
+    with emulator.record_calls() as calls:
+        impl.write_kv(st.key, st.value, st.cache, slots)
+    assert _only(calls, WRITE).kwargs["slot_indices"].dtype == torch.int32
+    flat_k = st.cache.key.view(-1, 2, 64)
+    assert torch.equal(flat_k[3], st.key[0]) and torch.equal(flat_k[130], st.key[2])
+    assert torch.equal(flat_k[7], st.key[4])
+    changed = (st.cache.key != before.key).flatten(2).any(-1).view(-1).nonzero()[:, 0]
+    assert set(changed.tolist()) <= {3, 130, 7}
+
+
+def test_the_cache_is_read_per_call_never_remembered() -> None:
+    """A reallocated cache is used, not a stale tensor kept on the impl (the seed's bug)."""
+    st = h.step(MIXED)
+    impl = st.backend.impl()
+    meta = st.backend.metadata_builder().build(st.batch)
+    impl.forward(st.query, st.key, st.value, st.cache, meta)
+    fresh = st.cache.clone()
+    fresh.key.copy_(torch.randn(fresh.key.shape).to(fresh.key.dtype))
+    st.cache = fresh
+    out = impl.forward(st.query, st.key, st.value, fresh, meta)
+    h.assert_matches_reference(st, out)
+
+
+# --- the step's state ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("requests", "state"),
+    [
+        ([(5, 5), (130, 130)], AscendAttentionState.PREFILL_NO_CACHE),
+        ([(1, 9), (1, 300)], AscendAttentionState.DECODE_ONLY),
+        ([(1, 9), (3, 300)], AscendAttentionState.MULTI_TOKEN_DECODE),
+        ([(40, 90), (30, 30)], AscendAttentionState.PREFILL_CACHE_HIT),
+        (MIXED, AscendAttentionState.CHUNKED_PREFILL),
+    ],
+)
+def test_the_builder_names_the_steps_state(
+    requests: list[tuple[int, int]], state: AscendAttentionState
+) -> None:
+    st = h.step(requests)
+    assert st.backend.metadata_builder().build(st.batch).state is state
+
+
+# --- no host reads in forward --------------------------------------------------------------------
+
+
+class _DeviceKernels:
+    """The emulated ops stand in for device kernels: what they read happens on the device, not
+    in the backend's host code, so the guards come off at the op boundary."""
+
+    def __init__(self, ops: Any, unguard: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._ops, self._unguard = ops, unguard
+
+    def __getattr__(self, name: str) -> Any:
+        return _Kernel(getattr(self._ops, name), self._unguard)
+
+
+class _Kernel:
+    def __init__(self, fn: Any, unguard: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._fn, self._unguard = fn, unguard
+
+    def _off(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return self._unguard(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._off(v) for v in x)
+        return x
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*self._off(args), **{k: self._off(v) for k, v in kwargs.items()})
+
+    @property
+    def out(self) -> _Kernel:
+        return _Kernel(self._fn.out, self._unguard)
+
+
+def test_forward_reads_no_device_tensor_on_the_host() -> None:
+    hostsync = pytest.importorskip("attnhub_conformance.hostsync")
+    for s in (h.spec(), h.spec(sliding_window=40), h.spec(use_sinks=True)):
+        st = h.step([(1, 200), (3, 140), (40, 300)], s, padding=2)
+        meta = st.backend.metadata_builder().build(st.batch)
+        impl = st.backend.impl(sinks=st.sinks)
+        impl.checks_values = False  # the base class's value checks, off as under capture
+        st.backend.ops = _DeviceKernels(st.backend.ops, hostsync.unguard)
+        guard = hostsync.guard
+        out = impl.forward(
+            guard(st.query, "query"),
+            guard(st.key, "key"),
+            guard(st.value, "value"),
+            hostsync.guard_cache(st.cache),
+            hostsync.guard_tree(meta, "meta"),
+        )
+        h.assert_matches_reference(st, hostsync.unguard(out))
+
+
+# --- refusals at the step level ------------------------------------------------------------------
+
+
+def test_non_causal_attention_over_cached_context_gathers_its_keys_once() -> None:
+    s = h.spec(attn_type=AttentionType.ENCODER)
+    st = h.step([(3, 9), (5, 5), (1, 130)], s, padding=1)
+    meta = st.backend.metadata_builder().build(st.batch)
+    assert meta.packed and meta.kv_slots is not None and meta.kv_slots.shape == (144,)
+    with emulator.record_calls() as calls:
+        out = st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    fa = _only(calls, FA)
+    assert fa.kwargs["actual_seq_qlen"] == [3, 8, 9]
+    assert fa.kwargs["actual_seq_kvlen"] == [9, 14, 144]  # cumulative, packed
+    assert fa.args[1].shape[0] == 144
+    h.assert_matches_reference(st, out)
+
+
+def test_cross_attention_reads_the_encoder_keys_from_the_cache() -> None:
+    s = h.spec(attn_type=AttentionType.ENCODER_DECODER)
+    st = h.step([(1, 23), (5, 133), (3, 40)], s)
+    meta = st.backend.metadata_builder().build(st.batch)
+    with emulator.record_calls() as calls:
+        out = st.backend.impl().forward(st.query, None, None, st.cache, meta)
+    assert [c.name for c in calls] == [FA]  # no KV write: nothing new
+    h.assert_matches_reference(st, out)
+
+
+def test_forward_without_keys_is_refused_for_non_causal_attention() -> None:
+    st = h.step([(5, 5)], h.spec(attn_type=AttentionType.ENCODER_ONLY))
+    meta = st.backend.metadata_builder().build(st.batch)
+    before = st.cache.clone()
+    with pytest.raises(InvalidInputError, match="key and value must be given"):
+        st.backend.impl().forward(st.query, None, None, st.cache, meta)
+    assert st.cache.equal(before)
+
+
+def test_pre_tokens_default_is_unbounded_without_a_window() -> None:
+    _, calls = _calls(h.step([(3, 3)]))
+    assert _only(calls, FIA).kwargs["pre_tokens"] == INT_MAX
+
+
+def test_more_sequences_than_npu_fusion_attention_takes_are_refused_with_a_reason() -> None:
+    st = h.step([(1, 1)] * 1025, h.spec(attn_type=AttentionType.ENCODER_ONLY))
+    with pytest.raises(UnsupportedConfigurationError, match="at most 1024"):
+        st.backend.metadata_builder().build(st.batch)
