@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from attnhub.errors import InvalidInputError
+from attnhub.quant import indexable
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
 
 LAYOUTS = ("NHD", "HND")
@@ -45,13 +46,6 @@ def _scale_plane(
     if kind == "channel":
         return torch.ones((num_kv_heads, head_size), dtype=torch.float32, device=device)
     raise ValueError(f"unknown scale kind {kind!r}")
-
-
-def _indexable(plane: torch.Tensor) -> torch.Tensor:
-    """``plane`` itself, or a uint8 view of it where torch lacks index_copy_ (fp8 on CPU)."""
-    if plane.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return plane.view(torch.uint8)
-    return plane
 
 
 @dataclass
@@ -209,7 +203,7 @@ class PagedKVCache:
             return
         src, dst = m[:, 0].to(self.device), m[:, 1].to(self.device)
         for plane in self.planes().values():
-            plane = _indexable(plane)
+            plane = indexable(plane)
             plane.index_copy_(0, dst, plane.index_select(0, src))
 
     def swap_blocks(
@@ -230,8 +224,8 @@ class PagedKVCache:
             return
         dst_planes = dst.planes()
         for name, plane in self.planes().items():
-            moved = _indexable(plane).index_select(0, m[:, 0].to(plane.device)).to(dst.device)
-            _indexable(dst_planes[name]).index_copy_(0, m[:, 1].to(dst.device), moved)
+            moved = indexable(plane).index_select(0, m[:, 0].to(plane.device)).to(dst.device)
+            indexable(dst_planes[name]).index_copy_(0, m[:, 1].to(dst.device), moved)
 
     def empty_like(
         self, num_blocks: int | None = None, device: torch.device | str | None = None

@@ -12,6 +12,12 @@ import torch
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def indexable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a same-shape uint8 view of it where torch has no indexing kernels (fp8 on CPU:
+    index_copy_, index_fill_). Copying or zero-filling the bytes is exact."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
 def quantize_fp8(
     x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float8_e4m3fn
 ) -> torch.Tensor:

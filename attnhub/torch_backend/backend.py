@@ -22,7 +22,7 @@ from attnhub.backend import (
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Tolerance
 from attnhub.kv_cache import PagedKVCache
-from attnhub.quant import FP8_DTYPES, quantize_fp8
+from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub.torch_backend import kernels
 from attnhub.torch_backend.plan import SlotWrite, StepPlan, plan_slot_write, plan_step
@@ -161,8 +161,7 @@ class TorchAttentionImpl(AttentionImpl):
             src = src[:n] if write.rows is None else src[write.rows]
             if scale is not None:  # fp8: stored as fp8(x / scale)
                 src = quantize_fp8(src, scale, dst.dtype)
-            if dst.dtype in FP8_DTYPES:  # no fp8 index_copy_ kernel: copy the bytes
-                dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+            dst, src = indexable(dst), indexable(src)  # fp8: copy the bytes
             if dst.is_contiguous():  # [num_slots, Hkv, D] view: one index_copy_
                 dst.view(-1, *dst.shape[2:]).index_copy_(0, write.slots, src)
             else:
@@ -191,10 +190,7 @@ class TorchAttentionImpl(AttentionImpl):
             v = torch.index_select(cache.value, 0, chunk.block_ids, out=v_buf[:n])
             if chunk.pad_tokens is not None:  # rows past a shorter request's keys: zeros
                 for gathered in (k, v):
-                    flat = gathered.view(n * bs, Hkv, D)
-                    if flat.dtype in FP8_DTYPES:
-                        flat = flat.view(torch.uint8)
-                    flat.index_fill_(0, chunk.pad_tokens, 0)
+                    indexable(gathered.view(n * bs, Hkv, D)).index_fill_(0, chunk.pad_tokens, 0)
             k = k.view(C, chunk.num_blocks * bs, Hkv, D)[:, : chunk.kv_len]  # [C, L, Hkv, D]
             v = v.view(C, chunk.num_blocks * bs, Hkv, D)[:, : chunk.kv_len]
             if cache.key_scale is not None:  # fp8 cache: dequantize what was gathered
