@@ -168,3 +168,54 @@ def plot(results: list[BenchResult], path: str) -> None:
     ax.set_title(f"attnhub {results[0].backend if results else ''} backend vs dense SDPA")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+@dataclass
+class HostOverhead:
+    """Host time of the per-step and per-layer calls on a tiny shape, where kernels are cheap
+    and the Python around them dominates (compare: vLLM 0.32's CPU backend, per the perf
+    anchors, 7.5-13 us per build and about 9 us per forward wrapper)."""
+
+    backend: str
+    num_reqs: int
+    build_us: float
+    forward_us: float
+    write_kv_us: float
+
+
+def _per_call_us(fn: Callable[[], object], calls: int) -> float:
+    for _ in range(10):
+        fn()
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - t0) / calls)
+    return statistics.median(runs) * 1e6
+
+
+def host_overhead(
+    num_reqs: int, *, backend: str | None = None, device: str = "cpu", emulate: bool = False
+) -> HostOverhead:
+    """bf16, 8 query heads / 2 kv heads / head 32, block 128, decode of 300-token sequences
+    (the shape of the perf anchors' vLLM measurements)."""
+    spec = AttentionSpec(
+        num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, block_size=128
+    )
+    be = select_backend(spec, device, prefer=backend, emulate=emulate)
+    blocks = 3  # 300 tokens in blocks of 128
+    cache = be.allocate_kv_cache(num_reqs * blocks + 1)
+    table = (torch.randperm(num_reqs * blocks) + 1).view(num_reqs, blocks)
+    batch = BatchMetadata.from_lengths([1] * num_reqs, [300] * num_reqs, table, 128, device)
+    q = torch.randn(num_reqs, 8, 32).to(device, torch.bfloat16)
+    k = torch.randn(num_reqs, 2, 32).to(device, torch.bfloat16)
+    builder, impl = be.metadata_builder(), be.impl()
+    meta = builder.build(batch)
+    return HostOverhead(
+        backend=be.name,
+        num_reqs=num_reqs,
+        build_us=_per_call_us(lambda: builder.build(batch), 200),
+        forward_us=_per_call_us(lambda: impl.forward(q, k, k, cache, meta), 50),
+        write_kv_us=_per_call_us(lambda: impl.write_kv(k, k, cache, batch.slot_mapping), 200),
+    )

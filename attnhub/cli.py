@@ -164,6 +164,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     console = _console()
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    if args.host:
+        return _bench_host(args, console)
     cases = bench.default_cases(quick=args.quick)
     results = []
     with Progress(console=console, transient=True) as progress:
@@ -216,6 +218,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_host(args: argparse.Namespace, console: Console) -> int:
+    from attnhub import bench
+
+    rows = [
+        bench.host_overhead(n, backend=args.backend, device=args.device, emulate=args.emulate)
+        for n in (1, 32, 256)
+    ]
+    table = Table(title="host overhead per call (bf16, 8/2 heads, head 32, block 128, decode)")
+    for col in ("backend", "requests", "build us", "forward us", "write_kv us"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            r.backend,
+            str(r.num_reqs),
+            f"{r.build_us:.0f}",
+            f"{r.forward_us:.0f}",
+            f"{r.write_kv_us:.0f}",
+        )
+    console.print(table)
+    console.print(
+        "vLLM 0.32 CPU backend on this shape (perf anchors): build 7.5-13 us, forward ~9 us"
+    )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([vars(r) for r in rows], fh, indent=2)
+    return 0
+
+
 # --- entry point -----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -258,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--emulate", action="store_true")
     p.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
+    p.add_argument(
+        "--host", action="store_true", help="host overhead of build / forward / write_kv instead"
+    )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write results to this JSON file")
