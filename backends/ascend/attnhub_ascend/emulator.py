@@ -258,7 +258,10 @@ def _check_compressed_mask(op: str, mask: object, sparse_mode: int, device: torc
     # The kernel reads the compressed mask as a lower-triangular template and the caller must
     # guarantee it is one (1 = masked above the diagonal). A wrong mask makes the real kernel
     # compute garbage silently; the emulator refuses it. Checked once per tensor version.
-    key = (id(mask), mask.data_ptr(), mask._version)
+    # Inference tensors (made under torch.inference_mode, as engines run steps) have no
+    # version counter: they cannot be modified in place, so their identity is enough.
+    version = None if mask.is_inference() else mask._version
+    key = (id(mask), mask.data_ptr(), version)
     if key not in _checked_masks:
         flat = mask.reshape(MASK_SIZE, MASK_SIZE).to("cpu", torch.int8)
         if not torch.equal(flat, compressed_causal_mask()):

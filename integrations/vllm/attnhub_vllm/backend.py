@@ -1,0 +1,360 @@
+"""vLLM v1 attention backend that runs every attention layer through an attnhub backend.
+
+vLLM tier            -> attnhub call
+backend class        -> the attnhub backend chosen by ``ATTNHUB_BACKEND`` (``select_backend``)
+builder.build()      -> ``BatchMetadata`` from ``CommonAttentionMetadata`` + ``builder.build``
+impl.do_kv_cache_update -> ``impl.write_kv``
+impl.forward         -> ``impl.forward(query, None, None, cache, meta, output=...)``
+
+Unsupported configurations fail at engine start (impl construction and builder construction,
+both before the first step) with attnhub's reasons.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+import attnhub
+from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
+from attnhub.errors import AttnhubError, InvalidInputError
+from attnhub_vllm.mapping import batch_from_common, cache_views, spec_from_vllm
+
+# Under the "vllm" logger so that vLLM's logging configuration shows these lines.
+logger = init_logger("vllm.attnhub_vllm")
+
+ENV_BACKEND = "ATTNHUB_BACKEND"
+
+
+class AttnhubConfigurationError(ValueError):
+    """The chosen attnhub backend cannot serve this vLLM configuration (raised at start)."""
+
+
+# --- one attnhub backend per (spec, device), shared by every layer and the builder ----------
+_BACKENDS: dict[tuple[AttentionSpec, str], attnhub.AttentionBackend] = {}
+#: Whether a backend class accepts vLLM's strided K|V views (probed once per backend).
+_ACCEPTS_VIEWS: dict[tuple[AttentionSpec, str], bool] = {}
+
+
+def backend_for(spec: AttentionSpec, device: torch.device | str) -> attnhub.AttentionBackend:
+    """The attnhub backend for ``spec`` (``ATTNHUB_BACKEND`` names it; unset: best available).
+
+    Raises AttnhubConfigurationError with the backend's reasons."""
+    key = (spec, str(device))
+    backend = _BACKENDS.get(key)
+    if backend is None:
+        try:
+            backend = attnhub.select_backend(spec, device)
+        except AttnhubError as exc:
+            raise AttnhubConfigurationError(
+                f"attnhub backend {os.environ.get(ENV_BACKEND) or '(auto)'} cannot serve this "
+                f"vLLM attention layer ({_describe(spec)}): {exc}"
+            ) from exc
+        logger.info_once("attnhub-vllm: attention through attnhub backend %r", backend.name)
+        _BACKENDS[key] = backend
+    return backend
+
+
+def _describe(spec: AttentionSpec) -> str:
+    return (
+        f"heads {spec.num_heads}/{spec.num_kv_heads}, head_size {spec.head_size}, "
+        f"dtype {str(spec.dtype).removeprefix('torch.')}, block_size {spec.block_size}, "
+        f"kv_cache_dtype {spec.kv_cache_dtype}, sliding_window {spec.sliding_window}"
+    )
+
+
+def accepts_views(backend: attnhub.AttentionBackend) -> bool:
+    """Whether ``backend`` can use vLLM's own per-layer cache through strided K|V views.
+
+    Probed once per backend on a one-block scratch cache shaped like vLLM's. A backend whose
+    kernels need contiguous planes gets caches of its own (``backend.allocate_kv_cache``) with
+    vLLM's block ids, at the cost of vLLM's tensor going unused."""
+    key = (backend.spec, str(backend.device))
+    ok = _ACCEPTS_VIEWS.get(key)
+    if ok is None:
+        spec = backend.spec
+        layout = backend.capabilities.kv_cache_layout
+        scratch = torch.zeros(
+            (1, spec.num_kv_heads, spec.block_size, 2 * spec.head_size),
+            dtype=spec.dtype,
+            device=backend.device,
+        )
+        kv = torch.zeros((1, spec.num_kv_heads, spec.head_size), dtype=spec.dtype)
+        kv = kv.to(backend.device)
+        slots = torch.zeros(1, dtype=torch.int64, device=backend.device)
+        try:
+            backend.impl(
+                sinks=torch.zeros(spec.num_heads) if spec.use_sinks else None,
+                alibi_slopes=torch.zeros(spec.num_heads) if spec.use_alibi else None,
+            ).write_kv(kv, kv, cache_views(scratch, spec, layout), slots)
+            ok = True
+        except InvalidInputError as exc:
+            logger.warning(
+                "attnhub-vllm: backend %r refuses vLLM's packed K|V cache pages (%s); it gets "
+                "caches of its own, vLLM's KV-cache tensor goes unused",
+                backend.name,
+                exc,
+            )
+            ok = False
+        _ACCEPTS_VIEWS[key] = ok
+    return ok
+
+
+def _requested_layout() -> str:
+    """The attnhub layout of the backend ``ATTNHUB_BACKEND`` names (NHD when unset)."""
+    name = os.environ.get(ENV_BACKEND)
+    if name:
+        try:
+            return attnhub.get_backend(name).capabilities.kv_cache_layout
+        except AttnhubError:
+            pass  # reported with its reasons when the first layer is built
+    return "NHD"
+
+
+class AttnhubVllmBackend(AttentionBackend):
+    """vLLM's view of attnhub: one class for every attnhub backend."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "bfloat16", "float16"]
+
+    @staticmethod
+    def get_name() -> str:
+        # vLLM looks the name up in AttentionBackendEnum: it must be a member name.
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttnhubVllmImpl]:
+        return AttnhubVllmImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttnhubVllmMetadataBuilder]:
+        return AttnhubVllmMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        # attnhub checks the block size against the chosen backend's capabilities at start.
+        return [MultipleOf(1)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # vLLM's logical per-layer page is [B, H, N, C]; the physical order follows the
+        # attnhub backend's layout: NHD -> [B, N, H, C], HND -> [B, H, N, C].
+        if _requested_layout() == "HND":
+            return (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
+        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+@dataclass
+class AttnhubVllmMetadata:
+    """One step: the attnhub metadata per distinct layer spec (usually one), indexed by each
+    layer's ``meta_index`` (a list: no spec hashing per layer call)."""
+
+    num_actual_tokens: int
+    metas: list[Any] = field(default_factory=list)
+
+
+class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(
+        self,
+        kv_cache_spec: Any,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        from vllm.model_executor.layers.attention import Attention
+
+        self.block_size = int(kv_cache_spec.block_size)
+        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+        builders: dict[AttentionSpec, Any] = {}
+        for layer in layers.values():  # once at start, not per step
+            impl = layer.impl
+            if not isinstance(impl, AttnhubVllmImpl):
+                continue
+            spec = impl.bind(self.block_size, device)  # raises with attnhub's reasons
+            if spec not in builders:
+                builders[spec] = backend_for(spec, device).metadata_builder()
+            impl.meta_index = list(builders).index(spec)
+        self._builders = list(builders.values())
+        # Plan one dummy step now, outside inference mode: a builder's first build may create
+        # per-device constants it caches for the process (the ascend backend's compressed
+        # mask); made inside vLLM's inference_mode they would be inference tensors.
+        with torch.inference_mode(False):
+            dummy = BatchMetadata.from_lengths([1], [1], [[0]], self.block_size, device=device)
+            for b in self._builders:
+                b.build(dummy)
+        thresholds = [b.reorder_batch_threshold for b in self._builders]
+        thresholds = [t for t in thresholds if t is not None]
+        # vLLM reorders decodes (query_len <= threshold) first when a backend asks for it.
+        self.reorder_batch_threshold = min(thresholds) if thresholds else None
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> AttnhubVllmMetadata:
+        batch = batch_from_common(common_attn_metadata, self.block_size)
+        return AttnhubVllmMetadata(
+            num_actual_tokens=batch.num_actual_tokens,
+            metas=[b.build(batch) for b in self._builders],
+        )
+
+
+class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.alibi_slopes = (
+            None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
+        )
+        self.sinks = sinks  # a parameter: its values are loaded after construction
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        config = get_current_vllm_config()
+        self.dtype = config.model_config.dtype
+        self.spec: AttentionSpec | None = None
+        self._impl: Any = None
+        self.meta_index = 0  # set by the metadata builder
+        self._cache_key: tuple[int, torch.Size] | None = None
+        self._cache: PagedKVCache | None = None
+        # Refuse at model construction where the block size is already known.
+        block_size = config.cache_config.block_size
+        if block_size:
+            self.bind(int(block_size), "cpu" if config.device_config is None else None)
+
+    def _spec(self, block_size: int) -> AttentionSpec:
+        spec, reasons = spec_from_vllm(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=self.dtype,
+            block_size=block_size,
+            scale=self.scale,
+            kv_cache_dtype=self.kv_cache_dtype,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+            attn_type=self.attn_type,
+            use_alibi=self.alibi_slopes is not None,
+            use_sinks=self.sinks is not None,
+        )
+        if spec is None:
+            raise AttnhubConfigurationError(
+                "attnhub-vllm cannot map this layer: " + "; ".join(reasons)
+            )
+        return spec
+
+    def bind(self, block_size: int, device: torch.device | str | None) -> AttentionSpec:
+        """Fix this layer's spec (and check that the attnhub backend serves it)."""
+        spec = self._spec(block_size)
+        if device is None:
+            device = get_current_vllm_config().device_config.device
+        backend_for(spec, device or "cpu")  # raises with attnhub's reasons
+        if spec != self.spec:
+            self.spec, self._impl, self._cache_key = spec, None, None
+        return spec
+
+    # --- per layer, per step -------------------------------------------------------------
+    def _attnhub(self, device: torch.device) -> tuple[Any, AttentionSpec]:
+        impl = self._impl
+        if impl is None:  # first call of this layer: sinks/slopes are loaded by now
+            assert self.spec is not None, "the metadata builder binds every layer at start"
+            backend = backend_for(self.spec, device)
+            impl = backend.impl(alibi_slopes=self.alibi_slopes, sinks=self.sinks)
+            self._impl = impl
+        return impl, self.spec  # type: ignore[return-value]
+
+    def _paged(self, kv_cache: torch.Tensor, impl: Any) -> PagedKVCache:
+        key = (kv_cache.data_ptr(), kv_cache.shape)
+        if key != self._cache_key:  # once per layer (and per cache reallocation)
+            backend = impl.backend
+            if accepts_views(backend):
+                cache = cache_views(kv_cache, backend.spec, backend.capabilities.kv_cache_layout)
+            else:
+                cache = backend.allocate_kv_cache(int(kv_cache.shape[0]))
+            self._cache, self._cache_key = cache, key
+        assert self._cache is not None
+        return self._cache
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        impl, _ = self._attnhub(key.device)
+        n = slot_mapping.shape[0]
+        impl.write_kv(key[:n], value[:n], self._paged(kv_cache, impl), slot_mapping)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttnhubVllmMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("attnhub-vllm: fused output quantization is not supported")
+        if attn_metadata is None:  # vLLM's warm-up / profiling run
+            return output
+        impl, _ = self._attnhub(query.device)
+        meta = attn_metadata.metas[self.meta_index]
+        out = output.view(-1, self.num_heads, self.head_size)
+        impl.forward(query, None, None, self._paged(kv_cache, impl), meta, output=out)
+        return output

@@ -1,0 +1,122 @@
+"""Unit tests of the vLLM -> attnhub mapping (no vLLM needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from attnhub_vllm.mapping import batch_from_common, cache_views, spec_from_vllm
+
+import attnhub
+from attnhub import BatchMetadata
+
+
+def _common(query_lens, seq_lens, block_size, width=8, pad_reqs=2, pad_tokens=3):
+    """A CommonAttentionMetadata look-alike over persistent buffers longer than the batch,
+    as vLLM's model runner passes them."""
+    ref = BatchMetadata.from_lengths(
+        query_lens,
+        seq_lens,
+        torch.arange(len(query_lens) * width, dtype=torch.int32).view(-1, width),
+        block_size,
+    )
+    n = ref.num_reqs
+    qsl = torch.cat([ref.query_start_loc_cpu, ref.query_start_loc_cpu[-1:].repeat(pad_reqs)])
+    seq = torch.cat([ref.seq_lens_cpu, torch.zeros(pad_reqs, dtype=torch.int32)])
+    table = torch.cat([ref.block_table, torch.zeros(pad_reqs, width, dtype=torch.int32)])
+    slots = torch.cat([ref.slot_mapping, torch.full((pad_tokens,), -1)])
+    cm = SimpleNamespace(
+        query_start_loc=qsl.clone(),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq,
+        num_reqs=n,
+        num_actual_tokens=ref.num_actual_tokens + pad_tokens,
+        max_query_len=ref.max_query_len,
+        max_seq_len=ref.max_seq_len + 7,  # vLLM: "may be an upper bound"
+        block_table_tensor=table,
+        slot_mapping=slots,
+        causal=True,
+    )
+    return cm, ref
+
+
+def test_batch_from_common_matches_from_lengths() -> None:
+    q, s = [1, 1, 7, 30], [9, 40, 7, 95]  # decodes, a prefill, a chunked prefill
+    cm, ref = _common(q, s, block_size=16)
+    batch = batch_from_common(cm, 16)
+    batch.validate()
+    for name in ("query_start_loc_cpu", "seq_lens_cpu", "block_table"):
+        assert torch.equal(getattr(batch, name), getattr(ref, name)), name
+    assert torch.equal(batch.slot_mapping[: ref.num_actual_tokens], ref.slot_mapping)
+    assert (batch.slot_mapping[ref.num_actual_tokens :] == -1).all()
+    assert (batch.num_reqs, batch.num_actual_tokens) == (4, sum(q))
+    assert (batch.max_query_len, batch.max_seq_len) == (30, 95)  # exact, not vLLM's bound
+
+
+def test_batch_from_common_shares_vllm_tensors() -> None:
+    """No copies: the batch's device tensors are views of vLLM's buffers."""
+    cm, _ = _common([1, 5], [3, 5], block_size=16)
+    batch = batch_from_common(cm, 16)
+    assert batch.block_table.data_ptr() == cm.block_table_tensor.data_ptr()
+    assert batch.slot_mapping is cm.slot_mapping
+    assert batch.seq_lens.data_ptr() == cm.seq_lens.data_ptr()
+
+
+def test_batch_from_common_refuses_tensor_causal() -> None:
+    cm, _ = _common([1], [3], block_size=16)
+    cm.causal = torch.ones(1, dtype=torch.bool)
+    with pytest.raises(NotImplementedError, match="causal"):
+        batch_from_common(cm, 16)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cache_views_address_vllm_packed_pages(layout: str) -> None:
+    """K goes to [..., :D] and V to [..., D:] of vLLM's [B, H, N, 2D] page, at the slot's
+    block and offset, whatever the attnhub layout."""
+    spec, _ = spec_from_vllm(
+        num_heads=4, num_kv_heads=2, head_size=8, dtype=torch.float32, block_size=4, scale=0.3
+    )
+    assert spec is not None
+    kv = torch.zeros(3, 2, 4, 16)  # [B, H, N, 2D]
+    cache = cache_views(kv, spec, layout)
+    k = torch.randn(2, 2, 8)
+    v = torch.randn(2, 2, 8)
+    backend = attnhub.select_backend(spec, prefer="torch")
+    # torch declares NHD; write through the generic index path to check addressing only
+    if layout == backend.capabilities.kv_cache_layout:
+        backend.impl().write_kv(k, v, cache, torch.tensor([5, 11]))
+        assert torch.equal(kv[1, :, 1, :8], k[0]) and torch.equal(kv[1, :, 1, 8:], v[0])
+        assert torch.equal(kv[2, :, 3, :8], k[1]) and torch.equal(kv[2, :, 3, 8:], v[1])
+        assert kv.count_nonzero() == 2 * 2 * 2 * 8
+    keyv = cache.key
+    assert keyv.data_ptr() == kv.data_ptr()  # a view, no copy
+    assert tuple(keyv.shape) == ((3, 4, 2, 8) if layout == "NHD" else (3, 2, 4, 8))
+
+
+def test_spec_from_vllm_maps_and_refuses() -> None:
+    spec, reasons = spec_from_vllm(
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=32,
+        dtype=torch.bfloat16,
+        block_size=128,
+        scale=0.1,
+        sliding_window=64,
+        logits_soft_cap=0,  # vLLM's "none"
+    )
+    assert reasons == [] and spec is not None
+    assert (spec.sliding_window, spec.logits_soft_cap, spec.softmax_scale) == (64, None, 0.1)
+    spec, reasons = spec_from_vllm(
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=32,
+        dtype=torch.bfloat16,
+        block_size=128,
+        scale=0.1,
+        kv_cache_dtype="fp8_e4m3",
+        attn_type="encoder_decoder",
+    )
+    assert spec is None
+    assert any("kv_cache_dtype 'fp8_e4m3'" in r for r in reasons)
+    assert any("'encoder_decoder' is not mapped" in r for r in reasons)

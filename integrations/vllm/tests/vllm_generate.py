@@ -1,0 +1,174 @@
+"""Run one greedy generation through a real vLLM engine and print the result as JSON.
+
+    python vllm_generate.py --attention {vllm,torch,ascend} --model DIR [--dtype ...]
+
+``--attention vllm`` runs vLLM's own CPU backend; any other value is an attnhub backend name
+(the plugin is activated through ``ATTNHUB_BACKEND``). Run each in its own process: vLLM's
+backend registry and the plugin's choice are process-wide. The model directory is written by
+``write_tiny_llama`` (random weights, no hub access). Every step's batch composition is
+recorded from the metadata builder, as evidence of mixed decode/prefill batches and chunked
+prefills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def write_tiny_llama(path: str, seed: int = 0) -> str:
+    """A 2-layer Llama (hidden 256, 8 query / 2 KV heads, head 32, vocab 1000), random weights
+    in safetensors. Larger-than-default init makes greedy choices robust to rounding ties."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        initializer_range=0.08,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+PROMPT_LENS = (3, 17, 45, 130, 260, 9, 70, 200, 33, 150)
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    # ids 3.. avoid bos/eos so no request stops early
+    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def record_steps(builder_cls: type, steps: list[dict]) -> None:
+    """Wrap ``builder_cls.build`` to record every step's query and context lengths."""
+    original = builder_cls.build
+
+    def build(self, common_prefix_len, cm, fast_build=False):  # type: ignore[no-untyped-def]
+        n = cm.num_reqs
+        qsl = cm.query_start_loc_cpu[: n + 1]
+        q = (qsl[1:] - qsl[:-1]).tolist()
+        s = cm.seq_lens[:n].tolist()
+        steps.append({"query_lens": q, "context_lens": [b - a for a, b in zip(q, s, strict=True)]})
+        t0 = time.perf_counter()
+        meta = original(self, common_prefix_len, cm, fast_build)
+        steps[-1]["build_us"] = (time.perf_counter() - t0) * 1e6
+        return meta
+
+    builder_cls.build = build
+
+
+def record_forward(impl_cls: type, times: list[float]) -> None:
+    """Wrap ``impl_cls.forward`` to time every per-layer call (host time on CPU)."""
+    original = impl_cls.forward
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        out = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k)
+        if attn_metadata is not None:
+            times.append((time.perf_counter() - t0) * 1e6)
+        return out
+
+    impl_cls.forward = forward
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--attention", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=6)
+    ap.add_argument("--out", required=True, help="where to write the JSON result")
+    args = ap.parse_args()
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.attention == "vllm":
+        os.environ["ATTNHUB_VLLM"] = "0"
+        os.environ.pop("ATTNHUB_BACKEND", None)
+    else:
+        os.environ["ATTNHUB_BACKEND"] = args.attention
+        if args.attention != "torch":
+            os.environ["ATTNHUB_EMULATE"] = "1"  # vendor backends run through their emulators
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    steps: list[dict] = []
+    if args.attention == "vllm":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder as B
+    else:
+        from attnhub_vllm.backend import AttnhubVllmImpl as Impl
+        from attnhub_vllm.backend import AttnhubVllmMetadataBuilder as B
+    record_steps(B, steps)
+    forward_us: list[float] = []
+    record_forward(Impl, forward_us)
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_model_len=512,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=False,
+        seed=0,
+        kv_cache_memory_bytes=64 << 20,  # a small cache: no GBs of page faults at start
+    )
+    start_s = time.perf_counter() - t0
+    steps.clear()  # drop the warm-up / profiling steps
+    forward_us.clear()
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, detokenize=False, logprobs=5, ignore_eos=True
+    )
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params)
+    gen_s = time.perf_counter() - t0
+    result = {
+        "attention": args.attention,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        # per prompt, per step: {token id: logprob} of the top 5 (and the sampled token)
+        "logprobs": [
+            [{int(t): v.logprob for t, v in lp.items()} for lp in o.outputs[0].logprobs]
+            for o in outs
+        ],
+        "forward_us": forward_us,
+        "steps": steps,
+        "engine_start_s": start_s,
+        "generate_s": gen_s,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
