@@ -228,7 +228,7 @@ def _check_tensor(op: str, name: str, t: object, dims: int, device: torch.device
     return t
 
 
-_checked_masks: dict[tuple[int, int, int], bool] = {}
+_checked_masks: dict[tuple[int, int, int | None], bool] = {}
 
 
 def compressed_causal_mask(device: torch.device | str = "cpu") -> torch.Tensor:

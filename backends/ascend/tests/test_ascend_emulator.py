@@ -281,3 +281,11 @@ def test_every_call_is_counted_under_its_overload() -> None:
 def test_the_emulator_never_uses_attnhubs_reference() -> None:
     source = inspect.getsource(emulator)
     assert "import attnhub" not in source and "from attnhub" not in source
+
+
+def test_a_compressed_mask_made_under_inference_mode_is_accepted():
+    # Regression: engines (vLLM) run steps under torch.inference_mode; tensors made there have
+    # no version counter, which the emulator's once-per-mask check used to read and crash on.
+    with torch.inference_mode():
+        mask = torch.triu(torch.ones(2048, 2048, dtype=torch.int8), 1)
+        emulator._check_compressed_mask("npu_fused_infer_attention_score", mask, 3, mask.device)
