@@ -8,6 +8,7 @@ capture run them outside capture only (see ``AttentionImpl.checks_values``).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from attnhub.batch import BatchMetadata
@@ -32,18 +33,22 @@ def check_tensor(
     """``t`` is a tensor of ``shape`` (None = any size), ``dtype`` and ``device``."""
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    wrong_shape = t.dim() != len(shape) or any(
-        s is not None and s != n for s, n in zip(shape, t.shape, strict=True)
-    )
+    got = t.shape
+    wrong_shape = len(got) != len(shape)
+    if not wrong_shape:  # a plain loop: this runs several times per layer call
+        for s, n in zip(shape, got, strict=True):
+            if s is not None and s != n:
+                wrong_shape = True
+                break
     if wrong_shape:
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise InvalidInputError(f"{name} has shape {list(t.shape)}, expected {want}")
-    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    if t.dtype not in dtypes:
+        raise InvalidInputError(f"{name} has shape {list(got)}, expected {want}")
+    if t.dtype is not dtype and (not isinstance(dtype, tuple) or t.dtype not in dtype):
+        dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
         raise InvalidInputError(
             f"{name} has dtype {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}"
         )
-    if not _same_device(t.device, device):
+    if t.device != device and not _same_device(t.device, device):
         raise InvalidInputError(f"{name} is on {t.device}, expected {device}")
     return t
 
@@ -102,17 +107,19 @@ def check_kv(
 
 
 def check_slot_values(slot_mapping: torch.Tensor, cache: PagedKVCache) -> None:
-    """Every slot is -1 (padding) or inside the cache. Reads values."""
+    """Every slot is -1 (padding) or inside the cache. Reads values (numpy on the host: a
+    torch reduction costs several times more on tensors this small)."""
     if not slot_mapping.numel():
         return
-    bad = ((slot_mapping < -1) | (slot_mapping >= cache.num_slots)).nonzero()
-    if bad.numel():
-        i = int(bad[0, 0])
-        raise InvalidInputError(
-            f"slot_mapping[{i}] = {int(slot_mapping[i])} is outside the cache "
-            f"({cache.num_blocks} blocks x {cache.block_size} slots)"
-            + ("; use -1 for padding" if int(slot_mapping[i]) < 0 else "")
-        )
+    host = slot_mapping.to("cpu").numpy()
+    if host.min() >= -1 and host.max() < cache.num_slots:
+        return
+    i = int(np.flatnonzero((host < -1) | (host >= cache.num_slots))[0])
+    raise InvalidInputError(
+        f"slot_mapping[{i}] = {int(host[i])} is outside the cache "
+        f"({cache.num_blocks} blocks x {cache.block_size} slots)"
+        + ("; use -1 for padding" if int(host[i]) < 0 else "")
+    )
 
 
 def check_block_table_values(batch: BatchMetadata, cache: PagedKVCache) -> None:
@@ -120,11 +127,15 @@ def check_block_table_values(batch: BatchMetadata, cache: PagedKVCache) -> None:
     cache. Reads values."""
     if not batch.num_reqs:
         return
-    table = batch.block_table.to("cpu")
-    used = (batch.seq_lens_cpu.long() + batch.block_size - 1) // batch.block_size
-    in_use = torch.arange(table.shape[1])[None, :] < used[:, None]
-    bad = (in_use & ((table < 0) | (table >= cache.num_blocks))).nonzero()
-    if bad.numel():
+    table = batch.block_table.to("cpu").numpy()  # [B, max_blocks]
+    if table.min() >= 0 and table.max() < cache.num_blocks:
+        return  # every entry, used or not, is in range
+    used = (batch.seq_lens_cpu.numpy().astype(np.int64) + batch.block_size - 1) // (
+        batch.block_size
+    )
+    in_use = np.arange(table.shape[1])[None, :] < used[:, None]
+    bad = np.argwhere(in_use & ((table < 0) | (table >= cache.num_blocks)))
+    if bad.size:
         r, c = int(bad[0, 0]), int(bad[0, 1])
         raise InvalidInputError(
             f"block_table[{r}, {c}] = {int(table[r, c])} is outside the cache "

@@ -589,3 +589,43 @@ def test_forward_matches_reference_on_random_batches(setup: dict) -> None:
     out = backend.impl(**weights).forward(q, k, v, cache, backend.metadata_builder().build(batch))
     assert cache.equal(expected_cache)
     assert_within(out, expected, tol(spec.dtype), f"{case.id} {q_lens=} {s_lens=}")
+
+
+# --- planning: chunks --------------------------------------------------------------------------
+
+
+def _greedy_spans(qlens: list[int], seqs: list[int], decode_len: int, budget: int) -> list:
+    """The chunking rule written plainly, request by request."""
+    spans, r = [], 0
+    while r < len(qlens):
+        end = r + 1
+        if qlens[r] <= decode_len:
+            longest = seqs[r]
+            while end < len(qlens) and qlens[end] == qlens[r]:
+                longest = max(longest, seqs[end])
+                if (end - r + 1) * longest > budget:
+                    break
+                end += 1
+        spans.append((r, end))
+        r = end
+    return spans
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    reqs=st.lists(
+        st.tuples(st.sampled_from([1, 1, 1, 2, 3, 40]), st.integers(1, 300)),
+        min_size=1,
+        max_size=40,
+    ),
+    budget=st.integers(1, 2000),
+)
+def test_chunk_spans_follow_the_greedy_rule(reqs: list[tuple[int, int]], budget: int) -> None:
+    import numpy as np
+
+    from attnhub.torch_backend.plan import chunk_spans
+
+    qlens = [q for q, _ in reqs]
+    seqs = [max(q, s) for q, s in reqs]
+    got = chunk_spans(np.array(qlens), np.array(seqs), 16, budget)
+    assert got == _greedy_spans(qlens, seqs, 16, budget)

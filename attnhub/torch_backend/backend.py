@@ -33,6 +33,14 @@ class TorchAttentionMetadata(AttentionMetadata):
     plan: StepPlan | None = None
 
 
+@dataclass
+class _WriteTarget:
+    flat: torch.Tensor | None  # [num_slots, Hkv, D] view of the plane, where strides allow
+    plane: torch.Tensor  # [num_blocks, block_size, Hkv, D] (fp8: its uint8 view)
+    scale: torch.Tensor | None  # fp8 caches: the plane's scale
+    dtype: torch.dtype  # the plane's storage dtype
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
     capabilities = Capabilities(
@@ -130,6 +138,17 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
 class TorchAttentionImpl(AttentionImpl):
     backend: TorchBackend
 
+    def __init__(
+        self,
+        backend: TorchBackend,
+        *,
+        alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(backend, alibi_slopes=alibi_slopes, sinks=sinks)
+        self._targets: tuple[torch.Tensor, torch.Tensor, list[_WriteTarget]] | None = None
+        self._eager = bool({"softcap", "alibi", "sinks"} & self.spec.features())
+
     def store_kv(
         self,
         key: torch.Tensor,  # [num_tokens, Hkv, D]
@@ -149,24 +168,38 @@ class TorchAttentionImpl(AttentionImpl):
         assert meta.plan is not None
         self._scatter(key, value, cache, meta.plan.write)
 
-    @staticmethod
+    def _write_targets(self, cache: PagedKVCache) -> list[_WriteTarget]:
+        """Per plane: a flat [num_slots, Hkv, D] view to index_copy_ into (None where the
+        plane's strides cannot merge blocks and slots), the plane, its fp8 scale. Remembered
+        for the last cache's planes (every step writes the same cache)."""
+        memo = self._targets
+        if memo is not None and memo[0] is cache.key and memo[1] is cache.value:
+            return memo[2]
+        targets = []
+        for dst, scale in ((cache.key, cache.key_scale), (cache.value, cache.value_scale)):
+            raw = indexable(dst)  # fp8: copy the bytes
+            try:
+                flat: torch.Tensor | None = raw.view(-1, *raw.shape[2:])
+            except RuntimeError:
+                flat = None
+            targets.append(_WriteTarget(flat=flat, plane=raw, scale=scale, dtype=dst.dtype))
+        self._targets = (cache.key, cache.value, targets)
+        return targets
+
     def _scatter(
-        key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, write: SlotWrite
+        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, write: SlotWrite
     ) -> None:
         n = write.slots.shape[0]
-        for src, dst, scale in (
-            (key, cache.key, cache.key_scale),
-            (value, cache.value, cache.value_scale),
-        ):
+        for src, target in zip((key, value), self._write_targets(cache), strict=True):
             src = src[:n] if write.rows is None else src[write.rows]
-            if scale is not None:  # fp8: stored as fp8(x / scale)
-                src = quantize_fp8(src, scale, dst.dtype)
-            dst, src = indexable(dst), indexable(src)  # fp8: copy the bytes
-            if dst.is_contiguous():  # [num_slots, Hkv, D] view: one index_copy_
-                dst.view(-1, *dst.shape[2:]).index_copy_(0, write.slots, src)
+            if target.scale is not None:  # fp8: stored as fp8(x / scale)
+                src = quantize_fp8(src, target.scale, target.dtype)
+            src = indexable(src)
+            if target.flat is not None:  # one index_copy_ into [num_slots, Hkv, D]
+                target.flat.index_copy_(0, write.slots, src)
             else:
-                bs = dst.shape[1]
-                dst.index_put_((write.slots // bs, write.slots % bs), src)
+                bs = target.plane.shape[1]
+                target.plane.index_put_((write.slots // bs, write.slots % bs), src)
 
     def attend(
         self,
@@ -177,22 +210,28 @@ class TorchAttentionImpl(AttentionImpl):
         meta: TorchAttentionMetadata,  # type: ignore[override]
         out: torch.Tensor,
     ) -> None:
-        spec, backend = self.spec, self.backend
-        assert meta.plan is not None
-        eager = bool({"softcap", "alibi", "sinks"} & spec.features())
+        spec, plan = self.spec, meta.plan
+        assert plan is not None
+        eager = self._eager
         bs, Hkv, D = cache.block_size, spec.num_kv_heads, spec.head_size
-        buf_shape = (meta.plan.max_gather_blocks, bs, Hkv, D)
-        k_buf = backend.buffer("key", buf_shape, cache.key.dtype)
-        v_buf = backend.buffer("value", buf_shape, cache.value.dtype)
-        for chunk in meta.plan.chunks:
+        if plan.gather_buffers is None:  # the step's first layer: every layer reuses them
+            buf_shape = (plan.max_gather_blocks, bs, Hkv, D)
+            plan.gather_buffers = (
+                self.backend.buffer("key", buf_shape, cache.key.dtype),
+                self.backend.buffer("value", buf_shape, cache.value.dtype),
+            )
+        k_buf, v_buf = plan.gather_buffers
+        for chunk in plan.chunks:
             C, n = chunk.num_reqs, chunk.num_reqs * chunk.num_blocks
             k = torch.index_select(cache.key, 0, chunk.block_ids, out=k_buf[:n])
             v = torch.index_select(cache.value, 0, chunk.block_ids, out=v_buf[:n])
             if chunk.pad_tokens is not None:  # rows past a shorter request's keys: zeros
                 for gathered in (k, v):
                     indexable(gathered.view(n * bs, Hkv, D)).index_fill_(0, chunk.pad_tokens, 0)
-            k = k.view(C, chunk.num_blocks * bs, Hkv, D)[:, : chunk.kv_len]  # [C, L, Hkv, D]
-            v = v.view(C, chunk.num_blocks * bs, Hkv, D)[:, : chunk.kv_len]
+            # heads-first views of what was gathered, one op each: [C, Hkv, L, D]
+            size = (C, Hkv, chunk.kv_len, D)
+            stride = (chunk.num_blocks * bs * Hkv * D, D, Hkv * D, 1)
+            k, v = k.as_strided(size, stride), v.as_strided(size, stride)
             if cache.key_scale is not None:  # fp8 cache: dequantize what was gathered
                 k = k.to(spec.dtype) * cache.key_scale.to(spec.dtype)
             if cache.value_scale is not None:

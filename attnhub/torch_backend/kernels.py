@@ -22,36 +22,41 @@ EAGER_QUERY_TILE = 256  # query tokens per eager tile: bounds the [rows, L] scor
 
 def attend_sdpa(
     q_rows: torch.Tensor,  # [C * Q, H, D]
-    k: torch.Tensor,  # [C, L, Hkv, D]
+    k: torch.Tensor,  # [C, Hkv, L, D] (a strided view of the gathered blocks)
     v: torch.Tensor,
     chunk: Chunk,
     scale: float,
     out_rows: torch.Tensor,  # [C * Q, H, D]
 ) -> None:
     C, Q = chunk.num_reqs, chunk.query_len
-    _, _, Hkv, D = k.shape
+    _, Hkv, _, D = k.shape
     H = q_rows.shape[1]
     if chunk.causal_square:
         # One request, no cached context: bottom-right == top-left, so is_causal is exact.
         # Contiguous heads-first operands with K/V heads expanded: measured as fast as dense
         # SDPA; strided or enable_gqa operands were 4-10% slower (docs/backends/torch.md).
         q = q_rows.transpose(0, 1).contiguous()[None]  # [1, H, Q, D]
-        k_h = k[0].transpose(0, 1).repeat_interleave(H // Hkv, dim=0)[None]  # [1, H, L, D]
-        v_h = v[0].transpose(0, 1).repeat_interleave(H // Hkv, dim=0)[None]
+        k_h = k[0].repeat_interleave(H // Hkv, dim=0)[None]  # [1, H, L, D]
+        v_h = v[0].repeat_interleave(H // Hkv, dim=0)[None]
         o = F.scaled_dot_product_attention(q, k_h, v_h, is_causal=True, scale=scale)
         out_rows.copy_(o[0].transpose(0, 1))
         return
     group = H // Hkv
+    if Q == 1:  # decode: the rows of a kv head are its group's query heads, a plain view
+        q = q_rows.view(C, Hkv, group, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
+        out_rows.copy_(o.view(C, H, D))
+        return
     q = q_rows.view(C, Q, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(C, Hkv, group * Q, D)
     o = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=chunk.mask, scale=scale
+        q, k, v, attn_mask=chunk.mask, scale=scale
     )  # [C, Hkv, group * Q, D]
     out_rows.view(C, Q, Hkv, group, D).copy_(o.view(C, Hkv, group, Q, D).permute(0, 3, 1, 2, 4))
 
 
 def attend_eager(
     q_rows: torch.Tensor,  # [C * Q, H, D]
-    k: torch.Tensor,  # [C, L, Hkv, D]
+    k: torch.Tensor,  # [C, Hkv, L, D]
     v: torch.Tensor,
     chunk: Chunk,
     scale: float,
@@ -61,11 +66,11 @@ def attend_eager(
     out_rows: torch.Tensor,  # [C * Q, H, D]
 ) -> None:
     C, Q = chunk.num_reqs, chunk.query_len
-    Hkv, D = k.shape[2], k.shape[3]
+    Hkv, D = k.shape[1], k.shape[3]
     group = q_rows.shape[1] // Hkv
     q = q_rows.view(C, Q, Hkv, group, D).permute(0, 2, 3, 1, 4).float()  # [C, Hkv, g, Q, D]
-    kf = k.permute(0, 2, 1, 3).float()[:, :, None]  # [C, Hkv, 1, L, D]
-    vf = v.permute(0, 2, 1, 3).float()[:, :, None]
+    kf = k.float()[:, :, None]  # [C, Hkv, 1, L, D]
+    vf = v.float()[:, :, None]
     out = out_rows.view(C, Q, Hkv, group, D)
     slopes = None if alibi_slopes is None else alibi_slopes.view(1, Hkv, group, 1, 1)
     sink = None if sinks is None else sinks.view(1, Hkv, group, 1, 1)

@@ -14,9 +14,11 @@ share a kv head become ``group * query_len`` rows of that kv head, ordered (head
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from attnhub.batch import BatchMetadata
@@ -33,7 +35,8 @@ class Chunk:
     block_ids: torch.Tensor  # [C * num_blocks] int64, device
     pad_tokens: torch.Tensor | None  # [n] int64: gathered rows past a request's own keys
     visible: torch.Tensor | None  # [C, 1, 1, Q, L] bool, device; None: every key visible
-    mask: torch.Tensor | None  # visible as SDPA wants it: [C, 1, group * Q, L] (SDPA path only)
+    mask: torch.Tensor | None  # visible as SDPA wants it (SDPA path only): [C, 1, group * Q, L]
+    #                              ([C, 1, 1, L], broadcast over the rows, when Q == 1)
     causal_square: bool  # C == 1, Q == L, causal, no feature: SDPA's is_causal applies
     distance: torch.Tensor | None  # [C, 1, 1, Q, L] float32 |pos(i) - j|, for ALiBi
 
@@ -43,6 +46,9 @@ class StepPlan:
     chunks: list[Chunk]
     max_gather_blocks: int  # the largest C * num_blocks, to size the gather buffer once
     write: SlotWrite  # where this step's keys/values go
+    #: The gather buffers (key, value) [max_gather_blocks, block_size, Hkv, D], taken from the
+    #: backend by the step's first layer and reused by the others.
+    gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -56,11 +62,57 @@ class SlotWrite:
 
 def plan_slot_write(slot_mapping: torch.Tensor) -> SlotWrite:
     slots = slot_mapping.long()
+    if slots.device.type == "cpu":
+        keep_np = slots.numpy() >= 0  # numpy: ~1 us where a torch reduction costs ~5
+        if keep_np.all():
+            return SlotWrite(slots=slots, rows=None)
+        rows = torch.from_numpy(np.flatnonzero(keep_np))
+        return SlotWrite(slots=slots[rows], rows=rows)
     keep = slots >= 0
     if bool(keep.all()):
         return SlotWrite(slots=slots, rows=None)
     rows = keep.nonzero()[:, 0]
     return SlotWrite(slots=slots[rows], rows=rows)
+
+
+def chunk_spans(
+    qlens: np.ndarray,  # [B] int64
+    seqs: np.ndarray,  # [B] int64
+    decode_query_len: int,
+    gather_budget_tokens: int,
+) -> list[tuple[int, int]]:  # [first request, end request) per chunk
+    """Cut the batch into chunks: runs of requests with the same query_len <= decode_query_len
+    are cut greedily so that ``num_reqs * longest`` stays within the budget (at least one
+    request per chunk); every other request is a chunk of its own. Loops per chunk, not per
+    request."""
+    n = qlens.shape[0]
+    if not n:
+        return []
+    q_min, q_max = int(qlens.min()), int(qlens.max())
+    if q_min == q_max and q_max <= decode_query_len:  # the usual decode step: one run
+        if n * int(seqs.max()) <= gather_budget_tokens:
+            return [(0, n)]
+        decode = np.ones(n, dtype=bool)
+        bounds = [0, n]
+    else:
+        decode = qlens <= decode_query_len
+        # a run starts where the query_len changes or either neighbour is not a decode
+        starts = np.ones(n, dtype=bool)
+        starts[1:] = (qlens[1:] != qlens[:-1]) | ~decode[1:] | ~decode[:-1]
+        bounds = np.append(np.flatnonzero(starts), n).tolist()
+    spans: list[tuple[int, int]] = []
+    for a, end in itertools.pairwise(bounds):
+        while a < end:
+            if end - a == 1 or not decode[a]:
+                spans.append((a, a + 1))
+                a += 1
+                continue
+            # padded size of the chunk [a, a + k) is k * max(seqs[a:a + k]): non-decreasing in k
+            padded = np.maximum.accumulate(seqs[a:end]) * np.arange(1, end - a + 1)
+            k = max(1, int(np.searchsorted(padded, gather_budget_tokens, side="right")))
+            spans.append((a, a + k))
+            a += k
+    return spans
 
 
 def plan_step(
@@ -72,36 +124,25 @@ def plan_step(
     eager: bool,
     device: torch.device,
 ) -> StepPlan:
-    """``eager``: the impl computes scores itself (softcap, ALiBi, sinks), so no SDPA mask."""
+    """``eager``: the impl computes scores itself (softcap, ALiBi, sinks), so no SDPA mask.
+
+    Host work runs in numpy on the batch's host copies, once per chunk (never per request)."""
     bs = batch.block_size
     group = spec.num_queries_per_kv
     causal = spec.causal and batch.causal
     left, right = spec.window_pair
     if causal:
         right = 0
-    qlens = batch.query_lens_cpu.tolist()
-    seqs = batch.seq_lens_cpu.tolist()
-    starts = batch.query_start_loc_cpu.tolist()
-    table = batch.block_table.to("cpu")
+    starts = batch.query_start_loc_cpu.numpy().astype(np.int64)
+    qlens = starts[1:] - starts[:-1]
+    seqs = batch.seq_lens_cpu.numpy().astype(np.int64)
+    table = batch.block_table.to("cpu").numpy()  # [B, max_blocks]
+    spans = chunk_spans(qlens, seqs, decode_query_len, gather_budget_tokens)
+    plain = not spec.features()
 
-    # 1. Cut the batch into chunks of request indices.
-    spans: list[tuple[int, int]] = []  # [first request, end request)
-    r = 0
-    while r < batch.num_reqs:
-        end = r + 1
-        if qlens[r] <= decode_query_len:
-            longest = seqs[r]
-            while end < batch.num_reqs and qlens[end] == qlens[r]:
-                longest = max(longest, seqs[end])
-                if (end - r + 1) * longest > gather_budget_tokens:
-                    break
-                end += 1
-        spans.append((r, end))
-        r = end
-
-    # 2. Per chunk: which blocks to gather (only those a query can see: a sliding window
-    #    skips the older ones), and the mask / ALiBi distances where the pattern is not plain.
-    #    Built on the host, then sent to the device in one transfer per kind.
+    # Per chunk: which blocks to gather (only those a query can see: a sliding window skips
+    # the older ones), and the mask / ALiBi distances where the pattern is not plain. Built on
+    # the host in numpy, then sent to the device in one transfer per kind.
     chunks = []
     host_ids: list[torch.Tensor] = []
     host_pads: list[torch.Tensor | None] = []
@@ -109,55 +150,56 @@ def plan_step(
     host_distance: list[torch.Tensor | None] = []
     max_gather = 0
     for a, b in spans:
-        C, Q = b - a, qlens[a]
-        lens = seqs[a:b]
-        longest = max(lens)
-        first_visible = 0 if left < 0 else max(0, min(lens) - Q - left)
+        C, Q = b - a, int(qlens[a])
+        lens = seqs[a:b]  # [C]
+        longest, shortest = (int(lens[0]),) * 2 if C == 1 else (int(lens.max()), int(lens.min()))
+        first_visible = 0 if left < 0 else max(0, shortest - Q - left)
         first_blk = first_visible // bs
         key_offset = first_blk * bs  # position of the first gathered key
         nblk = (longest + bs - 1) // bs - first_blk
         L = longest - key_offset
-        ids = table[a:b, first_blk : first_blk + nblk].to(torch.int64)  # [C, nblk]
-        ragged = any(x != longest for x in lens)
+        ids = table[a:b, first_blk : first_blk + nblk].astype(np.int64)  # [C, nblk]
+        ragged = shortest != longest
         pad_tokens = None
         if ragged:
             # A shorter request's columns past its own blocks may hold anything (-1, another
             # request's block): gather its first block there instead, then zero every padded
             # row, since a masked key still multiplies its value (0 * stale NaN = NaN).
-            own = torch.tensor([(x + bs - 1) // bs - first_blk for x in lens])  # [C]
-            past = torch.arange(nblk)[None, :] >= own[:, None]
-            ids = torch.where(past, ids[:, :1], ids)
-            pad_tokens = torch.cat(
-                [
-                    torch.arange(c * nblk * bs + x - key_offset, c * nblk * bs + L)
-                    for c, x in enumerate(lens)
-                ]
+            own = (lens + bs - 1) // bs - first_blk  # [C]
+            ids = np.where(np.arange(nblk)[None, :] >= own[:, None], ids[:, :1], ids)
+            own_rows = lens - key_offset  # [C]: request c's gathered rows are [0, own_rows)
+            pad_tokens = torch.from_numpy(
+                _ranges(np.arange(C) * (nblk * bs) + own_rows, L - own_rows)
             )
-        host_ids.append(ids.reshape(-1))
+        host_ids.append(torch.from_numpy(ids.reshape(-1)))
         host_pads.append(pad_tokens)
         max_gather = max(max_gather, C * nblk)
 
         needs_pattern = (causal and Q > 1) or left >= 0 or (right >= 0 and not causal)
-        causal_square = C == 1 and Q == L and causal and not spec.features()
+        causal_square = C == 1 and Q == L and causal and plain
         visible = distance = None
         if ((ragged or needs_pattern) and not causal_square) or spec.use_alibi:
-            kv_len = torch.tensor(lens)[:, None, None]  # [C, 1, 1]
-            pos_q = (kv_len - Q) + torch.arange(Q)[None, :, None]  # [C, Q, 1]
-            pos_k = key_offset + torch.arange(L)[None, None, :]  # [1, 1, L]
+            kv_len = lens[:, None, None]  # [C, 1, 1]
+            pos_q = (kv_len - Q) + np.arange(Q)[None, :, None]  # [C, Q, 1]
+            pos_k = key_offset + np.arange(L)[None, None, :]  # [1, 1, L]
             if (ragged or needs_pattern) and not causal_square:
-                # [C, Q, L]: padding keys of shorter requests are invisible
-                visible = (pos_k < kv_len).expand(C, Q, L)
+                # [C, Q, L]: padding keys of shorter requests are invisible (pos_k <= pos_q
+                # implies pos_k < kv_len, so a causal pattern needs one comparison)
+                seen = pos_k <= pos_q if right == 0 else pos_k < kv_len
+                if right > 0:
+                    seen = seen & (pos_k <= pos_q + right)
                 if left >= 0:
-                    visible = visible & (pos_k >= pos_q - left)
-                if right >= 0:
-                    visible = visible & (pos_k <= pos_q + right)
+                    seen = seen & (pos_k >= pos_q - left)
+                if seen.shape != (C, Q, L):
+                    seen = np.broadcast_to(seen, (C, Q, L)).copy()
+                visible = torch.from_numpy(seen)
             if spec.use_alibi:
-                distance = (pos_q - pos_k).abs().to(torch.float32)
+                distance = torch.from_numpy(np.abs(pos_q - pos_k).astype(np.float32))
         host_visible.append(visible)
         host_distance.append(distance)
         chunks.append(
             Chunk(
-                first_token=starts[a],
+                first_token=int(starts[a]),
                 num_reqs=C,
                 query_len=Q,
                 kv_len=L,
@@ -182,13 +224,25 @@ def plan_step(
         C, Q, L = vis.shape
         chunk.visible = vis[:, None, None]  # [C, 1, 1, Q, L]
         if not eager:
-            chunk.mask = chunk.visible.expand(C, 1, group, Q, L).reshape(C, 1, group * Q, L)
+            # SDPA's rows are (head-in-group, token): one query token broadcasts as it is
+            chunk.mask = (
+                vis[:, None]  # [C, 1, 1, L]
+                if Q == 1
+                else chunk.visible.expand(C, 1, group, Q, L).reshape(C, 1, group * Q, L)
+            )
     for chunk, dist in zip(chunks, _to_device(host_distance, device), strict=True):
         if dist is not None:
             chunk.distance = dist[:, None, None]  # [C, 1, 1, Q, L]
     return StepPlan(
         chunks=chunks, max_gather_blocks=max_gather, write=plan_slot_write(batch.slot_mapping)
     )
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The concatenation of ``arange(starts[i], starts[i] + counts[i])`` over i, vectorized."""
+    ends = np.cumsum(counts)
+    offsets = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
+    return np.repeat(starts, counts) + offsets
 
 
 def _to_device(
