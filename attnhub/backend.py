@@ -59,6 +59,18 @@ class AttentionMetadata:
 M = TypeVar("M", bound=AttentionMetadata)
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors view the same elements (e.g. two slices of an engine's buffer)."""
+    return a is b or (
+        isinstance(a, torch.Tensor)
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
+
+
 class AttentionBackend(abc.ABC):
     """A vendor's attention, bound to one spec and one device.
 
@@ -222,6 +234,7 @@ class AttentionImpl(abc.ABC):
         self.checks_values = (
             backend.device.type == "cpu" or backend.capabilities.graph_capture == GraphSupport.NEVER
         )
+        self._checked_cache: tuple[object, ...] | None = None
 
     def _per_head(
         self, name: str, t: torch.Tensor | None, declared: bool
@@ -247,11 +260,33 @@ class AttentionImpl(abc.ABC):
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         value: torch.Tensor,
         cache: PagedKVCache,
-        slot_mapping: torch.Tensor,  # [n <= num_tokens] int, -1 = padding
+        slot_mapping: torch.Tensor | None = None,  # [n <= num_tokens] int, -1 = padding
+        *,
+        meta: AttentionMetadata | None = None,
     ) -> None:
-        """Write new keys/values to their slots; padding slots (-1) are skipped."""
+        """Write new keys/values to their slots; padding slots (-1) are skipped.
+
+        With ``meta`` (this step's metadata from ``metadata_builder().build``), the slots are
+        the step's ``meta.batch.slot_mapping`` (``slot_mapping`` may be left out, or must be
+        that tensor) and the write reuses what the builder planned: slot values are checked
+        once per step and cache for every layer, as ``forward`` does (no device-to-host sync
+        per layer). Without it, every call checks its slot values.
+        """
         dev = self.backend.device
-        validation.check_cache(self.spec, self.backend.capabilities.kv_cache_layout, cache, dev)
+        self._check_cache(cache)
+        if meta is not None:
+            self._check_meta(meta)
+            if slot_mapping is not None and not _same_view(slot_mapping, meta.batch.slot_mapping):
+                raise InvalidInputError(
+                    "slot_mapping is not meta.batch.slot_mapping: with meta=, leave slot_mapping "
+                    "out (or pass the step's own)"
+                )
+            validation.check_kv(self.spec, key, value, dev, meta.batch.num_tokens)
+            self._check_step_values(meta, cache)
+            self.store_step_kv(key, value, cache, meta)
+            return
+        if slot_mapping is None:
+            raise InvalidInputError("write_kv needs slot_mapping or meta=")
         validation.check_tensor(
             "slot_mapping", slot_mapping, (None,), (torch.int32, torch.int64), dev
         )
@@ -284,6 +319,36 @@ class AttentionImpl(abc.ABC):
         self.attend(query, key, value, cache, meta, out)
         return out
 
+    def _check_cache(self, cache: PagedKVCache) -> None:
+        """check_cache, remembered for the last cache seen (and the very tensors it held): a
+        model calls every layer with its own cache, step after step."""
+        if not isinstance(cache, PagedKVCache):
+            raise InvalidInputError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        planes = (cache, cache.key, cache.value, cache.key_scale, cache.value_scale)
+        last = self._checked_cache
+        if last is not None and all(a is b for a, b in zip(planes, last, strict=True)):
+            return
+        validation.check_cache(
+            self.spec, self.backend.capabilities.kv_cache_layout, cache, self.backend.device
+        )
+        self._checked_cache = planes
+
+    @staticmethod
+    def _check_meta(meta: object) -> None:
+        if not isinstance(meta, AttentionMetadata):
+            raise InvalidInputError(
+                f"meta must be what this backend's metadata_builder().build(batch) returns, "
+                f"got {type(meta).__name__}"
+            )
+
+    def _check_step_values(self, meta: AttentionMetadata, cache: PagedKVCache) -> None:
+        """Slot and block-table values against the cache size, once per step and cache size:
+        every layer shares the batch and the cache geometry."""
+        if self.checks_values and meta.checked_num_blocks != cache.num_blocks:
+            validation.check_slot_values(meta.batch.slot_mapping, cache)
+            validation.check_block_table_values(meta.batch, cache)
+            meta.checked_num_blocks = cache.num_blocks
+
     def check_forward(
         self,
         query: torch.Tensor,
@@ -295,13 +360,9 @@ class AttentionImpl(abc.ABC):
     ) -> torch.Tensor:
         """Validate a forward call completely (nothing written yet); return the output buffer."""
         spec, dev = self.spec, self.backend.device
-        if not isinstance(meta, AttentionMetadata):
-            raise InvalidInputError(
-                f"meta must be what this backend's metadata_builder().build(batch) returns, "
-                f"got {type(meta).__name__}"
-            )
+        self._check_meta(meta)
         batch = meta.batch
-        validation.check_cache(spec, self.backend.capabilities.kv_cache_layout, cache, dev)
+        self._check_cache(cache)
         q = validation.check_tensor(
             "query", query, (None, spec.num_heads, spec.head_size), spec.dtype, dev
         )
@@ -317,11 +378,7 @@ class AttentionImpl(abc.ABC):
             output = torch.empty_like(q)
         else:
             validation.check_tensor("output", output, tuple(q.shape), spec.dtype, dev)
-        if self.checks_values and meta.checked_num_blocks != cache.num_blocks:
-            # Once per step and cache size: every layer shares the batch and cache geometry.
-            validation.check_slot_values(batch.slot_mapping, cache)
-            validation.check_block_table_values(batch, cache)
-            meta.checked_num_blocks = cache.num_blocks
+        self._check_step_values(meta, cache)
         return output
 
     # --- what a backend implements ---------------------------------------------------------

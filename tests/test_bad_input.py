@@ -403,3 +403,55 @@ def test_graph_capture_build_is_refused_by_a_backend_that_never_captures(ctx: Ct
     assert TorchBackend.capabilities.graph_capture == GraphSupport.NEVER
     with pytest.raises(UnsupportedConfigurationError, match="graph capture"):
         ctx.builder.build_for_graph_capture(ctx.batch)
+
+
+def test_write_kv_needs_slot_mapping_or_meta(ctx: Ctx) -> None:
+    _check(
+        ctx,
+        lambda c: c.write_kv(slot_mapping=None),
+        "needs slot_mapping or meta=",
+        InvalidInputError,
+    )
+
+
+def test_write_kv_with_meta_refuses_a_slot_mapping_that_is_not_the_steps(ctx: Ctx) -> None:
+    meta = ctx.meta
+    _check(
+        ctx,
+        lambda c: c.impl.write_kv(c.k, c.v, c.cache, c.batch.slot_mapping[:5], meta=meta),
+        "is not meta.batch.slot_mapping",
+        InvalidInputError,
+    )
+
+
+def test_write_kv_with_meta_checks_the_step_against_a_cache_of_another_size(ctx: Ctx) -> None:
+    meta = ctx.meta
+    impl = ctx.impl
+    impl.write_kv(ctx.k, ctx.v, ctx.cache, meta=meta)  # fine for the cache it was built for
+    _check(
+        ctx,
+        lambda c: impl.write_kv(c.k, c.v, c.bad_caches["small"], meta=meta),
+        "outside the cache (2 blocks",
+        InvalidInputError,
+    )
+
+
+def test_step_values_are_checked_once_per_step_not_per_layer(
+    ctx: Ctx, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """write_kv(meta=) and forward share one check of the step's slots and block table: on an
+    accelerator each check is a device-to-host sync, which must not happen per layer."""
+    from attnhub import validation
+
+    calls: list[str] = []
+    for name in ("check_slot_values", "check_block_table_values"):
+        original = getattr(validation, name)
+        monkeypatch.setattr(
+            validation, name, lambda *a, _o=original, _n=name: (calls.append(_n), _o(*a))[1]
+        )
+    meta = ctx.meta
+    layers = [ctx.impl for _ in range(3)]
+    for impl in layers:
+        impl.write_kv(ctx.k, ctx.v, ctx.cache, meta=meta)
+        impl.forward(ctx.q, None, None, ctx.cache, meta)
+    assert calls == ["check_slot_values", "check_block_table_values"]

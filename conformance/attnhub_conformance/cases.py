@@ -579,9 +579,10 @@ def _full_output_cases(ax: Axes, add: Callable[[Config, Shape, str], None]) -> N
 
 def kv_cache_cases(target: Target, scope: Scope) -> list[Case]:
     """The cache holds exactly what was written; every other slot (padding included) is
-    byte-identical. Through ``forward`` and through ``write_kv`` alone; for the base config,
-    every KV format, every block size and every attention type that writes new keys (full
-    scope: every dtype with every format too)."""
+    byte-identical. Through ``forward``, through ``write_kv`` alone and through ``write_kv``
+    with the step's metadata (the write engines that separate it from attention use); for
+    the base config, every KV format, every block size and every attention type that writes
+    new keys (full scope: every dtype with every format too)."""
     ax = Axes(target, scope)
     out = Cases(target, "kv_cache", scope)
     base = ax.base
@@ -601,10 +602,11 @@ def kv_cache_cases(target: Target, scope: Scope) -> list[Case]:
         if config.attn_type is AttentionType.ENCODER_DECODER:
             continue  # cross-attention steps write no new keys
         shape = main_shape(config.attn_type)
-        for call in ("forward", "write_kv"):
+        for call in ("forward", "write_kv", "write_kv_step"):
+            how = "write_kv(meta=)" if call == "write_kv_step" else call
             out.add(
                 "kv cache writes",
-                f"{call} writes exactly the new tokens' slots; padding (-1) and every other "
+                f"{how} writes exactly the new tokens' slots; padding (-1) and every other "
                 "slot stay byte-identical",
                 config=config,
                 shape=shape,

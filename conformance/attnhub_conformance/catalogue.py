@@ -174,6 +174,16 @@ def _write_kv_bad_slot(step: Step, layer: Layer) -> object:
     return layer.impl.write_kv(layer.key, layer.value, layer.cache, slots)
 
 
+def _write_kv_step_bad_slot(step: Step, layer: Layer) -> object:
+    meta = step.builder.build(_with_slot(step, layer.cache.num_slots))
+    return layer.impl.write_kv(layer.key, layer.value, layer.cache, meta=meta)
+
+
+def _write_kv_step_other_slots(step: Step, layer: Layer) -> object:
+    slots = step.batch.slot_mapping.clone()  # same values, another tensor: still refused
+    return layer.impl.write_kv(layer.key, layer.value, layer.cache, slots, meta=step.build())
+
+
 def _needs_new_kv(target: Target, config: Config) -> str | None:
     if config.attn_type is AttentionType.ENCODER_DECODER:
         return "cross-attention steps write no new keys"
@@ -287,6 +297,18 @@ INVALID_INPUTS: tuple[InvalidInput, ...] = (
         "write_kv_slot_outside_cache",
         "write_kv with a slot one past the cache",
         _write_kv_bad_slot,
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "write_kv_step_slot_outside_cache",
+        "write_kv(meta=) of a step whose slot_mapping has an entry one past the cache",
+        _write_kv_step_bad_slot,
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "write_kv_step_other_slot_mapping",
+        "write_kv(meta=) with a slot_mapping that is not the step's own",
+        _write_kv_step_other_slots,
         not_applicable=_needs_new_kv,
     ),
     _e(

@@ -22,6 +22,8 @@ def test_writes_exactly_the_new_slots(case: Case) -> None:
     before = layer.cache.clone()
     if case.entry == "forward":
         step.forward(layer)
+    elif case.entry == "write_kv_step":  # the step's own slots, as planned by the builder
+        layer.impl.write_kv(layer.key, layer.value, layer.cache, meta=step.build())
     else:  # write_kv alone, with padding slots between real ones too
         slots = slots.clone()
         slots[torch.arange(0, step.n, 3, device=slots.device)] = -1
