@@ -158,3 +158,23 @@ def vllm(session: nox.Session) -> None:
         _junit("vllm"),
         *session.posargs,
     )
+    # Host time per step and per layer, vLLM's CPU backend vs attnhub through the adapter, on
+    # decode-heavy steps (reported, never asserted: docs/integrations/vllm.md).
+    tmp = session.create_tmp()
+    model = os.path.join(tmp, "tiny-llama")
+    session.run("python", "-c", _WRITE_MODEL.format(path=model))
+    for attention in ("vllm", "torch"):
+        session.run(
+            "python",
+            "integrations/vllm/tests/vllm_generate.py",
+            *("--attention", attention, "--model", model, "--dtype", "bfloat16"),
+            *("--block-size", "128", "--max-tokens", "64", "--max-num-seqs", "10"),
+            *("--max-num-batched-tokens", "512"),
+            *("--out", os.path.join(tmp, f"{attention}.json"), "--summary"),
+        )
+
+
+_WRITE_MODEL = (
+    "import sys; sys.path.insert(0, 'integrations/vllm/tests'); "
+    "from vllm_generate import write_tiny_llama; write_tiny_llama({path!r})"
+)

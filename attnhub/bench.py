@@ -180,7 +180,7 @@ class HostOverhead:
     num_reqs: int
     build_us: float
     forward_us: float
-    write_kv_us: float
+    write_kv_us: float  # write_kv(..., meta=) of the step
 
 
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -217,5 +217,6 @@ def host_overhead(
         num_reqs=num_reqs,
         build_us=_per_call_us(lambda: builder.build(batch), 200),
         forward_us=_per_call_us(lambda: impl.forward(q, k, k, cache, meta), 50),
-        write_kv_us=_per_call_us(lambda: impl.write_kv(k, k, cache, batch.slot_mapping), 200),
+        # the engine path: the step's planned write (slots checked once per step)
+        write_kv_us=_per_call_us(lambda: impl.write_kv(k, k, cache, meta=meta), 200),
     )

@@ -226,7 +226,7 @@ def _bench_host(args: argparse.Namespace, console: Console) -> int:
         for n in (1, 32, 256)
     ]
     table = Table(title="host overhead per call (bf16, 8/2 heads, head 32, block 128, decode)")
-    for col in ("backend", "requests", "build us", "forward us", "write_kv us"):
+    for col in ("backend", "requests", "build us", "forward us", "write_kv(meta=) us"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(

@@ -3,7 +3,7 @@
 vLLM tier            -> attnhub call
 backend class        -> the attnhub backend chosen by ``ATTNHUB_BACKEND`` (``select_backend``)
 builder.build()      -> ``BatchMetadata`` from ``CommonAttentionMetadata`` + ``builder.build``
-impl.do_kv_cache_update -> ``impl.write_kv``
+impl.do_kv_cache_update -> ``impl.write_kv(..., meta=)`` (the step's planned write)
 impl.forward         -> ``impl.forward(query, None, None, cache, meta, output=...)``
 
 Unsupported configurations fail at engine start (impl construction and builder construction,
@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
+from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -34,7 +35,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 import attnhub
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
 from attnhub.errors import AttnhubError, InvalidInputError
-from attnhub_vllm.mapping import batch_from_common, cache_views, spec_from_vllm
+from attnhub_vllm.mapping import batch_from_common, cache_planes, cache_views, spec_from_vllm
 
 # Under the "vllm" logger so that vLLM's logging configuration shows these lines.
 logger = init_logger("vllm.attnhub_vllm")
@@ -82,9 +83,8 @@ def _describe(spec: AttentionSpec) -> str:
 def accepts_views(backend: attnhub.AttentionBackend) -> bool:
     """Whether ``backend`` can use vLLM's own per-layer cache through strided K|V views.
 
-    Probed once per backend on a one-block scratch cache shaped like vLLM's. A backend whose
-    kernels need contiguous planes gets caches of its own (``backend.allocate_kv_cache``) with
-    vLLM's block ids, at the cost of vLLM's tensor going unused."""
+    Probed once per backend on a one-block scratch cache shaped like vLLM's (see
+    ``paged_cache`` for what a backend that refuses them gets)."""
     key = (backend.spec, str(backend.device))
     ok = _ACCEPTS_VIEWS.get(key)
     if ok is None:
@@ -105,15 +105,38 @@ def accepts_views(backend: attnhub.AttentionBackend) -> bool:
             ).write_kv(kv, kv, cache_views(scratch, spec, layout), slots)
             ok = True
         except InvalidInputError as exc:
-            logger.warning(
-                "attnhub-vllm: backend %r refuses vLLM's packed K|V cache pages (%s); it gets "
-                "caches of its own, vLLM's KV-cache tensor goes unused",
+            logger.info(
+                "attnhub-vllm: backend %r refuses vLLM's packed K|V cache pages (%s)",
                 backend.name,
                 exc,
             )
             ok = False
         _ACCEPTS_VIEWS[key] = ok
     return ok
+
+
+def paged_cache(kv_cache: torch.Tensor, backend: attnhub.AttentionBackend) -> PagedKVCache:
+    """attnhub's cache over vLLM's per-layer tensor for ``backend``: strided K|V views where
+    the backend takes them, else contiguous K and V planes carved from the same memory, else
+    (a non-contiguous tensor) caches of the backend's own."""
+    spec, layout = backend.spec, backend.capabilities.kv_cache_layout
+    if accepts_views(backend):
+        return cache_views(kv_cache, spec, layout)
+    planes = cache_planes(kv_cache, spec, layout)
+    if planes is not None:
+        logger.info_once(
+            "attnhub-vllm: backend %r needs contiguous K/V planes: each layer's KV-cache tensor "
+            "holds all keys, then all values (no extra memory; KV-transfer connectors that move "
+            "pages by block id cannot run beside it)",
+            backend.name,
+        )
+        return planes
+    logger.warning_once(
+        "attnhub-vllm: backend %r needs contiguous K/V planes and vLLM's KV-cache tensor is not "
+        "contiguous: it gets caches of its own (KV memory doubled)",
+        backend.name,
+    )
+    return backend.allocate_kv_cache(int(kv_cache.shape[0]))
 
 
 def _requested_layout() -> str:
@@ -316,12 +339,7 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
     def _paged(self, kv_cache: torch.Tensor, impl: Any) -> PagedKVCache:
         key = (kv_cache.data_ptr(), kv_cache.shape)
         if key != self._cache_key:  # once per layer (and per cache reallocation)
-            backend = impl.backend
-            if accepts_views(backend):
-                cache = cache_views(kv_cache, backend.spec, backend.capabilities.kv_cache_layout)
-            else:
-                cache = backend.allocate_kv_cache(int(kv_cache.shape[0]))
-            self._cache, self._cache_key = cache, key
+            self._cache, self._cache_key = paged_cache(kv_cache, impl.backend), key
         assert self._cache is not None
         return self._cache
 
@@ -334,8 +352,30 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         slot_mapping: torch.Tensor,
     ) -> None:
         impl, _ = self._attnhub(key.device)
+        cache = self._paged(kv_cache, impl)
+        meta = self._step_meta(layer, slot_mapping)
+        if meta is not None:  # the planned write, slots checked once per step: no sync here
+            impl.write_kv(key, value, cache, meta=meta)
+            return
         n = slot_mapping.shape[0]
-        impl.write_kv(key[:n], value[:n], self._paged(kv_cache, impl), slot_mapping)
+        impl.write_kv(key[:n], value[:n], cache, slot_mapping)
+
+    def _step_meta(self, layer: torch.nn.Module, slot_mapping: torch.Tensor) -> Any:
+        """This step's attnhub metadata for this layer (from vLLM's forward context), when the
+        slot mapping vLLM passes is the step's own; else None."""
+        md = get_forward_context().attn_metadata
+        if isinstance(md, dict):
+            md = md.get(getattr(layer, "layer_name", None))
+        if not isinstance(md, AttnhubVllmMetadata):
+            return None
+        meta = md.metas[self.meta_index]
+        mine = meta.batch.slot_mapping
+        same = slot_mapping is mine or (
+            slot_mapping.data_ptr() == mine.data_ptr()
+            and slot_mapping.shape == mine.shape
+            and slot_mapping.stride() == mine.stride()
+        )
+        return meta if same else None
 
     def forward(
         self,

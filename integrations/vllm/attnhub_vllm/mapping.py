@@ -6,6 +6,8 @@
   reasons the adapter itself refuses (features it does not map).
 - :func:`cache_views`: vLLM's per-layer KV tensor (logical ``[B, H, N, 2*D]``, K then V in the
   last dim) -> ``PagedKVCache`` views in the backend's layout, without copying.
+- :func:`cache_planes`: the same memory as two contiguous K and V planes, for backends whose
+  kernels refuse strided planes.
 """
 
 from __future__ import annotations
@@ -113,10 +115,11 @@ def batch_from_common(cm: Any, block_size: int) -> BatchMetadata:
         raise NotImplementedError(
             "attnhub-vllm: per-request (tensor) causal flags are not mapped to attnhub"
         )
-    if n:
-        num_actual, max_q, max_s = torch.stack(
-            [qsl_cpu[n], (qsl_cpu[1:] - qsl_cpu[:-1]).max(), seq_cpu.max()]
-        ).tolist()
+    if n:  # numpy on the host copies: ~1 us per reduction where a torch op costs ~3-5 us
+        qsl_np = qsl_cpu.numpy()
+        num_actual = int(qsl_np[n])
+        max_q = int((qsl_np[1:] - qsl_np[:-1]).max())
+        max_s = int(seq_cpu.numpy().max())
     else:
         num_actual = max_q = max_s = 0
     return BatchMetadata(
@@ -146,6 +149,35 @@ def cache_views(kv_cache: torch.Tensor, spec: AttentionSpec, layout: str) -> Pag
     return PagedKVCache(
         key=t[..., :d],
         value=t[..., d:],
+        block_size=spec.block_size,
+        layout=layout,
+        kv_cache_dtype=spec.kv_cache_dtype,
+    )
+
+
+def cache_planes(kv_cache: torch.Tensor, spec: AttentionSpec, layout: str) -> PagedKVCache | None:
+    """Contiguous K and V planes carved from the memory of vLLM's per-layer cache: the first
+    half of its elements hold every block's keys, the second half every block's values
+    (``[num_blocks, block_size, H, D]`` each for NHD, ``[num_blocks, H, block_size, D]`` for
+    HND). For backends whose kernels need contiguous planes; no extra memory. The bytes of
+    page ``b`` then no longer hold block ``b`` alone, so anything in vLLM that moves pages by
+    block id (KV-transfer connectors, offloading) must not run beside it. None when the
+    tensor's memory is not one dense run (vLLM's logical view of it is permuted: any order of
+    its axes in memory will do)."""
+    order = sorted(range(kv_cache.dim()), key=lambda i: -kv_cache.stride(i))
+    dense = kv_cache.permute(order)  # the axes in memory order
+    if not dense.is_contiguous():
+        return None
+    num_blocks = kv_cache.shape[0]
+    h, n, d = spec.num_kv_heads, spec.block_size, spec.head_size
+    flat = dense.view(-1)
+    half = num_blocks * n * h * d
+    if flat.numel() != 2 * half:
+        return None
+    shape = (num_blocks, n, h, d) if layout == "NHD" else (num_blocks, h, n, d)
+    return PagedKVCache(
+        key=flat[:half].view(shape),
+        value=flat[half:].view(shape),
         block_size=spec.block_size,
         layout=layout,
         kv_cache_dtype=spec.kv_cache_dtype,

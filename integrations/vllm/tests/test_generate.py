@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -85,16 +84,12 @@ def _check_batches(run: dict) -> str:
 
 
 def _summary(name: str, run: dict) -> str:
-    steps, fwd = run["steps"], run["forward_us"]
-    layers = len(fwd) // max(len(steps), 1)
-    decode = [i for i, s in enumerate(steps) if max(s["query_lens"]) == 1]
-    build = statistics.median(steps[i]["build_us"] for i in decode) if decode else float("nan")
-    f = [fwd[i * layers + j] for i in decode for j in range(layers)]
-    return (
-        f"{name}: {len(steps)} steps, decode-only steps: median build {build:.1f} us, "
-        f"median per-layer forward {statistics.median(f) if f else float('nan'):.1f} us; "
-        f"engine start {run['engine_start_s']:.1f} s, generate {run['generate_s']:.1f} s"
-    )
+    sys.path.insert(0, str(HERE))
+    try:
+        from vllm_generate import summary
+    finally:
+        sys.path.remove(str(HERE))
+    return f"{name}: " + summary(run)
 
 
 def test_float32_torch_backend_generates_identical_tokens(model_dir: str, tmp_path: Path) -> None:

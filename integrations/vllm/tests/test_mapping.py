@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from attnhub_vllm.mapping import batch_from_common, cache_views, spec_from_vllm
+from attnhub_vllm.mapping import batch_from_common, cache_planes, cache_views, spec_from_vllm
 
 import attnhub
 from attnhub import BatchMetadata
@@ -92,6 +92,33 @@ def test_cache_views_address_vllm_packed_pages(layout: str) -> None:
     keyv = cache.key
     assert keyv.data_ptr() == kv.data_ptr()  # a view, no copy
     assert tuple(keyv.shape) == ((3, 4, 2, 8) if layout == "NHD" else (3, 2, 4, 8))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cache_planes_carve_contiguous_planes_from_vllm_memory(layout: str) -> None:
+    """For backends that need contiguous planes: keys in the first half of the layer tensor's
+    memory, values in the second, no copy; a write through them lands in vLLM's tensor and
+    reads back as written. A non-contiguous tensor gets None."""
+    spec, _ = spec_from_vllm(
+        num_heads=4, num_kv_heads=2, head_size=8, dtype=torch.float32, block_size=4, scale=0.3
+    )
+    assert spec is not None
+    gappy = torch.zeros(3, 2, 4, 32)[..., :16]
+    assert cache_planes(gappy, spec, layout) is None  # not one dense run: no planes to carve
+    kv = torch.zeros(3, 4, 2, 16).permute(0, 2, 1, 3)  # vLLM's [B, H, N, 2D] over NHD memory
+    cache = cache_planes(kv, spec, layout)
+    assert cache is not None
+    assert cache.key.is_contiguous() and cache.value.is_contiguous()
+    assert cache.key.data_ptr() == kv.data_ptr()
+    assert cache.value.data_ptr() == kv.data_ptr() + kv.numel() // 2 * kv.element_size()
+    assert tuple(cache.key.shape) == ((3, 4, 2, 8) if layout == "NHD" else (3, 2, 4, 8))
+    k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    slots = torch.tensor([5, 11])
+    attnhub.reference.write_kv(cache, k, v, slots)
+    got_k, got_v = attnhub.reference.read_sequence(cache, torch.tensor([1, 2]), 8)
+    assert torch.equal(got_k[[1, 7]].double(), k.double())
+    assert torch.equal(got_v[[1, 7]].double(), v.double())
+    assert kv.count_nonzero() == 2 * 2 * 2 * 8  # only the written slots changed
 
 
 def test_spec_from_vllm_maps_and_refuses() -> None:

@@ -1,6 +1,7 @@
 """Run one greedy generation through a real vLLM engine and print the result as JSON.
 
     python vllm_generate.py --attention {vllm,torch,ascend} --model DIR [--dtype ...]
+        [--summary]   (host time per step and per layer: the adapter's benchmark)
 
 ``--attention vllm`` runs vLLM's own CPU backend; any other value is an attnhub backend name
 (the plugin is activated through ``ATTNHUB_BACKEND``). Run each in its own process: vLLM's
@@ -90,6 +91,42 @@ def record_forward(impl_cls: type, times: list[float]) -> None:
     impl_cls.forward = forward
 
 
+def record_kv_update(impl_cls: type, times: list[float]) -> None:
+    """Wrap ``impl_cls.do_kv_cache_update`` to time every per-layer KV write (host time)."""
+    original = impl_cls.do_kv_cache_update
+
+    def do_kv_cache_update(self, *a, **k):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        original(self, *a, **k)
+        times.append((time.perf_counter() - t0) * 1e6)
+
+    impl_cls.do_kv_cache_update = do_kv_cache_update
+
+
+def summary(result: dict) -> str:
+    """Medians over the decode-only steps (past the first four: warm)."""
+    import statistics
+
+    steps, fwd, kvu = result["steps"], result["forward_us"], result["kv_update_us"]
+    layers = len(fwd) // max(len(steps), 1)
+    warm = range(min(4, len(steps)), len(steps))
+    decode = [i for i in warm if max(steps[i]["query_lens"]) == 1]
+    if not decode:
+        return f"{result['attention']}: no decode-only step"
+
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
+
+    per_layer = [i * layers + j for i in decode for j in range(layers)]
+    return (
+        f"{result['attention']} {result['dtype']}: {len(decode)} warm decode-only steps of "
+        f"{med([len(steps[i]['query_lens']) for i in decode]):.0f} requests: build "
+        f"{med([steps[i]['build_us'] for i in decode]):.0f} us/step, forward "
+        f"{med([fwd[i] for i in per_layer]):.0f} us/layer, KV write "
+        f"{med([kvu[i] for i in per_layer if i < len(kvu)]):.0f} us/layer"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--attention", required=True)
@@ -100,6 +137,9 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=6)
     ap.add_argument("--out", required=True, help="where to write the JSON result")
+    ap.add_argument(
+        "--summary", action="store_true", help="print host times per step and per layer"
+    )
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -125,6 +165,8 @@ def main() -> int:
     record_steps(B, steps)
     forward_us: list[float] = []
     record_forward(Impl, forward_us)
+    kv_update_us: list[float] = []
+    record_kv_update(Impl, kv_update_us)
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -144,6 +186,7 @@ def main() -> int:
     start_s = time.perf_counter() - t0
     steps.clear()  # drop the warm-up / profiling steps
     forward_us.clear()
+    kv_update_us.clear()
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, detokenize=False, logprobs=5, ignore_eos=True
     )
@@ -161,12 +204,15 @@ def main() -> int:
             for o in outs
         ],
         "forward_us": forward_us,
+        "kv_update_us": kv_update_us,
         "steps": steps,
         "engine_start_s": start_s,
         "generate_s": gen_s,
     }
     with open(args.out, "w") as f:
         json.dump(result, f)
+    if args.summary:
+        print(summary(result))
     return 0
 
 
