@@ -12,6 +12,7 @@ both before the first step) with attnhub's reasons.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -35,7 +36,13 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 import attnhub
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
 from attnhub.errors import AttnhubError, InvalidInputError
-from attnhub_vllm.mapping import batch_from_common, cache_planes, cache_views, spec_from_vllm
+from attnhub_vllm.mapping import (
+    KV_CACHE_DTYPES,
+    batch_from_common,
+    cache_planes,
+    cache_views,
+    spec_from_vllm,
+)
 
 # Under the "vllm" logger so that vLLM's logging configuration shows these lines.
 logger = init_logger("vllm.attnhub_vllm")
@@ -90,11 +97,13 @@ def accepts_views(backend: attnhub.AttentionBackend) -> bool:
     if ok is None:
         spec = backend.spec
         layout = backend.capabilities.kv_cache_layout
+        quantized = spec.kv_cache_format.is_quantized
         scratch = torch.zeros(
             (1, spec.num_kv_heads, spec.block_size, 2 * spec.head_size),
-            dtype=spec.dtype,
+            dtype=torch.uint8 if quantized else spec.dtype,  # as vLLM allocates fp8 caches
             device=backend.device,
         )
+        one = torch.ones((), dtype=torch.float32, device=backend.device)
         kv = torch.zeros((1, spec.num_kv_heads, spec.head_size), dtype=spec.dtype)
         kv = kv.to(backend.device)
         slots = torch.zeros(1, dtype=torch.int64, device=backend.device)
@@ -102,7 +111,7 @@ def accepts_views(backend: attnhub.AttentionBackend) -> bool:
             backend.impl(
                 sinks=torch.zeros(spec.num_heads) if spec.use_sinks else None,
                 alibi_slopes=torch.zeros(spec.num_heads) if spec.use_alibi else None,
-            ).write_kv(kv, kv, cache_views(scratch, spec, layout), slots)
+            ).write_kv(kv, kv, cache_views(scratch, spec, layout, (one, one)), slots)
             ok = True
         except InvalidInputError as exc:
             logger.info(
@@ -115,14 +124,19 @@ def accepts_views(backend: attnhub.AttentionBackend) -> bool:
     return ok
 
 
-def paged_cache(kv_cache: torch.Tensor, backend: attnhub.AttentionBackend) -> PagedKVCache:
+def paged_cache(
+    kv_cache: torch.Tensor,
+    backend: attnhub.AttentionBackend,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> PagedKVCache:
     """attnhub's cache over vLLM's per-layer tensor for ``backend``: strided K|V views where
     the backend takes them, else contiguous K and V planes carved from the same memory, else
-    (a non-contiguous tensor) caches of the backend's own."""
+    (a non-contiguous tensor) caches of the backend's own. ``scales``: the layer's fp8
+    (k_scale, v_scale), shared, not copied (vLLM may update them in place)."""
     spec, layout = backend.spec, backend.capabilities.kv_cache_layout
     if accepts_views(backend):
-        return cache_views(kv_cache, spec, layout)
-    planes = cache_planes(kv_cache, spec, layout)
+        return cache_views(kv_cache, spec, layout, scales)
+    planes = cache_planes(kv_cache, spec, layout, scales)
     if planes is not None:
         logger.info_once(
             "attnhub-vllm: backend %r needs contiguous K/V planes: each layer's KV-cache tensor "
@@ -136,7 +150,10 @@ def paged_cache(kv_cache: torch.Tensor, backend: attnhub.AttentionBackend) -> Pa
         "contiguous: it gets caches of its own (KV memory doubled)",
         backend.name,
     )
-    return backend.allocate_kv_cache(int(kv_cache.shape[0]))
+    own = backend.allocate_kv_cache(int(kv_cache.shape[0]))
+    if scales is not None and own.key_scale is not None:
+        own = dataclasses.replace(own, key_scale=scales[0], value_scale=scales[1])
+    return own
 
 
 def _requested_layout() -> str:
@@ -155,7 +172,9 @@ class AttnhubVllmBackend(AttentionBackend):
 
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "bfloat16", "float16"]
+    #: vLLM names the adapter maps (mapping.KV_CACHE_DTYPES); the chosen attnhub backend may
+    #: still refuse a format at start with its reasons.
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = list(KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
@@ -336,10 +355,13 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
             self._impl = impl
         return impl, self.spec  # type: ignore[return-value]
 
-    def _paged(self, kv_cache: torch.Tensor, impl: Any) -> PagedKVCache:
+    def _paged(self, kv_cache: torch.Tensor, impl: Any, layer: Any) -> PagedKVCache:
         key = (kv_cache.data_ptr(), kv_cache.shape)
         if key != self._cache_key:  # once per layer (and per cache reallocation)
-            self._cache, self._cache_key = paged_cache(kv_cache, impl.backend), key
+            scales = None
+            if self.spec is not None and self.spec.kv_cache_format.is_quantized:
+                scales = (layer._k_scale, layer._v_scale)  # fp8(x / scale), per tensor
+            self._cache, self._cache_key = paged_cache(kv_cache, impl.backend, scales), key
         assert self._cache is not None
         return self._cache
 
@@ -352,7 +374,7 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         slot_mapping: torch.Tensor,
     ) -> None:
         impl, _ = self._attnhub(key.device)
-        cache = self._paged(kv_cache, impl)
+        cache = self._paged(kv_cache, impl, layer)
         meta = self._step_meta(layer, slot_mapping)
         if meta is not None:  # the planned write, slots checked once per step: no sync here
             impl.write_kv(key, value, cache, meta=meta)
@@ -396,5 +418,5 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         impl, _ = self._attnhub(query.device)
         meta = attn_metadata.metas[self.meta_index]
         out = output.view(-1, self.num_heads, self.head_size)
-        impl.forward(query, None, None, self._paged(kv_cache, impl), meta, output=out)
+        impl.forward(query, None, None, self._paged(kv_cache, impl, layer), meta, output=out)
         return output

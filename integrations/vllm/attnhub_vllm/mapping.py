@@ -17,11 +17,20 @@ from typing import Any
 import torch
 
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
+from attnhub.spec import KV_CACHE_DTYPES as KV_CACHE_FORMATS
 from attnhub.spec import AttentionType
 
-#: vLLM ``cache_dtype`` -> attnhub ``kv_cache_dtype``. Quantized vLLM caches carry per-layer
-#: scales (``layer._k_scale``) that the adapter does not map yet: refused (see ``spec_from_vllm``).
-KV_CACHE_DTYPES = {"auto": "auto", "bfloat16": "auto", "float16": "auto"}
+#: vLLM ``cache_dtype`` -> attnhub ``kv_cache_dtype``. vLLM's fp8 caches store fp8(x / scale)
+#: with one per-tensor scale per layer and plane (``layer._k_scale`` / ``layer._v_scale``), as
+#: attnhub's fp8 formats do: the adapter hands those very tensors over as the scale planes.
+KV_CACHE_DTYPES = {
+    "auto": "auto",
+    "bfloat16": "auto",
+    "float16": "auto",
+    "fp8": "fp8_e4m3",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+}
 
 #: vLLM attention types the adapter maps (encoder-decoder cross attention is not mapped:
 #: its keys come from the encoder, not from this step's tokens).
@@ -58,8 +67,7 @@ def spec_from_vllm(
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         reasons.append(
             f"vLLM kv_cache_dtype {kv_cache_dtype!r} is not mapped by attnhub-vllm "
-            "(quantized caches need vLLM's per-layer k/v scales mapped to attnhub's scale "
-            "planes; use kv_cache_dtype='auto')"
+            f"(mapped: {', '.join(KV_CACHE_DTYPES)})"
         )
     if head_size_v is not None and head_size_v != head_size:
         reasons.append(f"head_size_v {head_size_v} != head_size {head_size} is not supported")
@@ -138,24 +146,59 @@ def batch_from_common(cm: Any, block_size: int) -> BatchMetadata:
     )
 
 
-def cache_views(kv_cache: torch.Tensor, spec: AttentionSpec, layout: str) -> PagedKVCache:
+def cache_views(
+    kv_cache: torch.Tensor,
+    spec: AttentionSpec,
+    layout: str,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> PagedKVCache:
     """attnhub views of vLLM's per-layer cache ``[num_blocks, num_kv_heads, block_size, 2*D]``
     (logical axes; the physical order is whatever layout vLLM allocated): keys are
     ``[..., :D]``, values ``[..., D:]``. No copy; the views are strided (K and V interleave
-    per slot)."""
+    per slot). fp8 caches (vLLM allocates them as uint8) are viewed in the fp8 dtype, with
+    ``scales`` = the layer's (k_scale, v_scale)."""
     d = spec.head_size
     # NHD: [B, N, H, 2D]; HND: vLLM's logical order [B, H, N, 2D] as it is
-    t = kv_cache.permute(0, 2, 1, 3) if layout == "NHD" else kv_cache
+    t = _as_storage(kv_cache, spec)
+    t = t.permute(0, 2, 1, 3) if layout == "NHD" else t
+    return _paged(t[..., :d], t[..., d:], spec, layout, scales)
+
+
+def _as_storage(kv_cache: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """vLLM's tensor in attnhub's storage dtype for the spec (uint8 -> fp8: same bytes)."""
+    storage, _ = KV_CACHE_FORMATS[spec.kv_cache_dtype].storage_dtypes(spec.dtype)
+    if kv_cache.dtype == storage or kv_cache.element_size() != storage.itemsize:
+        return kv_cache  # (a mismatch is reported by the backend's cache check)
+    return kv_cache.view(storage)
+
+
+def _paged(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spec: AttentionSpec,
+    layout: str,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+) -> PagedKVCache:
+    key_scale, value_scale = (None, None) if scales is None else scales
+    if not KV_CACHE_FORMATS[spec.kv_cache_dtype].is_quantized:
+        key_scale = value_scale = None
     return PagedKVCache(
-        key=t[..., :d],
-        value=t[..., d:],
+        key=key,
+        value=value,
         block_size=spec.block_size,
         layout=layout,
         kv_cache_dtype=spec.kv_cache_dtype,
+        key_scale=key_scale,
+        value_scale=value_scale,
     )
 
 
-def cache_planes(kv_cache: torch.Tensor, spec: AttentionSpec, layout: str) -> PagedKVCache | None:
+def cache_planes(
+    kv_cache: torch.Tensor,
+    spec: AttentionSpec,
+    layout: str,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> PagedKVCache | None:
     """Contiguous K and V planes carved from the memory of vLLM's per-layer cache: the first
     half of its elements hold every block's keys, the second half every block's values
     (``[num_blocks, block_size, H, D]`` each for NHD, ``[num_blocks, H, block_size, D]`` for
@@ -170,15 +213,9 @@ def cache_planes(kv_cache: torch.Tensor, spec: AttentionSpec, layout: str) -> Pa
         return None
     num_blocks = kv_cache.shape[0]
     h, n, d = spec.num_kv_heads, spec.block_size, spec.head_size
-    flat = dense.view(-1)
+    flat = _as_storage(dense.view(-1), spec)
     half = num_blocks * n * h * d
     if flat.numel() != 2 * half:
         return None
     shape = (num_blocks, n, h, d) if layout == "NHD" else (num_blocks, h, n, d)
-    return PagedKVCache(
-        key=flat[:half].view(shape),
-        value=flat[half:].view(shape),
-        block_size=spec.block_size,
-        layout=layout,
-        kv_cache_dtype=spec.kv_cache_dtype,
-    )
+    return _paged(flat[:half].view(shape), flat[half:].view(shape), spec, layout, scales)

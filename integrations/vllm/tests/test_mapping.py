@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from attnhub_vllm.mapping import batch_from_common, cache_planes, cache_views, spec_from_vllm
 
 import attnhub
-from attnhub import BatchMetadata
+from attnhub import BatchMetadata, PagedKVCache
 
 
 def _common(query_lens, seq_lens, block_size, width=8, pad_reqs=2, pad_tokens=3):
@@ -121,6 +122,47 @@ def test_cache_planes_carve_contiguous_planes_from_vllm_memory(layout: str) -> N
     assert kv.count_nonzero() == 2 * 2 * 2 * 8  # only the written slots changed
 
 
+@pytest.mark.parametrize(
+    ("vllm_dtype", "fp8"), [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)]
+)
+@pytest.mark.parametrize("carve", [False, True])
+def test_fp8_caches_view_vllm_bytes_with_the_layer_scales(
+    vllm_dtype: str, fp8: torch.dtype, carve: bool
+) -> None:
+    """vLLM allocates fp8 caches as uint8 and keeps per-layer scales: the views are fp8 over
+    the same bytes and carry those very scale tensors, so a write stores fp8(x / scale) in
+    vLLM's tensor, and reading back dequantizes with the scale."""
+    spec, reasons = spec_from_vllm(
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=8,
+        dtype=torch.bfloat16,
+        block_size=4,
+        scale=0.3,
+        kv_cache_dtype=vllm_dtype,
+    )
+    assert spec is not None, reasons
+    kv = torch.zeros(3, 4, 2, 16, dtype=torch.uint8).permute(0, 2, 1, 3)  # [B, H, N, 2D]
+    k_scale, v_scale = torch.tensor(0.5), torch.tensor(2.0)
+    views = cache_planes if carve else cache_views
+    cache = views(kv, spec, "NHD", (k_scale, v_scale))
+    assert cache is not None
+    assert cache.key.dtype == fp8 and cache.key.untyped_storage().data_ptr() == kv.data_ptr()
+    assert cache.key_scale is k_scale and cache.value_scale is v_scale
+    k = torch.randn(2, 2, 8).to(torch.bfloat16)
+    v = torch.randn(2, 2, 8).to(torch.bfloat16)
+    backend = attnhub.select_backend(spec, prefer="torch")
+    backend.impl().write_kv(k, v, cache, torch.tensor([5, 11]))
+    expected = PagedKVCache.allocate(
+        3, 4, 2, 8, torch.bfloat16, layout="NHD", kv_cache_dtype=spec.kv_cache_dtype
+    )
+    expected = dataclasses.replace(expected, key_scale=k_scale, value_scale=v_scale)
+    attnhub.reference.write_kv(expected, k, v, torch.tensor([5, 11]))
+    assert torch.equal(cache.key.view(torch.uint8), expected.key.view(torch.uint8))
+    assert torch.equal(cache.value.view(torch.uint8), expected.value.view(torch.uint8))
+    assert kv.count_nonzero() > 0  # the bytes live in vLLM's tensor
+
+
 def test_spec_from_vllm_maps_and_refuses() -> None:
     spec, reasons = spec_from_vllm(
         num_heads=8,
@@ -134,6 +176,21 @@ def test_spec_from_vllm_maps_and_refuses() -> None:
     )
     assert reasons == [] and spec is not None
     assert (spec.sliding_window, spec.logits_soft_cap, spec.softmax_scale) == (64, None, 0.1)
+    for vllm_name, ours in (
+        ("fp8", "fp8_e4m3"),
+        ("fp8_e4m3", "fp8_e4m3"),
+        ("fp8_e5m2", "fp8_e5m2"),
+    ):
+        spec, _ = spec_from_vllm(
+            num_heads=8,
+            num_kv_heads=2,
+            head_size=32,
+            dtype=torch.bfloat16,
+            block_size=128,
+            scale=0.1,
+            kv_cache_dtype=vllm_name,
+        )
+        assert spec is not None and spec.kv_cache_dtype == ours
     spec, reasons = spec_from_vllm(
         num_heads=8,
         num_kv_heads=2,
@@ -141,9 +198,9 @@ def test_spec_from_vllm_maps_and_refuses() -> None:
         dtype=torch.bfloat16,
         block_size=128,
         scale=0.1,
-        kv_cache_dtype="fp8_e4m3",
+        kv_cache_dtype="fp8_inc",
         attn_type="encoder_decoder",
     )
     assert spec is None
-    assert any("kv_cache_dtype 'fp8_e4m3'" in r for r in reasons)
+    assert any("kv_cache_dtype 'fp8_inc'" in r for r in reasons)
     assert any("'encoder_decoder' is not mapped" in r for r in reasons)

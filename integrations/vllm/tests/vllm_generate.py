@@ -103,7 +103,7 @@ def record_kv_update(impl_cls: type, times: list[float]) -> None:
     impl_cls.do_kv_cache_update = do_kv_cache_update
 
 
-def summary(result: dict) -> str:
+def summary(result: dict, label: str | None = None) -> str:
     """Medians over the decode-only steps (past the first four: warm)."""
     import statistics
 
@@ -111,15 +111,16 @@ def summary(result: dict) -> str:
     layers = len(fwd) // max(len(steps), 1)
     warm = range(min(4, len(steps)), len(steps))
     decode = [i for i in warm if max(steps[i]["query_lens"]) == 1]
+    label = label or f"{result['attention']} {result['dtype']}"
     if not decode:
-        return f"{result['attention']}: no decode-only step"
+        return f"{label}: no decode-only step"
 
     def med(xs: list[float]) -> float:
         return statistics.median(xs) if xs else float("nan")
 
     per_layer = [i * layers + j for i in decode for j in range(layers)]
     return (
-        f"{result['attention']} {result['dtype']}: {len(decode)} warm decode-only steps of "
+        f"{label}: {len(decode)} warm decode-only steps of "
         f"{med([len(steps[i]['query_lens']) for i in decode]):.0f} requests: build "
         f"{med([steps[i]['build_us'] for i in decode]):.0f} us/step, forward "
         f"{med([fwd[i] for i in per_layer]):.0f} us/layer, KV write "
@@ -133,6 +134,7 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=6)
@@ -175,6 +177,7 @@ def main() -> int:
         enforce_eager=True,
         dtype=args.dtype,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=512,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -197,6 +200,7 @@ def main() -> int:
         "attention": args.attention,
         "dtype": args.dtype,
         "block_size": args.block_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "token_ids": [list(o.outputs[0].token_ids) for o in outs],
         # per prompt, per step: {token id: logprob} of the top 5 (and the sampled token)
         "logprobs": [
