@@ -161,16 +161,16 @@ def plan_step(
         ids = table[a:b, first_blk : first_blk + nblk].astype(np.int64)  # [C, nblk]
         ragged = shortest != longest
         pad_tokens = None
+        own_keys: np.ndarray | None = None  # [C, L] bool: row j of request c is its own key
         if ragged:
             # A shorter request's columns past its own blocks may hold anything (-1, another
             # request's block): gather its first block there instead, then zero every padded
             # row, since a masked key still multiplies its value (0 * stale NaN = NaN).
             own = (lens + bs - 1) // bs - first_blk  # [C]
             ids = np.where(np.arange(nblk)[None, :] >= own[:, None], ids[:, :1], ids)
-            own_rows = lens - key_offset  # [C]: request c's gathered rows are [0, own_rows)
-            pad_tokens = torch.from_numpy(
-                _ranges(np.arange(C) * (nblk * bs) + own_rows, L - own_rows)
-            )
+            own_keys = np.arange(L)[None, :] < (lens - key_offset)[:, None]
+            pad = np.flatnonzero(~own_keys)  # c * L + j -> buffer row c * nblk * bs + j
+            pad_tokens = torch.from_numpy(pad + (pad // L) * (nblk * bs - L))
         host_ids.append(torch.from_numpy(ids.reshape(-1)))
         host_pads.append(pad_tokens)
         max_gather = max(max_gather, C * nblk)
@@ -178,11 +178,16 @@ def plan_step(
         needs_pattern = (causal and Q > 1) or left >= 0 or (right >= 0 and not causal)
         causal_square = C == 1 and Q == L and causal and plain
         visible = distance = None
-        if ((ragged or needs_pattern) and not causal_square) or spec.use_alibi:
+        if ragged and not needs_pattern and not causal_square:
+            # only the shorter requests' padding to hide (a decode, or no causality)
+            assert own_keys is not None
+            rows = own_keys[:, None, :]  # [C, 1, L]
+            visible = torch.from_numpy(rows if Q == 1 else np.broadcast_to(rows, (C, Q, L)).copy())
+        if (needs_pattern and not causal_square) or spec.use_alibi:
             kv_len = lens[:, None, None]  # [C, 1, 1]
             pos_q = (kv_len - Q) + np.arange(Q)[None, :, None]  # [C, Q, 1]
             pos_k = key_offset + np.arange(L)[None, None, :]  # [1, 1, L]
-            if (ragged or needs_pattern) and not causal_square:
+            if needs_pattern and not causal_square:
                 # [C, Q, L]: padding keys of shorter requests are invisible (pos_k <= pos_q
                 # implies pos_k < kv_len, so a causal pattern needs one comparison)
                 seen = pos_k <= pos_q if right == 0 else pos_k < kv_len
@@ -236,13 +241,6 @@ def plan_step(
     return StepPlan(
         chunks=chunks, max_gather_blocks=max_gather, write=plan_slot_write(batch.slot_mapping)
     )
-
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The concatenation of ``arange(starts[i], starts[i] + counts[i])`` over i, vectorized."""
-    ends = np.cumsum(counts)
-    offsets = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
-    return np.repeat(starts, counts) + offsets
 
 
 def _to_device(
