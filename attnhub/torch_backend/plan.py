@@ -15,6 +15,7 @@ share a kv head become ``group * query_len`` rows of that kv head, ordered (head
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,7 +37,8 @@ class Chunk:
     pad_tokens: torch.Tensor | None  # [n] int64: gathered rows past a request's own keys
     visible: torch.Tensor | None  # [C, 1, 1, Q, L] bool, device; None: every key visible
     mask: torch.Tensor | None  # visible as SDPA wants it (SDPA path only): [C, 1, group * Q, L]
-    #                              ([C, 1, 1, L], broadcast over the rows, when Q == 1)
+    #                              bool; when Q == 1, [C, 1, 1, L] additive (0 / -inf) in the
+    #                              model dtype, broadcast over the rows
     causal_square: bool  # C == 1, Q == L, causal, no feature: SDPA's is_causal applies
     distance: torch.Tensor | None  # [C, 1, 1, Q, L] float32 |pos(i) - j|, for ALiBi
 
@@ -228,13 +230,16 @@ def plan_step(
             continue
         C, Q, L = vis.shape
         chunk.visible = vis[:, None, None]  # [C, 1, 1, Q, L]
-        if not eager:
-            # SDPA's rows are (head-in-group, token): one query token broadcasts as it is
-            chunk.mask = (
-                vis[:, None]  # [C, 1, 1, L]
-                if Q == 1
-                else chunk.visible.expand(C, 1, group, Q, L).reshape(C, 1, group * Q, L)
-            )
+        if eager:
+            continue
+        if Q == 1:
+            # Decode: one query token broadcasts over SDPA's rows as it is, and the mask goes
+            # in additive form in the model dtype (0 / -inf): SDPA converts a bool mask to it
+            # on every call, measured ~17% of a small bf16 decode call; here once per step.
+            additive = torch.zeros((C, 1, 1, L), dtype=spec.dtype, device=device)
+            chunk.mask = additive.masked_fill_(~vis[:, None], -math.inf)
+        else:  # SDPA's rows are (head-in-group, token)
+            chunk.mask = chunk.visible.expand(C, 1, group, Q, L).reshape(C, 1, group * Q, L)
     for chunk, dist in zip(chunks, _to_device(host_distance, device), strict=True):
         if dist is not None:
             chunk.distance = dist[:, None, None]  # [C, 1, 1, Q, L]
