@@ -59,18 +59,6 @@ class AttentionMetadata:
 M = TypeVar("M", bound=AttentionMetadata)
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors view the same elements (e.g. two slices of an engine's buffer)."""
-    return a is b or (
-        isinstance(a, torch.Tensor)
-        and a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-        and a.device == b.device
-    )
-
-
 class AttentionBackend(abc.ABC):
     """A vendor's attention, bound to one spec and one device.
 
@@ -276,7 +264,9 @@ class AttentionImpl(abc.ABC):
         self._check_cache(cache)
         if meta is not None:
             self._check_meta(meta)
-            if slot_mapping is not None and not _same_view(slot_mapping, meta.batch.slot_mapping):
+            if slot_mapping is not None and not validation.same_view(
+                slot_mapping, meta.batch.slot_mapping
+            ):
                 raise InvalidInputError(
                     "slot_mapping is not meta.batch.slot_mapping: with meta=, leave slot_mapping "
                     "out (or pass the step's own)"

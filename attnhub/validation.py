@@ -23,6 +23,19 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.index is None or b.index is None or a.index == b.index
 
 
+def same_view(a: object, b: torch.Tensor) -> bool:
+    """Whether ``a`` is a tensor viewing the same elements as ``b`` (e.g. another slice object
+    of the same engine buffer). Reads no values."""
+    return a is b or (
+        isinstance(a, torch.Tensor)
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
+
+
 def check_tensor(
     name: str,
     t: object,

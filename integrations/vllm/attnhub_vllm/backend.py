@@ -36,6 +36,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 import attnhub
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
 from attnhub.errors import AttnhubError, InvalidInputError
+from attnhub.validation import same_view
 from attnhub_vllm.mapping import (
     KV_CACHE_DTYPES,
     batch_from_common,
@@ -147,7 +148,7 @@ def paged_cache(
         return planes
     logger.warning_once(
         "attnhub-vllm: backend %r needs contiguous K/V planes and vLLM's KV-cache tensor is not "
-        "contiguous: it gets caches of its own (KV memory doubled)",
+        "one dense run of memory: it gets caches of its own (KV memory doubled)",
         backend.name,
     )
     own = backend.allocate_kv_cache(int(kv_cache.shape[0]))
@@ -391,13 +392,7 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         if not isinstance(md, AttnhubVllmMetadata):
             return None
         meta = md.metas[self.meta_index]
-        mine = meta.batch.slot_mapping
-        same = slot_mapping is mine or (
-            slot_mapping.data_ptr() == mine.data_ptr()
-            and slot_mapping.shape == mine.shape
-            and slot_mapping.stride() == mine.stride()
-        )
-        return meta if same else None
+        return meta if same_view(slot_mapping, meta.batch.slot_mapping) else None
 
     def forward(
         self,
