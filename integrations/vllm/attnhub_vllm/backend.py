@@ -1,7 +1,9 @@
 """vLLM v1 attention backend that runs every attention layer through an attnhub backend.
 
 vLLM tier            -> attnhub call
-backend class        -> the attnhub backend chosen by ``ATTNHUB_BACKEND`` (``select_backend``)
+backend class        -> the attnhub backend chosen by vLLM's config
+                        (``additional_config={"attnhub": {"backend": ..., "emulate": ...}}``),
+                        else ``ATTNHUB_BACKEND`` (``select_backend``)
 builder.build()      -> ``BatchMetadata`` from ``CommonAttentionMetadata`` + ``builder.build``
 impl.do_kv_cache_update -> ``impl.write_kv(..., meta=)`` (the step's planned write)
 impl.forward         -> ``impl.forward(query, None, None, cache, meta, output=...)``
@@ -18,7 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
+from vllm.config import (
+    VllmConfig,
+    get_current_vllm_config,
+    get_current_vllm_config_or_none,
+    get_layers_from_vllm_config,
+)
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
@@ -42,6 +49,7 @@ from attnhub_vllm.mapping import (
     batch_from_common,
     cache_planes,
     cache_views,
+    choice_from_additional_config,
     spec_from_vllm,
 )
 
@@ -55,25 +63,42 @@ class AttnhubConfigurationError(ValueError):
     """The chosen attnhub backend cannot serve this vLLM configuration (raised at start)."""
 
 
-# --- one attnhub backend per (spec, device), shared by every layer and the builder ----------
-_BACKENDS: dict[tuple[AttentionSpec, str], attnhub.AttentionBackend] = {}
-#: Whether a backend class accepts vLLM's strided K|V views (probed once per backend).
-_ACCEPTS_VIEWS: dict[tuple[AttentionSpec, str], bool] = {}
+# --- one attnhub backend per (spec, device, choice), shared by every layer and the builder --
+#: (backend name, emulate) chosen in vLLM's config; (None, False): the environment decides.
+Choice = tuple[str | None, bool]
+_BACKENDS: dict[tuple[AttentionSpec, str, Choice], attnhub.AttentionBackend] = {}
+#: Whether a backend accepts vLLM's strided K|V views (probed once per backend and spec).
+_ACCEPTS_VIEWS: dict[tuple[str, AttentionSpec, str], bool] = {}
 
 
-def backend_for(spec: AttentionSpec, device: torch.device | str) -> attnhub.AttentionBackend:
-    """The attnhub backend for ``spec`` (``ATTNHUB_BACKEND`` names it; unset: best available).
+def configured_choice(config: VllmConfig | None) -> Choice:
+    """The attnhub backend a vLLM config asks for: ``additional_config={"attnhub":
+    {"backend": NAME, "emulate": BOOL}}`` (it wins over ``ATTNHUB_BACKEND``)."""
+    if config is None:
+        return None, False
+    try:
+        return choice_from_additional_config(config.additional_config)
+    except ValueError as exc:
+        raise AttnhubConfigurationError(f"attnhub-vllm: {exc}") from None
+
+
+def backend_for(
+    spec: AttentionSpec, device: torch.device | str, choice: Choice = (None, False)
+) -> attnhub.AttentionBackend:
+    """The attnhub backend for ``spec``: the one ``choice`` (vLLM's config) names, else
+    ``ATTNHUB_BACKEND``, else the best available.
 
     Raises AttnhubConfigurationError with the backend's reasons."""
-    key = (spec, str(device))
+    key = (spec, str(device), choice)
     backend = _BACKENDS.get(key)
     if backend is None:
+        name, emulate = choice
         try:
-            backend = attnhub.select_backend(spec, device)
+            backend = attnhub.select_backend(spec, device, prefer=name, emulate=emulate)
         except AttnhubError as exc:
             raise AttnhubConfigurationError(
-                f"attnhub backend {os.environ.get(ENV_BACKEND) or '(auto)'} cannot serve this "
-                f"vLLM attention layer ({_describe(spec)}): {exc}"
+                f"attnhub backend {name or os.environ.get(ENV_BACKEND) or '(auto)'} cannot serve "
+                f"this vLLM attention layer ({_describe(spec)}): {exc}"
             ) from exc
         logger.info_once("attnhub-vllm: attention through attnhub backend %r", backend.name)
         _BACKENDS[key] = backend
@@ -93,7 +118,7 @@ def accepts_views(backend: attnhub.AttentionBackend) -> bool:
 
     Probed once per backend on a one-block scratch cache shaped like vLLM's (see
     ``paged_cache`` for what a backend that refuses them gets)."""
-    key = (backend.spec, str(backend.device))
+    key = (backend.name, backend.spec, str(backend.device))
     ok = _ACCEPTS_VIEWS.get(key)
     if ok is None:
         spec = backend.spec
@@ -158,8 +183,13 @@ def paged_cache(
 
 
 def _requested_layout() -> str:
-    """The attnhub layout of the backend ``ATTNHUB_BACKEND`` names (NHD when unset)."""
-    name = os.environ.get(ENV_BACKEND)
+    """The attnhub layout of the backend vLLM's config or ``ATTNHUB_BACKEND`` names (NHD when
+    neither does)."""
+    try:
+        name = configured_choice(get_current_vllm_config_or_none())[0]
+    except AttnhubConfigurationError:
+        name = None  # reported with its reason when the first layer is built
+    name = name or os.environ.get(ENV_BACKEND)
     if name:
         try:
             return attnhub.get_backend(name).capabilities.kv_cache_layout
@@ -241,13 +271,14 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
         self.block_size = int(kv_cache_spec.block_size)
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         builders: dict[AttentionSpec, Any] = {}
+        choice = configured_choice(vllm_config)
         for layer in layers.values():  # once at start, not per step
             impl = layer.impl
             if not isinstance(impl, AttnhubVllmImpl):
                 continue
             spec = impl.bind(self.block_size, device)  # raises with attnhub's reasons
             if spec not in builders:
-                builders[spec] = backend_for(spec, device).metadata_builder()
+                builders[spec] = backend_for(spec, device, choice).metadata_builder()
             impl.meta_index = list(builders).index(spec)
         self._builders = list(builders.values())
         # Plan one dummy step now, outside inference mode: a builder's first build may create
@@ -305,6 +336,7 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         self.logits_soft_cap = logits_soft_cap
         config = get_current_vllm_config()
         self.dtype = config.model_config.dtype
+        self.choice = configured_choice(config)
         self.spec: AttentionSpec | None = None
         self._impl: Any = None
         self.meta_index = 0  # set by the metadata builder
@@ -341,7 +373,7 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         spec = self._spec(block_size)
         if device is None:
             device = get_current_vllm_config().device_config.device
-        backend_for(spec, device or "cpu")  # raises with attnhub's reasons
+        backend_for(spec, device or "cpu", self.choice)  # raises with attnhub's reasons
         if spec != self.spec:
             self.spec, self._impl, self._cache_key = spec, None, None
         return spec
@@ -351,7 +383,7 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         impl = self._impl
         if impl is None:  # first call of this layer: sinks/slopes are loaded by now
             assert self.spec is not None, "the metadata builder binds every layer at start"
-            backend = backend_for(self.spec, device)
+            backend = backend_for(self.spec, device, self.choice)
             impl = backend.impl(alibi_slopes=self.alibi_slopes, sinks=self.sinks)
             self._impl = impl
         return impl, self.spec  # type: ignore[return-value]

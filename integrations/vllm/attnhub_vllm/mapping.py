@@ -219,3 +219,32 @@ def cache_planes(
         return None
     shape = (num_blocks, n, h, d) if layout == "NHD" else (num_blocks, h, n, d)
     return _paged(flat[:half].view(shape), flat[half:].view(shape), spec, layout, scales)
+
+
+#: What ``additional_config={"attnhub": {...}}`` may hold, with the type of each value.
+CONFIG_KEYS = {"backend": str, "emulate": bool}
+
+
+def choice_from_additional_config(additional_config: object) -> tuple[str | None, bool]:
+    """(backend name, emulate) from a vLLM config's ``additional_config["attnhub"]``, e.g.
+    ``{"backend": "ascend", "emulate": True}``; (None, False) when absent (the environment then
+    decides). Raises ValueError naming a bad key or value."""
+    section = additional_config.get("attnhub") if isinstance(additional_config, dict) else None
+    if section is None:
+        return None, False
+    if not isinstance(section, dict):
+        raise ValueError(
+            f"additional_config['attnhub'] must be a dict, got {type(section).__name__}"
+        )
+    for key, value in section.items():
+        want = CONFIG_KEYS.get(key)
+        if want is None:
+            raise ValueError(
+                f"additional_config['attnhub'] has unknown key {key!r} "
+                f"(known: {', '.join(CONFIG_KEYS)})"
+            )
+        if not isinstance(value, want):
+            raise ValueError(
+                f"additional_config['attnhub'][{key!r}] = {value!r} must be a {want.__name__}"
+            )
+    return section.get("backend"), bool(section.get("emulate", False))

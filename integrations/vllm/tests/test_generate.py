@@ -58,15 +58,20 @@ def generate(
     key = (attention, dtype, block_size, kv_cache_dtype)
     if key not in _RESULTS:
         out = tmp / f"{attention}-{dtype}-{block_size}-{kv_cache_dtype}.json"
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
-        env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [sys.executable, str(SCRIPT), "--attention", attention, "--model", model]
-        cmd += ["--dtype", dtype, "--block-size", str(block_size), "--out", str(out)]
-        cmd += ["--kv-cache-dtype", kv_cache_dtype]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        args = ["--attention", attention, "--model", model, "--dtype", dtype]
+        args += ["--block-size", str(block_size), "--kv-cache-dtype", kv_cache_dtype]
+        proc = _run_script(*args, "--out", str(out))
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         _RESULTS[key] = json.loads(out.read_text())
     return _RESULTS[key]
+
+
+def _run_script(*args: str) -> subprocess.CompletedProcess[str]:
+    """``vllm_generate.py`` in a process of its own (vLLM's backend registry is per process)."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, str(SCRIPT), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _check_batches(run: dict) -> str:
@@ -180,13 +185,33 @@ def test_fp8_kv_cache_is_as_close_to_unquantized_as_vllms_own_fp8(
 
 def test_unservable_configuration_fails_at_engine_start(model_dir: str, tmp_path: Path) -> None:
     """ascend cannot serve float32 nor block size 32: LLM() raises attnhub's reasons."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, str(SCRIPT), "--attention", "ascend", "--model", model_dir]
-    cmd += ["--dtype", "float32", "--block-size", "32", "--out", str(tmp_path / "x.json")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    args = ["--attention", "ascend", "--model", model_dir, "--dtype", "float32"]
+    proc = _run_script(*args, "--block-size", "32", "--out", str(tmp_path / "x.json"))
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "AttnhubConfigurationError" in text, text[-3000:]
     assert "float32" in text and "block_size 32" in text, text[-3000:]
     assert "Processed prompts" not in text  # refused before any step ran
+
+
+def test_backend_chosen_in_vllm_config(model_dir: str, tmp_path: Path) -> None:
+    """``additional_config={"attnhub": {"backend": "ascend", "emulate": True}}``, with no
+    ATTNHUB_BACKEND in the environment, routes attention through ascend: the same batches and
+    tokens as choosing it by environment. A malformed section is refused at start."""
+    by_env = generate(model_dir, "ascend", "bfloat16", 128, tmp_path)
+    out = tmp_path / "config.json"
+    args = ["--attention", "config", "--model", model_dir, "--dtype", "bfloat16"]
+    args += ["--block-size", "128", "--out", str(out)]
+    proc = _run_script(*args, "--attnhub-config", '{"backend": "ascend", "emulate": true}')
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "attention through attnhub backend 'ascend'" in text, text[-3000:]
+    by_config = json.loads(out.read_text())
+    batches = [s["query_lens"] for s in by_config["steps"]]
+    assert batches == [s["query_lens"] for s in by_env["steps"]]
+    assert by_config["token_ids"] == by_env["token_ids"]
+    proc = _run_script(*args, "--attnhub-config", '{"backends": "ascend"}')
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "AttnhubConfigurationError" in text and "unknown key 'backends'" in text, text[-3000:]
+    assert "Processed prompts" not in text

@@ -7,7 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from attnhub_vllm.mapping import batch_from_common, cache_planes, cache_views, spec_from_vllm
+from attnhub_vllm.mapping import (
+    batch_from_common,
+    cache_planes,
+    cache_views,
+    choice_from_additional_config,
+    spec_from_vllm,
+)
 
 import attnhub
 from attnhub import BatchMetadata, PagedKVCache
@@ -204,3 +210,21 @@ def test_spec_from_vllm_maps_and_refuses() -> None:
     assert spec is None
     assert any("kv_cache_dtype 'fp8_inc'" in r for r in reasons)
     assert any("'encoder_decoder' is not mapped" in r for r in reasons)
+
+
+def test_backend_choice_from_vllm_additional_config() -> None:
+    assert choice_from_additional_config({}) == (None, False)
+    assert choice_from_additional_config({"other_plugin": 1}) == (None, False)
+    assert choice_from_additional_config({"attnhub": {"backend": "ascend", "emulate": True}}) == (
+        "ascend",
+        True,
+    )
+    assert choice_from_additional_config({"attnhub": {"backend": "torch"}}) == ("torch", False)
+    for bad, named in (
+        ({"attnhub": "ascend"}, "must be a dict"),
+        ({"attnhub": {"backends": "ascend"}}, "unknown key 'backends'"),
+        ({"attnhub": {"emulate": "yes"}}, "['emulate'] = 'yes' must be a bool"),
+    ):
+        with pytest.raises(ValueError, match=None) as info:
+            choice_from_additional_config(bad)
+        assert named in str(info.value)

@@ -135,6 +135,12 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument(
+        "--attnhub-config",
+        default=None,
+        help='JSON for additional_config["attnhub"]: choose the attnhub backend in vLLM\'s '
+        "config instead of ATTNHUB_BACKEND (attention is then routed with ATTNHUB_VLLM=1)",
+    )
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=6)
@@ -146,7 +152,13 @@ def main() -> int:
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.attention == "vllm":
+    additional_config = {}
+    if args.attnhub_config is not None:
+        additional_config["attnhub"] = json.loads(args.attnhub_config)
+        os.environ["ATTNHUB_VLLM"] = "1"
+        os.environ.pop("ATTNHUB_BACKEND", None)
+        os.environ.pop("ATTNHUB_EMULATE", None)
+    elif args.attention == "vllm":
         os.environ["ATTNHUB_VLLM"] = "0"
         os.environ.pop("ATTNHUB_BACKEND", None)
     else:
@@ -158,7 +170,7 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     steps: list[dict] = []
-    if args.attention == "vllm":
+    if args.attention == "vllm" and args.attnhub_config is None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder as B
     else:
@@ -185,6 +197,7 @@ def main() -> int:
         enable_prefix_caching=False,
         seed=0,
         kv_cache_memory_bytes=64 << 20,  # a small cache: no GBs of page faults at start
+        additional_config=additional_config,
     )
     start_s = time.perf_counter() - t0
     steps.clear()  # drop the warm-up / profiling steps
