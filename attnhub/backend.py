@@ -264,6 +264,7 @@ class AttentionImpl(abc.ABC):
         self._check_cache(cache)
         if meta is not None:
             self._check_meta(meta)
+            self.check_step(cache, meta)
             if slot_mapping is not None and not validation.same_view(
                 slot_mapping, meta.batch.slot_mapping
             ):
@@ -353,6 +354,7 @@ class AttentionImpl(abc.ABC):
         self._check_meta(meta)
         batch = meta.batch
         self._check_cache(cache)
+        self.check_step(cache, meta)
         q = validation.check_tensor(
             "query", query, (None, spec.num_heads, spec.head_size), spec.dtype, dev
         )
@@ -370,6 +372,13 @@ class AttentionImpl(abc.ABC):
             validation.check_tensor("output", output, tuple(q.shape), spec.dtype, dev)
         self._check_step_values(meta, cache)
         return output
+
+    def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
+        """Backend-specific checks of a call with a step's metadata (``forward`` and
+        ``write_kv(meta=)``), before anything is written: e.g. that ``meta`` is this backend's
+        own kind, or that the cache's storage suits its kernels. Raise InvalidInputError.
+        Default: nothing beyond the shared checks."""
+        return None
 
     # --- what a backend implements ---------------------------------------------------------
     @abc.abstractmethod

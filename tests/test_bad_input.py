@@ -455,3 +455,15 @@ def test_step_values_are_checked_once_per_step_not_per_layer(
         impl.write_kv(ctx.k, ctx.v, ctx.cache, meta=meta)
         impl.forward(ctx.q, None, None, ctx.cache, meta)
     assert calls == ["check_slot_values", "check_block_table_values"]
+
+
+def test_metadata_of_another_kind_is_refused_by_forward_and_write_kv(ctx: Ctx) -> None:
+    """A bare AttentionMetadata (e.g. another backend's) never reaches the torch kernels."""
+    from attnhub.backend import AttentionMetadata
+
+    alien = AttentionMetadata(batch=ctx.batch)
+    for call in (
+        lambda c: c.impl.forward(c.q, c.k, c.v, c.cache, alien),
+        lambda c: c.impl.write_kv(c.k, c.v, c.cache, meta=alien),
+    ):
+        _check(ctx, call, "meta must come from the torch backend", InvalidInputError)

@@ -21,6 +21,7 @@ from attnhub.backend import (
 )
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Tolerance
+from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import PagedKVCache
 from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import AttentionSpec, AttentionType
@@ -148,6 +149,13 @@ class TorchAttentionImpl(AttentionImpl):
         super().__init__(backend, alibi_slopes=alibi_slopes, sinks=sinks)
         self._targets: tuple[torch.Tensor, torch.Tensor, list[_WriteTarget]] | None = None
         self._eager = bool({"softcap", "alibi", "sinks"} & self.spec.features())
+
+    def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
+        if not isinstance(meta, TorchAttentionMetadata) or meta.plan is None:
+            raise InvalidInputError(
+                f"meta must come from the torch backend's metadata_builder().build(batch), "
+                f"got {type(meta).__name__}"
+            )
 
     def store_kv(
         self,

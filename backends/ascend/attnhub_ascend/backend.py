@@ -398,19 +398,22 @@ class AscendAttentionImpl(AttentionImpl):
         meta: AttentionMetadata,
         output: torch.Tensor | None,
     ) -> torch.Tensor:
-        out = super().check_forward(query, key, value, cache, meta, output)
-        if not isinstance(meta, AscendAttentionMetadata):
-            raise InvalidInputError(
-                f"meta must come from the ascend backend's metadata_builder().build(batch), "
-                f"got {type(meta).__name__}"
-            )
+        out = super().check_forward(query, key, value, cache, meta, output)  # + check_step
+        assert isinstance(meta, AscendAttentionMetadata)
         if meta.packed and meta.kv_slots is None and key is None:
             raise InvalidInputError(
                 "this non-causal step attends over its own new keys (npu_fusion_attention, "
                 "no cached context): key and value must be given"
             )
-        _check_cache_storage(cache)
         return out
+
+    def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
+        if not isinstance(meta, AscendAttentionMetadata):
+            raise InvalidInputError(
+                f"meta must come from the ascend backend's metadata_builder().build(batch), "
+                f"got {type(meta).__name__}"
+            )
+        _check_cache_storage(cache)
 
     # --- KV write ---------------------------------------------------------------------------
     def store_kv(

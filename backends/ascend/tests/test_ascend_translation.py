@@ -344,3 +344,27 @@ def test_more_sequences_than_npu_fusion_attention_takes_are_refused_with_a_reaso
     st = h.step([(1, 1)] * 1025, h.spec(attn_type=AttentionType.ENCODER_ONLY))
     with pytest.raises(UnsupportedConfigurationError, match="at most 1024"):
         st.backend.metadata_builder().build(st.batch)
+
+
+def test_step_writes_refuse_strided_caches_and_foreign_metadata() -> None:
+    """write_kv(meta=) checks what forward checks before its kernels run: a cache the fused ops
+    cannot take (strided K/V planes) and metadata of another kind raise InvalidInputError and
+    leave the cache unchanged."""
+    from dataclasses import replace
+
+    from attnhub.backend import AttentionMetadata
+
+    st = h.step([(1, 23), (5, 133)])
+    meta = st.backend.metadata_builder().build(st.batch)
+    impl = st.backend.impl()
+    d = st.key.shape[-1]
+    doubled = torch.zeros((*st.cache.key.shape[:-1], 2 * d), dtype=st.cache.key.dtype)
+    strided = replace(st.cache, key=doubled[..., :d], value=doubled[..., d:])
+    before = strided.clone()
+    with pytest.raises(InvalidInputError, match="contiguous"):
+        impl.write_kv(st.key, st.value, strided, meta=meta)
+    assert strided.equal(before)
+    before = st.cache.clone()
+    with pytest.raises(InvalidInputError, match="must come from the ascend backend"):
+        impl.write_kv(st.key, st.value, st.cache, meta=AttentionMetadata(batch=st.batch))
+    assert st.cache.equal(before)
