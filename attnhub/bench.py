@@ -9,6 +9,9 @@ rows for decode, K/V heads expanded for causal prefill: the fastest dense forms 
 
 from __future__ import annotations
 
+import os
+import platform
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -20,6 +23,65 @@ import torch.nn.functional as F
 from attnhub.batch import BatchMetadata
 from attnhub.registry import select_backend
 from attnhub.spec import AttentionSpec
+
+#: CPU flags that decide which kernels a CPU runs (bf16 speed, vLLM's fp8 path).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a benchmark ran on: figures from machines of different kinds do not compare."""
+
+    cpu: str
+    isa: dict[str, bool]  # each of ISA_FLAGS -> present
+    torch_cpu_capability: str  # the kernels torch dispatches to ("AVX2", "AVX512", ...)
+    cores: int  # usable by this process
+    torch_threads: int
+    torch_version: str
+
+    def describe(self) -> str:
+        """One line for a table caption: ``AMD EPYC, avx2 (no avx512f, ...), 2 cores, ...``."""
+        have = [f for f, ok in self.isa.items() if ok]
+        lack = [f for f, ok in self.isa.items() if not ok]
+        isa = ", ".join(have) or "none of " + "/".join(ISA_FLAGS)
+        if have and lack:
+            isa += f" (no {', '.join(lack)})"
+        return (
+            f"{self.cpu}, {isa}, {self.cores} cores, {self.torch_threads} torch threads, "
+            f"torch {self.torch_version}"
+        )
+
+
+def _cpuinfo() -> tuple[str | None, set[str]]:
+    """CPU model name and flags from /proc/cpuinfo (Linux); (None, empty) elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            text = fh.read()
+    except OSError:
+        return None, set()
+    model = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    flags = re.search(r"^flags\s*:\s*(.+)$", text, re.MULTILINE)
+    return (
+        model.group(1).strip() if model else None,
+        set(flags.group(1).split()) if flags else set(),
+    )
+
+
+def machine() -> Machine:
+    """The machine this process runs on, as far as the OS tells."""
+    model, flags = _cpuinfo()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return Machine(
+        cpu=model or platform.processor() or platform.machine() or "unknown CPU",
+        isa={f: f in flags for f in ISA_FLAGS},
+        torch_cpu_capability=str(torch.backends.cpu.get_cpu_capability()),
+        cores=cores,
+        torch_threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+    )
 
 
 @dataclass(frozen=True)
@@ -53,7 +115,8 @@ class BenchResult:
 
 
 def default_cases(quick: bool = False) -> list[BenchCase]:
-    """The issue's targets: decode 32 x 2048 <= 1.5x dense, prefill 1 x 2048 <= 1.15x."""
+    """The benchmark's shapes and the ratios the built-in backend aims for: decode 32 x 2048
+    within 1.5x of dense SDPA, causal prefill 1 x 2048 within 1.15x."""
     if quick:  # small shapes for a smoke run (CI); ratios are not meaningful at this size
         return [
             BenchCase("decode 8x256", "decode", 8, 256, torch.float32, 8, 2, 64, target=None),
@@ -144,11 +207,18 @@ def run_case(
     )
 
 
-def results_as_dicts(results: list[BenchResult]) -> list[dict[str, object]]:
-    return [asdict(r) | {"meets_target": r.meets_target} for r in results]
+def report(results: list[BenchResult] | list[HostOverhead], where: Machine) -> dict[str, object]:
+    """The JSON a run writes: the machine it ran on, then every result."""
+    rows: list[dict[str, object]] = []
+    for r in results:
+        row = asdict(r)
+        if isinstance(r, BenchResult):
+            row["meets_target"] = r.meets_target
+        rows.append(row)
+    return {"machine": asdict(where), "results": rows}
 
 
-def plot(results: list[BenchResult], path: str) -> None:
+def plot(results: list[BenchResult], path: str, where: Machine | None = None) -> None:
     """A bar chart of the ratios (needs matplotlib: ``pip install attnhub[plot]``)."""
     try:
         import matplotlib
@@ -166,6 +236,8 @@ def plot(results: list[BenchResult], path: str) -> None:
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_ylabel("time / dense SDPA time")
     ax.set_title(f"attnhub {results[0].backend if results else ''} backend vs dense SDPA")
+    if where is not None:
+        fig.text(0.01, 0.01, where.describe(), fontsize=7, color="grey")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -173,8 +245,8 @@ def plot(results: list[BenchResult], path: str) -> None:
 @dataclass
 class HostOverhead:
     """Host time of the per-step and per-layer calls on a tiny shape, where kernels are cheap
-    and the Python around them dominates (compare: vLLM 0.32's CPU backend, per the perf
-    anchors, 7.5-13 us per build and about 9 us per forward wrapper)."""
+    and the Python around them dominates (docs/backends/torch.md compares it with an engine's
+    own attention backend)."""
 
     backend: str
     num_reqs: int
@@ -198,8 +270,7 @@ def _per_call_us(fn: Callable[[], object], calls: int) -> float:
 def host_overhead(
     num_reqs: int, *, backend: str | None = None, device: str = "cpu", emulate: bool = False
 ) -> HostOverhead:
-    """bf16, 8 query heads / 2 kv heads / head 32, block 128, decode of 300-token sequences
-    (the shape of the perf anchors' vLLM measurements)."""
+    """bf16, 8 query heads / 2 kv heads / head 32, block 128, decode of 300-token sequences."""
     spec = AttentionSpec(
         num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, block_size=128
     )

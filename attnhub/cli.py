@@ -182,7 +182,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 )
             )
             progress.advance(task)
-    table = Table(title=f"attnhub bench ({torch.get_num_threads()} threads, {args.device})")
+    where = bench.machine()
+    table = Table(title=f"attnhub bench on {args.device}")
     for col in (
         "case",
         "dtype",
@@ -208,12 +209,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{r.build_us:.0f}",
         )
     console.print(table)
+    console.print(f"machine: {where.describe()}", soft_wrap=True)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(bench.results_as_dicts(results), fh, indent=2)
+            json.dump(bench.report(results, where), fh, indent=2)
         console.print(f"wrote {args.json}")
     if args.plot:
-        bench.plot(results, args.plot)
+        bench.plot(results, args.plot, where)
         console.print(f"wrote {args.plot}")
     return 0
 
@@ -225,6 +227,7 @@ def _bench_host(args: argparse.Namespace, console: Console) -> int:
         bench.host_overhead(n, backend=args.backend, device=args.device, emulate=args.emulate)
         for n in (1, 32, 256)
     ]
+    where = bench.machine()
     table = Table(title="host overhead per call (bf16, 8/2 heads, head 32, block 128, decode)")
     for col in ("backend", "requests", "build us", "forward us", "write_kv(meta=) us"):
         table.add_column(col, justify="right")
@@ -237,12 +240,10 @@ def _bench_host(args: argparse.Namespace, console: Console) -> int:
             f"{r.write_kv_us:.0f}",
         )
     console.print(table)
-    console.print(
-        "vLLM 0.32 CPU backend on this shape (perf anchors): build 7.5-13 us, forward ~9 us"
-    )
+    console.print(f"machine: {where.describe()}", soft_wrap=True)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump([vars(r) for r in rows], fh, indent=2)
+            json.dump(bench.report(rows, where), fh, indent=2)
     return 0
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+
+import torch
 
 from attnhub import bench
 from attnhub.cli import main
@@ -16,7 +19,7 @@ def test_quick_cases_report_a_ratio_to_dense_sdpa_measured_in_the_same_run():
         assert result.meets_target is None  # quick shapes carry no target
 
 
-def test_full_cases_carry_the_issue_targets():
+def test_full_cases_carry_the_target_ratios():
     targets = {(c.name, str(c.dtype)): c.target for c in bench.default_cases()}
     assert targets[("decode 32x2048", "torch.float32")] == 1.5
     assert targets[("prefill 1x2048", "torch.bfloat16")] == 1.15
@@ -25,6 +28,35 @@ def test_full_cases_carry_the_issue_targets():
 def test_host_overhead_mode_writes_json(tmp_path):
     out = tmp_path / "host.json"
     assert main(["bench", "--host", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    rows = doc["results"]
     assert [r["num_reqs"] for r in rows] == [1, 32, 256]
     assert all(r["build_us"] > 0 and r["forward_us"] > 0 for r in rows)
+    assert doc["machine"] == dataclasses.asdict(bench.machine())
+
+
+def test_quick_run_records_the_machine_in_its_json_and_table(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--repeats", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    where = bench.machine()
+    assert doc["machine"]["cpu"] == where.cpu
+    assert set(doc["machine"]["isa"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    assert doc["machine"]["torch_version"] == torch.__version__
+    assert [r["case"] for r in doc["results"]] == ["decode 8x256", "prefill 1x256"]
+    assert where.describe() in capsys.readouterr().out.replace("\n", " ")
+
+
+def test_machine_description_names_present_and_missing_isa_flags():
+    m = bench.Machine(
+        cpu="AMD EPYC",
+        isa={"avx2": True, "avx512f": False, "avx512_bf16": False, "amx_bf16": False},
+        torch_cpu_capability="AVX2",
+        cores=2,
+        torch_threads=2,
+        torch_version="2.13.0+cpu",
+    )
+    assert m.describe() == (
+        "AMD EPYC, avx2 (no avx512f, avx512_bf16, amx_bf16), 2 cores, 2 torch threads, "
+        "torch 2.13.0+cpu"
+    )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -52,6 +53,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 _RESULTS: dict[tuple[str, str, int, str], dict] = {}
 
 
+class VLLMRefused(Exception):
+    """vLLM itself refused a configuration on this machine (e.g. a CPU path its kernels lack)."""
+
+
 def generate(
     model: str, attention: str, dtype: str, block_size: int, tmp: Path, kv_cache_dtype: str = "auto"
 ) -> dict:
@@ -61,9 +66,22 @@ def generate(
         args = ["--attention", attention, "--model", model, "--dtype", dtype]
         args += ["--block-size", str(block_size), "--kv-cache-dtype", kv_cache_dtype]
         proc = _run_script(*args, "--out", str(out))
+        refusal = vllm_refusal(proc.stdout + proc.stderr) if proc.returncode else None
+        if refusal is not None:
+            raise VLLMRefused(refusal)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         _RESULTS[key] = json.loads(out.read_text())
     return _RESULTS[key]
+
+
+def vllm_refusal(text: str) -> str | None:
+    """vLLM's own "not on this machine" error in a failed run's output, e.g. ``FP8 KV cache on
+    CPU requires x86 with AVX-512 or AMX.`` (raised in vllm/v1/attention/backends/cpu_attn.py on
+    AVX2-only CPUs), or None when the run failed for another reason."""
+    raised_in_vllm = re.search(r'File "[^"]*/vllm/[^"]*", line \d+', text) is not None
+    # vLLM prefixes its worker's lines ("[rank0]: NotImplementedError: ...")
+    found = re.findall(r"NotImplementedError: (.+)$", text, re.MULTILINE)
+    return found[-1].strip() if raised_in_vllm and found else None
 
 
 def _run_script(*args: str) -> subprocess.CompletedProcess[str]:
@@ -158,29 +176,67 @@ def _first_step_errors(ref: dict, run: dict) -> list[float]:
     return errors
 
 
-def test_fp8_kv_cache_is_as_close_to_unquantized_as_vllms_own_fp8(
+#: attnhub's accuracy bound for an fp8 (e4m3, per-layer scales) KV cache in this model: the mean
+#: first-step logprob error against the unquantized bf16 run (docs/integrations/vllm.md).
+#: Measured 0.089 nats for attnhub and 0.129 for vLLM's own fp8 run on the same prompts.
+FP8_MEAN_LOGPROB_BOUND = 0.15
+
+
+def test_fp8_kv_cache_through_attnhub_is_within_its_accuracy_bound(
     model_dir: str, tmp_path: Path
 ) -> None:
-    """kv_cache_dtype="fp8": attnhub stores fp8_e4m3(x / k_scale) with vLLM's per-layer scales.
-    vLLM's CPU kernels convert to fp8 differently (measured: 88 of 192 values one step towards
-    zero of torch's round-to-nearest, which CUDA uses too), so tokens cannot match vLLM's own
-    fp8 run. Criterion instead: against the unquantized bf16 run, attnhub's first-step logprobs
-    are no further off than vLLM's own fp8 run's (mean error within 1.25x of it), and they are
-    off (fp8 really is in use: a mean error above 0.005 nats)."""
+    """kv_cache_dtype="fp8": attnhub stores fp8_e4m3(x / k_scale) with vLLM's per-layer scales;
+    its kernels are attnhub's, so this runs on every machine. Against the unquantized bf16 run,
+    the first-step logprobs are off (fp8 really is in use: a mean error above 0.005 nats) and
+    within attnhub's documented bound."""
     ref = generate(model_dir, "vllm", "bfloat16", 128, tmp_path)
-    vllm_fp8 = generate(model_dir, "vllm", "bfloat16", 128, tmp_path, "fp8")
     ours = generate(model_dir, "torch", "bfloat16", 128, tmp_path, "fp8")
-    theirs = statistics.mean(_first_step_errors(ref, vllm_fp8))
     mine = statistics.mean(_first_step_errors(ref, ours))
     same = sum(a == b for a, b in zip(ref["token_ids"], ours["token_ids"], strict=True))
     print(
         f"\nfp8 KV cache: mean first-step logprob error vs unquantized bf16: attnhub torch "
-        f"{mine:.4f} nats, vLLM CPU_ATTN {theirs:.4f} nats; attnhub fp8 prompts identical to "
-        f"bf16: {same}/{len(ref['token_ids'])}"
+        f"{mine:.4f} nats (bound {FP8_MEAN_LOGPROB_BOUND}); prompts identical to bf16: "
+        f"{same}/{len(ref['token_ids'])}"
     )
     print(_summary("attnhub torch bf16, fp8 cache", ours))
     assert mine > 0.005, "attnhub's fp8 run matches the unquantized run: fp8 is not in use"
+    assert mine <= FP8_MEAN_LOGPROB_BOUND
+
+
+def test_fp8_kv_cache_is_as_close_to_unquantized_as_vllms_own_fp8(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """vLLM's CPU kernels convert to fp8 differently (measured: 88 of 192 values one step
+    towards zero of torch's round-to-nearest, which CUDA uses too), so tokens cannot match
+    vLLM's own fp8 run. Criterion instead: against the unquantized bf16 run, attnhub's
+    first-step logprobs are no further off than vLLM's own fp8 run's (mean error within 1.25x
+    of it). Needs vLLM's CPU fp8 path, which vLLM refuses on CPUs without AVX-512 or AMX:
+    skipped there with vLLM's reason."""
+    ref = generate(model_dir, "vllm", "bfloat16", 128, tmp_path)
+    try:
+        vllm_fp8 = generate(model_dir, "vllm", "bfloat16", 128, tmp_path, "fp8")
+    except VLLMRefused as exc:
+        pytest.skip(f"vLLM's own fp8 KV cache cannot run on this machine: {exc}")
+    ours = generate(model_dir, "torch", "bfloat16", 128, tmp_path, "fp8")
+    theirs = statistics.mean(_first_step_errors(ref, vllm_fp8))
+    mine = statistics.mean(_first_step_errors(ref, ours))
+    print(f"\nfp8 KV cache: attnhub torch {mine:.4f} nats, vLLM CPU_ATTN {theirs:.4f} nats")
     assert mine <= 1.25 * theirs
+
+
+def test_vllm_refusal_is_read_from_vllms_own_error_only() -> None:
+    """The skip above is taken for vLLM's refusal alone, never for a failure of attnhub's."""
+    vllm_trace = (
+        'Traceback (most recent call last):\n  File "/venv/lib/python3.11/site-packages/vllm/'
+        'v1/attention/backends/cpu_attn.py", line 541, in _get_attn_isa\n'
+        "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX.\n"
+    )
+    assert vllm_refusal(vllm_trace) == "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+    prefixed = "".join(f"[rank0]: {line}\n" for line in vllm_trace.splitlines())
+    assert vllm_refusal(prefixed) == vllm_refusal(vllm_trace)
+    ours = 'File "/repo/attnhub/backend.py", line 3\nNotImplementedError: not built yet\n'
+    assert vllm_refusal(ours) is None
+    assert vllm_refusal(vllm_trace.replace("NotImplementedError", "RuntimeError")) is None
 
 
 def test_unservable_configuration_fails_at_engine_start(model_dir: str, tmp_path: Path) -> None:
