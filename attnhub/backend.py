@@ -42,18 +42,19 @@ def as_device(device: torch.device | str) -> torch.device:
         raise InvalidInputError(f"device {device!r} is not a device torch knows: {exc}") from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
     """What a builder returns: the step's batch plus whatever the backend planned from it.
 
-    Backends subclass this and add their planned fields. ``checked_num_blocks`` remembers the
-    cache size the batch's slots and block table were checked against, so layers after the
-    first skip those value checks.
+    Frozen: made once per step by ``build``, then only read by every layer (FlashInfer's
+    plan / run). Backends subclass it (``@dataclass(frozen=True)`` too) with their planned
+    fields. ``extents`` are the step's largest slot and block, found by ``build`` on host data,
+    so that layers check them against their cache in O(1).
     """
 
     batch: BatchMetadata
     common_prefix_len: int = 0
-    checked_num_blocks: int | None = field(default=None, repr=False)
+    extents: validation.StepExtents | None = field(default=None, repr=False, compare=False)
 
 
 M = TypeVar("M", bound=AttentionMetadata)
@@ -141,8 +142,10 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
         return self.backend.capabilities.graph_capture
 
     def build(self, batch: BatchMetadata, *, common_prefix_len: int = 0) -> M:
-        """Validate the batch (host copies only) and plan the step."""
+        """Validate the batch and plan the step, on host data only (the batch's host copies):
+        no device-to-host sync. Every value check of the step runs here, once for all layers."""
         validation.check_batch_for_spec(self.spec, batch, self.backend.device)
+        extents = validation.step_extents(batch)
         self._check_batch_kinds(batch)
         if common_prefix_len:
             if not self.backend.capabilities.cascade:
@@ -159,7 +162,9 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
                 raise InvalidInputError(
                     f"common_prefix_len = {common_prefix_len} must be in 0..the shortest context"
                 )
-        return self.plan(batch, common_prefix_len)
+        meta = self.plan(batch, common_prefix_len)
+        object.__setattr__(meta, "extents", extents)  # the last touch: frozen from here on
+        return meta
 
     def _check_batch_kinds(self, batch: BatchMetadata) -> None:
         """Refuse requests of a kind the backend does not declare.
@@ -218,10 +223,6 @@ class AttentionImpl(abc.ABC):
         self.spec = spec = backend.spec
         self.alibi_slopes = self._per_head("alibi_slopes", alibi_slopes, spec.use_alibi)
         self.sinks = self._per_head("sinks", sinks, spec.use_sinks)
-        #: Whether calls check slot/block values (a device sync off the CPU; see validation).
-        self.checks_values = (
-            backend.device.type == "cpu" or backend.capabilities.graph_capture == GraphSupport.NEVER
-        )
         self._checked_cache: tuple[object, ...] | None = None
 
     def _per_head(
@@ -256,9 +257,10 @@ class AttentionImpl(abc.ABC):
 
         With ``meta`` (this step's metadata from ``metadata_builder().build``), the slots are
         the step's ``meta.batch.slot_mapping`` (``slot_mapping`` may be left out, or must be
-        that tensor) and the write reuses what the builder planned: slot values are checked
-        once per step and cache for every layer, as ``forward`` does (no device-to-host sync
-        per layer). Without it, every call checks its slot values.
+        that tensor) and the write reuses what the builder planned: the slot values were
+        checked by ``build`` on host data, and this call compares only their extent with the
+        cache (O(1), no device-to-host sync), as ``forward`` does. Without it, every call checks
+        its own slot values on the host (a copy to the host where they live on an accelerator).
         """
         dev = self.backend.device
         self._check_cache(cache)
@@ -273,7 +275,7 @@ class AttentionImpl(abc.ABC):
                     "out (or pass the step's own)"
                 )
             validation.check_kv(self.spec, key, value, dev, meta.batch.num_tokens)
-            self._check_step_values(meta, cache)
+            self._check_extents(meta, cache)
             self.store_step_kv(key, value, cache, meta)
             return
         if slot_mapping is None:
@@ -282,8 +284,7 @@ class AttentionImpl(abc.ABC):
             "slot_mapping", slot_mapping, (None,), (torch.int32, torch.int64), dev
         )
         validation.check_kv(self.spec, key, value, dev, slot_mapping.shape[0])
-        if self.checks_values:
-            validation.check_slot_values(slot_mapping, cache)
+        validation.check_slot_values(slot_mapping, cache)
         self.store_kv(key, value, cache, slot_mapping)
 
     def forward(
@@ -332,13 +333,14 @@ class AttentionImpl(abc.ABC):
                 f"got {type(meta).__name__}"
             )
 
-    def _check_step_values(self, meta: AttentionMetadata, cache: PagedKVCache) -> None:
-        """Slot and block-table values against the cache size, once per step and cache size:
-        every layer shares the batch and the cache geometry."""
-        if self.checks_values and meta.checked_num_blocks != cache.num_blocks:
-            validation.check_slot_values(meta.batch.slot_mapping, cache)
-            validation.check_block_table_values(meta.batch, cache)
-            meta.checked_num_blocks = cache.num_blocks
+    @staticmethod
+    def _check_extents(meta: AttentionMetadata, cache: PagedKVCache) -> None:
+        """The step's slots and blocks (found by ``build``) fit this cache: O(1)."""
+        if meta.extents is None:
+            raise InvalidInputError(
+                f"meta ({type(meta).__name__}) was not made by metadata_builder().build(batch)"
+            )
+        validation.check_extents(meta.extents, cache)
 
     def check_forward(
         self,
@@ -370,7 +372,7 @@ class AttentionImpl(abc.ABC):
             output = torch.empty_like(q)
         else:
             validation.check_tensor("output", output, tuple(q.shape), spec.dtype, dev)
-        self._check_step_values(meta, cache)
+        self._check_extents(meta, cache)
         return output
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:

@@ -39,7 +39,10 @@ class BatchMetadata:
     """One step's batch, shared by every attention layer of the model.
 
     Device tensors are on the attention device; the ``*_cpu`` twins are host copies so that
-    builders never read device memory.
+    builders never read device memory. ``block_table_cpu`` / ``slot_mapping_cpu`` may be None
+    when the batch lives on the CPU (the tensors themselves are then the host data); a batch on
+    an accelerator carries them (engines have both on the host: ``from_lengths`` fills them), so
+    that a step's value checks need no device-to-host copy.
     """
 
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32: cumulative query lengths, from 0
@@ -54,6 +57,8 @@ class BatchMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding (never written)
     block_size: int
     causal: bool = True
+    block_table_cpu: torch.Tensor | None = None  # [num_reqs, max_blocks] int32, host
+    slot_mapping_cpu: torch.Tensor | None = None  # [num_tokens] int64, host
 
     # --- construction ------------------------------------------------------------------
     @classmethod
@@ -113,6 +118,7 @@ class BatchMetadata:
                 )
             slots = torch.cat([slots, slots.new_full((num_tokens - total,), -1)])
         dev = torch.device(device)
+        on_host = dev.type == "cpu"
         return cls(
             query_start_loc=qsl.to(dev),
             query_start_loc_cpu=qsl,
@@ -126,6 +132,8 @@ class BatchMetadata:
             slot_mapping=slots.to(dev),
             block_size=block_size,
             causal=causal,
+            block_table_cpu=None if on_host else table,
+            slot_mapping_cpu=None if on_host else slots,
         )
 
     # --- derived (host) -----------------------------------------------------------------
@@ -145,6 +153,28 @@ class BatchMetadata:
     @property
     def device(self) -> torch.device:
         return self.query_start_loc.device
+
+    def host_block_table(self) -> torch.Tensor:  # [num_reqs, max_blocks] int, host
+        """The block table as host data: ``block_table_cpu``, or the table itself on the CPU.
+        Raises InvalidInputError for a batch on an accelerator without its host copy."""
+        return self._host("block_table")
+
+    def host_slot_mapping(self) -> torch.Tensor:  # [num_tokens] int, host
+        """The slot mapping as host data (see :meth:`host_block_table`)."""
+        return self._host("slot_mapping")
+
+    def _host(self, name: str) -> torch.Tensor:
+        copy = getattr(self, name + "_cpu")
+        if copy is not None:
+            return copy
+        t: torch.Tensor = getattr(self, name)
+        if t.device.type != "cpu":
+            raise InvalidInputError(
+                f"this batch's {name} is on {t.device} and {name}_cpu (its host copy) is None: "
+                "steps are planned from host data, never by reading device memory; pass the "
+                "host copy (BatchMetadata.from_lengths does)"
+            )
+        return t
 
     def validate(self) -> None:
         """Check internal consistency using host copies only. Raises InvalidInputError."""
@@ -174,6 +204,16 @@ class BatchMetadata:
             if getattr(self, name).device != self.device:
                 raise InvalidInputError(
                     f"{name} is on {getattr(self, name).device}, query_start_loc on {self.device}"
+                )
+        for name in ("block_table", "slot_mapping"):
+            copy = getattr(self, name + "_cpu")
+            if copy is None:
+                continue
+            t = getattr(self, name)
+            if copy.shape != t.shape or copy.device.type != "cpu" or copy.dtype not in _INT_DTYPES:
+                raise InvalidInputError(
+                    f"{name}_cpu must be an int32 or int64 host copy of {name} (shape "
+                    f"{tuple(t.shape)}), got {copy.dtype} {tuple(copy.shape)} on {copy.device}"
                 )
         bt = self.block_table
         if bt.dim() != 2 or bt.shape[0] != self.num_reqs:
@@ -363,6 +403,7 @@ def reorder_decodes_first(
     torch.cumsum(new_q.int(), 0, out=qsl[1:])
     dev = batch.device
     seq = batch.seq_lens_cpu[order]
+    table_cpu, slots_cpu = batch.block_table_cpu, batch.slot_mapping_cpu
     reordered = replace(
         batch,
         query_start_loc=qsl.to(dev),
@@ -371,6 +412,8 @@ def reorder_decodes_first(
         seq_lens_cpu=seq,
         block_table=batch.block_table[order.to(dev)],
         slot_mapping=batch.slot_mapping[token_order.to(dev)],
+        block_table_cpu=None if table_cpu is None else table_cpu[order],
+        slot_mapping_cpu=None if slots_cpu is None else slots_cpu[token_order],
     )
     return reordered, BatchReorder(request_order=order, token_order=token_order)
 
@@ -408,7 +451,7 @@ def make_local_attention_virtual_batches(
     v_query = (q_end - q_start).int()
     v_seq = (q_end - chunk_start).int()
     blocks_per_chunk = chunk // bs
-    table_cpu = batch.block_table.to("cpu")
+    table_cpu = batch.host_block_table()
     cols = (chunk_start // bs)[:, None] + torch.arange(blocks_per_chunk)[None, :]
     valid = cols < table_cpu.shape[1]
     v_table = torch.where(
@@ -430,4 +473,6 @@ def make_local_attention_virtual_batches(
         slot_mapping=batch.slot_mapping,
         block_size=bs,
         causal=batch.causal,
+        block_table_cpu=None if dev.type == "cpu" else v_table,
+        slot_mapping_cpu=batch.slot_mapping_cpu,
     )

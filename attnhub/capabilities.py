@@ -19,11 +19,13 @@ FEATURES = ("sliding_window", "softcap", "alibi", "sinks")
 
 
 class GraphSupport(enum.IntEnum):
-    """How much of a step a backend lets a device graph capture (vLLM's AttentionCGSupport)."""
+    """How much of a step a backend lets a device graph capture: vLLM's ``AttentionCGSupport``,
+    same names, same order."""
 
     NEVER = 0  # forward reads host data or has data-dependent shapes
-    UNIFORM_DECODE = 1  # decode-only batches of one query length per request
-    ALWAYS = 2  # any batch, padded to a captured size
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # decode-only batches, one query token per request
+    UNIFORM_BATCH = 2  # batches whose requests all have the same query length
+    ALWAYS = 3  # any batch, padded to a captured size
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,6 @@ class Capabilities:
                 + ")"
             )
         if spec.attn_type not in self.attn_types:
-            assert isinstance(spec.attn_type, AttentionType)
             reasons.append(
                 f"attention type {spec.attn_type.value!r} is not supported (supported: "
                 + ", ".join(sorted(t.value for t in self.attn_types))

@@ -165,9 +165,11 @@ def normalize_window(
 class AttentionSpec:
     """One attention layer's configuration. Immutable and validated on construction.
 
-    After construction ``scale`` is a float, ``attn_type`` an :class:`AttentionType`,
-    ``kv_cache_dtype`` a canonical name from :data:`KV_CACHE_DTYPES`, and ``window`` the
-    normalized ``(left, right)`` pair (``sliding_window`` set when the pair is one).
+    Every field has its final type once constructed: ``scale`` the softmax scale (None or
+    left out: ``head_size ** -0.5``), ``attn_type`` an :class:`AttentionType` (its string value
+    is accepted), ``kv_cache_dtype`` a canonical name from :data:`KV_CACHE_DTYPES` (aliases such
+    as ``"fp8"`` accepted), ``window`` the normalized ``(left, right)`` pair (None accepted) and
+    ``sliding_window`` the W it stands for, when it is one.
     """
 
     num_heads: int
@@ -176,10 +178,10 @@ class AttentionSpec:
     dtype: torch.dtype = torch.bfloat16
     block_size: int = 16
     kv_cache_dtype: str = "auto"
-    scale: float | None = None
-    attn_type: AttentionType | str = AttentionType.DECODER
+    scale: float = None  # type: ignore[assignment]  # None: head_size ** -0.5
+    attn_type: AttentionType = AttentionType.DECODER
     sliding_window: int | None = None
-    window: tuple[int, int] | None = None
+    window: tuple[int, int] = (-1, -1)
     logits_soft_cap: float | None = None
     use_alibi: bool = False
     use_sinks: bool = False
@@ -235,20 +237,9 @@ class AttentionSpec:
         set_(self, "window", pair)
         set_(self, "sliding_window", sliding)
 
-    # --- derived facts (typed views of the normalized fields) ------------------------------
-    @property
-    def softmax_scale(self) -> float:
-        assert self.scale is not None  # set by __post_init__
-        return self.scale
-
-    @property
-    def window_pair(self) -> tuple[int, int]:
-        assert self.window is not None  # set by __post_init__
-        return self.window
-
+    # --- derived facts ---------------------------------------------------------------------
     @property
     def causal(self) -> bool:
-        assert isinstance(self.attn_type, AttentionType)
         return self.attn_type.is_causal
 
     @property

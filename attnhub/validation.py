@@ -1,12 +1,15 @@
 """What a valid attention call is. Every check runs before anything is written, so a rejected
 call leaves the KV cache byte-identical. Errors are InvalidInputError naming the bad value.
 
-Shape checks read only Python metadata. Value checks (slot and block ranges) read tensor values;
-on CPU that is free, on an accelerator it is a device-to-host sync, so backends that declare graph
-capture run them outside capture only (see ``AttentionImpl.checks_values``).
+Per step, ``build`` reads the batch's host copies once (:func:`step_extents`): every slot is -1 or
+a slot, every block a request reads is a block, and the largest of each is remembered. Per layer,
+``forward`` and ``write_kv(meta=)`` compare those two numbers with the cache's size
+(:func:`check_extents`): O(1), no tensor read, so no device-to-host sync ever.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -120,38 +123,76 @@ def check_kv(
 
 
 def check_slot_values(slot_mapping: torch.Tensor, cache: PagedKVCache) -> None:
-    """Every slot is -1 (padding) or inside the cache. Reads values (numpy on the host: a
-    torch reduction costs several times more on tensors this small)."""
+    """Every slot is -1 (padding) or inside the cache: for ``write_kv`` given a slot mapping of
+    its own (not a step's). Reads values on the host (numpy: a torch reduction costs several
+    times more on tensors this small); a slot mapping on an accelerator is copied to the host
+    first, which is why engines write with ``write_kv(meta=)`` (checked once per step)."""
     if not slot_mapping.numel():
         return
     host = slot_mapping.to("cpu").numpy()
     if host.min() >= -1 and host.max() < cache.num_slots:
         return
     i = int(np.flatnonzero((host < -1) | (host >= cache.num_slots))[0])
-    raise InvalidInputError(
-        f"slot_mapping[{i}] = {int(host[i])} is outside the cache "
+    raise InvalidInputError(_slot_outside(i, int(host[i]), cache))
+
+
+def _slot_outside(i: int, slot: int, cache: PagedKVCache) -> str:
+    return (
+        f"slot_mapping[{i}] = {slot} is outside the cache "
         f"({cache.num_blocks} blocks x {cache.block_size} slots)"
-        + ("; use -1 for padding" if int(host[i]) < 0 else "")
+        + ("; use -1 for padding" if slot < 0 else "")
     )
 
 
-def check_block_table_values(batch: BatchMetadata, cache: PagedKVCache) -> None:
-    """Every block a request reads (its first ceil(seq_len / block_size) entries) is in the
-    cache. Reads values."""
-    if not batch.num_reqs:
-        return
-    table = batch.block_table.to("cpu").numpy()  # [B, max_blocks]
-    if table.min() >= 0 and table.max() < cache.num_blocks:
-        return  # every entry, used or not, is in range
-    used = (batch.seq_lens_cpu.numpy().astype(np.int64) + batch.block_size - 1) // (
-        batch.block_size
-    )
-    in_use = np.arange(table.shape[1])[None, :] < used[:, None]
-    bad = np.argwhere(in_use & ((table < 0) | (table >= cache.num_blocks)))
-    if bad.size:
-        r, c = int(bad[0, 0]), int(bad[0, 1])
+@dataclass(frozen=True)
+class StepExtents:
+    """The largest cache addresses a step uses, found once per step on its host copies; where
+    they are lets the error name the entry."""
+
+    max_slot: int  # the largest slot written (-1: none)
+    max_slot_at: int  # its index in slot_mapping
+    max_block: int  # the largest block id any request reads (-1: none)
+    max_block_at: tuple[int, int]  # its (request, column) in block_table
+
+
+def step_extents(batch: BatchMetadata) -> StepExtents:
+    """Check the step's slot and block values that need no cache (slots >= -1, blocks read
+    >= 0) and find the largest of each, on the batch's host copies."""
+    slots = batch.host_slot_mapping().numpy()
+    max_slot, max_slot_at = -1, -1
+    if slots.size:
+        max_slot_at = int(slots.argmax())
+        max_slot = int(slots[max_slot_at])
+        if int(slots.min()) < -1:
+            i = int(np.flatnonzero(slots < -1)[0])
+            raise InvalidInputError(
+                f"slot_mapping[{i}] = {int(slots[i])} is not a slot; use -1 for padding"
+            )
+    max_block, max_block_at = -1, (-1, -1)
+    if batch.num_reqs:
+        table = batch.host_block_table().numpy()  # [B, max_blocks]
+        used = (batch.seq_lens_cpu.numpy().astype(np.int64) + batch.block_size - 1) // (
+            batch.block_size
+        )
+        in_use = np.arange(table.shape[1])[None, :] < used[:, None]
+        read = np.where(in_use, table, -1)
+        flat = int(read.argmax())
+        r, c = divmod(flat, table.shape[1])
+        max_block, max_block_at = int(read[r, c]), (r, c)
+        if bool((in_use & (table < 0)).any()):
+            r, c = (int(x) for x in np.argwhere(in_use & (table < 0))[0])
+            raise InvalidInputError(f"block_table[{r}, {c}] = {int(table[r, c])} is negative")
+    return StepExtents(max_slot, max_slot_at, max_block, max_block_at)
+
+
+def check_extents(extents: StepExtents, cache: PagedKVCache) -> None:
+    """The step's slots and blocks fit ``cache``: two integer comparisons."""
+    if extents.max_slot >= cache.num_slots:
+        raise InvalidInputError(_slot_outside(extents.max_slot_at, extents.max_slot, cache))
+    if extents.max_block >= cache.num_blocks:
+        r, c = extents.max_block_at
         raise InvalidInputError(
-            f"block_table[{r}, {c}] = {int(table[r, c])} is outside the cache "
+            f"block_table[{r}, {c}] = {extents.max_block} is outside the cache "
             f"({cache.num_blocks} blocks)"
         )
 

@@ -38,8 +38,10 @@ def test_torch_backend_reports_a_device_torch_cannot_use():
 
 def test_undeclared_chunked_prefill_is_refused_with_the_request_named():
     backend = _restricted(chunked_prefill=False)(SPEC)
+    builder = backend.metadata_builder()
+    assert builder.reorder_batch_threshold == 16  # longer queries over context are prefills
     with pytest.raises(UnsupportedConfigurationError, match=r"request 1 .*chunked prefill"):
-        backend.metadata_builder().build(_batch([1, 6], [9, 10]))
+        builder.build(_batch([1, 20], [9, 24]))
 
 
 def test_prefill_without_context_needs_no_chunked_prefill_support():

@@ -436,25 +436,36 @@ def test_write_kv_with_meta_checks_the_step_against_a_cache_of_another_size(ctx:
     )
 
 
-def test_step_values_are_checked_once_per_step_not_per_layer(
+def test_step_values_are_read_by_build_once_never_by_layers(
     ctx: Ctx, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """write_kv(meta=) and forward share one check of the step's slots and block table: on an
-    accelerator each check is a device-to-host sync, which must not happen per layer."""
+    """The step's slots and block table are checked once, by build, on host data; write_kv(meta=)
+    and forward compare the step's extents with the cache (O(1)): on an accelerator a value read
+    per layer would be a device-to-host sync."""
     from attnhub import validation
 
     calls: list[str] = []
-    for name in ("check_slot_values", "check_block_table_values"):
+    for name in ("step_extents", "check_slot_values"):
         original = getattr(validation, name)
         monkeypatch.setattr(
             validation, name, lambda *a, _o=original, _n=name: (calls.append(_n), _o(*a))[1]
         )
-    meta = ctx.meta
+    meta = ctx.builder.build(ctx.batch)
     layers = [ctx.impl for _ in range(3)]
     for impl in layers:
         impl.write_kv(ctx.k, ctx.v, ctx.cache, meta=meta)
         impl.forward(ctx.q, None, None, ctx.cache, meta)
-    assert calls == ["check_slot_values", "check_block_table_values"]
+    assert calls == ["step_extents"]
+
+
+def test_metadata_is_frozen_after_build(ctx: Ctx) -> None:
+    """Per-layer code only reads a step's plan (FlashInfer's plan/run split)."""
+    import dataclasses
+
+    meta = ctx.builder.build(ctx.batch)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        meta.common_prefix_len = 3  # type: ignore[misc]
+    assert meta.gather_buffers is not None  # allocated by build, not by the first layer
 
 
 def test_metadata_of_another_kind_is_refused_by_forward_and_write_kv(ctx: Ctx) -> None:

@@ -10,6 +10,7 @@ for ragged batches (see docs/backends/torch.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -29,9 +30,12 @@ from attnhub.torch_backend import kernels
 from attnhub.torch_backend.plan import SlotWrite, StepPlan, plan_slot_write, plan_step
 
 
-@dataclass
+@dataclass(frozen=True)
 class TorchAttentionMetadata(AttentionMetadata):
     plan: StepPlan | None = None
+    #: (key, value) [max_gather_blocks, block_size, Hkv, D] in the cache's storage dtypes:
+    #: scratch every layer of the step gathers into (the backend's, reused across steps).
+    gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -65,8 +69,6 @@ class TorchBackend(AttentionBackend):
         priority={"cpu": 50},  # the portable default; vendor backends outrank it natively
     )
 
-    #: Requests with query_len <= this are batched into decode chunks.
-    decode_query_len = 16
     #: Bytes of gathered K+V per decode chunk (one SDPA call each). Measured on CPU: a chunk
     #: that outgrows the CPU caches is slower than one call per request (docs/backends/torch.md).
     gather_budget_bytes = 4 << 20
@@ -113,6 +115,8 @@ class TorchBackend(AttentionBackend):
 
 class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
     backend: TorchBackend
+    #: Requests with query_len <= this are decodes, batched into decode chunks.
+    reorder_batch_threshold: ClassVar[int] = 16
 
     def __init__(self, backend: TorchBackend) -> None:
         super().__init__(backend)
@@ -128,12 +132,20 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
         step = plan_step(
             spec,
             batch,
-            decode_query_len=self.backend.decode_query_len,
+            decode_threshold=self.reorder_batch_threshold,
             gather_budget_tokens=self.backend.gather_budget_bytes // self._bytes_per_token,
             eager=eager,
             device=self.backend.device,
         )
-        return TorchAttentionMetadata(batch=batch, common_prefix_len=common_prefix_len, plan=step)
+        shape = (step.max_gather_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        k_dtype, v_dtype = spec.kv_cache_format.storage_dtypes(spec.dtype)
+        buffers = (
+            self.backend.buffer("key", shape, k_dtype),
+            self.backend.buffer("value", shape, v_dtype),
+        )
+        return TorchAttentionMetadata(
+            batch=batch, common_prefix_len=common_prefix_len, plan=step, gather_buffers=buffers
+        )
 
 
 class TorchAttentionImpl(AttentionImpl):
@@ -151,7 +163,7 @@ class TorchAttentionImpl(AttentionImpl):
         self._eager = bool({"softcap", "alibi", "sinks"} & self.spec.features())
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
-        if not isinstance(meta, TorchAttentionMetadata) or meta.plan is None:
+        if not isinstance(meta, TorchAttentionMetadata) or meta.gather_buffers is None:
             raise InvalidInputError(
                 f"meta must come from the torch backend's metadata_builder().build(batch), "
                 f"got {type(meta).__name__}"
@@ -219,16 +231,10 @@ class TorchAttentionImpl(AttentionImpl):
         out: torch.Tensor,
     ) -> None:
         spec, plan = self.spec, meta.plan
-        assert plan is not None
+        assert plan is not None and meta.gather_buffers is not None  # check_step
         eager = self._eager
         bs, Hkv, D = cache.block_size, spec.num_kv_heads, spec.head_size
-        if plan.gather_buffers is None:  # the step's first layer: every layer reuses them
-            buf_shape = (plan.max_gather_blocks, bs, Hkv, D)
-            plan.gather_buffers = (
-                self.backend.buffer("key", buf_shape, cache.key.dtype),
-                self.backend.buffer("value", buf_shape, cache.value.dtype),
-            )
-        k_buf, v_buf = plan.gather_buffers
+        k_buf, v_buf = meta.gather_buffers
         for chunk in plan.chunks:
             C, n = chunk.num_reqs, chunk.num_reqs * chunk.num_blocks
             k = torch.index_select(cache.key, 0, chunk.block_ids, out=k_buf[:n])
@@ -251,11 +257,11 @@ class TorchAttentionImpl(AttentionImpl):
                     k,
                     v,
                     chunk,
-                    spec.softmax_scale,
+                    spec.scale,
                     spec.logits_soft_cap,
                     self.alibi_slopes,
                     self.sinks,
                     out[rows],
                 )
             else:
-                kernels.attend_sdpa(query[rows], k, v, chunk, spec.softmax_scale, out[rows])
+                kernels.attend_sdpa(query[rows], k, v, chunk, spec.scale, out[rows])

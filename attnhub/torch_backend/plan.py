@@ -1,7 +1,7 @@
 """Host-side planning of one step for the torch backend (done once, shared by every layer).
 
 A step's requests are cut into *chunks*; each chunk is one attention call:
-  - consecutive requests with the same query_len <= ``decode_query_len`` share a chunk while
+  - consecutive requests with the same query_len <= ``decode_threshold`` share a chunk while
     the chunk's gathered K/V (padded to its longest request) stays within
     ``gather_budget_tokens``: short decodes batch into one call, long ones go one at a time so
     that what was gathered is still in the CPU cache when attention reads it;
@@ -26,7 +26,7 @@ from attnhub.batch import BatchMetadata
 from attnhub.spec import AttentionSpec
 
 
-@dataclass
+@dataclass(frozen=True)
 class Chunk:
     first_token: int  # first query row of the chunk in q/out
     num_reqs: int  # C: requests in the chunk, consecutive in the batch
@@ -43,17 +43,14 @@ class Chunk:
     distance: torch.Tensor | None  # [C, 1, 1, Q, L] float32 |pos(i) - j|, for ALiBi
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepPlan:
-    chunks: list[Chunk]
-    max_gather_blocks: int  # the largest C * num_blocks, to size the gather buffer once
+    chunks: tuple[Chunk, ...]
+    max_gather_blocks: int  # the largest C * num_blocks, to size the gather buffers
     write: SlotWrite  # where this step's keys/values go
-    #: The gather buffers (key, value) [max_gather_blocks, block_size, Hkv, D], taken from the
-    #: backend by the step's first layer and reused by the others.
-    gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlotWrite:
     """A KV write with padding removed: rows ``rows`` (None: the first len(slots) rows) of the
     new keys/values go to flat cache slots ``slots``."""
@@ -62,13 +59,19 @@ class SlotWrite:
     rows: torch.Tensor | None  # [n] int64
 
 
-def plan_slot_write(slot_mapping: torch.Tensor) -> SlotWrite:
+def plan_slot_write(slot_mapping: torch.Tensor, host: torch.Tensor | None = None) -> SlotWrite:
+    """Where a write goes, padding (-1) removed. ``host``: the slot mapping's host copy (a
+    step's): where some slot is padding, the rows to keep are found there, no device read.
+    Without it (write_kv given a device slot mapping of its own) they are found on the
+    device (its output size depends on the data: a sync)."""
     slots = slot_mapping.long()
-    if slots.device.type == "cpu":
-        keep_np = slots.numpy() >= 0  # numpy: ~1 us where a torch reduction costs ~5
+    if host is None and slots.device.type == "cpu":
+        host = slots
+    if host is not None:
+        keep_np = host.numpy() >= 0  # numpy: ~1 us where a torch reduction costs ~5
         if keep_np.all():
             return SlotWrite(slots=slots, rows=None)
-        rows = torch.from_numpy(np.flatnonzero(keep_np))
+        rows = torch.from_numpy(np.flatnonzero(keep_np)).to(slots.device)
         return SlotWrite(slots=slots[rows], rows=rows)
     keep = slots >= 0
     if bool(keep.all()):
@@ -80,10 +83,10 @@ def plan_slot_write(slot_mapping: torch.Tensor) -> SlotWrite:
 def chunk_spans(
     qlens: np.ndarray,  # [B] int64
     seqs: np.ndarray,  # [B] int64
-    decode_query_len: int,
+    decode_threshold: int,
     gather_budget_tokens: int,
 ) -> list[tuple[int, int]]:  # [first request, end request) per chunk
-    """Cut the batch into chunks: runs of requests with the same query_len <= decode_query_len
+    """Cut the batch into chunks: runs of requests with the same query_len <= decode_threshold
     are cut greedily so that ``num_reqs * longest`` stays within the budget (at least one
     request per chunk); every other request is a chunk of its own. Loops per chunk, not per
     request."""
@@ -91,13 +94,13 @@ def chunk_spans(
     if not n:
         return []
     q_min, q_max = int(qlens.min()), int(qlens.max())
-    if q_min == q_max and q_max <= decode_query_len:  # the usual decode step: one run
+    if q_min == q_max and q_max <= decode_threshold:  # the usual decode step: one run
         if n * int(seqs.max()) <= gather_budget_tokens:
             return [(0, n)]
         decode = np.ones(n, dtype=bool)
         bounds = [0, n]
     else:
-        decode = qlens <= decode_query_len
+        decode = qlens <= decode_threshold
         # a run starts where the query_len changes or either neighbour is not a decode
         starts = np.ones(n, dtype=bool)
         starts[1:] = (qlens[1:] != qlens[:-1]) | ~decode[1:] | ~decode[:-1]
@@ -121,7 +124,7 @@ def plan_step(
     spec: AttentionSpec,
     batch: BatchMetadata,
     *,
-    decode_query_len: int,
+    decode_threshold: int,
     gather_budget_tokens: int,
     eager: bool,
     device: torch.device,
@@ -132,20 +135,20 @@ def plan_step(
     bs = batch.block_size
     group = spec.num_queries_per_kv
     causal = spec.causal and batch.causal
-    left, right = spec.window_pair
+    left, right = spec.window
     if causal:
         right = 0
     starts = batch.query_start_loc_cpu.numpy().astype(np.int64)
     qlens = starts[1:] - starts[:-1]
     seqs = batch.seq_lens_cpu.numpy().astype(np.int64)
-    table = batch.block_table.to("cpu").numpy()  # [B, max_blocks]
-    spans = chunk_spans(qlens, seqs, decode_query_len, gather_budget_tokens)
+    table = batch.host_block_table().numpy()  # [B, max_blocks]
+    spans = chunk_spans(qlens, seqs, decode_threshold, gather_budget_tokens)
     plain = not spec.features()
 
     # Per chunk: which blocks to gather (only those a query can see: a sliding window skips
     # the older ones), and the mask / ALiBi distances where the pattern is not plain. Built on
     # the host in numpy, then sent to the device in one transfer per kind.
-    chunks = []
+    shapes: list[tuple[int, int, int, int, int, bool]] = []  # (first_token, C, Q, L, nblk, sq)
     host_ids: list[torch.Tensor] = []
     host_pads: list[torch.Tensor | None] = []
     host_visible: list[torch.Tensor | None] = []
@@ -204,47 +207,51 @@ def plan_step(
                 distance = torch.from_numpy(np.abs(pos_q - pos_k).astype(np.float32))
         host_visible.append(visible)
         host_distance.append(distance)
+        shapes.append((int(starts[a]), C, Q, L, nblk, causal_square))
+
+    chunks = []
+    for (first, C, Q, L, nblk, causal_square), ids_d, pads_d, vis, dist in zip(
+        shapes,
+        _to_device(list(host_ids), device),
+        _to_device(host_pads, device),
+        _to_device(host_visible, device),
+        _to_device(host_distance, device),
+        strict=True,
+    ):
+        assert ids_d is not None
+        visible = mask = None
+        if vis is not None:
+            visible = vis[:, None, None]  # [C, 1, 1, Q, L]
+            if eager:
+                pass
+            elif Q == 1:
+                # Decode: one query token broadcasts over SDPA's rows as it is, and the mask
+                # goes in additive form in the model dtype (0 / -inf): SDPA converts a bool
+                # mask to it on every call, measured ~17% of a small bf16 decode call; here
+                # once per step.
+                additive = torch.zeros((C, 1, 1, L), dtype=spec.dtype, device=device)
+                mask = additive.masked_fill_(~vis[:, None], -math.inf)
+            else:  # SDPA's rows are (head-in-group, token)
+                mask = visible.expand(C, 1, group, Q, L).reshape(C, 1, group * Q, L)
         chunks.append(
             Chunk(
-                first_token=int(starts[a]),
+                first_token=first,
                 num_reqs=C,
                 query_len=Q,
                 kv_len=L,
                 num_blocks=nblk,
-                block_ids=host_ids[-1],
-                pad_tokens=None,
-                visible=None,
-                mask=None,
+                block_ids=ids_d,
+                pad_tokens=pads_d,
+                visible=visible,
+                mask=mask,
                 causal_square=causal_square,
-                distance=None,
+                distance=None if dist is None else dist[:, None, None],  # [C, 1, 1, Q, L]
             )
         )
-
-    for chunk, moved in zip(chunks, _to_device(list(host_ids), device), strict=True):
-        assert moved is not None
-        chunk.block_ids = moved
-    for chunk, pads in zip(chunks, _to_device(host_pads, device), strict=True):
-        chunk.pad_tokens = pads
-    for chunk, vis in zip(chunks, _to_device(host_visible, device), strict=True):
-        if vis is None:
-            continue
-        C, Q, L = vis.shape
-        chunk.visible = vis[:, None, None]  # [C, 1, 1, Q, L]
-        if eager:
-            continue
-        if Q == 1:
-            # Decode: one query token broadcasts over SDPA's rows as it is, and the mask goes
-            # in additive form in the model dtype (0 / -inf): SDPA converts a bool mask to it
-            # on every call, measured ~17% of a small bf16 decode call; here once per step.
-            additive = torch.zeros((C, 1, 1, L), dtype=spec.dtype, device=device)
-            chunk.mask = additive.masked_fill_(~vis[:, None], -math.inf)
-        else:  # SDPA's rows are (head-in-group, token)
-            chunk.mask = chunk.visible.expand(C, 1, group, Q, L).reshape(C, 1, group * Q, L)
-    for chunk, dist in zip(chunks, _to_device(host_distance, device), strict=True):
-        if dist is not None:
-            chunk.distance = dist[:, None, None]  # [C, 1, 1, Q, L]
     return StepPlan(
-        chunks=chunks, max_gather_blocks=max_gather, write=plan_slot_write(batch.slot_mapping)
+        chunks=tuple(chunks),
+        max_gather_blocks=max_gather,
+        write=plan_slot_write(batch.slot_mapping, batch.host_slot_mapping()),
     )
 
 

@@ -638,25 +638,32 @@ def simple_cases(kind: str, row: str, proves: str, target: Target, scope: Scope)
 
 
 def host_sync_cases(target: Target, scope: Scope) -> list[Case]:
-    """A backend declaring graph capture does no device-to-host sync in forward."""
+    """A backend that runs off the CPU does no device-to-host sync per layer: forward and
+    write_kv(meta=) read no device tensor on the host (value checks run once per step, in
+    build, on host copies). Graph-capable backends are checked on the metadata they build for
+    capture; the others on their ordinary metadata."""
     ax = Axes(target, scope)
     out = Cases(target, "host_sync", scope)
     base = ax.base
-    row = "graph capture (no host sync)"
+    row = "no host sync per layer"
     if base is None:
         return []
-    level = ax.caps.graph_capture
-    if level == GraphSupport.NEVER:
+    devices = ax.caps.devices
+    if devices is not None and devices <= {"cpu"}:
         out.add(
             row,
-            "the backend declares graph_capture=NEVER",
-            name="graph_capture",
-            skip="graph_capture is NEVER: forward may sync with the host; check skipped",
+            "the backend runs on the CPU only, where nothing syncs",
+            name="host_sync",
+            skip="the backend declares the CPU as its only device: there is no device to sync",
             not_supported=True,
         )
         return out.list()
-    proves = "forward reads no device tensor on the host (no .item(), bool(), .cpu(), ...)"
-    if level == GraphSupport.UNIFORM_DECODE:
+    level = ax.caps.graph_capture
+    proves = (
+        "forward and write_kv(meta=) read no device tensor on the host (no .item(), bool(), "
+        ".cpu(), ...), every check on"
+    )
+    if level in (GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, GraphSupport.UNIFORM_BATCH):
         shapes = [DECODE] if base.attn_type is AttentionType.DECODER else []
     else:
         shapes = [
@@ -747,7 +754,7 @@ def refusal_cases(target: Target, scope: Scope) -> list[Case]:
                 )
     if caps.graph_capture == GraphSupport.NEVER:
         out.add(
-            "graph capture (no host sync)",
+            "graph capture",
             "build_for_graph_capture raises UnsupportedConfigurationError",
             config=base,
             shape=main_shape(base.attn_type),

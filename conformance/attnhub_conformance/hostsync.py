@@ -11,12 +11,17 @@ sync through a derived value (``bool((slots >= 0).all())``) is caught as well.
 Metadata fields whose name ends in ``_cpu`` are host copies by convention (BatchMetadata's
 ``query_start_loc_cpu``, ``seq_lens_cpu``) and are left alone; plain Python values are host data
 by nature.
+
+A vendor backend's CPU emulator stands in for the device: what its ops read happens on the
+device, not in the backend's host code. A module that is such device code says so with a
+module-level ``__attnhub_device_code__ = True``; reads made from inside it are allowed.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 import traceback
 from typing import Any, ClassVar, TypeVar
 
@@ -43,6 +48,16 @@ _FORBIDDEN = {
 }
 
 
+def _in_device_code() -> bool:
+    """Whether the call comes from a module marked ``__attnhub_device_code__`` (an emulator)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__attnhub_device_code__") is True:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 class HostSyncGuard(torch.Tensor):
     """A tensor that raises HostSyncError when read on the host. See the module docstring."""
 
@@ -51,7 +66,7 @@ class HostSyncGuard(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = getattr(func, "__name__", "")
-        if name in _FORBIDDEN:
+        if name in _FORBIDDEN and not _in_device_code():
             what = next((a for a in args if isinstance(a, HostSyncGuard)), None)
             origin = getattr(what, "_attnhub_origin", cls.origin)
             raise HostSyncError(
@@ -61,6 +76,8 @@ class HostSyncGuard(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
     def __bool__(self) -> bool:  # also reached without __torch_function__ on some paths
+        if _in_device_code():
+            return bool(self.as_subclass(torch.Tensor))
         raise HostSyncError(
             f"forward called bool() on {getattr(self, '_attnhub_origin', self.origin)}: a "
             "device-to-host sync, which a backend declaring graph capture must not do"

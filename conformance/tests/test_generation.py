@@ -115,6 +115,19 @@ def test_host_sync_guard_raises_on_host_reads() -> None:
     assert (t + 1).sum().shape == ()  # device-side work is fine
 
 
+def test_host_reads_inside_device_code_are_allowed() -> None:
+    """An emulator stands in for the device: a module marked ``__attnhub_device_code__`` may
+    read guarded tensors (its reads happen on the device); the same read elsewhere fails."""
+    t = guard(torch.arange(4), "a test tensor")
+    device_code: dict[str, object] = {"__attnhub_device_code__": True}
+    exec("def kernel(x):\n    return int(x.sum().item())", device_code)
+    assert device_code["kernel"](t) == 6  # type: ignore[operator]
+    host_code: dict[str, object] = {}
+    exec("def backend(x):\n    return int(x.sum().item())", host_code)
+    with pytest.raises(HostSyncError):
+        host_code["backend"](t)  # type: ignore[operator]
+
+
 def test_guard_tree_leaves_host_copies_alone() -> None:
     from attnhub import BatchMetadata
 

@@ -35,7 +35,7 @@ MUTANT_RUNS = [
         "test_forward_does_not_sync_with_the_host",
         "test_forward_does_not_sync_with_the_host[syncs_in_forward-decode-bf16-h64-gqa4-bs16]",
         "device-to-host sync",
-        "graph capture (no host sync)",
+        "no host sync per layer",
         id="syncs_in_forward",
     ),
     pytest.param(

@@ -17,7 +17,7 @@ def test_restricted_backend_passes_and_its_refusals_are_reported(run_suite) -> N
         "cascade",
         "head size: 48",
         "block size: 24",
-        "graph capture (no host sync)",
+        "graph capture",
     ):
         assert run.state(row, "restricted") == "not supported", row
     for row in (

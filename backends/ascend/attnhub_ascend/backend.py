@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -63,7 +63,7 @@ class AscendAttentionState(enum.Enum):
     PREFILL_NO_CACHE = "prefill_no_cache"  # every request starts at position 0
     PREFILL_CACHE_HIT = "prefill_cache_hit"  # prefills only, some over a cached prefix
     DECODE_ONLY = "decode_only"  # every request has one new token over cached context
-    MULTI_TOKEN_DECODE = "multi_token_decode"  # decodes of up to decode_query_len tokens
+    MULTI_TOKEN_DECODE = "multi_token_decode"  # decodes of up to reorder_batch_threshold tokens
     CHUNKED_PREFILL = "chunked_prefill"  # anything mixed: decodes with (chunked) prefills
 
 
@@ -91,7 +91,7 @@ class SparseArgs:
 
     @classmethod
     def for_spec(cls, spec: AttentionSpec, causal: bool) -> SparseArgs:
-        left, right = spec.window_pair
+        left, right = spec.window
         if causal:
             if left < 0:
                 # sparse_mode 3: bottom-right causal, key j visible to query i iff
@@ -107,7 +107,7 @@ class SparseArgs:
         return cls(4, left if left >= 0 else INT_MAX, right if right >= 0 else INT_MAX, True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AscendAttentionMetadata(AttentionMetadata):
     """One step, planned: every host-side argument of the kernels, ready to pass."""
 
@@ -122,10 +122,10 @@ class AscendAttentionMetadata(AttentionMetadata):
     sparse: SparseArgs = field(default_factory=lambda: SparseArgs(3, INT_MAX, INT_MAX, True))
     #: TND ``actual_seq_lengths`` / ``actual_seq_qlen``: cumulative query ends, one per request
     #: (including the window padding rows of decode requests, see ``query_rows``).
-    query_ends: list[int] = field(default_factory=list)
+    query_ends: tuple[int, ...] = ()
     #: ``actual_seq_lengths_kv`` with the paged cache: per-sequence KV lengths (seq_lens); for
     #: npu_fusion_attention's packed K/V, ``actual_seq_kvlen``: cumulative KV ends.
-    kv_lengths: list[int] = field(default_factory=list)
+    kv_lengths: tuple[int, ...] = ()
     block_table: torch.Tensor | None = None  # [num_reqs, max_blocks] int32, device
     slot_mapping: torch.Tensor | None = None  # [num_actual_tokens] int32, device
     atten_mask: torch.Tensor | None = None  # the per-device compressed causal mask, or None
@@ -168,10 +168,6 @@ class AscendBackend(AttentionBackend):
         },
         priority={"npu": 100},
     )
-
-    #: Requests with query_len <= this over cached context count as (multi-token) decodes
-    #: when the builder names the step's state.
-    decode_query_len = 16
 
     @classmethod
     def availability(cls, device: torch.device | str, emulate: bool = False) -> str | None:
@@ -252,6 +248,9 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
     """Plans a step once for every layer: state, length lists, int32 tensors, mask."""
 
     backend: AscendBackend
+    #: Requests with query_len <= this over cached context count as (multi-token) decodes
+    #: when the builder names the step's state.
+    reorder_batch_threshold: ClassVar[int] = 16
 
     def __init__(self, backend: AscendBackend) -> None:
         super().__init__(backend)
@@ -271,7 +270,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         # Padding rows (past num_actual_tokens) are never written: the KV write gets only
         # the real tokens, and the op itself skips any slot < 0 among them.
         slots = batch.slot_mapping[:n].to(torch.int32)  # once per step, not per layer
-        meta = AscendAttentionMetadata(
+        common: dict[str, Any] = dict(
             batch=batch,
             common_prefix_len=common_prefix_len,
             state=state,
@@ -282,7 +281,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
             atten_mask=compressed_causal_mask(self.backend.device) if sparse.needs_mask else None,
             kernel_tokens=n,
         )
-        query_ends = batch.query_start_loc_cpu[1:].tolist()
+        query_ends = tuple(batch.query_start_loc_cpu[1:].tolist())  # host data
         if not causal:  # npu_fusion_attention over packed K/V
             if batch.num_reqs > MAX_ENCODER_BATCH:
                 raise UnsupportedConfigurationError(
@@ -292,18 +291,23 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                         f"varlen mode takes at most {MAX_ENCODER_BATCH}"
                     ],
                 )
-            meta.query_ends = query_ends
-            meta.kv_lengths = torch.cumsum(seq_lens, 0).tolist()  # cumulative KV ends
             cross = spec.attn_type is AttentionType.ENCODER_DECODER
-            if cross or bool((seq_lens != q_lens).any()):
-                meta.kv_slots = self._kv_slots(batch)
-            return meta
-        meta.block_table = batch.block_table.to(torch.int32).contiguous()
-        meta.query_ends = query_ends
-        meta.kv_lengths = seq_lens.tolist()  # paged cache: per-sequence KV lengths
+            return AscendAttentionMetadata(
+                **common,
+                query_ends=query_ends,
+                kv_lengths=tuple(torch.cumsum(seq_lens, 0).tolist()),  # cumulative KV ends
+                kv_slots=(
+                    self._kv_slots(batch) if cross or bool((seq_lens != q_lens).any()) else None
+                ),
+            )
+        common.update(
+            block_table=batch.block_table.to(torch.int32).contiguous(),
+            query_ends=query_ends,
+            kv_lengths=tuple(seq_lens.tolist()),  # paged cache: per-sequence KV lengths
+        )
         if sparse.sparse_mode == 4 and state is not AscendAttentionState.PREFILL_NO_CACHE:
-            self._pad_window_decodes(meta, q_lens, seq_lens)
-        return meta
+            common.update(self._window_decode_rows(batch, q_lens, seq_lens))
+        return AscendAttentionMetadata(**common)
 
     def _kv_slots(self, batch: BatchMetadata) -> torch.Tensor:  # [sum(seq_lens)] int64, device
         """The cache slot of every key of every request, in order, for the packed path to gather
@@ -323,17 +327,18 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
             return AscendAttentionState.PREFILL_NO_CACHE
         if bool((q_lens == 1).all()):
             return AscendAttentionState.DECODE_ONLY
-        small = q_lens <= self.backend.decode_query_len
+        small = q_lens <= self.reorder_batch_threshold
         if bool(small.all()):
             return AscendAttentionState.MULTI_TOKEN_DECODE
         if not bool((small & (context > 0)).any()):
             return AscendAttentionState.PREFILL_CACHE_HIT
         return AscendAttentionState.CHUNKED_PREFILL
 
-    def _pad_window_decodes(
-        self, meta: AscendAttentionMetadata, q_lens: torch.Tensor, seq_lens: torch.Tensor
-    ) -> None:
-        """Give every windowed one-token request a leading padding row.
+    def _window_decode_rows(
+        self, batch: BatchMetadata, q_lens: torch.Tensor, seq_lens: torch.Tensor
+    ) -> dict[str, Any]:
+        """Give every windowed one-token request a leading padding row: the metadata fields
+        that say so (none when no request needs one).
 
         FIA computes a request with one query token in its incremental (IFA) branch, where
         sparse_mode, pre_tokens and next_tokens are ignored [doc: "Q_S为1时该参数无效"; read
@@ -344,15 +349,15 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         (seq_len > W) are padded; if the hardware does apply the band to single rows, the
         padding changes nothing.
         """
-        visible = self.spec.window_pair[0] + 1
+        visible = self.spec.window[0] + 1
         pad = (q_lens == 1) & (seq_lens > visible)
         if not bool(pad.any()):
-            return
+            return {}
         q = q_lens.long()
         extra = pad.long()
         kq = q + extra  # kernel query rows per request
         k_starts = torch.cumsum(kq, 0) - kq
-        q_starts = meta.batch.query_start_loc_cpu[:-1].long()
+        q_starts = batch.query_start_loc_cpu[:-1].long()
         reqs = torch.arange(q.numel())
         total = int(kq.sum())
         req_of_row = torch.repeat_interleave(reqs, kq)  # [kernel_tokens]
@@ -363,10 +368,12 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         token_offset = torch.arange(int(q.sum())) - q_starts[req_of_token]
         dst = k_starts[req_of_token] + extra[req_of_token] + token_offset
         dev = self.backend.device
-        meta.query_rows = src.to(dev)
-        meta.output_rows = dst.to(dev)
-        meta.query_ends = torch.cumsum(kq, 0).tolist()
-        meta.kernel_tokens = total
+        return dict(
+            query_rows=src.to(dev),
+            output_rows=dst.to(dev),
+            query_ends=tuple(torch.cumsum(kq, 0).tolist()),
+            kernel_tokens=total,
+        )
 
 
 class AscendAttentionImpl(AttentionImpl):
@@ -527,7 +534,7 @@ class AscendAttentionImpl(AttentionImpl):
                 actual_seq_lengths=meta.query_ends,  # cumulative query ends (TND)
                 actual_seq_lengths_kv=meta.kv_lengths,  # per-sequence (paged cache)
                 num_heads=spec.num_heads,
-                scale=spec.softmax_scale,
+                scale=spec.scale,
                 **shared,
             )
         else:
@@ -539,7 +546,7 @@ class AscendAttentionImpl(AttentionImpl):
                 actual_seq_kvlen=meta.kv_lengths,
                 learnable_sink=self.learnable_sink,
                 num_query_heads=spec.num_heads,
-                softmax_scale=spec.softmax_scale,
+                softmax_scale=spec.scale,
                 **shared,
             )
 
@@ -562,7 +569,7 @@ class AscendAttentionImpl(AttentionImpl):
             spec.num_heads,
             "TND",
             atten_mask=meta.atten_mask,  # None without a window: full attention
-            scale=spec.softmax_scale,
+            scale=spec.scale,
             pre_tockens=sparse.pre_tokens,  # sic: the vendor's spelling
             next_tockens=sparse.next_tokens,
             actual_seq_qlen=meta.query_ends,  # cumulative (TND)

@@ -3,9 +3,6 @@ calls it records."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import ascend_helpers as h
 import pytest
 import torch
@@ -79,14 +76,14 @@ def test_query_lengths_are_cumulative_ends() -> None:
     _, calls = _calls(st)
     fia = _only(calls, FIA)
     assert fia.kwargs["input_layout"] == "TND"
-    assert fia.kwargs["actual_seq_lengths"] == [1, 4, 5, 45, 175]  # query_start_loc[1:]
+    assert fia.kwargs["actual_seq_lengths"] == (1, 4, 5, 45, 175)  # query_start_loc[1:]
     assert fia.args[0].shape[0] == 175  # the TND query holds exactly the real tokens
 
 
 def test_kv_lengths_are_per_sequence_with_the_paged_cache() -> None:
     st = h.step(MIXED)
     _, calls = _calls(st)
-    assert _only(calls, FIA).kwargs["actual_seq_lengths_kv"] == [300, 140, 9, 300, 130]
+    assert _only(calls, FIA).kwargs["actual_seq_lengths_kv"] == (300, 140, 9, 300, 130)
 
 
 def test_encoder_kv_lengths_are_cumulative_ends_of_the_packed_keys() -> None:
@@ -95,8 +92,8 @@ def test_encoder_kv_lengths_are_cumulative_ends_of_the_packed_keys() -> None:
     out, calls = _calls(st)
     fa = _only(calls, FA)
     assert fa.args[3:5] == (4, "TND")  # head_num, input_layout: positional, as documented
-    assert fa.kwargs["actual_seq_qlen"] == [5, 8, 17]
-    assert fa.kwargs["actual_seq_kvlen"] == [5, 8, 17]
+    assert fa.kwargs["actual_seq_qlen"] == (5, 8, 17)
+    assert fa.kwargs["actual_seq_kvlen"] == (5, 8, 17)
     assert fa.args[1].shape[0] == 17  # this step's keys, packed, padding rows dropped
     assert fa.kwargs["sparse_mode"] == 0 and fa.kwargs["atten_mask"] is None
     assert FIA not in emulator.call_counts
@@ -140,7 +137,7 @@ def test_window_decode_rows_get_a_padding_row_so_the_band_applies() -> None:
     # a decode the window cuts (seq 200 > 40), one it does not (seq 30), a prefill
     st = h.step([(1, 200), (1, 30), (6, 100)], s, padding=2)
     meta = st.backend.metadata_builder().build(st.batch)
-    assert meta.kernel_tokens == 9 and meta.query_ends == [2, 3, 9]
+    assert meta.kernel_tokens == 9 and meta.query_ends == (2, 3, 9)
     assert meta.query_rows is not None and meta.output_rows is not None
     assert meta.query_rows.tolist() == [0, 0, 1, 2, 3, 4, 5, 6, 7]
     assert meta.output_rows.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
@@ -169,8 +166,8 @@ def test_sinks_go_through_v2_as_a_bfloat16_learnable_sink() -> None:
     v2 = _only(calls, FIA_V2)
     sink = v2.kwargs["learnable_sink"]
     assert sink.dtype == torch.bfloat16 and sink.shape == (4,)
-    assert v2.kwargs["actual_seq_qlen"] == [1, 4, 5, 45, 175]
-    assert v2.kwargs["actual_seq_kvlen"] == [300, 140, 9, 300, 130]
+    assert v2.kwargs["actual_seq_qlen"] == (1, 4, 5, 45, 175)
+    assert v2.kwargs["actual_seq_kvlen"] == (300, 140, 9, 300, 130)
     assert v2.kwargs["num_query_heads"] == 4 and "softmax_scale" in v2.kwargs
     assert FIA not in emulator.call_counts
     h.assert_matches_reference(st, out)
@@ -250,45 +247,21 @@ def test_the_builder_names_the_steps_state(
 # --- no host reads in forward --------------------------------------------------------------------
 
 
-class _DeviceKernels:
-    """The emulated ops stand in for device kernels: what they read happens on the device, not
-    in the backend's host code, so the guards come off at the op boundary."""
-
-    def __init__(self, ops: Any, unguard: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self._ops, self._unguard = ops, unguard
-
-    def __getattr__(self, name: str) -> Any:
-        return _Kernel(getattr(self._ops, name), self._unguard)
-
-
-class _Kernel:
-    def __init__(self, fn: Any, unguard: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self._fn, self._unguard = fn, unguard
-
-    def _off(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return self._unguard(x)
-        if isinstance(x, (list, tuple)):
-            return type(x)(self._off(v) for v in x)
-        return x
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fn(*self._off(args), **{k: self._off(v) for k, v in kwargs.items()})
-
-    @property
-    def out(self) -> _Kernel:
-        return _Kernel(self._fn.out, self._unguard)
-
-
-def test_forward_reads_no_device_tensor_on_the_host() -> None:
+def test_forward_and_write_kv_read_no_device_tensor_on_the_host() -> None:
+    """With every check on: the step's values were checked by build, on host copies. The
+    emulated ops are the device (emulator.py is marked ``__attnhub_device_code__``)."""
     hostsync = pytest.importorskip("attnhub_conformance.hostsync")
     for s in (h.spec(), h.spec(sliding_window=40), h.spec(use_sinks=True)):
         st = h.step([(1, 200), (3, 140), (40, 300)], s, padding=2)
         meta = st.backend.metadata_builder().build(st.batch)
         impl = st.backend.impl(sinks=st.sinks)
-        impl.checks_values = False  # the base class's value checks, off as under capture
-        st.backend.ops = _DeviceKernels(st.backend.ops, hostsync.unguard)
         guard = hostsync.guard
+        impl.write_kv(
+            guard(st.key, "key"),
+            guard(st.value, "value"),
+            hostsync.guard_cache(st.cache),
+            meta=hostsync.guard_tree(meta, "meta"),
+        )
         out = impl.forward(
             guard(st.query, "query"),
             guard(st.key, "key"),
@@ -310,8 +283,8 @@ def test_non_causal_attention_over_cached_context_gathers_its_keys_once() -> Non
     with emulator.record_calls() as calls:
         out = st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
     fa = _only(calls, FA)
-    assert fa.kwargs["actual_seq_qlen"] == [3, 8, 9]
-    assert fa.kwargs["actual_seq_kvlen"] == [9, 14, 144]  # cumulative, packed
+    assert fa.kwargs["actual_seq_qlen"] == (3, 8, 9)
+    assert fa.kwargs["actual_seq_kvlen"] == (9, 14, 144)  # cumulative, packed
     assert fa.args[1].shape[0] == 144
     h.assert_matches_reference(st, out)
 

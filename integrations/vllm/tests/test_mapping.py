@@ -181,7 +181,7 @@ def test_spec_from_vllm_maps_and_refuses() -> None:
         logits_soft_cap=0,  # vLLM's "none"
     )
     assert reasons == [] and spec is not None
-    assert (spec.sliding_window, spec.logits_soft_cap, spec.softmax_scale) == (64, None, 0.1)
+    assert (spec.sliding_window, spec.logits_soft_cap, spec.scale) == (64, None, 0.1)
     for vllm_name, ours in (
         ("fp8", "fp8_e4m3"),
         ("fp8_e4m3", "fp8_e4m3"),
