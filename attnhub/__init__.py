@@ -22,7 +22,7 @@ from attnhub.batch import (
     reorder_decodes_first,
     split_decodes_and_prefills,
 )
-from attnhub.capabilities import FEATURES, Capabilities, GraphSupport, Tolerance
+from attnhub.capabilities import FEATURES, Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.hookspecs import hookimpl
 from attnhub.kv_cache import PagedKVCache
 from attnhub.registry import (
@@ -52,6 +52,7 @@ __all__ = [
     "DecodePrefillSplit",
     "GraphSupport",
     "PagedKVCache",
+    "Refusal",
     "Tolerance",
     "__version__",
     "errors",

@@ -19,7 +19,7 @@ import torch
 
 from attnhub import validation
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import Capabilities, GraphSupport
+from attnhub.capabilities import Capabilities, GraphSupport, Refusal
 from attnhub.errors import (
     BackendUnavailableError,
     InvalidInputError,
@@ -87,8 +87,13 @@ class AttentionBackend(abc.ABC):
         return False
 
     @classmethod
-    def unsupported_reasons(cls, spec: AttentionSpec) -> list[str]:
-        """Every reason this backend refuses ``spec`` (empty list = supported)."""
+    def unsupported_reasons(cls, spec: AttentionSpec) -> list[Refusal]:
+        """Every reason this backend refuses ``spec`` (empty list = supported). Override to add
+        limits of your own, or to explain a refusal per field::
+
+            return [r.because(WHY[r.field]) if r.field in WHY else r
+                    for r in super().unsupported_reasons(spec)]
+        """
         return cls.capabilities.unsupported_reasons(spec)
 
     # --- an instance -----------------------------------------------------------------------

@@ -28,6 +28,46 @@ class GraphSupport(enum.IntEnum):
     ALWAYS = 3  # any batch, padded to a captured size
 
 
+class Refusal(str):
+    """One reason a backend refuses a spec: the sentence people read (a Refusal *is* that
+    string) together with what was refused, so that code never parses the sentence back.
+
+    ``field`` names what is refused: a :class:`Capabilities` field (``"dtype"``, ``"head_size"``,
+    ``"block_size"``, ``"kv_cache_dtype"``, ``"attn_types"``, a feature such as ``"softcap"``)
+    or, for a backend's own limits, the spec field (``"num_heads"``). ``value`` is the spec's
+    value, ``supported`` what would have been accepted (None when a set does not say it).
+    A backend explains a refusal in its own terms with :meth:`because`, per field.
+    """
+
+    field: str
+    value: object
+    supported: object
+
+    def __new__(
+        cls, sentence: str, *, field: str, value: object = None, supported: object = None
+    ) -> Refusal:
+        self = super().__new__(cls, sentence)
+        self.field, self.value, self.supported = field, value, supported
+        return self
+
+    @property
+    def sentence(self) -> str:
+        return str.__str__(self)
+
+    def because(self, why: str) -> Refusal:
+        """The same refusal with the backend's reason appended: ``"... (why)"``."""
+        return Refusal(
+            f"{self.sentence} ({why})", field=self.field, value=self.value, supported=self.supported
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:  # pickles (e.g. across pytest workers) whole
+        return (_refusal, (self.sentence, self.field, self.value, self.supported))
+
+
+def _refusal(sentence: str, field: str, value: object, supported: object) -> Refusal:
+    return Refusal(sentence, field=field, value=value, supported=supported)
+
+
 @dataclass(frozen=True)
 class Tolerance:
     """Accepted difference from the float64 reference: |out - ref| <= atol + rtol * |ref|."""
@@ -81,39 +121,90 @@ class Capabilities:
     def supports_device(self, device_type: str) -> bool:
         return self.devices is None or device_type in self.devices
 
-    def unsupported_reasons(self, spec: AttentionSpec) -> list[str]:
-        """Every reason this declaration refuses ``spec``, as sentences (empty = supported)."""
+    def unsupported_reasons(self, spec: AttentionSpec) -> list[Refusal]:
+        """Every reason this declaration refuses ``spec`` (empty = supported)."""
         reasons = []
         if spec.dtype not in self.dtypes:
             names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
-            reasons.append(f"dtype {spec.dtype} is not supported (supported: {names})")
+            reasons.append(
+                Refusal(
+                    f"dtype {spec.dtype} is not supported (supported: {names})",
+                    field="dtype",
+                    value=spec.dtype,
+                    supported=self.dtypes,
+                )
+            )
         hs = spec.head_size
         if self.head_sizes is not None and hs not in self.head_sizes:
-            reasons.append(f"head_size {hs} is not one of {sorted(self.head_sizes)}")
+            reasons.append(
+                Refusal(
+                    f"head_size {hs} is not one of {sorted(self.head_sizes)}",
+                    field="head_size",
+                    value=hs,
+                    supported=self.head_sizes,
+                )
+            )
         if self.max_head_size is not None and hs > self.max_head_size:
-            reasons.append(f"head_size {hs} exceeds the maximum {self.max_head_size}")
+            reasons.append(
+                Refusal(
+                    f"head_size {hs} exceeds the maximum {self.max_head_size}",
+                    field="head_size",
+                    value=hs,
+                )
+            )
         if hs % self.head_size_multiple:
-            reasons.append(f"head_size {hs} is not a multiple of {self.head_size_multiple}")
+            reasons.append(
+                Refusal(
+                    f"head_size {hs} is not a multiple of {self.head_size_multiple}",
+                    field="head_size",
+                    value=hs,
+                )
+            )
         bs = spec.block_size
         if self.block_sizes is not None and bs not in self.block_sizes:
-            reasons.append(f"block_size {bs} is not one of {sorted(self.block_sizes)}")
+            reasons.append(
+                Refusal(
+                    f"block_size {bs} is not one of {sorted(self.block_sizes)}",
+                    field="block_size",
+                    value=bs,
+                    supported=self.block_sizes,
+                )
+            )
         if bs % self.block_size_multiple:
-            reasons.append(f"block_size {bs} is not a multiple of {self.block_size_multiple}")
+            reasons.append(
+                Refusal(
+                    f"block_size {bs} is not a multiple of {self.block_size_multiple}",
+                    field="block_size",
+                    value=bs,
+                )
+            )
         if spec.kv_cache_dtype not in self.kv_cache_dtypes:
             reasons.append(
-                f"kv_cache_dtype {spec.kv_cache_dtype!r} is not supported (supported: "
-                + ", ".join(k for k in KV_CACHE_DTYPES if k in self.kv_cache_dtypes)
-                + ")"
+                Refusal(
+                    f"kv_cache_dtype {spec.kv_cache_dtype!r} is not supported (supported: "
+                    + ", ".join(k for k in KV_CACHE_DTYPES if k in self.kv_cache_dtypes)
+                    + ")",
+                    field="kv_cache_dtype",
+                    value=spec.kv_cache_dtype,
+                    supported=self.kv_cache_dtypes,
+                )
             )
         if spec.attn_type not in self.attn_types:
             reasons.append(
-                f"attention type {spec.attn_type.value!r} is not supported (supported: "
-                + ", ".join(sorted(t.value for t in self.attn_types))
-                + ")"
+                Refusal(
+                    f"attention type {spec.attn_type.value!r} is not supported (supported: "
+                    + ", ".join(sorted(t.value for t in self.attn_types))
+                    + ")",
+                    field="attn_types",
+                    value=spec.attn_type,
+                    supported=self.attn_types,
+                )
             )
         for feature in sorted(spec.features()):
             if not self.supports_feature(feature):
-                reasons.append(f"feature {feature!r} is not supported")
+                reasons.append(
+                    Refusal(f"feature {feature!r} is not supported", field=feature, value=True)
+                )
         return reasons
 
     def summary(self) -> dict[str, object]:

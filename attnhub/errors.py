@@ -6,6 +6,8 @@ slots)``. Input errors also derive from ``ValueError`` so generic callers can ca
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class AttnhubError(Exception):
     """Base class of every error attnhub raises on purpose."""
@@ -22,7 +24,7 @@ class InvalidInputError(AttnhubError, ValueError):
 class UnsupportedConfigurationError(AttnhubError):
     """A backend cannot serve a spec (or a feature): ``reasons`` lists every refusal."""
 
-    def __init__(self, backend: str, reasons: list[str]):
+    def __init__(self, backend: str, reasons: Sequence[str]):
         self.backend = backend
         self.reasons = list(reasons)
         lines = "\n".join(f"  - {r}" for r in self.reasons)

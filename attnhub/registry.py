@@ -179,9 +179,9 @@ class Registry:
             why = cls.availability(device, emulate)
             if why is not None:
                 raise BackendUnavailableError(prefer, str(device), why)
-            reasons = cls.unsupported_reasons(spec)
-            if reasons:
-                raise UnsupportedConfigurationError(prefer, reasons)
+            refusals = cls.unsupported_reasons(spec)
+            if refusals:
+                raise UnsupportedConfigurationError(prefer, refusals)
             return cls(spec, device, emulate=emulate)
         ranked = self.rank(spec, device, emulate=emulate)
         for cls, reasons in ranked:
@@ -208,7 +208,7 @@ class Registry:
             cls = info.backend
             assert cls is not None
             why = info.availability(device, emulate)
-            reasons = [why] if why else []
+            reasons: list[str] = [why] if why else []
             reasons += cls.unsupported_reasons(spec)
             emulated = why is None and cls.is_emulated(device)
             rows.append((emulated, -cls.capabilities.priority.get(dt, 0), cls.name, cls, reasons))

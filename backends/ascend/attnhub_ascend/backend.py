@@ -36,7 +36,7 @@ from attnhub.backend import (
     AttentionMetadataBuilder,
 )
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import Capabilities, GraphSupport, Tolerance
+from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec, AttentionType
@@ -178,36 +178,67 @@ class AscendBackend(AttentionBackend):
         return ops.is_emulated(device)
 
     @classmethod
-    def unsupported_reasons(cls, spec: AttentionSpec) -> list[str]:
-        reasons = [_explain(r) for r in cls.capabilities.unsupported_reasons(spec)]
+    def unsupported_reasons(cls, spec: AttentionSpec) -> list[Refusal]:
+        reasons = [
+            r.because(_WHY[r.field]) if r.field in _WHY else r
+            for r in super().unsupported_reasons(spec)
+        ]
         ratio = spec.num_heads // spec.num_kv_heads
         if spec.num_heads > MAX_HEADS:
-            reasons.append(f"num_heads {spec.num_heads} exceeds the kernels' {MAX_HEADS}")
+            reasons.append(
+                Refusal(
+                    f"num_heads {spec.num_heads} exceeds the kernels' {MAX_HEADS}",
+                    field="num_heads",
+                    value=spec.num_heads,
+                )
+            )
         if ratio > MAX_GQA_RATIO:
             reasons.append(
-                f"num_heads / num_kv_heads = {ratio} exceeds the kernels' GQA ratio limit "
-                f"{MAX_GQA_RATIO}"
+                Refusal(
+                    f"num_heads / num_kv_heads = {ratio} exceeds the kernels' GQA ratio limit "
+                    f"{MAX_GQA_RATIO}",
+                    field="num_kv_heads",
+                    value=spec.num_kv_heads,
+                )
             )
         if spec.num_kv_heads * spec.head_size > MAX_KV_HIDDEN:
             reasons.append(
-                f"num_kv_heads * head_size = {spec.num_kv_heads * spec.head_size} exceeds "
-                f"{MAX_KV_HIDDEN}, FIA's limit for the (num_blocks, block_size, KV_N*D) cache"
+                Refusal(
+                    f"num_kv_heads * head_size = {spec.num_kv_heads * spec.head_size} exceeds "
+                    f"{MAX_KV_HIDDEN}, FIA's limit for the (num_blocks, block_size, KV_N*D) "
+                    "cache",
+                    field="head_size",
+                    value=spec.head_size,
+                )
             )
         if spec.use_sinks:
             if not spec.causal:
                 reasons.append(
-                    "sinks are supported for decoder attention only (learnable_sink of "
-                    "npu_fused_infer_attention_score_v2; the encoder path, "
-                    "npu_fusion_attention, documents no sink semantics)"
+                    Refusal(
+                        "sinks are supported for decoder attention only (learnable_sink of "
+                        "npu_fused_infer_attention_score_v2; the encoder path, "
+                        "npu_fusion_attention, documents no sink semantics)",
+                        field="sinks",
+                        value=spec.attn_type,
+                    )
                 )
             if spec.dtype != torch.bfloat16:
                 reasons.append(
-                    f"sinks need dtype bfloat16 (learnable_sink is bfloat16 only), got {spec.dtype}"
+                    Refusal(
+                        f"sinks need dtype bfloat16 (learnable_sink is bfloat16 only), got "
+                        f"{spec.dtype}",
+                        field="sinks",
+                        value=spec.dtype,
+                    )
                 )
             if spec.head_size > MAX_SINK_HEAD_SIZE:
                 reasons.append(
-                    f"sinks need head_size <= {MAX_SINK_HEAD_SIZE} (learnable_sink), got "
-                    f"{spec.head_size}"
+                    Refusal(
+                        f"sinks need head_size <= {MAX_SINK_HEAD_SIZE} (learnable_sink), got "
+                        f"{spec.head_size}",
+                        field="sinks",
+                        value=spec.head_size,
+                    )
                 )
         return reasons
 
@@ -227,21 +258,15 @@ class AscendBackend(AttentionBackend):
         return AscendAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
-_EXPLAINED = {
-    "feature 'softcap'": "FIA has no logit soft-capping",
-    "feature 'alibi'": "FIA's pse_shift bias is not supported with the TND layout",
+#: Why the kernels refuse what Capabilities refuses, per refused field.
+_WHY = {
+    "softcap": "FIA has no logit soft-capping",
+    "alibi": "FIA's pse_shift bias is not supported with the TND layout",
     "kv_cache_dtype": "FIA's int8 antiquant modes are not supported with page attention in TND",
     "block_size": "FIA page attention with query lengths > 1 needs a multiple of 128 up to 512",
     "head_size": "FIA needs head_size a multiple of 16, at most 512",
     "dtype": "the kernels take float16 and bfloat16",
 }
-
-
-def _explain(reason: str) -> str:
-    for prefix, why in _EXPLAINED.items():
-        if reason.startswith(prefix):
-            return f"{reason} ({why})"
-    return reason
 
 
 class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):

@@ -101,3 +101,20 @@ def test_cascade_and_graph_capture_are_refused_at_build() -> None:
         builder.build(st.batch, common_prefix_len=128)
     with pytest.raises(UnsupportedConfigurationError, match="graph"):
         builder.build_for_graph_capture(st.batch)
+
+
+def test_refusals_are_explained_per_field_not_by_their_wording() -> None:
+    """The backend attaches its kernels' reason to the refused field: a core sentence reworded
+    keeps its explanation."""
+    spec = attnhub.AttentionSpec(
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.float32,
+        block_size=16,
+        logits_soft_cap=30.0,
+    )
+    by_field = {r.field: r for r in AscendBackend.unsupported_reasons(spec)}
+    assert by_field["dtype"].endswith("(the kernels take float16 and bfloat16)")
+    assert by_field["softcap"].endswith("(FIA has no logit soft-capping)")
+    assert "multiple of 128" in by_field["block_size"]
