@@ -299,7 +299,7 @@ class Registry:
         prefer: str | None = None,
         emulate: bool = False,
     ) -> AttentionBackend:
-        """See :func:`select_backend`. Warns (PluginLoadWarning) once per failed plugin."""
+        """See :func:`select_backend`. Warns (PluginLoadWarning) about each failed plugin."""
         prefer = prefer or os.environ.get(ENV_BACKEND) or None
         emulate = emulate or os.environ.get(ENV_EMULATE, "").lower() in ("1", "true", "yes")
         self.discover()
@@ -445,6 +445,8 @@ def select_backend(
 
     ``prefer`` (or env ATTNHUB_BACKEND) names one: if it cannot serve, this raises with its
     reasons, never falling back. ``emulate`` (or env ATTNHUB_EMULATE=1) lets vendor backends run
-    through their CPU emulators; native backends still rank first.
+    through their CPU emulators; native backends still rank first. A plugin that failed to load
+    is never silent: each call warns (PluginLoadWarning) naming it and its error, which Python's
+    default warning filter shows once per plugin.
     """
     return _REGISTRY.select(spec, device, prefer=prefer, emulate=emulate)
