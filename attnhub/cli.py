@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -12,7 +13,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from attnhub.errors import AttnhubError, NoBackendError
+from attnhub.errors import AttnhubError, NoBackendError, PluginLoadError, PluginLoadWarning
 from attnhub.registry import default_registry, list_backends
 from attnhub.spec import AttentionSpec
 
@@ -117,14 +118,30 @@ def cmd_select(args: argparse.Namespace) -> int:
     console = _console()
     spec = _spec_from_args(args)
     registry = default_registry()
-    try:
-        chosen = registry.select(spec, args.device, prefer=args.prefer, emulate=args.emulate)
-    except AttnhubError as exc:
-        console.print(f"[red]no backend:[/red] {exc}")
-        chosen = None
+    failed = [info for info in list_backends() if info.error is not None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginLoadWarning)  # said once below, errors in the table
+        try:
+            chosen = registry.select(spec, args.device, prefer=args.prefer, emulate=args.emulate)
+        except PluginLoadError as exc:  # its error is the plugin's row of the table
+            console.print(f"[red]no backend:[/red] plugin {exc.plugin!r} failed to load")
+            chosen = None
+        except NoBackendError as exc:  # each candidate's reasons are its row of the table
+            console.print(f"[red]no backend:[/red] {exc.message}")
+            chosen = None
+        except AttnhubError as exc:
+            console.print(f"[red]no backend:[/red] {exc}")
+            chosen = None
     if chosen is not None:
         mode = " (emulated)" if chosen.emulated else ""
         console.print(f"selected: [bold]{chosen.name}[/bold]{mode} on {args.device}")
+    if failed:
+        plugins = "plugin" if len(failed) == 1 else "plugins"
+        names = ", ".join(repr(info.plugin) for info in failed)
+        console.print(
+            f"[yellow]warning:[/yellow] {plugins} failed to load, not considered: {names} "
+            "(errors in the table)"
+        )
     table = Table(title="candidates, in selection order")
     table.add_column("backend")
     table.add_column("verdict", overflow="fold")
@@ -138,9 +155,8 @@ def cmd_select(args: argparse.Namespace) -> int:
         else:
             verdict = "usable, lower priority"
         table.add_row(cls.name, verdict)
-    for info in list_backends():
-        if info.error is not None:
-            table.add_row(info.name, f"plugin failed to load: {info.error}")
+    for info in failed:
+        table.add_row(info.name, f"[red]plugin failed to load:[/red] {info.error}")
     console.print(table)
     return 0 if chosen is not None else 2
 

@@ -1,7 +1,9 @@
 """The exception types attnhub raises. Every one derives from :class:`AttnhubError`.
 
 Messages name the bad value, e.g. ``slot_mapping[7] = 4096 is outside the cache (1024 blocks x 4
-slots)``. Input errors also derive from ``ValueError`` so generic callers can catch them as such.
+slots)``. Input errors also derive from ``ValueError`` (or ``TypeError``, for what is not a
+backend class) so generic callers can catch them as such. The one warning,
+:class:`PluginLoadWarning`, is a ``UserWarning``.
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ class BackendUnavailableError(AttnhubError):
 class NoBackendError(AttnhubError):
     """No backend (or no backend of the requested name) can serve a spec on a device.
 
-    ``candidates`` maps each backend considered to the reasons it was rejected.
+    ``message`` is the one-line headline; ``candidates`` maps each backend considered to the
+    reasons it was rejected.
     """
 
     def __init__(self, message: str, candidates: dict[str, list[str]] | None = None):
+        self.message = message
         self.candidates = dict(candidates or {})
         lines = [message]
         for name, reasons in self.candidates.items():
@@ -56,10 +60,46 @@ class NoBackendError(AttnhubError):
         super().__init__("\n".join(lines))
 
 
-class PluginLoadError(AttnhubError):
-    """A backend plugin failed to import or register. Recorded, never fatal to the others."""
+class PluginLoadError(NoBackendError):
+    """A backend plugin failed to import or register. Recorded, never fatal to the others.
+
+    Raised by ``get_backend(name)`` / ``select_backend(prefer=name)`` when ``name`` is a plugin
+    that failed; the original exception is its ``__cause__``. A :class:`NoBackendError`, since
+    the plugin provides no backend, so callers that catch that keep working.
+    """
 
     def __init__(self, plugin: str, error: str):
         self.plugin = plugin
         self.error = error
         super().__init__(f"attnhub plugin {plugin!r} failed to load: {error}")
+
+
+class BackendRegistrationError(AttnhubError):
+    """A backend class, or a plugin's ``attnhub_backends()`` result, that cannot be registered.
+
+    From a plugin it is recorded as the plugin's error; from ``register_backend`` it is raised.
+    """
+
+
+class InvalidBackendError(BackendRegistrationError, TypeError):
+    """Not a backend: not an ``AttentionBackend`` subclass, no string ``name``, ``capabilities``
+    not an :class:`~attnhub.Capabilities`, or a hook result that is not a list of classes."""
+
+
+class DuplicateBackendError(BackendRegistrationError, ValueError):
+    """A backend name already registered by another class (pass ``replace=True`` to swap an
+    in-process registration)."""
+
+    def __init__(self, message: str, name: str):
+        self.name = name
+        super().__init__(message)
+
+
+class ReservedBackendNameError(DuplicateBackendError):
+    """A backend name that belongs to a built-in backend (``torch``): nothing may take it, not
+    even with ``replace=True``."""
+
+
+class PluginLoadWarning(UserWarning):
+    """Selection ran while a backend plugin had failed to load (the plugin and its error are in
+    the message): the backend it would have provided was not considered."""

@@ -11,7 +11,11 @@ registered under the entry-point group ``attnhub`` in its pyproject.toml:
     [project.entry-points.attnhub]
     mybackend = "my_package.plugin"
 
-Hooks run once, at discovery; never per attention call.
+Hooks run once, at discovery; never per attention call. The hook returns a list of
+``AttentionBackend`` subclasses, each with a unique string ``name`` and its ``Capabilities``; a
+plugin that breaks this, or has an ``@attnhub.hookimpl`` under another name (a misspelling such as
+``attnhub_backend``), is listed as failed with that error. The built-in backend loads first, so a
+plugin module may use it at import: ``Base = attnhub.get_backend("torch")``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,25 @@
 """Backend discovery (pluggy + entry points) and selection.
 
 Every distribution with an entry point in group ``attnhub`` is loaded in isolation: a plugin that
-fails to import, or whose hook raises or returns something that is not a backend class, is
-recorded with its error (``list_backends()``, ``attnhub list``) and never breaks the others.
+fails to import, implements a hook attnhub does not have, or whose hook raises or returns
+something that is not a list of backend classes, is recorded with its error (``list_backends()``,
+``attnhub list``, a :class:`~attnhub.errors.PluginLoadWarning` at selection) and never breaks the
+others. The core's own entry point (the built-in ``torch`` backend) loads first, so a plugin may
+call ``attnhub.get_backend("torch")`` at import, e.g. to subclass it.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as md
 import os
 import sys
+import threading
 import traceback
+import warnings
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import pluggy
 import torch
@@ -21,8 +28,14 @@ from attnhub import hookspecs
 from attnhub.backend import AttentionBackend, device_type
 from attnhub.capabilities import Capabilities
 from attnhub.errors import (
+    BackendRegistrationError,
     BackendUnavailableError,
+    DuplicateBackendError,
+    InvalidBackendError,
     NoBackendError,
+    PluginLoadError,
+    PluginLoadWarning,
+    ReservedBackendNameError,
     UnsupportedConfigurationError,
 )
 from attnhub.spec import AttentionSpec
@@ -30,6 +43,15 @@ from attnhub.spec import AttentionSpec
 ENTRY_POINT_GROUP = "attnhub"
 ENV_BACKEND = "ATTNHUB_BACKEND"
 ENV_EMULATE = "ATTNHUB_EMULATE"
+IN_PROCESS = "<in-process>"  # BackendInfo.plugin of a backend given to register_backend()
+CORE_PACKAGE = __name__.partition(".")[0]  # entry points into this package are the built-ins
+
+# Files whose frames say nothing about where a plugin went wrong (see _origin).
+_MACHINERY = (
+    os.path.dirname(importlib.__file__),
+    os.path.dirname(pluggy.__file__),
+    __file__,
+)
 
 
 @dataclass(frozen=True)
@@ -57,53 +79,137 @@ class BackendInfo:
 
 
 class Registry:
-    """The backends known to this process. Module-level functions use one shared instance."""
+    """The backends known to this process. Module-level functions use one shared instance.
+
+    Thread-safe: discovery runs once, under a lock; a thread that asks while another discovers
+    waits for the complete set.
+    """
 
     def __init__(self) -> None:
+        self._lock = threading.RLock()  # re-entrant: a plugin's import may call back in
         self._discovered = False
+        self._discovering = False
+        self._loading: str | None = None  # the plugin being loaded, while discovering
         self._infos: dict[str, BackendInfo] = {}
         self._failures: list[BackendInfo] = []
+        self._causes: dict[str, BaseException] = {}  # failed plugin -> its original exception
+        self._builtin_plugins: set[str] = set()
         self.plugin_manager = pluggy.PluginManager(hookspecs.PROJECT)
         self.plugin_manager.add_hookspecs(hookspecs)
 
     # --- discovery -------------------------------------------------------------------------
     def discover(self, *, force: bool = False) -> None:
-        if self._discovered and not force:
-            return
-        if force:
-            self._infos = {k: v for k, v in self._infos.items() if v.plugin == "<in-process>"}
-            self._failures = []
-            for _, plugin in list(self.plugin_manager.list_name_plugin()):
-                self.plugin_manager.unregister(plugin)
-        self._discovered = True
-        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            dist = getattr(ep, "dist", None)
-            dist_name = dist.metadata["Name"] if dist is not None else None
-            version = dist.version if dist is not None else None
+        """Load every entry point of group ``attnhub``, once (again with ``force=True``).
+
+        Built-in entry points (modules of the core package) load first, then the others by
+        name. A call made from a plugin's import while discovery runs sees the backends
+        registered so far (the built-ins at least); other threads wait until discovery is done.
+        """
+        with self._lock:
+            if self._discovering:  # re-entered by a plugin being loaded: serve what is known
+                return
+            if self._discovered and not force:
+                return
+            if force:
+                self._forget_plugins()
+            self._discovering = True
             try:
-                module = ep.load()
-                self._register_plugin(module, ep.name, dist_name, version)
-            except Exception as exc:
-                self._fail(ep.name, dist_name, version, exc)
+                for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=_load_order):
+                    self._load(ep)
+            finally:
+                self._discovering = False
+                self._loading = None
+                self._discovered = True
+
+    def _forget_plugins(self) -> None:
+        """Drop everything discovery found; in-process registrations stay."""
+        self._infos = {k: v for k, v in self._infos.items() if v.plugin == IN_PROCESS}
+        self._failures = []
+        self._causes = {}
+        self._builtin_plugins = set()
+        for _, plugin in list(self.plugin_manager.list_name_plugin()):
+            self.plugin_manager.unregister(plugin)
+
+    def _load(self, ep: Any) -> None:
+        """Import one entry point and register its backends, or record why not."""
+        dist = getattr(ep, "dist", None)
+        dist_name = dist.metadata["Name"] if dist is not None else None
+        version = dist.version if dist is not None else None
+        self._loading = ep.name
+        try:
+            module = ep.load()
+            self._register_plugin(module, ep.name, dist_name, version, builtin=_is_builtin(ep))
+        except Exception as exc:
+            self._fail(ep.name, dist_name, version, exc)
 
     def _register_plugin(
-        self, module: ModuleType, plugin: str, dist: str | None, version: str | None
+        self,
+        module: ModuleType,
+        plugin: str,
+        dist: str | None,
+        version: str | None,
+        *,
+        builtin: bool,
     ) -> None:
+        """Register ``module`` with pluggy, call its hook and add its backends: all or none."""
         self.plugin_manager.register(module, name=plugin)
-        impls = self.plugin_manager.subset_hook_caller(
-            "attnhub_backends",
-            remove_plugins=[p for n, p in self.plugin_manager.list_name_plugin() if n != plugin],
-        )
-        found = impls()  # pluggy: a list of each hookimpl's result; one plugin, one impl
-        classes = [cls for result in found for cls in (result or [])]
+        try:
+            classes = self._hook_result(module, plugin)
+            names: dict[str, type[AttentionBackend]] = {}
+            for result in classes:
+                cls = _checked_backend_class(result, f"plugin {plugin!r}")
+                name = cls.name
+                if names.get(name, cls) is not cls:
+                    raise DuplicateBackendError(
+                        f"plugin {plugin!r} returns two backends named {name!r}: "
+                        f"{_qualname(names[name])} and {_qualname(cls)}",
+                        name,
+                    )
+                self._check_name_is_free(name, cls, replace=False)
+                names[name] = cls
+        except Exception:
+            if self.plugin_manager.is_registered(module):
+                self.plugin_manager.unregister(module)
+            raise
+        for name, cls in names.items():
+            self._infos[name] = BackendInfo(name, plugin, dist, version, cls)
+        if builtin:
+            self._builtin_plugins.add(plugin)
+
+    def _hook_result(self, module: ModuleType, plugin: str) -> list[object]:
+        """What the plugin's own ``attnhub_backends()`` implementations return, concatenated."""
+        try:
+            self.plugin_manager.check_pending()
+        except pluggy.PluginValidationError as exc:  # a misspelled hook name, most likely
+            raise BackendRegistrationError(
+                f"{exc}: attnhub has one hook, attnhub_backends()"
+            ) from exc
+        impls = [
+            impl
+            for impl in self.plugin_manager.hook.attnhub_backends.get_hookimpls()
+            if impl.plugin_name == plugin
+        ]
+        if not impls:
+            raise BackendRegistrationError(
+                f"plugin {plugin!r} (module {module.__name__}) has no "
+                "@attnhub.hookimpl function named attnhub_backends"
+            )
+        classes: list[object] = []
+        for impl in impls:
+            result = impl.function()
+            if not isinstance(result, list):
+                raise InvalidBackendError(
+                    f"plugin {plugin!r}: attnhub_backends() returned {result!r}, "
+                    "not a list of backend classes"
+                )
+            classes += result
         if not classes:
-            raise TypeError("its attnhub_backends() hook returned no backend classes")
-        for cls in classes:
-            self._add(cls, plugin, dist, version)
+            raise BackendRegistrationError(
+                f"plugin {plugin!r}: attnhub_backends() returned no backend classes"
+            )
+        return classes
 
     def _fail(self, plugin: str, dist: str | None, version: str | None, exc: BaseException) -> None:
-        last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-        where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
         self._failures.append(
             BackendInfo(
                 name=plugin,
@@ -111,58 +217,79 @@ class Registry:
                 distribution=dist,
                 version=version,
                 backend=None,
-                error=f"{type(exc).__name__}: {exc}{where}",
+                error=f"{type(exc).__name__}: {exc}{_origin(exc)}",
             )
         )
+        self._causes[plugin] = exc
 
-    def _add(
-        self,
-        cls: object,
-        plugin: str,
-        dist: str | None,
-        version: str | None,
-        *,
-        replace: bool = False,
-    ) -> None:
-        if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
-            raise TypeError(f"{cls!r} is not an AttentionBackend subclass")
-        name = getattr(cls, "name", None)
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"{cls.__name__} has no string class attribute 'name'")
-        if not isinstance(getattr(cls, "capabilities", None), Capabilities):
-            raise TypeError(f"{cls.__name__}.capabilities is not an attnhub.Capabilities")
-        if name in self._infos and not replace and self._infos[name].backend is not cls:
-            other = self._infos[name]
-            raise ValueError(
-                f"backend name {name!r} is already registered by {other.plugin!r} "
-                f"({other.backend.__module__ if other.backend else '?'})"
+    def _check_name_is_free(self, name: str, cls: type, *, replace: bool) -> None:
+        """Raise if ``name`` belongs to another class (a built-in's, even with ``replace``)."""
+        other = self._infos.get(name)
+        if other is None or other.backend is cls:
+            return
+        owner = "in-process" if other.plugin == IN_PROCESS else f"by plugin {other.plugin!r}"
+        module = other.backend.__module__ if other.backend is not None else "?"
+        if other.plugin in self._builtin_plugins:
+            raise ReservedBackendNameError(
+                f"backend name {name!r} of {_qualname(cls)} belongs to the built-in backend "
+                f"(registered {owner}, module {module}); choose another name",
+                name,
             )
-        self._infos[name] = BackendInfo(name, plugin, dist, version, cls)
+        if not replace:
+            raise DuplicateBackendError(
+                f"backend name {name!r} of {_qualname(cls)} is already registered {owner} "
+                f"(module {module})",
+                name,
+            )
 
     def register(self, cls: type[AttentionBackend], *, replace: bool = False) -> None:
-        """Register a backend class in this process (no entry point needed)."""
+        """Register a backend class in this process (no entry point needed).
+
+        Raises InvalidBackendError (a TypeError) for what is not a backend class,
+        DuplicateBackendError (a ValueError) for a name another class holds (unless
+        ``replace``), ReservedBackendNameError for a built-in's name.
+        """
         self.discover()
-        module = getattr(sys.modules.get(getattr(cls, "__module__", "")), "__name__", None)
-        self._add(cls, "<in-process>", module, None, replace=replace)
+        with self._lock:
+            name = _checked_backend_class(cls, "register_backend()").name
+            if name in self._infos and self._infos[name].backend is cls:
+                return  # the same class again is harmless
+            self._check_name_is_free(name, cls, replace=replace)
+            module = getattr(sys.modules.get(cls.__module__), "__name__", None)
+            self._infos[name] = BackendInfo(name, IN_PROCESS, module, None, cls)
 
     def unregister(self, name: str) -> None:
-        self._infos.pop(name, None)
+        with self._lock:
+            self._infos.pop(name, None)
 
     # --- queries ---------------------------------------------------------------------------
     def infos(self) -> list[BackendInfo]:
+        """Every backend by name, then every plugin that failed to load, in load order."""
         self.discover()
-        return sorted(self._infos.values(), key=lambda i: i.name) + list(self._failures)
+        with self._lock:
+            return sorted(self._infos.values(), key=lambda i: i.name) + list(self._failures)
 
     def get(self, name: str) -> type[AttentionBackend]:
+        """The class registered as ``name``.
+
+        PluginLoadError if ``name`` is a plugin that failed to load, else NoBackendError.
+        """
         self.discover()
-        info = self._infos.get(name)
-        if info is None or info.backend is None:
-            failed = [f for f in self._failures if f.name == name]
-            if failed:
-                raise NoBackendError(f"backend plugin {name!r} failed to load: {failed[0].error}")
+        with self._lock:
+            info = self._infos.get(name)
+            if info is not None and info.backend is not None:
+                return info.backend
+            for failed in self._failures:
+                if failed.name == name:
+                    raise PluginLoadError(name, failed.error or "?") from self._causes.get(name)
             known = ", ".join(sorted(self._infos)) or "none"
-            raise NoBackendError(f"no backend named {name!r} (known: {known})")
-        return info.backend
+            message = f"no backend named {name!r} (known: {known})"
+            if self._discovering:
+                message += (
+                    f"; asked while discovery is loading plugin {self._loading!r}, "
+                    "so backends of plugins loaded after it are not known yet"
+                )
+            raise NoBackendError(message)
 
     def select(
         self,
@@ -172,8 +299,18 @@ class Registry:
         prefer: str | None = None,
         emulate: bool = False,
     ) -> AttentionBackend:
+        """See :func:`select_backend`. Warns (PluginLoadWarning) about each failed plugin."""
         prefer = prefer or os.environ.get(ENV_BACKEND) or None
         emulate = emulate or os.environ.get(ENV_EMULATE, "").lower() in ("1", "true", "yes")
+        self.discover()
+        failures = [f for f in self._failures if f.plugin != prefer]  # prefer raises instead
+        for failed in failures:
+            warnings.warn(
+                f"attnhub plugin {failed.plugin!r} failed to load, so its backends are not "
+                f"considered: {failed.error}",
+                PluginLoadWarning,
+                stacklevel=2,
+            )
         if prefer is not None:
             cls = self.get(prefer)
             why = cls.availability(device, emulate)
@@ -202,9 +339,11 @@ class Registry:
         then name.
         """
         self.discover()
+        with self._lock:
+            infos = list(self._infos.values())
         dt = device_type(device)
         rows = []
-        for info in self._infos.values():
+        for info in infos:
             cls = info.backend
             assert cls is not None
             why = info.availability(device, emulate)
@@ -214,6 +353,51 @@ class Registry:
             rows.append((emulated, -cls.capabilities.priority.get(dt, 0), cls.name, cls, reasons))
         rows.sort(key=lambda r: r[:3])
         return [(r[3], r[4]) for r in rows]
+
+
+def _load_order(ep: Any) -> tuple[bool, str]:
+    """Built-ins first (so plugins can use them at import), then by entry-point name."""
+    return (not _is_builtin(ep), ep.name)
+
+
+def _is_builtin(ep: Any) -> bool:
+    """Whether an entry point names a module of the core package (``attnhub.…``)."""
+    module = str(getattr(ep, "value", "")).partition(":")[0]
+    return module.partition(".")[0] == CORE_PACKAGE
+
+
+def _checked_backend_class(cls: object, source: str) -> type[AttentionBackend]:
+    """``cls`` if it is a registrable backend class (named, with Capabilities), else raise
+    InvalidBackendError naming it and ``source`` (who offered it)."""
+    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+        raise InvalidBackendError(
+            f"{source} got {cls!r}, which is not a subclass of attnhub.AttentionBackend"
+        )
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise InvalidBackendError(
+            f"{source} got {_qualname(cls)}, whose class attribute 'name' is {name!r}, "
+            "not a non-empty string"
+        )
+    capabilities = getattr(cls, "capabilities", None)
+    if not isinstance(capabilities, Capabilities):
+        raise InvalidBackendError(
+            f"{source} got {_qualname(cls)}, whose capabilities is {capabilities!r}, "
+            "not an attnhub.Capabilities"
+        )
+    return cls
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _origin(exc: BaseException) -> str:
+    """`` (at file:line)`` of the innermost frame outside import/pluggy/registry machinery."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if not frame.filename.startswith(("<", *_MACHINERY)):
+            return f" (at {frame.filename}:{frame.lineno})"
+    return ""
 
 
 _REGISTRY = Registry()
@@ -229,14 +413,23 @@ def list_backends() -> list[BackendInfo]:
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
-    """The backend class registered under ``name``; NoBackendError if none."""
+    """The backend class registered under ``name``.
+
+    NoBackendError if none; PluginLoadError (a NoBackendError) if ``name`` is a plugin that
+    failed to load. Safe to call from a plugin's import: the built-in backends are there.
+    """
     return _REGISTRY.get(name)
 
 
 def register_backend(
     cls: type[AttentionBackend], *, replace: bool = False
 ) -> type[AttentionBackend]:
-    """Register a backend class in-process. Returns it, so it can decorate the class."""
+    """Register a backend class in-process. Returns it, so it can decorate the class.
+
+    InvalidBackendError (a TypeError) if ``cls`` is not a backend class with a name and
+    Capabilities; DuplicateBackendError (a ValueError) if another class holds its name and
+    ``replace`` is false; ReservedBackendNameError if the name is a built-in's (``torch``).
+    """
     _REGISTRY.register(cls, replace=replace)
     return cls
 
@@ -252,6 +445,8 @@ def select_backend(
 
     ``prefer`` (or env ATTNHUB_BACKEND) names one: if it cannot serve, this raises with its
     reasons, never falling back. ``emulate`` (or env ATTNHUB_EMULATE=1) lets vendor backends run
-    through their CPU emulators; native backends still rank first.
+    through their CPU emulators; native backends still rank first. A plugin that failed to load
+    is never silent: each call warns (PluginLoadWarning) naming it and its error, which Python's
+    default warning filter shows once per plugin.
     """
     return _REGISTRY.select(spec, device, prefer=prefer, emulate=emulate)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
+import threading
 import types
+import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,9 +17,16 @@ import torch
 
 import attnhub
 from attnhub import AttentionSpec, hookimpl, registry
+from attnhub.cli import main as cli_main
 from attnhub.errors import (
+    BackendRegistrationError,
     BackendUnavailableError,
+    DuplicateBackendError,
+    InvalidBackendError,
     NoBackendError,
+    PluginLoadError,
+    PluginLoadWarning,
+    ReservedBackendNameError,
     UnsupportedConfigurationError,
 )
 from attnhub.torch_backend import TorchBackend
@@ -68,9 +79,9 @@ class EmulatedBackend(TorchBackend):
 
 
 class FakeEntryPoint:
-    def __init__(self, name: str, load: Callable[[], object]) -> None:
+    def __init__(self, name: str, load: Callable[[], object], value: str | None = None) -> None:
         self.name = name
-        self.value = f"fake_{name}.plugin"
+        self.value = value or f"fake_{name}.plugin"
         self.dist = None
         self._load = load
 
@@ -318,7 +329,7 @@ def test_register_backend_rejects_a_duplicate_name(cleanup_global: list[str]) ->
     cleanup_global.append("dup-test")
     attnhub.register_backend(First)
     attnhub.register_backend(First)  # the same class again is harmless
-    with pytest.raises(ValueError, match="'dup-test'"):
+    with pytest.raises(DuplicateBackendError, match=r"'dup-test'.*Second.*already registered"):
         attnhub.register_backend(Second)
     assert attnhub.get_backend("dup-test") is First
 
@@ -336,13 +347,20 @@ def test_register_backend_replace_swaps_the_class(cleanup_global: list[str]) -> 
     assert attnhub.get_backend("replace-test") is Second
 
 
-def test_register_backend_cannot_shadow_torch() -> None:
+@pytest.mark.parametrize("replace", [False, True])
+def test_register_backend_cannot_shadow_torch(replace: bool) -> None:
     class Shadow(TorchBackend):
         name = "torch"
 
-    with pytest.raises(ValueError, match="'torch'"):
-        attnhub.register_backend(Shadow)
+    with pytest.raises(ReservedBackendNameError, match=r"'torch'.*Shadow.*built-in"):
+        attnhub.register_backend(Shadow, replace=replace)
     assert attnhub.get_backend("torch") is TorchBackend
+
+
+def test_register_backend_of_torch_itself_keeps_its_entry_point_info() -> None:
+    attnhub.register_backend(TorchBackend)
+    info = {i.name: i for i in attnhub.list_backends()}["torch"]
+    assert info.plugin == "torch" and info.distribution == "attnhub"
 
 
 @pytest.mark.parametrize(
@@ -353,8 +371,16 @@ def test_register_backend_cannot_shadow_torch() -> None:
 def test_register_rejects_what_is_not_a_backend_class(
     fresh: registry.Registry, cls: object
 ) -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidBackendError, match=r"not a subclass of attnhub\.AttentionBackend"):
         fresh.register(cls)  # type: ignore[arg-type]
+
+
+def test_register_rejects_a_backend_without_a_name(fresh: registry.Registry) -> None:
+    class Nameless(TorchBackend):
+        name = ""
+
+    with pytest.raises(InvalidBackendError, match=r"Nameless.*'name' is ''"):
+        fresh.register(Nameless)
 
 
 def test_register_rejects_a_backend_without_capabilities(fresh: registry.Registry) -> None:
@@ -362,11 +388,54 @@ def test_register_rejects_a_backend_without_capabilities(fresh: registry.Registr
         name = "no-caps-test"
         capabilities = ("not", "capabilities")  # type: ignore[assignment]
 
-    with pytest.raises(TypeError, match="capabilities"):
+    with pytest.raises(InvalidBackendError, match=r"NoCaps.*capabilities is \('not'"):
         fresh.register(NoCaps)
 
 
-# --- plugin isolation ---------------------------------------------------------------------------
+def test_registry_errors_keep_the_builtin_bases_callers_catch() -> None:
+    assert issubclass(InvalidBackendError, BackendRegistrationError)
+    assert issubclass(InvalidBackendError, TypeError)
+    assert issubclass(DuplicateBackendError, BackendRegistrationError)
+    assert issubclass(DuplicateBackendError, ValueError)
+    assert issubclass(ReservedBackendNameError, DuplicateBackendError)
+    assert issubclass(PluginLoadError, NoBackendError)
+    assert issubclass(PluginLoadWarning, UserWarning)
+
+
+# --- broken plugins: each is reported with its error, the others keep working ------------------
+
+TORCH_ENTRY_POINT = {ep.name: ep for ep in importlib.metadata.entry_points(group="attnhub")}[
+    "torch"
+]
+
+
+@pytest.fixture
+def with_torch(
+    fake_entry_points: Callable[[list[Any]], None],
+) -> Callable[..., registry.Registry]:
+    """A new registry that discovers the given plugins and the real built-in ``torch`` entry
+    point (listed last: discovery must still load it first)."""
+
+    def make(*eps: Any) -> registry.Registry:
+        fake_entry_points([*eps, TORCH_ENTRY_POINT])
+        return registry.Registry()
+
+    return make
+
+
+def assert_reported_broken(reg: registry.Registry, plugin: str, *fragments: str) -> None:
+    """``plugin`` is listed as failed with every fragment in its error; selection still works
+    (with a warning naming the plugin) and torch still serves."""
+    info = {i.name: i for i in reg.infos()}[plugin]
+    assert info.backend is None and info.error is not None
+    for fragment in fragments:
+        assert fragment in info.error
+    assert info.availability("cpu") is not None
+    assert reg.get("torch") is TorchBackend
+    with pytest.warns(PluginLoadWarning, match=f"'{plugin}'"):
+        reg.select(SPEC, "cpu")
+    with pytest.warns(PluginLoadWarning, match=f"'{plugin}'"):
+        assert type(reg.select(SPEC, "cpu", prefer="torch")) is TorchBackend
 
 
 def _raise_import_error() -> object:
@@ -377,35 +446,196 @@ def _hook_raises() -> list[type]:
     raise RuntimeError("hook exploded")
 
 
-def _not_a_backend() -> list[object]:
-    return [dict]
-
-
-def test_failing_plugins_are_recorded_and_never_break_the_others(
-    fake_entry_points: Callable[[list[Any]], None],
+def test_plugin_that_fails_to_import_is_reported_with_its_error(
+    with_torch: Callable[..., registry.Registry],
 ) -> None:
-    fake_entry_points(
-        [
-            FakeEntryPoint("broken-import", _raise_import_error),
-            FakeEntryPoint("hook-raises", lambda: plugin_module("m1", _hook_raises)),
-            FakeEntryPoint("not-a-backend", lambda: plugin_module("m2", _not_a_backend)),
-            FakeEntryPoint("good", lambda: plugin_module("m3", lambda: [NarrowBackend])),
-        ]
+    reg = with_torch(FakeEntryPoint("broken-import", _raise_import_error))
+    assert_reported_broken(reg, "broken-import", "ImportError", "vendor_lib")
+
+
+def test_plugin_with_a_syntax_error_is_reported_with_its_file_and_line(
+    with_torch: Callable[..., registry.Registry],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (tmp_path / "syntax_error_plugin.py").write_text(
+        "import attnhub\n\n@attnhub.hookimpl\ndef attnhub_backends(:\n    return []\n"
     )
-    reg = registry.Registry()
-    listed = {i.name: i for i in infos(reg)}  # must not raise
-    assert listed["narrow-test"].backend is NarrowBackend
-    assert listed["narrow-test"].plugin == "good"
-    assert listed["narrow-test"].error is None
-    errors = {
-        name: listed[name].error or "" for name in ("broken-import", "hook-raises", "not-a-backend")
-    }
-    assert "ImportError" in errors["broken-import"] and "vendor_lib" in errors["broken-import"]
-    assert "RuntimeError" in errors["hook-raises"] and "hook exploded" in errors["hook-raises"]
-    assert "dict" in errors["not-a-backend"]
-    for name in errors:
-        assert listed[name].backend is None
-        assert listed[name].availability("cpu") is not None
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = with_torch(
+        FakeEntryPoint("syntax-error", lambda: importlib.import_module("syntax_error_plugin"))
+    )
+    assert_reported_broken(reg, "syntax-error", "SyntaxError", "syntax_error_plugin.py", "line 4")
+
+
+def test_plugin_whose_hook_raises_is_reported_with_its_error(
+    with_torch: Callable[..., registry.Registry],
+) -> None:
+    reg = with_torch(FakeEntryPoint("hook-raises", lambda: plugin_module("m1", _hook_raises)))
+    assert_reported_broken(reg, "hook-raises", "RuntimeError", "hook exploded", __file__)
+
+
+def test_plugin_whose_hook_returns_a_non_list_is_reported(
+    with_torch: Callable[..., registry.Registry],
+) -> None:
+    reg = with_torch(FakeEntryPoint("non-list", lambda: plugin_module("m2", lambda: NarrowBackend)))
+    assert_reported_broken(
+        reg, "non-list", "InvalidBackendError", "NarrowBackend", "not a list of backend classes"
+    )
+
+
+def test_plugin_whose_hook_returns_a_non_backend_class_is_reported(
+    with_torch: Callable[..., registry.Registry],
+) -> None:
+    reg = with_torch(FakeEntryPoint("not-a-backend", lambda: plugin_module("m3", lambda: [dict])))
+    assert_reported_broken(
+        reg, "not-a-backend", "InvalidBackendError", "<class 'dict'>", "AttentionBackend"
+    )
+
+
+def test_plugin_returning_a_backend_without_capabilities_is_reported(
+    with_torch: Callable[..., registry.Registry],
+) -> None:
+    class NoCaps(TorchBackend):
+        name = "no-caps-test"
+        capabilities = None  # type: ignore[assignment]
+
+    reg = with_torch(FakeEntryPoint("no-caps", lambda: plugin_module("m4", lambda: [NoCaps])))
+    assert_reported_broken(reg, "no-caps", "InvalidBackendError", "NoCaps", "capabilities is None")
+
+
+def test_plugin_that_fails_registers_none_of_its_backends(
+    with_torch: Callable[..., registry.Registry],
+) -> None:
+    reg = with_torch(
+        FakeEntryPoint("half-good", lambda: plugin_module("m5", lambda: [NarrowBackend, dict]))
+    )
+    assert_reported_broken(reg, "half-good", "<class 'dict'>")
+    assert "narrow-test" not in {i.name for i in reg.infos()}
+
+
+def test_two_plugins_registering_the_same_name_keep_the_first(
+    with_torch: Callable[..., registry.Registry],
+) -> None:
+    class Impostor(TorchBackend):
+        name = "narrow-test"
+
+    reg = with_torch(
+        FakeEntryPoint("a-first", lambda: plugin_module("m6", lambda: [NarrowBackend])),
+        FakeEntryPoint("b-second", lambda: plugin_module("m7", lambda: [Impostor])),
+    )
+    assert_reported_broken(
+        reg,
+        "b-second",
+        "DuplicateBackendError",
+        f"backend name 'narrow-test' of {__name__}.",
+        f"Impostor is already registered by plugin 'a-first' (module {__name__})",
+    )
+    assert reg.get("narrow-test") is NarrowBackend
+
+
+def test_plugin_cannot_shadow_the_builtin_torch_backend(
+    with_torch: Callable[..., registry.Registry],
+) -> None:
+    class Shadow(TorchBackend):
+        name = "torch"
+
+    # "shadow" sorts before "torch": the built-in keeps its name whatever the order.
+    reg = with_torch(FakeEntryPoint("shadow", lambda: plugin_module("m8", lambda: [Shadow])))
+    assert_reported_broken(reg, "shadow", "ReservedBackendNameError", "'torch'", "Shadow")
+    info = {i.name: i for i in reg.infos()}["torch"]
+    assert info.plugin == "torch" and info.distribution == "attnhub"
+
+
+def test_plugin_with_a_misspelled_hook_is_reported_with_the_hook_name(
+    with_torch: Callable[..., registry.Registry],
+) -> None:
+    def load() -> types.ModuleType:
+        module = types.ModuleType("misspelled_plugin")
+        module.attnhub_backend = hookimpl(lambda: [NarrowBackend])  # type: ignore[attr-defined]
+        return module
+
+    reg = with_torch(FakeEntryPoint("misspelled", load))
+    assert_reported_broken(reg, "misspelled", "unknown hook 'attnhub_backend'", "attnhub_backends")
+    assert "narrow-test" not in {i.name for i in reg.infos()}
+
+
+def test_plugin_may_subclass_torch_through_get_backend_at_import(
+    with_torch: Callable[..., registry.Registry], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def load() -> types.ModuleType:  # what a vendor plugin module does at import
+        base = attnhub.get_backend("torch")
+
+        class SubTorch(base):  # type: ignore[valid-type,misc]
+            name = "sub-torch"
+            capabilities = caps(priority={"cpu": 1})
+
+        return plugin_module("m9", lambda: [SubTorch])
+
+    reg = with_torch(FakeEntryPoint("a-vendor", load))  # sorts before "torch"
+    monkeypatch.setattr(registry, "_REGISTRY", reg)  # attnhub.get_backend() asks this one
+    listed = {i.name: i for i in attnhub.list_backends()}
+    assert set(listed) == {"sub-torch", "torch"}
+    assert listed["sub-torch"].error is None and listed["sub-torch"].plugin == "a-vendor"
+    assert issubclass(attnhub.get_backend("sub-torch"), TorchBackend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginLoadWarning)
+        assert attnhub.select_backend(SPEC, "cpu", prefer="sub-torch").name == "sub-torch"
+
+
+def test_get_backend_during_discovery_names_the_plugin_being_loaded(
+    with_torch: Callable[..., registry.Registry], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def load_early() -> types.ModuleType:
+        attnhub.get_backend("narrow-test")  # provided by "b-later", not loaded yet
+        return plugin_module("m10", lambda: [Int8Backend])
+
+    reg = with_torch(
+        FakeEntryPoint("a-early", load_early),
+        FakeEntryPoint("b-later", lambda: plugin_module("m11", lambda: [NarrowBackend])),
+    )
+    monkeypatch.setattr(registry, "_REGISTRY", reg)
+    assert_reported_broken(
+        reg, "a-early", "'narrow-test'", "discovery is loading plugin 'a-early'", "not known yet"
+    )
+    assert reg.get("narrow-test") is NarrowBackend
+
+
+def test_discovery_from_two_threads_sees_one_complete_set(
+    with_torch: Callable[..., registry.Registry],
+) -> None:
+    loading = threading.Event()
+    release = threading.Event()
+
+    def slow_load() -> types.ModuleType:
+        loading.set()
+        release.wait(timeout=30)
+        return plugin_module("m12", lambda: [NarrowBackend])
+
+    reg = with_torch(
+        FakeEntryPoint("slow", slow_load),
+        FakeEntryPoint("int8", lambda: plugin_module("m13", lambda: [Int8Backend])),
+    )
+    seen: dict[str, list[tuple[str, str | None]]] = {}
+
+    def list_from(thread: str) -> None:
+        seen[thread] = [(i.name, i.error) for i in reg.infos()]
+
+    first = threading.Thread(target=list_from, args=("first",))
+    second = threading.Thread(target=list_from, args=("second",))
+    first.start()
+    assert loading.wait(timeout=30)
+    second.start()
+    second.join(timeout=0.2)
+    assert second.is_alive()  # waits for the first thread's discovery; no partial set
+    release.set()
+    first.join(timeout=30)
+    second.join(timeout=30)
+    expected = [("int8-test", None), ("narrow-test", None), ("torch", None)]
+    assert seen == {"first": expected, "second": expected}
+
+
+# --- failed plugins at lookup and selection ------------------------------------------------------
 
 
 def test_good_plugin_still_selectable_next_to_failing_ones(
@@ -414,19 +644,50 @@ def test_good_plugin_still_selectable_next_to_failing_ones(
     fake_entry_points(
         [
             FakeEntryPoint("broken-import", _raise_import_error),
-            FakeEntryPoint("good", lambda: plugin_module("m4", lambda: [NarrowBackend])),
+            FakeEntryPoint("good", lambda: plugin_module("m14", lambda: [NarrowBackend])),
         ]
     )
     reg = registry.Registry()
-    assert type(reg.select(SPEC, "cpu")) is NarrowBackend
+    with pytest.warns(PluginLoadWarning):
+        assert type(reg.select(SPEC, "cpu")) is NarrowBackend
 
 
-def test_get_of_a_failed_plugin_reports_its_error(
+def test_get_of_a_failed_plugin_raises_plugin_load_error_from_its_cause(
     fake_entry_points: Callable[[list[Any]], None],
 ) -> None:
     fake_entry_points([FakeEntryPoint("broken-import", _raise_import_error)])
-    with pytest.raises(NoBackendError, match="vendor_lib"):
+    with pytest.raises(
+        PluginLoadError, match=r"'broken-import' failed to load.*vendor_lib"
+    ) as info:
         registry.Registry().get("broken-import")
+    assert isinstance(info.value, NoBackendError)
+    assert info.value.plugin == "broken-import"
+    assert isinstance(info.value.__cause__, ImportError)
+
+
+def test_select_warns_about_each_failed_plugin(
+    fake_entry_points: Callable[[list[Any]], None],
+) -> None:
+    fake_entry_points(
+        [
+            FakeEntryPoint("broken-import", _raise_import_error),
+            FakeEntryPoint("hook-raises", lambda: plugin_module("m15", _hook_raises)),
+            FakeEntryPoint("good", lambda: plugin_module("m16", lambda: [NarrowBackend])),
+        ]
+    )
+    with pytest.warns(PluginLoadWarning) as record:
+        registry.Registry().select(SPEC, "cpu")
+    messages = sorted(str(w.message) for w in record)
+    assert len(messages) == 2
+    assert "'broken-import' failed to load" in messages[0] and "vendor_lib" in messages[0]
+    assert "'hook-raises' failed to load" in messages[1] and "hook exploded" in messages[1]
+
+
+def test_select_without_failed_plugins_does_not_warn(fresh: registry.Registry) -> None:
+    fresh.register(TorchBackend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginLoadWarning)
+        fresh.select(SPEC, "cpu")
 
 
 def test_no_backend_error_includes_failed_plugins(
@@ -435,13 +696,31 @@ def test_no_backend_error_includes_failed_plugins(
     fake_entry_points(
         [
             FakeEntryPoint("broken-import", _raise_import_error),
-            FakeEntryPoint("good", lambda: plugin_module("m5", lambda: [NarrowBackend])),
+            FakeEntryPoint("good", lambda: plugin_module("m17", lambda: [NarrowBackend])),
         ]
     )
-    with pytest.raises(NoBackendError) as info:
+    with pytest.raises(NoBackendError) as info, pytest.warns(PluginLoadWarning):
         registry.Registry().select(dataclasses.replace(SPEC, head_size=128), "cpu")
     assert "head_size 128" in " ".join(info.value.candidates["narrow-test"])
     assert "vendor_lib" in " ".join(info.value.candidates["broken-import"])
+
+
+def test_cli_select_says_once_that_a_plugin_failed_to_load(
+    with_torch: Callable[..., registry.Registry],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(
+        registry, "_REGISTRY", with_torch(FakeEntryPoint("broken-import", _raise_import_error))
+    )
+    monkeypatch.setenv("COLUMNS", "250")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginLoadWarning)  # the CLI says it itself
+        assert cli_main(["select", "--heads", "8", "--head-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "selected: torch" in out
+    assert "plugin failed to load, not considered: 'broken-import'" in out
+    assert out.count("vendor_lib") == 1
 
 
 def test_plugin_hooks_run_once_at_discovery(
@@ -453,26 +732,9 @@ def test_plugin_hooks_run_once_at_discovery(
         calls.append(1)
         return [NarrowBackend]
 
-    fake_entry_points([FakeEntryPoint("good", lambda: plugin_module("m6", hook))])
+    fake_entry_points([FakeEntryPoint("good", lambda: plugin_module("m18", hook))])
     reg = registry.Registry()
     for _ in range(3):
         reg.select(SPEC, "cpu")
         infos(reg)
     assert calls == [1]
-
-
-def test_two_plugins_registering_the_same_name_keep_the_first(
-    fake_entry_points: Callable[[list[Any]], None],
-) -> None:
-    class Impostor(TorchBackend):
-        name = "narrow-test"
-
-    fake_entry_points(
-        [
-            FakeEntryPoint("a-first", lambda: plugin_module("m7", lambda: [NarrowBackend])),
-            FakeEntryPoint("b-second", lambda: plugin_module("m8", lambda: [Impostor])),
-        ]
-    )
-    listed = {i.name: i for i in infos(registry.Registry())}
-    assert listed["narrow-test"].backend is NarrowBackend
-    assert "narrow-test" in (listed["b-second"].error or "")
