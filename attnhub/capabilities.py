@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnhub.errors import UnknownNameError
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType
 
 #: Optional features a spec may use and a backend may declare (names used everywhere).
@@ -109,14 +110,17 @@ class Capabilities:
 
     def supports_feature(self, feature: str) -> bool:
         if feature not in FEATURES:
-            raise KeyError(f"unknown feature {feature!r}; known: {', '.join(FEATURES)}")
+            raise UnknownNameError(f"unknown feature {feature!r}; known: {', '.join(FEATURES)}")
         return bool(getattr(self, feature))
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
         try:
             return self.tolerances[dtype]
         except KeyError:
-            raise KeyError(f"no tolerance declared for {dtype}") from None
+            declared = ", ".join(str(d) for d in self.tolerances) or "none"
+            raise UnknownNameError(
+                f"no tolerance declared for {dtype} (declared: {declared})"
+            ) from None
 
     def supports_device(self, device_type: str) -> bool:
         return self.devices is None or device_type in self.devices

@@ -23,6 +23,14 @@ class InvalidInputError(AttnhubError, ValueError):
     """A batch, tensor or argument that breaks the protocol (shape, dtype, device, range)."""
 
 
+class UnknownNameError(AttnhubError, KeyError):
+    """A name attnhub does not know (a feature, a KV-cache format), or a declaration a backend
+    lacks (a tolerance for a dtype): a lookup that failed, so also a ``KeyError``."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class UnsupportedConfigurationError(AttnhubError):
     """A backend cannot serve a spec (or a feature): ``reasons`` lists every refusal."""
 

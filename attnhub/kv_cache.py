@@ -18,9 +18,19 @@ import torch
 
 from attnhub.errors import InvalidInputError
 from attnhub.quant import indexable
-from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
+from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec, canonical_kv_cache_dtype
 
 LAYOUTS = ("NHD", "HND")
+
+
+def _kv_cache_dtype(name: str) -> str:
+    """The canonical name of a KV-cache format (aliases such as "fp8" accepted)."""
+    canonical = canonical_kv_cache_dtype(name)
+    if canonical is None:
+        raise InvalidInputError(
+            f"kv_cache_dtype = {name!r} is unknown; known: {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return canonical
 
 
 def _scale_plane(
@@ -45,7 +55,7 @@ def _scale_plane(
         return torch.zeros(shape, dtype=torch.float32, device=device)
     if kind == "channel":
         return torch.ones((num_kv_heads, head_size), dtype=torch.float32, device=device)
-    raise ValueError(f"unknown scale kind {kind!r}")
+    raise InvalidInputError(f"unknown scale kind {kind!r}")
 
 
 @dataclass
@@ -59,6 +69,7 @@ class PagedKVCache:
     value_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_dtype", _kv_cache_dtype(self.kv_cache_dtype))
         if self.layout not in LAYOUTS:
             raise InvalidInputError(f"layout = {self.layout!r} is not one of {LAYOUTS}")
         if self.key.dim() != 4 or self.key.shape != self.value.shape:
@@ -91,6 +102,7 @@ class PagedKVCache:
             raise InvalidInputError(f"num_blocks = {num_blocks!r} must be a positive int")
         if layout not in LAYOUTS:
             raise InvalidInputError(f"layout = {layout!r} is not one of {LAYOUTS}")
+        kv_cache_dtype = _kv_cache_dtype(kv_cache_dtype)
         fmt = KV_CACHE_DTYPES[kv_cache_dtype]
         kdt, vdt = fmt.storage_dtypes(dtype)
         shape = (

@@ -22,6 +22,7 @@ import math
 import torch
 
 from attnhub.batch import BatchMetadata
+from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import PagedKVCache
 from attnhub.quant import (
     dequantize_fp8,
@@ -163,6 +164,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_actual_tokens, H, D] f64, lse [H, tokens]
     """What a backend's forward must return for ``batch``, reading keys from ``cache``."""
+    _check_inputs(query, cache, batch, spec)
     qsl = batch.query_start_loc_cpu.tolist()
     outs, lses = [], []
     for r in range(batch.num_reqs):  # one request at a time, nothing shared between them
@@ -185,6 +187,29 @@ def paged_attention(
     if not outs:
         return torch.zeros(0, h, d, dtype=F64), torch.zeros(h, 0, dtype=F64)
     return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _check_inputs(
+    query: torch.Tensor, cache: PagedKVCache, batch: BatchMetadata, spec: AttentionSpec
+) -> None:
+    """The oracle refuses inputs that do not describe one call (InvalidInputError)."""
+    want = (spec.num_heads, spec.head_size)
+    if not isinstance(query, torch.Tensor) or query.dim() != 3 or tuple(query.shape[1:]) != want:
+        got = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise InvalidInputError(f"query must be [num_tokens, {want[0]}, {want[1]}], got {got}")
+    if query.shape[0] < batch.num_actual_tokens:
+        raise InvalidInputError(
+            f"query has {query.shape[0]} tokens, the batch has {batch.num_actual_tokens}"
+        )
+    geometry = (cache.block_size, cache.num_kv_heads, cache.head_size)
+    if geometry != (spec.block_size, spec.num_kv_heads, spec.head_size) or (
+        batch.block_size != spec.block_size
+    ):
+        raise InvalidInputError(
+            f"cache (block_size, kv heads, head_size) = {geometry} and batch block_size "
+            f"{batch.block_size} do not match the spec's "
+            f"{(spec.block_size, spec.num_kv_heads, spec.head_size)}"
+        )
 
 
 def write_kv(

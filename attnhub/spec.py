@@ -105,6 +105,15 @@ KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def canonical_kv_cache_dtype(name: object) -> str | None:
+    """The canonical :data:`KV_CACHE_DTYPES` name for ``name`` or one of its aliases
+    (``"fp8"`` -> ``"fp8_e4m3"``); None for a name that is neither."""
+    if not isinstance(name, str):
+        return None
+    name = KV_CACHE_DTYPE_ALIASES.get(name, name)
+    return name if name in KV_CACHE_DTYPES else None
+
+
 def normalize_window(
     sliding_window: int | None,
     window: tuple[int, int] | None,
@@ -209,8 +218,8 @@ class AttentionSpec:
                 f"attn_type = {self.attn_type!r} is not one of {names}"
             ) from None
         set_(self, "attn_type", attn_type)
-        kv = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        if kv not in KV_CACHE_DTYPES:
+        kv = canonical_kv_cache_dtype(self.kv_cache_dtype)
+        if kv is None:
             raise InvalidSpecError(
                 f"kv_cache_dtype = {self.kv_cache_dtype!r} is unknown; known: "
                 + ", ".join(KV_CACHE_DTYPES)

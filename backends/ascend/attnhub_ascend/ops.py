@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from attnhub.backend import device_type
+from attnhub.errors import BackendUnavailableError
 
 NATIVE_DEVICE = "npu"
 EMULATED_DEVICE = "cpu"
@@ -70,7 +71,7 @@ def namespace(device: torch.device | str, emulate: bool) -> Any:
     """
     why = unavailable_reason(device, emulate)
     if why is not None:
-        raise RuntimeError(why)
+        raise BackendUnavailableError("ascend", str(device), why)
     if device_type(device) == NATIVE_DEVICE:
         module, _ = _import_torch_npu()
         return module

@@ -46,6 +46,7 @@ from attnhub.errors import AttnhubError, InvalidInputError
 from attnhub.validation import same_view
 from attnhub_vllm.mapping import (
     KV_CACHE_DTYPES,
+    AttnhubConfigurationError,
     batch_from_common,
     cache_planes,
     cache_views,
@@ -57,10 +58,6 @@ from attnhub_vllm.mapping import (
 logger = init_logger("vllm.attnhub_vllm")
 
 ENV_BACKEND = "ATTNHUB_BACKEND"
-
-
-class AttnhubConfigurationError(ValueError):
-    """The chosen attnhub backend cannot serve this vLLM configuration (raised at start)."""
 
 
 # --- one attnhub backend per (spec, device, choice), shared by every layer and the builder --
@@ -78,7 +75,7 @@ def configured_choice(config: VllmConfig | None) -> Choice:
         return None, False
     try:
         return choice_from_additional_config(config.additional_config)
-    except ValueError as exc:
+    except AttnhubConfigurationError as exc:
         raise AttnhubConfigurationError(f"attnhub-vllm: {exc}") from None
 
 
@@ -439,7 +436,9 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("attnhub-vllm: fused output quantization is not supported")
+            raise AttnhubConfigurationError(
+                "attnhub-vllm: fused output quantization is not supported"
+            )
         if attn_metadata is None:  # vLLM's warm-up / profiling run
             return output
         impl, _ = self._attnhub(query.device)

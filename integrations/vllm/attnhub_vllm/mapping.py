@@ -17,8 +17,15 @@ from typing import Any
 import torch
 
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
+from attnhub.errors import AttnhubError
 from attnhub.spec import KV_CACHE_DTYPES as KV_CACHE_FORMATS
 from attnhub.spec import AttentionType
+
+
+class AttnhubConfigurationError(AttnhubError, ValueError):
+    """vLLM asks for something attnhub-vllm or the chosen attnhub backend cannot serve
+    (raised at engine start where it can be known then)."""
+
 
 #: vLLM ``cache_dtype`` -> attnhub ``kv_cache_dtype``. vLLM's fp8 caches store fp8(x / scale)
 #: with one per-tensor scale per layer and plane (``layer._k_scale`` / ``layer._v_scale``), as
@@ -120,7 +127,7 @@ def batch_from_common(cm: Any, block_size: int) -> BatchMetadata:
         seq_cpu = seq_cpu.to(torch.int32)
     causal = cm.causal
     if isinstance(causal, torch.Tensor):
-        raise NotImplementedError(
+        raise AttnhubConfigurationError(
             "attnhub-vllm: per-request (tensor) causal flags are not mapped to attnhub"
         )
     if n:  # numpy on the host copies: ~1 us per reduction where a torch op costs ~3-5 us
@@ -228,23 +235,23 @@ CONFIG_KEYS = {"backend": str, "emulate": bool}
 def choice_from_additional_config(additional_config: object) -> tuple[str | None, bool]:
     """(backend name, emulate) from a vLLM config's ``additional_config["attnhub"]``, e.g.
     ``{"backend": "ascend", "emulate": True}``; (None, False) when absent (the environment then
-    decides). Raises ValueError naming a bad key or value."""
+    decides). Raises AttnhubConfigurationError naming a bad key or value."""
     section = additional_config.get("attnhub") if isinstance(additional_config, dict) else None
     if section is None:
         return None, False
     if not isinstance(section, dict):
-        raise ValueError(
+        raise AttnhubConfigurationError(
             f"additional_config['attnhub'] must be a dict, got {type(section).__name__}"
         )
     for key, value in section.items():
         want = CONFIG_KEYS.get(key)
         if want is None:
-            raise ValueError(
+            raise AttnhubConfigurationError(
                 f"additional_config['attnhub'] has unknown key {key!r} "
                 f"(known: {', '.join(CONFIG_KEYS)})"
             )
         if not isinstance(value, want):
-            raise ValueError(
+            raise AttnhubConfigurationError(
                 f"additional_config['attnhub'][{key!r}] = {value!r} must be a {want.__name__}"
             )
     return section.get("backend"), bool(section.get("emulate", False))

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from attnhub_vllm.mapping import (
+    AttnhubConfigurationError,
     batch_from_common,
     cache_planes,
     cache_views,
@@ -73,7 +74,7 @@ def test_batch_from_common_shares_vllm_tensors() -> None:
 def test_batch_from_common_refuses_tensor_causal() -> None:
     cm, _ = _common([1], [3], block_size=16)
     cm.causal = torch.ones(1, dtype=torch.bool)
-    with pytest.raises(NotImplementedError, match="causal"):
+    with pytest.raises(AttnhubConfigurationError, match="causal"):
         batch_from_common(cm, 16)
 
 
@@ -225,6 +226,6 @@ def test_backend_choice_from_vllm_additional_config() -> None:
         ({"attnhub": {"backends": "ascend"}}, "unknown key 'backends'"),
         ({"attnhub": {"emulate": "yes"}}, "['emulate'] = 'yes' must be a bool"),
     ):
-        with pytest.raises(ValueError, match=None) as info:
+        with pytest.raises(AttnhubConfigurationError, match=None) as info:
             choice_from_additional_config(bad)
         assert named in str(info.value)
