@@ -1,8 +1,9 @@
 """PagedKVCache: the paged key/value storage of one attention layer.
 
 Layouts (named after the order of the last three dims):
-  "NHD": key/value [num_blocks, block_size, num_kv_heads, head_size]  (vLLM, flash-attn, Ascend)
-  "HND": key/value [num_blocks, num_kv_heads, block_size, head_size]  (Iluvatar)
+  "NHD": key/value [num_blocks, block_size, num_kv_heads, head_size]  (a block's tokens, then heads)
+  "HND": key/value [num_blocks, num_kv_heads, block_size, head_size]  (a block's heads, then tokens)
+A backend declares which one its kernels read (``Capabilities.kv_cache_layout``).
 Token position p of a request lives at slot ``block * block_size + offset``.
 Scale planes of quantized caches follow ``attnhub.spec.KV_CACHE_DTYPES``:
   "tensor":  a float32 scalar;  "slot": NHD [num_blocks, block_size, num_kv_heads] or

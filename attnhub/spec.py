@@ -84,8 +84,9 @@ KV_CACHE_DTYPES: dict[str, KVCacheDType] = {
             torch.int8,
             "slot",
             "channel",
-            "symmetric int8 keys and values: key scale per (token, kv head) = amax/127 at write "
-            "time, value scale static per (kv head, channel) (Iluvatar quant mode 1)",
+            "symmetric int8 keys and values (stored clamp(round(x / scale), -128, 127)): key "
+            "scale per written (token, kv head) = amax/127 over the head, stored per slot; value "
+            "scale static per (kv head, channel), set by the engine like a weight",
         ),
         KVCacheDType(
             "int8_k",
@@ -93,8 +94,8 @@ KV_CACHE_DTYPES: dict[str, KVCacheDType] = {
             None,
             "slot",
             "none",
-            "symmetric int8 keys (scale per token and kv head), values in the model dtype "
-            "(Iluvatar quant mode 2)",
+            "symmetric int8 keys as in 'int8' (scale per written token and kv head, stored per "
+            "slot), values in the model dtype",
         ),
     )
 }
