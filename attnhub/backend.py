@@ -325,8 +325,13 @@ class AttentionImpl(abc.ABC):
         last = self._checked_cache
         if last is not None and all(a is b for a, b in zip(planes, last, strict=True)):
             return
+        caps = self.backend.capabilities
         validation.check_cache(
-            self.spec, self.backend.capabilities.kv_cache_layout, cache, self.backend.device
+            self.spec,
+            caps.kv_cache_layout,
+            cache,
+            self.backend.device,
+            strided=caps.strided_kv_cache,
         )
         self._checked_cache = planes
 

@@ -96,6 +96,10 @@ class Capabilities:
     block_size_multiple: int = 1
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     kv_cache_layout: str = "NHD"
+    #: Whether the kernels take K/V planes that are strided views (one tensor holding a slot's
+    #: key and value side by side, as vLLM allocates its per-layer cache); False: each plane
+    #: must be contiguous (an engine then lays K and V out as two planes).
+    strided_kv_cache: bool = True
     attn_types: frozenset[AttentionType] = frozenset({AttentionType.DECODER})
     sliding_window: bool = False
     softcap: bool = False
@@ -228,6 +232,7 @@ class Capabilities:
             "block_size_multiple": self.block_size_multiple,
             "kv_cache_dtypes": [k for k in KV_CACHE_DTYPES if k in self.kv_cache_dtypes],
             "kv_cache_layout": self.kv_cache_layout,
+            "strided_kv_cache": self.strided_kv_cache,
             "attn_types": sorted(t.value for t in self.attn_types),
             "features": [f for f in FEATURES if self.supports_feature(f)],
             "multi_token_decode": self.multi_token_decode,

@@ -70,9 +70,15 @@ def check_tensor(
 
 
 def check_cache(
-    spec: AttentionSpec, layout: str, cache: PagedKVCache, device: torch.device
+    spec: AttentionSpec,
+    layout: str,
+    cache: PagedKVCache,
+    device: torch.device,
+    *,
+    strided: bool = True,
 ) -> None:
-    """The cache has this spec's geometry, storage dtypes, layout and scale planes."""
+    """The cache has this spec's geometry, storage dtypes, layout and scale planes; with
+    ``strided=False`` (a backend whose kernels need it) each K/V plane is contiguous."""
     if not isinstance(cache, PagedKVCache):
         raise InvalidInputError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
     if cache.layout != layout:
@@ -99,6 +105,13 @@ def check_cache(
         )
     if not _same_device(cache.device, device):
         raise InvalidInputError(f"cache is on {cache.device}, expected {device}")
+    if not strided and not (cache.key.is_contiguous() and cache.value.is_contiguous()):
+        raise InvalidInputError(
+            "this backend's kernels need contiguous key and value planes (capabilities."
+            f"strided_kv_cache is False); got strides {cache.key.stride()} / "
+            f"{cache.value.stride()} (allocate with backend.allocate_kv_cache, or lay K and V out "
+            "as two planes)"
+        )
     fmt = KV_CACHE_DTYPES[spec.kv_cache_dtype]
     for which in ("key_scale", "value_scale"):
         if getattr(fmt, which) != "none" and getattr(cache, which) is None:

@@ -616,6 +616,38 @@ def kv_cache_cases(target: Target, scope: Scope) -> list[Case]:
     return out.list()
 
 
+def strided_cache_cases(target: Target, scope: Scope) -> list[Case]:
+    """What ``capabilities.strided_kv_cache`` declares holds: a backend that takes K/V planes
+    that are strided views (one tensor with a slot's key and value side by side, as vLLM
+    allocates) computes and writes through them correctly; one that does not refuses them
+    with InvalidInputError, the cache untouched. Per KV format."""
+    ax = Axes(target, scope)
+    out = Cases(target, "strided_cache", scope)
+    base = ax.base
+    if base is None:
+        return []
+    declared = ax.caps.strided_kv_cache
+    proves = (
+        "forward over K/V planes that are strided views of one tensor writes and attends as "
+        "over contiguous ones"
+        if declared
+        else "strided K/V planes (strided_kv_cache=False) are refused, the cache untouched"
+    )
+    for config in [base, *(base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes)]:
+        if config.attn_type is AttentionType.ENCODER_DECODER:
+            continue
+        out.add(
+            "strided K/V planes",
+            proves,
+            config=config,
+            shape=main_shape(config.attn_type),
+            entry="views" if declared else "refused",
+            name=f"{main_shape(config.attn_type).name}-{config.id}",
+            not_supported=not declared,
+        )
+    return out.list()
+
+
 def simple_cases(kind: str, row: str, proves: str, target: Target, scope: Scope) -> list[Case]:
     """Cases for the checks that need a few representative configs, not the whole matrix:
     the base, all declared features together, each quantized cache (full: every dtype)."""
@@ -837,6 +869,7 @@ GENERATORS: dict[str, Callable[[Target, Scope], list[Case]]] = {
     "invalid_inputs": invalid_input_cases,
     "refusals": refusal_cases,
     "host_sync": host_sync_cases,
+    "strided_cache": strided_cache_cases,
     "properties": property_case,
     "output_buffer": lambda t, s: simple_cases(
         "output_buffer", "output buffer", "forward(..., output=buf) fills and returns buf", t, s

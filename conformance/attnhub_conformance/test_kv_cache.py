@@ -7,9 +7,13 @@ slots and within one quantization step inside them (rounding may legitimately di
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from attnhub import PagedKVCache
+from attnhub.errors import InvalidInputError
 from attnhub_conformance import harness
 from attnhub_conformance.cases import Case
 
@@ -31,3 +35,51 @@ def test_writes_exactly_the_new_slots(case: Case) -> None:
     expected = harness.expected_after_write(before, layer.key, layer.value, slots)
     problems = harness.cache_differences(layer.cache, expected, slots)
     assert not problems, f"{case.id}: {case.entry} left the cache wrong: " + "; ".join(problems)
+
+
+def strided_copy(cache: PagedKVCache) -> PagedKVCache:
+    """The same cache with K/V planes that are strided views: one tensor holding each slot's
+    key and value side by side in the last dim (how vLLM allocates a layer's cache); planes of
+    different dtypes get a double-width buffer each. Scale planes are shared."""
+    d = cache.key.shape[-1]
+    if cache.key.dtype == cache.value.dtype:
+        both = torch.empty((*cache.key.shape[:-1], 2 * d), dtype=cache.key.dtype)
+        both = both.to(cache.key.device)
+        key, value = both[..., :d], both[..., d:]
+    else:
+        key = torch.empty((*cache.key.shape[:-1], 2 * d), dtype=cache.key.dtype)[..., :d]
+        value = torch.empty((*cache.value.shape[:-1], 2 * d), dtype=cache.value.dtype)[..., :d]
+        key, value = key.to(cache.key.device), value.to(cache.value.device)
+    for dst, src in ((key, cache.key), (value, cache.value)):
+        harness_bytes(dst).copy_(harness_bytes(src))
+    assert not key.is_contiguous()
+    return dataclasses.replace(cache, key=key, value=value)
+
+
+def harness_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A view ``copy_`` accepts for every storage dtype (fp8 copied as its bytes)."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.mark.attnhub_cases("strided_cache")
+def test_strided_kv_planes_work_where_declared_and_are_refused_elsewhere(case: Case) -> None:
+    step = harness.prepare(case)
+    layer = step.layers[0]
+    layer.cache = strided_copy(layer.cache)
+    if case.entry == "views":
+        before = layer.cache.clone()
+        out = step.forward(layer)
+        harness.assert_matches_reference(step, layer, out, "forward over strided K/V planes")
+        if step.plan.new_kv:
+            slots = step.batch.slot_mapping
+            expected = harness.expected_after_write(before, layer.key, layer.value, slots)
+            problems = harness.cache_differences(layer.cache, expected, slots)
+            assert not problems, f"{case.id}: the write through strided planes: " + "; ".join(
+                problems
+            )
+        return
+    before = layer.cache.clone()
+    with pytest.raises(InvalidInputError) as info:
+        step.forward(layer)
+    assert "contiguous" in str(info.value), f"{case.id}: {info.value}"
+    assert layer.cache.equal(before), f"{case.id}: the refused call changed the cache"

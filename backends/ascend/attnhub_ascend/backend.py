@@ -149,6 +149,8 @@ class AscendBackend(AttentionBackend):
         block_sizes=frozenset({128, 256, 384, 512}),
         kv_cache_dtypes=frozenset({"auto"}),
         kv_cache_layout="NHD",
+        # The fused ops view each plane as (num_blocks, block_size, KV_N * D): contiguous.
+        strided_kv_cache=False,
         attn_types=frozenset(AttentionType),
         sliding_window=True,
         softcap=False,
@@ -609,13 +611,7 @@ def _flat(plane: torch.Tensor) -> torch.Tensor:  # [num_slots, num_kv_heads, hea
 
 
 def _check_cache_storage(cache: PagedKVCache) -> None:
-    """The kernels take contiguous caches (they view them as (num_blocks, block_size, -1)) with
-    slots addressable by int32."""
-    if not (cache.key.is_contiguous() and cache.value.is_contiguous()):
-        raise InvalidInputError(
-            "the ascend backend needs contiguous key/value cache tensors "
-            "(allocate them with backend.allocate_kv_cache)"
-        )
+    """Slots addressable by int32 (contiguous planes: the base class, strided_kv_cache=False)."""
     if cache.num_slots > INT_MAX:
         raise InvalidInputError(
             f"a cache of {cache.num_slots} slots cannot be addressed by int32 slot indices"

@@ -42,7 +42,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 import attnhub
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
-from attnhub.errors import AttnhubError, InvalidInputError
+from attnhub.errors import AttnhubError
 from attnhub.validation import same_view
 from attnhub_vllm.mapping import (
     KV_CACHE_DTYPES,
@@ -51,6 +51,7 @@ from attnhub_vllm.mapping import (
     cache_planes,
     cache_views,
     choice_from_additional_config,
+    extra_kv_bytes,
     spec_from_vllm,
 )
 
@@ -64,8 +65,6 @@ ENV_BACKEND = "ATTNHUB_BACKEND"
 #: (backend name, emulate) chosen in vLLM's config; (None, False): the environment decides.
 Choice = tuple[str | None, bool]
 _BACKENDS: dict[tuple[AttentionSpec, str, Choice], attnhub.AttentionBackend] = {}
-#: Whether a backend accepts vLLM's strided K|V views (probed once per backend and spec).
-_ACCEPTS_VIEWS: dict[tuple[str, AttentionSpec, str], bool] = {}
 
 
 def configured_choice(config: VllmConfig | None) -> Choice:
@@ -110,73 +109,45 @@ def _describe(spec: AttentionSpec) -> str:
     )
 
 
-def accepts_views(backend: attnhub.AttentionBackend) -> bool:
-    """Whether ``backend`` can use vLLM's own per-layer cache through strided K|V views.
-
-    Probed once per backend on a one-block scratch cache shaped like vLLM's (see
-    ``paged_cache`` for what a backend that refuses them gets)."""
-    key = (backend.name, backend.spec, str(backend.device))
-    ok = _ACCEPTS_VIEWS.get(key)
-    if ok is None:
-        spec = backend.spec
-        layout = backend.capabilities.kv_cache_layout
-        quantized = spec.kv_cache_format.is_quantized
-        scratch = torch.zeros(
-            (1, spec.num_kv_heads, spec.block_size, 2 * spec.head_size),
-            dtype=torch.uint8 if quantized else spec.dtype,  # as vLLM allocates fp8 caches
-            device=backend.device,
-        )
-        one = torch.ones((), dtype=torch.float32, device=backend.device)
-        kv = torch.zeros((1, spec.num_kv_heads, spec.head_size), dtype=spec.dtype)
-        kv = kv.to(backend.device)
-        slots = torch.zeros(1, dtype=torch.int64, device=backend.device)
-        try:
-            backend.impl(
-                sinks=torch.zeros(spec.num_heads) if spec.use_sinks else None,
-                alibi_slopes=torch.zeros(spec.num_heads) if spec.use_alibi else None,
-            ).write_kv(kv, kv, cache_views(scratch, spec, layout, (one, one)), slots)
-            ok = True
-        except InvalidInputError as exc:
-            logger.info(
-                "attnhub-vllm: backend %r refuses vLLM's packed K|V cache pages (%s)",
-                backend.name,
-                exc,
-            )
-            ok = False
-        _ACCEPTS_VIEWS[key] = ok
-    return ok
-
-
 def paged_cache(
     kv_cache: torch.Tensor,
     backend: attnhub.AttentionBackend,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PagedKVCache:
     """attnhub's cache over vLLM's per-layer tensor for ``backend``: strided K|V views where
-    the backend takes them, else contiguous K and V planes carved from the same memory, else
-    (a non-contiguous tensor) caches of the backend's own. ``scales``: the layer's fp8
-    (k_scale, v_scale), shared, not copied (vLLM may update them in place)."""
+    the backend declares it takes them (``capabilities.strided_kv_cache``), else contiguous K
+    and V planes carved from the same memory, else (a non-contiguous tensor) caches of the
+    backend's own. ``scales``: the layer's fp8 (k_scale, v_scale), shared, not copied (vLLM may
+    update them in place). Logs once per backend the KV bytes a layer uses beyond vLLM's."""
     spec, layout = backend.spec, backend.capabilities.kv_cache_layout
-    if accepts_views(backend):
-        return cache_views(kv_cache, spec, layout, scales)
-    planes = cache_planes(kv_cache, spec, layout, scales)
-    if planes is not None:
-        logger.info_once(
-            "attnhub-vllm: backend %r needs contiguous K/V planes: each layer's KV-cache tensor "
-            "holds all keys, then all values (no extra memory; KV-transfer connectors that move "
-            "pages by block id cannot run beside it)",
-            backend.name,
-        )
-        return planes
-    logger.warning_once(
-        "attnhub-vllm: backend %r needs contiguous K/V planes and vLLM's KV-cache tensor is not "
-        "one dense run of memory: it gets caches of its own (KV memory doubled)",
+    if backend.capabilities.strided_kv_cache:
+        cache = cache_views(kv_cache, spec, layout, scales)
+    else:
+        planes = cache_planes(kv_cache, spec, layout, scales)
+        if planes is not None:
+            logger.info_once(
+                "attnhub-vllm: backend %r needs contiguous K/V planes: each layer's KV-cache "
+                "tensor holds all keys, then all values (KV-transfer connectors that move pages "
+                "by block id cannot run beside it)",
+                backend.name,
+            )
+            cache = planes
+        else:
+            logger.warning_once(
+                "attnhub-vllm: backend %r needs contiguous K/V planes and vLLM's KV-cache tensor "
+                "is not one dense run of memory: it gets caches of its own (KV memory doubled)",
+                backend.name,
+            )
+            cache = backend.allocate_kv_cache(int(kv_cache.shape[0]))
+            if scales is not None and cache.key_scale is not None:
+                cache = dataclasses.replace(cache, key_scale=scales[0], value_scale=scales[1])
+    logger.info_once(
+        "attnhub-vllm: backend %r KV cache per layer: %d bytes in vLLM's tensor, %d bytes extra",
         backend.name,
+        kv_cache.untyped_storage().nbytes(),
+        extra_kv_bytes(cache, kv_cache),
     )
-    own = backend.allocate_kv_cache(int(kv_cache.shape[0]))
-    if scales is not None and own.key_scale is not None:
-        own = dataclasses.replace(own, key_scale=scales[0], value_scale=scales[1])
-    return own
+    return cache
 
 
 def _requested_layout() -> str:

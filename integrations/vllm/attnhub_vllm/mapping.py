@@ -228,6 +228,19 @@ def cache_planes(
     return _paged(flat[:half].view(shape), flat[half:].view(shape), spec, layout, scales)
 
 
+def extra_kv_bytes(cache: PagedKVCache, kv_cache: torch.Tensor) -> int:
+    """Bytes of ``cache``'s K/V planes that do not lie in vLLM's tensor ``kv_cache`` (0 when
+    attnhub works in vLLM's memory, as views or carved planes)."""
+    storage = kv_cache.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    extra = 0
+    for plane in (cache.key, cache.value):
+        s = plane.untyped_storage()
+        if not start <= s.data_ptr() < end:
+            extra += s.nbytes()
+    return extra
+
+
 #: What ``additional_config={"attnhub": {...}}`` may hold, with the type of each value.
 CONFIG_KEYS = {"backend": str, "emulate": bool}
 

@@ -70,7 +70,7 @@ def generate(
         if refusal is not None:
             raise VLLMRefused(refusal)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-        _RESULTS[key] = json.loads(out.read_text())
+        _RESULTS[key] = json.loads(out.read_text()) | {"log": proc.stdout + proc.stderr}
     return _RESULTS[key]
 
 
@@ -237,6 +237,21 @@ def test_vllm_refusal_is_read_from_vllms_own_error_only() -> None:
     ours = 'File "/repo/attnhub/backend.py", line 3\nNotImplementedError: not built yet\n'
     assert vllm_refusal(ours) is None
     assert vllm_refusal(vllm_trace.replace("NotImplementedError", "RuntimeError")) is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "ascend"])
+def test_attnhub_works_in_vllms_kv_memory(model_dir: str, tmp_path: Path, backend: str) -> None:
+    """Per layer, attnhub's cache lies in vLLM's own KV tensor: strided K|V views (torch), or
+    contiguous planes carved from it (ascend, strided_kv_cache=False): no byte of KV memory is
+    allocated beside vLLM's (the adapter logs what it measured)."""
+    run = generate(model_dir, backend, "bfloat16", 128, tmp_path)
+    found = re.search(
+        rf"backend '{backend}' KV cache per layer: (\d+) bytes in vLLM's tensor, (\d+) bytes extra",
+        run["log"],
+    )
+    assert found, run["log"][-3000:]
+    print(f"\n{backend}: KV bytes per layer {found[1]} in vLLM's tensor, {found[2]} extra")
+    assert int(found[1]) > 0 and int(found[2]) == 0
 
 
 def test_unservable_configuration_fails_at_engine_start(model_dir: str, tmp_path: Path) -> None:

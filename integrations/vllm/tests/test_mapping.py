@@ -13,6 +13,7 @@ from attnhub_vllm.mapping import (
     cache_planes,
     cache_views,
     choice_from_additional_config,
+    extra_kv_bytes,
     spec_from_vllm,
 )
 
@@ -127,6 +128,18 @@ def test_cache_planes_carve_contiguous_planes_from_vllm_memory(layout: str) -> N
     assert torch.equal(got_k[[1, 7]].double(), k.double())
     assert torch.equal(got_v[[1, 7]].double(), v.double())
     assert kv.count_nonzero() == 2 * 2 * 2 * 8  # only the written slots changed
+    assert extra_kv_bytes(cache, kv) == 0
+
+
+def test_extra_kv_bytes_counts_only_memory_outside_vllms_tensor() -> None:
+    spec, _ = spec_from_vllm(
+        num_heads=4, num_kv_heads=2, head_size=8, dtype=torch.float32, block_size=4, scale=0.3
+    )
+    assert spec is not None
+    kv = torch.zeros(3, 2, 4, 16)
+    assert extra_kv_bytes(cache_views(kv, spec, "NHD"), kv) == 0  # strided views
+    own = PagedKVCache.for_spec(spec, 3, "cpu")
+    assert extra_kv_bytes(own, kv) == 2 * 3 * 4 * 2 * 8 * 4  # two planes of float32
 
 
 @pytest.mark.parametrize(
