@@ -144,6 +144,7 @@ def check_slot_values(slot_mapping: torch.Tensor, cache: PagedKVCache) -> None:
         return
     host = slot_mapping.to("cpu").numpy()
     if host.min() >= -1 and host.max() < cache.num_slots:
+        _check_distinct_slots(host if host.min() >= 0 else host[host >= 0], host)
         return
     i = int(np.flatnonzero((host < -1) | (host >= cache.num_slots))[0])
     raise InvalidInputError(_slot_outside(i, int(host[i]), cache))
@@ -169,18 +170,20 @@ class StepExtents:
 
 
 def step_extents(batch: BatchMetadata) -> StepExtents:
-    """Check the step's slot and block values that need no cache (slots >= -1, blocks read
-    >= 0) and find the largest of each, on the batch's host copies."""
+    """Check the step's slot and block values that need no cache (slots >= -1 and distinct,
+    blocks read >= 0) and find the largest of each, on the batch's host copies."""
     slots = batch.host_slot_mapping().numpy()
     max_slot, max_slot_at = -1, -1
     if slots.size:
         max_slot_at = int(slots.argmax())
         max_slot = int(slots[max_slot_at])
-        if int(slots.min()) < -1:
+        lowest = int(slots.min())
+        if lowest < -1:
             i = int(np.flatnonzero(slots < -1)[0])
             raise InvalidInputError(
                 f"slot_mapping[{i}] = {int(slots[i])} is not a slot; use -1 for padding"
             )
+        _check_distinct_slots(slots if lowest >= 0 else slots[slots >= 0], slots)
     max_block, max_block_at = -1, (-1, -1)
     if batch.num_reqs:
         table = batch.host_block_table().numpy()  # [B, max_blocks]
@@ -196,6 +199,21 @@ def step_extents(batch: BatchMetadata) -> StepExtents:
             r, c = (int(x) for x in np.argwhere(in_use & (table < 0))[0])
             raise InvalidInputError(f"block_table[{r}, {c}] = {int(table[r, c])} is negative")
     return StepExtents(max_slot, max_slot_at, max_block, max_block_at)
+
+
+def _check_distinct_slots(written: np.ndarray, slots: np.ndarray) -> None:
+    """No two tokens of a step write the same slot (an engine bug: two requests' blocks
+    overlap, or a stale block table); one sort of the written slots, on the host."""
+    ordered = np.sort(written, kind="stable")
+    same = ordered[1:] == ordered[:-1]
+    if not same.any():
+        return
+    slot = int(ordered[1:][same][0])
+    i, j = (int(x) for x in np.flatnonzero(slots == slot)[:2])
+    raise InvalidInputError(
+        f"slot_mapping[{i}] and slot_mapping[{j}] are both {slot}: two tokens of one step "
+        "would write the same cache slot (do two requests' blocks overlap?)"
+    )
 
 
 def check_extents(extents: StepExtents, cache: PagedKVCache) -> None:

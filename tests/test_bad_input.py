@@ -478,3 +478,30 @@ def test_metadata_of_another_kind_is_refused_by_forward_and_write_kv(ctx: Ctx) -
         lambda c: c.impl.write_kv(c.k, c.v, c.cache, meta=alien),
     ):
         _check(ctx, call, "meta must come from the torch backend", InvalidInputError)
+
+
+def test_a_step_that_writes_one_slot_twice_is_refused_naming_both_positions() -> None:
+    """Two requests whose blocks overlap: an engine bug named once per step, on host copies."""
+    backend = TorchBackend(SPEC, "cpu")
+    cache = backend.allocate_kv_cache(8)
+    # request 1's new token lands in slot 3 of block 2, which request 0 writes too
+    batch = BatchMetadata.from_lengths([4, 1], [4, 4], [[2], [2]], SPEC.block_size)
+    before = cache.clone()
+    with pytest.raises(InvalidInputError, match=r"slot_mapping\[3\] and slot_mapping\[4\]"):
+        meta = backend.metadata_builder().build(batch)
+        backend.impl().forward(
+            torch.randn(5, SPEC.num_heads, SPEC.head_size, dtype=SPEC.dtype),
+            torch.randn(5, SPEC.num_kv_heads, SPEC.head_size, dtype=SPEC.dtype),
+            torch.randn(5, SPEC.num_kv_heads, SPEC.head_size, dtype=SPEC.dtype),
+            cache,
+            meta,
+        )
+    assert cache.equal(before)
+
+
+def test_write_kv_alone_refuses_a_repeated_slot() -> None:
+    backend = TorchBackend(SPEC, "cpu")
+    cache = backend.allocate_kv_cache(8)
+    kv = torch.randn(3, SPEC.num_kv_heads, SPEC.head_size, dtype=SPEC.dtype)
+    with pytest.raises(InvalidInputError, match=r"slot_mapping\[0\] and slot_mapping\[2\]"):
+        backend.impl().write_kv(kv, kv, cache, torch.tensor([7, -1, 7]))

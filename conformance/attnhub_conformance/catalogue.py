@@ -288,6 +288,12 @@ INVALID_INPUTS: tuple[InvalidInput, ...] = (
         not_applicable=_needs_new_kv,
     ),
     _e(
+        "slot_repeated",
+        "two tokens of the step with the same slot (an engine's overlapping blocks)",
+        lambda s, la: _forward(s, la, batch=_with_slot(s, int(s.batch.slot_mapping[0]))),
+        not_applicable=_needs_new_kv,  # the main shapes carry several new tokens
+    ),
+    _e(
         "slot_negative",
         "slot_mapping entry = -2 (only -1 means padding)",
         lambda s, la: _forward(s, la, batch=_with_slot(s, -2)),

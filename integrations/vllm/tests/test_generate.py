@@ -124,7 +124,11 @@ def test_float32_torch_backend_generates_identical_tokens(model_dir: str, tmp_pa
     got = generate(model_dir, "torch", "float32", 32, tmp_path)
     batches = _check_batches(ref)
     assert len(ref["token_ids"]) >= 8
-    assert [s["query_lens"] for s in got["steps"]] == [s["query_lens"] for s in ref["steps"]]
+    # The same scheduling: every step holds the same requests' query lengths (the torch builder
+    # asks vLLM for decodes first, reorder_batch_threshold 16; vLLM's CPU backend does not).
+    assert [sorted(s["query_lens"]) for s in got["steps"]] == [
+        sorted(s["query_lens"]) for s in ref["steps"]
+    ]
     assert got["token_ids"] == ref["token_ids"]
     n = len(ref["token_ids"])
     tokens = sum(map(len, ref["token_ids"]))
