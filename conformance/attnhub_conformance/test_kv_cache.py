@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnhub import testing
 from attnhub_conformance import harness
 from attnhub_conformance.cases import Case
 
@@ -28,6 +29,6 @@ def test_writes_exactly_the_new_slots(case: Case) -> None:
         slots = slots.clone()
         slots[torch.arange(0, step.n, 3, device=slots.device)] = -1
         layer.impl.write_kv(layer.key, layer.value, layer.cache, slots)
-    expected = harness.expected_after_write(before, layer.key, layer.value, slots)
-    problems = harness.cache_differences(layer.cache, expected, slots)
+    expected = testing.cache_after_write(before, layer.key, layer.value, slots)
+    problems = testing.cache_differences(layer.cache, expected, slots)
     assert not problems, f"{case.id}: {case.entry} left the cache wrong: " + "; ".join(problems)
