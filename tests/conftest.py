@@ -1,4 +1,4 @@
-"""Fixtures shared by the unit tests (builders live in helpers.py)."""
+"""Fixtures shared by the unit tests (builders live in attnhub.testing)."""
 
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
-from helpers import fill_cache_random, gen, make_batch, num_blocks_for, random_qkv
 
 from attnhub import AttentionSpec, BatchMetadata, GraphSupport, PagedKVCache
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.testing import fill_cache_random, generator, make_batch, num_blocks_for, random_qkv
 from attnhub.torch_backend import (
     TorchAttentionImpl,
     TorchAttentionMetadata,
@@ -105,9 +105,7 @@ def alloc(nblk: int, **kw: object) -> PagedKVCache:
     kv = kw.pop("kv_cache_dtype", "auto")
     args.update(kw)
     cache = PagedKVCache.allocate(**args, layout=layout, kv_cache_dtype=kv)  # type: ignore[arg-type]
-    fill_cache_random(
-        cache, gen(nblk), model_dtype=cache.value.dtype if kv == "auto" else torch.bfloat16
-    )
+    fill_cache_random(cache, generator(nblk))
     return cache
 
 
@@ -116,8 +114,8 @@ def ctx() -> Ctx:
     batch, nblk = make_batch(QUERY_LENS, SEQ_LENS, BS, seed=5, num_tokens=NUM_TOKENS)
     backend = TorchBackend(SPEC, "cpu")
     cache = backend.allocate_kv_cache(nblk)
-    fill_cache_random(cache, gen(6), model_dtype=SPEC.dtype)
-    q, k, v = random_qkv(SPEC, NUM_TOKENS, gen(7))
+    fill_cache_random(cache, generator(6))
+    q, k, v = random_qkv(SPEC, NUM_TOKENS, generator(7))
     bad = {
         "hnd": alloc(nblk, layout="HND"),
         "fp8": alloc(nblk, kv_cache_dtype="fp8_e4m3"),
@@ -295,7 +293,7 @@ def test_quantized_cache_without_its_scale_is_rejected() -> None:
     backend = TorchBackend(spec, "cpu")
     cache = replace(backend.allocate_kv_cache(nblk), key_scale=None)
     before = cache.clone()
-    q, k, v = random_qkv(spec, batch.num_tokens, gen(9))
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(9))
     meta = backend.metadata_builder().build(batch)
     with pytest.raises(InvalidInputError, match=r"needs cache\.key_scale"):
         backend.impl().forward(q, k, v, cache, meta)

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import assert_within, fill_cache_random, gen, make_batch, random_qkv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +18,7 @@ from attnhub import (
     split_decodes_and_prefills,
 )
 from attnhub.errors import InvalidInputError
+from attnhub.testing import assert_within, fill_cache_random, generator, make_batch, random_qkv
 from attnhub.torch_backend import TorchBackend
 
 # A small batch checked by hand (block_size 4):
@@ -316,7 +316,7 @@ def test_reorder_slot_mapping_follows_token_order() -> None:
 def test_reorder_inverse_token_order_undoes_it() -> None:
     old = lens_batch(REORDER_Q, REORDER_S, num_tokens=12)
     _, order = reorder_decodes_first(old)
-    x = torch.randn(12, 3, generator=gen(1))
+    x = torch.randn(12, 3, generator=generator(1))
     assert torch.equal(x[order.token_order][order.inverse_token_order], x)
 
 
@@ -332,11 +332,11 @@ def test_attention_on_a_reordered_batch_matches_the_original_order() -> None:
     old, nblk = make_batch(REORDER_Q, REORDER_S, 4, seed=3)
     new, order = reorder_decodes_first(old)
     backend = TorchBackend(spec, "cpu")
-    q, k, v = random_qkv(spec, old.num_tokens, gen(4))
+    q, k, v = random_qkv(spec, old.num_tokens, generator(4))
     outs = []
     for batch, perm in ((old, None), (new, order.token_order)):
         cache = backend.allocate_kv_cache(nblk)
-        fill_cache_random(cache, gen(5), model_dtype=spec.dtype)
+        fill_cache_random(cache, generator(5))
         meta = backend.metadata_builder().build(batch)
         args = (q, k, v) if perm is None else (q[perm], k[perm], v[perm])
         outs.append(backend.impl().forward(*args, cache, meta))
@@ -409,8 +409,8 @@ def test_torch_backend_on_virtual_batches_computes_local_attention(
     batch, nblk = make_batch(query_lens, seq_lens, block_size, seed=11)
     backend = TorchBackend(spec, "cpu")
     cache = backend.allocate_kv_cache(nblk)
-    fill_cache_random(cache, gen(12), model_dtype=spec.dtype)
-    q, k, v = random_qkv(spec, batch.num_tokens, gen(13))
+    fill_cache_random(cache, generator(12))
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(13))
     expected_cache = cache.clone()
     reference.write_kv(expected_cache, k, v, batch.slot_mapping)
     expected = local_attention_expected(spec, q, expected_cache, batch, chunk)
@@ -487,8 +487,8 @@ def test_virtual_batches_compute_local_attention_on_random_batches(
     batch, nblk = make_batch(q_lens, s_lens, bs, seed=seed)
     backend = TorchBackend(spec, "cpu")
     cache = backend.allocate_kv_cache(nblk)
-    fill_cache_random(cache, gen(seed + 1), model_dtype=spec.dtype)
-    q, k, v = random_qkv(spec, batch.num_tokens, gen(seed + 2))
+    fill_cache_random(cache, generator(seed + 1))
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(seed + 2))
     expected_cache = cache.clone()
     reference.write_kv(expected_cache, k, v, batch.slot_mapping)
     expected = local_attention_expected(spec, q, expected_cache, batch, chunk)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import fill_cache_random, gen
 
 from attnhub import PagedKVCache
 from attnhub.errors import InvalidInputError
+from attnhub.testing import fill_cache_random, generator
 
 NB, BS, HKV, D = 6, 4, 2, 8
 
@@ -27,7 +27,7 @@ def alloc(kv: str = "auto", layout: str = "NHD", nb: int = NB, **kw: object) -> 
 
 def filled(kv: str = "auto", layout: str = "NHD", nb: int = NB, seed: int = 0) -> PagedKVCache:
     cache = alloc(kv, layout, nb)
-    fill_cache_random(cache, gen(seed), model_dtype=torch.bfloat16)
+    fill_cache_random(cache, generator(seed))
     return cache
 
 

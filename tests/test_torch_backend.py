@@ -5,25 +5,26 @@ and behaves like a backend must (output buffers, padding, reuse, determinism, ba
 from __future__ import annotations
 
 import random
-import zlib
 from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import (
-    alibi_slopes,
-    assert_within,
-    fill_cache_random,
-    gen,
-    make_batch,
-    poison_unused_slots,
-    random_qkv,
-    reference_after_write,
-)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, Tolerance, reference
+from attnhub.testing import (
+    alibi_slopes,
+    assert_within,
+    fill_cache_random,
+    generator,
+    make_batch,
+    poison_unused_slots,
+    random_qkv,
+    random_sinks,
+    reference_after_write,
+    seed_of,
+)
 from attnhub.torch_backend import TorchBackend
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -186,16 +187,12 @@ CASES = [
 ]
 
 
-def seed_of(name: str) -> int:
-    return zlib.crc32(name.encode())
-
-
 def per_head_weights(spec: AttentionSpec, seed: int) -> dict[str, torch.Tensor]:
     w = {}
     if spec.use_alibi:
         w["alibi_slopes"] = alibi_slopes(spec.num_heads)
     if spec.use_sinks:
-        w["sinks"] = torch.randn(spec.num_heads, generator=gen(seed))
+        w["sinks"] = random_sinks(spec.num_heads, generator(seed))
     return w
 
 
@@ -207,8 +204,10 @@ def test_forward_matches_reference(case: Case) -> None:
     batch, nblk = make_batch(q_lens, s_lens, case.block_size, seed=seed, causal=case.batch_causal)
     backend = TorchBackend(spec, "cpu")
     cache = backend.allocate_kv_cache(nblk)
-    fill_cache_random(cache, gen(seed + 1), model_dtype=spec.dtype)
-    q, k, v = random_qkv(spec, batch.num_tokens, gen(seed + 2), q_gain=3.0 if case.softcap else 1.0)
+    fill_cache_random(cache, generator(seed + 1))
+    q, k, v = random_qkv(
+        spec, batch.num_tokens, generator(seed + 2), q_gain=3.0 if case.softcap else 1.0
+    )
     weights = per_head_weights(spec, seed + 3)
     expected_cache, expected = reference_after_write(
         spec,
@@ -217,7 +216,7 @@ def test_forward_matches_reference(case: Case) -> None:
         q,
         k,
         v,
-        alibi=weights.get("alibi_slopes"),
+        alibi_slopes=weights.get("alibi_slopes"),
         sinks=weights.get("sinks"),
     )
 
@@ -260,13 +259,13 @@ def test_cross_attention_reuses_encoder_kv_with_key_none(dtype: torch.dtype) -> 
     impl = backend.impl()
     enc_batch, nblk = make_batch(enc_lens, enc_lens, 16, seed=21)
     cache = backend.allocate_kv_cache(nblk)
-    _, k_enc, v_enc = random_qkv(spec, enc_batch.num_tokens, gen(22))
+    _, k_enc, v_enc = random_qkv(spec, enc_batch.num_tokens, generator(22))
     impl.write_kv(k_enc, v_enc, cache, enc_batch.slot_mapping)  # once, from the encoder output
     builder = backend.metadata_builder()
     for step, dec_lens in enumerate([(3, 1, 5), (1, 1, 1)]):
         # decoder queries attend over all encoder keys; nothing new is written
         batch = BatchMetadata.from_lengths(dec_lens, enc_lens, enc_batch.block_table, 16)
-        q, _, _ = random_qkv(spec, batch.num_tokens, gen(23 + step))
+        q, _, _ = random_qkv(spec, batch.num_tokens, generator(23 + step))
         before = cache.clone()
         out = impl.forward(q, None, None, cache, builder.build(batch))
         assert cache.equal(before)
@@ -282,10 +281,10 @@ def test_cross_attention_with_equal_multi_token_queries_over_ragged_encoders() -
     backend = TorchBackend(spec, "cpu")
     enc_batch, nblk = make_batch(enc_lens, enc_lens, 16, seed=24)
     cache = backend.allocate_kv_cache(nblk)
-    _, k_enc, v_enc = random_qkv(spec, enc_batch.num_tokens, gen(25))
+    _, k_enc, v_enc = random_qkv(spec, enc_batch.num_tokens, generator(25))
     backend.impl().write_kv(k_enc, v_enc, cache, enc_batch.slot_mapping)
     batch = BatchMetadata.from_lengths((2, 2), enc_lens, enc_batch.block_table, 16)
-    q, _, _ = random_qkv(spec, batch.num_tokens, gen(26))
+    q, _, _ = random_qkv(spec, batch.num_tokens, generator(26))
     out = backend.impl().forward(q, None, None, cache, backend.metadata_builder().build(batch))
     expected, _ = reference.paged_attention(q, cache, batch, spec)
     assert_within(out, expected, tol(F32), "cross attention, 2 queries per request")
@@ -301,8 +300,8 @@ def test_write_kv_puts_exactly_the_written_tokens_in_their_slots(kv: str) -> Non
     )
     backend = TorchBackend(spec, "cpu")
     cache = backend.allocate_kv_cache(12)
-    fill_cache_random(cache, gen(31), model_dtype=BF16)
-    _, k, v = random_qkv(spec, 7, gen(32))
+    fill_cache_random(cache, generator(31))
+    _, k, v = random_qkv(spec, 7, generator(32))
     slots = torch.tensor([5, -1, 17, 0, -1, 46, 9])  # padding anywhere, not only at the end
     expected = cache.clone()
     reference.write_kv(expected, k, v, slots)
@@ -316,7 +315,7 @@ def test_write_kv_changes_nothing_but_the_written_slots() -> None:
     cache = backend.allocate_kv_cache(4)
     cache.key.fill_(7.0)
     cache.value.fill_(7.0)
-    _, k, v = random_qkv(spec, 2, gen(33))
+    _, k, v = random_qkv(spec, 2, generator(33))
     backend.impl().write_kv(k, v, cache, torch.tensor([6, -1], dtype=torch.int32))
     flat_k, flat_v = cache.key.reshape(16, 2, 8), cache.value.reshape(16, 2, 8)
     assert torch.equal(flat_k[6], k[0]) and torch.equal(flat_v[6], v[0])
@@ -328,7 +327,7 @@ def test_write_kv_with_fewer_slots_than_tokens_writes_the_first_ones() -> None:
     spec = AttentionSpec(num_heads=2, num_kv_heads=2, head_size=8, dtype=F32, block_size=4)
     backend = TorchBackend(spec, "cpu")
     cache = backend.allocate_kv_cache(4)
-    _, k, v = random_qkv(spec, 5, gen(34))
+    _, k, v = random_qkv(spec, 5, generator(34))
     expected = cache.clone()
     reference.write_kv(expected, k, v, torch.tensor([3, 2]))
     backend.impl().write_kv(k, v, cache, torch.tensor([3, 2]))
@@ -346,8 +345,8 @@ def padded_setup(dtype: torch.dtype = F32, kv: str = "auto") -> Setup:
     batch, nblk = make_batch((1, 5, 1), (20, 9, 33), 16, seed=41, num_tokens=12)
     backend = TorchBackend(spec, "cpu")
     cache = backend.allocate_kv_cache(nblk)
-    fill_cache_random(cache, gen(42), model_dtype=dtype)
-    q, k, v = random_qkv(spec, 12, gen(43))
+    fill_cache_random(cache, generator(42))
+    q, k, v = random_qkv(spec, 12, generator(43))
     return spec, batch, backend, cache, q, k, v
 
 
@@ -412,9 +411,9 @@ def test_metadata_built_once_serves_every_layer() -> None:
     layers = []
     for layer in range(3):
         cache = backend.allocate_kv_cache(nblk)
-        fill_cache_random(cache, gen(60 + layer), model_dtype=F32)
-        sinks = torch.randn(8, generator=gen(70 + layer))
-        layers.append((cache, sinks, *random_qkv(spec, batch.num_tokens, gen(80 + layer))))
+        fill_cache_random(cache, generator(60 + layer))
+        sinks = random_sinks(8, generator(70 + layer))
+        layers.append((cache, sinks, *random_qkv(spec, batch.num_tokens, generator(80 + layer))))
 
     shared = builder.build(batch)
     once = []
@@ -436,8 +435,8 @@ def test_forward_is_deterministic(features: dict) -> None:
     batch, nblk = make_batch(*MIXES["mixed"], 16, seed=91)
     backend = TorchBackend(spec, "cpu")
     cache = backend.allocate_kv_cache(nblk)
-    fill_cache_random(cache, gen(92), model_dtype=BF16)
-    q, k, v = random_qkv(spec, batch.num_tokens, gen(93))
+    fill_cache_random(cache, generator(92))
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(93))
     weights = per_head_weights(spec, 94)
     outs, caches = [], []
     for _ in range(2):
@@ -460,8 +459,8 @@ def test_request_output_is_batch_invariant(target_q: int, target_s: int) -> None
     s_lens = (9, 70, target_s, 3, 20, 25)
     big, nblk = make_batch(q_lens, s_lens, 16, seed=101)
     cache = backend.allocate_kv_cache(nblk)
-    fill_cache_random(cache, gen(102), model_dtype=BF16)
-    q, k, v = random_qkv(spec, big.num_tokens, gen(103))
+    fill_cache_random(cache, generator(102))
+    q, k, v = random_qkv(spec, big.num_tokens, generator(103))
     rows = slice(int(big.query_start_loc_cpu[2]), int(big.query_start_loc_cpu[3]))
 
     out_big = backend.impl().forward(q, k, v, cache.clone(), backend.metadata_builder().build(big))
@@ -493,9 +492,9 @@ def test_stale_nan_outside_the_sequences_does_not_leak(mix: str) -> None:
     batch, nblk = make_batch(*MIXES[mix], 16, seed=111)
     backend = TorchBackend(spec, "cpu")
     cache = backend.allocate_kv_cache(nblk)
-    fill_cache_random(cache, gen(112), model_dtype=F32)
+    fill_cache_random(cache, generator(112))
     poison_unused_slots(cache, batch)
-    q, k, v = random_qkv(spec, batch.num_tokens, gen(113))
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(113))
     _, expected = reference_after_write(spec, cache, batch, q, k, v)
     out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
     assert_within(out, expected, tol(F32), "with NaN in unused slots")
@@ -510,8 +509,8 @@ def test_block_table_entries_past_a_sequence_are_ignored(mix: str) -> None:
     assert (batch.block_table == -1).any()
     backend = TorchBackend(spec, "cpu")
     cache = backend.allocate_kv_cache(nblk)
-    fill_cache_random(cache, gen(122), model_dtype=F32)
-    q, k, v = random_qkv(spec, batch.num_tokens, gen(123))
+    fill_cache_random(cache, generator(122))
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(123))
     _, expected = reference_after_write(spec, cache, batch, q, k, v)
     out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
     assert_within(out, expected, tol(F32), "with -1 past each sequence's blocks")
@@ -523,7 +522,7 @@ def test_batch_with_no_requests_gives_zero_padding_rows() -> None:
     cache = backend.allocate_kv_cache(2)
     before = cache.clone()
     batch = BatchMetadata.from_lengths([], [], [], 16, num_tokens=4)
-    q, k, v = random_qkv(spec, 4, gen(131))
+    q, k, v = random_qkv(spec, 4, generator(131))
     out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
     assert (out == 0).all()
     assert cache.equal(before)
@@ -534,9 +533,9 @@ def test_non_contiguous_query_is_accepted() -> None:
     batch, nblk = make_batch(*MIXES["mixed"], 16, seed=141)
     backend = TorchBackend(spec, "cpu")
     cache = backend.allocate_kv_cache(nblk)
-    fill_cache_random(cache, gen(142), model_dtype=F32)
-    _, k, v = random_qkv(spec, batch.num_tokens, gen(143))
-    qkv = torch.randn(batch.num_tokens, 8, 3 * 64, generator=gen(144))
+    fill_cache_random(cache, generator(142))
+    _, k, v = random_qkv(spec, batch.num_tokens, generator(143))
+    qkv = torch.randn(batch.num_tokens, 8, 3 * 64, generator=generator(144))
     q = qkv[..., :64]  # a view into a fused projection, as engines pass it
     _, expected = reference_after_write(spec, cache, batch, q, k, v)
     out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
@@ -580,11 +579,18 @@ def test_forward_matches_reference_on_random_batches(setup: dict) -> None:
     batch, nblk = make_batch(q_lens, s_lens, case.block_size, seed=seed, causal=case.batch_causal)
     backend = TorchBackend(spec, "cpu")
     cache = backend.allocate_kv_cache(nblk)
-    fill_cache_random(cache, gen(seed + 1), model_dtype=spec.dtype)
-    q, k, v = random_qkv(spec, batch.num_tokens, gen(seed + 2))
+    fill_cache_random(cache, generator(seed + 1))
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(seed + 2))
     weights = per_head_weights(spec, seed + 3)
     expected_cache, expected = reference_after_write(
-        spec, cache, batch, q, k, v, alibi=weights.get("alibi_slopes"), sinks=weights.get("sinks")
+        spec,
+        cache,
+        batch,
+        q,
+        k,
+        v,
+        alibi_slopes=weights.get("alibi_slopes"),
+        sinks=weights.get("sinks"),
     )
     out = backend.impl(**weights).forward(q, k, v, cache, backend.metadata_builder().build(batch))
     assert cache.equal(expected_cache)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from attnhub import testing
 from attnhub_conformance import harness
 from attnhub_conformance.cases import Case
 from attnhub_conformance.catalogue import CATALOGUE
@@ -32,6 +33,6 @@ def test_rejects_invalid_input(case: Case) -> None:
     elif not str(raised).strip():
         problems.append(f"{type(raised).__name__} was raised without a message")
     if not layer.cache.equal(before):
-        diff = harness.cache_differences(layer.cache, before, before.key.new_empty(0).long())
+        diff = testing.cache_differences(layer.cache, before, before.key.new_empty(0).long())
         problems.append("the KV cache changed: " + "; ".join(diff or ["bytes differ"]))
     assert not problems, f"{case.id}: {entry.proves}: " + "; ".join(problems)

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from attnhub import PagedKVCache
+from attnhub import PagedKVCache, testing
 from attnhub.errors import InvalidInputError
 from attnhub_conformance import harness
 from attnhub_conformance.cases import Case
@@ -32,8 +32,8 @@ def test_writes_exactly_the_new_slots(case: Case) -> None:
         slots = slots.clone()
         slots[torch.arange(0, step.n, 3, device=slots.device)] = -1
         layer.impl.write_kv(layer.key, layer.value, layer.cache, slots)
-    expected = harness.expected_after_write(before, layer.key, layer.value, slots)
-    problems = harness.cache_differences(layer.cache, expected, slots)
+    expected = testing.cache_after_write(before, layer.key, layer.value, slots)
+    problems = testing.cache_differences(layer.cache, expected, slots)
     assert not problems, f"{case.id}: {case.entry} left the cache wrong: " + "; ".join(problems)
 
 
@@ -51,12 +51,12 @@ def strided_copy(cache: PagedKVCache) -> PagedKVCache:
         value = torch.empty((*cache.value.shape[:-1], 2 * d), dtype=cache.value.dtype)[..., :d]
         key, value = key.to(cache.key.device), value.to(cache.value.device)
     for dst, src in ((key, cache.key), (value, cache.value)):
-        harness_bytes(dst).copy_(harness_bytes(src))
+        copyable(dst).copy_(copyable(src))
     assert not key.is_contiguous()
     return dataclasses.replace(cache, key=key, value=value)
 
 
-def harness_bytes(t: torch.Tensor) -> torch.Tensor:
+def copyable(t: torch.Tensor) -> torch.Tensor:
     """A view ``copy_`` accepts for every storage dtype (fp8 copied as its bytes)."""
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
@@ -72,8 +72,8 @@ def test_strided_kv_planes_work_where_declared_and_are_refused_elsewhere(case: C
         harness.assert_matches_reference(step, layer, out, "forward over strided K/V planes")
         if step.plan.new_kv:
             slots = step.batch.slot_mapping
-            expected = harness.expected_after_write(before, layer.key, layer.value, slots)
-            problems = harness.cache_differences(layer.cache, expected, slots)
+            expected = testing.cache_after_write(before, layer.key, layer.value, slots)
+            problems = testing.cache_differences(layer.cache, expected, slots)
             assert not problems, f"{case.id}: the write through strided planes: " + "; ".join(
                 problems
             )

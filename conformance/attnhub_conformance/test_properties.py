@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from attnhub import testing
 from attnhub.spec import AttentionType
 from attnhub_conformance import harness
 from attnhub_conformance.cases import Axes, BatchPlan, Case, Config
@@ -84,8 +85,8 @@ def test_random_batches_match_reference(case: Case, attnhub_hypothesis_examples:
         harness.assert_matches_reference(step, layer, out)
         if plan.new_kv:
             slots = step.batch.slot_mapping
-            expected = harness.expected_after_write(before, layer.key, layer.value, slots)
-            problems = harness.cache_differences(layer.cache, expected, slots)
+            expected = testing.cache_after_write(before, layer.key, layer.value, slots)
+            problems = testing.cache_differences(layer.cache, expected, slots)
             assert not problems, f"{label}: the cache is wrong: " + "; ".join(problems)
 
     check()

@@ -1,15 +1,15 @@
-"""Builders for the ascend backend's unit tests: an emulated backend, a step, its reference."""
+"""The ascend backend's own test builders: its default spec, an emulated backend, a step on it
+(generic pieces from attnhub.testing)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from attnhub_ascend import AscendBackend
 
-from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, reference
+from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, reference, testing
 
 
 def spec(**changes: object) -> AttentionSpec:
@@ -44,45 +44,26 @@ def step(
     padding: int = 0,
     seed: int = 0,
 ) -> Step:
-    """A step whose cached context is already in the cache (written through write_kv)."""
+    """A step over random context already in the cache (filled in place, not written through
+    write_kv), with ``padding`` slot -1 rows after the real tokens."""
     s = s or spec()
     b = backend(s)
-    g = torch.Generator().manual_seed(seed)
-    bs = s.block_size
-    needed = [math.ceil(n / bs) for _, n in requests]
-    num_blocks = sum(needed) + 3
-    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    table = torch.zeros(len(requests), max([*needed, 1]), dtype=torch.int32)
-    for r, n in enumerate(needed):
-        table[r, :n] = torch.tensor(ids[:n], dtype=torch.int32)
-        ids = ids[n:]
-    batch = BatchMetadata.from_lengths(
-        [q for q, _ in requests],
-        [n for _, n in requests],
-        table,
-        bs,
-        "cpu",
+    g = testing.generator(seed)
+    query_lens, seq_lens = [q for q, _ in requests], [n for _, n in requests]
+    batch, num_blocks = testing.make_batch(
+        query_lens,
+        seq_lens,
+        s.block_size,
+        testing.num_blocks_for(seq_lens, s.block_size, spare=2),
+        seed=g,
         causal=s.causal,
-        num_tokens=sum(q for q, _ in requests) + padding,
+        num_tokens=sum(query_lens) + padding,
     )
     cache = b.allocate_kv_cache(num_blocks)
-    cache.key.copy_(torch.randn(cache.key.shape, generator=g).to(s.dtype))
-    cache.value.copy_(torch.randn(cache.value.shape, generator=g).to(s.dtype))
-    t = batch.num_tokens
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=g).to(s.dtype)
-
-    sinks = torch.randn(s.num_heads, generator=g) if s.use_sinks else None
-    return Step(
-        b,
-        batch,
-        cache,
-        rand(t, s.num_heads, s.head_size),
-        rand(t, s.num_kv_heads, s.head_size),
-        rand(t, s.num_kv_heads, s.head_size),
-        sinks,
-    )
+    testing.fill_cache_random(cache, g)
+    sinks = testing.random_sinks(s.num_heads, g) if s.use_sinks else None
+    query, key, value = testing.random_qkv(s, batch.num_tokens, g)
+    return Step(b, batch, cache, query, key, value, sinks)
 
 
 def forward(st: Step) -> torch.Tensor:
@@ -92,9 +73,10 @@ def forward(st: Step) -> torch.Tensor:
 
 
 def assert_matches_reference(st: Step, out: torch.Tensor) -> None:
+    """``out`` matches the reference over the cache as ``forward`` left it."""
     n = st.batch.num_actual_tokens
     want, _ = reference.paged_attention(
         st.query[:n], st.cache, st.batch, st.backend.spec, sinks=st.sinks
     )
     tol = st.backend.capabilities.tolerance(st.backend.spec.dtype)
-    torch.testing.assert_close(out[:n].double(), want, atol=tol.atol, rtol=tol.rtol)
+    testing.assert_within(out[:n], want, tol, "ascend forward", batch=st.batch)

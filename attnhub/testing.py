@@ -1,0 +1,528 @@
+"""What every test of an attnhub backend needs: seeds, shuffled block tables, batches, caches
+filled in their storage format, random inputs, and comparisons with ``attnhub.reference``.
+
+The core's tests, the conformance suite and the vendor backends' tests all build their steps
+with these helpers; a third-party backend's tests can too, in any test framework (this module
+imports torch and attnhub, never pytest). Everything random is drawn on the host from an
+explicit ``torch.Generator`` (or a seed) and then moved to the device, so a seed gives the same
+data on every device and every run::
+
+    from attnhub import testing
+
+    g = testing.generator(testing.seed_of("decode-bf16"))
+    batch, num_blocks = testing.make_batch([1, 5], [20, 5], block_size=16, seed=g)
+    cache = backend.allocate_kv_cache(num_blocks)
+    testing.fill_cache_random(cache, g)                       # cached context, any format
+    q, k, v = testing.random_qkv(spec, batch.num_tokens, g)
+    expected_cache, expected = testing.reference_after_write(spec, cache, batch, q, k, v)
+    out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    testing.assert_within(out, expected, backend.capabilities.tolerance(spec.dtype), batch=batch)
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+
+import torch
+
+from attnhub import reference
+from attnhub.batch import BatchMetadata
+from attnhub.capabilities import Tolerance
+from attnhub.kv_cache import PagedKVCache
+from attnhub.quant import quantize_fp8
+from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
+
+__all__ = [
+    "FP8_TEST_SCALES",
+    "alibi_slopes",
+    "assert_within",
+    "blocks_needed",
+    "cache_after_write",
+    "cache_differences",
+    "fill_cache_random",
+    "generator",
+    "make_batch",
+    "mismatch",
+    "num_blocks_for",
+    "poison_unused_slots",
+    "random_kv",
+    "random_qkv",
+    "random_sinks",
+    "reference_after_write",
+    "seed_of",
+    "set_static_scales",
+    "shuffled_block_table",
+    "token_origin",
+    "used_slots",
+]
+
+#: The per-tensor (key, value) scales the helpers put in fp8 caches: not 1, so a backend that
+#: ignores a scale fails, and not equal, so one that swaps them fails.
+FP8_TEST_SCALES = (0.025, 0.02)
+
+
+# --- seeds ------------------------------------------------------------------------------------
+
+
+def generator(seed: int) -> torch.Generator:
+    """A host generator seeded with ``seed``: draw with it, then move the result to the device."""
+    return torch.Generator().manual_seed(seed)
+
+
+def seed_of(text: str) -> int:
+    """A stable seed from a name, e.g. a test case's id (the same case gets the same data on
+    every run; Python's ``hash`` of a string changes between processes)."""
+    return zlib.crc32(text.encode())
+
+
+def _as_generator(seed: int | torch.Generator) -> torch.Generator:
+    return seed if isinstance(seed, torch.Generator) else generator(seed)
+
+
+# --- block tables and batches -----------------------------------------------------------------
+
+
+def blocks_needed(seq_lens: Sequence[int], block_size: int) -> list[int]:
+    """``ceil(seq_len / block_size)`` per request: the blocks each sequence occupies."""
+    return [math.ceil(s / block_size) for s in seq_lens]
+
+
+def num_blocks_for(
+    seq_lens: Sequence[int], block_size: int, spare: int = 3, *, shared_prefix_blocks: int = 0
+) -> int:
+    """A cache size for ``seq_lens``: every sequence's blocks (the ``shared_prefix_blocks``
+    leading ones counted once), plus block 0 (never handed out) and ``spare`` unused blocks."""
+    own = sum(n - shared_prefix_blocks for n in blocks_needed(seq_lens, block_size))
+    return 1 + shared_prefix_blocks + own + spare
+
+
+def shuffled_block_table(
+    seq_lens: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    g: torch.Generator,
+    *,
+    pad_value: int = 0,
+    extra_width: int = 0,
+    shared_prefix_blocks: int = 0,
+    keep_last_block_free: bool = False,
+) -> torch.Tensor:  # [num_reqs, max_blocks + extra_width] int32, host
+    """Each request gets distinct blocks drawn at random from ``1..num_blocks-1``, so a backend
+    that assumes contiguous or ordered blocks fails. Block 0 is never handed out; with
+    ``keep_last_block_free`` neither is the last block (a padding slot -1 misused as an index
+    lands in one of the two). The first ``shared_prefix_blocks`` blocks of every row are the
+    same (a shared prefix, as in cascade attention). Entries past a sequence's blocks hold
+    ``pad_value``; ``extra_width`` adds columns of it."""
+    if block_size <= 0:
+        raise ValueError(f"block_size = {block_size} must be positive")
+    if any(s < 0 for s in seq_lens):
+        raise ValueError(f"seq_lens = {list(seq_lens)} must not be negative")
+    needed = blocks_needed(seq_lens, block_size)
+    shared = shared_prefix_blocks
+    if shared < 0 or any(n < shared for n in needed):
+        raise ValueError(
+            f"shared_prefix_blocks = {shared} must be between 0 and every sequence's blocks "
+            f"({needed})"
+        )
+    usable = num_blocks - (2 if keep_last_block_free else 1)
+    want = shared + sum(n - shared for n in needed)
+    if want > usable:
+        raise ValueError(
+            f"{want} blocks needed for seq_lens {list(seq_lens)} at block_size {block_size}, "
+            f"but a cache of {num_blocks} blocks has {max(usable, 0)} to hand out "
+            f"(see num_blocks_for)"
+        )
+    ids = (torch.randperm(max(usable, 0), generator=g) + 1).tolist()
+    prefix, ids = ids[:shared], ids[shared:]
+    width = max([*needed, 1]) + extra_width
+    table = torch.full((len(needed), width), pad_value, dtype=torch.int32)
+    for r, n in enumerate(needed):
+        table[r, :shared] = torch.tensor(prefix, dtype=torch.int32)
+        table[r, shared:n] = torch.tensor(ids[: n - shared], dtype=torch.int32)
+        ids = ids[n - shared :]
+    return table
+
+
+def make_batch(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_size: int,
+    num_blocks: int | None = None,
+    *,
+    seed: int | torch.Generator = 0,
+    causal: bool = True,
+    num_tokens: int | None = None,
+    pad_value: int = 0,
+    device: torch.device | str = "cpu",
+) -> tuple[BatchMetadata, int]:
+    """A batch over a shuffled block table (see ``shuffled_block_table``) and the number of
+    blocks its cache needs (``num_blocks``, or ``num_blocks_for(seq_lens, block_size)``).
+
+    ``seed`` is an int or a generator to draw from (its state advances). ``num_tokens`` pads the
+    step with slot -1 rows. The lengths are validated by ``BatchMetadata.from_lengths``
+    (``InvalidInputError``); too small a ``num_blocks`` raises ``ValueError``.
+    """
+    if num_blocks is None:
+        num_blocks = num_blocks_for(seq_lens, block_size)
+    table = shuffled_block_table(
+        seq_lens, block_size, num_blocks, _as_generator(seed), pad_value=pad_value
+    )
+    batch = BatchMetadata.from_lengths(
+        query_lens, seq_lens, table, block_size, device, causal=causal, num_tokens=num_tokens
+    )
+    return batch, num_blocks
+
+
+def used_slots(batch: BatchMetadata, *, context_only: bool = False) -> torch.Tensor:
+    """The cache slots of every position of every sequence in ``batch`` (``context_only``:
+    only the positions cached before this step, ``seq_len - query_len`` per request), request
+    by request, each slot once (a shared prefix is listed at its first use).
+    Returns [n] int64 on the host."""
+    table = batch.block_table.to("cpu", torch.int64)  # [num_reqs, max_blocks]
+    counts = batch.context_lens_cpu if context_only else batch.seq_lens_cpu
+    counts = counts.to(torch.int64)
+    bs = batch.block_size
+    rows = torch.repeat_interleave(torch.arange(batch.num_reqs), counts)
+    starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    pos = torch.arange(rows.numel()) - starts  # position within its sequence
+    slots = table[rows, pos // bs] * bs + pos % bs
+    return torch.tensor(list(dict.fromkeys(slots.tolist())), dtype=torch.int64)
+
+
+# --- caches -----------------------------------------------------------------------------------
+
+
+def fill_cache_random(
+    cache: PagedKVCache, g: torch.Generator, *, fp8_scales: tuple[float, float] = FP8_TEST_SCALES
+) -> None:
+    """Give every slot random, finite data in the cache's storage format, for any
+    ``kv_cache_dtype`` of ``attnhub.spec.KV_CACHE_DTYPES``, and set the engine-owned scales.
+
+    Unquantized planes hold N(0, 1) values clamped to +-4; fp8 planes hold such values quantized
+    with ``fp8_scales`` (key, value), which ``set_static_scales`` then puts in the cache; int8
+    planes hold integers in [-127, 127] and per-slot scales lie in [0.01, 0.05]. The result is
+    context that ``attnhub.reference`` reads back as stored, and, in slots a step must not
+    touch, stale data a backend must ignore.
+    """
+    fmt = KV_CACHE_DTYPES[cache.kv_cache_dtype]
+    for name, plane in cache.planes().items():  # key, value, then any per-slot scale planes
+        x: torch.Tensor
+        if plane.dtype == torch.int8:
+            x = torch.randint(-127, 128, plane.shape, generator=g, dtype=torch.int8)
+        elif name.endswith("_scale"):
+            x = torch.rand(plane.shape, generator=g) * 0.04 + 0.01
+        else:
+            x = torch.randn(plane.shape, generator=g).clamp(-4, 4)
+            if getattr(fmt, f"{name}_scale") == "tensor":  # fp8 with a per-tensor scale
+                x = quantize_fp8(x, fp8_scales[0 if name == "key" else 1], plane.dtype)
+            x = x.to(plane.dtype)
+        plane.copy_(x.to(plane.device))
+    set_static_scales(cache, g, fp8_scales=fp8_scales)
+
+
+def set_static_scales(
+    cache: PagedKVCache, g: torch.Generator, *, fp8_scales: tuple[float, float] = FP8_TEST_SCALES
+) -> None:
+    """Set the scales an engine owns (loaded with the model, never written by a backend): fp8
+    per-tensor scales to ``fp8_scales`` (key, value), int8 per-channel scales to random values
+    in [0.035, 0.05], so that N(0, 1) values up to 4.5 sigma stay within +-127 steps."""
+    fmt = KV_CACHE_DTYPES[cache.kv_cache_dtype]
+    for which, fp8_scale in zip(("key_scale", "value_scale"), fp8_scales, strict=True):
+        plane = getattr(cache, which)
+        kind = getattr(fmt, which)
+        if kind == "tensor":
+            plane.fill_(fp8_scale)
+        elif kind == "channel":
+            plane.copy_((torch.rand(plane.shape, generator=g) * 0.015 + 0.035).to(plane.device))
+
+
+def poison_unused_slots(cache: PagedKVCache, batch: BatchMetadata) -> None:
+    """Make every slot no sequence of ``batch`` covers (block 0, the tail of a partly used
+    block, spare blocks) hold stale data a backend must never let through: NaN in floating
+    planes (fp8 included) and per-slot scales, -128 (outside the symmetric range) in int8
+    planes. Works for both layouts."""
+    unused = torch.ones(cache.num_slots, dtype=torch.bool)
+    unused[used_slots(batch)] = False
+    unused = unused.view(cache.num_blocks, cache.block_size).to(cache.device)
+    for name in cache.planes():
+        if name in ("key", "value"):
+            plane = cache.key_nhd() if name == "key" else cache.value_nhd()
+        else:
+            scale = cache.slot_scale_nhd(name)
+            assert scale is not None
+            plane = scale
+        # a view with [num_blocks, block_size] leading: writing through it changes the cache
+        bad = torch.tensor(float("nan") if plane.is_floating_point() else -128).to(plane.dtype)
+        if plane.element_size() == 1:  # fp8 / int8: write the bytes (no fp8 indexing kernels)
+            plane, bad = plane.view(torch.uint8), bad.view(torch.uint8)
+        plane[unused] = bad.to(plane.device)
+
+
+# --- inputs -----------------------------------------------------------------------------------
+
+
+def random_kv(
+    spec: AttentionSpec, num_tokens: int, g: torch.Generator, *, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:  # key, value: [num_tokens, num_kv_heads, head_size]
+    """N(0, 1) keys and values in ``spec.dtype``."""
+    shape = (num_tokens, spec.num_kv_heads, spec.head_size)
+    key = torch.randn(shape, generator=g).to(spec.dtype)
+    value = torch.randn(shape, generator=g).to(spec.dtype)
+    return key.to(device), value.to(device)
+
+
+def random_qkv(
+    spec: AttentionSpec,
+    num_tokens: int,
+    g: torch.Generator,
+    *,
+    q_gain: float = 1.0,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """N(0, 1) query [num_tokens, num_heads, head_size] (times ``q_gain``: larger logits, e.g. to
+    make a soft cap bite), key and value [num_tokens, num_kv_heads, head_size], in
+    ``spec.dtype``."""
+    shape = (num_tokens, spec.num_heads, spec.head_size)
+    query = (torch.randn(shape, generator=g) * q_gain).to(spec.dtype)
+    key, value = random_kv(spec, num_tokens, g)
+    return query.to(device), key.to(device), value.to(device)
+
+
+def random_sinks(
+    num_heads: int, g: torch.Generator, *, mean: float = 0.0, device: torch.device | str = "cpu"
+) -> torch.Tensor:  # [num_heads] float32
+    """Attention-sink logits, one per query head: N(mean, 1)."""
+    return (torch.randn(num_heads, generator=g) + mean).to(device)
+
+
+def alibi_slopes(num_heads: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The ALiBi paper's slopes, [num_heads] float32: the geometric sequence
+    ``2 ** (-8 i / n)`` for the closest power of two ``n <= num_heads``, then the odd terms of
+    the sequence for ``2 n`` for the remaining heads."""
+    p = 2 ** math.floor(math.log2(num_heads))
+    base = [2 ** (-8 * (i + 1) / p) for i in range(p)]
+    extra = [2 ** (-4 * (2 * i + 1) / p) for i in range(num_heads - p)]
+    return torch.tensor(base + extra, dtype=torch.float32, device=device)
+
+
+# --- the reference ----------------------------------------------------------------------------
+
+
+def cache_after_write(
+    cache: PagedKVCache,
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int; -1 = padding
+) -> PagedKVCache:
+    """What ``cache`` must hold after writing ``key``/``value`` to ``slot_mapping``:
+    ``attnhub.reference.write_kv`` applied to a clone (``cache`` itself is not touched)."""
+    expected = cache.clone()
+    reference.write_kv(expected, key, value, slot_mapping)
+    return expected
+
+
+def reference_after_write(
+    spec: AttentionSpec,
+    cache: PagedKVCache,
+    batch: BatchMetadata,
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_size]; None: nothing new
+    value: torch.Tensor | None,
+    *,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[PagedKVCache, torch.Tensor]:  # expected cache, output [num_actual_tokens, H, D] f64
+    """What a ``forward`` of this step must leave in the cache and return: the reference's write
+    of the new tokens to ``batch.slot_mapping``, then the float64 reference over that cache.
+    Call it before ``forward`` (``cache`` itself is not touched)."""
+    if key is None or value is None:
+        if key is not value:
+            raise ValueError("key and value must both be tensors or both None")
+        expected = cache.clone()
+    else:
+        expected = cache_after_write(cache, key, value, batch.slot_mapping)
+    out, _ = reference.paged_attention(
+        query, expected, batch, spec, alibi_slopes=alibi_slopes, sinks=sinks
+    )
+    return expected, out
+
+
+# --- comparing outputs ------------------------------------------------------------------------
+
+
+def token_origin(batch: BatchMetadata, t: int) -> str:
+    """Where query row ``t`` of ``batch`` comes from: its request and position."""
+    qsl = batch.query_start_loc_cpu.tolist()
+    for r in range(batch.num_reqs):
+        if qsl[r] <= t < qsl[r + 1]:
+            q = qsl[r + 1] - qsl[r]
+            s = int(batch.seq_lens_cpu[r])
+            i = t - qsl[r]
+            return f"request {r} (query_len {q}, seq_len {s}), query {i}, position {s - q + i}"
+    return "a padding row"
+
+
+def mismatch(
+    actual: torch.Tensor,  # e.g. a forward's output [n, H, D], any dtype and device
+    expected: torch.Tensor,  # same shape, usually the float64 reference
+    tol: Tolerance,
+    batch: BatchMetadata | None = None,
+) -> str | None:
+    """None when ``|actual - expected| <= tol.atol + tol.rtol * |expected|`` everywhere and
+    ``actual`` is finite; otherwise a sentence: how many elements fail, the worst one (with
+    ``batch`` and 3-D tensors: its token's request and position, head and channel) and by how
+    much, and which requests have errors."""
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if a.shape != e.shape:
+        return f"shape {list(a.shape)}, expected {list(e.shape)}"
+    err = (a - e).abs()
+    allowed = tol.atol + tol.rtol * e.abs()
+    finite = torch.isfinite(a)
+    bad = (err > allowed) | ~finite
+    if not bool(bad.any()):
+        return None
+    score = torch.where(finite, err - allowed, math.inf).masked_fill(~bad, -math.inf)
+    flat = int(torch.argmax(score))
+    pos = [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)]
+    if batch is not None and a.dim() == 3:
+        t, h, d = pos
+        where = f"token {t} ({token_origin(batch, t)}), head {h}, channel {d}"
+    else:
+        where = f"index {pos}"
+    got, want = float(a.flatten()[flat]), float(e.flatten()[flat])
+    message = (
+        f"{int(bad.sum())} of {bad.numel()} elements outside atol={tol.atol:g} + "
+        f"rtol={tol.rtol:g}*|ref|; worst at {where}: got {got:.6g}, expected {want:.6g} "
+        f"(|diff| {abs(got - want):.3g}, allowed {float(allowed.flatten()[flat]):.3g})"
+    )
+    if batch is not None and a.dim() >= 1:
+        rows = bad.flatten(1).any(1).nonzero()[:, 0] if a.dim() > 1 else bad.nonzero()[:, 0]
+        qsl = batch.query_start_loc_cpu
+        reqs = sorted({int(torch.searchsorted(qsl, r, right=True)) - 1 for r in rows.tolist()})
+        reqs = [r for r in reqs if r < batch.num_reqs]  # rows past the last request: padding
+        more = " ..." if len(reqs) > 12 else ""
+        message += f"; requests with errors: {reqs[:12]}{more}"
+    return message
+
+
+def assert_within(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tol: Tolerance,
+    what: str = "output",
+    *,
+    batch: BatchMetadata | None = None,
+) -> None:
+    """Raise ``AssertionError`` unless ``actual`` is within ``tol`` of ``expected`` (see
+    ``mismatch``); the message starts with ``what`` and says where and by how much."""
+    why = mismatch(actual, expected, tol, batch)
+    if why is not None:
+        raise AssertionError(f"{what}: {why}")
+
+
+# --- comparing caches -------------------------------------------------------------------------
+
+
+def _slot_bytes(cache: PagedKVCache, name: str) -> torch.Tensor:  # [num_slots, bytes] uint8
+    if name in ("key", "value"):
+        plane = cache.key_nhd() if name == "key" else cache.value_nhd()
+    else:
+        scale = cache.slot_scale_nhd(name)
+        assert scale is not None
+        plane = scale
+    return plane.to("cpu").reshape(cache.num_slots, -1).contiguous().view(torch.uint8)
+
+
+def _describe_slots(cache: PagedKVCache, slots: list[int]) -> str:
+    bs = cache.block_size
+    shown = ", ".join(f"{s} (block {s // bs}, offset {s % bs})" for s in slots[:6])
+    more = f" and {len(slots) - 6} more" if len(slots) > 6 else ""
+    hint = ""
+    if cache.num_slots - 1 in slots:
+        hint = " [the last slot changed: a padding slot -1 used as an index wraps to it]"
+    return shown + more + hint
+
+
+def _dequantized_tolerance(
+    cache: PagedKVCache, which: str, want: torch.Tensor, expected: PagedKVCache
+) -> torch.Tensor:
+    """How far a backend's stored value may sit from the reference's: one quantization step
+    (rounding may legitimately differ), per element of ``want`` [num_slots, Hkv, D]."""
+    fmt = KV_CACHE_DTYPES[cache.kv_cache_dtype]
+    kind = getattr(fmt, f"{which}_scale")
+    plane = getattr(expected, which)
+    if kind == "tensor":  # fp8: one ulp relative, plus the smallest subnormal
+        fp8 = plane.dtype
+        mant = 3 if fp8 == torch.float8_e4m3fn else 2
+        tiny = float(torch.finfo(fp8).smallest_normal) * 2.0**-mant
+        scale = float(getattr(expected, f"{which}_scale").to("cpu"))
+        return 2.0**-mant * want.abs() + scale * tiny
+    # int8: one step of the (reference's) scale
+    if kind == "slot":
+        per_slot = expected.slot_scale_nhd(f"{which}_scale")
+        assert per_slot is not None
+        step = per_slot.to("cpu", torch.float64).reshape(cache.num_slots, -1)[..., None]
+    else:
+        step = getattr(expected, f"{which}_scale").to("cpu", torch.float64)[None]
+    return 1.01 * step + 1e-3 * want.abs()
+
+
+def cache_differences(
+    actual: PagedKVCache, expected: PagedKVCache, written: torch.Tensor
+) -> list[str]:
+    """What differs between ``actual`` and ``expected`` (e.g. ``cache_after_write`` of a clone
+    taken before the call), one sentence per problem; empty when they agree. ``written``: the
+    slots the call had to write ([n] int, -1 entries ignored).
+
+    Slots not written must be byte-identical. Written slots must be byte-identical for
+    unquantized caches; for quantized ones, their dequantized values must agree within one
+    quantization step. Engine-owned scales must not change.
+    """
+    problems: list[str] = []
+    fmt = KV_CACHE_DTYPES[expected.kv_cache_dtype]
+    is_written = torch.zeros(actual.num_slots, dtype=torch.bool)
+    w = written.to("cpu").long()
+    is_written[w[w >= 0]] = True
+    for name in actual.planes():
+        a, e = _slot_bytes(actual, name), _slot_bytes(expected, name)
+        differs = (a != e).any(dim=1)
+        untouched = (differs & ~is_written).nonzero()[:, 0].tolist()
+        if untouched:
+            problems.append(
+                f"{name} changed in slots this call must not write: "
+                + _describe_slots(actual, untouched)
+            )
+        wrong = (differs & is_written).nonzero()[:, 0].tolist()
+        if wrong and not fmt.is_quantized:
+            problems.append(
+                f"{name} holds other values than were written, in slots "
+                + _describe_slots(actual, wrong)
+            )
+    for which in ("key_scale", "value_scale"):  # engine-owned static scales
+        kind = getattr(fmt, which)
+        if kind in ("tensor", "channel") and not torch.equal(
+            getattr(actual, which).to("cpu"), getattr(expected, which).to("cpu")
+        ):
+            problems.append(f"the engine-owned {kind} {which} was modified")
+    if fmt.is_quantized and is_written.any():
+        everything = torch.arange(actual.num_blocks)
+        got_k, got_v = reference.read_sequence(actual, everything, actual.num_slots)
+        want_k, want_v = reference.read_sequence(expected, everything, actual.num_slots)
+        for which, got, want in (("key", got_k, want_k), ("value", got_v, want_v)):
+            if getattr(fmt, f"{which}_scale") == "none":
+                continue
+            tol = _dequantized_tolerance(actual, which, want, expected)
+            bad = (((got - want).abs() > tol) | torch.isnan(got)).flatten(1).any(1) & is_written
+            slots = bad.nonzero()[:, 0].tolist()
+            if slots:
+                s = slots[0]
+                err = float((got[s] - want[s]).abs().max())
+                problems.append(
+                    f"dequantized {which} differs from the reference's quantization by more than "
+                    f"one step in slots {_describe_slots(actual, slots)} (slot {s}: max |diff| "
+                    f"{err:.4g})"
+                )
+    return problems
