@@ -1,11 +1,28 @@
-"""The ``attnhub`` command: list, select, conformance, bench."""
+"""The ``attnhub`` command: list, select, bench, and the commands other distributions add.
+
+A distribution adds a command through an entry point in group ``attnhub.cli`` (as pytest plugins
+extend pytest through ``pytest11``); the conformance suite adds ``attnhub conformance`` this way::
+
+    [project.entry-points."attnhub.cli"]
+    mycommand = "my_package.cli:command"
+
+The entry point's name is the command's name; its value is a callable with no arguments that
+returns ``(help, main)``: a one-line help for ``attnhub --help`` and ``main(argv: list[str]) ->
+int``, which parses the arguments after the command name itself (``prog="attnhub mycommand"``) and
+returns the exit status. Entry points are loaded only for ``attnhub --help`` and for their own
+command, so a plugin that fails to load is reported (one line: its name and its error) and never
+breaks the built-in commands.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib.metadata as md
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from rich.console import Console
@@ -145,17 +162,85 @@ def cmd_select(args: argparse.Namespace) -> int:
     return 0 if chosen is not None else 2
 
 
-# --- attnhub conformance ---------------------------------------------------------------------
-def cmd_conformance(argv: Sequence[str]) -> int:
+# --- commands from other distributions (entry-point group attnhub.cli) --------------------
+COMMAND_GROUP = "attnhub.cli"
+BUILTIN_COMMANDS = ("list", "select", "bench")
+
+
+@dataclass(frozen=True)
+class PluginCommand:
+    """One command an installed distribution adds, or why it could not be loaded."""
+
+    name: str
+    source: str  # "distribution version", or the entry point's value when it has none
+    help: str = ""
+    main: Callable[[list[str]], int | None] | None = None
+    error: str | None = None  # set when the entry point failed to load or broke the contract
+
+
+def plugin_commands(only: str | None = None) -> dict[str, PluginCommand]:
+    """The commands of entry-point group ``attnhub.cli`` by name, loaded (all, or ``only``)."""
+    found: dict[str, PluginCommand] = {}
+    for ep in sorted(md.entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        if only is not None and ep.name != only:
+            continue
+        dist = getattr(ep, "dist", None)
+        source = f"{dist.name} {dist.version}" if dist is not None else ep.value
+        if ep.name in found:
+            if found[ep.name].source != source:  # the same distribution seen twice is no clash
+                found[ep.name] = PluginCommand(
+                    ep.name, source, error=f"also provided by {found[ep.name].source}"
+                )
+            continue
+        if ep.name in BUILTIN_COMMANDS:
+            found[ep.name] = PluginCommand(ep.name, source, error="a built-in command's name")
+            continue
+        found[ep.name] = _load_command(ep, source)
+    return found
+
+
+def _load_command(ep: md.EntryPoint, source: str) -> PluginCommand:
     try:
-        from attnhub_conformance.runner import main as run_suite
-    except ImportError:
-        _console().print(
-            "[red]the conformance suite is not installed:[/red] "
-            "pip install -e conformance  (in the attnhub repo) or pip install attnhub-conformance"
-        )
+        made = ep.load()()
+        if not (
+            isinstance(made, tuple)
+            and len(made) == 2
+            and isinstance(made[0], str)
+            and callable(made[1])
+        ):
+            raise TypeError(f"returned {made!r}, expected (help: str, main: callable)")
+        help_text, main = made
+    except Exception as exc:  # a broken plugin is reported, never a crash of the others
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        error = f"{ep.value}: {type(exc).__name__}" + (f": {first}" if first else "")
+        return PluginCommand(ep.name, source, error=error)
+    return PluginCommand(ep.name, source, help=help_text, main=main)
+
+
+def _run_plugin(command: PluginCommand, argv: list[str]) -> int:
+    if command.main is None:
+        _error(f"command {command.name!r} ({command.source}) failed to load: {command.error}")
         return 2
-    return int(run_suite(list(argv)))
+    code = command.main(argv)
+    return 0 if code is None else int(code)
+
+
+def _unknown_command(name: str, plugins: dict[str, PluginCommand]) -> int:
+    known = [*BUILTIN_COMMANDS, *sorted(plugins)]
+    close = difflib.get_close_matches(name, known, n=1)
+    _error(
+        f"unknown command {name!r} (known: {', '.join(known)})"
+        + (f"; did you mean {close[0]!r}?" if close else "")
+    )
+    _error(
+        f"other commands come from distributions installed beside attnhub (entry-point group "
+        f"{COMMAND_GROUP!r}); the 'Command line' section of attnhub's README says which"
+    )
+    return 2
+
+
+def _error(message: str) -> None:
+    print(f"attnhub: {message}", file=sys.stderr)
 
 
 # --- attnhub bench ---------------------------------------------------------------------------
@@ -248,11 +333,15 @@ def _bench_host(args: argparse.Namespace, console: Console) -> int:
 
 
 # --- entry point -----------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.ArgumentParser:
+    """The built-in commands' parser; ``plugins`` are listed too (their own ``main`` parses
+    their arguments)."""
     parser = argparse.ArgumentParser(
         prog="attnhub",
         description="Vendor-neutral paged attention: backends, selection, "
         "conformance and benchmarks.",
+        epilog=f"Installed distributions add commands through the {COMMAND_GROUP!r} "
+        "entry-point group (the conformance suite adds 'conformance').",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -278,12 +367,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefer", default=None, help="name one backend (as ATTNHUB_BACKEND does)")
     p.set_defaults(func=cmd_select)
 
-    sub.add_parser(
-        "conformance",
-        help="run the conformance suite (options: attnhub conformance --help)",
-        add_help=False,
-    )
-
     p = sub.add_parser("bench", help="backend vs dense SDPA, as ratios measured in one run")
     p.add_argument("--backend", default=None)
     p.add_argument("--device", default="cpu")
@@ -297,14 +380,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG bar chart (needs matplotlib)")
     p.set_defaults(func=cmd_bench)
+
+    ignored = []
+    for command in (plugins or {}).values():
+        if command.name in BUILTIN_COMMANDS:
+            ignored.append(f"{command.name!r} from {command.source} ({command.error})")
+            continue
+        help_text = command.help if command.error is None else f"failed to load: {command.error}"
+        sub.add_parser(command.name, help=f"{help_text} [{command.source}]", add_help=False)
+    if ignored:
+        parser.epilog = f"{parser.epilog} Ignored: {'; '.join(ignored)}."
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "conformance":
-        return cmd_conformance(argv[1:])
-    args = build_parser().parse_args(argv)
+    name = argv[0] if argv else None
+    if name is not None and not name.startswith("-") and name not in BUILTIN_COMMANDS:
+        plugins = plugin_commands(only=name)
+        if name not in plugins:
+            return _unknown_command(name, plugin_commands())
+        return _run_plugin(plugins[name], argv[1:])
+    # built-in commands load no plugin command; `attnhub` / `attnhub --help` lists them all
+    args = build_parser(None if name in BUILTIN_COMMANDS else plugin_commands()).parse_args(argv)
     try:
         return int(args.func(args))
     except NoBackendError as exc:

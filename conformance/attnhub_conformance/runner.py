@@ -15,6 +15,7 @@ import argparse
 import importlib.metadata as md
 import io
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -231,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         # Nothing ran (a usage error, an internal error, nothing collected): show pytest's words.
         console.print(plugin.buffer.getvalue(), markup=False, highlight=False)
     return int(code)
+
+
+def command() -> tuple[str, Callable[[list[str]], int]]:
+    """``attnhub conformance``: the entry point (group ``attnhub.cli``) that adds this command to
+    attnhub's CLI; returns its one-line help and its ``main``."""
+    return "run the conformance suite; print the features x backends matrix", main
 
 
 if __name__ == "__main__":  # python -m attnhub_conformance.runner

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from suite_runs import suite_env
+
+from attnhub.cli import main as attnhub_main
 
 
 def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -70,3 +73,21 @@ def test_runner_unknown_backend_is_an_error(tmp_path: Path) -> None:
     proc = run_cli(["--backend", "no_such_backend"], tmp_path)
     assert proc.returncode == 4
     assert "no_such_backend" in proc.stdout + proc.stderr
+
+
+def test_attnhub_lists_the_conformance_command_from_the_suites_entry_point(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        attnhub_main(["--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "conformance run the conformance suite" in out
+    assert "[attnhub-conformance " in out
+
+
+def test_attnhub_conformance_help_shows_the_suites_own_options(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        attnhub_main(["conformance", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: attnhub conformance")
+    assert "--report PATH" in out and "--no-emulate" in out and "--full" in out
