@@ -96,14 +96,16 @@ class Step:
         layer: Layer,
         meta: AttentionMetadata | None = None,
         cache: PagedKVCache | None = None,
-        **kwargs: object,
+        *,
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``impl.forward`` of ``layer`` (new keys unless the plan has none)."""
         meta = self.build() if meta is None else meta
         key, value = (layer.key, layer.value) if self.plan.new_kv else (None, None)
-        return layer.impl.forward(
-            layer.query, key, value, layer.cache if cache is None else cache, meta, **kwargs
-        )
+        cache = layer.cache if cache is None else cache
+        if output is None:
+            return layer.impl.forward(layer.query, key, value, cache, meta)
+        return layer.impl.forward(layer.query, key, value, cache, meta, output=output)
 
     def add_layer(self) -> Layer:
         layer = _make_layer(self)
@@ -352,11 +354,12 @@ def assert_matches_reference(
 
 
 def _slot_bytes(cache: PagedKVCache, name: str) -> torch.Tensor:  # [num_slots, bytes] uint8
+    plane: torch.Tensor | None
     if name in ("key", "value"):
         plane = cache.key_nhd() if name == "key" else cache.value_nhd()
     else:
         plane = cache.slot_scale_nhd(name)
-        assert plane is not None
+    assert plane is not None, f"the cache has no {name} plane"
     return plane.to("cpu").reshape(cache.num_slots, -1).contiguous().view(torch.uint8)
 
 
