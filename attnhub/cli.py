@@ -16,36 +16,77 @@ breaks the built-in commands.
 
 from __future__ import annotations
 
+# Only light modules at the top: `attnhub --help` must not wait for torch. Commands import what
+# they need (torch, the registry, rich) when they run.
 import argparse
 import difflib
 import importlib.metadata as md
 import json
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
 
-from attnhub.errors import AttnhubError, NoBackendError
-from attnhub.registry import default_registry, list_backends
-from attnhub.spec import AttentionSpec
+    from attnhub.capabilities import Capabilities
+    from attnhub.spec import AttentionSpec
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = ("float32", "float16", "bfloat16")  # torch dtypes the CLI takes by name
 
 
-def _console() -> Console:
-    return Console(highlight=False)
+def _console(*, stderr: bool = False) -> Console:
+    from rich.console import Console
+
+    return Console(highlight=False, stderr=stderr)
+
+
+def _env_flag(name: str) -> bool:
+    """An environment switch as the registry reads it ("1", "true", "yes")."""
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+class Steps:
+    """Progress of a long run: a transient bar on a terminal; elsewhere (CI logs, pipes) one
+    line per step, so the run shows it is alive. Both on stderr, apart from the results."""
+
+    def __init__(self, title: str, total: int) -> None:
+        self.title, self.total, self.done = title, total, 0
+        self.console = _console(stderr=True)
+        self.progress: Progress | None = None
+        self.task: TaskID | None = None
+
+    def __enter__(self) -> Steps:
+        if self.console.is_terminal:
+            from rich.progress import Progress
+
+            self.progress = Progress(console=self.console, transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task(self.title, total=self.total)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def step(self, what: str) -> None:
+        """Announce the next step (``what``): the bar's label, or a line."""
+        if self.progress is not None and self.task is not None:
+            self.progress.update(self.task, completed=self.done, description=f"{self.title} {what}")
+        else:
+            print(f"{self.title} [{self.done + 1}/{self.total}] {what}", file=sys.stderr)
+        self.done += 1
 
 
 # --- attnhub list ----------------------------------------------------------------------------
 def cmd_list(args: argparse.Namespace) -> int:
-    console = _console()
-    infos = list_backends()
+    from attnhub.registry import list_backends
+
     rows = []
-    for info in infos:
+    for info in list_backends():
         caps = info.capabilities
         devices = list(args.device or [])
         if caps is not None and caps.devices is not None:
@@ -83,43 +124,85 @@ def cmd_list(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    table = Table(title="attnhub backends")
-    for col in ("backend", "distribution", "available", "capabilities"):
-        table.add_column(col, overflow="fold")
+
+    from rich.padding import Padding
+    from rich.table import Table
+    from rich.text import Text
+
+    # One block per backend (label: value lines): it reads at 80 columns, where a table with a
+    # column per field folds every value into a narrow strip.
+    console = _console()
+    console.print("[bold]attnhub backends[/]")
     for info, availability in rows:
+        console.print()
         dist = f"{info.distribution or '-'} {info.version or ''}".strip()
+        console.print(Text.assemble((info.name, "bold"), "  ", (dist, "dim")))
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(no_wrap=True, style="dim")
+        grid.add_column(overflow="fold")
         if info.error is not None:
-            table.add_row(info.name, dist, "[red]plugin failed to load[/red]", info.error)
-            continue
-        assert info.capabilities is not None
-        s = info.capabilities.summary()
-        caps_text = "\n".join(
-            f"{k}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in s.items()
-            if k
-            in (
-                "dtypes",
-                "head_sizes",
-                "block_sizes",
-                "kv_cache_dtypes",
-                "attn_types",
-                "features",
-                "graph_capture",
-            )
-        )
-        avail = "\n".join(f"{d}: {a}" for d, a in availability.items())
-        table.add_row(info.name, dist, avail, caps_text)
-    console.print(table)
+            grid.add_row("plugin", Text.assemble(("failed to load: ", "red"), info.error))
+        for dev, how in availability.items():
+            grid.add_row(f"on {dev}", Text(how, style="green" if how == "native" else ""))
+        if info.capabilities is not None:
+            for label, value in capability_lines(info.capabilities):
+                grid.add_row(label, Text(value))
+        console.print(Padding(grid, (0, 0, 0, 2)))
     return 0
+
+
+def sizes(explicit: frozenset[int] | None, multiple: int, maximum: int | None = None) -> str:
+    """A size rule in words: ``64, 128``; ``multiples of 16 up to 512``; ``any``."""
+    if explicit is not None:
+        ok = sorted(s for s in explicit if s % multiple == 0 and (maximum is None or s <= maximum))
+        return ", ".join(map(str, ok)) or "none"
+    rule = "any" if multiple == 1 else f"multiples of {multiple}"
+    if maximum is not None:
+        rule = f"up to {maximum}" if multiple == 1 else f"{rule} up to {maximum}"
+    return rule
+
+
+def capability_lines(caps: Capabilities) -> Iterator[tuple[str, str]]:
+    """(label, value) lines of ``attnhub list``: what a backend declares, in words."""
+    from attnhub.capabilities import FEATURES
+    from attnhub.spec import KV_CACHE_DTYPES
+
+    def names(xs: Iterable[str]) -> str:
+        return ", ".join(xs) or "none"
+
+    flags = ("multi_token_decode", "chunked_prefill", "cascade")
+    features = [f for f in FEATURES if caps.supports_feature(f)]
+    yield "dtypes", names(sorted(str(d).removeprefix("torch.") for d in caps.dtypes))
+    yield "head sizes", sizes(caps.head_sizes, caps.head_size_multiple, caps.max_head_size)
+    yield "block sizes", sizes(caps.block_sizes, caps.block_size_multiple)
+    kv = names(k for k in KV_CACHE_DTYPES if k in caps.kv_cache_dtypes)
+    yield "kv caches", f"{kv} (layout {caps.kv_cache_layout})"
+    yield "attention", names(sorted(t.value for t in caps.attn_types))
+    yield "features", names([*features, *(f for f in flags if getattr(caps, f))])
+    yield "graph capture", caps.graph_capture.name.lower()
+    if caps.tolerances:
+        tolerances = sorted(caps.tolerances.items(), key=lambda kv: str(kv[0]))
+        yield (
+            "tolerance",
+            names(
+                f"{str(dtype).removeprefix('torch.')} {t.atol:g}/{t.rtol:g}"
+                for dtype, t in tolerances
+            )
+            + " (atol/rtol)",
+        )
 
 
 # --- attnhub select --------------------------------------------------------------------------
 def _spec_from_args(args: argparse.Namespace) -> AttentionSpec:
+    import torch
+
+    from attnhub.spec import AttentionSpec
+
     return AttentionSpec(
         num_heads=args.heads,
         num_kv_heads=args.kv_heads or args.heads,
         head_size=args.head_size,
-        dtype=DTYPES[args.dtype],
+        dtype=getattr(torch, args.dtype),
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         attn_type=args.attn_type,
@@ -131,33 +214,54 @@ def _spec_from_args(args: argparse.Namespace) -> AttentionSpec:
 
 
 def cmd_select(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from attnhub.errors import AttnhubError, BackendUnavailableError
+    from attnhub.registry import ENV_BACKEND, ENV_EMULATE, default_registry, list_backends
+
     console = _console()
     spec = _spec_from_args(args)
+    # What select() would read from the environment, read once: the table below ranks with the
+    # same emulate and names what was asked for.
+    prefer = args.prefer or os.environ.get(ENV_BACKEND) or None
+    emulate = args.emulate or _env_flag(ENV_EMULATE)
     registry = default_registry()
     try:
-        chosen = registry.select(spec, args.device, prefer=args.prefer, emulate=args.emulate)
+        chosen = registry.select(spec, args.device, prefer=prefer, emulate=emulate)
     except AttnhubError as exc:
-        console.print(f"[red]no backend:[/red] {exc}")
         chosen = None
+        # The table below gives every backend's reasons: print only the headline here.
+        if isinstance(exc, BackendUnavailableError):
+            headline = f"backend {exc.backend!r} is not available on {exc.device!r}"
+        else:
+            headline = str(exc).splitlines()[0].rstrip(":")
+            if prefer is not None and any(
+                i.name == prefer and i.error is not None for i in list_backends()
+            ):
+                headline = f"backend plugin {prefer!r} failed to load"
+        console.print(f"[red]no backend:[/red] {escape(headline)}")
     if chosen is not None:
         mode = " (emulated)" if chosen.emulated else ""
         console.print(f"selected: [bold]{chosen.name}[/bold]{mode} on {args.device}")
+    if prefer is not None and not args.prefer:
+        console.print(f"asked for by {ENV_BACKEND}={prefer}")
     table = Table(title="candidates, in selection order")
-    table.add_column("backend")
+    table.add_column("backend", no_wrap=True)
     table.add_column("verdict", overflow="fold")
-    for cls, reasons in registry.rank(spec, args.device, emulate=args.emulate):
+    for cls, reasons in registry.rank(spec, args.device, emulate=emulate):
         if chosen is not None and cls.name == chosen.name:
             verdict = "[green]selected[/green]"
         elif reasons:
-            verdict = "; ".join(reasons)
-        elif chosen is None:
+            verdict = escape("; ".join(reasons))
+        elif prefer is not None:
             verdict = "usable (not chosen: another backend was asked for)"
         else:
             verdict = "usable, lower priority"
         table.add_row(cls.name, verdict)
     for info in list_backends():
         if info.error is not None:
-            table.add_row(info.name, f"plugin failed to load: {info.error}")
+            table.add_row(info.name, escape(f"plugin failed to load: {info.error}"))
     console.print(table)
     return 0 if chosen is not None else 2
 
@@ -245,6 +349,20 @@ def _error(message: str) -> None:
 
 # --- attnhub bench ---------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.plot and args.host:
+        _error("bench: --plot draws the ratio chart; --host measures no ratios")
+        return 2
+    if args.plot:  # before benchmarking, not after minutes of it
+        from attnhub.bench import plotting_problem
+
+        problem = plotting_problem()
+        if problem is not None:
+            _error(f"bench: {problem}")
+            return 2
+
+    import torch
+    from rich.table import Table
+
     from attnhub import bench
 
     console = _console()
@@ -253,10 +371,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_host(args, console)
     cases = bench.default_cases(quick=args.quick)
     results = []
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(cases))
+    with Steps("bench", len(cases)) as steps:
         for case in cases:
-            progress.update(task, description=f"{case.name} {case.dtype}")
+            steps.step(f"{case.name} {str(case.dtype).removeprefix('torch.')}")
             results.append(
                 bench.run_case(
                     case,
@@ -266,7 +383,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     emulate=args.emulate,
                 )
             )
-            progress.advance(task)
     where = bench.machine()
     table = Table(title=f"attnhub bench on {args.device}")
     for col in (
@@ -306,12 +422,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_host(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
     from attnhub import bench
 
-    rows = [
-        bench.host_overhead(n, backend=args.backend, device=args.device, emulate=args.emulate)
-        for n in (1, 32, 256)
-    ]
+    rows = []
+    sizes = (1, 32, 256)
+    with Steps("bench --host", len(sizes)) as steps:
+        for n in sizes:
+            steps.step(f"{n} request{'s' if n > 1 else ''}")
+            rows.append(
+                bench.host_overhead(
+                    n, backend=args.backend, device=args.device, emulate=args.emulate
+                )
+            )
     where = bench.machine()
     table = Table(title="host overhead per call (bf16, 8/2 heads, head 32, block 128, decode)")
     for col in ("backend", "requests", "build us", "forward us", "write_kv(meta=) us"):
@@ -329,6 +453,7 @@ def _bench_host(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(bench.report(rows, where), fh, indent=2)
+        console.print(f"wrote {args.json}")
     return 0
 
 
@@ -346,39 +471,103 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("list", help="every discovered backend, its availability and capabilities")
-    p.add_argument("--device", action="append", help="also report availability on this device")
+    p.add_argument(
+        "--device",
+        action="append",
+        metavar="DEV",
+        help="also report availability on this device (repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_list)
 
-    p = sub.add_parser("select", help="which backend a spec gets on a device, and why")
-    p.add_argument("--heads", type=int, required=True)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--head-size", type=int, required=True)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--attn-type", default="decoder")
-    p.add_argument("--sliding-window", type=int, default=None)
-    p.add_argument("--softcap", type=float, default=None)
-    p.add_argument("--alibi", action="store_true")
-    p.add_argument("--sinks", action="store_true")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--emulate", action="store_true")
-    p.add_argument("--prefer", default=None, help="name one backend (as ATTNHUB_BACKEND does)")
+    p = sub.add_parser(
+        "select",
+        help="which backend a spec gets on a device, and why",
+        description="The backend attnhub.select_backend returns for one attention layer's spec, "
+        "and why each other backend was not chosen.",
+    )
+    p.add_argument("--heads", type=int, required=True, metavar="N", help="query heads")
+    p.add_argument(
+        "--kv-heads", type=int, default=None, metavar="N", help="key/value heads (default: --heads)"
+    )
+    p.add_argument("--head-size", type=int, required=True, metavar="D", help="head size")
+    p.add_argument(
+        "--dtype", choices=DTYPE_NAMES, default="bfloat16", help="model dtype (default: bfloat16)"
+    )
+    p.add_argument(
+        "--block-size", type=int, default=16, metavar="N", help="KV-cache block size (default: 16)"
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        metavar="NAME",
+        help="KV-cache format: auto (the model dtype), fp8_e4m3, int8, ... (default: auto)",
+    )
+    p.add_argument(
+        "--attn-type",
+        default="decoder",
+        metavar="TYPE",
+        help="decoder, encoder, encoder_only or encoder_decoder (default: decoder)",
+    )
+    p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        metavar="W",
+        help="each query sees its W latest keys, itself included",
+    )
+    p.add_argument(
+        "--softcap", type=float, default=None, metavar="CAP", help="logits soft cap (tanh)"
+    )
+    p.add_argument("--alibi", action="store_true", help="the layer uses ALiBi slopes")
+    p.add_argument("--sinks", action="store_true", help="the layer uses attention sinks")
+    p.add_argument("--device", default="cpu", help="device to select for (default: cpu)")
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="let vendor backends run through their CPU emulators (as ATTNHUB_EMULATE=1 does)",
+    )
+    p.add_argument(
+        "--prefer", default=None, metavar="NAME", help="name one backend (as ATTNHUB_BACKEND does)"
+    )
     p.set_defaults(func=cmd_select)
 
-    p = sub.add_parser("bench", help="backend vs dense SDPA, as ratios measured in one run")
-    p.add_argument("--backend", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--emulate", action="store_true")
+    p = sub.add_parser(
+        "bench",
+        help="backend vs dense SDPA, as ratios measured in one run",
+        description="Times a backend's per-layer forward against dense SDPA on the same shapes, "
+        "back to back, and reports the ratios (absolute times drift on shared machines).",
+    )
+    p.add_argument(
+        "--backend", default=None, metavar="NAME", help="backend to time (default: selected)"
+    )
+    p.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="let vendor backends run through their CPU emulators",
+    )
     p.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     p.add_argument(
         "--host", action="store_true", help="host overhead of build / forward / write_kv instead"
     )
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", default=None, help="write results to this JSON file")
-    p.add_argument("--plot", default=None, help="write a PNG bar chart (needs matplotlib)")
+    p.add_argument(
+        "--repeats", type=int, default=7, metavar="N", help="timed runs per case (default: 7)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads (default: torch's own choice)",
+    )
+    p.add_argument("--json", default=None, metavar="PATH", help="write results to this JSON file")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="write a PNG bar chart of the ratios (needs matplotlib: pip install 'attnhub[plot]')",
+    )
     p.set_defaults(func=cmd_bench)
 
     ignored = []
@@ -403,13 +592,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_plugin(plugins[name], argv[1:])
     # built-in commands load no plugin command; `attnhub` / `attnhub --help` lists them all
     args = build_parser(None if name in BUILTIN_COMMANDS else plugin_commands()).parse_args(argv)
+
+    from attnhub.errors import AttnhubError
+
     try:
         return int(args.func(args))
-    except NoBackendError as exc:
-        _console().print(f"[red]{exc}[/red]")
-        return 2
     except AttnhubError as exc:
-        _console().print(f"[red]error:[/red] {exc}")
+        from rich.markup import escape
+
+        _console(stderr=True).print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
 
 
