@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -66,6 +67,17 @@ def subcommand(name: str) -> argparse.ArgumentParser:
 
 
 # --- attnhub --help ------------------------------------------------------------------------------
+def test_help_does_not_import_torch():
+    code = (
+        "import sys\nfrom attnhub.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "False"
+
+
 @pytest.mark.parametrize("command", ["bench", "select"])
 def test_every_option_has_help(command):
     options = [a for a in subcommand(command)._actions if a.option_strings]
