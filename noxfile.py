@@ -56,7 +56,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy on the core package and the backend packages."""
+    """mypy on the core, the conformance suite and the vLLM adapter (``[tool.mypy] files`` in
+    pyproject.toml; vLLM itself is not installed: its modules are Any), then the backend
+    packages."""
     session.install(TORCH, "mypy>=1.10")
     session.install(*ALL_DISTRIBUTIONS)
     session.run("mypy")

@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -218,15 +219,33 @@ def report(results: list[BenchResult] | list[HostOverhead], where: Machine) -> d
     return {"machine": asdict(where), "results": rows}
 
 
-def plot(results: list[BenchResult], path: str, where: Machine | None = None) -> None:
-    """A bar chart of the ratios (needs matplotlib: ``pip install attnhub[plot]``)."""
+PLOT_EXTRA = "pip install 'attnhub[plot]'"
+
+
+def plotting_problem() -> str | None:
+    """Why ``plot`` cannot draw here (None: it can). ``attnhub bench --plot`` asks before it
+    benchmarks, not after."""
+    try:
+        _pyplot()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def _pyplot() -> ModuleType:  # matplotlib.pyplot
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise RuntimeError("plotting needs matplotlib: pip install 'attnhub[plot]'") from exc
+        raise RuntimeError(f"plotting needs matplotlib ({exc}): {PLOT_EXTRA}") from exc
+    return plt
+
+
+def plot(results: list[BenchResult], path: str, where: Machine | None = None) -> None:
+    """A bar chart of the ratios (needs matplotlib: ``pip install 'attnhub[plot]'``)."""
+    plt = _pyplot()
     labels = [f"{r.case}\n{r.dtype}" for r in results]
     fig, ax = plt.subplots(figsize=(1.6 * len(results) + 2, 3.5))
     ax.bar(labels, [r.ratio for r in results], color="#4c72b0")

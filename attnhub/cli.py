@@ -1,35 +1,93 @@
-"""The ``attnhub`` command: list, select, conformance, bench."""
+"""The ``attnhub`` command: list, select, bench, and the commands other distributions add.
+
+A distribution adds a command through an entry point in group ``attnhub.cli`` (as pytest plugins
+extend pytest through ``pytest11``); the conformance suite adds ``attnhub conformance`` this way::
+
+    [project.entry-points."attnhub.cli"]
+    mycommand = "my_package.cli:command"
+
+The entry point's name is the command's name; its value is a callable with no arguments that
+returns ``(help, main)``: a one-line help for ``attnhub --help`` and ``main(argv: list[str]) ->
+int``, which parses the arguments after the command name itself (``prog="attnhub mycommand"``) and
+returns the exit status. Entry points are loaded only for ``attnhub --help`` and for their own
+command, so a plugin that fails to load is reported (one line: its name and its error) and never
+breaks the built-in commands.
+"""
 
 from __future__ import annotations
 
+# Only light modules at the top: `attnhub --help` must not wait for torch. Commands import what
+# they need (torch, the registry, rich) when they run.
 import argparse
+import difflib
+import importlib.metadata as md
 import json
+import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
 
-from attnhub.errors import AttnhubError, NoBackendError, PluginLoadError, PluginLoadWarning
-from attnhub.registry import default_registry, list_backends
-from attnhub.spec import AttentionSpec
+    from attnhub.capabilities import Capabilities
+    from attnhub.spec import AttentionSpec
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = ("float32", "float16", "bfloat16")  # torch dtypes the CLI takes by name
 
 
-def _console() -> Console:
-    return Console(highlight=False)
+def _console(*, stderr: bool = False) -> Console:
+    from rich.console import Console
+
+    return Console(highlight=False, stderr=stderr)
+
+
+def _env_flag(name: str) -> bool:
+    """An environment switch as the registry reads it ("1", "true", "yes")."""
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+class Steps:
+    """Progress of a long run: a transient bar on a terminal; elsewhere (CI logs, pipes) one
+    line per step, so the run shows it is alive. Both on stderr, apart from the results."""
+
+    def __init__(self, title: str, total: int) -> None:
+        self.title, self.total, self.done = title, total, 0
+        self.console = _console(stderr=True)
+        self.progress: Progress | None = None
+        self.task: TaskID | None = None
+
+    def __enter__(self) -> Steps:
+        if self.console.is_terminal:
+            from rich.progress import Progress
+
+            self.progress = Progress(console=self.console, transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task(self.title, total=self.total)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def step(self, what: str) -> None:
+        """Announce the next step (``what``): the bar's label, or a line."""
+        if self.progress is not None and self.task is not None:
+            self.progress.update(self.task, completed=self.done, description=f"{self.title} {what}")
+        else:
+            print(f"{self.title} [{self.done + 1}/{self.total}] {what}", file=sys.stderr)
+        self.done += 1
 
 
 # --- attnhub list ----------------------------------------------------------------------------
 def cmd_list(args: argparse.Namespace) -> int:
-    console = _console()
-    infos = list_backends()
+    from attnhub.registry import list_backends
+
     rows = []
-    for info in infos:
+    for info in list_backends():
         caps = info.capabilities
         devices = list(args.device or [])
         if caps is not None and caps.devices is not None:
@@ -67,43 +125,85 @@ def cmd_list(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    table = Table(title="attnhub backends")
-    for col in ("backend", "distribution", "available", "capabilities"):
-        table.add_column(col, overflow="fold")
+
+    from rich.padding import Padding
+    from rich.table import Table
+    from rich.text import Text
+
+    # One block per backend (label: value lines): it reads at 80 columns, where a table with a
+    # column per field folds every value into a narrow strip.
+    console = _console()
+    console.print("[bold]attnhub backends[/]")
     for info, availability in rows:
+        console.print()
         dist = f"{info.distribution or '-'} {info.version or ''}".strip()
+        console.print(Text.assemble((info.name, "bold"), "  ", (dist, "dim")))
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(no_wrap=True, style="dim")
+        grid.add_column(overflow="fold")
         if info.error is not None:
-            table.add_row(info.name, dist, "[red]plugin failed to load[/red]", info.error)
-            continue
-        assert info.capabilities is not None
-        s = info.capabilities.summary()
-        caps_text = "\n".join(
-            f"{k}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in s.items()
-            if k
-            in (
-                "dtypes",
-                "head_sizes",
-                "block_sizes",
-                "kv_cache_dtypes",
-                "attn_types",
-                "features",
-                "graph_capture",
-            )
-        )
-        avail = "\n".join(f"{d}: {a}" for d, a in availability.items())
-        table.add_row(info.name, dist, avail, caps_text)
-    console.print(table)
+            grid.add_row("plugin", Text.assemble(("failed to load: ", "red"), info.error))
+        for dev, how in availability.items():
+            grid.add_row(f"on {dev}", Text(how, style="green" if how == "native" else ""))
+        if info.capabilities is not None:
+            for label, value in capability_lines(info.capabilities):
+                grid.add_row(label, Text(value))
+        console.print(Padding(grid, (0, 0, 0, 2)))
     return 0
+
+
+def sizes(explicit: frozenset[int] | None, multiple: int, maximum: int | None = None) -> str:
+    """A size rule in words: ``64, 128``; ``multiples of 16 up to 512``; ``any``."""
+    if explicit is not None:
+        ok = sorted(s for s in explicit if s % multiple == 0 and (maximum is None or s <= maximum))
+        return ", ".join(map(str, ok)) or "none"
+    rule = "any" if multiple == 1 else f"multiples of {multiple}"
+    if maximum is not None:
+        rule = f"up to {maximum}" if multiple == 1 else f"{rule} up to {maximum}"
+    return rule
+
+
+def capability_lines(caps: Capabilities) -> Iterator[tuple[str, str]]:
+    """(label, value) lines of ``attnhub list``: what a backend declares, in words."""
+    from attnhub.capabilities import FEATURES
+    from attnhub.spec import KV_CACHE_DTYPES
+
+    def names(xs: Iterable[str]) -> str:
+        return ", ".join(xs) or "none"
+
+    flags = ("multi_token_decode", "chunked_prefill", "cascade")
+    features = [f for f in FEATURES if caps.supports_feature(f)]
+    yield "dtypes", names(sorted(str(d).removeprefix("torch.") for d in caps.dtypes))
+    yield "head sizes", sizes(caps.head_sizes, caps.head_size_multiple, caps.max_head_size)
+    yield "block sizes", sizes(caps.block_sizes, caps.block_size_multiple)
+    kv = names(k for k in KV_CACHE_DTYPES if k in caps.kv_cache_dtypes)
+    yield "kv caches", f"{kv} (layout {caps.kv_cache_layout})"
+    yield "attention", names(sorted(t.value for t in caps.attn_types))
+    yield "features", names([*features, *(f for f in flags if getattr(caps, f))])
+    yield "graph capture", caps.graph_capture.name.lower()
+    if caps.tolerances:
+        tolerances = sorted(caps.tolerances.items(), key=lambda kv: str(kv[0]))
+        yield (
+            "tolerance",
+            names(
+                f"{str(dtype).removeprefix('torch.')} {t.atol:g}/{t.rtol:g}"
+                for dtype, t in tolerances
+            )
+            + " (atol/rtol)",
+        )
 
 
 # --- attnhub select --------------------------------------------------------------------------
 def _spec_from_args(args: argparse.Namespace) -> AttentionSpec:
+    import torch
+
+    from attnhub.spec import AttentionSpec
+
     return AttentionSpec(
         num_heads=args.heads,
         num_kv_heads=args.kv_heads or args.heads,
         head_size=args.head_size,
-        dtype=DTYPES[args.dtype],
+        dtype=getattr(torch, args.dtype),
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         attn_type=args.attn_type,
@@ -115,26 +215,47 @@ def _spec_from_args(args: argparse.Namespace) -> AttentionSpec:
 
 
 def cmd_select(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from attnhub.errors import (
+        AttnhubError,
+        BackendUnavailableError,
+        NoBackendError,
+        PluginLoadError,
+        PluginLoadWarning,
+    )
+    from attnhub.registry import ENV_BACKEND, ENV_EMULATE, default_registry, list_backends
+
     console = _console()
     spec = _spec_from_args(args)
+    # What select() would read from the environment, read once: the table below ranks with the
+    # same emulate and names what was asked for.
+    prefer = args.prefer or os.environ.get(ENV_BACKEND) or None
+    emulate = args.emulate or _env_flag(ENV_EMULATE)
     registry = default_registry()
     failed = [info for info in list_backends() if info.error is not None]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PluginLoadWarning)  # said once below, errors in the table
         try:
-            chosen = registry.select(spec, args.device, prefer=args.prefer, emulate=args.emulate)
-        except PluginLoadError as exc:  # its error is the plugin's row of the table
-            console.print(f"[red]no backend:[/red] plugin {exc.plugin!r} failed to load")
-            chosen = None
-        except NoBackendError as exc:  # each candidate's reasons are its row of the table
-            console.print(f"[red]no backend:[/red] {exc.message}")
-            chosen = None
+            chosen = registry.select(spec, args.device, prefer=prefer, emulate=emulate)
         except AttnhubError as exc:
-            console.print(f"[red]no backend:[/red] {exc}")
             chosen = None
+            # The table below gives every backend's reasons: print only the headline here.
+            if isinstance(exc, PluginLoadError):
+                headline = f"plugin {exc.plugin!r} failed to load"
+            elif isinstance(exc, BackendUnavailableError):
+                headline = f"backend {exc.backend!r} is not available on {exc.device!r}"
+            elif isinstance(exc, NoBackendError):
+                headline = exc.message
+            else:
+                headline = str(exc).splitlines()[0].rstrip(":")
+            console.print(f"[red]no backend:[/red] {escape(headline)}")
     if chosen is not None:
         mode = " (emulated)" if chosen.emulated else ""
         console.print(f"selected: [bold]{chosen.name}[/bold]{mode} on {args.device}")
+    if prefer is not None and not args.prefer:
+        console.print(f"asked for by {ENV_BACKEND}={prefer}")
     if failed:
         plugins = "plugin" if len(failed) == 1 else "plugins"
         names = ", ".join(repr(info.plugin) for info in failed)
@@ -143,39 +264,121 @@ def cmd_select(args: argparse.Namespace) -> int:
             "(errors in the table)"
         )
     table = Table(title="candidates, in selection order")
-    table.add_column("backend")
+    table.add_column("backend", no_wrap=True)
     table.add_column("verdict", overflow="fold")
-    for cls, reasons in registry.rank(spec, args.device, emulate=args.emulate):
+    for cls, reasons in registry.rank(spec, args.device, emulate=emulate):
         if chosen is not None and cls.name == chosen.name:
             verdict = "[green]selected[/green]"
         elif reasons:
-            verdict = "; ".join(reasons)
-        elif chosen is None:
+            verdict = escape("; ".join(reasons))
+        elif prefer is not None:
             verdict = "usable (not chosen: another backend was asked for)"
         else:
             verdict = "usable, lower priority"
         table.add_row(cls.name, verdict)
     for info in failed:
-        table.add_row(info.name, f"[red]plugin failed to load:[/red] {info.error}")
+        table.add_row(info.name, escape(f"plugin failed to load: {info.error}"))
     console.print(table)
     return 0 if chosen is not None else 2
 
 
-# --- attnhub conformance ---------------------------------------------------------------------
-def cmd_conformance(argv: Sequence[str]) -> int:
+# --- commands from other distributions (entry-point group attnhub.cli) --------------------
+COMMAND_GROUP = "attnhub.cli"
+BUILTIN_COMMANDS = ("list", "select", "bench")
+
+
+@dataclass(frozen=True)
+class PluginCommand:
+    """One command an installed distribution adds, or why it could not be loaded."""
+
+    name: str
+    source: str  # "distribution version", or the entry point's value when it has none
+    help: str = ""
+    main: Callable[[list[str]], int | None] | None = None
+    error: str | None = None  # set when the entry point failed to load or broke the contract
+
+
+def plugin_commands(only: str | None = None) -> dict[str, PluginCommand]:
+    """The commands of entry-point group ``attnhub.cli`` by name, loaded (all, or ``only``)."""
+    found: dict[str, PluginCommand] = {}
+    for ep in sorted(md.entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        if only is not None and ep.name != only:
+            continue
+        dist = getattr(ep, "dist", None)
+        source = f"{dist.name} {dist.version}" if dist is not None else ep.value
+        if ep.name in found:
+            if found[ep.name].source != source:  # the same distribution seen twice is no clash
+                found[ep.name] = PluginCommand(
+                    ep.name, source, error=f"also provided by {found[ep.name].source}"
+                )
+            continue
+        if ep.name in BUILTIN_COMMANDS:
+            found[ep.name] = PluginCommand(ep.name, source, error="a built-in command's name")
+            continue
+        found[ep.name] = _load_command(ep, source)
+    return found
+
+
+def _load_command(ep: md.EntryPoint, source: str) -> PluginCommand:
     try:
-        from attnhub_conformance.runner import main as run_suite
-    except ImportError:
-        _console().print(
-            "[red]the conformance suite is not installed:[/red] "
-            "pip install -e conformance  (in the attnhub repo) or pip install attnhub-conformance"
-        )
+        made = ep.load()()
+        if not (
+            isinstance(made, tuple)
+            and len(made) == 2
+            and isinstance(made[0], str)
+            and callable(made[1])
+        ):
+            raise TypeError(f"returned {made!r}, expected (help: str, main: callable)")
+        help_text, main = made
+    except Exception as exc:  # a broken plugin is reported, never a crash of the others
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        error = f"{ep.value}: {type(exc).__name__}" + (f": {first}" if first else "")
+        return PluginCommand(ep.name, source, error=error)
+    return PluginCommand(ep.name, source, help=help_text, main=main)
+
+
+def _run_plugin(command: PluginCommand, argv: list[str]) -> int:
+    if command.main is None:
+        _error(f"command {command.name!r} ({command.source}) failed to load: {command.error}")
         return 2
-    return int(run_suite(list(argv)))
+    code = command.main(argv)
+    return 0 if code is None else int(code)
+
+
+def _unknown_command(name: str, plugins: dict[str, PluginCommand]) -> int:
+    known = [*BUILTIN_COMMANDS, *sorted(plugins)]
+    close = difflib.get_close_matches(name, known, n=1)
+    _error(
+        f"unknown command {name!r} (known: {', '.join(known)})"
+        + (f"; did you mean {close[0]!r}?" if close else "")
+    )
+    _error(
+        f"other commands come from distributions installed beside attnhub (entry-point group "
+        f"{COMMAND_GROUP!r}); the 'Command line' section of attnhub's README says which"
+    )
+    return 2
+
+
+def _error(message: str) -> None:
+    print(f"attnhub: {message}", file=sys.stderr)
 
 
 # --- attnhub bench ---------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.plot and args.host:
+        _error("bench: --plot draws the ratio chart; --host measures no ratios")
+        return 2
+    if args.plot:  # before benchmarking, not after minutes of it
+        from attnhub.bench import plotting_problem
+
+        problem = plotting_problem()
+        if problem is not None:
+            _error(f"bench: {problem}")
+            return 2
+
+    import torch
+    from rich.table import Table
+
     from attnhub import bench
 
     console = _console()
@@ -184,10 +387,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_host(args, console)
     cases = bench.default_cases(quick=args.quick)
     results = []
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(cases))
+    with Steps("bench", len(cases)) as steps:
         for case in cases:
-            progress.update(task, description=f"{case.name} {case.dtype}")
+            steps.step(f"{case.name} {str(case.dtype).removeprefix('torch.')}")
             results.append(
                 bench.run_case(
                     case,
@@ -197,7 +399,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     emulate=args.emulate,
                 )
             )
-            progress.advance(task)
     where = bench.machine()
     table = Table(title=f"attnhub bench on {args.device}")
     for col in (
@@ -237,12 +438,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_host(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
     from attnhub import bench
 
-    rows = [
-        bench.host_overhead(n, backend=args.backend, device=args.device, emulate=args.emulate)
-        for n in (1, 32, 256)
-    ]
+    rows = []
+    sizes = (1, 32, 256)
+    with Steps("bench --host", len(sizes)) as steps:
+        for n in sizes:
+            steps.step(f"{n} request{'s' if n > 1 else ''}")
+            rows.append(
+                bench.host_overhead(
+                    n, backend=args.backend, device=args.device, emulate=args.emulate
+                )
+            )
     where = bench.machine()
     table = Table(title="host overhead per call (bf16, 8/2 heads, head 32, block 128, decode)")
     for col in ("backend", "requests", "build us", "forward us", "write_kv(meta=) us"):
@@ -260,74 +469,154 @@ def _bench_host(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(bench.report(rows, where), fh, indent=2)
+        console.print(f"wrote {args.json}")
     return 0
 
 
 # --- entry point -----------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.ArgumentParser:
+    """The built-in commands' parser; ``plugins`` are listed too (their own ``main`` parses
+    their arguments)."""
     parser = argparse.ArgumentParser(
         prog="attnhub",
         description="Vendor-neutral paged attention: backends, selection, "
         "conformance and benchmarks.",
+        epilog=f"Installed distributions add commands through the {COMMAND_GROUP!r} "
+        "entry-point group (the conformance suite adds 'conformance').",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("list", help="every discovered backend, its availability and capabilities")
-    p.add_argument("--device", action="append", help="also report availability on this device")
+    p.add_argument(
+        "--device",
+        action="append",
+        metavar="DEV",
+        help="also report availability on this device (repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_list)
 
-    p = sub.add_parser("select", help="which backend a spec gets on a device, and why")
-    p.add_argument("--heads", type=int, required=True)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--head-size", type=int, required=True)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--attn-type", default="decoder")
-    p.add_argument("--sliding-window", type=int, default=None)
-    p.add_argument("--softcap", type=float, default=None)
-    p.add_argument("--alibi", action="store_true")
-    p.add_argument("--sinks", action="store_true")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--emulate", action="store_true")
-    p.add_argument("--prefer", default=None, help="name one backend (as ATTNHUB_BACKEND does)")
+    p = sub.add_parser(
+        "select",
+        help="which backend a spec gets on a device, and why",
+        description="The backend attnhub.select_backend returns for one attention layer's spec, "
+        "and why each other backend was not chosen.",
+    )
+    p.add_argument("--heads", type=int, required=True, metavar="N", help="query heads")
+    p.add_argument(
+        "--kv-heads", type=int, default=None, metavar="N", help="key/value heads (default: --heads)"
+    )
+    p.add_argument("--head-size", type=int, required=True, metavar="D", help="head size")
+    p.add_argument(
+        "--dtype", choices=DTYPE_NAMES, default="bfloat16", help="model dtype (default: bfloat16)"
+    )
+    p.add_argument(
+        "--block-size", type=int, default=16, metavar="N", help="KV-cache block size (default: 16)"
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        metavar="NAME",
+        help="KV-cache format: auto (the model dtype), fp8_e4m3, int8, ... (default: auto)",
+    )
+    p.add_argument(
+        "--attn-type",
+        default="decoder",
+        metavar="TYPE",
+        help="decoder, encoder, encoder_only or encoder_decoder (default: decoder)",
+    )
+    p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        metavar="W",
+        help="each query sees its W latest keys, itself included",
+    )
+    p.add_argument(
+        "--softcap", type=float, default=None, metavar="CAP", help="logits soft cap (tanh)"
+    )
+    p.add_argument("--alibi", action="store_true", help="the layer uses ALiBi slopes")
+    p.add_argument("--sinks", action="store_true", help="the layer uses attention sinks")
+    p.add_argument("--device", default="cpu", help="device to select for (default: cpu)")
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="let vendor backends run through their CPU emulators (as ATTNHUB_EMULATE=1 does)",
+    )
+    p.add_argument(
+        "--prefer", default=None, metavar="NAME", help="name one backend (as ATTNHUB_BACKEND does)"
+    )
     p.set_defaults(func=cmd_select)
 
-    sub.add_parser(
-        "conformance",
-        help="run the conformance suite (options: attnhub conformance --help)",
-        add_help=False,
+    p = sub.add_parser(
+        "bench",
+        help="backend vs dense SDPA, as ratios measured in one run",
+        description="Times a backend's per-layer forward against dense SDPA on the same shapes, "
+        "back to back, and reports the ratios (absolute times drift on shared machines).",
     )
-
-    p = sub.add_parser("bench", help="backend vs dense SDPA, as ratios measured in one run")
-    p.add_argument("--backend", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--emulate", action="store_true")
+    p.add_argument(
+        "--backend", default=None, metavar="NAME", help="backend to time (default: selected)"
+    )
+    p.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="let vendor backends run through their CPU emulators",
+    )
     p.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     p.add_argument(
         "--host", action="store_true", help="host overhead of build / forward / write_kv instead"
     )
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", default=None, help="write results to this JSON file")
-    p.add_argument("--plot", default=None, help="write a PNG bar chart (needs matplotlib)")
+    p.add_argument(
+        "--repeats", type=int, default=7, metavar="N", help="timed runs per case (default: 7)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads (default: torch's own choice)",
+    )
+    p.add_argument("--json", default=None, metavar="PATH", help="write results to this JSON file")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="write a PNG bar chart of the ratios (needs matplotlib: pip install 'attnhub[plot]')",
+    )
     p.set_defaults(func=cmd_bench)
+
+    ignored = []
+    for command in (plugins or {}).values():
+        if command.name in BUILTIN_COMMANDS:
+            ignored.append(f"{command.name!r} from {command.source} ({command.error})")
+            continue
+        help_text = command.help if command.error is None else f"failed to load: {command.error}"
+        sub.add_parser(command.name, help=f"{help_text} [{command.source}]", add_help=False)
+    if ignored:
+        parser.epilog = f"{parser.epilog} Ignored: {'; '.join(ignored)}."
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "conformance":
-        return cmd_conformance(argv[1:])
-    args = build_parser().parse_args(argv)
+    name = argv[0] if argv else None
+    if name is not None and not name.startswith("-") and name not in BUILTIN_COMMANDS:
+        plugins = plugin_commands(only=name)
+        if name not in plugins:
+            return _unknown_command(name, plugin_commands())
+        return _run_plugin(plugins[name], argv[1:])
+    # built-in commands load no plugin command; `attnhub` / `attnhub --help` lists them all
+    args = build_parser(None if name in BUILTIN_COMMANDS else plugin_commands()).parse_args(argv)
+
+    from attnhub.errors import AttnhubError
+
     try:
         return int(args.func(args))
-    except NoBackendError as exc:
-        _console().print(f"[red]{exc}[/red]")
-        return 2
     except AttnhubError as exc:
-        _console().print(f"[red]error:[/red] {exc}")
+        from rich.markup import escape
+
+        _console(stderr=True).print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
 
 

@@ -559,7 +559,7 @@ def _full_output_cases(ax: Axes, add: Callable[[Config, Shape, str], None]) -> N
         config = base.with_(dtype=dtype, head_size=hs, block_size=bs)
         add(config, mixed, f"head size: {hs}")
         add(config, mixed, f"block size: {bs}")
-    feature_sets = [(f,) for f in ax.features]
+    feature_sets: list[tuple[str, ...]] = [(f,) for f in ax.features]
     combined = ax.combined_features(base)
     if combined is not None:
         feature_sets.append(combined.features)

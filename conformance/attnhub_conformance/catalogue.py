@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
-from attnhub import BatchMetadata, PagedKVCache
+from attnhub import AttentionMetadata, BatchMetadata, PagedKVCache
 from attnhub.errors import (
     AttnhubError,
     InvalidInputError,
@@ -45,25 +46,31 @@ def other_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _forward(
-    step: Step, layer: Layer, *, batch: BatchMetadata | None = None, **inputs: object
-) -> object:
-    """Build (from ``batch`` if given) and forward, with some inputs replaced."""
-    meta = inputs.pop("meta", None)
-    if meta is None:
-        meta = step.build(batch)
-    args = {"query": layer.query, "key": layer.key, "value": layer.value, "cache": layer.cache}
-    if not step.plan.new_kv:
-        args["key"] = args["value"] = None
-    args.update(inputs)
-    output = args.pop("output", None)
-    return layer.impl.forward(
-        args["query"],
-        args["key"],
-        args["value"],
-        args["cache"],
-        meta,
-        **({} if output is None else {"output": output}),
+    step: Step,
+    layer: Layer,
+    *,
+    batch: BatchMetadata | None = None,
+    query: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    cache: PagedKVCache | None = None,
+    meta: object = None,
+    output: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Build (from ``batch`` if given) and forward, with the inputs given replaced (``meta`` may
+    be something that is not a builder's metadata: that is the wrong input then)."""
+    built = step.build(batch) if meta is None else cast(AttentionMetadata, meta)
+    new_kv = step.plan.new_kv
+    args = (
+        layer.query if query is None else query,
+        key if key is not None else (layer.key if new_kv else None),
+        value if value is not None else (layer.value if new_kv else None),
+        layer.cache if cache is None else cache,
+        built,
     )
+    if output is None:
+        return layer.impl.forward(*args)
+    return layer.impl.forward(*args, output=output)
 
 
 def _with_slot(step: Step, slot: int) -> BatchMetadata:
@@ -171,17 +178,20 @@ def _prefix_too_long(step: Step, layer: Layer) -> object:
 def _write_kv_bad_slot(step: Step, layer: Layer) -> object:
     slots = step.batch.slot_mapping[: step.n].clone()
     slots[-1] = layer.cache.num_slots
-    return layer.impl.write_kv(layer.key, layer.value, layer.cache, slots)
+    layer.impl.write_kv(layer.key, layer.value, layer.cache, slots)
+    return None
 
 
 def _write_kv_step_bad_slot(step: Step, layer: Layer) -> object:
     meta = step.builder.build(_with_slot(step, layer.cache.num_slots))
-    return layer.impl.write_kv(layer.key, layer.value, layer.cache, meta=meta)
+    layer.impl.write_kv(layer.key, layer.value, layer.cache, meta=meta)
+    return None
 
 
 def _write_kv_step_other_slots(step: Step, layer: Layer) -> object:
     slots = step.batch.slot_mapping.clone()  # same values, another tensor: still refused
-    return layer.impl.write_kv(layer.key, layer.value, layer.cache, slots, meta=step.build())
+    layer.impl.write_kv(layer.key, layer.value, layer.cache, slots, meta=step.build())
+    return None
 
 
 def _needs_new_kv(target: Target, config: Config) -> str | None:

@@ -87,14 +87,16 @@ class Step:
         layer: Layer,
         meta: AttentionMetadata | None = None,
         cache: PagedKVCache | None = None,
-        **kwargs: object,
+        *,
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``impl.forward`` of ``layer`` (new keys unless the plan has none)."""
         meta = self.build() if meta is None else meta
         key, value = (layer.key, layer.value) if self.plan.new_kv else (None, None)
-        return layer.impl.forward(
-            layer.query, key, value, layer.cache if cache is None else cache, meta, **kwargs
-        )
+        cache = layer.cache if cache is None else cache
+        if output is None:
+            return layer.impl.forward(layer.query, key, value, cache, meta)
+        return layer.impl.forward(layer.query, key, value, cache, meta, output=output)
 
     def add_layer(self) -> Layer:
         layer = _make_layer(self)

@@ -64,7 +64,7 @@ class HostSyncGuard(torch.Tensor):
     origin: ClassVar[str] = "a tensor computed from forward's device-side inputs"
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in _FORBIDDEN and not _in_device_code():
             what = next((a for a in args if isinstance(a, HostSyncGuard)), None)
@@ -142,8 +142,8 @@ def guard_cache(cache: PagedKVCache) -> PagedKVCache:
 
     return dataclasses.replace(
         cache,
-        key=g(cache.key, "key"),
-        value=g(cache.value, "value"),
+        key=guard(cache.key, "the KV cache's key"),
+        value=guard(cache.value, "the KV cache's value"),
         key_scale=g(cache.key_scale, "key_scale"),
         value_scale=g(cache.value_scale, "value_scale"),
     )

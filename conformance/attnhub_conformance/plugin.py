@@ -133,7 +133,7 @@ class SuiteState:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         for key, facts in report.user_properties:
-            if key == PROPERTY:
+            if key == PROPERTY and isinstance(facts, dict):
                 self.matrix.record(
                     report.nodeid, report.when, report.outcome, facts, _short_reason(report)
                 )

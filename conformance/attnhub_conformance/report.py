@@ -1,14 +1,8 @@
 """The features x backends matrix: filled from test reports, rendered as a rich table, JSON,
 Markdown or HTML.
 
-A cell says what the session proved about one feature of one backend:
-  pass           every test of the row passed (natively)
-  emulated       every test passed, through the backend's CPU emulator
-  fail           at least one test of the row failed (the failures are listed)
-  not supported  the backend does not declare the feature and refused it with a reason
-  unavailable    the backend cannot run on this device (the reason is given)
-  skipped        tests were skipped for another reason
-  -              nothing of the row ran for this backend (filtered out, or not applicable)
+A cell says what the session proved about one feature of one backend (``LEGEND``), with
+``passed/run`` counts where the row ran more than one test.
 """
 
 from __future__ import annotations
@@ -17,6 +11,7 @@ import html
 import io
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +20,17 @@ from attnhub_conformance.cases import SHAPE_ORDER
 from attnhub_conformance.targets import Target
 
 STATES = ("fail", "pass", "emulated", "not supported", "unavailable", "skipped", "-")
+#: What each state of a cell means (the reports print it under the matrix).
+LEGEND = {
+    "pass": "every test of the row passed (natively)",
+    "emulated": "every test of the row passed, through the backend's CPU emulator",
+    "fail": "at least one test of the row failed (the failing cases are listed)",
+    "not supported": "the backend does not declare the feature and refused it with a reason",
+    "unavailable": "the backend cannot run on this device (the reason is given)",
+    "skipped": "the row's tests were skipped for another reason",
+    "-": "nothing of the row ran for this backend (filtered out, or not applicable)",
+}
+COUNTS = "n/m: n of the row's m tests passed (shown where a row ran more than one)"
 STYLES = {
     "pass": "green",
     "emulated": "cyan",
@@ -112,6 +118,12 @@ class Cell:
             return "skipped"
         return "-"
 
+    @property
+    def label(self) -> str:
+        """The state, with ``passed/run`` counts where more than one test ran."""
+        n = self.passed + self.failed
+        return self.state + (f" {self.passed}/{n}" if n > 1 else "")
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "state": self.state,
@@ -185,6 +197,18 @@ class Matrix:
         return any(r.outcome == "failed" for r in self.results.values())
 
 
+def _tolerances(targets: list[Target]) -> list[tuple[str, str, float, float]]:
+    """(backend, dtype, atol, rtol) for each loaded backend's declared tolerances."""
+    rows = []
+    for t in targets:
+        if t.backend is None:
+            continue
+        declared = t.backend.capabilities.tolerances
+        for dtype, tol in sorted(declared.items(), key=lambda kv: str(kv[0])):
+            rows.append((t.name, str(dtype).removeprefix("torch."), tol.atol, tol.rtol))
+    return rows
+
+
 def _columns(matrix: Matrix, targets: list[Target]) -> list[tuple[str, str]]:
     """(backend, status) for every backend with results, in target order."""
     status = {t.name: t.status for t in targets}
@@ -202,15 +226,20 @@ def as_json(matrix: Matrix, targets: list[Target]) -> dict[str, Any]:
     backends = {}
     for name, status in cols:
         t = by_name.get(name)
-        caps = None
+        caps = tolerances = None
         if t is not None and t.backend is not None:
             caps = t.backend.capabilities.summary()
+            tolerances = {
+                dtype: {"atol": atol, "rtol": rtol}
+                for backend, dtype, atol, rtol in _tolerances([t])
+            }
         backends[name] = {
             "status": status,
             "reason": None if t is None else (t.load_error or t.unavailable),
             "distribution": None if t is None else t.distribution,
             "version": None if t is None else t.version,
             "capabilities": caps,
+            "tolerances": tolerances,
         }
     return {
         "suite": "attnhub-conformance",
@@ -247,10 +276,7 @@ def _table(matrix: Matrix, targets: list[Target]):  # type: ignore[no-untyped-de
         out = [Text(row)]
         for name, status in cols:
             c = matrix.cell(cells, row, name, status)
-            state = c.state
-            n = c.passed + c.failed
-            count = f" {c.passed}/{n}" if n > 1 else ""
-            out.append(Text(state + count, style=STYLES[state]))
+            out.append(Text(c.label, style=STYLES[c.state]))
         table.add_row(*out)
     return table
 
@@ -273,7 +299,21 @@ def render_text(
     return buf.getvalue()
 
 
-def print_matrix(matrix: Matrix, targets: list[Target], console: Any) -> None:
+def print_matrix(
+    matrix: Matrix,
+    targets: list[Target],
+    console: Any,
+    *,
+    rerun: str = "pytest --pyargs attnhub_conformance",
+    say: Callable[[str], str] = str,
+) -> None:
+    """The matrix, why backends did not run, and the failing cases, on a rich console.
+
+    ``rerun`` is the command that reruns one case with ``-k``; ``say`` rewrites the reasons
+    printed (``attnhub conformance`` names its own options there, not the pytest plugin's).
+    """
+    from rich.markup import escape
+
     console.print(
         f"[bold]attnhub conformance[/] ({matrix.scope} scope, device {matrix.device})",
         soft_wrap=True,
@@ -281,22 +321,26 @@ def print_matrix(matrix: Matrix, targets: list[Target], console: Any) -> None:
     console.print(_table(matrix, targets))
     for t in targets:
         if t.load_error or t.unavailable:
-            console.print(
-                f"[magenta]{t.name}[/]: {t.status}: {t.load_error or t.unavailable}", soft_wrap=True
-            )
+            why = say(t.load_error or t.unavailable or "")
+            console.print(f"[magenta]{t.name}[/]: {t.status}: {escape(why)}", soft_wrap=True)
     failed = [
         (row, name, c)
         for (row, name), c in sorted(matrix.cells().items(), key=lambda kv: row_key(kv[0][0]))
         if c.failed
     ]
     if failed:
-        console.print("[bold red]failing cases[/] (rerun one with pytest -k '<id>'):")
+        console.print(f"[bold red]failing cases[/] (rerun one: {escape(rerun)} -k '<case>'):")
         seen: set[str] = set()
         for _, _, c in failed:
             for nodeid in c.failures:
                 if nodeid not in seen:
                     seen.add(nodeid)
-                    console.print(f"  {nodeid}", markup=False, soft_wrap=True)
+                    console.print(f"  {case_name(nodeid)}", markup=False, soft_wrap=True)
+
+
+def case_name(nodeid: str) -> str:
+    """What ``-k`` selects one case by: ``test_x[params]`` (a node id's path does not match)."""
+    return nodeid.rsplit("::", 1)[-1]
 
 
 def as_markdown(matrix: Matrix, targets: list[Target]) -> str:
@@ -314,7 +358,7 @@ def as_markdown(matrix: Matrix, targets: list[Target]) -> str:
         states = []
         for name, status in cols:
             c = matrix.cell(cells, row, name, status)
-            states.append(f"**{c.state}**" if c.state == "fail" else c.state)
+            states.append(f"**{c.label}**" if c.state == "fail" else c.label)
         lines.append(f"| {row} | " + " | ".join(states) + " |")
     notes = [
         f"- `{t.name}`: {t.status}: {t.load_error or t.unavailable}"
@@ -324,6 +368,20 @@ def as_markdown(matrix: Matrix, targets: list[Target]) -> str:
     failures = sorted({n for c in cells.values() for n in c.failures})
     if notes:
         lines += ["", *notes]
+    lines += ["", "## Legend", "", *(f"- **{s}**: {m}" for s, m in LEGEND.items())]
+    lines += [f"- {COUNTS}"]
+    tolerances = _tolerances([t for t in targets if t.name in dict(cols)])
+    if tolerances:
+        lines += [
+            "",
+            "## Tolerances",
+            "",
+            "Each backend's declared `|out - ref| <= atol + rtol * |ref|`, per dtype.",
+            "",
+            "| backend | dtype | atol | rtol |",
+            "|---|---|---|---|",
+            *(f"| {b} | {d} | {a:g} | {r:g} |" for b, d, a, r in tolerances),
+        ]
     if failures:
         lines += ["", "## Failing cases", "", *(f"- `{n}`" for n in failures)]
     return "\n".join(lines) + "\n"
@@ -353,9 +411,30 @@ def as_html(matrix: Matrix, targets: list[Target]) -> str:
             c = matrix.cell(cells, row, name, status)
             title = esc("\n".join(c.failures or sorted(set(c.reasons))))
             tds.append(
-                f'<td style="background:{colors[c.state]}" title="{title}">{esc(c.state)}</td>'
+                f'<td style="background:{colors[c.state]}" title="{title}">{esc(c.label)}</td>'
             )
         body.append(f"<tr><th>{esc(row)}</th>{''.join(tds)}</tr>")
+    legend = (
+        "<h2>Legend</h2><table>"
+        + "".join(
+            f'<tr><td style="background:{colors[s]}">{esc(s)}</td><td>{esc(m)}</td></tr>'
+            for s, m in LEGEND.items()
+        )
+        + f"</table><p>{esc(COUNTS)}</p>"
+    )
+    tolerances = _tolerances([t for t in targets if t.name in dict(cols)])
+    tol_html = (
+        "<h2>Tolerances</h2><p>Each backend's declared <code>|out - ref| &lt;= atol + rtol * "
+        "|ref|</code>, per dtype.</p><table><tr><th>backend</th><th>dtype</th><th>atol</th>"
+        "<th>rtol</th></tr>"
+        + "".join(
+            f"<tr><td>{esc(b)}</td><td>{esc(d)}</td><td>{a:g}</td><td>{r:g}</td></tr>"
+            for b, d, a, r in tolerances
+        )
+        + "</table>"
+        if tolerances
+        else ""
+    )
     failures = sorted({n for c in cells.values() for n in c.failures})
     fail_html = (
         "<h2>Failing cases</h2><ul>"
@@ -371,7 +450,7 @@ def as_html(matrix: Matrix, targets: list[Target]) -> str:
         "table{border-collapse:collapse}td,th{border:1px solid #999;padding:2px 8px;"
         "text-align:left}</style></head><body>"
         f"<h1>{title}</h1><table><tr><th>feature</th>{head}</tr>{''.join(body)}</table>"
-        f"{fail_html}</body></html>\n"
+        f"{legend}{tol_html}{fail_html}</body></html>\n"
     )
 
 

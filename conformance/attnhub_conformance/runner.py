@@ -6,7 +6,9 @@
 By default every discovered backend runs: natively where it can, through its CPU emulator where
 its hardware is absent (``--no-emulate`` reports those as unavailable instead). pytest's own
 output is kept off the terminal; failures are listed with their test ids and the first lines of
-their messages, and the return code is non-zero when anything failed.
+their messages, and the return code is non-zero when anything failed. Progress goes to stderr: a
+bar on a terminal, else a line per test module. Messages name this command's options, not the
+pytest plugin's (``--report``, not ``--attnhub-report``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,36 @@ import argparse
 import importlib.metadata as md
 import io
 import os
+import re
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 PLUGIN = "attnhub_conformance.plugin"
+REPORT_SUFFIXES = (".json", ".md", ".markdown", ".html", ".htm")
+#: The pytest plugin's options as this command spells them.
+CLI_OPTIONS = {
+    "--attnhub-backend": "--backend",
+    "--attnhub-emulate": "--emulate",
+    "--attnhub-device": "--device",
+    "--attnhub-scope": "--quick/--full",
+    "--attnhub-report": "--report",
+    "--attnhub-hypothesis-examples": "--hypothesis-examples",
+}
+
+
+def in_cli_terms(text: str) -> str:
+    """``text`` (a reason, an error) with the plugin's option names replaced by this command's:
+    what comes through ``attnhub conformance`` names the options its user can type."""
+    return re.sub(r"--attnhub-[a-z-]+", lambda m: CLI_OPTIONS.get(m[0], m[0]), text)
+
+
+def _report_path(path: str) -> str:
+    if not path.lower().endswith(REPORT_SUFFIXES):
+        raise argparse.ArgumentTypeError(f"{path}: use a .json, .md or .html file name")
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--report",
         action="append",
         default=[],
+        type=_report_path,
         metavar="PATH",
         help="also write the matrix to PATH (.json, .md or .html; repeatable)",
     )
@@ -120,11 +148,12 @@ def _plugin_autoloads() -> bool:
 
 
 class Progress:
-    """A pytest plugin that drives a rich progress bar and keeps what the runner prints after.
+    """A pytest plugin that shows progress and keeps what the runner prints after.
 
-    The bar is redrawn from pytest hooks only (never from a thread), at moments when pytest is
-    not capturing output. pytest's terminal reporter writes into a buffer instead of the
-    terminal unless ``verbose``.
+    On a terminal, a rich bar, redrawn from pytest hooks only (never from a thread), at moments
+    when pytest is not capturing output; elsewhere (CI logs, pipes) one line when the tests are
+    collected and one as each test module starts. pytest's terminal reporter writes into a
+    buffer instead of the terminal unless ``verbose``.
     """
 
     def __init__(self, console: Any, verbose: bool) -> None:
@@ -133,6 +162,10 @@ class Progress:
         self.buffer = io.StringIO()
         self.progress: Any = None
         self.task: Any = None
+        self.lines = False  # one line per test module instead of a bar
+        self.total = self.done = 0
+        self.module: str | None = None
+        self.started = time.monotonic()
         self.counts = {"passed": 0, "failed": 0, "skipped": 0}
         self.failures: list[tuple[str, str]] = []
         self.state: Any = None  # the suite plugin's SuiteState (targets and matrix)
@@ -157,6 +190,12 @@ class Progress:
 
         if self.verbose:
             return
+        self.total = len(session.items)
+        if not self.console.is_terminal:
+            self.lines = True
+            targets = ", ".join(f"{t.name} ({t.status})" for t in self.state.targets)
+            self._line(f"{self.total} tests; backends: {targets or 'none'}")
+            return
         self.progress = RichProgress(
             TextColumn("[bold]conformance"),
             BarColumn(),
@@ -173,10 +212,30 @@ class Progress:
         self.task = self.progress.add_task("tests", total=len(session.items), counts="", current="")
         self.progress.start()
 
+    def _line(self, text: str) -> None:
+        elapsed = time.monotonic() - self.started
+        self.console.print(
+            f"conformance [{self.done}/{self.total}] {text} ({elapsed:.0f} s)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        module = nodeid.split("::", 1)[0]
+        if self.lines and module != self.module:
+            self.module = module
+            c = self.counts
+            self._line(
+                f"{module.rsplit('/', 1)[-1]}; so far {c['passed']} passed, {c['failed']} failed, "
+                f"{c['skipped']} skipped"
+            )
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.failed:
             self.failures.append((report.nodeid, report.longreprtext))
         done = report.when == "teardown"
+        self.done += done
         if report.when == "call" or (report.when == "setup" and not report.passed):
             self.counts[report.outcome] += 1
         if self.progress is None:
@@ -221,16 +280,24 @@ def main(argv: list[str] | None = None) -> int:
             out.print(f"[bold red]{len(plugin.failures)} failed:[/]")
             for nodeid, text in plugin.failures:
                 out.print(f"[red]FAILED[/] {escape(nodeid)}", soft_wrap=True)
-                out.print(_first_lines(text), markup=False, soft_wrap=True)
-        print_matrix(state.matrix, state.targets, out)
+                out.print(in_cli_terms(_first_lines(text)), markup=False, soft_wrap=True)
+        print_matrix(
+            state.matrix, state.targets, out, rerun="attnhub conformance", say=in_cli_terms
+        )
         c = plugin.counts
         out.print(f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
         for path in ns.report:
             out.print(f"matrix written to {path}")
     elif code != pytest.ExitCode.OK and not ns.verbose:
         # Nothing ran (a usage error, an internal error, nothing collected): show pytest's words.
-        console.print(plugin.buffer.getvalue(), markup=False, highlight=False)
+        console.print(in_cli_terms(plugin.buffer.getvalue()), markup=False, highlight=False)
     return int(code)
+
+
+def command() -> tuple[str, Callable[[list[str]], int]]:
+    """``attnhub conformance``: the entry point (group ``attnhub.cli``) that adds this command to
+    attnhub's CLI; returns its one-line help and its ``main``."""
+    return "run the conformance suite; print the features x backends matrix", main
 
 
 if __name__ == "__main__":  # python -m attnhub_conformance.runner

@@ -8,7 +8,7 @@ as failures instead of silently leaving them out.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -78,7 +78,7 @@ def resolve_targets(names: Sequence[str], device: str, emulate: bool) -> list[Ta
     targets = []
     for name in chosen:
         info = infos[name]
-        common = dict(
+        common = Target(
             name=name,
             device=device,
             emulate=emulate,
@@ -87,20 +87,20 @@ def resolve_targets(names: Sequence[str], device: str, emulate: bool) -> list[Ta
             version=info.version,
         )
         if info.backend is None:
-            targets.append(Target(**common, load_error=info.error or "unknown error"))
+            targets.append(replace(common, load_error=info.error or "unknown error"))
             continue
         why = info.availability(device, emulate) or device_problem
         if why is not None:
-            targets.append(Target(**common, unavailable=why))
+            targets.append(replace(common, unavailable=why))
             continue
         try:
             emulated = bool(info.backend.is_emulated(device))
         except Exception as exc:  # a probe that raises is a broken backend, not a crash
             targets.append(
-                Target(**common, load_error=f"is_emulated() raised {type(exc).__name__}: {exc}")
+                replace(common, load_error=f"is_emulated() raised {type(exc).__name__}: {exc}")
             )
             continue
-        targets.append(Target(**common, emulated=emulated))
+        targets.append(replace(common, emulated=emulated))
     return targets
 
 

@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import json
+from html import escape
 
 import pytest
-from attnhub_conformance.report import Matrix, as_html, as_markdown, render_text, write_report
+from attnhub_conformance.report import (
+    LEGEND,
+    Matrix,
+    as_html,
+    as_json,
+    as_markdown,
+    render_text,
+    write_report,
+)
+from attnhub_conformance.targets import Target
+
+from attnhub.torch_backend import TorchBackend
 
 
 def facts(backend: str, rows: list[str], status: str = "native", not_supported: bool = False):
@@ -48,11 +60,32 @@ def test_cell_states(matrix: Matrix) -> None:
 
 def test_formats(matrix: Matrix, tmp_path) -> None:
     text = render_text(matrix, [], width=120)
-    assert "dtype: bf16" in text and "fail" in text and "a::t[x-2]" in text
-    assert "| dtype: bf16 | - | - | **fail** |" in as_markdown(matrix, [])
+    assert "dtype: bf16" in text and "fail 1/2" in text
+    assert "rerun one: pytest --pyargs attnhub_conformance -k '<case>'" in text
+    assert "\n  t[x-2]\n" in text  # what -k selects the case by, not its node id
+    assert "| dtype: bf16 | - | - | **fail 1/2** |" in as_markdown(matrix, [])
     assert "<table>" in as_html(matrix, [])
     data = json.loads(write_report(matrix, [], tmp_path / "m.json").read_text())
     assert data["matrix"]["kv cache: int8"]["x"]["state"] == "not supported"
     assert data["failed"] is True
     with pytest.raises(ValueError, match=r"\.json, \.md or \.html"):
         write_report(matrix, [], tmp_path / "m.txt")
+
+
+def test_markdown_and_html_carry_counts_a_legend_and_the_tolerances(matrix: Matrix) -> None:
+    m = Matrix("quick", "cpu")
+    for i in range(3):
+        m.record(f"a::t[torch-{i}]", "call", "passed", facts("torch", ["batch: decode"]), None)
+    targets = [Target("torch", "cpu", emulate=False, backend=TorchBackend)]
+    md = as_markdown(m, targets)
+    assert "| batch: decode | pass 3/3 |" in md
+    for state, meaning in LEGEND.items():
+        assert f"- **{state}**: {meaning}" in md
+    assert "| torch | float32 | 2e-05 | 2e-05 |" in md
+    html = as_html(m, targets)
+    assert ">pass 3/3</td>" in html
+    assert "<h2>Legend</h2>" in html
+    assert all(escape(meaning) in html for meaning in LEGEND.values())
+    assert "<td>torch</td><td>bfloat16</td><td>0.02</td><td>0.02</td>" in html
+    tolerances = as_json(m, targets)["backends"]["torch"]["tolerances"]
+    assert tolerances["float16"] == {"atol": 0.003, "rtol": 0.003}

@@ -4,11 +4,17 @@ returns non-zero on any failure."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from attnhub_conformance.runner import in_cli_terms
+from attnhub_conformance.runner import main as runner_main
 from suite_runs import suite_env
+
+from attnhub.cli import main as attnhub_main
 
 
 def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -45,7 +51,7 @@ def test_runner_prints_the_matrix_and_writes_reports(tmp_path: Path) -> None:
     assert "batch: decode" in proc.stdout and "pass" in proc.stdout
     data = json.loads(json_path.read_text())
     assert data["matrix"]["batch: decode"]["torch"]["state"] == "pass"
-    assert "| batch: decode | pass |" in md_path.read_text()
+    assert re.search(r"\| batch: decode \| pass \d+/\d+ \|", md_path.read_text())
     assert "<table>" in html_path.read_text()
 
 
@@ -70,3 +76,46 @@ def test_runner_unknown_backend_is_an_error(tmp_path: Path) -> None:
     proc = run_cli(["--backend", "no_such_backend"], tmp_path)
     assert proc.returncode == 4
     assert "no_such_backend" in proc.stdout + proc.stderr
+
+
+def test_attnhub_lists_the_conformance_command_from_the_suites_entry_point(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        attnhub_main(["--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "conformance run the conformance suite" in out
+    assert "[attnhub-conformance " in out
+
+
+def test_attnhub_conformance_help_shows_the_suites_own_options(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        attnhub_main(["conformance", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: attnhub conformance")
+    assert "--report PATH" in out and "--no-emulate" in out and "--full" in out
+
+
+def test_a_bad_report_name_is_an_error_naming_the_commands_option(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        runner_main(["--report", "matrix.txt"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --report: matrix.txt: use a .json, .md or .html file name" in err
+    assert "--attnhub-report" not in err
+
+
+def test_reasons_and_errors_name_the_commands_options_not_the_plugins() -> None:
+    text = "pass emulate=True (--attnhub-emulate); --attnhub-report m.txt; --attnhub-scope"
+    assert in_cli_terms(text) == "pass emulate=True (--emulate); --report m.txt; --quick/--full"
+    assert in_cli_terms("--attnhub-unknown stays") == "--attnhub-unknown stays"
+
+
+def test_progress_outside_a_terminal_is_a_line_per_test_module(tmp_path: Path) -> None:
+    proc = run_cli(["--backend", "torch", "-k", "usable or test_output_buffer"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("conformance [")]
+    assert "tests; backends: torch (native)" in lines[0]
+    assert any("test_availability.py; so far" in ln for ln in lines)
+    assert any("test_outputs.py; so far" in ln for ln in lines)
+    assert "conformance [" not in proc.stdout  # the matrix alone on stdout

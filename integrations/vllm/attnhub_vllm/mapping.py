@@ -214,7 +214,8 @@ def cache_planes(
     block id (KV-transfer connectors, offloading) must not run beside it. None when the
     tensor's memory is not one dense run (vLLM's logical view of it is permuted: any order of
     its axes in memory will do)."""
-    order = sorted(range(kv_cache.dim()), key=lambda i: -kv_cache.stride(i))
+    strides = kv_cache.stride()
+    order = sorted(range(kv_cache.dim()), key=lambda i: -strides[i])
     dense = kv_cache.permute(order)  # the axes in memory order
     if not dense.is_contiguous():
         return None
