@@ -13,6 +13,11 @@ Conventions, in the order they are applied to the scores of one request:
   5. sinks    one logit per query head joins the softmax denominator (not scaled, no value)
   6. out      softmax(s) @ v;  LSE = log(sum_j exp(s_j) [+ exp(sink)]), natural log
 A row that sees no key (and has no sink) gives output 0 and LSE +inf (flash-attn's convention).
+
+``compute_dtype`` (default float64) runs the same math as a plain implementation in that dtype
+would: operands, scores, probabilities and output rounded to it (softmax itself as torch does
+it). The conformance suite uses it to learn how far rounding alone takes a bf16 / fp16 / fp32
+result from the float64 one, as flash-attn's tests do.
 """
 
 from __future__ import annotations
@@ -62,16 +67,19 @@ def attention(
     logits_soft_cap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,  # [num_heads]
     sinks: torch.Tensor | None = None,  # [num_heads]
+    compute_dtype: torch.dtype = F64,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [query_len, num_heads, head_size], lse [H, q_len]
-    """Attention of one request whose last ``query_len`` positions are the new tokens."""
+    """Attention of one request whose last ``query_len`` positions are the new tokens. Returns
+    float64 (computed in ``compute_dtype``)."""
     q_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = key.shape
     assert q_len <= seq_len, "the query tokens are the last positions of the sequence"
     group = num_heads // num_kv_heads
-    q = query.to(F64)
+    dt = compute_dtype
+    q = query.to(dt)
     # GQA: query head h reads kv head h // group.
-    k = key.to(F64).repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_size]
-    v = value.to(F64).repeat_interleave(group, dim=1)
+    k = key.to(dt).repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_size]
+    v = value.to(dt).repeat_interleave(group, dim=1)
 
     s = torch.einsum("ihd,jhd->hij", q, k) * scale  # [num_heads, q_len, seq_len]
     if logits_soft_cap:
@@ -81,7 +89,7 @@ def attention(
     pos_q = torch.arange(q_len, dtype=F64)[:, None] + (seq_len - q_len)  # [q_len, 1]
     pos_k = torch.arange(seq_len, dtype=F64)[None, :]  # [1, seq_len]
     if alibi_slopes is not None:
-        s = s - alibi_slopes.to(F64)[:, None, None] * (pos_q - pos_k).abs()
+        s = s - (alibi_slopes.to(F64)[:, None, None] * (pos_q - pos_k).abs()).to(dt)
 
     left, right = window
     if causal:
@@ -95,14 +103,14 @@ def attention(
 
     # Sinks: an extra logit per head in the denominator, carrying no value.
     if sinks is not None:
-        sink = sinks.to(F64)[:, None, None].expand(num_heads, q_len, 1)
+        sink = sinks.to(dt)[:, None, None].expand(num_heads, q_len, 1)
         lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)  # [num_heads, q_len]
     else:
         lse = torch.logsumexp(s, dim=-1)
     empty = torch.isneginf(lse)  # rows that see nothing: output 0, LSE +inf
     p = torch.exp(s - lse.masked_fill(empty, 0)[..., None]).masked_fill(~visible, 0)
     out = torch.einsum("hij,jhd->ihd", p, v)
-    return out, lse.masked_fill(empty, math.inf)
+    return out.to(F64), lse.to(F64).masked_fill(empty, math.inf)
 
 
 def merge_attn_states(
@@ -162,8 +170,10 @@ def paged_attention(
     *,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = F64,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_actual_tokens, H, D] f64, lse [H, tokens]
-    """What a backend's forward must return for ``batch``, reading keys from ``cache``."""
+    """What a backend's forward must return for ``batch``, reading keys from ``cache``
+    (``compute_dtype``: see the module docstring)."""
     _check_inputs(query, cache, batch, spec)
     qsl = batch.query_start_loc_cpu.tolist()
     outs, lses = [], []
@@ -180,6 +190,7 @@ def paged_attention(
             logits_soft_cap=spec.logits_soft_cap,
             alibi_slopes=None if alibi_slopes is None else alibi_slopes.to("cpu"),
             sinks=None if sinks is None else sinks.to("cpu"),
+            compute_dtype=compute_dtype,
         )
         outs.append(out)
         lses.append(lse)

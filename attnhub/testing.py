@@ -36,11 +36,14 @@ from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
 
 __all__ = [
     "FP8_TEST_SCALES",
+    "ROUNDING_FLOORS",
+    "TOLERANCE_CAPS",
     "alibi_slopes",
     "assert_within",
     "blocks_needed",
     "cache_after_write",
     "cache_differences",
+    "capped_tolerance",
     "fill_cache_random",
     "generator",
     "make_batch",
@@ -51,6 +54,7 @@ __all__ = [
     "random_qkv",
     "random_sinks",
     "reference_after_write",
+    "rounding_mismatch",
     "seed_of",
     "set_static_scales",
     "shuffled_block_table",
@@ -406,6 +410,75 @@ def mismatch(
         more = " ..." if len(reqs) > 12 else ""
         message += f"; requests with errors: {reqs[:12]}{more}"
     return message
+
+
+#: The loosest tolerance (|out - ref| <= atol + rtol * |ref|, against the float64 reference) the
+#: conformance suite accepts per model dtype: a backend may declare tighter, never looser.
+TOLERANCE_CAPS: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(atol=1e-4, rtol=1e-4),
+    torch.float16: Tolerance(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
+}
+
+#: Absolute floors (max error, mean error, magnitude bias) added to the rounding bounds of
+#: :func:`rounding_mismatch`, per dtype: where every value happens to be exact, rounding alone
+#: errs by nothing, and a correct backend may still differ by a last bit.
+ROUNDING_FLOORS: dict[torch.dtype, tuple[float, float, float]] = {
+    torch.float32: (1e-5, 1e-6, 1e-6),
+    torch.float16: (1e-4, 1e-5, 1e-4),
+    torch.bfloat16: (1e-3, 1e-4, 1e-3),
+}
+
+
+def capped_tolerance(declared: Tolerance, dtype: torch.dtype) -> Tolerance | None:
+    """``declared`` when it is no looser than the suite's cap for ``dtype``; None otherwise."""
+    cap = TOLERANCE_CAPS.get(dtype)
+    if cap is None or (declared.atol <= cap.atol and declared.rtol <= cap.rtol):
+        return declared
+    return None
+
+
+def rounding_mismatch(
+    actual: torch.Tensor,  # [n, H, D] a backend's output, in its model dtype
+    exact: torch.Tensor,  # the float64 reference
+    rounded: torch.Tensor,  # the reference computed in the model dtype (compute_dtype=)
+    dtype: torch.dtype,
+) -> str | None:
+    """None when ``actual`` is as close to ``exact`` as rounding to ``dtype`` allows; else why.
+
+    Three bounds, each twice what a plain implementation in ``dtype`` (``rounded``) errs by, plus
+    the dtype's floor (:data:`ROUNDING_FLOORS`):
+      - the largest error (flash-attn's own test criterion);
+      - the mean error over every element, so that an error too small for the maximum to see,
+        but everywhere, does not hide under it;
+      - the magnitude bias ``sum(|actual| - |exact|) / sum(|exact|)``: rounding is unbiased,
+        a wrong softmax scale, a rounded dequantization scale or a missing sink is not.
+    """
+    a = actual.detach().to("cpu", torch.float64)
+    e = exact.detach().to("cpu", torch.float64)
+    r = rounded.detach().to("cpu", torch.float64)
+    if not a.numel():
+        return None
+    f_max, f_mean, f_bias = ROUNDING_FLOORS.get(dtype, (0.0, 0.0, 0.0))
+    err, base = (a - e).abs(), (r - e).abs()
+    total = float(e.abs().sum()) or 1.0
+
+    def bias(x: torch.Tensor) -> float:
+        return float((x.abs() - e.abs()).sum()) / total
+
+    checks = (
+        ("largest error", float(err.max()), float(base.max()), f_max),
+        ("mean error", float(err.mean()), float(base.mean()), f_mean),
+        ("magnitude bias", abs(bias(a)), abs(bias(r)), f_bias),
+    )
+    for what, got, plain, floor in checks:
+        if got > 2 * plain + floor:
+            return (
+                f"{what} {got:.3g} vs the float64 reference exceeds 2 x {plain:.3g} (what a "
+                f"plain {str(dtype).removeprefix('torch.')} computation errs by) + {floor:g}: "
+                "more than rounding explains"
+            )
+    return None
 
 
 def assert_within(

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, Tolerance, reference, testing
 from attnhub.errors import InvalidInputError
 from attnhub.spec import KV_CACHE_DTYPES
+from attnhub.torch_backend import TorchBackend
 
 F32, BF16 = torch.float32, torch.bfloat16
 FORMATS = sorted(KV_CACHE_DTYPES)
@@ -349,3 +350,47 @@ def test_cache_differences_flags_a_written_value_off_by_more_than_a_step() -> No
     assert any(
         p.startswith("dequantized key differs") and "6 (block 1, offset 2)" in p for p in problems
     )
+
+
+# --- the rounding-aware comparison the conformance suite applies --------------------------------
+
+
+def _attention_pair(scale_error: float = 1.0, dtype: torch.dtype = torch.bfloat16):  # type: ignore[no-untyped-def]
+    """One request's attention: (a backend-like result, exact f64, plain-dtype reference)."""
+    g = testing.generator(7)
+    q = torch.randn(64, 4, 64, generator=g).to(dtype)
+    k = torch.randn(256, 2, 64, generator=g).to(dtype)
+    v = torch.randn(256, 2, 64, generator=g).to(dtype)
+    s = 64**-0.5
+    exact, _ = reference.attention(q, k, v, scale=s)
+    rounded, _ = reference.attention(q, k, v, scale=s, compute_dtype=dtype)
+    # a careful backend: float32 math, rounded once to the model dtype
+    got, _ = reference.attention(q, k, v, scale=s * scale_error, compute_dtype=torch.float32)
+    return got.to(dtype), exact, rounded
+
+
+def test_rounding_check_accepts_a_careful_low_precision_result() -> None:
+    got, exact, rounded = _attention_pair()
+    assert testing.rounding_mismatch(got, exact, rounded, torch.bfloat16) is None
+
+
+def test_rounding_check_catches_a_softmax_scale_one_percent_off_in_bf16() -> None:
+    got, exact, rounded = _attention_pair(scale_error=1.01)
+    tol = TorchBackend.capabilities.tolerances[torch.bfloat16]
+    assert testing.mismatch(got, exact, tol) is None  # the elementwise bound cannot see it
+    why = testing.rounding_mismatch(got, exact, rounded, torch.bfloat16)
+    assert why is not None and "more than rounding explains" in why
+
+
+def test_rounding_check_catches_a_small_error_everywhere() -> None:
+    got, exact, rounded = _attention_pair()
+    shifted = (got.double() + 4e-3 * exact.sign()).to(torch.bfloat16)
+    assert testing.rounding_mismatch(shifted, exact, rounded, torch.bfloat16) is not None
+
+
+def test_declared_tolerances_are_capped_per_dtype() -> None:
+    cap = testing.TOLERANCE_CAPS[torch.bfloat16]
+    assert testing.capped_tolerance(Tolerance(1e-3, 1e-3), torch.bfloat16) == Tolerance(1e-3, 1e-3)
+    assert testing.capped_tolerance(cap, torch.bfloat16) == cap
+    assert testing.capped_tolerance(Tolerance(1.0, 1.0), torch.bfloat16) is None
+    assert testing.capped_tolerance(Tolerance(cap.atol, 2 * cap.rtol), torch.bfloat16) is None

@@ -246,10 +246,12 @@ class TorchAttentionImpl(AttentionImpl):
             size = (C, Hkv, chunk.kv_len, D)
             stride = (chunk.num_blocks * bs * Hkv * D, D, Hkv * D, 1)
             k, v = k.as_strided(size, stride), v.as_strided(size, stride)
-            if cache.key_scale is not None:  # fp8 cache: dequantize what was gathered
-                k = k.to(spec.dtype) * cache.key_scale.to(spec.dtype)
+            # fp8 cache: dequantize what was gathered, in float32 and rounded once to the model
+            # dtype (a scale rounded to bf16 first would bias every key and value alike)
+            if cache.key_scale is not None:
+                k = (k.float() * cache.key_scale).to(spec.dtype)
             if cache.value_scale is not None:
-                v = v.to(spec.dtype) * cache.value_scale.to(spec.dtype)
+                v = (v.float() * cache.value_scale).to(spec.dtype)
             rows = slice(chunk.first_token, chunk.first_token + C * chunk.query_len)
             if eager:
                 kernels.attend_eager(

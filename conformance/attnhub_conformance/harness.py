@@ -211,7 +211,12 @@ def write_context(step: Step, layer: Layer) -> None:
 
 
 def reference_output(
-    step: Step, layer: Layer, batch: BatchMetadata | None = None, query: torch.Tensor | None = None
+    step: Step,
+    layer: Layer,
+    batch: BatchMetadata | None = None,
+    query: torch.Tensor | None = None,
+    *,
+    compute_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:  # [n, H, D] f64, host
     batch = step.batch if batch is None else batch
     query = layer.query if query is None else query
@@ -222,13 +227,27 @@ def reference_output(
         step.spec,
         alibi_slopes=layer.alibi_slopes,
         sinks=layer.sinks,
+        compute_dtype=compute_dtype,
     )
     return out
 
 
 def tolerance(step: Step) -> Tolerance:
-    """What the backend declares for the step's dtype."""
-    return step.backend.capabilities.tolerance(step.spec.dtype)
+    """What the backend declares for the step's dtype; a declaration missing, or looser than
+    the suite's cap (``attnhub.testing.TOLERANCE_CAPS``), fails the case."""
+    dtype = step.spec.dtype
+    declared = step.backend.capabilities.tolerances.get(dtype)
+    assert declared is not None, (
+        f"{step.label}: the backend declares dtype {dtype} but no tolerance for it "
+        "(Capabilities.tolerances)"
+    )
+    capped = testing.capped_tolerance(declared, dtype)
+    assert capped is not None, (
+        f"{step.label}: the backend declares tolerance atol={declared.atol:g} "
+        f"rtol={declared.rtol:g} for {dtype}, looser than the suite accepts "
+        f"({testing.TOLERANCE_CAPS[dtype]}): a backend may be tighter, never looser"
+    )
+    return capped
 
 
 def assert_matches_reference(
@@ -242,10 +261,16 @@ def assert_matches_reference(
         f"{step.label}: {what} returned {out.dtype}, expected {step.spec.dtype}"
     )
     n = step.n
-    why = testing.mismatch(out[:n], reference_output(step, layer), tolerance(step), step.batch)
+    tol, dtype = tolerance(step), step.spec.dtype
+    exact = reference_output(step, layer)
+    said = f"declared tolerance atol={tol.atol:g} rtol={tol.rtol:g}"
+    why = testing.mismatch(out[:n], exact, tol, step.batch)
     assert why is None, (
-        f"{step.label}: {what} differs from attnhub.reference ({step.spec.dtype}): {why}"
+        f"{step.label}: {what} differs from attnhub.reference ({dtype}, {said}): {why}"
     )
+    rounded = reference_output(step, layer, compute_dtype=dtype)
+    why = testing.rounding_mismatch(out[:n], exact, rounded, dtype)
+    assert why is None, f"{step.label}: {what} ({dtype}, {said}): {why}"
     pad = out[n:].detach().to("cpu")
     assert bool((pad == 0).all()), (
         f"{step.label}: padding rows {n}..{out.shape[0] - 1} must come back as zeros"

@@ -205,12 +205,38 @@ class CorruptsOnBadSlotBackend(TorchBackend):
         return CorruptsOnBadSlotImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
+# --- 6. the softmax scale 1% off: inside bf16's elementwise tolerance everywhere -------------
+class ScaleOffBackend(TorchBackend):
+    name = "scale_1pct_off"
+    capabilities = replace(TorchBackend.capabilities, dtypes=frozenset({torch.bfloat16}))
+    scale_error = 1.01
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        impl = TorchAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+        impl.spec = replace(self.spec, scale=self.spec.scale * self.scale_error)  # the bug
+        return impl
+
+
+# --- 7. a tolerance loose enough to pass anything, and the scale 1.5x off ------------------------
+class LooseToleranceBackend(ScaleOffBackend):
+    name = "loose_tolerance"
+    scale_error = 1.5
+    capabilities = replace(
+        TorchBackend.capabilities,
+        tolerances={d: attnhub.Tolerance(1.0, 1.0) for d in TorchBackend.capabilities.dtypes},
+    )
+
+
 MUTANTS = (
     TopLeftCausalBackend,
     WritesPaddingBackend,
     IgnoresWindowBackend,
     SyncsInForwardBackend,
     CorruptsOnBadSlotBackend,
+    ScaleOffBackend,
+    LooseToleranceBackend,
 )
 
 
