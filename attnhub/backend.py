@@ -350,7 +350,7 @@ class AttentionImpl(abc.ABC):
             raise InvalidInputError(
                 f"meta ({type(meta).__name__}) was not made by metadata_builder().build(batch)"
             )
-        validation.check_extents(meta.extents, cache)
+        validation.check_extents(meta.extents, meta.batch, cache)
 
     def check_forward(
         self,

@@ -160,51 +160,52 @@ def _slot_outside(i: int, slot: int, cache: PagedKVCache) -> str:
 
 @dataclass(frozen=True)
 class StepExtents:
-    """The largest cache addresses a step uses, found once per step on its host copies; where
-    they are lets the error name the entry."""
+    """Upper bounds of the cache addresses a step uses, found once per step on its host copies.
+    ``check_extents`` compares them with a cache; only when one does not fit does it look at
+    the step's host data again, to name the entry or to clear a block-table entry no request
+    reads."""
 
     max_slot: int  # the largest slot written (-1: none)
-    max_slot_at: int  # its index in slot_mapping
-    max_block: int  # the largest block id any request reads (-1: none)
-    max_block_at: tuple[int, int]  # its (request, column) in block_table
+    max_block: int  # the largest block-table entry, read or not (-1: no request)
 
 
 def step_extents(batch: BatchMetadata) -> StepExtents:
     """Check the step's slot and block values that need no cache (slots >= -1 and distinct,
-    blocks read >= 0) and find the largest of each, on the batch's host copies."""
+    blocks read >= 0) and bound the largest of each, on the batch's host copies. A handful of
+    numpy reductions: no per-request work on the usual step."""
     slots = batch.host_slot_mapping().numpy()
-    max_slot, max_slot_at = -1, -1
+    max_slot = -1
     if slots.size:
-        max_slot_at = int(slots.argmax())
-        max_slot = int(slots[max_slot_at])
-        lowest = int(slots.min())
+        max_slot, lowest = int(slots.max()), int(slots.min())
         if lowest < -1:
             i = int(np.flatnonzero(slots < -1)[0])
             raise InvalidInputError(
                 f"slot_mapping[{i}] = {int(slots[i])} is not a slot; use -1 for padding"
             )
         _check_distinct_slots(slots if lowest >= 0 else slots[slots >= 0], slots)
-    max_block, max_block_at = -1, (-1, -1)
+    max_block = -1
     if batch.num_reqs:
         table = batch.host_block_table().numpy()  # [B, max_blocks]
-        used = (batch.seq_lens_cpu.numpy().astype(np.int64) + batch.block_size - 1) // (
-            batch.block_size
-        )
-        in_use = np.arange(table.shape[1])[None, :] < used[:, None]
-        read = np.where(in_use, table, -1)
-        flat = int(read.argmax())
-        r, c = divmod(flat, table.shape[1])
-        max_block, max_block_at = int(read[r, c]), (r, c)
-        if bool((in_use & (table < 0)).any()):
-            r, c = (int(x) for x in np.argwhere(in_use & (table < 0))[0])
-            raise InvalidInputError(f"block_table[{r}, {c}] = {int(table[r, c])} is negative")
-    return StepExtents(max_slot, max_slot_at, max_block, max_block_at)
+        max_block = int(table.max())
+        if int(table.min()) < 0:  # entries past a request's blocks may be anything: look closer
+            bad = np.argwhere(_in_use(batch, table.shape[1]) & (table < 0))
+            if bad.size:
+                r, c = int(bad[0, 0]), int(bad[0, 1])
+                raise InvalidInputError(f"block_table[{r}, {c}] = {int(table[r, c])} is negative")
+    return StepExtents(max_slot, max_block)
+
+
+def _in_use(batch: BatchMetadata, width: int) -> np.ndarray:  # [B, width] bool
+    """Which block-table entries the requests read (their first ceil(seq_len / block_size))."""
+    bs = batch.block_size
+    used = (batch.seq_lens_cpu.numpy().astype(np.int64) + bs - 1) // bs
+    return np.arange(width)[None, :] < used[:, None]
 
 
 def _check_distinct_slots(written: np.ndarray, slots: np.ndarray) -> None:
     """No two tokens of a step write the same slot (an engine bug: two requests' blocks
     overlap, or a stale block table); one sort of the written slots, on the host."""
-    ordered = np.sort(written, kind="stable")
+    ordered = np.sort(written)
     same = ordered[1:] == ordered[:-1]
     if not same.any():
         return
@@ -216,16 +217,23 @@ def _check_distinct_slots(written: np.ndarray, slots: np.ndarray) -> None:
     )
 
 
-def check_extents(extents: StepExtents, cache: PagedKVCache) -> None:
-    """The step's slots and blocks fit ``cache``: two integer comparisons."""
+def check_extents(extents: StepExtents, batch: BatchMetadata, cache: PagedKVCache) -> None:
+    """The step's slots and blocks fit ``cache``: two integer comparisons. Only when a bound
+    does not fit are the step's host copies read again (never device memory), to name the
+    entry, or to find that the large block-table entry is one no request reads."""
     if extents.max_slot >= cache.num_slots:
-        raise InvalidInputError(_slot_outside(extents.max_slot_at, extents.max_slot, cache))
+        slots = batch.host_slot_mapping().numpy()
+        i = int(np.flatnonzero(slots >= cache.num_slots)[0])
+        raise InvalidInputError(_slot_outside(i, int(slots[i]), cache))
     if extents.max_block >= cache.num_blocks:
-        r, c = extents.max_block_at
-        raise InvalidInputError(
-            f"block_table[{r}, {c}] = {extents.max_block} is outside the cache "
-            f"({cache.num_blocks} blocks)"
-        )
+        table = batch.host_block_table().numpy()
+        bad = np.argwhere(_in_use(batch, table.shape[1]) & (table >= cache.num_blocks))
+        if bad.size:
+            r, c = int(bad[0, 0]), int(bad[0, 1])
+            raise InvalidInputError(
+                f"block_table[{r}, {c}] = {int(table[r, c])} is outside the cache "
+                f"({cache.num_blocks} blocks)"
+            )
 
 
 def check_batch_for_spec(spec: AttentionSpec, batch: BatchMetadata, device: torch.device) -> None:
