@@ -111,6 +111,9 @@ def batch_from_common(cm: Any, block_size: int) -> BatchMetadata:
     ``query_start_loc_cpu`` and, for the sequence lengths, from ``seq_lens`` itself when it
     lives on the host (the CPU platform), else ``seq_lens_cpu_upper_bound`` (exact outside
     async speculative decoding), else one device-to-host copy per step (never per layer).
+    On an accelerator, the block table and slot mapping attnhub's builders check are copied to
+    the host once per step too (vLLM's CommonAttentionMetadata carries no host copy of them);
+    on the CPU platform they are host tensors already.
     """
     n = int(cm.num_reqs)
     qsl_cpu = cm.query_start_loc_cpu[: n + 1]
@@ -137,6 +140,8 @@ def batch_from_common(cm: Any, block_size: int) -> BatchMetadata:
         max_s = int(seq_cpu.numpy().max())
     else:
         num_actual = max_q = max_s = 0
+    table = cm.block_table_tensor[:n]
+    on_host = table.device.type == "cpu"
     return BatchMetadata(
         query_start_loc=cm.query_start_loc[: n + 1],
         query_start_loc_cpu=qsl_cpu,
@@ -146,10 +151,12 @@ def batch_from_common(cm: Any, block_size: int) -> BatchMetadata:
         num_actual_tokens=int(num_actual),
         max_query_len=int(max_q),
         max_seq_len=int(max_s),
-        block_table=cm.block_table_tensor[:n],
+        block_table=table,
         slot_mapping=cm.slot_mapping,
         block_size=block_size,
         causal=bool(causal),
+        block_table_cpu=None if on_host else table.to("cpu"),
+        slot_mapping_cpu=None if on_host else cm.slot_mapping.to("cpu"),
     )
 
 

@@ -70,6 +70,8 @@ def test_batch_from_common_shares_vllm_tensors() -> None:
     assert batch.block_table.data_ptr() == cm.block_table_tensor.data_ptr()
     assert batch.slot_mapping is cm.slot_mapping
     assert batch.seq_lens.data_ptr() == cm.seq_lens.data_ptr()
+    # on the CPU platform the tensors are host data: no host copies are made
+    assert batch.block_table_cpu is None and batch.slot_mapping_cpu is None
 
 
 def test_batch_from_common_refuses_tensor_causal() -> None:
