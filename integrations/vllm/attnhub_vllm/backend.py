@@ -144,7 +144,7 @@ def paged_cache(
     logger.info_once(
         "attnhub-vllm: backend %r KV cache per layer: %d bytes in vLLM's tensor, %d bytes extra",
         backend.name,
-        kv_cache.untyped_storage().nbytes(),
+        kv_cache.numel() * kv_cache.element_size(),
         extra_kv_bytes(cache, kv_cache),
     )
     return cache
