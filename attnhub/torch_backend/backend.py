@@ -91,6 +91,7 @@ class TorchBackend(AttentionBackend):
     ) -> None:
         super().__init__(spec, device, emulate=emulate)
         self._buffers: dict[str, torch.Tensor] = {}
+        self._views: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
 
     def metadata_builder(self) -> TorchMetadataBuilder:
         return TorchMetadataBuilder(self)
@@ -103,6 +104,9 @@ class TorchBackend(AttentionBackend):
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A reused scratch tensor of at least ``shape`` (grown, never shrunk; no page faults
         per call). Shared by every layer of this backend instance."""
+        last = self._views.get(name)
+        if last is not None and last[0] == shape and last[1].dtype == dtype:
+            return last[1]  # the step before asked for the same: no tensor op at all
         numel = 1
         for n in shape:
             numel *= n
@@ -110,7 +114,9 @@ class TorchBackend(AttentionBackend):
         if buf is None or buf.dtype != dtype or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, device=self.device)
             self._buffers[name] = buf
-        return buf[:numel].view(shape)
+        view = buf[:numel].view(shape)
+        self._views[name] = (shape, view)  # only the last: an old view would pin a grown-out buffer
+        return view
 
 
 class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
