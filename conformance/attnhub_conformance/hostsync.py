@@ -48,6 +48,14 @@ _FORBIDDEN = {
 }
 
 
+def _to_host(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+    """Whether a ``Tensor.to(...)`` call names the host (the CPU) as its device."""
+    for a in (*args, kwargs.get("device")):
+        if isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu":
+            return True
+    return False
+
+
 def _in_device_code() -> bool:
     """Whether the call comes from a module marked ``__attnhub_device_code__`` (an emulator)."""
     frame = sys._getframe(2)
@@ -66,21 +74,25 @@ class HostSyncGuard(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in _FORBIDDEN and not _in_device_code():
+        kwargs = kwargs or {}
+        forbidden = _FORBIDDEN.get(name)
+        if forbidden is None and name == "to" and _to_host(args[1:], kwargs):
+            forbidden = '.to("cpu") (a copy to the host)'
+        if forbidden is not None and not _in_device_code():
             what = next((a for a in args if isinstance(a, HostSyncGuard)), None)
             origin = getattr(what, "_attnhub_origin", cls.origin)
             raise HostSyncError(
-                f"forward called {_FORBIDDEN[name]} on {origin}: a device-to-host sync, which "
-                "a backend declaring graph capture must not do"
+                f"forward called {forbidden} on {origin}: a device-to-host sync, which a "
+                "backend must not do per layer"
             )
-        return super().__torch_function__(func, types, args, kwargs or {})
+        return super().__torch_function__(func, types, args, kwargs)
 
     def __bool__(self) -> bool:  # also reached without __torch_function__ on some paths
         if _in_device_code():
             return bool(self.as_subclass(torch.Tensor))
         raise HostSyncError(
             f"forward called bool() on {getattr(self, '_attnhub_origin', self.origin)}: a "
-            "device-to-host sync, which a backend declaring graph capture must not do"
+            "device-to-host sync, which a backend must not do per layer"
         )
 
 

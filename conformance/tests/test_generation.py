@@ -108,11 +108,14 @@ def test_host_sync_guard_raises_on_host_reads() -> None:
         lambda: [0, 1, 2][t[1]],
         lambda: bool((t > 0).all()),
         t.nonzero,
+        lambda: t.to("cpu"),
+        lambda: t.to(device=torch.device("cpu"), dtype=torch.int32),
     )
     for read in reads:
         with pytest.raises(HostSyncError):
             read()
     assert (t + 1).sum().shape == ()  # device-side work is fine
+    assert t.to(torch.int32).dtype == torch.int32  # a dtype change stays on the device
 
 
 def test_host_reads_inside_device_code_are_allowed() -> None:
