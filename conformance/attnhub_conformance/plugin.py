@@ -2,9 +2,15 @@
 
     pytest --pyargs attnhub_conformance --attnhub-backend torch [--attnhub-scope full]
            [--attnhub-emulate] [--attnhub-device cpu] [--attnhub-report matrix.json]
+           [--attnhub-allow-unavailable]
 
 Installed plugins load in every pytest session; this one stays inert (options only, nothing
 imported beyond pytest) until a test marked ``attnhub_cases`` is collected.
+
+A run must test something: a backend it had to test that cannot run (named with
+``--attnhub-backend`` and unavailable on the device, every backend of a default run in which
+none can run, or a plugin that failed to load) fails its availability test, and the session
+exits with ``EXIT_BACKEND_CANNOT_RUN`` when nothing else failed.
 """
 
 from __future__ import annotations
@@ -21,6 +27,15 @@ if TYPE_CHECKING:
 
 MARKER = "attnhub_cases"
 PROPERTY = "attnhub"  # the user_properties key a test's matrix facts travel under
+#: The exit status of a session whose only failures are backends it had to test that cannot
+#: run here (pytest's own statuses are 0-5: 1 = tests failed, 4 = usage error).
+EXIT_BACKEND_CANNOT_RUN = 6
+#: The statuses it replaces: passed, failed (only on "cannot run"), nothing collected (-k).
+_REPLACEABLE = (
+    pytest.ExitCode.OK,
+    pytest.ExitCode.TESTS_FAILED,
+    pytest.ExitCode.NO_TESTS_COLLECTED,
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -37,6 +52,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=False,
         help="run vendor backends through their CPU emulators where the hardware is absent",
+    )
+    group.addoption(
+        "--attnhub-allow-unavailable",
+        action="store_true",
+        default=False,
+        help="report a backend named with --attnhub-backend that cannot run on the device as "
+        "unavailable instead of failing the run (likewise a default run where none can run)",
     )
     group.addoption(
         "--attnhub-device",
@@ -76,6 +98,8 @@ class SuiteState:
         self._targets: list[Target] | None = None
         self._matrix: Matrix | None = None
         self._cases: dict[tuple[str, str], list[Case]] = {}
+        self._other_failures = 0  # failed test phases other than "this backend cannot run"
+        self._said_cannot_run: set[str] = set()  # backends whose availability test said so
 
     @property
     def scope(self) -> Scope:
@@ -93,6 +117,7 @@ class SuiteState:
                     self.config.getoption("attnhub_backend"),
                     self.config.getoption("attnhub_device"),
                     self.config.getoption("attnhub_emulate"),
+                    allow_unavailable=self.config.getoption("attnhub_allow_unavailable"),
                 )
             except LookupError as exc:
                 raise pytest.UsageError(str(exc)) from None
@@ -108,6 +133,17 @@ class SuiteState:
                 device=self.config.getoption("attnhub_device"),
             )
         return self._matrix
+
+    @property
+    def cannot_run(self) -> list[Target]:
+        """The targets that fail the run without being tested (see ``Target.cannot_run``);
+        empty when the session resolved no targets (the plugin stayed inert)."""
+        return [t for t in self._targets or () if t.cannot_run is not None]
+
+    @property
+    def unsaid_cannot_run(self) -> list[Target]:
+        """Those of ``cannot_run`` whose availability test did not run to say so (``-k``)."""
+        return [t for t in self.cannot_run if t.name not in self._said_cannot_run]
 
     @property
     def has_results(self) -> bool:
@@ -132,13 +168,23 @@ class SuiteState:
             self.targets  # noqa: B018
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        cannot_run = False
         for key, facts in report.user_properties:
             if key == PROPERTY and isinstance(facts, dict):
                 self.matrix.record(
                     report.nodeid, report.when, report.outcome, facts, _short_reason(report)
                 )
+                cannot_run = bool(facts.get("cannot_run"))
+                if cannot_run and report.failed:
+                    self._said_cannot_run.add(facts["backend"])
+        if report.failed and not cannot_run:
+            self._other_failures += 1
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.unsaid_cannot_run:
+            terminalreporter.write_sep("=", "attnhub: backends this run had to test cannot run")
+            for target in self.unsaid_cannot_run:
+                terminalreporter.write_line(str(target.cannot_run))
         if not self.has_results:
             return
         from attnhub_conformance.report import render_text
@@ -149,9 +195,13 @@ class SuiteState:
             render_text(self.matrix, self.targets, width=tw.fullwidth, color=tw.hasmarkup)
         )
 
-    def pytest_sessionfinish(self) -> None:
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if hasattr(self.config, "workerinput"):  # an xdist worker: the controller reports
             return
+        # A run that could not test a backend it had to never passes, even where its
+        # availability test was deselected (-k); real failures keep pytest's status 1.
+        if self.cannot_run and not self._other_failures and session.exitstatus in _REPLACEABLE:
+            session.exitstatus = EXIT_BACKEND_CANNOT_RUN
         paths = self.config.getoption("attnhub_report")
         if not paths:
             return
@@ -222,6 +272,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                     "status": t.status,
                     "not_supported": case.not_supported,
                     "reason": t.load_error or t.unavailable,
+                    # a failure that says "this backend cannot run here", not a wrong result
+                    "cannot_run": case.kind == "availability" and t.cannot_run is not None,
                 },
             )
         )

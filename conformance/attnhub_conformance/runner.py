@@ -1,14 +1,17 @@
 """``attnhub conformance``: run the suite in-process with a progress bar, then print the matrix.
 
     attnhub conformance [--backend NAME ...] [--emulate/--no-emulate] [--quick|--full]
-                        [--report PATH ...] [--device DEV]
+                        [--report PATH ...] [--device DEV] [--allow-unavailable]
 
 By default every discovered backend runs: natively where it can, through its CPU emulator where
-its hardware is absent (``--no-emulate`` reports those as unavailable instead). pytest's own
-output is kept off the terminal; failures are listed with their test ids and the first lines of
-their messages, and the return code is non-zero when anything failed. Progress goes to stderr: a
-bar on a terminal, else a line per test module. Messages name this command's options, not the
-pytest plugin's (``--report``, not ``--attnhub-report``).
+its hardware is absent (``--no-emulate`` reports those as unavailable instead). A backend named
+with ``--backend`` that cannot run fails the run (exit status 6 when nothing else failed), as
+does a default run in which no backend can run; ``--allow-unavailable`` reports them as
+unavailable instead. pytest's own output is kept off the terminal; failures are listed with
+their test ids and the first lines of their messages, and the return code is non-zero when
+anything failed. Progress goes to stderr: a bar on a terminal, else a line per test module.
+Messages name this command's options, not the pytest plugin's (``--report``, not
+``--attnhub-report``).
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ from typing import Any
 import pytest
 
 PLUGIN = "attnhub_conformance.plugin"
+#: plugin.EXIT_BACKEND_CANNOT_RUN, restated: importing the plugin module before pytest loads it
+#: would keep pytest from rewriting its asserts.
+EXIT_BACKEND_CANNOT_RUN = 6
 REPORT_SUFFIXES = (".json", ".md", ".markdown", ".html", ".htm")
 #: The pytest plugin's options as this command spells them.
 CLI_OPTIONS = {
     "--attnhub-backend": "--backend",
     "--attnhub-emulate": "--emulate",
+    "--attnhub-allow-unavailable": "--allow-unavailable",
     "--attnhub-device": "--device",
     "--attnhub-scope": "--quick/--full",
     "--attnhub-report": "--report",
@@ -54,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="attnhub conformance",
         description="Run the attnhub conformance suite against backends and print the "
         "features x backends matrix.",
+        epilog="Exit status: 0 everything that ran passed; 1 a test failed; 4 usage error (e.g. "
+        f"an unknown backend); {EXIT_BACKEND_CANNOT_RUN} nothing failed, but a backend the run "
+        "had to test cannot run here (named with --backend and unavailable, no backend of a "
+        "default run can run, or a plugin failed to load).",
     )
     p.add_argument(
         "--backend",
@@ -90,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the matrix to PATH (.json, .md or .html; repeatable)",
     )
     p.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
+    p.add_argument(
+        "--allow-unavailable",
+        action="store_true",
+        help="report a backend named with --backend that cannot run on the device as "
+        "unavailable instead of failing the run (likewise a default run where none can run)",
+    )
     p.add_argument(
         "--hypothesis-examples",
         type=int,
@@ -129,6 +146,8 @@ def pytest_args(ns: argparse.Namespace) -> list[str]:
         args += ["--attnhub-backend", name]
     if ns.emulate:
         args.append("--attnhub-emulate")
+    if ns.allow_unavailable:
+        args.append("--attnhub-allow-unavailable")
     for path in ns.report:
         args += ["--attnhub-report", path]
     if ns.hypothesis_examples is not None:
@@ -288,9 +307,15 @@ def main(argv: list[str] | None = None) -> int:
         out.print(f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
         for path in ns.report:
             out.print(f"matrix written to {path}")
-    elif code != pytest.ExitCode.OK and not ns.verbose:
+    elif code not in (pytest.ExitCode.OK, EXIT_BACKEND_CANNOT_RUN) and not ns.verbose:
         # Nothing ran (a usage error, an internal error, nothing collected): show pytest's words.
         console.print(in_cli_terms(plugin.buffer.getvalue()), markup=False, highlight=False)
+    if state is not None:  # backends whose availability test did not run (-k) to say why
+        for target in state.unsaid_cannot_run:
+            out.print(
+                f"[bold red]not tested:[/] {escape(in_cli_terms(str(target.cannot_run)))}",
+                soft_wrap=True,
+            )
     return int(code)
 
 

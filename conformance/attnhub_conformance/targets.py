@@ -3,6 +3,12 @@
 A target is one backend class on one device, with how it runs there (natively, emulated, or not
 at all, and why). Backends whose plugin failed to load are targets too: the suite reports them
 as failures instead of silently leaving them out.
+
+A run must test something. A backend named with ``--attnhub-backend`` that cannot run here is a
+failure of the run, not a skip (a CI job on a host whose vendor library is broken must not go
+green having tested nothing); so is every backend of a default run (no names) in which none can
+run. ``allow_unavailable`` (``--attnhub-allow-unavailable``) reports them as unavailable instead.
+A plugin that failed to load is always a failure: it is installed, and broken.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class Target:
     emulated: bool = False  # runs through a CPU emulator of the vendor library
     distribution: str | None = None
     version: str | None = None
+    #: Why the run fails if this backend cannot run (None: it is then reported as unavailable).
+    required: str | None = None
 
     @property
     def runnable(self) -> bool:
@@ -50,6 +58,30 @@ class Target:
         return list(self.backend.unsupported_reasons(spec))
 
     @property
+    def cannot_run(self) -> str | None:
+        """Why this target fails the run without being tested (None: it runs, or may be
+        reported as unavailable): its plugin failed to load, or it was required and is
+        unavailable here. One sentence, naming the pytest plugin's options."""
+        if self.load_error is not None:
+            return f"backend {self.name!r}: its plugin failed to load: {self.load_error}"
+        if self.unavailable is None or self.required is None:
+            return None
+        hints = []
+        if not self.emulate and self._emulation_would_run():
+            hints.append("--attnhub-emulate would run it through its CPU emulator")
+        hints.append("--attnhub-allow-unavailable reports it as unavailable instead of failing")
+        return (
+            f"backend {self.name!r} cannot run on device {self.device!r} and {self.required}: "
+            f"{self.unavailable.rstrip('.')} ({'; '.join(hints)})"
+        )
+
+    def _emulation_would_run(self) -> bool:
+        try:
+            return self.backend is not None and self.backend.availability(self.device, True) is None
+        except Exception:  # a probe that raises says nothing about emulation
+            return False
+
+    @property
     def status(self) -> str:
         if self.load_error is not None:
             return "failed to load"
@@ -58,9 +90,13 @@ class Target:
         return "emulated" if self.emulated else "native"
 
 
-def resolve_targets(names: Sequence[str], device: str, emulate: bool) -> list[Target]:
+def resolve_targets(
+    names: Sequence[str], device: str, emulate: bool, *, allow_unavailable: bool = False
+) -> list[Target]:
     """The named backends (every discovered one when ``names`` is empty), in name order.
 
+    Unless ``allow_unavailable``, a named backend that cannot run here is ``required`` (its
+    availability test fails), and so is every backend of a default run in which none can run.
     Raises ``LookupError`` naming the known backends when a name is unknown.
     """
     infos = {info.name: info for info in attnhub.list_backends()}
@@ -101,6 +137,13 @@ def resolve_targets(names: Sequence[str], device: str, emulate: bool) -> list[Ta
             )
             continue
         targets.append(replace(common, emulated=emulated))
+    if allow_unavailable:
+        return targets
+    if names:
+        return [replace(t, required=f"was asked for (--attnhub-backend {t.name})") for t in targets]
+    if not any(t.runnable for t in targets):
+        nothing = "no discovered backend can run there, so the run would test nothing"
+        return [replace(t, required=nothing) for t in targets]
     return targets
 
 

@@ -2,8 +2,9 @@
 ``attnhub`` entry-point group and passes the suite unchanged.
 
 The distribution is written by hand into a temporary directory (a package plus a
-``thirdparty-0.1.dist-info`` with METADATA and entry_points.txt) and put on PYTHONPATH of a
-subprocess: exactly what an installed wheel looks like to importlib.metadata.
+``thirdparty-0.1.dist-info`` with METADATA and entry_points.txt: ``suite_runs.write_distribution``)
+and put on PYTHONPATH of a subprocess: exactly what an installed wheel looks like to
+importlib.metadata.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from suite_runs import suite_env
+from suite_runs import suite_env, write_distribution
 
 BACKEND = '''
 """A third-party attnhub backend: the portable torch math under another name."""
@@ -38,16 +39,13 @@ def attnhub_backends():
 
 @pytest.fixture(scope="module")
 def distribution(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("site")
-    pkg = root / "thirdparty_attn"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text(textwrap.dedent(BACKEND))
-    (pkg / "plugin.py").write_text(textwrap.dedent(PLUGIN))
-    info = root / "thirdparty-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[attnhub]\nthirdparty = thirdparty_attn.plugin\n")
-    return root
+    return write_distribution(
+        tmp_path_factory.mktemp("site"),
+        "thirdparty",
+        "0.1",
+        {"thirdparty_attn/__init__.py": BACKEND, "thirdparty_attn/plugin.py": PLUGIN},
+        {"attnhub": {"thirdparty": "thirdparty_attn.plugin"}},
+    )
 
 
 def test_entry_point_backend_is_listed_and_selected(distribution: Path) -> None:

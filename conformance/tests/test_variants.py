@@ -41,16 +41,6 @@ def test_declared_cascade_is_tested(run_suite) -> None:
     assert run.state("invalid inputs", "declares_cascade") == "pass"
 
 
-def test_backend_without_its_hardware_is_skipped_as_unavailable(run_suite) -> None:
-    run = run_suite("--attnhub-backend", "fake_vendor")
-    assert run.returncode == 0, run.output[-4000:]
-    assert "the fake vendor's accelerator is not present" in run.output
-    assert run.state("availability", "fake_vendor") == "unavailable"
-    assert (
-        run.report is not None and run.report["backends"]["fake_vendor"]["status"] == "unavailable"
-    )
-
-
 def test_emulated_backend_runs_and_is_reported_as_emulated(run_suite) -> None:
     run = run_suite(
         "--attnhub-backend",

@@ -20,7 +20,12 @@ from attnhub.errors import BackendUnavailableError
 
 NATIVE_DEVICE = "npu"
 EMULATED_DEVICE = "cpu"
-EMULATE_HINT = "pass emulate=True (--attnhub-emulate) to run through the CPU emulator"
+#: How to ask for the emulator, in every tool's terms (this text reaches ``attnhub list`` /
+#: ``select``, the conformance suite and ``select_backend``'s errors alike).
+EMULATE_HINT = (
+    "ask for emulation (emulate=True, ATTNHUB_EMULATE=1 or --emulate) to run through the CPU "
+    "emulator"
+)
 
 
 @functools.cache
