@@ -262,8 +262,10 @@ def _attend(
     softcap: float,
     alibi: torch.Tensor | None,  # [H] float32
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [Sq, H, D] float32, lse2 [H, Sq] float32
-    sq, h, _ = q.shape
+    sq, h, d = q.shape
     sk, hkv, _ = k.shape
+    if sk == 0:  # no key at all: every row is empty
+        return torch.zeros(sq, h, d), torch.full((h, sq), math.inf)
     group = h // hkv
     kk = k.float().repeat_interleave(group, dim=1)
     vv = v.float().repeat_interleave(group, dim=1)
