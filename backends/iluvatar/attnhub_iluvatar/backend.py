@@ -23,6 +23,7 @@ docs/backends/iluvatar.md.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -36,7 +37,7 @@ from attnhub.backend import (
 )
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
-from attnhub.errors import InvalidInputError
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_iluvatar import ops
@@ -105,6 +106,25 @@ class CascadePlan:
 
 
 @dataclass(frozen=True)
+class PagedPlan:
+    """Rows of the step served by the int8 caches' single-query paged kernels
+    (``vllm_paged_attention_int8`` / ``_mix``): one query per kernel sequence.
+
+    Mode 1 sends its one-token decodes here. Mode 2 has no varlen kernel [callers list none],
+    so every query token is its own kernel sequence over its request's block table row, with
+    ``context_lens`` = its position + 1 (causal: the query sits at the last key, which is
+    bottom-right alignment) or the request's seq_len (non-causal, no window).
+    """
+
+    token_start: int
+    num_tokens: int
+    causal: bool
+    context_lens: torch.Tensor  # [num_tokens] int32, device
+    block_table: torch.Tensor  # [num_tokens, max_blocks] int32, device
+    max_context_len: int
+
+
+@dataclass(frozen=True)
 class IluvatarAttentionMetadata(AttentionMetadata):
     """One step, planned: every argument of the kernels, ready to pass."""
 
@@ -114,6 +134,10 @@ class IluvatarAttentionMetadata(AttentionMetadata):
     decode: DecodePlan | None = None
     prefill: PrefillPlan | None = None
     cascade: CascadePlan | None = None
+    paged: PagedPlan | None = None  # int8 caches
+    #: int8 caches, decode-only step: the KV write rides on the paged kernel (save_*), which
+    #: writes each sequence's new token at position context_len - 1.
+    fused_write: bool = False
 
 
 class IluvatarBackend(AttentionBackend):
@@ -123,6 +147,9 @@ class IluvatarBackend(AttentionBackend):
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         head_sizes=HEAD_SIZES,
         block_size_multiple=BLOCK_ALIGN,
+        # The int8 caches (ixformer's modes 1 and 2) are implemented, but their kernels quantize
+        # the query too, which the conformance suite's reference does not yet do: they are
+        # declared by IluvatarInt8Backend (below), not registered until the suite checks them.
         kv_cache_dtypes=frozenset({"auto"}),
         kv_cache_layout="HND",
         # The kernels index each plane as a contiguous HND tensor [inferred]; an engine lays
@@ -159,10 +186,20 @@ class IluvatarBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec) -> list[Refusal]:
-        return [
+        reasons = [
             r.because(_WHY[r.field]) if r.field in _WHY else r
             for r in super().unsupported_reasons(spec)
         ]
+        if spec.kv_cache_dtype == "int8_k" and not spec.causal and spec.has_window:
+            reasons.append(
+                Refusal(
+                    "a sliding window on a non-causal layer is not supported with kv_cache_dtype "
+                    "'int8_k' (its single-query paged kernel aligns each query with its last key)",
+                    field="sliding_window",
+                    value=spec.window,
+                )
+            )
+        return reasons
 
     def __init__(
         self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
@@ -170,6 +207,30 @@ class IluvatarBackend(AttentionBackend):
         super().__init__(spec, device, emulate=emulate)
         #: ixformer or the emulator, resolved once for this instance.
         self.ops: Any = ops.namespace(self.device, emulate)
+
+    def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
+        """A zeroed HND cache; for ``int8_k`` (ixformer's mode 2) one packed int8 storage
+        ``(3, num_blocks, Hkv, block_size, D)`` whose plane 0 is the key and whose planes 1-2,
+        their bytes read as 16-bit values, are the value ``(num_blocks, Hkv, block_size, D)``
+        [callers]; the per-slot key scales are a float32 ``(num_blocks, Hkv, block_size)``."""
+        spec = self.spec
+        if spec.kv_cache_dtype != "int8_k":
+            return super().allocate_kv_cache(num_blocks)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise InvalidInputError(f"num_blocks = {num_blocks!r} must be a positive int")
+        shape = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size)
+        storage = torch.zeros((3, *shape), dtype=torch.int8, device=self.device)
+        # planes 1-2 flattened, then read as 16-bit: a plain .view(dtype) of storage[1:] would
+        # halve the last dim instead
+        value = storage[1:].view(-1).view(spec.dtype).view(shape)
+        return PagedKVCache(
+            key=storage[0],
+            value=value,
+            block_size=spec.block_size,
+            layout="HND",
+            kv_cache_dtype="int8_k",
+            key_scale=torch.zeros(shape[:3], dtype=torch.float32, device=self.device),
+        )
 
     def metadata_builder(self) -> IluvatarMetadataBuilder:
         return IluvatarMetadataBuilder(self)
@@ -180,13 +241,35 @@ class IluvatarBackend(AttentionBackend):
         return IluvatarAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
+class IluvatarInt8Backend(IluvatarBackend):
+    """The same backend with ixformer's int8 caches declared as well: ``int8`` (mode 1: int8
+    Q, K, V) and ``int8_k`` (mode 2: int8 Q and K, V in the model dtype).
+
+    Not registered as a plugin yet: the kernels quantize the query per (token, head), so their
+    output is attention over the quantized query, and the conformance suite compares with the
+    reference over the unquantized one (its int8 rows fail by the query's rounding, not by a
+    translation error). The backend's own tests check both modes against the reference on the
+    same quantized inputs. Construct it directly: ``IluvatarInt8Backend(spec, device)``.
+    """
+
+    name = "iluvatar-int8"
+    capabilities = dataclasses.replace(
+        IluvatarBackend.capabilities,
+        kv_cache_dtypes=frozenset({"auto", "int8", "int8_k"}),
+        priority={},
+    )
+
+
 #: Why the kernels refuse what Capabilities refuses, per refused field.
 _WHY = {
     "sinks": "neither flash_attn_varlen_func nor flash_attn_with_kvcache takes sink logits",
     "head_size": "ixformer's attention kernels are built for these head sizes",
     "block_size": "the HND paged cache needs block_size a multiple of 16",
     "dtype": "the kernels take float16 and bfloat16",
-    "kv_cache_dtype": "the int8 cache modes are not implemented by this backend yet",
+    "kv_cache_dtype": (
+        "int8 and int8_k are served by attnhub_iluvatar.IluvatarInt8Backend until the "
+        "conformance suite checks caches whose kernels quantize the query"
+    ),
 }
 
 
@@ -212,23 +295,92 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         )
         if batch.num_reqs == 0:
             return IluvatarAttentionMetadata(**common)
+        kv = self.spec.kv_cache_dtype
+        if kv == "int8_k":
+            return IluvatarAttentionMetadata(
+                **common,
+                paged=self._per_token(batch, causal),
+                fused_write=self._fusable(batch, causal),
+            )
+        if kv == "int8":
+            nd = self._leading_decodes(batch, 1) if causal else 0
+            return IluvatarAttentionMetadata(
+                **common,
+                paged=self._paged_decodes(batch, nd) if nd else None,
+                prefill=self._prefill(batch, nd) if nd < batch.num_reqs else None,
+                fused_write=self._fusable(batch, causal),
+            )
         prefix = self._cascade_prefix(common_prefix_len, causal)
         if prefix:
             return IluvatarAttentionMetadata(**common, cascade=self._cascade(batch, prefix))
-        num_decodes = self._leading_decodes(batch) if causal else 0
+        num_decodes = self._leading_decodes(batch, self.reorder_batch_threshold) if causal else 0
         return IluvatarAttentionMetadata(
             **common,
             decode=self._decode(batch, num_decodes) if num_decodes else None,
             prefill=self._prefill(batch, num_decodes) if num_decodes < batch.num_reqs else None,
         )
 
-    def _leading_decodes(self, batch: BatchMetadata) -> int:
-        """How many requests at the front have query_len <= the threshold (host data).
+    @staticmethod
+    def _leading_decodes(batch: BatchMetadata, threshold: int) -> int:
+        """How many requests at the front have query_len <= ``threshold`` (host data).
 
         Engines send decodes first (``reorder_batch_threshold``); a decode after a prefill is
         served by the prefill call, which computes any request correctly."""
-        small = (batch.query_lens_cpu <= self.reorder_batch_threshold).to(torch.int64)
+        small = (batch.query_lens_cpu <= threshold).to(torch.int64)
         return int(torch.cumprod(small, 0).sum())
+
+    def _paged_decodes(self, batch: BatchMetadata, nd: int) -> PagedPlan:
+        """Mode 1: the leading one-token decodes, one kernel sequence each."""
+        return PagedPlan(
+            token_start=0,
+            num_tokens=nd,
+            causal=True,
+            context_lens=_int32(batch.seq_lens_cpu[:nd], self.backend.device),
+            block_table=batch.block_table[:nd].to(torch.int32).contiguous(),
+            max_context_len=int(batch.seq_lens_cpu[:nd].max()),
+        )
+
+    def _per_token(self, batch: BatchMetadata, causal: bool) -> PagedPlan:
+        """Mode 2: every query token its own kernel sequence (see PagedPlan)."""
+        dev = self.backend.device
+        q_lens = batch.query_lens_cpu.to(torch.int64)
+        seq_lens = batch.seq_lens_cpu.to(torch.int64)
+        req = torch.repeat_interleave(torch.arange(batch.num_reqs), q_lens)  # [n] host
+        if causal:
+            offset = torch.arange(batch.num_actual_tokens) - batch.query_start_loc_cpu[req]
+            lens = seq_lens[req] - q_lens[req] + offset + 1  # position + 1
+        else:
+            if self.spec.has_window:
+                raise UnsupportedConfigurationError(
+                    self.backend.name,
+                    [
+                        "a non-causal step with a sliding window is not supported with "
+                        "kv_cache_dtype 'int8_k' (single-query kernel)"
+                    ],
+                )
+            lens = seq_lens[req]
+        return PagedPlan(
+            token_start=0,
+            num_tokens=batch.num_actual_tokens,
+            causal=causal,
+            context_lens=_int32(lens, dev),
+            block_table=batch.block_table.index_select(0, req.to(dev)).to(torch.int32),
+            max_context_len=int(lens.max()),
+        )
+
+    def _fusable(self, batch: BatchMetadata, causal: bool) -> bool:
+        """int8 caches: whether the paged kernel can make the step's KV write (save_*): a
+        causal decode-only step whose slots are the positions the kernel derives (seq_len - 1
+        through the block table), checked on host copies."""
+        if not causal or bool((batch.query_lens_cpu != 1).any()):
+            return False
+        bs = batch.block_size
+        pos = batch.seq_lens_cpu.to(torch.int64) - 1
+        table = batch.host_block_table().to(torch.int64)
+        rows = torch.arange(batch.num_reqs)
+        derived = table[rows, pos // bs] * bs + pos % bs
+        slots = batch.host_slot_mapping()[: batch.num_actual_tokens].to(torch.int64)
+        return bool(torch.equal(derived, slots))
 
     def _decode(self, batch: BatchMetadata, nd: int) -> DecodePlan:
         dev = self.backend.device
@@ -263,10 +415,11 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
     def _cascade_prefix(self, common_prefix_len: int, causal: bool) -> int:
         """The keys the cascade path shares: common_prefix_len rounded down to whole blocks
         (the prefix call reads whole blocks of the first request's table). 0 (the regular
-        path, same result) for non-causal steps and where the prefix call cannot reproduce the
-        per-request math: a sliding window or ALiBi depend on each query's own position."""
+        path, same result) for non-causal steps, for the int8 caches (no int8 kernel returns an
+        LSE), and where the prefix call cannot reproduce the per-request math: a sliding window
+        or ALiBi depend on each query's own position."""
         spec = self.spec
-        if not causal or spec.has_window or spec.use_alibi:
+        if not causal or spec.has_window or spec.use_alibi or spec.kv_cache_format.is_quantized:
             return 0
         return common_prefix_len // spec.block_size * spec.block_size
 
@@ -343,10 +496,53 @@ class IluvatarAttentionImpl(AttentionImpl):
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor
     ) -> None:
-        # Writes slot_mapping.size(0) tokens into the HND cache, skipping slots < 0 [callers].
-        self.backend.ops.inference.functions.reshape_and_cache_flash(
-            key, value, cache.key, cache.value, slots, "auto"
-        )
+        # Each op writes slot_mapping.size(0) tokens into the HND cache, skipping slots < 0
+        # [callers]; the int8 ones take keys already quantized per (token, kv head) with their
+        # scales, and mode 1's values quantized with the static per-channel scale [inferred].
+        fn = self.backend.ops.inference.functions
+        kv = self.spec.kv_cache_dtype
+        if kv == "auto":
+            fn.reshape_and_cache_flash(key, value, cache.key, cache.value, slots, "auto")
+            return
+        qk, k_scale, v = self._quantize_kv(key, value, cache)
+        write = fn.reshape_and_cache_flash_int8 if kv == "int8" else fn.reshape_and_cache_flash_mix
+        write(qk, v, k_scale, cache.key, cache.value, cache.key_scale, slots, "int8")
+
+    def _quantize_kv(
+        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int8 keys and their [T, Hkv] scales; values as the cache stores them (mode 1: int8
+        with the cache's static value_scale; mode 2: unchanged)."""
+        fn = self.backend.ops.inference.functions
+        qk, k_scale = fn.scaled_int8_quant_for_attn(key, 2)
+        if self.spec.kv_cache_dtype == "int8":
+            value, _ = fn.scaled_int8_quant_for_attn(value, 0, scale=cache.value_scale)
+        return qk, k_scale, value
+
+    # --- the fused write of the int8 caches ----------------------------------------------------
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As the base class; on the int8 caches' decode-only steps the KV write rides on the
+        paged kernel (its ``save_*`` arguments) instead of a separate call."""
+        fused = isinstance(meta, IluvatarAttentionMetadata) and meta.fused_write
+        if not fused or key is None:
+            return super().forward(query, key, value, cache, meta, output=output)
+        out = self.check_forward(query, key, value, cache, meta, output)
+        assert isinstance(meta, IluvatarAttentionMetadata) and meta.paged is not None
+        assert value is not None
+        n = meta.num_actual_tokens
+        if out.shape[0] > n:
+            out[n:].zero_()
+        self._attend_paged(query, cache, meta.paged, out, save=(key[:n], value[:n]))
+        return out
 
     # --- attention ----------------------------------------------------------------------------
     def attend(
@@ -359,6 +555,11 @@ class IluvatarAttentionImpl(AttentionImpl):
         out: torch.Tensor,  # [num_tokens, num_heads, head_size]
     ) -> None:
         assert isinstance(meta, IluvatarAttentionMetadata)
+        if meta.paged is not None:
+            self._attend_paged(query, cache, meta.paged, out)
+        if self.spec.kv_cache_dtype == "int8" and meta.prefill is not None:
+            self._attend_prefill_int8(query, cache, meta.prefill, meta.causal, out)
+            return
         if meta.cascade is not None:
             self._attend_cascade(query, cache, meta.cascade, out)
             return
@@ -460,4 +661,85 @@ class IluvatarAttentionImpl(AttentionImpl):
         # Both LSEs are base 2, which ixformer's merge takes as they are [callers].
         self.backend.ops.inference.functions.merge_attn_states(
             prefix_out, prefix_lse, suffix_out, suffix_lse, output=out[: plan.num_tokens]
+        )
+
+    # --- the int8 caches ----------------------------------------------------------------------
+    def _attend_paged(
+        self,
+        query: torch.Tensor,
+        cache: PagedKVCache,
+        plan: PagedPlan,
+        out: torch.Tensor,
+        save: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """``vllm_paged_attention_int8`` (mode 1) / ``_mix`` (mode 2): Q quantized per (token,
+        head), scales (T, H) [inferred: not transposed for the paged kernel]."""
+        fn = self.backend.ops.inference.functions
+        spec = self.spec
+        rows = slice(plan.token_start, plan.token_start + plan.num_tokens)
+        q, q_scale = fn.scaled_int8_quant_for_attn(query[rows], 2)
+        left, right = self.causal_window if plan.causal else self.full_window
+        saves: dict[str, Any] = {}
+        if save is not None:
+            qk, k_scale, v = self._quantize_kv(save[0], save[1], cache)
+            saves = dict(save_key=qk, save_value=v, save_key_scale=k_scale)
+        common: dict[str, Any] = dict(
+            num_kv_heads=spec.num_kv_heads,
+            scale=spec.scale,
+            block_tables=plan.block_table,
+            context_lens=plan.context_lens,
+            block_size=spec.block_size,
+            max_context_len=plan.max_context_len,
+            alibi_slopes=self.alibi_slopes,
+            causal=plan.causal,
+            window_left=left,
+            window_right=right,
+            softcap=self.softcap,
+            enable_cuda_graph=False,
+            use_sqrt_alibi=False,
+            **saves,
+        )
+        o = out[rows]
+        if spec.kv_cache_dtype == "int8":
+            fn.vllm_paged_attention_int8(
+                o, q, cache.key, cache.value, q_scale, cache.key_scale, cache.value_scale, **common
+            )
+        else:
+            fn.vllm_paged_attention_mix(
+                o, q, cache.key, cache.value, q_scale, cache.key_scale, **common
+            )
+
+    def _attend_prefill_int8(
+        self,
+        query: torch.Tensor,
+        cache: PagedKVCache,
+        plan: PrefillPlan,
+        causal: bool,
+        out: torch.Tensor,
+    ) -> None:
+        """Mode 1's prefills: ``flash_attn_varlen_int8_func`` with Q quantized per (token,
+        head), its scales passed transposed (H, T) [callers]."""
+        fn = self.backend.ops.inference.functions
+        rows = slice(plan.token_start, plan.token_start + plan.num_tokens)
+        q, q_scale = fn.scaled_int8_quant_for_attn(query[rows], 2, transpose_scale=True)
+        self.backend.ops.contrib.vllm_flash_attn.flash_attn_varlen_int8_func(
+            q,
+            cache.key,
+            cache.value,
+            q_scale,
+            cache.key_scale,
+            cache.value_scale,
+            cu_seqlens_q=plan.cu_seqlens_q,
+            cu_seqlens_k=plan.cu_seqlens_k,
+            max_seqlen_q=plan.max_query_len,
+            max_seqlen_k=plan.max_seq_len,
+            softmax_scale=self.spec.scale,
+            causal=causal,
+            window_size=self.causal_window if causal else self.full_window,
+            alibi_slopes=self.alibi_slopes,
+            softcap=self.softcap,
+            sqrt_alibi=False,
+            out=out[rows],
+            block_table=plan.block_table,
+            output_dtype=self.spec.dtype,
         )

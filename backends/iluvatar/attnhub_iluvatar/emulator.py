@@ -21,9 +21,13 @@ Emulated ops:
                                                     through cu_query_lens / max_query_len)
   inference.functions.reshape_and_cache_flash       KV write into the HND cache
   inference.functions.merge_attn_states             merge two partial results (base-2 LSE)
+  inference.functions.scaled_int8_quant_for_attn    symmetric int8 quantization (Q, K, V)
   inference.functions.reshape_and_cache_flash_int8  mode-1 KV write (int8 K/V, K scale per slot)
   inference.functions.reshape_and_cache_flash_mix   mode-2 KV write (int8 K, 16-bit V)
-  inference.functions.scaled_int8_quant_for_attn    symmetric int8 quantization of Q
+  contrib.vllm_flash_attn.flash_attn_varlen_int8_func  mode-1 varlen attention over the cache
+  inference.functions.vllm_paged_attention_int8     mode-1 single-query paged attention
+  inference.functions.vllm_paged_attention_mix      mode-2 single-query paged attention
+  (their fused ``save_*`` KV write included)
 
 Conventions:
   - Paged cache: HND ``(num_blocks, num_kv_heads, block_size, head_size)``, block_size % 16 == 0,
@@ -38,6 +42,10 @@ Conventions:
   - ``merge_attn_states`` weighs the two parts by ``2 ** lse`` [callers]; +inf LSE is an empty
     part; both empty gives 0 [inferred].
   - Slots < 0 are skipped by the cache writes [callers].
+  - int8: symmetric, scale = amax / 127, q = clamp(round(x / scale), -128, 127), a zero scale
+    stores zeros [callers, math inferred]; the kernels dequantize Q, K and V with their scales
+    and compute as above. The paged kernels' ``save_*`` write each sequence's new token at
+    position context_lens - 1 before attending [inferred].
 """
 
 from __future__ import annotations
@@ -694,6 +702,419 @@ def merge_attn_states(
     return result
 
 
+# --- int8 modes ----------------------------------------------------------------------------------
+# Mode 1 ("int8"): int8 Q, K, V; K scale per (token, kv head) stored per slot in an HND
+# (num_blocks, Hkv, block_size) float32 plane; V scale static per (kv head, channel) (Hkv, D).
+# Mode 2 ("mix"): int8 Q and K (K scale as in mode 1); V in float16/bfloat16.
+# Symmetric: scale = amax / 127, q = clamp(round(x / scale), -128, 127) [callers, math inferred].
+
+
+def _quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round(x.float() / safe).clamp_(-128, 127).to(torch.int8)
+
+
+@_op("inference.functions.scaled_int8_quant_for_attn")
+def scaled_int8_quant_for_attn(
+    x: torch.Tensor,  # [T, H, D] float16/bfloat16
+    dim: int,
+    transpose_scale: bool = False,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # int8 like x, float32 scale
+    """``dim=2``: a scale per (token, head), amax/127 over D, returned (T, H), or (H, T) with
+    ``transpose_scale``. ``dim=0`` with ``scale`` (H, D): quantize with that static per-channel
+    scale, returned as given [inferred]."""
+    op = "scaled_int8_quant_for_attn"
+    x = _model_tensor(op, "x", x, 3)
+    if dim == 2:
+        if scale is not None:
+            raise _not_emulated(op, "dim=2 with a given scale")
+        s = x.float().abs().amax(dim=2) / 127.0  # [T, H]
+        q = _quantize(x, s[..., None])
+        return q, (s.t().contiguous() if transpose_scale else s)
+    if dim == 0:
+        if scale is None:
+            raise _not_emulated(op, "dim=0 without a static scale")
+        sc = _tensor(op, "scale", scale, 2)
+        if sc.dtype != torch.float32 or tuple(sc.shape) != tuple(x.shape[1:]):
+            raise _fail(
+                op,
+                f"a static scale for {tuple(x.shape)} must be float32 {tuple(x.shape[1:])}, got "
+                f"{sc.dtype} {tuple(sc.shape)}",
+            )
+        return _quantize(x, sc[None]), sc
+    raise _fail(op, f"dim must be 2 (per token and head) or 0 (static per channel), got {dim}")
+
+
+def _int8(op: str, name: str, t: object, dims: int) -> torch.Tensor:
+    t = _tensor(op, name, t, dims)
+    if t.dtype != torch.int8:
+        raise _fail(op, f"{name} must be int8, got {t.dtype}")
+    if not t.is_contiguous():
+        raise _fail(op, f"{name} must be contiguous")
+    return t
+
+
+def _f32(op: str, name: str, t: object, shape: tuple[int, ...]) -> torch.Tensor:
+    t = _tensor(op, name, t, len(shape))
+    if t.dtype != torch.float32 or tuple(t.shape) != shape:
+        raise _fail(op, f"{name} must be float32 {shape}, got {t.dtype} {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise _fail(op, f"{name} must be contiguous")
+    return t
+
+
+def _quant_cache(
+    op: str, key_cache: object, value_cache: object, key_scale_cache: object, mix: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mode 1: int8 K and V planes; mode 2 (``mix``): int8 K, 16-bit V; both HND and
+    contiguous, with the (num_blocks, Hkv, block_size) float32 K-scale plane."""
+    kc = _int8(op, "key_cache", key_cache, 4)
+    nb, hkv, bs, _ = kc.shape
+    vc = _tensor(op, "value_cache", value_cache, 4)
+    if tuple(vc.shape) != tuple(kc.shape) or not vc.is_contiguous():
+        raise _fail(op, f"value_cache must be contiguous {tuple(kc.shape)} (HND)")
+    if mix and vc.dtype not in MODEL_DTYPES:
+        raise _fail(op, f"value_cache must be float16 or bfloat16 (mode 2), got {vc.dtype}")
+    if not mix and vc.dtype != torch.int8:
+        raise _fail(op, f"value_cache must be int8 (mode 1), got {vc.dtype}")
+    if bs % BLOCK_ALIGN:
+        raise _fail(op, f"block_size {bs} is not a multiple of {BLOCK_ALIGN}")
+    ks = _f32(op, "key_scale_cache", key_scale_cache, (nb, hkv, bs))
+    return kc, vc, ks
+
+
+def _write_quantized(
+    op: str,
+    key: object,
+    value: object,
+    k_scale: object,
+    key_cache: object,
+    value_cache: object,
+    key_scale_cache: object,
+    slot_mapping: object,
+    kv_cache_dtype: object,
+    mix: bool,
+) -> None:
+    if kv_cache_dtype != "int8":
+        raise _not_emulated(op, f"kv_cache_dtype={kv_cache_dtype!r}")
+    kc, vc, ks_cache = _quant_cache(op, key_cache, value_cache, key_scale_cache, mix)
+    key_t = _int8(op, "key", key, 3)
+    value_t = _tensor(op, "value", value, 3)
+    t, hkv, d = key_t.shape
+    if tuple(value_t.shape) != (t, hkv, d) or value_t.dtype != vc.dtype:
+        raise _fail(
+            op,
+            f"value must be {vc.dtype} {(t, hkv, d)}, got {value_t.dtype} {tuple(value_t.shape)}",
+        )
+    if (hkv, d) != (kc.shape[1], kc.shape[3]):
+        raise _fail(
+            op,
+            f"an HND cache of {kc.shape[1]} kv heads x {kc.shape[3]} does not take keys "
+            f"{tuple(key_t.shape)}",
+        )
+    ks = _f32(op, "k_scale", k_scale, (t, hkv))
+    slots = _slots(op, slot_mapping, t, kc.shape[0] * kc.shape[2])
+    _write_rows(kc, key_t, slots)
+    _write_rows(vc, value_t, slots)
+    _write_rows(ks_cache[..., None], ks[..., None], slots)
+
+
+@_op("inference.functions.reshape_and_cache_flash_int8")
+def reshape_and_cache_flash_int8(
+    key: torch.Tensor,  # [T, Hkv, D] int8
+    value: torch.Tensor,  # [T, Hkv, D] int8 (quantized with the static V scale)
+    k_scale: torch.Tensor,  # [T, Hkv] float32: each token's K scale
+    key_cache: torch.Tensor,  # HND int8
+    value_cache: torch.Tensor,  # HND int8
+    key_scale_cache: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
+    slot_mapping: torch.Tensor,  # [n <= T] int; < 0 skipped
+    kv_cache_dtype: str,
+) -> None:
+    _write_quantized(
+        "reshape_and_cache_flash_int8",
+        key,
+        value,
+        k_scale,
+        key_cache,
+        value_cache,
+        key_scale_cache,
+        slot_mapping,
+        kv_cache_dtype,
+        mix=False,
+    )
+
+
+@_op("inference.functions.reshape_and_cache_flash_mix")
+def reshape_and_cache_flash_mix(
+    key: torch.Tensor,  # [T, Hkv, D] int8
+    value: torch.Tensor,  # [T, Hkv, D] float16/bfloat16
+    k_scale: torch.Tensor,  # [T, Hkv] float32
+    key_cache: torch.Tensor,  # HND int8
+    value_cache: torch.Tensor,  # HND float16/bfloat16 (the packed storage's planes 1-2)
+    key_scale_cache: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+) -> None:
+    _write_quantized(
+        "reshape_and_cache_flash_mix",
+        key,
+        value,
+        k_scale,
+        key_cache,
+        value_cache,
+        key_scale_cache,
+        slot_mapping,
+        kv_cache_dtype,
+        mix=True,
+    )
+
+
+@_op("contrib.vllm_flash_attn.flash_attn_varlen_int8_func")
+def flash_attn_varlen_int8_func(
+    q: torch.Tensor,  # [T, H, D] int8
+    k: torch.Tensor,  # HND int8 key cache
+    v: torch.Tensor,  # HND int8 value cache
+    q_scale: torch.Tensor,  # [H, T] float32 (transposed) [callers]
+    k_scale: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
+    v_scale: torch.Tensor,  # [Hkv, D] float32
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sqrt_alibi: bool = False,
+    out: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    output_dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:  # [T, H, D] in output_dtype
+    op = "flash_attn_varlen_int8_func"
+    if sqrt_alibi:
+        raise _not_emulated(op, "sqrt_alibi=True (the vendor's formula is not public)")
+    if block_table is None:
+        raise _not_emulated(op, "packed (non-paged) int8 K/V")
+    if output_dtype not in MODEL_DTYPES:
+        raise _fail(op, f"output_dtype must be float16 or bfloat16, got {output_dtype}")
+    qi = _int8(op, "q", q, 3)
+    t, h, d = qi.shape
+    qs = _f32(op, "q_scale", q_scale, (h, t))
+    kc, vc, ks = _quant_cache(op, k, v, k_scale, mix=False)
+    vs = _f32(op, "v_scale", v_scale, (kc.shape[1], d))
+    out32, _ = _varlen(
+        op,
+        qi,
+        kc,
+        vc,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        block_table,
+        q_scale=qs,
+        dq=_Dequant(ks, vs),
+    )
+    result: torch.Tensor = _finish(op, out32, out32, out, qi, output_dtype, False)
+    return result
+
+
+def _paged_decode(
+    op: str,
+    output: object,
+    query: object,
+    query_scale: object,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    dq: _Dequant,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: object,
+    context_lens: object,
+    block_size: int,
+    max_context_len: int,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    use_sqrt_alibi: bool,
+    saves: tuple[object, object, object],
+) -> None:
+    """One query per sequence over its context_lens keys (the last is the query's own
+    position). With ``save_*``, each sequence's new key/value/key scale is first written at
+    position context_lens - 1 (the fused KV write of decode-only steps) [inferred]."""
+    if use_sqrt_alibi:
+        raise _not_emulated(op, "use_sqrt_alibi=True (the vendor's formula is not public)")
+    qi = _int8(op, "query", query, 3)
+    b, h, d = qi.shape
+    qs = _f32(op, "query_scale", query_scale, (b, h))
+    _head_size(op, d)
+    if num_kv_heads != kc.shape[1] or block_size != kc.shape[2] or d != kc.shape[3]:
+        raise _fail(
+            op,
+            f"num_kv_heads / block_size {num_kv_heads} / {block_size} and head size {d} do not "
+            f"match the HND cache {tuple(kc.shape)}",
+        )
+    bt = _int32(op, "block_tables", block_tables, 2)
+    lens_t = _int32(op, "context_lens", context_lens, 1)
+    if bt.shape[0] != b or lens_t.shape[0] != b:
+        raise _fail(op, f"block_tables / context_lens must have {b} rows")
+    lens = [int(x) for x in lens_t.tolist()]
+    if lens and (min(lens) < 1 or max(lens) > max_context_len):
+        raise _fail(op, f"context_lens {lens} must be in 1..max_context_len={max_context_len}")
+    o = _tensor(op, "output", output, 3)
+    if tuple(o.shape) != (b, h, d) or o.dtype not in MODEL_DTYPES:
+        raise _fail(op, f"output must be float16/bfloat16 {(b, h, d)}, got {o.dtype}")
+    alibi = _alibi(op, alibi_slopes, h)
+    table = bt.tolist()
+    save_key, save_value, save_key_scale = saves
+    if save_key is not None or save_value is not None or save_key_scale is not None:
+        sk = _int8(op, "save_key", save_key, 3)
+        sv = _tensor(op, "save_value", save_value, 3)
+        if tuple(sk.shape) != (b, kc.shape[1], d) or tuple(sv.shape) != tuple(sk.shape):
+            raise _fail(op, f"save_key / save_value must be {(b, kc.shape[1], d)}")
+        if sv.dtype != vc.dtype:
+            raise _fail(op, f"save_value must be {vc.dtype}, got {sv.dtype}")
+        ss = _f32(op, "save_key_scale", save_key_scale, (b, kc.shape[1]))
+        bs = kc.shape[2]
+        slots = []
+        for r in range(b):
+            pos = lens[r] - 1
+            blocks = table[r]
+            if pos // bs >= len(blocks) or not 0 <= blocks[pos // bs] < kc.shape[0]:
+                raise _fail(op, f"sequence {r}: position {pos} has no valid block")
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+        _write_rows(kc, sk, slots)
+        _write_rows(vc, sv, slots)
+        _write_rows(dq.key_scale_cache[..., None], ss[..., None], slots)
+    qf = qi.float() * qs[..., None]
+    for r in range(b):
+        k, v = _read_sequence(kc, vc, table[r], lens[r], op, dq)
+        res, _ = _attend(
+            qf[r : r + 1],
+            k,
+            v,
+            scale=float(scale),
+            causal=causal,
+            window=(window_left, window_right),
+            softcap=float(softcap),
+            alibi=alibi,
+        )
+        o[r] = res[0].to(o.dtype)
+
+
+@_op("inference.functions.vllm_paged_attention_int8")
+def vllm_paged_attention_int8(
+    output: torch.Tensor,  # [B, H, D] float16/bfloat16, written
+    query: torch.Tensor,  # [B, H, D] int8: one query per sequence
+    key_cache: torch.Tensor,  # HND int8
+    value_cache: torch.Tensor,  # HND int8
+    query_scale: torch.Tensor,  # [B, H] float32 [inferred: not transposed for decode]
+    key_scale_cache: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
+    value_scale_cache: torch.Tensor,  # [Hkv, D] float32, static
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32: keys per sequence, the query's own included
+    block_size: int,
+    max_context_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    causal: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    enable_cuda_graph: bool = False,
+    use_sqrt_alibi: bool = False,
+    save_key: torch.Tensor | None = None,  # [B, Hkv, D] int8: fused KV write
+    save_value: torch.Tensor | None = None,  # [B, Hkv, D] int8
+    save_key_scale: torch.Tensor | None = None,  # [B, Hkv] float32
+) -> None:
+    op = "vllm_paged_attention_int8"
+    kc, vc, ks = _quant_cache(op, key_cache, value_cache, key_scale_cache, mix=False)
+    vs = _f32(op, "value_scale_cache", value_scale_cache, (kc.shape[1], kc.shape[3]))
+    _paged_decode(
+        op,
+        output,
+        query,
+        query_scale,
+        kc,
+        vc,
+        _Dequant(ks, vs),
+        num_kv_heads,
+        scale,
+        block_tables,
+        context_lens,
+        block_size,
+        max_context_len,
+        alibi_slopes,
+        causal,
+        window_left,
+        window_right,
+        softcap,
+        use_sqrt_alibi,
+        (save_key, save_value, save_key_scale),
+    )
+
+
+@_op("inference.functions.vllm_paged_attention_mix")
+def vllm_paged_attention_mix(
+    output: torch.Tensor,  # [B, H, D] float16/bfloat16, written
+    query: torch.Tensor,  # [B, H, D] int8
+    key_cache: torch.Tensor,  # HND int8
+    value_cache: torch.Tensor,  # HND float16/bfloat16
+    query_scale: torch.Tensor,  # [B, H] float32
+    key_scale_cache: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    max_context_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    causal: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    enable_cuda_graph: bool = False,
+    use_sqrt_alibi: bool = False,
+    save_key: torch.Tensor | None = None,  # [B, Hkv, D] int8
+    save_value: torch.Tensor | None = None,  # [B, Hkv, D] float16/bfloat16
+    save_key_scale: torch.Tensor | None = None,  # [B, Hkv] float32
+) -> None:
+    op = "vllm_paged_attention_mix"
+    kc, vc, ks = _quant_cache(op, key_cache, value_cache, key_scale_cache, mix=True)
+    _paged_decode(
+        op,
+        output,
+        query,
+        query_scale,
+        kc,
+        vc,
+        _Dequant(ks, None),
+        num_kv_heads,
+        scale,
+        block_tables,
+        context_lens,
+        block_size,
+        max_context_len,
+        alibi_slopes,
+        causal,
+        window_left,
+        window_right,
+        softcap,
+        use_sqrt_alibi,
+        (save_key, save_value, save_key_scale),
+    )
+
+
 # --- the namespaces the backend reaches the ops through -----------------------------------------
 
 
@@ -705,12 +1126,18 @@ contrib = SimpleNamespace(
     vllm_flash_attn=_namespace(
         flash_attn_varlen_func=flash_attn_varlen_func,
         flash_attn_with_kvcache=flash_attn_with_kvcache,
+        flash_attn_varlen_int8_func=flash_attn_varlen_int8_func,
     )
 )
 inference = SimpleNamespace(
     functions=_namespace(
         reshape_and_cache_flash=reshape_and_cache_flash,
         merge_attn_states=merge_attn_states,
+        scaled_int8_quant_for_attn=scaled_int8_quant_for_attn,
+        reshape_and_cache_flash_int8=reshape_and_cache_flash_int8,
+        reshape_and_cache_flash_mix=reshape_and_cache_flash_mix,
+        vllm_paged_attention_int8=vllm_paged_attention_int8,
+        vllm_paged_attention_mix=vllm_paged_attention_mix,
     )
 )
 

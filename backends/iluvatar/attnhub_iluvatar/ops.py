@@ -6,10 +6,12 @@ the native device type is ``cuda``: the backend is available there only where ``
 imports, i.e. on a CoreX machine. ``ixformer`` is not on PyPI and never a dependency.
 
 Resolved once per backend instance (``IluvatarBackend.__init__``), never per call. Both
-namespaces expose the same attribute paths: ``contrib.vllm_flash_attn.flash_attn_varlen_func``,
-``contrib.vllm_flash_attn.flash_attn_with_kvcache`` and
-``inference.functions.{reshape_and_cache_flash, merge_attn_states}`` (the module of the last
-two is [inferred]: see docs/backends/iluvatar.md).
+namespaces expose the same attribute paths: ``contrib.vllm_flash_attn.{flash_attn_varlen_func,
+flash_attn_with_kvcache, flash_attn_varlen_int8_func}`` and ``inference.functions.{
+reshape_and_cache_flash, merge_attn_states, scaled_int8_quant_for_attn,
+reshape_and_cache_flash_int8, reshape_and_cache_flash_mix, vllm_paged_attention_int8,
+vllm_paged_attention_mix}`` (which module holds which op is [callers] for the first two, else
+[inferred]: see docs/backends/iluvatar.md).
 """
 
 from __future__ import annotations

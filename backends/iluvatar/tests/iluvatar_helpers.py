@@ -27,8 +27,10 @@ def spec(**changes: object) -> AttentionSpec:
     return AttentionSpec(**fields)  # type: ignore[arg-type]
 
 
-def backend(s: AttentionSpec | None = None) -> IluvatarBackend:
-    return IluvatarBackend(s or spec(), "cpu", emulate=True)
+def backend(
+    s: AttentionSpec | None = None, cls: type[IluvatarBackend] = IluvatarBackend
+) -> IluvatarBackend:
+    return cls(s or spec(), "cpu", emulate=True)
 
 
 @dataclass
@@ -49,11 +51,12 @@ def step(
     padding: int = 0,
     seed: int = 0,
     table: torch.Tensor | None = None,
+    cls: type[IluvatarBackend] = IluvatarBackend,
 ) -> Step:
     """A step over random context already in the cache (filled in place, not written through
     write_kv), with ``padding`` slot -1 rows after the real tokens."""
     s = s or spec()
-    b = backend(s)
+    b = backend(s, cls)
     g = testing.generator(seed)
     query_lens, seq_lens = [q for q, _ in requests], [n for _, n in requests]
     num_tokens = sum(query_lens) + padding

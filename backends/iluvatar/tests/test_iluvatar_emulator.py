@@ -310,3 +310,101 @@ def test_the_emulator_never_uses_attnhubs_reference() -> None:
     source = inspect.getsource(emulator)
     assert "import attnhub" not in source and "from attnhub" not in source
     assert emulator.__attnhub_device_code__ is True
+
+
+# --- int8 ops ------------------------------------------------------------------------------------
+
+
+def test_per_token_head_quantization_is_amax_over_127_rounded_half_to_even() -> None:
+    x = torch.zeros(2, 1, D, dtype=torch.float16)
+    x[0, 0, :3] = torch.tensor([127.0, -63.5, 0.5])
+    x[1, 0, 0] = -2.54
+    q, scale = FN.scaled_int8_quant_for_attn(x, 2)
+    assert scale.shape == (2, 1) and scale[0, 0].item() == 1.0
+    assert q[0, 0, :3].tolist() == [127, -64, 0]
+    assert q[1, 0, 0].item() == -127
+    _, transposed = FN.scaled_int8_quant_for_attn(x, 2, transpose_scale=True)
+    assert transposed.shape == (1, 2) and torch.equal(transposed.t(), scale)
+    assert torch.equal(
+        FN.scaled_int8_quant_for_attn(torch.zeros_like(x), 2)[0], torch.zeros_like(q)
+    )
+
+
+def test_static_per_channel_quantization_uses_the_given_scale() -> None:
+    x = torch.full((1, 1, D), 3.0, dtype=torch.float16)
+    scale = torch.full((1, D), 0.5)
+    q, s = FN.scaled_int8_quant_for_attn(x, 0, scale=scale)
+    assert s is scale and (q == 6).all()
+    with pytest.raises(IxformerOpError, match="float32"):
+        FN.scaled_int8_quant_for_attn(x, 0, scale=scale.double())
+
+
+def _int8_cache(num_blocks: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kc = torch.zeros(num_blocks, 1, BS, D, dtype=torch.int8)
+    return kc, torch.zeros_like(kc), torch.zeros(num_blocks, 1, BS)
+
+
+def test_paged_int8_attention_dequantizes_q_k_and_v_with_their_scales() -> None:
+    kc, vc, ks = _int8_cache()
+    # keys at block 2, offsets 0 and 1: q.k = (2 * 0.5) * (10 * 0.1) = 1 and 0
+    kc[2, 0, 0, 0] = 10
+    ks[2, 0, 0] = 0.1
+    vc[2, 0, 0, 0], vc[2, 0, 1, 0] = 4, 8
+    v_scale = torch.full((1, D), 0.25)  # values 1 and 2
+    out = torch.zeros(1, 1, D, dtype=torch.bfloat16)
+    q = torch.zeros(1, 1, D, dtype=torch.int8)
+    q[0, 0, 0] = 2
+    FN.vllm_paged_attention_int8(
+        out, q, kc, vc, torch.tensor([[0.5]]), ks, v_scale, 1, 1.0, _i32([[2]]), _i32([2]), BS, 2
+    )
+    p = math.e / (math.e + 1)
+    assert out[0, 0, 0].item() == pytest.approx(p * 1 + (1 - p) * 2, abs=1e-2)
+
+
+def test_paged_kernels_save_the_new_token_at_position_context_len_minus_1() -> None:
+    kc, _, ks = _int8_cache()
+    vc16 = torch.zeros(3, 1, BS, D, dtype=torch.float16)
+    out = torch.zeros(1, 1, D, dtype=torch.float16)
+    q = torch.zeros(1, 1, D, dtype=torch.int8)
+    save_key = torch.full((1, 1, D), 7, dtype=torch.int8)
+    save_value = torch.full((1, 1, D), 1.5, dtype=torch.float16)
+    FN.vllm_paged_attention_mix(
+        out, q, kc, vc16, torch.ones(1, 1), ks, 1, 1.0, _i32([[2, 1]]), _i32([18]), BS, 18,
+        save_key=save_key, save_value=save_value, save_key_scale=torch.tensor([[0.25]]),
+    )  # fmt: skip
+    # position 17 is block 1 (the table's second entry), offset 1
+    assert (kc[1, 0, 1] == 7).all() and (vc16[1, 0, 1] == 1.5).all() and ks[1, 0, 1] == 0.25
+    assert int((kc != 0).sum()) == D
+
+
+def test_the_int8_write_stores_the_key_scale_per_slot() -> None:
+    kc, vc, ks = _int8_cache()
+    key = torch.full((2, 1, D), 3, dtype=torch.int8)
+    FN.reshape_and_cache_flash_int8(
+        key, key.clone(), torch.tensor([[0.5], [0.25]]), kc, vc, ks, torch.tensor([-1, 33]), "int8"
+    )
+    assert ks[2, 0, 1] == 0.25 and int((ks != 0).sum()) == 1
+    assert (kc[2, 0, 1] == 3).all() and (vc[2, 0, 1] == 3).all()
+
+
+def test_mode_1_ops_reject_a_16_bit_value_cache_and_mode_2_an_int8_one() -> None:
+    kc, vc, ks = _int8_cache()
+    key = torch.zeros(1, 1, D, dtype=torch.int8)
+    with pytest.raises(IxformerOpError, match="value_cache must be int8"):
+        FN.reshape_and_cache_flash_int8(
+            key, key, torch.ones(1, 1), kc, vc.half(), ks, torch.tensor([0]), "int8"
+        )
+    with pytest.raises(IxformerOpError, match="float16 or bfloat16"):
+        FN.reshape_and_cache_flash_mix(
+            key, key, torch.ones(1, 1), kc, vc, ks, torch.tensor([0]), "int8"
+        )
+
+
+def test_the_int8_prefill_wants_its_query_scales_transposed() -> None:
+    kc, vc, ks = _int8_cache()
+    q = torch.zeros(3, 2, D, dtype=torch.int8)
+    with pytest.raises(IxformerOpError, match=r"q_scale must be float32 \(2, 3\)"):
+        FA.flash_attn_varlen_int8_func(
+            q, kc, vc, torch.ones(3, 2), ks, torch.ones(1, D), _i32([0, 3]), _i32([0, 3]), 3, 3,
+            block_table=_i32([[1]]),
+        )  # fmt: skip
