@@ -186,8 +186,11 @@ class IluvatarBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec) -> list[Refusal]:
+        why = dict(_WHY)
+        if spec.kv_cache_dtype not in ("int8", "int8_k"):
+            why["kv_cache_dtype"] = "ixformer's caches hold the model dtype or int8"
         reasons = [
-            r.because(_WHY[r.field]) if r.field in _WHY else r
+            r.because(why[r.field]) if r.field in why else r
             for r in super().unsupported_reasons(spec)
         ]
         if spec.kv_cache_dtype == "int8_k" and not spec.causal and spec.has_window:

@@ -66,7 +66,7 @@ def test_the_cache_is_hnd_with_contiguous_planes() -> None:
         (dict(head_size=48), "built for these head sizes"),
         (dict(head_size=512), "built for these head sizes"),
         (dict(use_sinks=True), "sink logits"),
-        (dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
+        (dict(kv_cache_dtype="fp8_e4m3"), "model dtype or int8"),
         (dict(head_size=80, block_size=32, sliding_window=5, logits_soft_cap=5.0), None),
         (dict(use_alibi=True), None),
     ],
