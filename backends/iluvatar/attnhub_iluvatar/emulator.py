@@ -1,0 +1,1154 @@
+"""A pure-PyTorch CPU emulator of exactly the ``ixformer`` ops ``attnhub_iluvatar`` calls.
+
+On a machine without an Iluvatar CoreX GPU, ``ops.py`` hands the backend this module instead of
+``ixformer``; the module exposes the ops under the attribute paths the real package has
+(``emulator.contrib.vllm_flash_attn.flash_attn_varlen_func``,
+``emulator.inference.functions.reshape_and_cache_flash``), so the backend's real translation
+code runs on CPU. No public schema of ixformer exists: names, parameters and conventions come
+from its public callers (``shared/vendor-ops.md``); ``[callers]`` and ``[inferred]`` mark how
+sure each point is, and docs/backends/iluvatar.md lists them.
+
+It is strict: where the vendor op would reject a call (a cache that is not HND, a block size
+not a multiple of 16, an int64 length tensor, a scale plane of the wrong shape) it raises
+:class:`IxformerOpError`; where the call is valid for the vendor but uses something not emulated
+here (dropout, rotary embedding, ``sqrt_alibi``) it raises :class:`NotEmulatedError`. It
+computes in float32 from its own reading of the conventions and never calls
+``attnhub.reference`` (the conformance suite compares the two).
+
+Emulated ops:
+  contrib.vllm_flash_attn.flash_attn_varlen_func    varlen attention; paged with block_table
+  contrib.vllm_flash_attn.flash_attn_with_kvcache   decode over the paged cache (multi-token
+                                                    through cu_query_lens / max_query_len)
+  inference.functions.reshape_and_cache_flash       KV write into the HND cache
+  inference.functions.merge_attn_states             merge two partial results (base-2 LSE)
+  inference.functions.scaled_int8_quant_for_attn    symmetric int8 quantization (Q, K, V)
+  inference.functions.reshape_and_cache_flash_int8  mode-1 KV write (int8 K/V, K scale per slot)
+  inference.functions.reshape_and_cache_flash_mix   mode-2 KV write (int8 K, 16-bit V)
+  contrib.vllm_flash_attn.flash_attn_varlen_int8_func  mode-1 varlen attention over the cache
+  inference.functions.vllm_paged_attention_int8     mode-1 single-query paged attention
+  inference.functions.vllm_paged_attention_mix      mode-2 single-query paged attention
+  (their fused ``save_*`` KV write included)
+
+Conventions:
+  - Paged cache: HND ``(num_blocks, num_kv_heads, block_size, head_size)``, block_size % 16 == 0,
+    each plane contiguous; ``block_table`` int32 ``(B, max_blocks)`` [callers].
+  - Masks are bottom-right aligned: query i of a sequence with q_len Sq and kv_len Sk sees keys
+    ``i + Sk - Sq - left .. i + Sk - Sq + right`` (``window_size=(left, right)``, -1 unbounded;
+    causal forces right = 0) [callers: flash-attn's convention, which ixformer follows].
+  - Score order: scale, softcap ``cap * tanh(s / cap)``, ALiBi ``-slope * |i + Sk - Sq - j|``,
+    mask [callers].
+  - LSE is **base 2** (log2 of the softmax denominator), float32, shape (num_heads, num_tokens)
+    [callers]; a row that sees no key gives output 0 and LSE +inf [inferred].
+  - ``merge_attn_states`` weighs the two parts by ``2 ** lse`` [callers]; +inf LSE is an empty
+    part; both empty gives 0 [inferred].
+  - Slots < 0 are skipped by the cache writes [callers].
+  - int8: symmetric, scale = amax / 127, q = clamp(round(x / scale), -128, 127), a zero scale
+    stores zeros [callers, math inferred]; the kernels dequantize Q, K and V with their scales
+    and compute as above. The paged kernels' ``save_*`` write each sequence's new token at
+    position context_lens - 1 before attending [inferred].
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+#: These ops stand in for the GPU: a host read made inside them is a read on the device, which
+#: attnhub's host-sync guard (the conformance suite's) allows.
+__attnhub_device_code__ = True
+
+__all__ = [
+    "Call",
+    "IxformerOpError",
+    "NotEmulatedError",
+    "contrib",
+    "inference",
+    "record_calls",
+]
+
+MODEL_DTYPES = (torch.float16, torch.bfloat16)
+#: Head sizes the attention kernels are built for [inferred: the sizes Iluvatar's vLLM backend
+#: reports as supported].
+HEAD_SIZES = (32, 64, 80, 96, 128, 160, 192, 224, 256)
+BLOCK_ALIGN = 16
+LOG2E = 1.0 / math.log(2.0)
+
+
+class IxformerOpError(RuntimeError):
+    """The call is one ixformer rejects (its ops raise RuntimeError too)."""
+
+
+class NotEmulatedError(NotImplementedError):
+    """A valid ixformer call that uses something this emulator does not implement."""
+
+
+# --- call recording (tests check what the backend passed) -----------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    """One emulated op call, as the caller made it (``name`` is the op's dotted path)."""
+
+    name: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+_recorders: list[list[Call]] = []
+
+
+@contextmanager
+def record_calls() -> Iterator[list[Call]]:
+    """Collect every emulated op call made inside the block (name, args, kwargs)."""
+    calls: list[Call] = []
+    _recorders.append(calls)
+    try:
+        yield calls
+    finally:
+        _recorders.remove(calls)
+
+
+def _op(path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn`` as the op ``path`` ("module.name"): recorded, bound like the vendor's."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+        name = path.rsplit(".", 1)[1]
+
+        @functools.wraps(fn)
+        def op(*args: Any, **kwargs: Any) -> Any:
+            for calls in _recorders:
+                calls.append(Call(path, args, dict(kwargs)))
+            try:
+                sig.bind(*args, **kwargs)  # unknown or missing arguments fail as they would
+            except TypeError as exc:
+                raise TypeError(f"ixformer.{path}(): {exc}") from None
+            return fn(*args, **kwargs)
+
+        op.__name__ = name
+        return op
+
+    return wrap
+
+
+# --- argument checks ----------------------------------------------------------------------------
+
+
+def _fail(op: str, message: str) -> IxformerOpError:
+    return IxformerOpError(f"ixformer {op}: {message}")
+
+
+def _not_emulated(op: str, what: str) -> NotEmulatedError:
+    return NotEmulatedError(f"ixformer {op}: {what} is valid for the vendor op but not emulated")
+
+
+def _tensor(op: str, name: str, t: object, dims: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise _fail(op, f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise _fail(op, f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    return t
+
+
+def _model_tensor(op: str, name: str, t: object, dims: int) -> torch.Tensor:
+    t = _tensor(op, name, t, dims)
+    if t.dtype not in MODEL_DTYPES:
+        raise _fail(op, f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if t.stride(-1) != 1:
+        raise _fail(op, f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+    return t
+
+
+def _int32(op: str, name: str, t: object, dims: int) -> torch.Tensor:
+    t = _tensor(op, name, t, dims)
+    if t.dtype != torch.int32:
+        raise _fail(op, f"{name} must be int32, got {t.dtype}")
+    if not t.is_contiguous():
+        raise _fail(op, f"{name} must be contiguous")
+    return t
+
+
+def _same_device(op: str, ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != ref.device:
+            raise _fail(op, f"{name} is on {t.device}, the query on {ref.device}")
+
+
+def _paged_cache(
+    op: str, k_cache: object, v_cache: object, num_heads: int, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HND planes ``(num_blocks, num_kv_heads, block_size, head_size)``, contiguous."""
+    k = _tensor(op, "k_cache", k_cache, 4)
+    v = _tensor(op, "v_cache", v_cache, 4)
+    if k.shape != v.shape:
+        raise _fail(op, f"k_cache {tuple(k.shape)} and v_cache {tuple(v.shape)} differ")
+    _, num_kv_heads, block_size, d = k.shape
+    if d != head_size:
+        raise _fail(op, f"the cache's head_size {d} is not the query's {head_size}")
+    if block_size % BLOCK_ALIGN:
+        raise _fail(
+            op,
+            f"block_size {block_size} (dim 2 of the HND cache) is not a multiple of {BLOCK_ALIGN}",
+        )
+    if num_heads % num_kv_heads:
+        raise _fail(op, f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise _fail(op, "k_cache and v_cache must be contiguous")
+    return k, v
+
+
+def _head_size(op: str, d: int) -> None:
+    if d not in HEAD_SIZES:
+        raise _fail(op, f"head_size {d} is not one of {list(HEAD_SIZES)}")
+
+
+def _window(op: str, window_size: object) -> tuple[int, int]:
+    try:
+        left, right = (int(x) for x in window_size)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise _fail(op, f"window_size must be a pair (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise _fail(op, f"window_size {window_size!r}: each side is -1 or >= 0")
+    return left, right
+
+
+def _cumulative(op: str, name: str, t: torch.Tensor, batch: int | None) -> list[int]:
+    """Host values of a cumulative [B + 1] int32 tensor from 0, non-decreasing."""
+    ends = [int(x) for x in t.tolist()]
+    if batch is not None and len(ends) != batch + 1:
+        raise _fail(op, f"{name} has {len(ends)} entries, expected batch + 1 = {batch + 1}")
+    if not ends or ends[0] != 0 or any(b < a for a, b in itertools.pairwise(ends)):
+        raise _fail(op, f"{name} must be cumulative from 0 (non-decreasing), got {ends}")
+    return ends
+
+
+def _alibi(op: str, slopes: object, num_heads: int) -> torch.Tensor | None:
+    if slopes is None:
+        return None
+    s = _tensor(op, "alibi_slopes", slopes, 1)
+    if s.dtype != torch.float32 or s.shape != (num_heads,):
+        raise _fail(
+            op,
+            f"alibi_slopes must be float32 [num_heads={num_heads}], got {s.dtype} {list(s.shape)}",
+        )
+    return s
+
+
+def _out(op: str, out: object, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    if out is None:
+        return None
+    o = _tensor(op, "out", out, like.dim())
+    if o.shape != like.shape or o.dtype != dtype or o.device != like.device:
+        raise _fail(
+            op,
+            f"out must be {dtype} {tuple(like.shape)} on {like.device}, got {o.dtype} "
+            f"{tuple(o.shape)} on {o.device}",
+        )
+    return o
+
+
+# --- the math ----------------------------------------------------------------------------------
+
+
+def _attend(
+    q: torch.Tensor,  # [Sq, H, D]
+    k: torch.Tensor,  # [Sk, Hkv, D] (float32, dequantized)
+    v: torch.Tensor,  # [Sk, Hkv, D]
+    *,
+    scale: float,
+    causal: bool,
+    window: tuple[int, int],
+    softcap: float,
+    alibi: torch.Tensor | None,  # [H] float32
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [Sq, H, D] float32, lse2 [H, Sq] float32
+    sq, h, d = q.shape
+    sk, hkv, _ = k.shape
+    if sk == 0:  # no key at all: every row is empty
+        return torch.zeros(sq, h, d), torch.full((h, sq), math.inf)
+    group = h // hkv
+    kk = k.float().repeat_interleave(group, dim=1)
+    vv = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("ihd,jhd->hij", q.float(), kk) * scale  # [H, Sq, Sk]
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    pos_q = torch.arange(sq)[:, None] + (sk - sq)  # bottom-right alignment
+    pos_k = torch.arange(sk)[None, :]
+    if alibi is not None:
+        s = s - alibi.float()[:, None, None] * (pos_q - pos_k).abs().float()
+    left, right = window
+    if causal:
+        right = 0
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        keep &= pos_k >= pos_q - left
+    if right >= 0:
+        keep &= pos_k <= pos_q + right
+    s = s.masked_fill(~keep, -math.inf)
+    m = s.amax(dim=-1, keepdim=True)  # [H, Sq, 1]
+    empty = torch.isneginf(m)
+    m = m.masked_fill(empty, 0.0)
+    p = torch.exp(s - m)  # masked scores give exp(-inf) = 0
+    denom = p.sum(dim=-1, keepdim=True)
+    safe = denom.masked_fill(empty, 1.0)
+    out = torch.einsum("hij,jhd->ihd", p / safe, vv)
+    lse2 = ((m + torch.log(safe)) * LOG2E).squeeze(-1).masked_fill(empty.squeeze(-1), math.inf)
+    return out, lse2
+
+
+def _gather(
+    cache: torch.Tensor,  # HND [num_blocks, Hkv, block_size, D]
+    table_row: list[int],
+    seq_len: int,
+    op: str,
+) -> torch.Tensor:  # [seq_len, Hkv, D]
+    num_blocks, hkv, bs, d = cache.shape
+    need = -(-seq_len // bs)
+    if need > len(table_row):
+        raise _fail(
+            op, f"a sequence of {seq_len} keys needs {need} blocks, the table has {len(table_row)}"
+        )
+    blocks = table_row[:need]
+    bad = [b for b in blocks if not 0 <= b < num_blocks]
+    if bad:
+        raise _fail(op, f"block id {bad[0]} is outside the cache ({num_blocks} blocks)")
+    if not blocks:
+        return cache.new_zeros((0, hkv, d))
+    picked = cache[torch.tensor(blocks, dtype=torch.long, device=cache.device)]
+    return picked.permute(0, 2, 1, 3).reshape(-1, hkv, d)[:seq_len]
+
+
+@dataclass(frozen=True)
+class _Dequant:
+    """How to read a quantized cache: K int8 with a per-slot scale plane, V int8 with a per-
+    channel scale (mode 1) or V in 16-bit (mode 2). None: the cache is in the model dtype."""
+
+    key_scale_cache: torch.Tensor  # HND [num_blocks, Hkv, block_size] float32
+    value_scale: torch.Tensor | None  # [Hkv, D] float32 (mode 1), None (mode 2)
+
+
+def _read_sequence(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table_row: list[int],
+    seq_len: int,
+    op: str,
+    dq: _Dequant | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [seq_len, Hkv, D] float32
+    k = _gather(k_cache, table_row, seq_len, op).float()
+    v = _gather(v_cache, table_row, seq_len, op).float()
+    if dq is not None:
+        ks = _gather(dq.key_scale_cache[..., None], table_row, seq_len, op)  # [S, Hkv, 1]
+        k = k * ks
+        if dq.value_scale is not None:
+            v = v * dq.value_scale[None]
+    return k, v
+
+
+# --- flash_attn_varlen_func ----------------------------------------------------------------------
+
+
+def _varlen(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: object,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    q_scale: torch.Tensor | None = None,  # int8 Q: (H, T) float32, transposed [callers]
+    dq: _Dequant | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D] float32, lse2 [H, T]
+    if q_scale is None:
+        q = _model_tensor(op, "q", q, 3)
+    t, h, d = q.shape
+    _head_size(op, d)
+    cu_q = _int32(op, "cu_seqlens_q", cu_seqlens_q, 1)
+    cu_k = _int32(op, "cu_seqlens_k", cu_seqlens_k, 1)
+    _same_device(op, q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, block_table=block_table)
+    q_ends = _cumulative(op, "cu_seqlens_q", cu_q, None)
+    batch = len(q_ends) - 1
+    k_ends = _cumulative(op, "cu_seqlens_k", cu_k, batch)
+    if q_ends[-1] != t:
+        raise _fail(op, f"cu_seqlens_q ends at {q_ends[-1]}, q has {t} tokens")
+    q_lens = [b - a for a, b in itertools.pairwise(q_ends)]
+    k_lens = [b - a for a, b in itertools.pairwise(k_ends)]
+    if batch and (max(q_lens) > max_seqlen_q or max(k_lens) > max_seqlen_k):
+        raise _fail(
+            op,
+            f"max_seqlen_q / max_seqlen_k = {max_seqlen_q} / {max_seqlen_k} are below the "
+            f"longest lengths {max(q_lens)} / {max(k_lens)}",
+        )
+    window = _window(op, window_size)
+    alibi = _alibi(op, alibi_slopes, h)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    if block_table is None:
+        if dq is not None:
+            raise _fail(op, "the int8 path takes a paged cache (block_table)")
+        k = _model_tensor(op, "k", k, 3)
+        v = _model_tensor(op, "v", v, 3)
+        if k.shape != v.shape or k.shape[0] != k_ends[-1] or k.shape[2] != d:
+            raise _fail(op, f"packed k/v {tuple(k.shape)} do not hold {k_ends[-1]} keys of {d}")
+        table: list[list[int]] = []
+    else:
+        k, v = _paged_cache(op, k, v, h, d)
+        if dq is None and (k.dtype != q.dtype or v.dtype != q.dtype):
+            raise _fail(op, f"the cache ({k.dtype}) and q ({q.dtype}) must share a dtype")
+        bt = _int32(op, "block_table", block_table, 2)
+        if bt.shape[0] != batch:
+            raise _fail(op, f"block_table has {bt.shape[0]} rows, the batch {batch} sequences")
+        table = bt.tolist()
+    qf = q.float() if q_scale is None else q.float() * q_scale.t()[:, :, None]
+    out = torch.zeros(t, h, d, dtype=torch.float32)
+    lse = torch.full((h, t), math.inf, dtype=torch.float32)
+    for b in range(batch):  # one sequence at a time
+        if block_table is None:
+            kb, vb = k[k_ends[b] : k_ends[b + 1]], v[k_ends[b] : k_ends[b + 1]]
+        else:
+            kb, vb = _read_sequence(k, v, table[b], k_lens[b], op, dq)
+        if q_lens[b] > k_lens[b] and causal:
+            raise _fail(op, f"sequence {b}: {q_lens[b]} queries over {k_lens[b]} keys (causal)")
+        o, l2 = _attend(
+            qf[q_ends[b] : q_ends[b + 1]],
+            kb,
+            vb,
+            scale=scale,
+            causal=causal,
+            window=window,
+            softcap=float(softcap),
+            alibi=alibi,
+        )
+        out[q_ends[b] : q_ends[b + 1]] = o
+        lse[:, q_ends[b] : q_ends[b + 1]] = l2
+    return out, lse
+
+
+def _finish(
+    op: str,
+    out32: torch.Tensor,
+    lse: torch.Tensor,
+    out: object,
+    like: torch.Tensor,
+    dtype: torch.dtype,
+    return_lse: bool,
+) -> Any:
+    target = _out(op, out, like, dtype)
+    result = out32.to(dtype).view(like.shape)
+    if target is None:
+        target = result
+    else:
+        target.copy_(result)
+    return (target, lse) if return_lse else target
+
+
+@_op("contrib.vllm_flash_attn.flash_attn_varlen_func")
+def flash_attn_varlen_func(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # packed [T_k, Hkv, D], or the HND cache with block_table
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32, cumulative
+    cu_seqlens_k: torch.Tensor,  # [B + 1] int32, cumulative (also with the paged cache)
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,  # [B, max_blocks] int32
+    sqrt_alibi: bool = False,
+    return_softmax_lse: bool = False,
+    *,
+    out: torch.Tensor | None = None,
+) -> Any:  # out, or (out, lse [H, T] float32 base 2) with return_softmax_lse
+    op = "flash_attn_varlen_func"
+    if dropout_p:
+        raise _not_emulated(op, f"dropout_p={dropout_p}")
+    if return_attn_probs:
+        raise _not_emulated(op, "return_attn_probs=True")
+    if sqrt_alibi:
+        raise _not_emulated(op, "sqrt_alibi=True (the vendor's formula is not public)")
+    out32, lse = _varlen(
+        op,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        block_table,
+    )
+    return _finish(op, out32, lse, out, q, q.dtype, return_softmax_lse)
+
+
+# --- flash_attn_with_kvcache ---------------------------------------------------------------------
+
+
+@_op("contrib.vllm_flash_attn.flash_attn_with_kvcache")
+def flash_attn_with_kvcache(
+    q: torch.Tensor,  # [B, Sq, H, D]; or [T, H, D] packed with cu_query_lens
+    k_cache: torch.Tensor,  # HND [num_blocks, Hkv, block_size, D]
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,  # [B] int32: keys per sequence
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,  # [B, max_blocks] int32
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    max_context_len: int | None = None,
+    use_cuda_graph: bool = False,
+    use_sqrt_alibi: bool = False,
+    max_query_len: int | None = None,
+    cu_query_lens: torch.Tensor | None = None,  # [B + 1] int32, with a packed [T, H, D] q
+    *,
+    out: torch.Tensor | None = None,
+) -> Any:  # out, or (out, lse [H, T] float32 base 2) with return_softmax_lse
+    op = "flash_attn_with_kvcache"
+    for name, given in (
+        ("k/v (appending new keys)", k is not None or v is not None),
+        ("rotary_cos/rotary_sin", rotary_cos is not None or rotary_sin is not None),
+        ("cache_batch_idx", cache_batch_idx is not None),
+        ("cache_leftpad", cache_leftpad is not None),
+        ("use_sqrt_alibi=True", use_sqrt_alibi),
+    ):
+        if given:
+            raise _not_emulated(op, name)
+    if block_table is None:
+        raise _not_emulated(op, "a cache without block_table")
+    if cache_seqlens is None:
+        raise _fail(op, "cache_seqlens is required")
+    if cu_query_lens is None:
+        q4 = _model_tensor(op, "q", q, 4)  # [B, Sq, H, D]
+        batch, sq, h, d = q4.shape
+        packed = q4.reshape(batch * sq, h, d)
+        cu = torch.arange(0, batch * sq + 1, sq, dtype=torch.int32, device=q.device)
+        longest_q = sq
+    else:
+        if max_query_len is None:
+            raise _fail(op, "cu_query_lens needs max_query_len")
+        packed = _model_tensor(op, "q", q, 3)
+        cu = _int32(op, "cu_query_lens", cu_query_lens, 1)
+        longest_q = int(max_query_len)
+    seqlens = _int32(op, "cache_seqlens", cache_seqlens, 1)
+    _same_device(op, packed, cache_seqlens=seqlens, cu_query_lens=cu)
+    lens = seqlens.tolist()
+    if any(n < 0 for n in lens):
+        raise _fail(op, f"cache_seqlens must be >= 0, got {lens}")
+    if max_context_len is not None and lens and max(lens) > max_context_len:
+        raise _fail(op, f"max_context_len {max_context_len} is below the longest {max(lens)}")
+    cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu_k[1:] = torch.cumsum(seqlens.to(torch.int64), 0)
+    out32, lse = _varlen(
+        op,
+        packed,
+        k_cache,
+        v_cache,
+        cu,
+        cu_k.to(packed.device),
+        longest_q,
+        max(lens, default=0),
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        block_table,
+    )
+    return _finish(op, out32, lse, out, q, q.dtype, return_softmax_lse)
+
+
+# --- KV writes -----------------------------------------------------------------------------------
+
+
+def _slots(op: str, slot_mapping: object, num_tokens: int, num_slots: int) -> list[int]:
+    s = _tensor(op, "slot_mapping", slot_mapping, 1)
+    if s.dtype not in (torch.int32, torch.int64):
+        raise _fail(op, f"slot_mapping must be int32 or int64, got {s.dtype}")
+    if s.shape[0] > num_tokens:
+        raise _fail(op, f"slot_mapping has {s.shape[0]} entries for {num_tokens} tokens")
+    slots = [int(x) for x in s.tolist()]
+    over = [x for x in slots if x >= num_slots]
+    if over:
+        raise _fail(op, f"slot {over[0]} is outside the cache ({num_slots} slots)")
+    return slots
+
+
+def _write_rows(
+    cache: torch.Tensor,  # HND [num_blocks, Hkv, block_size, ...]
+    rows: torch.Tensor,  # [n, Hkv, ...]
+    slots: list[int],
+) -> None:
+    bs = cache.shape[2]
+    for t, slot in enumerate(slots):
+        if slot < 0:  # padding: skipped
+            continue
+        b, o = divmod(slot, bs)
+        cache[b, :, o] = rows[t]
+
+
+def _cache_pair(
+    op: str, key: object, value: object, key_cache: object, value_cache: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    key_t = _model_tensor(op, "key", key, 3)
+    value_t = _model_tensor(op, "value", value, 3)
+    if key_t.shape != value_t.shape:
+        raise _fail(op, f"key {tuple(key_t.shape)} and value {tuple(value_t.shape)} differ")
+    kc = _tensor(op, "key_cache", key_cache, 4)
+    vc = _tensor(op, "value_cache", value_cache, 4)
+    _, hkv, bs, d = kc.shape
+    if vc.shape != kc.shape:
+        raise _fail(op, f"key_cache {tuple(kc.shape)} and value_cache {tuple(vc.shape)} differ")
+    if (hkv, d) != tuple(key_t.shape[1:]):
+        raise _fail(
+            op,
+            f"an HND cache of {hkv} kv heads x {d} does not take keys {tuple(key_t.shape)} "
+            "(the cache must be (num_blocks, num_kv_heads, block_size, head_size))",
+        )
+    if bs % BLOCK_ALIGN:
+        raise _fail(op, f"block_size {bs} is not a multiple of {BLOCK_ALIGN}")
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise _fail(op, "key_cache and value_cache must be contiguous")
+    return key_t, value_t, kc, vc
+
+
+@_op("inference.functions.reshape_and_cache_flash")
+def reshape_and_cache_flash(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # HND [num_blocks, Hkv, block_size, D]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [n <= T] int64 (or int32); < 0 skipped
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    op = "reshape_and_cache_flash"
+    if kv_cache_dtype != "auto":
+        raise _not_emulated(op, f"kv_cache_dtype={kv_cache_dtype!r}")
+    key_t, value_t, kc, vc = _cache_pair(op, key, value, key_cache, value_cache)
+    if kc.dtype != key_t.dtype or vc.dtype != value_t.dtype:
+        raise _fail(op, f"the cache ({kc.dtype}) and the keys ({key_t.dtype}) differ in dtype")
+    slots = _slots(op, slot_mapping, key_t.shape[0], kc.shape[0] * kc.shape[2])
+    _write_rows(kc, key_t, slots)
+    _write_rows(vc, value_t, slots)
+
+
+# --- merge_attn_states ---------------------------------------------------------------------------
+
+
+@_op("inference.functions.merge_attn_states")
+def merge_attn_states(
+    prefix_output: torch.Tensor,  # [T, H, D]
+    prefix_lse: torch.Tensor,  # [H, T] float32, base 2; +inf = empty
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> Any:  # output, or (output, lse [H, T] base 2) with return_lse
+    op = "merge_attn_states"
+    a = _model_tensor(op, "prefix_output", prefix_output, 3)
+    b = _model_tensor(op, "suffix_output", suffix_output, 3)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise _fail(op, f"prefix_output {tuple(a.shape)} and suffix_output {tuple(b.shape)} differ")
+    t, h, _ = a.shape
+    for name, lse in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
+        x = _tensor(op, name, lse, 2)
+        if x.dtype != torch.float32 or x.shape != (h, t):
+            raise _fail(op, f"{name} must be float32 [{h}, {t}], got {x.dtype} {list(x.shape)}")
+    la = prefix_lse.masked_fill(torch.isposinf(prefix_lse), -math.inf)
+    lb = suffix_lse.masked_fill(torch.isposinf(suffix_lse), -math.inf)
+    m = torch.maximum(la, lb)
+    both_empty = torch.isneginf(m)
+    m = m.masked_fill(both_empty, 0.0)
+    wa, wb = torch.exp2(la - m), torch.exp2(lb - m)  # base 2: weights are 2 ** lse
+    denom = (wa + wb).masked_fill(both_empty, 1.0)
+    merged = (wa.t()[..., None] * a.float() + wb.t()[..., None] * b.float()) / denom.t()[..., None]
+    lse = (m + torch.log2(denom)).masked_fill(both_empty, math.inf)
+    result = _finish(op, merged, lse, output, a, a.dtype, return_lse)
+    return result
+
+
+# --- int8 modes ----------------------------------------------------------------------------------
+# Mode 1 ("int8"): int8 Q, K, V; K scale per (token, kv head) stored per slot in an HND
+# (num_blocks, Hkv, block_size) float32 plane; V scale static per (kv head, channel) (Hkv, D).
+# Mode 2 ("mix"): int8 Q and K (K scale as in mode 1); V in float16/bfloat16.
+# Symmetric: scale = amax / 127, q = clamp(round(x / scale), -128, 127) [callers, math inferred].
+
+
+def _quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round(x.float() / safe).clamp_(-128, 127).to(torch.int8)
+
+
+@_op("inference.functions.scaled_int8_quant_for_attn")
+def scaled_int8_quant_for_attn(
+    x: torch.Tensor,  # [T, H, D] float16/bfloat16
+    dim: int,
+    transpose_scale: bool = False,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # int8 like x, float32 scale
+    """``dim=2``: a scale per (token, head), amax/127 over D, returned (T, H), or (H, T) with
+    ``transpose_scale``. ``dim=0`` with ``scale`` (H, D): quantize with that static per-channel
+    scale, returned as given [inferred]."""
+    op = "scaled_int8_quant_for_attn"
+    x = _model_tensor(op, "x", x, 3)
+    if dim == 2:
+        if scale is not None:
+            raise _not_emulated(op, "dim=2 with a given scale")
+        s = x.float().abs().amax(dim=2) / 127.0  # [T, H]
+        q = _quantize(x, s[..., None])
+        return q, (s.t().contiguous() if transpose_scale else s)
+    if dim == 0:
+        if scale is None:
+            raise _not_emulated(op, "dim=0 without a static scale")
+        sc = _tensor(op, "scale", scale, 2)
+        if sc.dtype != torch.float32 or tuple(sc.shape) != tuple(x.shape[1:]):
+            raise _fail(
+                op,
+                f"a static scale for {tuple(x.shape)} must be float32 {tuple(x.shape[1:])}, got "
+                f"{sc.dtype} {tuple(sc.shape)}",
+            )
+        return _quantize(x, sc[None]), sc
+    raise _fail(op, f"dim must be 2 (per token and head) or 0 (static per channel), got {dim}")
+
+
+def _int8(op: str, name: str, t: object, dims: int) -> torch.Tensor:
+    t = _tensor(op, name, t, dims)
+    if t.dtype != torch.int8:
+        raise _fail(op, f"{name} must be int8, got {t.dtype}")
+    if not t.is_contiguous():
+        raise _fail(op, f"{name} must be contiguous")
+    return t
+
+
+def _f32(op: str, name: str, t: object, shape: tuple[int, ...]) -> torch.Tensor:
+    t = _tensor(op, name, t, len(shape))
+    if t.dtype != torch.float32 or tuple(t.shape) != shape:
+        raise _fail(op, f"{name} must be float32 {shape}, got {t.dtype} {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise _fail(op, f"{name} must be contiguous")
+    return t
+
+
+def _quant_cache(
+    op: str, key_cache: object, value_cache: object, key_scale_cache: object, mix: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mode 1: int8 K and V planes; mode 2 (``mix``): int8 K, 16-bit V; both HND and
+    contiguous, with the (num_blocks, Hkv, block_size) float32 K-scale plane."""
+    kc = _int8(op, "key_cache", key_cache, 4)
+    nb, hkv, bs, _ = kc.shape
+    vc = _tensor(op, "value_cache", value_cache, 4)
+    if tuple(vc.shape) != tuple(kc.shape) or not vc.is_contiguous():
+        raise _fail(op, f"value_cache must be contiguous {tuple(kc.shape)} (HND)")
+    if mix and vc.dtype not in MODEL_DTYPES:
+        raise _fail(op, f"value_cache must be float16 or bfloat16 (mode 2), got {vc.dtype}")
+    if not mix and vc.dtype != torch.int8:
+        raise _fail(op, f"value_cache must be int8 (mode 1), got {vc.dtype}")
+    if bs % BLOCK_ALIGN:
+        raise _fail(op, f"block_size {bs} is not a multiple of {BLOCK_ALIGN}")
+    ks = _f32(op, "key_scale_cache", key_scale_cache, (nb, hkv, bs))
+    return kc, vc, ks
+
+
+def _write_quantized(
+    op: str,
+    key: object,
+    value: object,
+    k_scale: object,
+    key_cache: object,
+    value_cache: object,
+    key_scale_cache: object,
+    slot_mapping: object,
+    kv_cache_dtype: object,
+    mix: bool,
+) -> None:
+    if kv_cache_dtype != "int8":
+        raise _not_emulated(op, f"kv_cache_dtype={kv_cache_dtype!r}")
+    kc, vc, ks_cache = _quant_cache(op, key_cache, value_cache, key_scale_cache, mix)
+    key_t = _int8(op, "key", key, 3)
+    value_t = _tensor(op, "value", value, 3)
+    t, hkv, d = key_t.shape
+    if tuple(value_t.shape) != (t, hkv, d) or value_t.dtype != vc.dtype:
+        raise _fail(
+            op,
+            f"value must be {vc.dtype} {(t, hkv, d)}, got {value_t.dtype} {tuple(value_t.shape)}",
+        )
+    if (hkv, d) != (kc.shape[1], kc.shape[3]):
+        raise _fail(
+            op,
+            f"an HND cache of {kc.shape[1]} kv heads x {kc.shape[3]} does not take keys "
+            f"{tuple(key_t.shape)}",
+        )
+    ks = _f32(op, "k_scale", k_scale, (t, hkv))
+    slots = _slots(op, slot_mapping, t, kc.shape[0] * kc.shape[2])
+    _write_rows(kc, key_t, slots)
+    _write_rows(vc, value_t, slots)
+    _write_rows(ks_cache[..., None], ks[..., None], slots)
+
+
+@_op("inference.functions.reshape_and_cache_flash_int8")
+def reshape_and_cache_flash_int8(
+    key: torch.Tensor,  # [T, Hkv, D] int8
+    value: torch.Tensor,  # [T, Hkv, D] int8 (quantized with the static V scale)
+    k_scale: torch.Tensor,  # [T, Hkv] float32: each token's K scale
+    key_cache: torch.Tensor,  # HND int8
+    value_cache: torch.Tensor,  # HND int8
+    key_scale_cache: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
+    slot_mapping: torch.Tensor,  # [n <= T] int; < 0 skipped
+    kv_cache_dtype: str,
+) -> None:
+    _write_quantized(
+        "reshape_and_cache_flash_int8",
+        key,
+        value,
+        k_scale,
+        key_cache,
+        value_cache,
+        key_scale_cache,
+        slot_mapping,
+        kv_cache_dtype,
+        mix=False,
+    )
+
+
+@_op("inference.functions.reshape_and_cache_flash_mix")
+def reshape_and_cache_flash_mix(
+    key: torch.Tensor,  # [T, Hkv, D] int8
+    value: torch.Tensor,  # [T, Hkv, D] float16/bfloat16
+    k_scale: torch.Tensor,  # [T, Hkv] float32
+    key_cache: torch.Tensor,  # HND int8
+    value_cache: torch.Tensor,  # HND float16/bfloat16 (the packed storage's planes 1-2)
+    key_scale_cache: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+) -> None:
+    _write_quantized(
+        "reshape_and_cache_flash_mix",
+        key,
+        value,
+        k_scale,
+        key_cache,
+        value_cache,
+        key_scale_cache,
+        slot_mapping,
+        kv_cache_dtype,
+        mix=True,
+    )
+
+
+@_op("contrib.vllm_flash_attn.flash_attn_varlen_int8_func")
+def flash_attn_varlen_int8_func(
+    q: torch.Tensor,  # [T, H, D] int8
+    k: torch.Tensor,  # HND int8 key cache
+    v: torch.Tensor,  # HND int8 value cache
+    q_scale: torch.Tensor,  # [H, T] float32 (transposed) [callers]
+    k_scale: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
+    v_scale: torch.Tensor,  # [Hkv, D] float32
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sqrt_alibi: bool = False,
+    out: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    output_dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:  # [T, H, D] in output_dtype
+    op = "flash_attn_varlen_int8_func"
+    if sqrt_alibi:
+        raise _not_emulated(op, "sqrt_alibi=True (the vendor's formula is not public)")
+    if block_table is None:
+        raise _not_emulated(op, "packed (non-paged) int8 K/V")
+    if output_dtype not in MODEL_DTYPES:
+        raise _fail(op, f"output_dtype must be float16 or bfloat16, got {output_dtype}")
+    qi = _int8(op, "q", q, 3)
+    t, h, d = qi.shape
+    qs = _f32(op, "q_scale", q_scale, (h, t))
+    kc, vc, ks = _quant_cache(op, k, v, k_scale, mix=False)
+    vs = _f32(op, "v_scale", v_scale, (kc.shape[1], d))
+    out32, _ = _varlen(
+        op,
+        qi,
+        kc,
+        vc,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        block_table,
+        q_scale=qs,
+        dq=_Dequant(ks, vs),
+    )
+    result: torch.Tensor = _finish(op, out32, out32, out, qi, output_dtype, False)
+    return result
+
+
+def _paged_decode(
+    op: str,
+    output: object,
+    query: object,
+    query_scale: object,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    dq: _Dequant,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: object,
+    context_lens: object,
+    block_size: int,
+    max_context_len: int,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    use_sqrt_alibi: bool,
+    saves: tuple[object, object, object],
+) -> None:
+    """One query per sequence over its context_lens keys (the last is the query's own
+    position). With ``save_*``, each sequence's new key/value/key scale is first written at
+    position context_lens - 1 (the fused KV write of decode-only steps) [inferred]."""
+    if use_sqrt_alibi:
+        raise _not_emulated(op, "use_sqrt_alibi=True (the vendor's formula is not public)")
+    qi = _int8(op, "query", query, 3)
+    b, h, d = qi.shape
+    qs = _f32(op, "query_scale", query_scale, (b, h))
+    _head_size(op, d)
+    if num_kv_heads != kc.shape[1] or block_size != kc.shape[2] or d != kc.shape[3]:
+        raise _fail(
+            op,
+            f"num_kv_heads / block_size {num_kv_heads} / {block_size} and head size {d} do not "
+            f"match the HND cache {tuple(kc.shape)}",
+        )
+    bt = _int32(op, "block_tables", block_tables, 2)
+    lens_t = _int32(op, "context_lens", context_lens, 1)
+    if bt.shape[0] != b or lens_t.shape[0] != b:
+        raise _fail(op, f"block_tables / context_lens must have {b} rows")
+    lens = [int(x) for x in lens_t.tolist()]
+    if lens and (min(lens) < 1 or max(lens) > max_context_len):
+        raise _fail(op, f"context_lens {lens} must be in 1..max_context_len={max_context_len}")
+    o = _tensor(op, "output", output, 3)
+    if tuple(o.shape) != (b, h, d) or o.dtype not in MODEL_DTYPES:
+        raise _fail(op, f"output must be float16/bfloat16 {(b, h, d)}, got {o.dtype}")
+    alibi = _alibi(op, alibi_slopes, h)
+    table = bt.tolist()
+    save_key, save_value, save_key_scale = saves
+    if save_key is not None or save_value is not None or save_key_scale is not None:
+        sk = _int8(op, "save_key", save_key, 3)
+        sv = _tensor(op, "save_value", save_value, 3)
+        if tuple(sk.shape) != (b, kc.shape[1], d) or tuple(sv.shape) != tuple(sk.shape):
+            raise _fail(op, f"save_key / save_value must be {(b, kc.shape[1], d)}")
+        if sv.dtype != vc.dtype:
+            raise _fail(op, f"save_value must be {vc.dtype}, got {sv.dtype}")
+        ss = _f32(op, "save_key_scale", save_key_scale, (b, kc.shape[1]))
+        bs = kc.shape[2]
+        slots = []
+        for r in range(b):
+            pos = lens[r] - 1
+            blocks = table[r]
+            if pos // bs >= len(blocks) or not 0 <= blocks[pos // bs] < kc.shape[0]:
+                raise _fail(op, f"sequence {r}: position {pos} has no valid block")
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+        _write_rows(kc, sk, slots)
+        _write_rows(vc, sv, slots)
+        _write_rows(dq.key_scale_cache[..., None], ss[..., None], slots)
+    qf = qi.float() * qs[..., None]
+    for r in range(b):
+        k, v = _read_sequence(kc, vc, table[r], lens[r], op, dq)
+        res, _ = _attend(
+            qf[r : r + 1],
+            k,
+            v,
+            scale=float(scale),
+            causal=causal,
+            window=(window_left, window_right),
+            softcap=float(softcap),
+            alibi=alibi,
+        )
+        o[r] = res[0].to(o.dtype)
+
+
+@_op("inference.functions.vllm_paged_attention_int8")
+def vllm_paged_attention_int8(
+    output: torch.Tensor,  # [B, H, D] float16/bfloat16, written
+    query: torch.Tensor,  # [B, H, D] int8: one query per sequence
+    key_cache: torch.Tensor,  # HND int8
+    value_cache: torch.Tensor,  # HND int8
+    query_scale: torch.Tensor,  # [B, H] float32 [inferred: not transposed for decode]
+    key_scale_cache: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
+    value_scale_cache: torch.Tensor,  # [Hkv, D] float32, static
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32: keys per sequence, the query's own included
+    block_size: int,
+    max_context_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    causal: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    enable_cuda_graph: bool = False,
+    use_sqrt_alibi: bool = False,
+    save_key: torch.Tensor | None = None,  # [B, Hkv, D] int8: fused KV write
+    save_value: torch.Tensor | None = None,  # [B, Hkv, D] int8
+    save_key_scale: torch.Tensor | None = None,  # [B, Hkv] float32
+) -> None:
+    op = "vllm_paged_attention_int8"
+    kc, vc, ks = _quant_cache(op, key_cache, value_cache, key_scale_cache, mix=False)
+    vs = _f32(op, "value_scale_cache", value_scale_cache, (kc.shape[1], kc.shape[3]))
+    _paged_decode(
+        op,
+        output,
+        query,
+        query_scale,
+        kc,
+        vc,
+        _Dequant(ks, vs),
+        num_kv_heads,
+        scale,
+        block_tables,
+        context_lens,
+        block_size,
+        max_context_len,
+        alibi_slopes,
+        causal,
+        window_left,
+        window_right,
+        softcap,
+        use_sqrt_alibi,
+        (save_key, save_value, save_key_scale),
+    )
+
+
+@_op("inference.functions.vllm_paged_attention_mix")
+def vllm_paged_attention_mix(
+    output: torch.Tensor,  # [B, H, D] float16/bfloat16, written
+    query: torch.Tensor,  # [B, H, D] int8
+    key_cache: torch.Tensor,  # HND int8
+    value_cache: torch.Tensor,  # HND float16/bfloat16
+    query_scale: torch.Tensor,  # [B, H] float32
+    key_scale_cache: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    max_context_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    causal: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    enable_cuda_graph: bool = False,
+    use_sqrt_alibi: bool = False,
+    save_key: torch.Tensor | None = None,  # [B, Hkv, D] int8
+    save_value: torch.Tensor | None = None,  # [B, Hkv, D] float16/bfloat16
+    save_key_scale: torch.Tensor | None = None,  # [B, Hkv] float32
+) -> None:
+    op = "vllm_paged_attention_mix"
+    kc, vc, ks = _quant_cache(op, key_cache, value_cache, key_scale_cache, mix=True)
+    _paged_decode(
+        op,
+        output,
+        query,
+        query_scale,
+        kc,
+        vc,
+        _Dequant(ks, None),
+        num_kv_heads,
+        scale,
+        block_tables,
+        context_lens,
+        block_size,
+        max_context_len,
+        alibi_slopes,
+        causal,
+        window_left,
+        window_right,
+        softcap,
+        use_sqrt_alibi,
+        (save_key, save_value, save_key_scale),
+    )
+
+
+# --- the namespaces the backend reaches the ops through -----------------------------------------
+
+
+def _namespace(**ops: Callable[..., Any]) -> SimpleNamespace:
+    return SimpleNamespace(**ops)
+
+
+contrib = SimpleNamespace(
+    vllm_flash_attn=_namespace(
+        flash_attn_varlen_func=flash_attn_varlen_func,
+        flash_attn_with_kvcache=flash_attn_with_kvcache,
+        flash_attn_varlen_int8_func=flash_attn_varlen_int8_func,
+    )
+)
+inference = SimpleNamespace(
+    functions=_namespace(
+        reshape_and_cache_flash=reshape_and_cache_flash,
+        merge_attn_states=merge_attn_states,
+        scaled_int8_quant_for_attn=scaled_int8_quant_for_attn,
+        reshape_and_cache_flash_int8=reshape_and_cache_flash_int8,
+        reshape_and_cache_flash_mix=reshape_and_cache_flash_mix,
+        vllm_paged_attention_int8=vllm_paged_attention_int8,
+        vllm_paged_attention_mix=vllm_paged_attention_mix,
+    )
+)
+
+
+def op_names() -> Sequence[str]:
+    """Every emulated op's dotted path under ``ixformer``."""
+    return [
+        f"{mod}.{name}"
+        for mod, ns in (
+            ("contrib.vllm_flash_attn", contrib.vllm_flash_attn),
+            ("inference.functions", inference.functions),
+        )
+        for name in vars(ns)
+    ]

@@ -1,0 +1,101 @@
+"""Discovery, availability, selection, the HND cache and refusals of the iluvatar backend."""
+
+from __future__ import annotations
+
+import iluvatar_helpers as h
+import pytest
+import torch
+from attnhub_iluvatar import IluvatarBackend, emulator, ops
+
+import attnhub
+from attnhub.errors import BackendUnavailableError, UnsupportedConfigurationError
+
+
+def test_the_plugin_registers_the_backend_through_its_entry_point() -> None:
+    info = {i.name: i for i in attnhub.list_backends()}["iluvatar"]
+    assert info.backend is IluvatarBackend and info.error is None
+    assert info.distribution == "attnhub-iluvatar"
+
+
+def test_cpu_needs_emulation_and_says_how() -> None:
+    why = IluvatarBackend.availability("cpu")
+    assert why is not None and "emulate=True" in why
+    assert IluvatarBackend.availability("cpu", emulate=True) is None
+    assert IluvatarBackend.is_emulated("cpu") and not IluvatarBackend.is_emulated("cuda:0")
+
+
+def test_cuda_without_ixformer_is_unavailable_with_the_import_error() -> None:
+    if ops._import_ixformer()[0] is not None:
+        pytest.skip("ixformer imports here")
+    why = IluvatarBackend.availability("cuda:0", emulate=True)
+    assert why is not None and why.startswith("ixformer is not importable")
+    assert "ModuleNotFoundError" in why
+    with pytest.raises(BackendUnavailableError, match="ixformer"):
+        IluvatarBackend(h.spec(), "cuda")
+
+
+def test_other_devices_are_refused_with_the_supported_ones() -> None:
+    why = IluvatarBackend.availability("npu:0", emulate=True)
+    assert why is not None and "'npu'" in why and "'cuda'" in why
+
+
+def test_the_emulator_is_the_namespace_on_cpu() -> None:
+    assert h.backend().ops is emulator
+
+
+def test_selection_never_picks_the_emulator_unless_named() -> None:
+    spec = h.spec()
+    assert attnhub.select_backend(spec, "cpu", emulate=True).name == "torch"
+    chosen = attnhub.select_backend(spec, "cpu", prefer="iluvatar", emulate=True)
+    assert isinstance(chosen, IluvatarBackend) and chosen.emulated
+    with pytest.raises(BackendUnavailableError, match="emulate"):
+        attnhub.select_backend(spec, "cpu", prefer="iluvatar")
+
+
+def test_the_cache_is_hnd_with_contiguous_planes() -> None:
+    cache = h.backend().allocate_kv_cache(4)
+    assert cache.layout == "HND" and tuple(cache.key.shape) == (4, 2, 16, 64)
+    assert cache.key.is_contiguous() and cache.value.is_contiguous()
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        (dict(dtype=torch.float32), "float16 and bfloat16"),
+        (dict(block_size=24), "multiple of 16"),
+        (dict(head_size=48), "built for these head sizes"),
+        (dict(head_size=512), "built for these head sizes"),
+        (dict(use_sinks=True), "sink logits"),
+        (dict(kv_cache_dtype="fp8_e4m3"), "model dtype or int8"),
+        (dict(head_size=80, block_size=32, sliding_window=5, logits_soft_cap=5.0), None),
+        (dict(use_alibi=True), None),
+    ],
+)
+def test_undeclared_configurations_are_refused_with_reasons(
+    changes: dict[str, object], reason: str | None
+) -> None:
+    spec = h.spec(**changes)
+    reasons = IluvatarBackend.unsupported_reasons(spec)
+    if reason is None:
+        assert reasons == []
+        return
+    assert any(reason in r for r in reasons), reasons
+    with pytest.raises(UnsupportedConfigurationError):
+        IluvatarBackend(spec, "cpu", emulate=True)
+
+
+def test_refusals_are_explained_per_field() -> None:
+    by_field = {r.field: r for r in IluvatarBackend.unsupported_reasons(h.spec(use_sinks=True))}
+    assert by_field["sinks"].endswith(
+        "(neither flash_attn_varlen_func nor flash_attn_with_kvcache takes sink logits)"
+    )
+
+
+def test_graph_capture_is_refused_at_build() -> None:
+    st = h.step([(1, 30), (1, 29)])
+    with pytest.raises(UnsupportedConfigurationError, match="graph"):
+        st.backend.metadata_builder().build_for_graph_capture(st.batch)
+
+
+def test_decodes_are_asked_for_first() -> None:
+    assert IluvatarBackend(h.spec(), "cpu", emulate=True).metadata_builder().reorder_batch_threshold
