@@ -7,7 +7,12 @@ import ascend_helpers as h
 import pytest
 import torch
 from attnhub_ascend import AscendAttentionState, AscendBackend, emulator
-from attnhub_ascend.backend import INT_MAX, RESHAPE_AND_CACHE, compressed_causal_mask
+from attnhub_ascend.backend import (
+    INT_MAX,
+    RESHAPE_AND_CACHE,
+    AscendMetadataBuilder,
+    compressed_causal_mask,
+)
 
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.spec import AttentionType
@@ -145,6 +150,48 @@ def test_window_decode_rows_get_a_padding_row_so_the_band_applies() -> None:
     out = st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
     h.assert_matches_reference(st, out)
     assert dict(emulator.call_counts) == {FIA: 1, WRITE: 1}
+
+
+class _UnpaddedBuilder(AscendMetadataBuilder):
+    pad_window_decodes = False
+
+
+def _windowed_decodes() -> h.Step:
+    return h.step([(1, 200), (1, 30), (6, 100)], h.spec(sliding_window=40))
+
+
+@pytest.mark.parametrize("single_token_ignores_band", [True, False])
+def test_padded_window_decodes_are_right_under_either_reading(
+    single_token_ignores_band: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(emulator, "SINGLE_TOKEN_IGNORES_SPARSE", single_token_ignores_band)
+    st = _windowed_decodes()
+    h.assert_matches_reference(st, h.forward(st))
+
+
+def test_without_the_padding_a_decode_sees_its_whole_context_under_the_strict_reading() -> None:
+    """pad_window_decodes = False is only right once hardware shows the band applies to
+    one-token requests: under the emulated (strict) reading the decode sees all 200 keys."""
+    st = _windowed_decodes()
+    meta = _UnpaddedBuilder(st.backend).build(st.batch)
+    assert meta.query_rows is None and meta.kernel_tokens == 8
+    out = st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    unwindowed = h.step([(1, 200), (1, 30), (6, 100)])  # same seed: same cache and queries
+    want = h.forward(unwindowed)
+    torch.testing.assert_close(out[0], want[0], atol=2e-2, rtol=2e-2)
+    with pytest.raises(AssertionError):
+        h.assert_matches_reference(st, out)
+
+
+def test_without_the_padding_decodes_keep_the_window_under_the_other_reading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(emulator, "SINGLE_TOKEN_IGNORES_SPARSE", False)
+    st = _windowed_decodes()
+    meta = _UnpaddedBuilder(st.backend).build(st.batch)
+    assert meta.query_rows is None and meta.query_ends == (1, 2, 8)
+    out = st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    h.assert_matches_reference(st, out)
 
 
 def test_non_causal_window_is_a_two_sided_band() -> None:
