@@ -14,8 +14,11 @@ of a device tensor:
   non-causal       npu_fusion_attention                    TND, packed K/V: this step's keys,
   (encoder types)                                          or gathered from the cache where
                                                            there is context (cross-attention),
-                                                           sparse_mode 0 (4 with a window)
-  KV write         _npu_reshape_and_cache                  int32 slots, padding skipped
+                                                           sparse_mode 0 (4 with a window and
+                                                           a bool mask)
+  KV write         npu_scatter_pa_kv_cache(cache_mode=     int32 slots, -1 rows left out by
+                   "Norm"); _npu_reshape_and_cache (ATB,   the builder; the ATB op skips them
+                   310P) with AscendBackend.kv_write_op    itself
 
 Every ``[inferred]`` vendor semantic relied on is marked where it is used and listed in
 docs/backends/ascend.md.

@@ -2,13 +2,16 @@
 
 On a machine without an Ascend NPU, ``ops.py`` hands the backend this module instead of
 ``torch_npu``, so the backend's real translation code runs on CPU. Every op here has the vendor's
-name, parameter names, positional/keyword-only split, defaults (checked against the real wheel's
-schema by ``backends/ascend/tests/test_contract.py``), ``.out`` overload, layout, mask polarity,
-length conventions and return tuple, from the vendor docs shipped in the wheel
-(``torch_npu/_op_plugin_docs.py``) and ``shared/vendor-ops.md``.
+name, parameter names, positional/keyword-only split, defaults (checked against the real
+wheel's schema by ``backends/ascend/tests/test_ascend_contract.py``), ``.out`` overload, layout,
+mask polarity, length conventions and return tuple, from the vendor docs (the wheel's
+``torch_npu/_op_plugin_docs.py``, Ascend/op-plugin's ``docs/zh/custom_APIs/torch_npu/`` pages)
+and ``shared/vendor-ops.md``.
 
-It is strict: where the vendor op rejects a call (wrong layout, int64 block table, a lengths list
-of the wrong kind or length, a mask of the wrong shape) it raises :class:`NpuOpError`; where the
+It is as strict as the hardware and no stricter: where the vendor op rejects a call (wrong
+layout, int64 block table, a lengths list of the wrong kind or length, a mask of the wrong shape
+or dtype, a limit the doc states) it raises :class:`NpuOpError`, and a call the docs allow or a
+hardware-run caller (vllm-ascend) makes passes; where the
 call is valid for the vendor but uses something not emulated here (other layouts, quantization,
 full masks) it raises :class:`NotEmulatedError`. It computes in float32 from its own reading of
 the docs and never calls ``attnhub.reference`` (the conformance suite compares the two).
@@ -17,7 +20,8 @@ Emulated ops (the names ``torch_npu`` exposes):
   npu_fused_infer_attention_score     (+ ``.out``)  "FIA": TND layout, paged or packed K/V
   npu_fused_infer_attention_score_v2  (+ ``.out``)  FIA v2: the same plus ``learnable_sink``
   npu_fusion_attention                              training FA: TND, packed K/V (encoder)
-  _npu_reshape_and_cache                            ATB KV-cache write, int32 slots
+  npu_scatter_pa_kv_cache                           A2/A3 KV-cache write, cache_mode "Norm"
+  _npu_reshape_and_cache                            ATB KV-cache write, int32 slots (310P)
 
 Conventions, as the docs state them (``[inferred]`` marks our reading where they are silent):
   - TND: query [T, N, D]; ``actual_seq_lengths`` / ``actual_seq_qlen`` are **cumulative** query
@@ -25,16 +29,23 @@ Conventions, as the docs state them (``[inferred]`` marks our reading where they
   - Paged K/V (``block_table`` given): cache [num_blocks, block_size, KV_N*D] or
     [num_blocks, KV_N, block_size, D]; ``block_table`` int32 [B, max_blocks];
     ``actual_seq_lengths_kv`` are **per-sequence** KV lengths. Packed TND K/V: cumulative ends.
-  - ``atten_mask``: 1/True = masked out. sparse_mode 2/3/4 take the compressed 2048x2048 mask
-    ``triu(ones, 1)``; with q_len/kv_len of request b, query i and key j:
+  - ``atten_mask``: 1/True = masked out; FIA takes bool/int8/uint8, npu_fusion_attention only
+    bool/uint8 (and in varlen only the 2-D form). sparse_mode 2/3/4 take the compressed
+    2048x2048 mask ``triu(ones, 1)``; with q_len/kv_len of request b, query i and key j:
       2 keep j <= i (top-left)   3 keep j <= i + kv - q (bottom-right)
       4 keep -pre_tokens <= (j - i) - (kv - q) <= next_tokens (band; pre_tokens=W keeps W+1 keys)
       0 without a mask: every key (pre/next ignored).
   - FIA: a request with one query token is computed by the incremental (IFA) branch, where
     sparse_mode, pre_tokens and next_tokens are ignored ("Q_S为1时该参数无效"): it sees all
     kv_len keys. vendor-ops.md reads this per decode row of a TND batch; we emulate that,
-    the strictest reading.
-  - A query row that sees no key gives output 0 and LSE +inf [inferred].
+    the strictest reading, by default (``SINGLE_TOKEN_IGNORES_SPARSE``; False emulates the
+    other reading).
+  - A FIA query row that sees no key is corrected to output 0 (LSE +inf [inferred]) only with
+    ``inner_precise`` 2/3 or where the op detects it (sparse_mode 3 with Q_S > KV_S) [doc];
+    otherwise the doc promises nothing, and the emulator returns NaN.
+  - Limits [doc]: FIA TND <= 4096 requests, v1 sparse_mode 0..4; npu_fusion_attention varlen
+    <= 1024 sequences, T <= 1M, no row that sees no key; trailing 0 entries of its cumulative
+    lists are batches left out. Length lists may be 1-D integer host tensors [callers].
   - FIA returns (attention_out, softmax_lse); the LSE (float32, (T, N, 1) for TND) only with
     ``softmax_lse_flag`` / ``return_softmax_lse``, else a [1] zero tensor (the wheel's docs;
     vendor-ops.md says "an empty tensor").

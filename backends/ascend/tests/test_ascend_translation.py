@@ -461,3 +461,28 @@ def test_more_requests_than_fia_tnd_takes_are_refused_with_the_count() -> None:
     st = h.step([(1, 1)] * 4097)
     with pytest.raises(UnsupportedConfigurationError, match=r"4097 requests.*at most 4096"):
         st.backend.metadata_builder().build(st.batch)
+
+
+@pytest.mark.parametrize(
+    ("attn_type", "requests"),
+    [
+        (AttentionType.DECODER, MIXED),
+        (AttentionType.ENCODER, [(20, 20), (1, 1), (9, 9)]),
+        (AttentionType.ENCODER_DECODER, [(1, 23), (5, 133), (3, 3)]),
+    ],
+    ids=lambda x: getattr(x, "value", None),
+)
+def test_the_narrowest_window_builds_no_row_that_sees_no_key(
+    attn_type: AttentionType, requests: list[tuple[int, int]]
+) -> None:
+    """The backend never passes inner_precise 2/3: every row it builds sees a key (its own
+    bottom-right diagonal, as seq_len >= query_len), so no row needs the invalid-row correction.
+    The emulator leaves uncorrected empty rows NaN, so a row that saw nothing would fail here."""
+    st = h.step(requests, h.spec(attn_type=attn_type, sliding_window=1))
+    meta = st.backend.metadata_builder().build(st.batch)
+    key = None if attn_type is AttentionType.ENCODER_DECODER else st.key
+    value = None if key is None else st.value
+    with emulator.record_calls() as calls:
+        out = st.backend.impl().forward(st.query, key, value, st.cache, meta)
+    assert all(c.kwargs.get("inner_precise", 0) == 0 for c in calls)
+    h.assert_matches_reference(st, out)
