@@ -145,8 +145,9 @@ class AscendAttentionMetadata(AttentionMetadata):
     #: TND ``actual_seq_lengths`` / ``actual_seq_qlen``: cumulative query ends, one per request
     #: (including the window padding rows of decode requests, see ``query_rows``).
     query_ends: tuple[int, ...] = ()
-    #: ``actual_seq_lengths_kv`` with the paged cache: per-sequence KV lengths (seq_lens); for
-    #: npu_fusion_attention's packed K/V, ``actual_seq_kvlen``: cumulative KV ends.
+    #: ``actual_seq_lengths_kv`` with the paged cache: per-sequence KV lengths (seq_lens, as
+    #: vllm-ascend passes them [callers]); for npu_fusion_attention's packed K/V,
+    #: ``actual_seq_kvlen``: cumulative KV ends [doc].
     kv_lengths: tuple[int, ...] = ()
     block_table: torch.Tensor | None = None  # [num_reqs, max_blocks] int32, device
     slot_mapping: torch.Tensor | None = None  # [rows written] int32, device

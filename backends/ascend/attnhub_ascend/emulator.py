@@ -525,7 +525,10 @@ def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (qu
         # "Q_S = 1时仅支持0和1" [doc]: read for a call whose every request has one query token
         # (the incremental branch); a mixed TND batch is not refused [inferred].
         raise _fail(op, f"inner_precise={c.inner_precise}: with Q_S = 1 only 0 and 1")
-    if c.sparse_mode in (1, 9) or (c.sparse_mode == 0 and c.atten_mask is not None):
+    if c.sparse_mode == 9:
+        # v2's tree mask: "sparse_mode=9时，仅MLA场景（query_rope和key_rope不为空）支持" [doc]
+        raise _fail(op, "sparse_mode=9 needs query_rope and key_rope (the MLA form)")
+    if c.sparse_mode == 1 or (c.sparse_mode == 0 and c.atten_mask is not None):
         raise NotEmulatedError(
             f"{op}: sparse_mode={c.sparse_mode} with a full atten_mask is not emulated"
         )

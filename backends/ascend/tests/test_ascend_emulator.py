@@ -317,18 +317,15 @@ def test_a_compressed_mask_made_under_inference_mode_is_accepted():
 
 
 def test_fia_tnd_takes_at_most_4096_requests() -> None:
-    q = torch.randn(4097, 2, 16).to(torch.bfloat16)
-    ends = list(range(1, 4098))
-    args = dict(actual_seq_lengths=ends, actual_seq_lengths_kv=ends, num_heads=2, sparse_mode=0)
+    def call(requests: int) -> None:
+        q = torch.randn(requests, 2, 16).to(torch.bfloat16)  # one token per request
+        ends = list(range(1, requests + 1))
+        lengths = dict(actual_seq_lengths=ends, actual_seq_lengths_kv=ends)
+        FIA(q, q, q, num_heads=2, input_layout="TND", **lengths)
+
+    call(4096)
     with pytest.raises(NpuOpError, match=r"4097 requests.*at most 4096"):
-        FIA(q, q, q, input_layout="TND", **args)
-    FIA(
-        q[:4096],
-        q[:4096],
-        q[:4096],
-        input_layout="TND",
-        **(args | dict(actual_seq_lengths=ends[:4096], actual_seq_lengths_kv=ends[:4096])),
-    )
+        call(4097)
 
 
 def test_fia_v1_takes_sparse_modes_0_to_4_only() -> None:
@@ -402,17 +399,8 @@ def test_inner_precise_2_or_3_corrects_fully_masked_rows_to_zero(inner_precise: 
 
 def test_the_op_corrects_rows_it_detects_itself_causal_with_more_queries_than_keys() -> None:
     """sparse_mode 3 with Q_S > KV_S: the doc's example of a case the op detects."""
-    a = _paged([1], [1])
-    q = torch.randn(4, 4, 64).to(torch.bfloat16)
-    out = FIA(
-        q,
-        a["key"],
-        a["value"],
-        **(
-            {k: v for k, v in a.items() if k not in ("query", "key", "value")}
-            | dict(actual_seq_lengths=[4], actual_seq_lengths_kv=[2])
-        ),
-    )[0]
+    a = _paged([4], [2])  # 4 query rows over 2 keys: rows 0 and 1 see none
+    out = _fia(a)
     assert float(out[:2].float().abs().max()) == 0 and out[2:].float().isfinite().all()
 
 
@@ -486,3 +474,16 @@ def test_scatter_pa_kv_cache_nz_and_compression_are_valid_but_not_emulated() -> 
         SCATTER(k, k, kc, kc.clone(), slots)  # the default cache_mode is 'PA_NZ'
     with pytest.raises(NotEmulatedError, match="seq_lens"):
         SCATTER(k, k, kc, kc.clone(), slots, seq_lens=slots, cache_mode="Norm")
+
+
+def test_v2_tree_mask_mode_9_needs_the_mla_form() -> None:
+    a = _paged([2], [5]) | dict(sparse_mode=9)
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    args = dict(
+        actual_seq_qlen=a.pop("actual_seq_lengths"),
+        actual_seq_kvlen=a.pop("actual_seq_lengths_kv"),
+        num_query_heads=a.pop("num_heads"),
+        softmax_scale=a.pop("scale"),
+    )
+    with pytest.raises(NpuOpError, match="sparse_mode=9 needs query_rope"):
+        emulator.npu_fused_infer_attention_score_v2(q, k, v, **a, **args)
