@@ -393,11 +393,12 @@ def _attend(
     out = torch.matmul(p.view(num_kv_heads, group * q_len, kv_len), vf)
     if not correct_empty and kv_len == 0:
         out = out.masked_fill(empty.view(num_kv_heads, group * q_len, 1), math.nan)
-    out = out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+    v_dim = vf.shape[-1]  # the value head size (may be below the query/key one)
+    out = out.view(num_kv_heads, group, q_len, v_dim).permute(2, 0, 1, 3)
     lse_empty = math.inf if correct_empty else math.nan
     lse = torch.where(empty, torch.full_like(denom, lse_empty), safe_m + torch.log(denom))
     lse = lse.view(num_kv_heads, group, q_len).permute(2, 0, 1)
-    return out.reshape(q_len, num_heads, head_dim), lse.reshape(q_len, num_heads)
+    return out.reshape(q_len, num_heads, v_dim), lse.reshape(q_len, num_heads)
 
 
 # --- FIA: npu_fused_infer_attention_score (v1, v2) -----------------------------------------------
@@ -968,11 +969,17 @@ def _npu_fusion_attention(
     total, num_heads, head_dim = query.shape
     if num_heads != head_num:
         raise _fail(op, f"head_num={head_num} but the TND query has {num_heads} heads")
-    if key.shape != value.shape or key.shape[2] != head_dim or num_heads % key.shape[1]:
+    if (
+        key.shape[:2] != value.shape[:2]
+        or key.shape[2] != head_dim
+        or value.shape[2] > head_dim
+        or num_heads % key.shape[1]
+    ):
+        # "Dq=Dk和Dk≥Dv" [doc]: the value head size may be smaller
         raise _fail(
             op,
-            f"key/value must be alike [T_kv, N_kv, {head_dim}] with N/N_kv an integer, got "
-            f"{list(key.shape)} and {list(value.shape)}",
+            f"key must be [T_kv, N_kv, {head_dim}] and value [T_kv, N_kv, Dv <= {head_dim}] "
+            f"with N/N_kv an integer, got {list(key.shape)} and {list(value.shape)}",
         )
     if num_heads > 256 or not 1 <= head_dim <= 768:
         raise _fail(op, f"N={num_heads} (1..256) or D={head_dim} (1..768) out of range")
@@ -1006,7 +1013,7 @@ def _npu_fusion_attention(
     if sparse_mode == 4 and pre_tockens + next_tockens < 0:
         raise _fail(op, "band: pre_tockens and next_tockens must overlap")
 
-    out = torch.empty_like(query)
+    out = query.new_empty(total, num_heads, value.shape[2])
     row_max = torch.empty(total, num_heads, dtype=torch.float32, device=dev)
     row_sum = torch.empty(total, num_heads, dtype=torch.float32, device=dev)
     qs = ks = 0

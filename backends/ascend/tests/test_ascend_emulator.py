@@ -487,3 +487,16 @@ def test_v2_tree_mask_mode_9_needs_the_mla_form() -> None:
     )
     with pytest.raises(NpuOpError, match="sparse_mode=9 needs query_rope"):
         emulator.npu_fused_infer_attention_score_v2(q, k, v, **a, **args)
+
+
+def test_fusion_attention_takes_a_value_head_size_up_to_the_keys() -> None:
+    """ "Dq=Dk和Dk≥Dv": the output has the value's head size; a larger Dv is refused."""
+    q = torch.randn(6, 2, 32).to(torch.bfloat16)
+    v = torch.randn(6, 2, 16).to(torch.bfloat16)
+    lengths = dict(actual_seq_qlen=[2, 6], actual_seq_kvlen=[2, 6])
+    out = FA(q, q, v, 2, "TND", scale=0.2, **lengths)[0]
+    assert out.shape == (6, 2, 16)
+    wide = FA(q, q, torch.cat([v, torch.zeros_like(v)], -1), 2, "TND", scale=0.2, **lengths)[0]
+    torch.testing.assert_close(out, wide[..., :16])  # the same weights over the same values
+    with pytest.raises(NpuOpError, match="Dv <= 32"):
+        FA(q, q, torch.randn(6, 2, 48).to(torch.bfloat16), 2, "TND", **lengths)
