@@ -544,6 +544,8 @@ class AscendAttentionImpl(AttentionImpl):
             host = slot_mapping.to("cpu")
             if bool((host < 0).any()):
                 rows = (host >= 0).nonzero()[:, 0].to(key.device)
+                if rows.numel() == 0:
+                    return
                 key, value, slots = key[rows], value[rows], slots[rows]
         self._write(key, value, cache, slots)
 

@@ -486,3 +486,11 @@ def test_the_narrowest_window_builds_no_row_that_sees_no_key(
         out = st.backend.impl().forward(st.query, key, value, st.cache, meta)
     assert all(c.kwargs.get("inner_precise", 0) == 0 for c in calls)
     h.assert_matches_reference(st, out)
+
+
+def test_write_kv_with_only_padding_slots_makes_no_write() -> None:
+    st = h.step([(3, 3)])
+    before = st.cache.clone()
+    with emulator.record_calls() as calls:
+        st.backend.impl().write_kv(st.key, st.value, st.cache, torch.full((3,), -1))
+    assert calls == [] and st.cache.equal(before)
