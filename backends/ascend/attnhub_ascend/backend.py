@@ -14,8 +14,11 @@ of a device tensor:
   non-causal       npu_fusion_attention                    TND, packed K/V: this step's keys,
   (encoder types)                                          or gathered from the cache where
                                                            there is context (cross-attention),
-                                                           sparse_mode 0 (4 with a window)
-  KV write         _npu_reshape_and_cache                  int32 slots, padding skipped
+                                                           sparse_mode 0 (4 with a window and
+                                                           a bool mask)
+  KV write         npu_scatter_pa_kv_cache(cache_mode=     int32 slots, -1 rows left out by
+                   "Norm"); _npu_reshape_and_cache (ATB,   the builder; the ATB op skips them
+                   310P) with AscendBackend.kv_write_op    itself
 
 Every ``[inferred]`` vendor semantic relied on is marked where it is used and listed in
 docs/backends/ascend.md.
@@ -50,6 +53,21 @@ MAX_GQA_RATIO = 64
 MAX_KV_HIDDEN = 65535  # KV_N * D in the (num_blocks, block_size, KV_N*D) cache view
 MAX_SINK_HEAD_SIZE = 128
 MAX_ENCODER_BATCH = 1024  # npu_fusion_attention varlen: at most 1024 sequences per call
+MAX_FIA_BATCH = 4096  # FIA TND: at most 4096 requests (len(actual_seq_lengths)) per call
+#: The KV-cache write ops. ``npu_scatter_pa_kv_cache`` (cache_mode "Norm") is the A2/A3 one
+#: (910B) and vllm-ascend's current write; ``_npu_reshape_and_cache`` is the ATB op (needs the
+#: NNAL/ATB package), which vllm-ascend keeps for 310P only.
+SCATTER_PA_KV_CACHE = "npu_scatter_pa_kv_cache"
+RESHAPE_AND_CACHE = "_npu_reshape_and_cache"
+#: Every declared head size (Capabilities.head_sizes) and where it comes from.
+HEAD_SIZE_SOURCES = {
+    64: "[callers] vllm-ascend's e2e quickstart serves Qwen2.5-0.5B-Instruct (head_dim 64) "
+    "through this TND FIA call",
+    128: "[doc] FIA TND constraints, without rope: Q_D = K_D = V_D = 128",
+    192: "[doc] FIA TND constraints, without rope: Q_D = K_D = 192 with V_D 128 or 192",
+    256: "[callers] vllm-ascend's e2e accuracy runs gemma-3-4b-it (head_dim 256) and Gemma4's "
+    "sliding layers through this TND FIA call",
+}
 
 
 class AscendAttentionState(enum.Enum):
@@ -67,16 +85,20 @@ class AscendAttentionState(enum.Enum):
     CHUNKED_PREFILL = "chunked_prefill"  # anything mixed: decodes with (chunked) prefills
 
 
-_MASKS: dict[torch.device, torch.Tensor] = {}
+_MASKS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def compressed_causal_mask(device: torch.device) -> torch.Tensor:  # [2048, 2048] int8
+def compressed_causal_mask(
+    device: torch.device, dtype: torch.dtype = torch.int8
+) -> torch.Tensor:  # [2048, 2048]
     """The mask sparse_mode 2/3/4 take: ``triu(ones(2048, 2048), 1)``, 1 = masked (the kernels'
-    polarity). Built once per device and process, shared by every step, layer and backend."""
-    mask = _MASKS.get(device)
+    polarity). Built once per device, dtype and process, shared by every step, layer and
+    backend. FIA takes it as int8 (vllm-ascend's); npu_fusion_attention only as bool or uint8
+    [doc], so the non-causal path asks for bool."""
+    mask = _MASKS.get((device, dtype))
     if mask is None:
-        ones = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device)
-        mask = _MASKS[device] = torch.triu(ones, 1)
+        ones = torch.ones(MASK_SIZE, MASK_SIZE, dtype=dtype, device=device)
+        mask = _MASKS[device, dtype] = torch.triu(ones, 1)
     return mask
 
 
@@ -123,11 +145,16 @@ class AscendAttentionMetadata(AttentionMetadata):
     #: TND ``actual_seq_lengths`` / ``actual_seq_qlen``: cumulative query ends, one per request
     #: (including the window padding rows of decode requests, see ``query_rows``).
     query_ends: tuple[int, ...] = ()
-    #: ``actual_seq_lengths_kv`` with the paged cache: per-sequence KV lengths (seq_lens); for
-    #: npu_fusion_attention's packed K/V, ``actual_seq_kvlen``: cumulative KV ends.
+    #: ``actual_seq_lengths_kv`` with the paged cache: per-sequence KV lengths (seq_lens, as
+    #: vllm-ascend passes them [callers]); for npu_fusion_attention's packed K/V,
+    #: ``actual_seq_kvlen``: cumulative KV ends [doc].
     kv_lengths: tuple[int, ...] = ()
     block_table: torch.Tensor | None = None  # [num_reqs, max_blocks] int32, device
-    slot_mapping: torch.Tensor | None = None  # [num_actual_tokens] int32, device
+    slot_mapping: torch.Tensor | None = None  # [rows written] int32, device
+    #: The rows of this step's key/value the KV write takes, when some real token has slot -1
+    #: and the write op has no padding slot (npu_scatter_pa_kv_cache); None: the first
+    #: num_actual_tokens rows.
+    write_rows: torch.Tensor | None = None  # [rows written] int64, device
     atten_mask: torch.Tensor | None = None  # the per-device compressed causal mask, or None
     #: Window decode rows (see AscendMetadataBuilder._pad_window_decodes): the query row each
     #: kernel row reads, and the kernel row each real token's output comes from. None: 1:1.
@@ -141,8 +168,10 @@ class AscendBackend(AttentionBackend):
     capabilities = Capabilities(
         devices=frozenset({"npu", "cpu"}),  # cpu: through the emulator only (emulate=True)
         dtypes=frozenset({torch.float16, torch.bfloat16}),
-        head_size_multiple=16,  # FIA: D 16-aligned for float16/bfloat16
-        max_head_size=512,
+        # Only head sizes the FIA doc names for TND without rope, or that vllm-ascend runs
+        # through this TND call on hardware (see HEAD_SIZE_SOURCES). D = 512 in TND needs
+        # query_rope / key_rope (MLA) [doc]; vllm-ascend routes D = 512 elsewhere.
+        head_sizes=frozenset({64, 128, 192, 256}),
         # FIA page attention with query lengths > 1 needs block_size a multiple of 128 in
         # 128..512; one fused call serves prefills too, so decode-only sizes (16-aligned) are
         # not enough.
@@ -170,6 +199,11 @@ class AscendBackend(AttentionBackend):
         },
         priority={"npu": 100},
     )
+
+    #: The KV-cache write op: ``npu_scatter_pa_kv_cache`` (the 910B / A2 / A3 default, as in
+    #: vllm-ascend) or ``_npu_reshape_and_cache`` (ATB, needs NNAL; the only one on 310P). Set on
+    #: the class (or a subclass) before building impls.
+    kv_write_op: ClassVar[str] = SCATTER_PA_KV_CACHE
 
     @classmethod
     def availability(cls, device: torch.device | str, emulate: bool = False) -> str | None:
@@ -224,15 +258,6 @@ class AscendBackend(AttentionBackend):
                         value=spec.attn_type,
                     )
                 )
-            if spec.dtype != torch.bfloat16:
-                reasons.append(
-                    Refusal(
-                        f"sinks need dtype bfloat16 (learnable_sink is bfloat16 only), got "
-                        f"{spec.dtype}",
-                        field="sinks",
-                        value=spec.dtype,
-                    )
-                )
             if spec.head_size > MAX_SINK_HEAD_SIZE:
                 reasons.append(
                     Refusal(
@@ -248,6 +273,14 @@ class AscendBackend(AttentionBackend):
         self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
     ) -> None:
         super().__init__(spec, device, emulate=emulate)
+        if self.kv_write_op not in (SCATTER_PA_KV_CACHE, RESHAPE_AND_CACHE):
+            raise UnsupportedConfigurationError(
+                self.name,
+                [
+                    f"kv_write_op = {self.kv_write_op!r} is not {SCATTER_PA_KV_CACHE!r} or "
+                    f"{RESHAPE_AND_CACHE!r}"
+                ],
+            )
         #: torch_npu or the emulator, resolved once for this instance.
         self.ops: Any = ops.namespace(self.device, emulate)
 
@@ -266,7 +299,10 @@ _WHY = {
     "alibi": "FIA's pse_shift bias is not supported with the TND layout",
     "kv_cache_dtype": "FIA's int8 antiquant modes are not supported with page attention in TND",
     "block_size": "FIA page attention with query lengths > 1 needs a multiple of 128 up to 512",
-    "head_size": "FIA needs head_size a multiple of 16, at most 512",
+    "head_size": (
+        "FIA in TND without rope documents D 128 and 192; vllm-ascend runs 64 and 256 through "
+        "the same call; D 512 needs query_rope/key_rope"
+    ),
     "dtype": "the kernels take float16 and bfloat16",
 }
 
@@ -278,6 +314,11 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
     #: Requests with query_len <= this over cached context count as (multi-token) decodes
     #: when the builder names the step's state.
     reorder_batch_threshold: ClassVar[int] = 16
+    #: Give windowed one-token requests a leading padding row (see _window_decode_rows), so
+    #: that the band applies to them under either reading of "Q_S为1时该参数无效". Set to
+    #: False once a hardware run shows FIA applies sparse_mode 4 to one-token requests of a
+    #: TND batch (docs/backends/ascend.md, "To verify on hardware").
+    pad_window_decodes: ClassVar[bool] = True
 
     def __init__(self, backend: AscendBackend) -> None:
         super().__init__(backend)
@@ -294,19 +335,20 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         state = self.state_of(q_lens, seq_lens)
         causal = spec.causal and batch.causal
         sparse = self.sparse_causal if causal else self.sparse_full
-        # Padding rows (past num_actual_tokens) are never written: the KV write gets only
-        # the real tokens, and the op itself skips any slot < 0 among them.
-        slots = batch.slot_mapping[:n].to(torch.int32)  # once per step, not per layer
+        mask = None
+        if sparse.needs_mask:  # FIA takes int8 (vllm-ascend's); npu_fusion_attention bool
+            mask_dtype = torch.int8 if causal else torch.bool
+            mask = compressed_causal_mask(self.backend.device, mask_dtype)
         common: dict[str, Any] = dict(
             batch=batch,
             common_prefix_len=common_prefix_len,
             state=state,
             num_actual_tokens=n,
-            slot_mapping=slots,
             packed=not causal,
             sparse=sparse,
-            atten_mask=compressed_causal_mask(self.backend.device) if sparse.needs_mask else None,
+            atten_mask=mask,
             kernel_tokens=n,
+            **self._kv_write_rows(batch),
         )
         query_ends = tuple(batch.query_start_loc_cpu[1:].tolist())  # host data
         if not causal:  # npu_fusion_attention over packed K/V
@@ -327,14 +369,45 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                     self._kv_slots(batch) if cross or bool((seq_lens != q_lens).any()) else None
                 ),
             )
+        if batch.num_reqs > MAX_FIA_BATCH:
+            raise UnsupportedConfigurationError(
+                self.backend.name,
+                [
+                    f"{batch.num_reqs} requests in one step: FIA's TND layout takes at most "
+                    f"{MAX_FIA_BATCH} (len(actual_seq_lengths))"
+                ],
+            )
         common.update(
             block_table=batch.block_table.to(torch.int32).contiguous(),
             query_ends=query_ends,
-            kv_lengths=tuple(seq_lens.tolist()),  # paged cache: per-sequence KV lengths
+            # paged cache: per-sequence KV lengths [callers: vllm-ascend passes seq_lens; the
+            # FIA doc calls both TND lists cumulative]
+            kv_lengths=tuple(seq_lens.tolist()),
         )
-        if sparse.sparse_mode == 4 and state is not AscendAttentionState.PREFILL_NO_CACHE:
+        if (
+            self.pad_window_decodes
+            and sparse.sparse_mode == 4
+            and state is not AscendAttentionState.PREFILL_NO_CACHE
+        ):
             common.update(self._window_decode_rows(batch, q_lens, seq_lens))
         return AscendAttentionMetadata(**common)
+
+    def _kv_write_rows(self, batch: BatchMetadata) -> dict[str, Any]:
+        """The KV write's slots (int32, once per step, not per layer) and, where needed, the
+        rows it takes. Padding rows past num_actual_tokens are never written. A slot -1 among
+        the real tokens is skipped by _npu_reshape_and_cache itself; npu_scatter_pa_kv_cache
+        takes only slots in [0, num_slots) [doc], so for it such rows are left out here, from
+        the batch's host copy of the slots (no device read)."""
+        n = batch.num_actual_tokens
+        if self.backend.kv_write_op == SCATTER_PA_KV_CACHE:
+            host = batch.host_slot_mapping()[:n]
+            if bool((host < 0).any()):
+                keep = (host >= 0).nonzero()[:, 0]
+                dev = self.backend.device
+                return dict(
+                    slot_mapping=host[keep].to(torch.int32).to(dev), write_rows=keep.to(dev)
+                )
+        return dict(slot_mapping=batch.slot_mapping[:n].to(torch.int32))
 
     def _kv_slots(self, batch: BatchMetadata) -> torch.Tensor:  # [sum(seq_lens)] int64, device
         """The cache slot of every key of every request, in order, for the packed path to gather
@@ -416,8 +489,9 @@ class AscendAttentionImpl(AttentionImpl):
         sinks: torch.Tensor | None = None,
     ) -> None:
         super().__init__(backend, alibi_slopes=alibi_slopes, sinks=sinks)
-        # learnable_sink is bfloat16 (Q_N,) [doc]: converted once per layer, not per call. The
-        # rounding of attnhub's float32 sinks stays within the bf16 tolerance [inferred].
+        # learnable_sink is bfloat16 (Q_N,) whatever the model's dtype [doc: the sink tensor's
+        # dtype is the only one constrained]: converted once per layer, not per call. The
+        # rounding of attnhub's float32 sinks stays within the tolerances [inferred].
         self.learnable_sink = None if self.sinks is None else self.sinks.to(torch.bfloat16)
         # softmax_lse of the .out overloads is a reserved output without the LSE flag; a
         # one-element float32 tensor is accepted there [inferred; the docs' example passes one].
@@ -462,7 +536,18 @@ class AscendAttentionImpl(AttentionImpl):
             return
         _check_cache_storage(cache)
         # The engine's own slot tensor (write_kv alone): converted per call.
-        self._write(key[:n], value[:n], cache, slot_mapping.to(torch.int32))
+        key, value, slots = key[:n], value[:n], slot_mapping.to(torch.int32)
+        if self.backend.kv_write_op == SCATTER_PA_KV_CACHE:
+            # No padding slot in this op: drop the -1 rows. write_kv without meta has already
+            # read these slots on the host (the core's value check), so this read adds none
+            # that a step's forward would make.
+            host = slot_mapping.to("cpu")
+            if bool((host < 0).any()):
+                rows = (host >= 0).nonzero()[:, 0].to(key.device)
+                if rows.numel() == 0:
+                    return
+                key, value, slots = key[rows], value[rows], slots[rows]
+        self._write(key, value, cache, slots)
 
     def store_step_kv(
         self,
@@ -472,13 +557,27 @@ class AscendAttentionImpl(AttentionImpl):
         meta: AttentionMetadata,
     ) -> None:
         assert isinstance(meta, AscendAttentionMetadata) and meta.slot_mapping is not None
-        n = meta.num_actual_tokens
+        if meta.write_rows is not None:  # some real token has slot -1 (scatter op only)
+            key, value = key[meta.write_rows], value[meta.write_rows]
+        n = meta.slot_mapping.shape[0]
         if n:
             self._write(key[:n], value[:n], cache, meta.slot_mapping)  # int32, planned once
 
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor
     ) -> None:
+        if self.backend.kv_write_op == SCATTER_PA_KV_CACHE:
+            # vllm-ascend's A2/A3 write: ND caches (num_blocks, block_size, KV_N, D), every slot
+            # in range (the builder / store_kv left out -1 rows) [doc]
+            self.backend.ops.npu_scatter_pa_kv_cache(
+                key=key.contiguous(),
+                value=value.contiguous(),
+                key_cache=cache.key,
+                value_cache=cache.value,
+                slot_mapping=slots.contiguous(),
+                cache_mode="Norm",
+            )
+            return
         # _npu_reshape_and_cache skips slots < 0 [schema from op registrations, vendor-ops.md]
         self.backend.ops._npu_reshape_and_cache(
             key=key.contiguous(),

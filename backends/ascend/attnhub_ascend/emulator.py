@@ -2,13 +2,16 @@
 
 On a machine without an Ascend NPU, ``ops.py`` hands the backend this module instead of
 ``torch_npu``, so the backend's real translation code runs on CPU. Every op here has the vendor's
-name, parameter names, positional/keyword-only split, defaults (checked against the real wheel's
-schema by ``backends/ascend/tests/test_contract.py``), ``.out`` overload, layout, mask polarity,
-length conventions and return tuple, from the vendor docs shipped in the wheel
-(``torch_npu/_op_plugin_docs.py``) and ``shared/vendor-ops.md``.
+name, parameter names, positional/keyword-only split, defaults (checked against the real
+wheel's schema by ``backends/ascend/tests/test_ascend_contract.py``), ``.out`` overload, layout,
+mask polarity, length conventions and return tuple, from the vendor docs (the wheel's
+``torch_npu/_op_plugin_docs.py``, Ascend/op-plugin's ``docs/zh/custom_APIs/torch_npu/`` pages)
+and ``shared/vendor-ops.md``.
 
-It is strict: where the vendor op rejects a call (wrong layout, int64 block table, a lengths list
-of the wrong kind or length, a mask of the wrong shape) it raises :class:`NpuOpError`; where the
+It is as strict as the hardware and no stricter: where the vendor op rejects a call (wrong
+layout, int64 block table, a lengths list of the wrong kind or length, a mask of the wrong shape
+or dtype, a limit the doc states) it raises :class:`NpuOpError`, and a call the docs allow or a
+hardware-run caller (vllm-ascend) makes passes; where the
 call is valid for the vendor but uses something not emulated here (other layouts, quantization,
 full masks) it raises :class:`NotEmulatedError`. It computes in float32 from its own reading of
 the docs and never calls ``attnhub.reference`` (the conformance suite compares the two).
@@ -17,7 +20,8 @@ Emulated ops (the names ``torch_npu`` exposes):
   npu_fused_infer_attention_score     (+ ``.out``)  "FIA": TND layout, paged or packed K/V
   npu_fused_infer_attention_score_v2  (+ ``.out``)  FIA v2: the same plus ``learnable_sink``
   npu_fusion_attention                              training FA: TND, packed K/V (encoder)
-  _npu_reshape_and_cache                            ATB KV-cache write, int32 slots
+  npu_scatter_pa_kv_cache                           A2/A3 KV-cache write, cache_mode "Norm"
+  _npu_reshape_and_cache                            ATB KV-cache write, int32 slots (310P)
 
 Conventions, as the docs state them (``[inferred]`` marks our reading where they are silent):
   - TND: query [T, N, D]; ``actual_seq_lengths`` / ``actual_seq_qlen`` are **cumulative** query
@@ -25,16 +29,23 @@ Conventions, as the docs state them (``[inferred]`` marks our reading where they
   - Paged K/V (``block_table`` given): cache [num_blocks, block_size, KV_N*D] or
     [num_blocks, KV_N, block_size, D]; ``block_table`` int32 [B, max_blocks];
     ``actual_seq_lengths_kv`` are **per-sequence** KV lengths. Packed TND K/V: cumulative ends.
-  - ``atten_mask``: 1/True = masked out. sparse_mode 2/3/4 take the compressed 2048x2048 mask
-    ``triu(ones, 1)``; with q_len/kv_len of request b, query i and key j:
+  - ``atten_mask``: 1/True = masked out; FIA takes bool/int8/uint8, npu_fusion_attention only
+    bool/uint8 (and in varlen only the 2-D form). sparse_mode 2/3/4 take the compressed
+    2048x2048 mask ``triu(ones, 1)``; with q_len/kv_len of request b, query i and key j:
       2 keep j <= i (top-left)   3 keep j <= i + kv - q (bottom-right)
       4 keep -pre_tokens <= (j - i) - (kv - q) <= next_tokens (band; pre_tokens=W keeps W+1 keys)
       0 without a mask: every key (pre/next ignored).
   - FIA: a request with one query token is computed by the incremental (IFA) branch, where
     sparse_mode, pre_tokens and next_tokens are ignored ("Q_S为1时该参数无效"): it sees all
     kv_len keys. vendor-ops.md reads this per decode row of a TND batch; we emulate that,
-    the strictest reading.
-  - A query row that sees no key gives output 0 and LSE +inf [inferred].
+    the strictest reading, by default (``SINGLE_TOKEN_IGNORES_SPARSE``; False emulates the
+    other reading).
+  - A FIA query row that sees no key is corrected to output 0 (LSE +inf [inferred]) only with
+    ``inner_precise`` 2/3 or where the op detects it (sparse_mode 3 with Q_S > KV_S) [doc];
+    otherwise the doc promises nothing, and the emulator returns NaN.
+  - Limits [doc]: FIA TND <= 4096 requests, v1 sparse_mode 0..4; npu_fusion_attention varlen
+    <= 1024 sequences, T <= 1M, no row that sees no key; trailing 0 entries of its cumulative
+    lists are batches left out. Length lists may be 1-D integer host tensors [callers].
   - FIA returns (attention_out, softmax_lse); the LSE (float32, (T, N, 1) for TND) only with
     ``softmax_lse_flag`` / ``return_softmax_lse``, else a [1] zero tensor (the wheel's docs;
     vendor-ops.md says "an empty tensor").
@@ -70,13 +81,26 @@ __all__ = [
     "npu_fused_infer_attention_score",
     "npu_fused_infer_attention_score_v2",
     "npu_fusion_attention",
+    "npu_scatter_pa_kv_cache",
     "record_calls",
     "reset_call_counts",
 ]
 
 INT_MAX = 2147483647
 MASK_SIZE = 2048  # the compressed mask of sparse_mode 2/3/4 is MASK_SIZE x MASK_SIZE
-MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)  # FIA's atten_mask [doc]
+FA_MASK_DTYPES = (torch.bool, torch.uint8)  # npu_fusion_attention's atten_mask [doc]
+MASK_SHAPES = ((MASK_SIZE, MASK_SIZE), (1, MASK_SIZE, MASK_SIZE), (1, 1, MASK_SIZE, MASK_SIZE))
+FIA_TND_MAX_BATCH = 4096  # TND: "元素个数即batch值（≤ 4096）" [doc]
+FA_VARLEN_MAX_BATCH = 1024  # npu_fusion_attention varlen: "长度最大支持1K" [doc]
+FA_VARLEN_MAX_T = 1 << 20  # npu_fusion_attention varlen: "T（B*S）取值范围1~1M" [doc]
+
+#: How FIA treats a request with one query token in a TND batch. The doc says sparse_mode (and
+#: with it pre_tokens / next_tokens) "is invalid when Q_S is 1" ("Q_S为1时该参数无效"); read
+#: per request of a TND batch, a one-token request is computed over all its keys, band or not.
+#: True (the default) emulates that reading, the stricter one; False emulates the other
+#: (the band applies to one-token requests too) until a hardware run settles which is right.
+SINGLE_TOKEN_IGNORES_SPARSE = True
 MODEL_DTYPES = (torch.float16, torch.bfloat16)
 LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND", "TND", "TND_NTD", "NTD_TND")
 
@@ -178,12 +202,27 @@ def _not_emulated(op: str, **params: object) -> None:
 
 
 def _int_list(op: str, name: str, values: object, required: bool) -> list[int] | None:
-    """A ``SymInt[]?`` argument: None or a list/tuple of Python ints, as the binding takes it."""
+    """A ``SymInt[]?`` argument: None, a list/tuple of Python ints, or a 1-D integer host
+    tensor, as the binding takes it (vllm-ascend passes its CPU ``seq_lens`` tensor as
+    ``actual_seq_kvlen``; the binding reads each element as an int)."""
     if values is None:
         if required:
             raise _fail(op, f"{name} is required with input_layout='TND'")
         return None
-    if isinstance(values, torch.Tensor) or not isinstance(values, (list, tuple)):
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise _fail(
+                op,
+                f"{name} as a tensor must be 1-D and of an integer dtype, got "
+                f"{values.dtype} {list(values.shape)}",
+            )
+        if values.device.type != "cpu":
+            raise NotEmulatedError(
+                f"{op}: {name} as a tensor on {values.device} (the emulator reads host tensors "
+                "only; callers pass host data)"
+            )
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
         raise _fail(
             op,
             f"{name} must be a list of ints (SymInt[]), got {type(values).__name__}; build it on "
@@ -197,12 +236,21 @@ def _int_list(op: str, name: str, values: object, required: bool) -> list[int] |
     return out
 
 
-def _cumulative(op: str, name: str, ends: list[int], total: int) -> list[int]:
+def _cumulative(
+    op: str, name: str, ends: list[int], total: int, trailing_zeros: bool = False
+) -> list[int]:
     """Per-request lengths from cumulative ends; the last end must be ``total`` (the T of the
-    packed tensor). A per-request list passed where ends belong fails here."""
+    packed tensor). A per-request list passed where ends belong fails here. With
+    ``trailing_zeros`` (npu_fusion_attention's TND), trailing 0 entries are batches that take no
+    part in the computation ("尾部传入对应个数个0", e.g. ``[2, 5, 9, 0, 0]``): length 0."""
+    skipped = 0
+    if trailing_zeros:
+        while skipped < len(ends) - 1 and ends[len(ends) - 1 - skipped] == 0:
+            skipped += 1
+    computed = ends[: len(ends) - skipped]
     lengths = []
     prev = 0
-    for i, end in enumerate(ends):
+    for i, end in enumerate(computed):
         if end < prev:
             raise _fail(
                 op,
@@ -217,7 +265,7 @@ def _cumulative(op: str, name: str, ends: list[int], total: int) -> list[int]:
             f"{name}[-1] = {prev} must equal the packed T = {total} (cumulative ends; a "
             "per-request length list was passed where ends belong?)",
         )
-    return lengths
+    return lengths + [0] * skipped
 
 
 def _check_tensor(op: str, name: str, t: object, dims: int, device: torch.device) -> torch.Tensor:
@@ -235,27 +283,33 @@ def _check_tensor(op: str, name: str, t: object, dims: int, device: torch.device
 _checked_masks: dict[tuple[int, int, int | None], bool] = {}
 
 
-def compressed_causal_mask(device: torch.device | str = "cpu") -> torch.Tensor:
-    """The mask sparse_mode 2/3/4 take: int8 [2048, 2048], 1 above the diagonal (= masked)."""
-    return torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device), 1)
+def compressed_causal_mask(
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.int8
+) -> torch.Tensor:
+    """The mask sparse_mode 2/3/4 take: [2048, 2048], 1 above the diagonal (= masked)."""
+    return torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=dtype, device=device), 1)
 
 
-def _check_compressed_mask(op: str, mask: object, sparse_mode: int, device: torch.device) -> None:
+def _check_compressed_mask(
+    op: str,
+    mask: object,
+    sparse_mode: int,
+    device: torch.device,
+    dtypes: tuple[torch.dtype, ...] = MASK_DTYPES,
+    shapes: tuple[tuple[int, ...], ...] = MASK_SHAPES,
+) -> None:
     if mask is None:
         raise _fail(op, f"sparse_mode={sparse_mode} needs the compressed 2048x2048 atten_mask")
     if not isinstance(mask, torch.Tensor):
         raise _fail(op, f"atten_mask must be a Tensor, got {type(mask).__name__}")
-    if mask.dtype not in MASK_DTYPES:
-        raise _fail(op, f"atten_mask must be bool, int8 or uint8, got {mask.dtype}")
-    if tuple(mask.shape) not in (
-        (MASK_SIZE, MASK_SIZE),
-        (1, MASK_SIZE, MASK_SIZE),
-        (1, 1, MASK_SIZE, MASK_SIZE),
-    ):
+    if mask.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise _fail(op, f"atten_mask must be one of {names}, got {mask.dtype}")
+    if tuple(mask.shape) not in shapes:
         raise _fail(
             op,
-            f"sparse_mode={sparse_mode} takes the compressed atten_mask of shape (2048, 2048), "
-            f"(1, 2048, 2048) or (1, 1, 2048, 2048), got {list(mask.shape)}",
+            f"sparse_mode={sparse_mode} takes the compressed atten_mask of shape "
+            f"{' or '.join(str(s) for s in shapes)}, got {list(mask.shape)}",
         )
     if mask.device != device:
         raise _fail(op, f"atten_mask is on {mask.device}, query on {device}")
@@ -303,8 +357,14 @@ def _attend(
     scale: float,
     visible: torch.Tensor | None,  # [q_len, kv_len] bool; None: every key
     sink: torch.Tensor | None,  # [N] float32 logits joining the denominator
+    correct_empty: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [q_len, N, D] f32, lse [q_len, N] f32
-    """softmax(scale * q k^T [masked]) v for one request, GQA head h -> kv head h // (N/KV_N)."""
+    """softmax(scale * q k^T [masked]) v for one request, GQA head h -> kv head h // (N/KV_N).
+
+    A row that sees no key (and has no sink) gives output 0 and LSE +inf with
+    ``correct_empty`` (FIA's "行无效修正", invalid-row correction) [inferred values]; without
+    it the vendor documents only a possible precision loss, so the emulator returns NaN there:
+    a result no caller can rely on."""
     q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -326,13 +386,19 @@ def _attend(
     denom = e.sum(dim=-1, keepdim=True)
     if sink is not None:
         denom = denom + torch.exp(sink4 - safe_m)
-    empty = denom == 0  # no visible key and no sink: output 0, LSE +inf [inferred]
+    empty = denom == 0  # no visible key and no sink
     p = e / torch.where(empty, torch.ones_like(denom), denom)
+    if not correct_empty:
+        p = p.masked_fill(empty, math.nan)
     out = torch.matmul(p.view(num_kv_heads, group * q_len, kv_len), vf)
-    out = out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
-    lse = torch.where(empty, torch.full_like(denom, math.inf), safe_m + torch.log(denom))
+    if not correct_empty and kv_len == 0:
+        out = out.masked_fill(empty.view(num_kv_heads, group * q_len, 1), math.nan)
+    v_dim = vf.shape[-1]  # the value head size (may be below the query/key one)
+    out = out.view(num_kv_heads, group, q_len, v_dim).permute(2, 0, 1, 3)
+    lse_empty = math.inf if correct_empty else math.nan
+    lse = torch.where(empty, torch.full_like(denom, lse_empty), safe_m + torch.log(denom))
     lse = lse.view(num_kv_heads, group, q_len).permute(2, 0, 1)
-    return out.reshape(q_len, num_heads, head_dim), lse.reshape(q_len, num_heads)
+    return out.reshape(q_len, num_heads, v_dim), lse.reshape(q_len, num_heads)
 
 
 # --- FIA: npu_fused_infer_attention_score (v1, v2) -----------------------------------------------
@@ -358,6 +424,9 @@ class _FiaCall:
     input_layout: str
     sparse_mode: int
     block_size: int
+    inner_precise: int
+    #: sparse_mode values the op accepts: v1 0..4 ("仅支持0/1/2/3/4，其他值报错"); v2 adds 9.
+    sparse_modes: tuple[int, ...]
     sink: torch.Tensor | None = None
 
 
@@ -394,6 +463,14 @@ def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (qu
             f"N={num_heads} (<= 256) and D={head_dim} (<= 512, a multiple of 16 for "
             "float16/bfloat16) are out of range",
         )
+    if head_dim == 512:
+        # TND with query D = 512 needs query_rope and key_rope (MLA) [doc: TND constraints];
+        # neither is emulated (nor used by attnhub), so D = 512 without them is refused.
+        raise _fail(
+            op,
+            f"input_layout={c.input_layout!r} with D=512 needs query_rope and key_rope (the "
+            "MLA form); without them TND takes other head sizes",
+        )
     for name, t in (("key", c.key), ("value", c.value)):
         if not isinstance(t, torch.Tensor):
             raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
@@ -407,6 +484,12 @@ def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (qu
     assert q_ends is not None
     q_lens = _cumulative(op, "actual_seq_lengths", q_ends, total)
     batch = len(q_lens)
+    if batch > FIA_TND_MAX_BATCH:
+        raise _fail(
+            op,
+            f"a TND batch of {batch} requests (len(actual_seq_lengths)): at most "
+            f"{FIA_TND_MAX_BATCH}",
+        )
     kv_list = _int_list(op, "actual_seq_lengths_kv", c.actual_seq_lengths_kv, required=True)
     assert kv_list is not None
     if len(kv_list) != batch:
@@ -432,9 +515,21 @@ def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (qu
             rows = slice(starts[b], starts[b] + kv_lens[b])
             return c.key[rows], c.value[rows]
 
-    if c.sparse_mode not in (0, 1, 2, 3, 4, 9):
-        raise _fail(op, f"sparse_mode={c.sparse_mode} is not one of 0, 1, 2, 3, 4, 9")
-    if c.sparse_mode in (1, 9) or (c.sparse_mode == 0 and c.atten_mask is not None):
+    if c.sparse_mode not in c.sparse_modes:
+        raise _fail(
+            op,
+            f"sparse_mode={c.sparse_mode} is not one of {', '.join(map(str, c.sparse_modes))}",
+        )
+    if c.inner_precise not in (0, 1, 2, 3):
+        raise _fail(op, f"inner_precise={c.inner_precise} is not one of 0, 1, 2, 3")
+    if c.inner_precise in (2, 3) and all(n == 1 for n in q_lens):
+        # "Q_S = 1时仅支持0和1" [doc]: read for a call whose every request has one query token
+        # (the incremental branch); a mixed TND batch is not refused [inferred].
+        raise _fail(op, f"inner_precise={c.inner_precise}: with Q_S = 1 only 0 and 1")
+    if c.sparse_mode == 9:
+        # v2's tree mask: "sparse_mode=9时，仅MLA场景（query_rope和key_rope不为空）支持" [doc]
+        raise _fail(op, "sparse_mode=9 needs query_rope and key_rope (the MLA form)")
+    if c.sparse_mode == 1 or (c.sparse_mode == 0 and c.atten_mask is not None):
         raise NotEmulatedError(
             f"{op}: sparse_mode={c.sparse_mode} with a full atten_mask is not emulated"
         )
@@ -463,13 +558,17 @@ def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (qu
         if q_len == 0:
             continue
         k, v = keys(b)
-        # One query token: the IFA branch, where sparse_mode / pre / next are ignored.
+        # One query token: the IFA branch, where sparse_mode / pre / next are ignored (under
+        # the reading SINGLE_TOKEN_IGNORES_SPARSE selects).
         visible = (
             None
-            if q_len == 1
+            if q_len == 1 and SINGLE_TOKEN_IGNORES_SPARSE
             else _visible(q_len, kv_len, c.sparse_mode, c.pre_tokens, c.next_tokens)
         )
-        o, l_ = _attend(q[start : start + q_len], k, v, c.scale, visible, sink)
+        # Rows that see no key are corrected (output 0) only with inner_precise 2/3, or where
+        # the op detects them itself ("如sparse_mode=3且Q_S > KV_S") [doc].
+        correct = c.inner_precise in (2, 3) or (c.sparse_mode == 3 and q_len > kv_len)
+        o, l_ = _attend(q[start : start + q_len], k, v, c.scale, visible, sink, correct)
         out[start : start + q_len] = o.to(q.dtype)
         lse[start : start + q_len, :, 0] = l_
         start += q_len
@@ -576,12 +675,15 @@ def _write_out(
         )
     if not attention_out.is_contiguous():
         raise _fail(op, "attention_out must be contiguous")
-    if not isinstance(softmax_lse, torch.Tensor) or softmax_lse.dtype != torch.float32:
-        raise _fail(op, "softmax_lse must be a float32 tensor")
+    if not isinstance(softmax_lse, torch.Tensor):
+        raise _fail(op, f"softmax_lse must be a Tensor, got {type(softmax_lse).__name__}")
     attention_out.copy_(result)
     if want_lse:
-        if softmax_lse.shape != lse.shape:
-            raise _fail(op, f"softmax_lse must be {list(lse.shape)} with the LSE flag set")
+        # With the flag the op writes float32 (T, N, 1) [doc]. Without it softmax_lse is a
+        # reserved output the op does not write: any dtype (vllm-ascend passes
+        # torch.empty(1, dtype=query.dtype)) [callers; the OpApi passes it on unchecked].
+        if softmax_lse.shape != lse.shape or softmax_lse.dtype != torch.float32:
+            raise _fail(op, f"softmax_lse must be float32 {list(lse.shape)} with the LSE flag set")
         softmax_lse.copy_(lse)
     elif softmax_lse.numel() < 1:
         raise _fail(op, "softmax_lse (reserved without the LSE flag) needs at least 1 element")
@@ -656,8 +758,6 @@ def _fia_v1(
         key_rope=key_rope,
         key_rope_antiquant_scale=key_rope_antiquant_scale,
     )
-    if inner_precise not in (0, 1, 2, 3):
-        raise _fail(op, f"inner_precise={inner_precise} is not one of 0, 1, 2, 3")
     if antiquant_mode or key_antiquant_mode or value_antiquant_mode:
         raise NotEmulatedError(f"{op}: antiquant modes are not emulated")
     out, lse = _fia(
@@ -678,6 +778,8 @@ def _fia_v1(
             input_layout,
             sparse_mode,
             block_size,
+            inner_precise,
+            (0, 1, 2, 3, 4),
         )
     )
     return out, _lse_result(op, lse, softmax_lse_flag)
@@ -760,8 +862,6 @@ def _fia_v2(
     )
     if query_quant_mode or key_quant_mode or value_quant_mode:
         raise NotEmulatedError(f"{op}: quant modes are not emulated")
-    if inner_precise not in (0, 1, 2, 3):
-        raise _fail(op, f"inner_precise={inner_precise} is not one of 0, 1, 2, 3")
     if learnable_sink is not None and input_layout not in ("TND", "NTD_TND"):
         raise _fail(op, f"learnable_sink needs input_layout TND or NTD_TND, got {input_layout!r}")
     out, lse = _fia(
@@ -782,6 +882,8 @@ def _fia_v2(
             input_layout,
             sparse_mode,
             block_size,
+            inner_precise,
+            (0, 1, 2, 3, 4, 9),
             learnable_sink,
         )
     )
@@ -867,11 +969,17 @@ def _npu_fusion_attention(
     total, num_heads, head_dim = query.shape
     if num_heads != head_num:
         raise _fail(op, f"head_num={head_num} but the TND query has {num_heads} heads")
-    if key.shape != value.shape or key.shape[2] != head_dim or num_heads % key.shape[1]:
+    if (
+        key.shape[:2] != value.shape[:2]
+        or key.shape[2] != head_dim
+        or value.shape[2] > head_dim
+        or num_heads % key.shape[1]
+    ):
+        # "Dq=Dk和Dk≥Dv" [doc]: the value head size may be smaller
         raise _fail(
             op,
-            f"key/value must be alike [T_kv, N_kv, {head_dim}] with N/N_kv an integer, got "
-            f"{list(key.shape)} and {list(value.shape)}",
+            f"key must be [T_kv, N_kv, {head_dim}] and value [T_kv, N_kv, Dv <= {head_dim}] "
+            f"with N/N_kv an integer, got {list(key.shape)} and {list(value.shape)}",
         )
     if num_heads > 256 or not 1 <= head_dim <= 768:
         raise _fail(op, f"N={num_heads} (1..256) or D={head_dim} (1..768) out of range")
@@ -884,29 +992,39 @@ def _npu_fusion_attention(
         raise _fail(
             op, f"actual_seq_qlen has {len(q_ends)} entries, actual_seq_kvlen {len(kv_ends)}"
         )
-    if not 1 <= len(q_ends) <= 1024:
-        raise _fail(op, f"varlen batch of {len(q_ends)}: 1..1024 supported")
-    q_lens = _cumulative(op, "actual_seq_qlen", q_ends, total)
-    kv_lens = _cumulative(op, "actual_seq_kvlen", kv_ends, key.shape[0])
+    if not 1 <= len(q_ends) <= FA_VARLEN_MAX_BATCH:
+        raise _fail(op, f"varlen batch of {len(q_ends)}: 1..{FA_VARLEN_MAX_BATCH} supported")
+    for name, rows in (("query", total), ("key", key.shape[0])):
+        if not 1 <= rows <= FA_VARLEN_MAX_T:
+            raise _fail(op, f"varlen {name} T = {rows}: 1..{FA_VARLEN_MAX_T} (1M) supported")
+    q_lens = _cumulative(op, "actual_seq_qlen", q_ends, total, trailing_zeros=True)
+    kv_lens = _cumulative(op, "actual_seq_kvlen", kv_ends, key.shape[0], trailing_zeros=True)
     if sparse_mode not in range(9):
         raise _fail(op, f"sparse_mode={sparse_mode} is not one of 0..8")
     if atten_mask is None:
         sparse_mode = 0  # no mask: sparse_mode / pre / next have no effect
     elif sparse_mode in (2, 3, 4):
-        _check_compressed_mask(op, atten_mask, sparse_mode, dev)
+        # bool / uint8 only (not FIA's int8), and varlen takes only the SS (2-D) form [doc]
+        _check_compressed_mask(
+            op, atten_mask, sparse_mode, dev, FA_MASK_DTYPES, ((MASK_SIZE, MASK_SIZE),)
+        )
     else:
         raise NotEmulatedError(f"{op}: sparse_mode={sparse_mode} with a mask is not emulated")
     if sparse_mode == 4 and pre_tockens + next_tockens < 0:
         raise _fail(op, "band: pre_tockens and next_tockens must overlap")
 
-    out = torch.empty_like(query)
+    out = query.new_empty(total, num_heads, value.shape[2])
     row_max = torch.empty(total, num_heads, dtype=torch.float32, device=dev)
     row_sum = torch.empty(total, num_heads, dtype=torch.float32, device=dev)
     qs = ks = 0
     for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
         visible = _visible(q_len, kv_len, sparse_mode, pre_tockens, next_tockens)
-        if visible is not None and not bool(visible.any(dim=1).all()):
+        if q_len and (kv_len == 0 or (visible is not None and not visible.any(dim=1).all())):
+            # "atten_mask中不能存在某一行全1的场景" (varlen) [doc]
             raise _fail(op, "varlen: a query row sees no key (fully masked rows are unsupported)")
+        if q_len == 0:  # an empty batch, or one of the trailing batches left out
+            ks += kv_len
+            continue
         o, lse = _attend(
             query[qs : qs + q_len],
             key[ks : ks + kv_len],
@@ -951,9 +1069,10 @@ def _reshape_and_cache(
     value_cache: torch.Tensor,
     slot_indices: torch.Tensor,
 ) -> None:
-    """Write key/value [T, KV_N, D] row t to slot ``slot_indices[t]`` of caches
-    [num_blocks, block_size, KV_N, D] (slot = block * block_size + offset). ``slot_indices``
-    must be int32; slots < 0 are skipped (padding). Returns nothing (mutates the caches)."""
+    """Write key [T, KV_N, Dk] / value [T, KV_N, Dv] row t to slot ``slot_indices[t]`` of caches
+    [num_blocks, block_size, KV_N, Dk / Dv] (slot = block * block_size + offset); K and V head
+    sizes may differ (ATB's ReshapeAndCache takes them separately). ``slot_indices`` must be
+    int32; slots < 0 are skipped (padding). Returns nothing (mutates the caches)."""
     op = "_npu_reshape_and_cache"
     for name, t in (
         ("key", key),
@@ -966,10 +1085,15 @@ def _reshape_and_cache(
             raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
     if slot_indices.dtype != torch.int32:
         raise _fail(op, f"slot_indices must be int32, got {slot_indices.dtype}")
-    if slot_indices.dim() != 1 or key.dim() != 3 or key.shape != value.shape:
+    if (
+        slot_indices.dim() != 1
+        or key.dim() != 3
+        or value.dim() != 3
+        or key.shape[:2] != value.shape[:2]
+    ):
         raise _fail(
             op,
-            f"key/value must be alike [T, KV_N, D] and slot_indices [T], got "
+            f"key/value must be [T, KV_N, Dk] / [T, KV_N, Dv] and slot_indices [T], got "
             f"{list(key.shape)}, {list(value.shape)}, {list(slot_indices.shape)}",
         )
     if slot_indices.shape[0] != key.shape[0]:
@@ -978,13 +1102,16 @@ def _reshape_and_cache(
         )
     if (
         key_cache.dim() != 4
-        or key_cache.shape != value_cache.shape
-        or (tuple(key_cache.shape[2:]) != tuple(key.shape[1:]))
+        or value_cache.dim() != 4
+        or key_cache.shape[:2] != value_cache.shape[:2]
+        or tuple(key_cache.shape[2:]) != tuple(key.shape[1:])
+        or tuple(value_cache.shape[2:]) != tuple(value.shape[1:])
     ):
         raise _fail(
             op,
-            f"caches must be alike [num_blocks, block_size, KV_N, D] matching key "
-            f"{list(key.shape)}, got {list(key_cache.shape)} and {list(value_cache.shape)}",
+            f"caches must be [num_blocks, block_size, KV_N, Dk / Dv] matching key "
+            f"{list(key.shape)} and value {list(value.shape)}, got {list(key_cache.shape)} and "
+            f"{list(value_cache.shape)}",
         )
     if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
         raise _fail(op, "key/value dtypes must match the caches'")
@@ -1003,6 +1130,92 @@ def _reshape_and_cache(
         dst.view(num_slots, *dst.shape[2:]).index_copy_(0, slots[rows], src[rows])
 
 
+def _scatter_pa_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    compress_lens: torch.Tensor | None = None,
+    compress_seq_offsets: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    cache_mode: str | None = "PA_NZ",
+) -> None:
+    """The KV-cache write of A2/A3 (vllm-ascend's, with ``cache_mode="Norm"``): key
+    [T, KV_N, Dk] / value [T, KV_N, Dv] row t to slot ``slot_mapping[t]`` of ND caches
+    [num_blocks, block_size, KV_N, Dk / Dv]. ``slot_mapping`` is int32 or int64, every value in
+    [0, num_blocks * block_size - 1] [doc]: there is no padding slot, the caller passes only
+    rows to write. Returns nothing (mutates the caches)."""
+    op = "npu_scatter_pa_kv_cache"
+    _not_emulated(
+        op,
+        compress_lens=compress_lens,
+        compress_seq_offsets=compress_seq_offsets,
+        seq_lens=seq_lens,
+    )
+    if cache_mode not in (None, "Norm", "PA_NZ"):
+        raise _fail(op, f"cache_mode={cache_mode!r} is not one of None, 'Norm', 'PA_NZ'")
+    if cache_mode == "PA_NZ":
+        raise NotEmulatedError(f"{op}: cache_mode='PA_NZ' (NZ caches) is valid but not emulated")
+    tensors = (
+        ("key", key),
+        ("value", value),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("slot_mapping", slot_mapping),
+    )
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise _fail(op, f"{name} must be contiguous (non-contiguous inputs are unsupported)")
+    if key.dim() == 4:
+        raise NotEmulatedError(f"{op}: 4-D key/value (the compressed scenario) is not emulated")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise _fail(op, f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if key.dim() != 3 or value.dim() != 3 or key.shape[:2] != value.shape[:2]:
+        raise _fail(
+            op,
+            f"3-D key/value must share their first two dims [T, KV_N], got {list(key.shape)} "
+            f"and {list(value.shape)}",
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise _fail(
+            op,
+            f"slot_mapping must be [T={key.shape[0]}], got {list(slot_mapping.shape)}",
+        )
+    if (
+        key_cache.dim() != 4
+        or value_cache.dim() != 4
+        or key_cache.shape[:2] != value_cache.shape[:2]
+        or tuple(key_cache.shape[2:]) != tuple(key.shape[1:])
+        or tuple(value_cache.shape[2:]) != tuple(value.shape[1:])
+    ):
+        raise _fail(
+            op,
+            f"Norm caches must be [num_blocks, block_size, KV_N, Dk / Dv] matching key "
+            f"{list(key.shape)} and value {list(value.shape)}, got {list(key_cache.shape)} and "
+            f"{list(value_cache.shape)}",
+        )
+    if len({t.dtype for t in (key, value, key_cache, value_cache)}) != 1:
+        raise _fail(op, "key, value, key_cache and value_cache must share one dtype")
+    devices = {t.device for _, t in tensors}
+    if len(devices) != 1:
+        raise _fail(op, f"tensors on several devices: {sorted(map(str, devices))}")
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    slots = slot_mapping.long()
+    if slots.numel() and bool(((slots < 0) | (slots >= num_slots)).any()):
+        bad = int(((slots < 0) | (slots >= num_slots)).nonzero()[0, 0])
+        raise _fail(
+            op,
+            f"slot_mapping[{bad}] = {int(slots[bad])} is outside [0, {num_slots - 1}] (no "
+            "padding slot: pass only the rows to write)",
+        )
+    for src, dst in ((key, key_cache), (value, value_cache)):
+        dst.view(num_slots, *dst.shape[2:]).index_copy_(0, slots, src)
+
+
 # --- the namespace -------------------------------------------------------------------------------
 
 npu_fused_infer_attention_score = OpPacket("npu_fused_infer_attention_score", _fia_v1, _fia_v1_out)
@@ -1011,6 +1224,7 @@ npu_fused_infer_attention_score_v2 = OpPacket(
 )
 npu_fusion_attention = OpPacket("npu_fusion_attention", _npu_fusion_attention)
 _npu_reshape_and_cache = OpPacket("_npu_reshape_and_cache", _reshape_and_cache)
+npu_scatter_pa_kv_cache = OpPacket("npu_scatter_pa_kv_cache", _scatter_pa_kv_cache)
 
 #: Every emulated op, by the name ``torch_npu`` exposes it under.
 OPS: dict[str, OpPacket] = {
@@ -1020,5 +1234,6 @@ OPS: dict[str, OpPacket] = {
         npu_fused_infer_attention_score_v2,
         npu_fusion_attention,
         _npu_reshape_and_cache,
+        npu_scatter_pa_kv_cache,
     )
 }

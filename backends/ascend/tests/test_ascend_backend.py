@@ -6,6 +6,7 @@ import ascend_helpers as h
 import pytest
 import torch
 from attnhub_ascend import AscendBackend, emulator, ops
+from attnhub_ascend.backend import HEAD_SIZE_SOURCES
 
 import attnhub
 from attnhub.errors import BackendUnavailableError, UnsupportedConfigurationError
@@ -64,15 +65,18 @@ def test_the_nhd_cache_is_what_fia_views_as_three_dimensional() -> None:
     [
         (dict(dtype=torch.float32), "float16 and bfloat16"),
         (dict(block_size=16), "multiple of 128"),
-        (dict(head_size=72), "multiple of 16"),
-        (dict(head_size=576), "at most 512"),
+        (dict(head_size=72), "not one of [64, 128, 192, 256]"),
+        (dict(head_size=96), "not one of [64, 128, 192, 256]"),
+        (dict(head_size=512), "D 512 needs query_rope/key_rope"),
         (dict(logits_soft_cap=30.0), "soft-capping"),
         (dict(use_alibi=True), "pse_shift"),
         (dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
         (dict(num_heads=130, num_kv_heads=2), "GQA ratio"),
         (dict(num_heads=512, num_kv_heads=512), "256"),
-        (dict(num_heads=8, num_kv_heads=8, head_size=512, block_size=128), None),
-        (dict(use_sinks=True, dtype=torch.float16), "bfloat16"),
+        (dict(num_heads=8, num_kv_heads=8, head_size=256, block_size=128), None),
+        (dict(num_heads=8, num_kv_heads=8, head_size=192, block_size=128), None),
+        # learnable_sink is bfloat16 whatever the model's dtype: fp16 models take sinks
+        (dict(use_sinks=True, dtype=torch.float16), None),
         (dict(use_sinks=True, head_size=256), "head_size <= 128"),
         (dict(use_sinks=True, attn_type=AttentionType.ENCODER_ONLY), "decoder attention only"),
     ],
@@ -91,7 +95,7 @@ def test_undeclared_configurations_are_refused_with_reasons(
 
 
 def test_kv_hidden_size_limit_of_the_three_dimensional_cache_view() -> None:
-    spec = h.spec(num_heads=256, num_kv_heads=256, head_size=512)
+    spec = h.spec(num_heads=256, num_kv_heads=256, head_size=256)
     assert any("65535" in r for r in AscendBackend.unsupported_reasons(spec))
 
 
@@ -119,3 +123,24 @@ def test_refusals_are_explained_per_field_not_by_their_wording() -> None:
     assert by_field["dtype"].endswith("(the kernels take float16 and bfloat16)")
     assert by_field["softcap"].endswith("(FIA has no logit soft-capping)")
     assert "multiple of 128" in by_field["block_size"]
+
+
+def test_every_declared_head_size_names_its_source() -> None:
+    """Only head sizes the FIA doc names for TND without rope ([doc]) or that vllm-ascend runs
+    through the same call on hardware ([callers]) are declared, each with its source."""
+    declared = AscendBackend.capabilities.head_sizes
+    assert declared == frozenset(HEAD_SIZE_SOURCES)
+    for size, source in HEAD_SIZE_SOURCES.items():
+        assert source.startswith(("[doc]", "[callers]")), (size, source)
+    assert 512 not in declared  # TND D = 512 is the MLA form: query_rope / key_rope [doc]
+
+
+def test_fp16_models_with_sinks_run_with_a_bfloat16_sink_tensor() -> None:
+    st = h.step([(1, 300), (5, 5)], h.spec(dtype=torch.float16, use_sinks=True))
+    with emulator.record_calls() as calls:
+        out = h.forward(st)
+    (fia,) = [c for c in calls if c.name.startswith("npu_fused_infer_attention_score")]
+    assert fia.name == "npu_fused_infer_attention_score_v2.out"
+    assert fia.args[0].dtype == torch.float16
+    assert fia.kwargs["learnable_sink"].dtype == torch.bfloat16
+    h.assert_matches_reference(st, out)

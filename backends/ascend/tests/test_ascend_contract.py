@@ -115,3 +115,23 @@ def test_a_wrong_keyword_is_reported() -> None:
     problems = npu_schema.differences(want, got)
     assert any("missing parameter" in p and "scale" in p for p in problems)
     assert any("not in the schema" in p and "scale_value" in p for p in problems)
+
+
+def test_both_kv_write_ops_are_emulated_and_checked(
+    yaml: dict[str, list[npu_schema.Schema]],
+) -> None:
+    """The 910B default (npu_scatter_pa_kv_cache, from the YAML) and the 310P one (ATB's
+    _npu_reshape_and_cache, from its registration string) are both held to a vendor schema."""
+    assert "npu_scatter_pa_kv_cache" in emulator.OPS and "npu_scatter_pa_kv_cache" in yaml
+    assert "npu_scatter_pa_kv_cache" not in EXEMPT_FROM_YAML
+    assert "_npu_reshape_and_cache" in emulator.OPS
+
+
+def test_npu_fusion_attention_has_a_sink_argument_in_this_wheel(
+    yaml: dict[str, list[npu_schema.Schema]],
+) -> None:
+    """torch-npu 2.10.0.post4 declares ``Tensor? sink=None`` (the doc: float32 [head_num],
+    CANN 8.5+). attnhub does not pass it (docs/backends/ascend.md says why); the emulator
+    carries it so the signature matches, and refuses it as not emulated."""
+    (schema,) = {s.text: s for s in yaml["npu_fusion_attention"]}.values()
+    assert any(p.name == "sink" and p.default is None for p in schema.params)

@@ -13,6 +13,8 @@ from attnhub_ascend.emulator import NotEmulatedError, NpuOpError
 
 FIA = emulator.npu_fused_infer_attention_score
 FA = emulator.npu_fusion_attention
+SCATTER = emulator.npu_scatter_pa_kv_cache
+FA_MAX_T = emulator.FA_VARLEN_MAX_T
 MASK = emulator.compressed_causal_mask()
 BS = 128
 
@@ -129,6 +131,18 @@ def test_lse_comes_back_only_with_the_flag() -> None:
     assert lse.shape == (4, 4, 1) and lse.dtype == torch.float32
 
 
+def test_out_takes_vllm_ascends_reserved_lse_in_the_query_dtype() -> None:
+    """Without the LSE flag softmax_lse is a reserved output: vllm-ascend passes
+    ``torch.empty(1, dtype=query.dtype)``. With the flag the op writes float32 (T, N, 1)."""
+    a = _paged([3, 1], [3, 7])
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    buf = torch.empty_like(q)
+    FIA.out(q, k, v, workspace=None, out=[buf, torch.empty(1, dtype=q.dtype)], **a)
+    torch.testing.assert_close(buf, FIA(q, k, v, **a)[0])
+    with pytest.raises(NpuOpError, match="float32"):
+        FIA.out(q, k, v, softmax_lse_flag=True, out=[buf, torch.empty(4, 4, 1, dtype=q.dtype)], **a)
+
+
 def test_out_overload_writes_the_given_buffers() -> None:
     a = _paged([3, 1], [3, 7])
     q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
@@ -200,9 +214,17 @@ def test_kv_lengths_of_the_wrong_count_are_rejected() -> None:
         _fia(a)
 
 
-def test_lengths_as_a_tensor_are_rejected() -> None:
+def test_lengths_as_a_host_tensor_are_taken_as_vllm_ascend_passes_them() -> None:
+    """vllm-ascend passes its CPU ``seq_lens`` tensor as ``actual_seq_kvlen``: the binding reads
+    each element as an int."""
     a = _paged([1, 1], [10, 10])
-    a["actual_seq_lengths_kv"] = torch.tensor([10, 10])
+    want = _fia(a)
+    a["actual_seq_lengths_kv"] = torch.tensor([10, 10], dtype=torch.int32)
+    torch.testing.assert_close(_fia(a), want)
+    a["actual_seq_lengths_kv"] = torch.tensor([10.0, 10.0])
+    with pytest.raises(NpuOpError, match="integer dtype"):
+        _fia(a)
+    a["actual_seq_lengths_kv"] = "10,10"
     with pytest.raises(NpuOpError, match="list of ints"):
         _fia(a)
 
@@ -289,3 +311,192 @@ def test_a_compressed_mask_made_under_inference_mode_is_accepted():
     with torch.inference_mode():
         mask = torch.triu(torch.ones(2048, 2048, dtype=torch.int8), 1)
         emulator._check_compressed_mask("npu_fused_infer_attention_score", mask, 3, mask.device)
+
+
+# --- limits from the vendor docs ------------------------------------------------------------------
+
+
+def test_fia_tnd_takes_at_most_4096_requests() -> None:
+    def call(requests: int) -> None:
+        q = torch.randn(requests, 2, 16).to(torch.bfloat16)  # one token per request
+        ends = list(range(1, requests + 1))
+        lengths = dict(actual_seq_lengths=ends, actual_seq_lengths_kv=ends)
+        FIA(q, q, q, num_heads=2, input_layout="TND", **lengths)
+
+    call(4096)
+    with pytest.raises(NpuOpError, match=r"4097 requests.*at most 4096"):
+        call(4097)
+
+
+def test_fia_v1_takes_sparse_modes_0_to_4_only() -> None:
+    a = _paged([2], [5]) | dict(sparse_mode=9)
+    with pytest.raises(NpuOpError, match="sparse_mode=9 is not one of 0, 1, 2, 3, 4"):
+        _fia(a)
+
+
+def test_fia_tnd_head_size_512_needs_rope() -> None:
+    with pytest.raises(NpuOpError, match="D=512 needs query_rope and key_rope"):
+        _fia(_paged([2], [5], heads=2, kv_heads=1, d=512))
+
+
+def test_fusion_attention_varlen_takes_at_most_1m_tokens() -> None:
+    q = torch.zeros(FA_MAX_T + 1, 1, 16, dtype=torch.bfloat16)
+    with pytest.raises(NpuOpError, match="T = 1048577"):
+        FA(q, q, q, 1, "TND", actual_seq_qlen=[FA_MAX_T + 1], actual_seq_kvlen=[FA_MAX_T + 1])
+
+
+@pytest.mark.parametrize("shape", [(1, 2048, 2048), (1, 1, 2048, 2048)])
+def test_fusion_attention_varlen_takes_only_a_two_dimensional_mask(shape: tuple[int, ...]) -> None:
+    q = torch.randn(6, 2, 16).to(torch.bfloat16)
+    mask = emulator.compressed_causal_mask(dtype=torch.bool)
+    args = dict(actual_seq_qlen=[6], actual_seq_kvlen=[6], sparse_mode=3)
+    with pytest.raises(NpuOpError, match="shape"):
+        FA(q, q, q, 2, "TND", atten_mask=mask.view(shape), **args)
+    FA(q, q, q, 2, "TND", atten_mask=mask, **args)
+
+
+def test_fusion_attention_takes_uint8_and_bool_masks_not_int8() -> None:
+    q = torch.randn(6, 2, 16).to(torch.bfloat16)
+    args = dict(actual_seq_qlen=[6], actual_seq_kvlen=[6], sparse_mode=3)
+    for dtype in (torch.bool, torch.uint8):
+        FA(q, q, q, 2, "TND", atten_mask=emulator.compressed_causal_mask(dtype=dtype), **args)
+    with pytest.raises(NpuOpError, match=r"one of bool, uint8, got torch\.int8"):
+        FA(q, q, q, 2, "TND", atten_mask=MASK, **args)
+
+
+def test_fusion_attention_trailing_zero_batches_take_no_part() -> None:
+    """The doc's example: real lengths [2, 3, 4, 5, 6] with the last two left out is
+    ``actual_seq_qlen=[2, 5, 9, 0, 0]``."""
+    q = torch.randn(9, 2, 16).to(torch.bfloat16)
+    out = FA(q, q, q, 2, "TND", actual_seq_qlen=[2, 5, 9, 0, 0], actual_seq_kvlen=[2, 5, 9, 0, 0])
+    want = FA(q, q, q, 2, "TND", actual_seq_qlen=[2, 5, 9], actual_seq_kvlen=[2, 5, 9])
+    torch.testing.assert_close(out[0], want[0])
+    with pytest.raises(NpuOpError, match="cumulative"):  # a zero inside stays an error
+        FA(q, q, q, 2, "TND", actual_seq_qlen=[2, 0, 9], actual_seq_kvlen=[2, 5, 9])
+
+
+# --- fully masked rows ----------------------------------------------------------------------------
+
+
+def _band_with_an_empty_first_row(**extra: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A band (pre 1, next -1) that shows query 0 of a 4 x 4 request no key."""
+    a = _paged([4], [4]) | dict(sparse_mode=4, pre_tokens=1, next_tokens=-1) | extra
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    return FIA(q, k, v, softmax_lse_flag=True, **a)
+
+
+def test_fully_masked_rows_are_undefined_without_inner_precise_2_or_3() -> None:
+    out, lse = _band_with_an_empty_first_row()
+    assert out[0].float().isnan().all() and lse[0].isnan().all()
+    assert out[1:].float().isfinite().all()
+
+
+@pytest.mark.parametrize("inner_precise", [2, 3])
+def test_inner_precise_2_or_3_corrects_fully_masked_rows_to_zero(inner_precise: int) -> None:
+    out, lse = _band_with_an_empty_first_row(inner_precise=inner_precise)
+    assert float(out[0].float().abs().max()) == 0 and torch.isposinf(lse[0]).all()
+
+
+def test_the_op_corrects_rows_it_detects_itself_causal_with_more_queries_than_keys() -> None:
+    """sparse_mode 3 with Q_S > KV_S: the doc's example of a case the op detects."""
+    a = _paged([4], [2])  # 4 query rows over 2 keys: rows 0 and 1 see none
+    out = _fia(a)
+    assert float(out[:2].float().abs().max()) == 0 and out[2:].float().isfinite().all()
+
+
+def test_inner_precise_2_is_refused_when_every_request_has_one_query_token() -> None:
+    with pytest.raises(NpuOpError, match="Q_S = 1 only 0 and 1"):
+        _fia(_paged([1, 1], [5, 9]) | dict(inner_precise=2))
+    _fia(_paged([1, 3], [5, 9]) | dict(inner_precise=2))
+
+
+def test_fusion_attention_varlen_refuses_rows_that_see_no_key() -> None:
+    q = torch.randn(4, 2, 16).to(torch.bfloat16)
+    mask = emulator.compressed_causal_mask(dtype=torch.bool)
+    with pytest.raises(NpuOpError, match="sees no key"):
+        FA(
+            q,
+            q,
+            q,
+            2,
+            "TND",
+            atten_mask=mask,
+            actual_seq_qlen=[4],
+            actual_seq_kvlen=[4],
+            sparse_mode=4,
+            pre_tockens=1,
+            next_tockens=-1,
+        )
+
+
+# --- one-token requests and the band --------------------------------------------------------------
+
+
+def test_under_the_other_reading_one_token_requests_keep_the_band(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(emulator, "SINGLE_TOKEN_IGNORES_SPARSE", False)
+    args = _paged([1], [30]) | dict(sparse_mode=4, pre_tokens=3, next_tokens=0)
+    want = _dense(args, 0, torch.arange(30)[None, :] >= 26)
+    torch.testing.assert_close(_fia(args).float(), want, atol=1e-2, rtol=1e-2)
+
+
+# --- KV writes ------------------------------------------------------------------------------------
+
+
+def test_reshape_and_cache_takes_different_k_and_v_head_sizes() -> None:
+    kc, vc = torch.zeros(2, 4, 1, 32), torch.zeros(2, 4, 1, 16)
+    k, v = torch.randn(3, 1, 32), torch.randn(3, 1, 16)
+    emulator._npu_reshape_and_cache(k, v, kc, vc, torch.tensor([5, 0, 7], dtype=torch.int32))
+    assert torch.equal(kc.view(8, 1, 32)[7], k[2]) and torch.equal(vc.view(8, 1, 16)[7], v[2])
+
+
+def test_scatter_pa_kv_cache_norm_writes_nd_caches() -> None:
+    kc, vc = torch.zeros(2, 4, 2, 32), torch.zeros(2, 4, 2, 16)
+    k, v = torch.randn(3, 2, 32), torch.randn(3, 2, 16)
+    SCATTER(k, v, kc, vc, torch.tensor([5, 0, 7]), cache_mode="Norm")
+    assert torch.equal(kc.view(8, 2, 32)[5], k[0]) and torch.equal(vc.view(8, 2, 16)[0], v[1])
+    assert int((kc.view(8, -1).abs().sum(1) > 0).sum()) == 3
+
+
+def test_scatter_pa_kv_cache_has_no_padding_slot() -> None:
+    kc = torch.zeros(2, 4, 1, 16)
+    k = torch.randn(2, 1, 16)
+    with pytest.raises(NpuOpError, match=r"slot_mapping\[1\] = -1 is outside \[0, 7\]"):
+        SCATTER(k, k, kc, kc.clone(), torch.tensor([3, -1], dtype=torch.int32), cache_mode="Norm")
+
+
+def test_scatter_pa_kv_cache_nz_and_compression_are_valid_but_not_emulated() -> None:
+    kc = torch.zeros(2, 4, 1, 16)
+    k = torch.randn(2, 1, 16)
+    slots = torch.tensor([3, 1], dtype=torch.int32)
+    with pytest.raises(NotEmulatedError, match="PA_NZ"):
+        SCATTER(k, k, kc, kc.clone(), slots)  # the default cache_mode is 'PA_NZ'
+    with pytest.raises(NotEmulatedError, match="seq_lens"):
+        SCATTER(k, k, kc, kc.clone(), slots, seq_lens=slots, cache_mode="Norm")
+
+
+def test_v2_tree_mask_mode_9_needs_the_mla_form() -> None:
+    a = _paged([2], [5]) | dict(sparse_mode=9)
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    args = dict(
+        actual_seq_qlen=a.pop("actual_seq_lengths"),
+        actual_seq_kvlen=a.pop("actual_seq_lengths_kv"),
+        num_query_heads=a.pop("num_heads"),
+        softmax_scale=a.pop("scale"),
+    )
+    with pytest.raises(NpuOpError, match="sparse_mode=9 needs query_rope"):
+        emulator.npu_fused_infer_attention_score_v2(q, k, v, **a, **args)
+
+
+def test_fusion_attention_takes_a_value_head_size_up_to_the_keys() -> None:
+    """ "Dq=Dk和Dk≥Dv": the output has the value's head size; a larger Dv is refused."""
+    q = torch.randn(6, 2, 32).to(torch.bfloat16)
+    v = torch.randn(6, 2, 16).to(torch.bfloat16)
+    lengths = dict(actual_seq_qlen=[2, 6], actual_seq_kvlen=[2, 6])
+    out = FA(q, q, v, 2, "TND", scale=0.2, **lengths)[0]
+    assert out.shape == (6, 2, 16)
+    wide = FA(q, q, torch.cat([v, torch.zeros_like(v)], -1), 2, "TND", scale=0.2, **lengths)[0]
+    torch.testing.assert_close(out, wide[..., :16])  # the same weights over the same values
+    with pytest.raises(NpuOpError, match="Dv <= 32"):
+        FA(q, q, torch.randn(6, 2, 48).to(torch.bfloat16), 2, "TND", **lengths)

@@ -6,8 +6,13 @@ from __future__ import annotations
 import ascend_helpers as h
 import pytest
 import torch
-from attnhub_ascend import AscendAttentionState, emulator
-from attnhub_ascend.backend import INT_MAX, compressed_causal_mask
+from attnhub_ascend import AscendAttentionState, AscendBackend, emulator
+from attnhub_ascend.backend import (
+    INT_MAX,
+    RESHAPE_AND_CACHE,
+    AscendMetadataBuilder,
+    compressed_causal_mask,
+)
 
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.spec import AttentionType
@@ -15,7 +20,8 @@ from attnhub.spec import AttentionType
 FIA = "npu_fused_infer_attention_score.out"
 FIA_V2 = "npu_fused_infer_attention_score_v2.out"
 FA = "npu_fusion_attention"
-WRITE = "_npu_reshape_and_cache"
+WRITE = "npu_scatter_pa_kv_cache"  # the 910B default
+ATB_WRITE = "_npu_reshape_and_cache"  # the 310P path
 
 #: decodes, a multi-token decode, a chunked prefill, a fresh prefill: every kind in one step
 MIXED = [(1, 300), (3, 140), (1, 9), (40, 300), (130, 130)]
@@ -65,7 +71,7 @@ def test_layers_share_the_step_plan_and_make_one_call_each() -> None:
     assert all(c.kwargs["block_table"] is meta.block_table for c in fia)
     assert all(c.kwargs["actual_seq_lengths"] is meta.query_ends for c in fia)
     writes = [c for c in calls if c.name == WRITE]
-    assert all(c.kwargs["slot_indices"] is meta.slot_mapping for c in writes)
+    assert all(c.kwargs["slot_mapping"] is meta.slot_mapping for c in writes)
 
 
 # --- lengths -------------------------------------------------------------------------------------
@@ -146,6 +152,48 @@ def test_window_decode_rows_get_a_padding_row_so_the_band_applies() -> None:
     assert dict(emulator.call_counts) == {FIA: 1, WRITE: 1}
 
 
+class _UnpaddedBuilder(AscendMetadataBuilder):
+    pad_window_decodes = False
+
+
+def _windowed_decodes() -> h.Step:
+    return h.step([(1, 200), (1, 30), (6, 100)], h.spec(sliding_window=40))
+
+
+@pytest.mark.parametrize("single_token_ignores_band", [True, False])
+def test_padded_window_decodes_are_right_under_either_reading(
+    single_token_ignores_band: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(emulator, "SINGLE_TOKEN_IGNORES_SPARSE", single_token_ignores_band)
+    st = _windowed_decodes()
+    h.assert_matches_reference(st, h.forward(st))
+
+
+def test_without_the_padding_a_decode_sees_its_whole_context_under_the_strict_reading() -> None:
+    """pad_window_decodes = False is only right once hardware shows the band applies to
+    one-token requests: under the emulated (strict) reading the decode sees all 200 keys."""
+    st = _windowed_decodes()
+    meta = _UnpaddedBuilder(st.backend).build(st.batch)
+    assert meta.query_rows is None and meta.kernel_tokens == 8
+    out = st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    unwindowed = h.step([(1, 200), (1, 30), (6, 100)])  # same seed: same cache and queries
+    want = h.forward(unwindowed)
+    torch.testing.assert_close(out[0], want[0], atol=2e-2, rtol=2e-2)
+    with pytest.raises(AssertionError):
+        h.assert_matches_reference(st, out)
+
+
+def test_without_the_padding_decodes_keep_the_window_under_the_other_reading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(emulator, "SINGLE_TOKEN_IGNORES_SPARSE", False)
+    st = _windowed_decodes()
+    meta = _UnpaddedBuilder(st.backend).build(st.batch)
+    assert meta.query_rows is None and meta.query_ends == (1, 2, 8)
+    out = st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    h.assert_matches_reference(st, out)
+
+
 def test_non_causal_window_is_a_two_sided_band() -> None:
     s = h.spec(attn_type=AttentionType.ENCODER, sliding_window=5)
     st = h.step([(20, 20), (9, 9)], s)
@@ -153,8 +201,31 @@ def test_non_causal_window_is_a_two_sided_band() -> None:
     fa = _only(calls, FA)
     assert fa.kwargs["sparse_mode"] == 4
     assert fa.kwargs["pre_tockens"] == 4 and fa.kwargs["next_tockens"] == 4
-    assert fa.kwargs["atten_mask"] is compressed_causal_mask(torch.device("cpu"))
+    # npu_fusion_attention takes bool / uint8 masks only [doc]; FIA's int8 one would be refused
+    mask = fa.kwargs["atten_mask"]
+    assert mask.dtype == torch.bool
+    assert mask is compressed_causal_mask(torch.device("cpu"), torch.bool)
     h.assert_matches_reference(st, out)
+
+
+def test_npu_fusion_attention_refuses_the_int8_mask_fia_takes() -> None:
+    s = h.spec(attn_type=AttentionType.ENCODER, sliding_window=5)
+    q = torch.randn(20, 4, 64).to(torch.bfloat16)
+    k = torch.randn(20, 2, 64).to(torch.bfloat16)
+    args = dict(actual_seq_qlen=[20], actual_seq_kvlen=[20], sparse_mode=4, scale=s.scale)
+    with pytest.raises(emulator.NpuOpError, match="atten_mask must be one of bool, uint8"):
+        emulator.npu_fusion_attention(
+            q, k, k, 4, "TND", atten_mask=compressed_causal_mask(torch.device("cpu")), **args
+        )
+    emulator.npu_fusion_attention(
+        q,
+        k,
+        k,
+        4,
+        "TND",
+        atten_mask=compressed_causal_mask(torch.device("cpu"), torch.bool),
+        **args,
+    )
 
 
 # --- sinks ---------------------------------------------------------------------------------------
@@ -185,15 +256,15 @@ def test_block_table_and_slot_mapping_are_int32() -> None:
     with emulator.record_calls() as calls:
         st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
     assert _only(calls, FIA).kwargs["block_table"].dtype == torch.int32
-    assert _only(calls, WRITE).kwargs["slot_indices"].dtype == torch.int32
+    assert _only(calls, WRITE).kwargs["slot_mapping"].dtype == torch.int32
 
 
 def test_padding_rows_are_not_handed_to_the_kv_write() -> None:
     st = h.step(MIXED, padding=5)
     _, calls = _calls(st)
     write = _only(calls, WRITE)
-    assert write.kwargs["key"].shape[0] == write.kwargs["slot_indices"].shape[0] == 175
-    assert bool((write.kwargs["slot_indices"] >= 0).all())
+    assert write.kwargs["key"].shape[0] == write.kwargs["slot_mapping"].shape[0] == 175
+    assert bool((write.kwargs["slot_mapping"] >= 0).all())
 
 
 def test_write_kv_converts_the_engines_slots_to_int32_and_skips_padding() -> None:
@@ -203,7 +274,11 @@ def test_write_kv_converts_the_engines_slots_to_int32_and_skips_padding() -> Non
     slots = torch.tensor([3, -1, 130, -1, 7], dtype=torch.int64)
     with emulator.record_calls() as calls:
         impl.write_kv(st.key, st.value, st.cache, slots)
-    assert _only(calls, WRITE).kwargs["slot_indices"].dtype == torch.int32
+    write = _only(calls, WRITE)
+    # npu_scatter_pa_kv_cache has no padding slot [doc]: the -1 rows are left out
+    assert write.kwargs["slot_mapping"].tolist() == [3, 130, 7]
+    assert write.kwargs["slot_mapping"].dtype == torch.int32
+    assert write.kwargs["cache_mode"] == "Norm"
     flat_k = st.cache.key.view(-1, 2, 64)
     assert torch.equal(flat_k[3], st.key[0]) and torch.equal(flat_k[130], st.key[2])
     assert torch.equal(flat_k[7], st.key[4])
@@ -341,3 +416,81 @@ def test_step_writes_refuse_strided_caches_and_foreign_metadata() -> None:
     with pytest.raises(InvalidInputError, match="must come from the ascend backend"):
         impl.write_kv(st.key, st.value, st.cache, meta=AttentionMetadata(batch=st.batch))
     assert st.cache.equal(before)
+
+
+def test_a_padding_slot_among_a_steps_real_tokens_is_left_out_of_the_write() -> None:
+    st = h.step([(3, 3), (2, 130)])
+    st.batch.slot_mapping[1] = -1  # an engine may mark a real token's write as skipped
+    meta = st.backend.metadata_builder().build(st.batch)
+    assert meta.write_rows is not None and meta.write_rows.tolist() == [0, 2, 3, 4]
+    with emulator.record_calls() as calls:
+        st.backend.impl().write_kv(st.key, st.value, st.cache, meta=meta)
+    write = _only(calls, WRITE)
+    assert bool((write.kwargs["slot_mapping"] >= 0).all())
+    assert torch.equal(write.kwargs["key"], st.key[[0, 2, 3, 4]])
+
+
+class _AtbAscend(AscendBackend):
+    kv_write_op = RESHAPE_AND_CACHE  # 310P: the ATB op is the only KV write
+
+
+def test_the_atb_kv_write_is_a_class_switch_and_skips_padding_itself() -> None:
+    b = _AtbAscend(h.spec(), "cpu", emulate=True)
+    st = h.step([(1, 300), (5, 5)])
+    st.batch.slot_mapping[2] = -1
+    meta = b.metadata_builder().build(st.batch)
+    assert meta.write_rows is None  # the op skips slots < 0 itself
+    with emulator.record_calls() as calls:
+        out = b.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    write = _only(calls, ATB_WRITE)
+    assert write.kwargs["slot_indices"].dtype == torch.int32
+    assert write.kwargs["slot_indices"].shape[0] == 6
+    assert WRITE not in emulator.call_counts
+    assert out.isfinite().all()
+
+
+def test_an_unknown_kv_write_op_is_refused() -> None:
+    class Odd(AscendBackend):
+        kv_write_op = "npu_reshape_and_cache_magic"
+
+    with pytest.raises(UnsupportedConfigurationError, match="kv_write_op"):
+        Odd(h.spec(), "cpu", emulate=True)
+
+
+def test_more_requests_than_fia_tnd_takes_are_refused_with_the_count() -> None:
+    st = h.step([(1, 1)] * 4097)
+    with pytest.raises(UnsupportedConfigurationError, match=r"4097 requests.*at most 4096"):
+        st.backend.metadata_builder().build(st.batch)
+
+
+@pytest.mark.parametrize(
+    ("attn_type", "requests"),
+    [
+        (AttentionType.DECODER, MIXED),
+        (AttentionType.ENCODER, [(20, 20), (1, 1), (9, 9)]),
+        (AttentionType.ENCODER_DECODER, [(1, 23), (5, 133), (3, 3)]),
+    ],
+    ids=lambda x: getattr(x, "value", None),
+)
+def test_the_narrowest_window_builds_no_row_that_sees_no_key(
+    attn_type: AttentionType, requests: list[tuple[int, int]]
+) -> None:
+    """The backend never passes inner_precise 2/3: every row it builds sees a key (its own
+    bottom-right diagonal, as seq_len >= query_len), so no row needs the invalid-row correction.
+    The emulator leaves uncorrected empty rows NaN, so a row that saw nothing would fail here."""
+    st = h.step(requests, h.spec(attn_type=attn_type, sliding_window=1))
+    meta = st.backend.metadata_builder().build(st.batch)
+    key = None if attn_type is AttentionType.ENCODER_DECODER else st.key
+    value = None if key is None else st.value
+    with emulator.record_calls() as calls:
+        out = st.backend.impl().forward(st.query, key, value, st.cache, meta)
+    assert all(c.kwargs.get("inner_precise", 0) == 0 for c in calls)
+    h.assert_matches_reference(st, out)
+
+
+def test_write_kv_with_only_padding_slots_makes_no_write() -> None:
+    st = h.step([(3, 3)])
+    before = st.cache.clone()
+    with emulator.record_calls() as calls:
+        st.backend.impl().write_kv(st.key, st.value, st.cache, torch.full((3,), -1))
+    assert calls == [] and st.cache.equal(before)
