@@ -1,0 +1,33 @@
+"""attnhub's CUDA backend: FlashAttention (vLLM's fork, FA2, FA3, FA4) natively, a CPU emulator
+elsewhere."""
+
+from attnhub_flash.backend import (
+    BACKENDS,
+    CAPABILITIES,
+    FlashAttentionImpl,
+    FlashAttentionMetadata,
+    FlashBackend,
+    FlashFA2Backend,
+    FlashFA3Backend,
+    FlashFA4Backend,
+    FlashMetadataBuilder,
+    FlashVllmBackend,
+    backend_class,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "CAPABILITIES",
+    "FlashAttentionImpl",
+    "FlashAttentionMetadata",
+    "FlashBackend",
+    "FlashFA2Backend",
+    "FlashFA3Backend",
+    "FlashFA4Backend",
+    "FlashMetadataBuilder",
+    "FlashVllmBackend",
+    "__version__",
+    "backend_class",
+]
