@@ -70,7 +70,8 @@ def _caps(**fields: Any) -> Capabilities:
         softcap=True,
         multi_token_decode=True,
         chunked_prefill=True,
-        cascade=False,
+        # common_prefix_len: a prefix call, a suffix call and an LSE merge (vLLM's cascade)
+        cascade=True,
         # max_seqlen_q / max_seqlen_k are host ints of the step: a captured graph would bake
         # them in; graph support is left for a later increment.
         graph_capture=GraphSupport.NEVER,
@@ -152,24 +153,69 @@ _COMMON_WHY = {"dtype": "FlashAttention kernels take float16 and bfloat16"}
 
 
 @dataclass(frozen=True)
+class KernelArgs:
+    """The length and table arguments of one attention call over the paged cache."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32, device: cumulative query lengths
+    max_query_len: int
+    seq_lens: torch.Tensor  # [B] int32, device: keys per sequence (seqused_k, cache_seqlens)
+    cu_seqlens_k: torch.Tensor | None  # [B + 1] int32, device: cumulative keys (FA2 only)
+    max_seq_len: int
+    block_table: torch.Tensor  # [B, blocks] int32, contiguous, device
+    causal: bool
+    #: Every sequence has one query token and the tokens are exactly the sequences: FA2 and
+    #: FA3 take their padded-batch decode path (q viewed as (B, 1, H, D)).
+    decode_only: bool = False
+
+
+@dataclass(frozen=True)
 class FlashAttentionMetadata(AttentionMetadata):
     """One step, planned: every argument of the kernels, ready to pass."""
 
     provider: str = "vllm"
     num_actual_tokens: int = 0
-    max_query_len: int = 0
-    max_seq_len: int = 0
-    causal: bool = True
-    #: Every request has one query token and the tokens are exactly the requests: FA2 and FA3
-    #: take their padded-batch decode path (q viewed as (B, 1, H, D)).
-    decode_only: bool = False
-    query_start_loc: torch.Tensor | None = None  # [B + 1] int32, device
-    seq_lens: torch.Tensor | None = None  # [B] int32, device
-    cu_seqlens_k: torch.Tensor | None = None  # [B + 1] int32, device (FA2: cumulative KV)
-    block_table: torch.Tensor | None = None  # [B, max_blocks] int32, contiguous, device
+    main: KernelArgs | None = None  # the one call of a step (None: no tokens)
+    #: Cascade: the shared prefix as one non-causal call of every query token over the
+    #: prefix blocks, then ``suffix`` (each request over its own blocks), merged by LSE.
+    prefix: KernelArgs | None = None
+    suffix: KernelArgs | None = None
     slot_mapping: torch.Tensor | None = None  # [num_tokens] int64, device (vLLM's write)
     write_rows: torch.Tensor | None = None  # [m] int64: tokens that have a slot (scatter)
     write_slots: torch.Tensor | None = None  # [m] int64: their slots
+
+    @property
+    def cascade(self) -> bool:
+        return self.prefix is not None
+
+
+def use_cascade(
+    common_prefix_len: int,
+    query_lens: torch.Tensor,  # [B] int, host
+    num_heads: int,
+    num_kv_heads: int,
+    *,
+    use_alibi: bool,
+    use_sliding_window: bool,
+    num_sms: int,
+) -> bool:
+    """vLLM's heuristic (``vllm/v1/attention/backends/flash_attn.py: use_cascade_attention``):
+    is a shared prefix worth a separate call? A rough CTA-count model of FlashDecoding against
+    the cascade's prefix pass [callers]."""
+    if common_prefix_len < 256 or use_alibi or use_sliding_window:
+        return False
+    num_reqs = int(query_lens.numel())
+    if num_reqs < 8:
+        return False
+    group = num_heads // num_kv_heads
+    flash_decoding = group > 1 and bool((query_lens == 1).all())
+    if not flash_decoding:
+        return True
+    tile = 128
+    prefix_tiles = -(-common_prefix_len // tile)
+    cascade_ctas = num_heads * -(-num_reqs // tile)
+    cascade_time = -(-cascade_ctas // num_sms) * prefix_tiles
+    decoding_ctas = num_reqs * num_kv_heads * -(-group // tile) * prefix_tiles
+    return cascade_time < -(-decoding_ctas // num_sms)
 
 
 class FlashBackend(AttentionBackend):
@@ -261,30 +307,41 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
 
     backend: FlashBackend
 
+    def __init__(self, backend: FlashBackend) -> None:
+        super().__init__(backend)
+        #: When a shared prefix runs as a cascade: "auto" (vLLM's heuristic, ``use_cascade``),
+        #: "always" (whenever it is whole blocks and the spec allows) or "never". The
+        #: heuristic models GPU kernels; emulated, "always", so that the cascade path is the
+        #: one the suite checks.
+        self.cascade_policy = "always" if backend.emulated else "auto"
+
     def plan(self, batch: BatchMetadata, common_prefix_len: int) -> FlashAttentionMetadata:
         provider = self.backend.provider
         dev = self.backend.device
         n = batch.num_actual_tokens
-        q_lens = batch.query_lens_cpu  # host
         fields: dict[str, Any] = dict(
             batch=batch,
             common_prefix_len=common_prefix_len,
             provider=provider,
             num_actual_tokens=n,
-            max_query_len=batch.max_query_len,
-            max_seq_len=batch.max_seq_len,
-            causal=self.spec.causal and batch.causal,
-            decode_only=batch.num_reqs > 0 and n == batch.num_reqs and bool((q_lens == 1).all()),
-            # int32 and contiguous once per step, not per layer (no-ops when already so)
-            query_start_loc=batch.query_start_loc.to(torch.int32).contiguous(),
-            seq_lens=batch.seq_lens.to(torch.int32).contiguous(),
-            block_table=batch.block_table.to(torch.int32).contiguous(),
         )
-        if provider == "fa2":
-            # FA2's paged varlen reads the KV lengths from cu_seqlens_k [inferred]
-            cu = torch.zeros(batch.num_reqs + 1, dtype=torch.int32)
-            torch.cumsum(batch.seq_lens_cpu.to(torch.int32), 0, out=cu[1:])
-            fields["cu_seqlens_k"] = cu.to(dev)
+        if n:
+            q_lens = batch.query_lens_cpu  # host
+            causal = self.spec.causal and batch.causal
+            main = self._kernel_args(
+                # int32 and contiguous once per step, not per layer (no-ops when already so)
+                batch.query_start_loc.to(torch.int32).contiguous(),
+                batch.max_query_len,
+                batch.seq_lens.to(torch.int32).contiguous(),
+                batch.seq_lens_cpu,
+                batch.block_table.to(torch.int32).contiguous(),
+                causal,
+                decode_only=n == batch.num_reqs and bool((q_lens == 1).all()),
+            )
+            fields["main"] = main
+            blocks = common_prefix_len // batch.block_size  # whole shared blocks
+            if blocks and causal and self._wants_cascade(batch, blocks * batch.block_size):
+                fields.update(self._cascade(batch, main, blocks))
         if provider == "vllm":
             # reshape_and_cache_flash skips slot < 0 itself [schema]; int64 as vLLM passes it
             fields["slot_mapping"] = batch.slot_mapping.to(torch.int64)
@@ -294,6 +351,90 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             fields["write_rows"] = rows.to(dev)
             fields["write_slots"] = host[rows].to(dev)
         return FlashAttentionMetadata(**fields)
+
+    def _kernel_args(
+        self,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        seq_lens: torch.Tensor,  # device
+        seq_lens_cpu: torch.Tensor,  # host
+        block_table: torch.Tensor,
+        causal: bool,
+        *,
+        decode_only: bool = False,
+    ) -> KernelArgs:
+        cu_k = None
+        if self.backend.provider == "fa2":
+            # FA2's paged varlen reads the KV lengths from cu_seqlens_k [inferred]
+            cu = torch.zeros(seq_lens_cpu.numel() + 1, dtype=torch.int32)
+            torch.cumsum(seq_lens_cpu.to(torch.int32), 0, out=cu[1:])
+            cu_k = cu.to(self.backend.device)
+        return KernelArgs(
+            query_start_loc=query_start_loc,
+            max_query_len=max_query_len,
+            seq_lens=seq_lens,
+            cu_seqlens_k=cu_k,
+            max_seq_len=int(seq_lens_cpu.max()) if seq_lens_cpu.numel() else 0,
+            block_table=block_table,
+            causal=causal,
+            decode_only=decode_only,
+        )
+
+    def _wants_cascade(self, batch: BatchMetadata, prefix_len: int) -> bool:
+        if self.cascade_policy == "never":
+            return False
+        spec = self.spec
+        if spec.use_alibi or spec.has_window:  # as vLLM: a cascade would break both
+            return False
+        if self.cascade_policy == "always":
+            return True
+        dev = self.backend.device
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        return use_cascade(
+            prefix_len,
+            batch.query_lens_cpu,
+            spec.num_heads,
+            spec.num_kv_heads,
+            use_alibi=spec.use_alibi,
+            use_sliding_window=spec.has_window,
+            num_sms=num_sms,
+        )
+
+    def _cascade(self, batch: BatchMetadata, main: KernelArgs, blocks: int) -> dict[str, Any]:
+        """The prefix and suffix calls (vLLM's ``cascade_attention``): every query token over
+        the ``blocks`` shared blocks, non-causal (every query sits after the prefix); then each
+        request causally over the rest of its blocks."""
+        table = batch.host_block_table()
+        shared = table[:, :blocks]
+        if not bool((shared == shared[:1]).all()):
+            r = int((shared != shared[:1]).any(1).nonzero()[0, 0])
+            raise InvalidInputError(
+                f"common_prefix_len = {batch.block_size * blocks} spans {blocks} blocks, but "
+                f"block_table[{r}, :{blocks}] = {table[r, :blocks].tolist()} differs from "
+                f"block_table[0, :{blocks}] = {table[0, :blocks].tolist()}"
+            )
+        dev = self.backend.device
+        prefix_len = blocks * batch.block_size
+        n = batch.num_actual_tokens
+        prefix_lens = torch.tensor([prefix_len], dtype=torch.int32)
+        suffix_lens = batch.seq_lens_cpu.to(torch.int32) - prefix_len
+        prefix = self._kernel_args(
+            torch.tensor([0, n], dtype=torch.int32, device=dev),
+            n,
+            prefix_lens.to(dev),
+            prefix_lens,
+            main.block_table[:1, :blocks].contiguous(),
+            causal=False,
+        )
+        suffix = self._kernel_args(
+            main.query_start_loc,
+            main.max_query_len,
+            suffix_lens.to(dev),
+            suffix_lens,
+            main.block_table[:, blocks:].contiguous(),
+            causal=True,
+        )
+        return dict(prefix=prefix, suffix=suffix)
 
 
 class FlashAttentionImpl(AttentionImpl):
@@ -403,115 +544,179 @@ class FlashAttentionImpl(AttentionImpl):
         if n == 0:
             return
         q, target = query[:n], out[:n]
-        provider = meta.provider
+        if meta.prefix is None:
+            assert meta.main is not None
+            result, _ = self._call(q, cache, meta.main, out=target)
+            if result is not target:
+                target.copy_(result)
+            return
+        assert meta.suffix is not None
+        # the prefix carries no sink (it joins the denominator once: in the suffix call)
+        o1, lse1 = self._call(q, cache, meta.prefix, lse=True, sinks=False)
+        o2, lse2 = self._call(q, cache, meta.suffix, lse=True)
+        assert lse1 is not None and lse2 is not None
+        merge_attn_states(target, o1, lse1, o2, lse2)
+
+    def _call(
+        self,
+        q: torch.Tensor,  # [n, num_heads, head_size]
+        cache: PagedKVCache,
+        args: KernelArgs,
+        *,
+        out: torch.Tensor | None = None,
+        lse: bool = False,
+        sinks: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [n, H, D], LSE [H, n] float32 or None
+        """One attention call of this provider over the paged cache. Writes ``out`` where
+        the provider takes it (vLLM's fork); the result is returned either way."""
+        provider = self.backend.provider
         if provider == "vllm":
-            self._vllm(q, cache, meta, target)
-        elif provider == "fa2":
-            target.copy_(self._fa2(q, cache, meta))
-        elif provider == "fa3":
-            target.copy_(self._fa3(q, cache, meta))
-        else:
-            target.copy_(self._fa4(q, cache, meta))
+            return self._vllm(q, cache, args, out, lse)
+        if provider == "fa2":
+            return self._fa2(q, cache, args, lse)
+        if provider == "fa3":
+            return self._fa3(q, cache, args, lse)
+        return self._fa4(q, cache, args, lse, self.sinks if sinks else None)
 
     def _vllm(
-        self, q: torch.Tensor, cache: PagedKVCache, meta: FlashAttentionMetadata, out: torch.Tensor
-    ) -> None:
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        a: KernelArgs,
+        out: torch.Tensor | None,
+        lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # vLLM's fork: positional order differs from upstream, so keywords only [schema];
         # block_table needs seqused_k [schema]; out= written in place.
-        self.backend.ops.attention.flash_attn_varlen_func(
+        result = self.backend.ops.attention.flash_attn_varlen_func(
             q=q,
             k=cache.key,
             v=cache.value,
             out=out,
-            cu_seqlens_q=meta.query_start_loc,
-            max_seqlen_q=meta.max_query_len,
-            seqused_k=meta.seq_lens,
-            max_seqlen_k=meta.max_seq_len,
+            cu_seqlens_q=a.query_start_loc,
+            max_seqlen_q=a.max_query_len,
+            seqused_k=a.seq_lens,
+            max_seqlen_k=a.max_seq_len,
             softmax_scale=self.spec.scale,
-            causal=meta.causal,
+            causal=a.causal,
             alibi_slopes=self.alibi_slopes,
             window_size=self.window,
-            block_table=meta.block_table,
+            block_table=a.block_table,
             softcap=self.softcap,
+            return_softmax_lse=lse,
             fa_version=2,
         )
+        return result if lse else (result, None)
 
     def _fa2(
-        self, q: torch.Tensor, cache: PagedKVCache, meta: FlashAttentionMetadata
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, cache: PagedKVCache, a: KernelArgs, lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         fa = self.backend.ops.attention
-        if meta.decode_only:  # the decode kernel (split-KV): q as (B, 1, H, D)
+        if a.decode_only and not lse:  # the decode kernel (split-KV): q as (B, 1, H, D)
             result = fa.flash_attn_with_kvcache(
                 q.unsqueeze(1),
                 cache.key,
                 cache.value,
-                cache_seqlens=meta.seq_lens,
-                block_table=meta.block_table,
+                cache_seqlens=a.seq_lens,
+                block_table=a.block_table,
                 softmax_scale=self.spec.scale,
-                causal=meta.causal,
+                causal=a.causal,
                 window_size=self.window,
                 softcap=self.softcap,
                 alibi_slopes=self.alibi_slopes,
             )
-            return result.squeeze(1)
-        return fa.flash_attn_varlen_func(
+            return result.squeeze(1), None
+        result = fa.flash_attn_varlen_func(
             q,
             cache.key,
             cache.value,
-            meta.query_start_loc,
-            meta.cu_seqlens_k,
-            meta.max_query_len,
-            meta.max_seq_len,
+            a.query_start_loc,
+            a.cu_seqlens_k,
+            a.max_query_len,
+            a.max_seq_len,
             softmax_scale=self.spec.scale,
-            causal=meta.causal,
+            causal=a.causal,
             window_size=self.window,
             softcap=self.softcap,
             alibi_slopes=self.alibi_slopes,
-            block_table=meta.block_table,
+            return_attn_probs=lse,  # (out, softmax_lse, S_dmask): the only way to the LSE
+            block_table=a.block_table,
         )
+        return (result[0], result[1]) if lse else (result, None)
 
     def _fa3(
-        self, q: torch.Tensor, cache: PagedKVCache, meta: FlashAttentionMetadata
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, cache: PagedKVCache, a: KernelArgs, lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         shared: dict[str, Any] = dict(
-            cache_seqlens=meta.seq_lens,
-            page_table=meta.block_table,
+            cache_seqlens=a.seq_lens,
+            page_table=a.block_table,
             softmax_scale=self.spec.scale,
-            causal=meta.causal,
+            causal=a.causal,
             window_size=self.window,
             softcap=self.softcap,
+            return_softmax_lse=lse,
         )
         fa = self.backend.ops.attention
-        if meta.decode_only:
+        if a.decode_only and not lse:
             result = fa.flash_attn_with_kvcache(q.unsqueeze(1), cache.key, cache.value, **shared)
-            return result.squeeze(1)
+            return result.squeeze(1), None
         # varlen q through cu_seqlens_q / max_seqlen_q [schema; shapes inferred]
-        return fa.flash_attn_with_kvcache(
+        result = fa.flash_attn_with_kvcache(
             q,
             cache.key,
             cache.value,
-            cu_seqlens_q=meta.query_start_loc,
-            max_seqlen_q=meta.max_query_len,
+            cu_seqlens_q=a.query_start_loc,
+            max_seqlen_q=a.max_query_len,
             **shared,
         )
+        return result if lse else (result, None)
 
     def _fa4(
-        self, q: torch.Tensor, cache: PagedKVCache, meta: FlashAttentionMetadata
-    ) -> torch.Tensor:
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        a: KernelArgs,
+        lse: bool,
+        sinks: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # every argument after v by keyword [schema]; returns (out, lse) [schema]
-        out, _ = self.backend.ops.attention.flash_attn_varlen_func(
+        out, lse_t = self.backend.ops.attention.flash_attn_varlen_func(
             q,
             cache.key,
             cache.value,
-            cu_seqlens_q=meta.query_start_loc,
-            max_seqlen_q=meta.max_query_len,
-            seqused_k=meta.seq_lens,
-            max_seqlen_k=meta.max_seq_len,
-            page_table=meta.block_table,
+            cu_seqlens_q=a.query_start_loc,
+            max_seqlen_q=a.max_query_len,
+            seqused_k=a.seq_lens,
+            max_seqlen_k=a.max_seq_len,
+            page_table=a.block_table,
             softmax_scale=self.spec.scale,
-            causal=meta.causal,
+            causal=a.causal,
             window_size=self.window_fa4,
-            learnable_sink=self.sinks,
+            learnable_sink=sinks,
             softcap=self.softcap,
+            return_lse=lse,
         )
-        return out
+        return out, lse_t
+
+
+def merge_attn_states(
+    out: torch.Tensor,  # [n, H, D], written
+    o1: torch.Tensor,  # [n, H, D]
+    lse1: torch.Tensor,  # [H, n] float32, natural log
+    o2: torch.Tensor,
+    lse2: torch.Tensor,
+) -> None:
+    """Two partial attentions over disjoint keys as one (vLLM's ``merge_attn_states``):
+    m = max(l1, l2); w_i = exp(l_i - m); out = (w1 o1 + w2 o2) / (w1 + w2). A non-finite LSE
+    is an empty part (+inf for FA2/FA3 and vLLM's fork, -inf for FA4): weight 0; both empty
+    give 0. Device ops only: no host read."""
+    l1, l2 = lse1.t().unsqueeze(-1), lse2.t().unsqueeze(-1)  # [n, H, 1]
+    ok1, ok2 = torch.isfinite(l1), torch.isfinite(l2)
+    zero = torch.zeros_like(l1)
+    l1, l2 = torch.where(ok1, l1, zero), torch.where(ok2, l2, zero)
+    m = torch.maximum(torch.where(ok1, l1, l2), torch.where(ok2, l2, l1))
+    w1 = torch.where(ok1, torch.exp(l1 - m), zero)
+    w2 = torch.where(ok2, torch.exp(l2 - m), zero)
+    total = w1 + w2
+    merged = (w1 * o1.float() + w2 * o2.float()) / torch.where(total > 0, total, 1.0)
+    out.copy_(merged)

@@ -52,18 +52,25 @@ def step(
     *,
     padding: int = 0,
     seed: int = 0,
+    shared_prefix_blocks: int = 0,
 ) -> Step:
-    """A step over random context already in the cache, with ``padding`` slot -1 rows."""
+    """A step over random context already in the cache, with ``padding`` slot -1 rows; the
+    first ``shared_prefix_blocks`` blocks of every request are the same ones (cascade)."""
     s = s or spec(provider)
     b = backend(provider, s)
     g = testing.generator(seed)
     query_lens, seq_lens = [q for q, _ in requests], [n for _, n in requests]
-    batch, num_blocks = testing.make_batch(
+    num_blocks = testing.num_blocks_for(
+        seq_lens, s.block_size, spare=2, shared_prefix_blocks=shared_prefix_blocks
+    )
+    table = testing.shuffled_block_table(
+        seq_lens, s.block_size, num_blocks, g, shared_prefix_blocks=shared_prefix_blocks
+    )
+    batch = BatchMetadata.from_lengths(
         query_lens,
         seq_lens,
+        table,
         s.block_size,
-        testing.num_blocks_for(seq_lens, s.block_size, spare=2),
-        seed=g,
         causal=s.causal,
         num_tokens=sum(query_lens) + padding,
     )

@@ -144,10 +144,8 @@ def test_capabilities_differ_per_provider_where_the_kernels_do() -> None:
     assert 256 in FlashFA4Backend.capabilities.head_sizes
 
 
-def test_cascade_and_graph_capture_are_refused_at_build() -> None:
+def test_graph_capture_is_refused_at_build() -> None:
     st = h.step([(1, 40), (1, 37)])
     builder = st.backend.metadata_builder()
-    with pytest.raises(UnsupportedConfigurationError, match="cascade"):
-        builder.build(st.batch, common_prefix_len=16)
     with pytest.raises(UnsupportedConfigurationError, match="graph"):
         builder.build_for_graph_capture(st.batch)

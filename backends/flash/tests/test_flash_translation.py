@@ -65,9 +65,10 @@ def test_layers_share_the_step_plan() -> None:
     attn = [c for c in calls if c.name == VLLM]
     assert len(attn) == 3
     # the same int32 tensors every layer: converted once per step, not per layer
-    assert all(c.kwargs["block_table"] is meta.block_table for c in attn)
-    assert all(c.kwargs["seqused_k"] is meta.seq_lens for c in attn)
-    assert all(c.kwargs["cu_seqlens_q"] is meta.query_start_loc for c in attn)
+    assert meta.main is not None
+    assert all(c.kwargs["block_table"] is meta.main.block_table for c in attn)
+    assert all(c.kwargs["seqused_k"] is meta.main.seq_lens for c in attn)
+    assert all(c.kwargs["cu_seqlens_q"] is meta.main.query_start_loc for c in attn)
 
 
 # --- vLLM's fork ------------------------------------------------------------------------------
