@@ -1,5 +1,5 @@
-"""attnhub's CUDA backend: FlashAttention (vLLM's fork, FA2, FA3, FA4) natively, a CPU emulator
-elsewhere."""
+"""attnhub's CUDA backend: FlashAttention (vLLM's fork with its FA2 or FA3 kernels, upstream
+FA2, FA3, FA4) natively, a CPU emulator elsewhere."""
 
 from attnhub_flash.backend import (
     BACKENDS,
@@ -12,6 +12,7 @@ from attnhub_flash.backend import (
     FlashFA4Backend,
     FlashMetadataBuilder,
     FlashVllmBackend,
+    FlashVllmFA3Backend,
     backend_class,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "FlashFA4Backend",
     "FlashMetadataBuilder",
     "FlashVllmBackend",
+    "FlashVllmFA3Backend",
     "__version__",
     "backend_class",
 ]

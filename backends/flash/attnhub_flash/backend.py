@@ -1,6 +1,6 @@
 """The ``flash`` backend: attnhub's protocol translated into FlashAttention's calling conventions.
 
-One backend name, four providers (see ``ops.py``); the provider is fixed per class, and each
+One backend name, five providers (see ``ops.py``); the provider is fixed per class, and each
 class declares what its provider's kernels can do, because the conformance suite and selection
 read ``capabilities`` from the class. The plugin registers the class of the chosen provider
 under the name ``flash`` (``ATTNHUB_FLASH_PROVIDER`` picks it); ``backend_class(provider)`` gives
@@ -13,6 +13,7 @@ loop over requests and no host read of a device tensor:
 
   provider  attention (every attention type: the keys are in the paged NHD cache)
   vllm      flash_attn_varlen_func(block_table=, seqused_k=, out=, fa_version=2), keywords only
+  vllm-fa3  the same with fa_version=3 and s_aux= (sinks)
   fa2       flash_attn_varlen_func(block_table=, cu_seqlens_k=cumulative KV lengths);
             decode-only steps: flash_attn_with_kvcache(q (B, 1, H, D), cache_seqlens=)
   fa3       flash_attn_with_kvcache(page_table=, cache_seqlens=, cu_seqlens_q=, max_seqlen_q=);
@@ -94,6 +95,16 @@ CAPABILITIES: dict[str, Capabilities] = {
         sinks=False,
         priority={"cuda": 80},
     ),
+    # vLLM's fork with fa_version=3 (Hopper): s_aux sinks; no ALiBi [schema: the wrapper
+    # asserts alibi_slopes is None on FA3].
+    "vllm-fa3": _caps(
+        max_head_size=256,
+        head_size_multiple=8,
+        block_size_multiple=16,
+        alibi=False,
+        sinks=True,
+        priority={"cuda": 85},
+    ),
     # Upstream FA2: "page_block_size must be a multiple of 256" [doc]; head sizes up to 256,
     # multiples of 8 (others are padded by the Python wrapper, which would copy the cache).
     "fa2": _caps(
@@ -130,6 +141,12 @@ _WHY: dict[str, dict[str, str]] = {
         "head_size": "vLLM's flash-attention fork takes head sizes in multiples of 8 up to 256",
         "sinks": "vLLM's fork takes s_aux sinks only with fa_version=3, not used here yet",
         "kv_cache_dtype": "fp8 descales need fa_version=3 and a query scale, not done yet",
+    },
+    "vllm-fa3": {
+        "block_size": "vLLM's flash-attention fork takes paged blocks in multiples of 16",
+        "head_size": "vLLM's flash-attention fork takes head sizes in multiples of 8 up to 256",
+        "alibi": "vLLM's fork has no ALiBi with fa_version=3",
+        "kv_cache_dtype": "fp8 descales need a query scale, not done yet",
     },
     "fa2": {
         "block_size": "upstream FA2's paged KV needs page_block_size a multiple of 256",
@@ -267,6 +284,11 @@ class FlashVllmBackend(FlashBackend):
     capabilities = CAPABILITIES["vllm"]
 
 
+class FlashVllmFA3Backend(FlashBackend):
+    provider = "vllm-fa3"
+    capabilities = CAPABILITIES["vllm-fa3"]
+
+
 class FlashFA2Backend(FlashBackend):
     provider = "fa2"
     capabilities = CAPABILITIES["fa2"]
@@ -284,6 +306,7 @@ class FlashFA4Backend(FlashBackend):
 
 BACKENDS: dict[str, type[FlashBackend]] = {
     "vllm": FlashVllmBackend,
+    "vllm-fa3": FlashVllmFA3Backend,
     "fa2": FlashFA2Backend,
     "fa3": FlashFA3Backend,
     "fa4": FlashFA4Backend,
@@ -342,7 +365,7 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             blocks = common_prefix_len // batch.block_size  # whole shared blocks
             if blocks and causal and self._wants_cascade(batch, blocks * batch.block_size):
                 fields.update(self._cascade(batch, main, blocks))
-        if provider == "vllm":
+        if self.backend.ops.cache_ops is not None:  # vLLM's fork
             # reshape_and_cache_flash skips slot < 0 itself [schema]; int64 as vLLM passes it
             fields["slot_mapping"] = batch.slot_mapping.to(torch.int64)
         else:
@@ -570,8 +593,8 @@ class FlashAttentionImpl(AttentionImpl):
         """One attention call of this provider over the paged cache. Writes ``out`` where
         the provider takes it (vLLM's fork); the result is returned either way."""
         provider = self.backend.provider
-        if provider == "vllm":
-            return self._vllm(q, cache, args, out, lse)
+        if provider in ("vllm", "vllm-fa3"):
+            return self._vllm(q, cache, args, out, lse, self.sinks if sinks else None)
         if provider == "fa2":
             return self._fa2(q, cache, args, lse)
         if provider == "fa3":
@@ -585,9 +608,11 @@ class FlashAttentionImpl(AttentionImpl):
         a: KernelArgs,
         out: torch.Tensor | None,
         lse: bool,
+        sinks: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # vLLM's fork: positional order differs from upstream, so keywords only [schema];
-        # block_table needs seqused_k [schema]; out= written in place.
+        # block_table needs seqused_k [schema]; out= written in place. fa_version=3 takes the
+        # sinks as s_aux, float32 (H,) [inferred: vLLM passes the layer's sinks as they are].
         result = self.backend.ops.attention.flash_attn_varlen_func(
             q=q,
             k=cache.key,
@@ -604,7 +629,8 @@ class FlashAttentionImpl(AttentionImpl):
             block_table=a.block_table,
             softcap=self.softcap,
             return_softmax_lse=lse,
-            fa_version=2,
+            fa_version=3 if self.backend.provider == "vllm-fa3" else 2,
+            s_aux=sinks,
         )
         return result if lse else (result, None)
 

@@ -6,7 +6,7 @@ provider's name, parameter names, defaults, positional order (checked against th
 interfaces by ``backends/flash/tests/test_flash_contract.py``), layouts, length conventions and
 return values:
 
-  VLLM  ``vllm.vllm_flash_attn``  flash_attn_varlen_func (keyword order of vLLM's fork)
+  VLLM  ``vllm.vllm_flash_attn``  flash_attn_varlen_func (fa_version 2, or 3 with s_aux)
         ``vllm._custom_ops``      reshape_and_cache_flash
   FA2   ``flash_attn``            flash_attn_varlen_func, flash_attn_with_kvcache (2.8.3)
   FA3   ``flash_attn_interface``  flash_attn_with_kvcache (hopper, 2.8.3: ``page_table``)

@@ -4,12 +4,14 @@ NVIDIA GPU, or its CPU emulator when emulation is asked for.
   provider  module                  functions the backend calls
   vllm      vllm.vllm_flash_attn    flash_attn_varlen_func (fa_version=2); KV write:
             vllm._custom_ops        reshape_and_cache_flash
+  vllm-fa3  the same modules        the same, fa_version=3 (s_aux sinks; Hopper)
   fa2       flash_attn              flash_attn_varlen_func, flash_attn_with_kvcache
   fa3       flash_attn_interface    flash_attn_with_kvcache (page_table, varlen q)
   fa4       flash_attn.cute         flash_attn_varlen_func (page_table + seqused_k)
 
 Which provider the ``flash`` backend uses is decided once, at discovery: ``ATTNHUB_FLASH_PROVIDER``
-(``vllm``, ``fa2``, ``fa3``, ``fa4``) when set, else the first importable of ``PREFERENCE``
+(``vllm``, ``vllm-fa3``, ``fa2``, ``fa3``, ``fa4``) when set, else the first importable of
+``PREFERENCE``
 (probed with ``importlib.util.find_spec``: nothing is imported), else ``vllm`` (what engines ship;
 on a machine without any, the emulated default).
 """
@@ -29,9 +31,10 @@ import torch
 from attnhub.backend import device_type
 from attnhub.errors import BackendUnavailableError, InvalidInputError
 
-PROVIDERS = ("vllm", "fa2", "fa3", "fa4")
+PROVIDERS = ("vllm", "vllm-fa3", "fa2", "fa3", "fa4")
 #: Best first when several are importable: FA4 and FA3 are the newer kernels; vLLM's fork ships
-#: with engines; upstream FA2 last.
+#: with engines; upstream FA2 last. ``vllm-fa3`` only when named: whether vLLM's build holds
+#: its FA3 kernels is known only by importing it.
 PREFERENCE = ("fa4", "fa3", "vllm", "fa2")
 ENV = "ATTNHUB_FLASH_PROVIDER"
 DEFAULT = "vllm"
@@ -55,6 +58,7 @@ class Source:
 
 SOURCES: dict[str, Source] = {
     "vllm": Source("vllm.vllm_flash_attn", "vllm._custom_ops", "vllm", 8, None),
+    "vllm-fa3": Source("vllm.vllm_flash_attn", "vllm._custom_ops", "vllm", 9, 9),
     "fa2": Source("flash_attn", None, "flash-attn", 8, None),
     # hopper/ builds as the top-level module flash_attn_interface [doc: hopper/README]
     "fa3": Source("flash_attn_interface", None, "flash-attn (hopper/ build)", 9, 9),
@@ -118,6 +122,11 @@ def unavailable_reason(provider: str, device: torch.device | str, emulate: bool)
                 f"provider {provider!r} runs on compute capability {src.min_major}.x{top}; "
                 f"this GPU is {major}.{minor}"
             )
+        if provider == "vllm-fa3":
+            fork, _ = _import(src.attention)
+            why = fork.fa_version_unsupported_reason(3, torch.device(device))  # type: ignore[union-attr]
+            if why:
+                return f"provider 'vllm-fa3': vLLM's fork says {why}"
         return None
     if dt == EMULATED_DEVICE:
         if emulate:
@@ -157,6 +166,7 @@ def resolve(provider: str, device: torch.device | str, emulate: bool) -> Provide
 
     namespaces = {
         "vllm": (emulator.VLLM, emulator.VLLM_CACHE_OPS),
+        "vllm-fa3": (emulator.VLLM, emulator.VLLM_CACHE_OPS),
         "fa2": (emulator.FA2, None),
         "fa3": (emulator.FA3, None),
         "fa4": (emulator.FA4, None),

@@ -45,7 +45,7 @@ def test_an_unknown_provider_is_refused_with_the_known_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(ops.ENV, "fa5")
-    with pytest.raises(InvalidInputError, match="vllm, fa2, fa3, fa4"):
+    with pytest.raises(InvalidInputError, match="vllm, vllm-fa3, fa2, fa3, fa4"):
         backend_class()
     with pytest.raises(InvalidInputError, match="fa5"):
         backend_class("fa5")
@@ -82,9 +82,10 @@ def test_other_devices_are_refused_with_the_supported_ones() -> None:
 def test_the_emulator_is_the_namespace_on_cpu(provider: str) -> None:
     b = h.backend(provider)
     assert b.ops.emulated and b.ops.provider == provider
-    expected = {"vllm": emulator.VLLM, "fa2": emulator.FA2, "fa3": emulator.FA3}
-    assert b.ops.attention is expected.get(provider, emulator.FA4)
-    assert (b.ops.cache_ops is emulator.VLLM_CACHE_OPS) == (provider == "vllm")
+    vllm = provider.startswith("vllm")
+    expected = {"fa2": emulator.FA2, "fa3": emulator.FA3, "fa4": emulator.FA4}
+    assert b.ops.attention is (emulator.VLLM if vllm else expected[provider])
+    assert (b.ops.cache_ops is emulator.VLLM_CACHE_OPS) == vllm
 
 
 def test_selection_prefers_native_backends_and_serves_flash_when_named() -> None:
@@ -109,6 +110,8 @@ def test_the_cache_is_nhd_as_the_paged_kernels_take_it() -> None:
         ("vllm", dict(head_size=72 + 4), "multiples of 8 up to 256"),
         ("vllm", dict(use_sinks=True), "fa_version=3"),
         ("vllm", dict(kv_cache_dtype="fp8_e4m3"), "fp8"),
+        ("vllm-fa3", dict(use_alibi=True), "no ALiBi with fa_version=3"),
+        ("vllm-fa3", dict(block_size=8), "multiples of 16"),
         ("fa2", dict(block_size=16), "multiple of 256"),
         ("fa2", dict(use_sinks=True), "no attention sinks"),
         ("fa3", dict(use_alibi=True), "FA3 has no ALiBi"),
@@ -119,6 +122,7 @@ def test_the_cache_is_nhd_as_the_paged_kernels_take_it() -> None:
         ("fa2", dict(use_alibi=True, attn_type=AttentionType.ENCODER_ONLY), None),
         ("fa3", dict(block_size=1, head_size=256), None),
         ("fa4", dict(use_sinks=True, head_size=256, block_size=128), None),
+        ("vllm-fa3", dict(use_sinks=True, sliding_window=8, logits_soft_cap=5.0), None),
     ],
 )
 def test_each_provider_refuses_what_its_kernels_lack_and_says_which_provider(

@@ -17,7 +17,7 @@ FA2 = "flash_attn.flash_attn_varlen_func"
 FA2_DECODE = "flash_attn.flash_attn_with_kvcache"
 FA3 = "flash_attn_interface.flash_attn_with_kvcache"
 FA4 = "flash_attn.cute.flash_attn_varlen_func"
-ATTENTION = {"vllm": VLLM, "fa2": FA2, "fa3": FA3, "fa4": FA4}
+ATTENTION = {"vllm": VLLM, "vllm-fa3": VLLM, "fa2": FA2, "fa3": FA3, "fa4": FA4}
 
 #: decodes, a multi-token decode, a chunked prefill, a fresh prefill: every kind in one step
 MIXED = [(1, 40), (3, 35), (1, 9), (20, 70), (33, 33)]
@@ -50,7 +50,7 @@ def test_a_mixed_batch_is_one_attention_call(provider: str) -> None:
     st = h.step(_mixed(provider), provider, padding=3)
     out = h.forward(st)
     expected = {ATTENTION[provider]: 1}
-    if provider == "vllm":
+    if provider.startswith("vllm"):
         expected[WRITE] = 1
     assert dict(emulator.call_counts) == expected
     h.assert_matches_reference(st, out)
@@ -147,6 +147,20 @@ def test_non_causal_types_read_their_keys_from_the_cache(attn_type: AttentionTyp
     c = _only(calls, VLLM)
     assert c.kwargs["causal"] is False and c.kwargs["block_table"] is not None
     h.assert_matches_reference(st, out)
+
+
+def test_vllm_fa3_passes_sinks_as_s_aux_with_fa_version_3() -> None:
+    st = h.step(MIXED, "vllm-fa3", h.spec("vllm-fa3", use_sinks=True))
+    out, calls = _calls(st)
+    c = _only(calls, VLLM)
+    assert c.kwargs["fa_version"] == 3 and c.kwargs["alibi_slopes"] is None
+    assert st.sinks is not None and torch.equal(c.kwargs["s_aux"], st.sinks)
+    h.assert_matches_reference(st, out)
+
+
+def test_vllm_fa2_path_passes_no_s_aux() -> None:
+    _, calls = _calls(h.step(MIXED))
+    assert _only(calls, VLLM).kwargs["s_aux"] is None
 
 
 # --- upstream FA2 -----------------------------------------------------------------------------
@@ -251,7 +265,8 @@ def test_forward_and_write_kv_read_no_device_tensor_on_the_host(provider: str) -
     """With every check on: the step's values were checked by build, on host copies. The
     emulated functions are the device (emulator.py is marked ``__attnhub_device_code__``)."""
     hostsync = pytest.importorskip("attnhub_conformance.hostsync")
-    features = {"fa4": dict(use_sinks=True), "fa3": {}}.get(provider, dict(use_alibi=True))
+    sinks = dict(use_sinks=True)
+    features = {"fa4": sinks, "vllm-fa3": sinks, "fa3": {}}.get(provider, dict(use_alibi=True))
     for s in (h.spec(provider), h.spec(provider, sliding_window=40, **features)):
         for requests in (_mixed(provider), [(1, 30), (1, 7)]):
             st = h.step(requests, provider, s, padding=2)
