@@ -695,7 +695,8 @@ class FlashAttentionImpl(AttentionImpl):
             max_seqlen_q=a.max_query_len,
             **shared,
         )
-        return result if lse else (result, None)
+        # with the LSE: (out, softmax_lse, *rest), rest the split-KV accumulators [schema]
+        return (result[0], result[1]) if lse else (result, None)
 
     def _fa4(
         self,

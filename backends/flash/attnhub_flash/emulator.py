@@ -816,7 +816,7 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
             "page_table",
             **math_args,
         )
-        return (out, lse) if return_softmax_lse else out
+        return (out, lse, *_fa3_rest()) if return_softmax_lse else out
     if max_seqlen_q is None:
         raise _fail(op, "max_seqlen_q must be given with cu_seqlens_q")
     qq, kc, vc = _check_qkv(op, _FA3_RULES, q, k_cache, v_cache, paged=True)
@@ -833,7 +833,14 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
     math_args["scale"] = qq.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     res, lse = _paged_call(op, _FA3_RULES, qq, kc, vc, q_starts, kv_lens, page_table, **math_args)
     out = res.to(qq.dtype)
-    return (out, lse) if return_softmax_lse else out
+    return (out, lse, *_fa3_rest()) if return_softmax_lse else out
+
+
+def _fa3_rest() -> tuple[torch.Tensor, torch.Tensor]:
+    """What FA3's ``flash_attn_with_kvcache`` returns after (out, softmax_lse) with
+    ``return_softmax_lse`` (``return (out, softmax_lse, *rest)`` [schema]): the split-KV
+    accumulators of the C++ forward, empty here (no split) [inferred]."""
+    return torch.empty(0), torch.empty(0)
 
 
 # --- FA4: flash_attn.cute ----------------------------------------------------------------------

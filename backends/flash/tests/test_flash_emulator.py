@@ -124,6 +124,24 @@ def test_the_kvcache_functions_return_lse_batch_heads_seqlen() -> None:
     assert torch.allclose(lse[:, 0, 0], torch.tensor([7.0, 12.0]).log())
 
 
+def test_fa3_returns_more_than_out_and_lse_with_the_lse_as_its_interface_does() -> None:
+    c = _cache([5], 16)
+    result = emulator.FA3.flash_attn_with_kvcache(
+        _zero_q([2]),
+        c["k"],
+        c["v"],
+        cache_seqlens=torch.tensor([5], dtype=torch.int32),
+        page_table=c["block_table"],
+        cu_seqlens_q=_cu([2]),
+        max_seqlen_q=2,
+        causal=True,
+        return_softmax_lse=True,
+    )
+    assert len(result) > 2  # (out, softmax_lse, *rest)
+    out, lse = result[:2]
+    assert out[:, 0, 0].tolist() == [1.5, 2.0] and lse.shape == (H, 2)
+
+
 def test_a_sink_joins_the_denominator_without_a_value() -> None:
     c = _cache([4], 16)
     sink = torch.tensor([0.0, math.log(4.0)])  # head 1: a sink weighing as much as 4 keys
