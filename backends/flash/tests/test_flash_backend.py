@@ -22,6 +22,7 @@ from attnhub.errors import (
     InvalidInputError,
     UnsupportedConfigurationError,
 )
+from attnhub.registry import Registry
 from attnhub.spec import AttentionType
 
 
@@ -49,6 +50,25 @@ def test_an_unknown_provider_is_refused_with_the_known_ones(
         backend_class()
     with pytest.raises(InvalidInputError, match="fa5"):
         backend_class("fa5")
+
+
+def test_discovery_registers_the_class_of_the_provider_the_environment_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ops.ENV, "fa4")
+    assert Registry().get("flash") is FlashFA4Backend
+
+
+def test_a_bad_provider_name_fails_the_plugin_with_its_reason_and_spares_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ops.ENV, "fa5")
+    infos = {i.name: i for i in Registry().infos()}
+    assert infos["flash"].backend is None
+    assert (
+        infos["flash"].error is not None and "ATTNHUB_FLASH_PROVIDER='fa5'" in infos["flash"].error
+    )
+    assert infos["torch"].error is None
 
 
 def test_without_any_provider_installed_the_default_is_vllms_fork() -> None:
