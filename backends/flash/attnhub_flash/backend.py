@@ -30,7 +30,7 @@ docs/backends/flash.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -53,6 +53,7 @@ TOLERANCES = {
     torch.float16: Tolerance(atol=5e-3, rtol=5e-3),
     torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
 }
+CascadePolicy = Literal["auto", "always", "never"]
 HALF = frozenset({torch.float16, torch.bfloat16})
 ALL_TYPES = frozenset(AttentionType)
 
@@ -336,7 +337,13 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
         #: "always" (whenever it is whole blocks and the spec allows) or "never". The
         #: heuristic models GPU kernels; emulated, "always", so that the cascade path is the
         #: one the suite checks.
-        self.cascade_policy = "always" if backend.emulated else "auto"
+        self.cascade_policy: CascadePolicy = "always" if backend.emulated else "auto"
+        #: The GPU's SM count, for the heuristic (read once per builder, not per step).
+        self._num_sms = (
+            0
+            if backend.emulated
+            else torch.cuda.get_device_properties(backend.device).multi_processor_count
+        )
 
     def plan(self, batch: BatchMetadata, common_prefix_len: int) -> FlashAttentionMetadata:
         provider = self.backend.provider
@@ -404,15 +411,18 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
         )
 
     def _wants_cascade(self, batch: BatchMetadata, prefix_len: int) -> bool:
-        if self.cascade_policy == "never":
+        policy = self.cascade_policy
+        if policy not in ("auto", "always", "never"):
+            raise InvalidInputError(
+                f"cascade_policy = {policy!r} is not one of 'auto', 'always', 'never'"
+            )
+        if policy == "never":
             return False
         spec = self.spec
         if spec.use_alibi or spec.has_window:  # as vLLM: a cascade would break both
             return False
-        if self.cascade_policy == "always":
+        if policy == "always":
             return True
-        dev = self.backend.device
-        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
         return use_cascade(
             prefix_len,
             batch.query_lens_cpu,
@@ -420,7 +430,7 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             spec.num_kv_heads,
             use_alibi=spec.use_alibi,
             use_sliding_window=spec.has_window,
-            num_sms=num_sms,
+            num_sms=self._num_sms,
         )
 
     def _cascade(self, batch: BatchMetadata, main: KernelArgs, blocks: int) -> dict[str, Any]:

@@ -112,6 +112,14 @@ def test_the_never_policy_keeps_one_call() -> None:
     assert not builder.build(st.batch, common_prefix_len=32).cascade
 
 
+def test_an_unknown_policy_is_refused_by_build() -> None:
+    st = h.step(REQUESTS, shared_prefix_blocks=2)
+    builder = st.backend.metadata_builder()
+    builder.cascade_policy = "sometimes"  # type: ignore[assignment]
+    with pytest.raises(InvalidInputError, match="'sometimes'"):
+        builder.build(st.batch, common_prefix_len=32)
+
+
 def test_a_prefix_whose_blocks_differ_between_requests_is_refused() -> None:
     st = h.step(REQUESTS, shared_prefix_blocks=1)
     with pytest.raises(InvalidInputError, match=r"block_table\[1, :2\]"):
