@@ -21,7 +21,7 @@ import time
 
 
 def write_tiny_llama(path: str, seed: int = 0) -> str:
-    """A 2-layer Llama (hidden 256, 8 query / 2 KV heads, head 32, vocab 1000), random weights
+    """A 2-layer Llama (hidden 256, 8 query / 2 KV heads, head 64, vocab 1000), random weights
     in safetensors. Larger-than-default init makes greedy choices robust to rounding ties."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -35,7 +35,7 @@ def write_tiny_llama(path: str, seed: int = 0) -> str:
         num_hidden_layers=2,
         num_attention_heads=8,
         num_key_value_heads=2,
-        head_dim=32,
+        head_dim=64,  # a head size every in-repo backend declares (ascend: 64, 128, 192, 256)
         max_position_embeddings=1024,
         initializer_range=0.08,
         tie_word_embeddings=False,

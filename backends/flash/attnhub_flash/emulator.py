@@ -1,0 +1,998 @@
+"""A pure-PyTorch CPU emulator of exactly the FlashAttention functions ``attnhub_flash`` calls.
+
+On a machine without an NVIDIA GPU, ``ops.py`` hands the backend these namespaces instead of the
+real modules, so the backend's real translation code runs on CPU. Each function has its
+provider's name, parameter names, defaults, positional order (checked against the published
+interfaces by ``backends/flash/tests/test_flash_contract.py``), layouts, length conventions and
+return values:
+
+  VLLM  ``vllm.vllm_flash_attn``  flash_attn_varlen_func (fa_version 2, or 3 with s_aux)
+        ``vllm._custom_ops``      reshape_and_cache_flash
+  FA2   ``flash_attn``            flash_attn_varlen_func, flash_attn_with_kvcache (2.8.3)
+  FA3   ``flash_attn_interface``  flash_attn_with_kvcache (hopper, 2.8.3: ``page_table``)
+  FA4   ``flash_attn.cute``       flash_attn_varlen_func (4.0.0b36: ``page_table``)
+
+Conventions, as the interfaces' docstrings and asserts state them (``[inferred]`` marks our
+reading where they are silent; docs/backends/flash.md lists every one):
+  - causal and window masks are **bottom-right aligned**: query i of a sequence with q_len Sq
+    and kv_len Sk sees keys [i + Sk - Sq - left, i + Sk - Sq + right]; -1 (FA4: None) is
+    unbounded; ``causal`` forces right = 0 [doc].
+  - softcap after scaling (``cap * tanh(s / cap)``), then the ALiBi bias
+    ``-slope * |i + Sk - Sq - j|`` [doc; their order inferred], then the mask.
+  - a row that sees no key: output 0 [doc: "If the row of the mask is all zero, the output will
+    be zero"]; LSE +inf (FA2/FA3/vLLM) [inferred from flash-attn's tests], -inf for FA4 [schema:
+    ``lse.fill_(float("-inf"))`` for empty sequences]. LSE is the natural log, float32,
+    (nheads, total_q) for varlen calls and (batch, nheads, seqlen_q) for padded-batch queries.
+  - FA4 ``learnable_sink``: one logit per query head joins the softmax denominator, unscaled,
+    with no value [schema: ``apply_learnable_sink``].
+  - paged K/V (NHD): (num_blocks, page_size, nheads_k, headdim), block table int32
+    (batch, max_blocks); rules per provider on ``page_size`` (vLLM's fork: multiple of 16
+    [callers]; FA2: multiple of 256 [doc]; FA3: arbitrary [doc]; FA4: arbitrary, 128 fast
+    [schema]).
+
+It is strict: a call the library rejects (wrong dtype, layout, a missing or doubled length
+argument, a block table that is not int32) raises :class:`FlashOpError`; a valid call that uses
+something not emulated (dropout, rotary, fp8 descales, new K/V appended by the kernel) raises
+:class:`NotEmulatedError`. It computes in float32 and never calls ``attnhub.reference`` (the
+conformance suite compares the two).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Optional, Union
+
+import torch
+
+#: These functions stand in for the GPU: a host read made inside them is a read on the device,
+#: which attnhub's host-sync guard (the conformance suite's) allows.
+__attnhub_device_code__ = True
+
+__all__ = [
+    "FA2",
+    "FA3",
+    "FA4",
+    "VLLM",
+    "VLLM_CACHE_OPS",
+    "Call",
+    "FlashOpError",
+    "NotEmulatedError",
+    "call_counts",
+    "record_calls",
+    "reset_call_counts",
+]
+
+MODEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class FlashOpError(RuntimeError):
+    """A call the real library rejects (its ``TORCH_CHECK``s raise RuntimeError)."""
+
+
+class NotEmulatedError(NotImplementedError):
+    """A valid call that uses something this emulator does not implement."""
+
+
+# --- call accounting (tests read the calls a step makes) ----------------------------------------
+
+#: "module.function" -> number of calls since the last reset.
+call_counts: Counter[str] = Counter()
+
+
+@dataclass(frozen=True)
+class Call:
+    """One emulated call, as the caller made it."""
+
+    name: str  # "vllm.vllm_flash_attn.flash_attn_varlen_func"
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+_recorders: list[list[Call]] = []
+
+
+def reset_call_counts() -> None:
+    call_counts.clear()
+
+
+@contextmanager
+def record_calls() -> Iterator[list[Call]]:
+    """Collect every emulated call made inside the block (name, args, kwargs)."""
+    calls: list[Call] = []
+    _recorders.append(calls)
+    try:
+        yield calls
+    finally:
+        _recorders.remove(calls)
+
+
+def _counted(module: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    name = f"{module}.{fn.__name__}"
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def op(*args: Any, **kwargs: Any) -> Any:
+        call_counts[name] += 1
+        for calls in _recorders:
+            calls.append(Call(name, args, dict(kwargs)))
+        try:
+            sig.bind(*args, **kwargs)  # Python's own binding: unknown / missing arguments
+        except TypeError as exc:
+            raise TypeError(f"{name}(): {exc}") from None
+        return fn(*args, **kwargs)
+
+    op.__qualname__ = name
+    return op
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+
+def _fail(op: str, message: str) -> FlashOpError:
+    return FlashOpError(f"{op}: {message}")
+
+
+def _not_emulated(op: str, **params: object) -> None:
+    for name, value in params.items():
+        if value is not None and value is not False:
+            raise NotEmulatedError(
+                f"{op}: {name} is valid but not emulated (attnhub_flash does not use it)"
+            )
+
+
+def _tensor(op: str, name: str, t: object, dims: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise _fail(op, f"{name} must be {dims}-D, got shape {list(t.shape)}")
+    if t.device != device:
+        raise _fail(op, f"{name} is on {t.device}, q on {device}")
+    if t.numel() and t.stride(-1) != 1:
+        raise _fail(op, f"{name} must have contiguous last dimension")
+    return t
+
+
+def _int32(
+    op: str, name: str, t: object, shape: tuple[int, ...], device: torch.device
+) -> list[int]:
+    """An int32 length tensor of ``shape``, read (on the 'device': this module is device code)."""
+    t = _tensor(op, name, t, len(shape), device)
+    if t.dtype != torch.int32:
+        raise _fail(op, f"{name} must have dtype int32, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise _fail(op, f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    return [int(x) for x in t.reshape(-1).tolist()]
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """One provider's limits on what its kernels take."""
+
+    lib: str
+    head_ok: Callable[[int], bool]
+    head_rule: str
+    page_multiple: int
+    empty_lse: float
+
+
+def _check_qkv(
+    op: str, rules: _Rules, q: object, k: object, v: object, *, paged: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not isinstance(q, torch.Tensor):
+        raise _fail(op, f"q must be a Tensor, got {type(q).__name__}")
+    dev = q.device
+    q = _tensor(op, "q", q, 3, dev)
+    k = _tensor(op, "k", k, 4 if paged else 3, dev)
+    v = _tensor(op, "v", v, 4 if paged else 3, dev)
+    if q.dtype not in MODEL_DTYPES:
+        raise _fail(op, f"{rules.lib} supports only fp16 and bf16 here, got q {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise _fail(op, f"query and key/value must have the same dtype: {q.dtype}, {k.dtype}")
+    if k.shape != v.shape:
+        raise _fail(op, f"k {list(k.shape)} and v {list(v.shape)} must have the same shape")
+    num_heads, head_size = q.shape[1:]
+    num_kv_heads = k.shape[-2]
+    if k.shape[-1] != head_size:
+        raise _fail(op, f"k head size {k.shape[-1]} != q head size {head_size}")
+    if num_heads % num_kv_heads:
+        raise _fail(op, f"nheads {num_heads} must be divisible by nheads_k {num_kv_heads}")
+    if not rules.head_ok(head_size):
+        raise _fail(op, f"head size {head_size}: {rules.lib} supports {rules.head_rule}")
+    if paged:
+        page = k.shape[1]
+        if page % rules.page_multiple:
+            raise _fail(
+                op, f"paged KV block size {page} must be a multiple of {rules.page_multiple}"
+            )
+    return q, k, v
+
+
+def _window(
+    op: str, window_size: object, causal: bool, *, none_is_unbounded: bool
+) -> tuple[int, int]:
+    """(left, right) with -1 = unbounded; ``causal`` forces right = 0 [doc]."""
+    if window_size is None:
+        left, right = -1, -1
+    else:
+        pair: tuple[Any, ...] = tuple(window_size) if isinstance(window_size, (tuple, list)) else ()
+        if len(pair) != 2:
+            raise _fail(op, f"window_size must be a pair, got {window_size!r}")
+        a, b = (-1 if x is None and none_is_unbounded else x for x in pair)
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in (a, b)):
+            raise _fail(op, f"window_size must hold ints, got {window_size!r}")
+        left, right = a, b
+    if causal:
+        right = 0
+    return left, right
+
+
+def _alibi(
+    op: str, slopes: object, num_heads: int, batch: int, dev: torch.device
+) -> torch.Tensor | None:
+    if slopes is None:
+        return None
+    t = _tensor(
+        op, "alibi_slopes", slopes, 1 if getattr(slopes, "dim", lambda: 0)() == 1 else 2, dev
+    )
+    if t.dtype != torch.float32:
+        raise _fail(op, f"alibi_slopes must have dtype fp32, got {t.dtype}")
+    if tuple(t.shape) not in ((num_heads,), (batch, num_heads)):
+        raise _fail(
+            op, f"alibi_slopes must have shape (nheads) or (batch, nheads), got {list(t.shape)}"
+        )
+    return t if t.dim() == 2 else t.expand(batch, num_heads)
+
+
+def _softcap(op: str, softcap: object) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
+        raise _fail(op, f"softcap must be a float >= 0 (0 = off), got {softcap!r}")
+    return float(softcap)
+
+
+# --- the math ----------------------------------------------------------------------------------
+
+
+def _attend(
+    q: torch.Tensor,  # [q_len, H, D]
+    k: torch.Tensor,  # [kv_len, Hk, D]
+    v: torch.Tensor,
+    *,
+    scale: float,
+    window: tuple[int, int],  # (left, right), -1 = unbounded
+    softcap: float,
+    slopes: torch.Tensor | None,  # [H] float32
+    sink: torch.Tensor | None,  # [H] float32 logits joining the denominator
+    empty_lse: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [q_len, H, D] f32, lse [H, q_len] f32
+    q_len, num_heads, _ = q.shape
+    kv_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    qf = q.float().permute(1, 0, 2)  # [H, q_len, D]
+    kf = k.float().repeat_interleave(group, dim=1).permute(1, 0, 2)  # [H, kv_len, D]
+    vf = v.float().repeat_interleave(group, dim=1).permute(1, 0, 2)
+    s = torch.bmm(qf, kf.transpose(1, 2)) * scale  # [H, q_len, kv_len]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    # bottom-right alignment: query i sits at key position i + kv_len - q_len
+    d = torch.arange(kv_len)[None, :] - (torch.arange(q_len)[:, None] + kv_len - q_len)
+    if slopes is not None:
+        s = s - slopes.float()[:, None, None] * d.abs().float()[None]
+    left, right = window
+    keep = torch.ones(q_len, kv_len, dtype=torch.bool)
+    if left >= 0:
+        keep &= d >= -left
+    if right >= 0:
+        keep &= d <= right
+    s = s.masked_fill(~keep[None], -math.inf)
+    parts = [s] if sink is None else [s, sink.float()[:, None, None].expand(num_heads, q_len, 1)]
+    full = torch.cat(parts, dim=-1)
+    m = (
+        full.amax(dim=-1, keepdim=True)
+        if full.shape[-1]
+        else full.new_full((num_heads, q_len, 1), -math.inf)
+    )
+    safe_m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(full - safe_m)
+    denom = e.sum(dim=-1, keepdim=True)
+    empty = denom == 0
+    p = e[..., :kv_len] / torch.where(empty, torch.ones_like(denom), denom)
+    out = torch.bmm(p, vf).permute(1, 0, 2)  # [q_len, H, D]
+    lse = torch.where(empty, torch.full_like(denom, empty_lse), torch.log(denom) + safe_m)
+    return out, lse.squeeze(-1)
+
+
+def _paged_rows(
+    op: str, cache: torch.Tensor, table_row: list[int], length: int
+) -> torch.Tensor:  # [length, Hk, D]
+    page = cache.shape[1]
+    needed = -(-length // page)
+    if needed > len(table_row):
+        raise _fail(op, f"{length} keys need {needed} blocks, the table row has {len(table_row)}")
+    ids = table_row[:needed]
+    bad = [b for b in ids if not 0 <= b < cache.shape[0]]
+    if bad:
+        raise _fail(
+            op, f"block table entry {bad[0]} is outside the cache ({cache.shape[0]} blocks)"
+        )
+    return cache[torch.tensor(ids, dtype=torch.long)].reshape(-1, *cache.shape[2:])[:length]
+
+
+def _varlen(
+    op: str,
+    rules: _Rules,
+    q: torch.Tensor,  # [total_q, H, D]
+    k: torch.Tensor,  # paged [num_blocks, page, Hk, D] or packed [total_k, Hk, D]
+    v: torch.Tensor,
+    q_starts: list[int],  # B + 1 cumulative
+    kv_lens: list[int],  # B
+    kv_starts: list[int] | None,  # packed: B + 1 cumulative; None: paged
+    table: list[list[int]] | None,
+    *,
+    scale: float,
+    window: tuple[int, int],
+    softcap: float,
+    slopes: torch.Tensor | None,  # [B, H]
+    sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, D] f32, lse [H, total_q] f32
+    total_q, num_heads, head_size = q.shape
+    out = torch.zeros(total_q, num_heads, head_size, dtype=torch.float32)
+    lse = torch.full((num_heads, total_q), rules.empty_lse, dtype=torch.float32)
+    for b, kv_len in enumerate(kv_lens):
+        lo, hi = q_starts[b], q_starts[b + 1]
+        if hi == lo:
+            continue
+        if table is not None:
+            kb = _paged_rows(op, k, table[b], kv_len)
+            vb = _paged_rows(op, v, table[b], kv_len)
+        else:
+            assert kv_starts is not None
+            kb, vb = k[kv_starts[b] : kv_starts[b + 1]], v[kv_starts[b] : kv_starts[b + 1]]
+        o, l_ = _attend(
+            q[lo:hi],
+            kb,
+            vb,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            slopes=None if slopes is None else slopes[b],
+            sink=sink,
+            empty_lse=rules.empty_lse,
+        )
+        out[lo:hi], lse[:, lo:hi] = o, l_
+    return out, lse
+
+
+def _cumulative(op: str, name: str, ends: list[int], total: int | None) -> list[int]:
+    if not ends or ends[0] != 0 or any(b < a for a, b in itertools.pairwise(ends)):
+        raise _fail(op, f"{name} must be cumulative lengths from 0, got {ends[:8]}...")
+    if total is not None and ends[-1] != total:
+        raise _fail(op, f"{name}[-1] = {ends[-1]} must equal the packed length {total}")
+    return [b - a for a, b in itertools.pairwise(ends)]
+
+
+def _max_covers(op: str, name: str, given: object, lengths: Sequence[int]) -> None:
+    """The kernels size their grids by the max lengths: one too small computes garbage."""
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise _fail(op, f"{name} must be an int, got {type(given).__name__}")
+    if lengths and given < max(lengths):
+        raise _fail(op, f"{name} = {given} is below the longest length {max(lengths)}")
+
+
+def _out(op: str, out: object, like: torch.Tensor) -> torch.Tensor | None:
+    if out is None:
+        return None
+    t = _tensor(op, "out", out, like.dim(), like.device)
+    if t.shape != like.shape or t.dtype != like.dtype:
+        raise _fail(
+            op, f"out must be {like.dtype} {list(like.shape)}, got {t.dtype} {list(t.shape)}"
+        )
+    return t
+
+
+def _paged_call(
+    op: str,
+    rules: _Rules,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_starts: list[int],
+    kv_lens: list[int],
+    block_table: object,
+    **math_args: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = len(kv_lens)
+    table_t = _tensor(op, "block_table", block_table, 2, q.device)
+    if table_t.dtype != torch.int32:
+        raise _fail(op, f"block_table must have dtype torch.int32, got {table_t.dtype}")
+    if table_t.shape[0] != batch:
+        raise _fail(op, f"block_table has {table_t.shape[0]} rows for a batch of {batch}")
+    table = table_t.tolist()
+    return _varlen(op, rules, q, k, v, q_starts, kv_lens, None, table, **math_args)
+
+
+# --- vLLM's fork: vllm.vllm_flash_attn ---------------------------------------------------------
+
+_VLLM_RULES = _Rules(
+    "vllm_flash_attn",
+    lambda d: d % 8 == 0 and d <= 256,
+    "head sizes that are multiples of 8 up to 256",
+    16,
+    math.inf,
+)
+
+
+def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
+    q,
+    k,
+    v,
+    max_seqlen_q,
+    cu_seqlens_q,
+    max_seqlen_k,
+    cu_seqlens_k=None,
+    seqused_k=None,
+    q_v=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size: Optional[list[int]] = None,  # noqa: UP045 (the vendor's annotation)
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    return_softmax_lse=False,
+    out=None,
+    scheduler_metadata=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    num_splits: int = 0,
+    fa_version: int = 2,
+    s_aux=None,
+    cp_world_size=1,
+    cp_rank=0,
+    cp_tot_seqused_k=None,
+):
+    """vLLM's ``flash_attn_varlen_func``: paged with ``block_table`` + ``seqused_k``, packed with
+    ``cu_seqlens_k``; writes ``out`` when given; ``(out, lse)`` with ``return_softmax_lse``."""
+    op = "vllm_flash_attn.flash_attn_varlen_func"
+    # the wrapper's own asserts, in its order [schema]
+    if cu_seqlens_k is None and seqused_k is None:
+        raise AssertionError("cu_seqlens_k or seqused_k must be provided")
+    if cu_seqlens_k is not None and seqused_k is not None:
+        raise AssertionError("cu_seqlens_k and seqused_k cannot be provided at the same time")
+    if block_table is not None and seqused_k is None:
+        raise AssertionError("seqused_k must be provided if block_table is provided")
+    if fa_version not in (2, 3):
+        raise ValueError(f"Unsupported FA version: {fa_version}")
+    if fa_version == 2:
+        if s_aux is not None:
+            raise NotImplementedError("FA2 does not support s_aux")
+        if num_splits > 1:
+            raise NotImplementedError("FA2 does not support num_splits > 1")
+    elif alibi_slopes is not None:
+        raise AssertionError("Alibi is not supported in FA3")
+    _not_emulated(
+        op,
+        q_v=q_v,
+        dropout_p=dropout_p or None,
+        return_attn_probs=return_attn_probs,
+        scheduler_metadata=scheduler_metadata,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        cp_tot_seqused_k=cp_tot_seqused_k,
+        cp_world_size=None if cp_world_size == 1 else cp_world_size,
+    )
+    paged = block_table is not None
+    q, k, v = _check_qkv(op, _VLLM_RULES, q, k, v, paged=paged)
+    dev = q.device
+    if not isinstance(cu_seqlens_q, torch.Tensor):
+        raise _fail(op, "cu_seqlens_q must be a Tensor")
+    batch = cu_seqlens_q.shape[0] - 1
+    q_starts = _int32(op, "cu_seqlens_q", cu_seqlens_q, (batch + 1,), dev)
+    q_lens = _cumulative(op, "cu_seqlens_q", q_starts, q.shape[0])
+    kv_starts = None
+    if seqused_k is not None:
+        kv_lens = _int32(op, "seqused_k", seqused_k, (batch,), dev)
+        if not paged:
+            raise NotEmulatedError(f"{op}: seqused_k without block_table is not emulated")
+    else:
+        kv_starts = _int32(op, "cu_seqlens_k", cu_seqlens_k, (batch + 1,), dev)
+        kv_lens = _cumulative(op, "cu_seqlens_k", kv_starts, k.shape[0])
+    _max_covers(op, "max_seqlen_q", max_seqlen_q, q_lens)
+    _max_covers(op, "max_seqlen_k", max_seqlen_k, kv_lens)
+    sink = None
+    if s_aux is not None:
+        sink = _tensor(op, "s_aux", s_aux, 1, dev)
+        if tuple(sink.shape) != (q.shape[1],):
+            raise _fail(op, f"s_aux must have shape (nheads,), got {list(sink.shape)}")
+    out_t = _out(op, out, q)
+    args: dict[str, Any] = dict(
+        scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
+        window=_window(op, window_size, bool(causal), none_is_unbounded=False),
+        softcap=_softcap(op, softcap),
+        slopes=_alibi(op, alibi_slopes, q.shape[1], batch, dev),
+        sink=sink,
+    )
+    if paged:
+        res, lse = _paged_call(op, _VLLM_RULES, q, k, v, q_starts, kv_lens, block_table, **args)
+    else:
+        res, lse = _varlen(op, _VLLM_RULES, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
+    if out_t is None:
+        out_t = res.to(q.dtype)
+    else:
+        out_t.copy_(res)
+    return (out_t, lse) if return_softmax_lse else out_t
+
+
+def reshape_and_cache_flash(  # vllm._custom_ops
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Write ``slot_mapping.size(0)`` tokens (key may hold more rows: padding) into the NHD
+    cache; a slot < 0 is skipped [schema/callers, vendor-ops.md]."""
+    op = "_custom_ops.reshape_and_cache_flash"
+    dev = key.device
+    _tensor(op, "key", key, 3, dev)
+    _tensor(op, "value", value, 3, dev)
+    kc = _tensor(op, "key_cache", key_cache, 4, dev)
+    vc = _tensor(op, "value_cache", value_cache, 4, dev)
+    slots = _tensor(op, "slot_mapping", slot_mapping, 1, dev)
+    if slots.dtype != torch.int64:
+        raise _fail(op, f"slot_mapping must be int64, got {slots.dtype}")
+    if kv_cache_dtype != "auto":
+        raise NotEmulatedError(f"{op}: kv_cache_dtype {kv_cache_dtype!r} is not emulated")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.dtype != torch.float32:
+            raise _fail(op, f"{name} must be a one-element float32 tensor")
+    n = slots.shape[0]
+    if key.shape[0] < n or value.shape[0] < n:
+        raise _fail(op, f"key/value have fewer rows than slot_mapping ({n})")
+    if key.dtype != kc.dtype or value.dtype != vc.dtype:
+        raise _fail(op, f"key {key.dtype} and cache {kc.dtype} differ with kv_cache_dtype 'auto'")
+    if tuple(key.shape[1:]) != tuple(kc.shape[2:]) or kc.shape != vc.shape:
+        raise _fail(op, f"key {list(key.shape)} does not fit the cache {list(kc.shape)}")
+    num_slots = kc.shape[0] * kc.shape[1]
+    valid = slots >= 0  # padding is skipped
+    if bool((slots[valid] >= num_slots).any()):
+        bad = int(slots[valid].max())
+        raise _fail(op, f"slot_mapping holds {bad}, outside the cache ({num_slots} slots)")
+    rows = torch.nonzero(valid).flatten()
+    targets = slots[rows]
+    kc.view(num_slots, *kc.shape[2:])[targets] = key[rows]
+    vc.view(num_slots, *vc.shape[2:])[targets] = value[rows]
+
+
+# --- upstream FA2: flash_attn ------------------------------------------------------------------
+
+_FA2_RULES = _Rules(
+    "flash_attn (FA2)",
+    lambda d: d % 8 == 0 and d <= 256,
+    "head sizes up to 256 (multiples of 8 without padding the cache)",
+    256,
+    math.inf,
+)
+
+
+def fa2_flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """FA2 ``flash_attn_varlen_func``: with ``block_table``, K/V are the paged cache and
+    ``cu_seqlens_k`` holds the cumulative KV lengths [inferred: flash_api.cpp reads seqlen_k
+    from cu_seqlens_k for paged varlen]. Returns ``out``; ``(out, lse, None)`` with
+    ``return_attn_probs`` (S_dmask is only returned with dropout)."""
+    op = "flash_attn.flash_attn_varlen_func"
+    _not_emulated(op, dropout_p=dropout_p or None)
+    paged = block_table is not None
+    q, k, v = _check_qkv(op, _FA2_RULES, q, k, v, paged=paged)
+    dev = q.device
+    if not isinstance(cu_seqlens_q, torch.Tensor):
+        raise _fail(op, "cu_seqlens_q must be a Tensor")
+    batch = cu_seqlens_q.shape[0] - 1
+    q_starts = _int32(op, "cu_seqlens_q", cu_seqlens_q, (batch + 1,), dev)
+    q_lens = _cumulative(op, "cu_seqlens_q", q_starts, q.shape[0])
+    kv_starts = _int32(op, "cu_seqlens_k", cu_seqlens_k, (batch + 1,), dev)
+    kv_lens = _cumulative(op, "cu_seqlens_k", kv_starts, None if paged else k.shape[0])
+    _max_covers(op, "max_seqlen_q", max_seqlen_q, q_lens)
+    _max_covers(op, "max_seqlen_k", max_seqlen_k, kv_lens)
+    args: dict[str, Any] = dict(
+        scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
+        window=_window(op, window_size, bool(causal), none_is_unbounded=False),
+        softcap=_softcap(op, softcap),
+        slopes=_alibi(op, alibi_slopes, q.shape[1], batch, dev),
+        sink=None,
+    )
+    if paged:
+        res, lse = _paged_call(op, _FA2_RULES, q, k, v, q_starts, kv_lens, block_table, **args)
+    else:
+        res, lse = _varlen(op, _FA2_RULES, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
+    out = res.to(q.dtype)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _padded_batch_call(
+    op: str,
+    rules: _Rules,
+    q: object,  # [B, Sq, H, D]
+    k_cache: object,
+    v_cache: object,
+    cache_seqlens: object,
+    table: object,
+    table_name: str,
+    **math_args: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Sq, H, D] q dtype, lse [B, H, Sq]
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise _fail(op, "q must be a 4-D Tensor (batch_size, seqlen, nheads, headdim)")
+    batch, seqlen = q.shape[:2]
+    flat = q.reshape(batch * seqlen, *q.shape[2:])
+    qf, kc, vc = _check_qkv(op, rules, flat, k_cache, v_cache, paged=True)
+    if table is None:
+        raise NotEmulatedError(f"{op}: a contiguous (non-paged) cache is not emulated")
+    if isinstance(cache_seqlens, int):
+        kv_lens = [cache_seqlens] * batch
+    else:
+        kv_lens = _int32(op, "cache_seqlens", cache_seqlens, (batch,), q.device)
+    starts = [b * seqlen for b in range(batch + 1)]
+    t = _tensor(op, table_name, table, 2, q.device)
+    if t.dtype != torch.int32:
+        raise _fail(op, f"{table_name} must have dtype torch.int32, got {t.dtype}")
+    res, lse = _paged_call(op, rules, qf, kc, vc, starts, kv_lens, t, **math_args)
+    out = res.to(q.dtype).view(batch, seqlen, *q.shape[2:])
+    # (H, B * Sq) -> (B, H, Sq)
+    return out, lse.view(-1, batch, seqlen).permute(1, 0, 2).contiguous()
+
+
+def fa2_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens: Optional[Union[(int, torch.Tensor)]] = None,  # noqa: UP007, UP045
+    cache_batch_idx: Optional[torch.Tensor] = None,  # noqa: UP045
+    cache_leftpad: Optional[torch.Tensor] = None,  # noqa: UP045
+    block_table: Optional[torch.Tensor] = None,  # noqa: UP045
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """FA2 ``flash_attn_with_kvcache``: q (batch, seqlen, nheads, headdim) over a paged cache of
+    ``cache_seqlens`` keys; LSE (batch, nheads, seqlen)."""
+    op = "flash_attn.flash_attn_with_kvcache"
+    _not_emulated(
+        op,
+        k=k,
+        v=v,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+    )
+    if cache_seqlens is None:
+        raise NotEmulatedError(f"{op}: cache_seqlens=None (whole cache) is not emulated")
+    batch = q.shape[0] if isinstance(q, torch.Tensor) else 0
+    dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    heads = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    out, lse = _padded_batch_call(
+        op,
+        _FA2_RULES,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        "block_table",
+        scale=(q.shape[-1] ** -0.5) if softmax_scale is None else float(softmax_scale),
+        window=_window(op, window_size, bool(causal), none_is_unbounded=False),
+        softcap=_softcap(op, softcap),
+        slopes=_alibi(op, alibi_slopes, heads, batch, dev),
+        sink=None,
+    )
+    return (out, lse) if return_softmax_lse else out
+
+
+# --- FA3 (hopper): flash_attn_interface --------------------------------------------------------
+
+_FA3_RULES = _Rules(
+    "flash_attn_interface (FA3)",
+    lambda d: d % 8 == 0 and d <= 256,
+    "head sizes that are multiples of 8 up to 256",
+    1,  # "page_block_size can be arbitrary" [doc]
+    math.inf,
+)
+
+
+def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    qv=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens: Optional[Union[(int, torch.Tensor)]] = None,  # noqa: UP007, UP045
+    cache_batch_idx: Optional[torch.Tensor] = None,  # noqa: UP045
+    cache_leftpad: Optional[torch.Tensor] = None,  # noqa: UP045
+    page_table: Optional[torch.Tensor] = None,  # noqa: UP045
+    cu_seqlens_q: Optional[torch.Tensor] = None,  # noqa: UP045
+    cu_seqlens_k_new: Optional[torch.Tensor] = None,  # noqa: UP045
+    max_seqlen_q: Optional[int] = None,  # noqa: UP045
+    rotary_seqlens: Optional[torch.Tensor] = None,  # noqa: UP045
+    q_descale: Optional[torch.Tensor] = None,  # noqa: UP045
+    k_descale: Optional[torch.Tensor] = None,  # noqa: UP045
+    v_descale: Optional[torch.Tensor] = None,  # noqa: UP045
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    rotary_interleaved=True,
+    scheduler_metadata=None,
+    num_splits=0,
+    pack_gqa=None,
+    sm_margin=0,
+    return_softmax_lse=False,
+):
+    """FA3 ``flash_attn_with_kvcache``: paged through ``page_table``; with ``cu_seqlens_q`` and
+    ``max_seqlen_q``, q is varlen (total_q, nheads, headdim) and the LSE (nheads, total_q)
+    [inferred: the varlen forward's shapes]; else q (batch, seqlen, nheads, headdim)."""
+    op = "flash_attn_interface.flash_attn_with_kvcache"
+    _not_emulated(
+        op,
+        k=k,
+        v=v,
+        qv=qv,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        cu_seqlens_k_new=cu_seqlens_k_new,
+        rotary_seqlens=rotary_seqlens,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        attention_chunk=attention_chunk or None,
+        scheduler_metadata=scheduler_metadata,
+    )
+    if cache_seqlens is None:
+        raise NotEmulatedError(f"{op}: cache_seqlens=None (whole cache) is not emulated")
+    if page_table is None:
+        raise NotEmulatedError(f"{op}: a contiguous (non-paged) cache is not emulated")
+    dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    math_args: dict[str, Any] = dict(
+        window=_window(op, window_size, bool(causal), none_is_unbounded=False),
+        softcap=_softcap(op, softcap),
+        slopes=None,
+        sink=None,
+    )
+    if cu_seqlens_q is None:
+        math_args["scale"] = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        out, lse = _padded_batch_call(
+            op,
+            _FA3_RULES,
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            page_table,
+            "page_table",
+            **math_args,
+        )
+        return (out, lse, *_fa3_rest()) if return_softmax_lse else out
+    if max_seqlen_q is None:
+        raise _fail(op, "max_seqlen_q must be given with cu_seqlens_q")
+    qq, kc, vc = _check_qkv(op, _FA3_RULES, q, k_cache, v_cache, paged=True)
+    if not isinstance(cu_seqlens_q, torch.Tensor):
+        raise _fail(op, "cu_seqlens_q must be a Tensor")
+    batch = cu_seqlens_q.shape[0] - 1
+    q_starts = _int32(op, "cu_seqlens_q", cu_seqlens_q, (batch + 1,), dev)
+    q_lens = _cumulative(op, "cu_seqlens_q", q_starts, qq.shape[0])
+    _max_covers(op, "max_seqlen_q", max_seqlen_q, q_lens)
+    if isinstance(cache_seqlens, int):
+        kv_lens = [cache_seqlens] * batch
+    else:
+        kv_lens = _int32(op, "cache_seqlens", cache_seqlens, (batch,), dev)
+    math_args["scale"] = qq.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    res, lse = _paged_call(op, _FA3_RULES, qq, kc, vc, q_starts, kv_lens, page_table, **math_args)
+    out = res.to(qq.dtype)
+    return (out, lse, *_fa3_rest()) if return_softmax_lse else out
+
+
+def _fa3_rest() -> tuple[torch.Tensor, torch.Tensor]:
+    """What FA3's ``flash_attn_with_kvcache`` returns after (out, softmax_lse) with
+    ``return_softmax_lse`` (``return (out, softmax_lse, *rest)`` [schema]): the split-KV
+    accumulators of the C++ forward, empty here (no split) [inferred]."""
+    return torch.empty(0), torch.empty(0)
+
+
+# --- FA4: flash_attn.cute ----------------------------------------------------------------------
+
+_FA4_RULES = _Rules(
+    "flash_attn.cute (FA4)",
+    lambda d: (8 <= d <= 128 and d % 8 == 0) or d == 256,
+    "8..128 in multiples of 8, or 256 (SM100; _validate_head_dims)",
+    1,  # any page size; 128 is the TMA fast path [schema]
+    -math.inf,  # empty rows: lse.fill_(-inf) [schema]
+)
+
+
+def fa4_flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qv: Optional[torch.Tensor] = None,  # noqa: UP045
+    cu_seqlens_q: Optional[torch.Tensor] = None,  # noqa: UP045
+    cu_seqlens_k: Optional[torch.Tensor] = None,  # noqa: UP045
+    max_seqlen_q: Optional[int] = None,  # noqa: UP045
+    max_seqlen_k: Optional[int] = None,  # noqa: UP045
+    min_seqlen_k: Optional[int] = None,  # noqa: UP045
+    seqused_q: Optional[torch.Tensor] = None,  # noqa: UP045
+    seqused_k: Optional[torch.Tensor] = None,  # noqa: UP045
+    gather_kv_indices: Optional[torch.Tensor] = None,  # noqa: UP045
+    page_table: Optional[torch.Tensor] = None,  # noqa: UP045
+    softmax_scale: Optional[float] = None,  # noqa: UP045
+    causal: bool = False,
+    window_size: tuple[Optional[int], Optional[int]] = (None, None),  # noqa: UP045
+    learnable_sink: Optional[torch.Tensor] = None,  # noqa: UP045
+    softcap: float = 0.0,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,  # noqa: UP045
+    deterministic: bool = False,
+    score_mod: Optional[Callable[..., Any]] = None,  # noqa: UP045
+    score_mod_bwd: Optional[Callable[..., Any]] = None,  # noqa: UP045
+    mask_mod: Optional[Callable[..., Any]] = None,  # noqa: UP045
+    block_sparse_tensors: Optional[Any] = None,  # noqa: UP045
+    aux_tensors: Optional[list[Any]] = None,  # noqa: UP045
+    aux_scalars: Optional[tuple[Any, ...]] = None,  # noqa: UP045
+    return_lse: bool = False,
+    scheduler_metadata: Optional[Any] = None,  # noqa: UP045
+    seqlen_k_per_split: Optional[int] = None,  # noqa: UP045
+    disable_scheduler_metadata: bool = False,
+    gather_bwd_recompute_p: bool = False,
+    gather_bwd_token_chunk: Optional[int] = None,  # noqa: UP045
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """FA4 ``flash_attn_varlen_func``: paged through ``page_table`` + ``seqused_k`` (page_table
+    with cu_seqlens_k is rejected [schema]); returns ``(out, lse)``, lse None unless
+    ``return_lse`` [schema]."""
+    op = "flash_attn.cute.flash_attn_varlen_func"
+    _not_emulated(
+        op,
+        qv=qv,
+        min_seqlen_k=min_seqlen_k,
+        seqused_q=seqused_q,
+        gather_kv_indices=gather_kv_indices,
+        score_mod=score_mod,
+        score_mod_bwd=score_mod_bwd,
+        mask_mod=mask_mod,
+        block_sparse_tensors=block_sparse_tensors,
+        aux_tensors=aux_tensors,
+        aux_scalars=aux_scalars,
+        scheduler_metadata=scheduler_metadata,
+        seqlen_k_per_split=seqlen_k_per_split,
+    )
+    if cu_seqlens_q is None:
+        raise NotEmulatedError(f"{op}: batched (non-varlen) q is not emulated")
+    paged = page_table is not None
+    if paged and cu_seqlens_k is not None:
+        raise AssertionError("page_table is not supported with cu_seqlens_k")
+    if cu_seqlens_k is None and seqused_k is None:
+        raise NotEmulatedError(f"{op}: K/V without cu_seqlens_k or seqused_k is not emulated")
+    q, k, v = _check_qkv(op, _FA4_RULES, q, k, v, paged=paged)
+    dev = q.device
+    batch = cu_seqlens_q.shape[0] - 1
+    q_starts = _int32(op, "cu_seqlens_q", cu_seqlens_q, (batch + 1,), dev)
+    q_lens = _cumulative(op, "cu_seqlens_q", q_starts, q.shape[0])
+    kv_starts = None
+    if seqused_k is not None:
+        kv_lens = _int32(op, "seqused_k", seqused_k, (batch,), dev)
+        if not paged:
+            raise NotEmulatedError(f"{op}: seqused_k without page_table is not emulated")
+    else:
+        kv_starts = _int32(op, "cu_seqlens_k", cu_seqlens_k, (batch + 1,), dev)
+        kv_lens = _cumulative(op, "cu_seqlens_k", kv_starts, k.shape[0])
+    # max lengths are optional hints for FA4 [doc]; given ones must cover the batch
+    if max_seqlen_q is not None:
+        _max_covers(op, "max_seqlen_q", max_seqlen_q, q_lens)
+    if max_seqlen_k is not None:
+        _max_covers(op, "max_seqlen_k", max_seqlen_k, kv_lens)
+    sink = None
+    if learnable_sink is not None:
+        sink = _tensor(op, "learnable_sink", learnable_sink, 1, dev)
+        if tuple(sink.shape) != (q.shape[1],):
+            raise AssertionError("learnable_sink.shape == (num_head,)")
+        if sink.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise AssertionError("learnable_sink must be float16, bfloat16, or float32")
+    args: dict[str, Any] = dict(
+        scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
+        window=_window(op, window_size, bool(causal), none_is_unbounded=True),
+        softcap=_softcap(op, softcap),
+        slopes=None,
+        sink=sink,
+    )
+    if paged:
+        res, lse = _paged_call(op, _FA4_RULES, q, k, v, q_starts, kv_lens, page_table, **args)
+    else:
+        res, lse = _varlen(op, _FA4_RULES, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
+    return res.to(q.dtype), (lse if return_lse else None)
+
+
+# --- the namespaces ops.py hands out -----------------------------------------------------------
+
+
+def _namespace(module: str, **fns: Callable[..., Any]) -> SimpleNamespace:
+    ns = SimpleNamespace(__name__=f"emulated {module}")
+    for name, fn in fns.items():
+        wrapped = _counted(module, fn)
+        wrapped.__name__ = name
+        setattr(ns, name, wrapped)
+    return ns
+
+
+def _renamed(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    fn.__name__ = name
+    return fn
+
+
+VLLM = _namespace("vllm.vllm_flash_attn", flash_attn_varlen_func=flash_attn_varlen_func)
+VLLM_CACHE_OPS = _namespace("vllm._custom_ops", reshape_and_cache_flash=reshape_and_cache_flash)
+FA2 = _namespace(
+    "flash_attn",
+    flash_attn_varlen_func=_renamed(fa2_flash_attn_varlen_func, "flash_attn_varlen_func"),
+    flash_attn_with_kvcache=_renamed(fa2_flash_attn_with_kvcache, "flash_attn_with_kvcache"),
+)
+FA3 = _namespace(
+    "flash_attn_interface",
+    flash_attn_with_kvcache=_renamed(fa3_flash_attn_with_kvcache, "flash_attn_with_kvcache"),
+)
+FA4 = _namespace(
+    "flash_attn.cute",
+    flash_attn_varlen_func=_renamed(fa4_flash_attn_varlen_func, "flash_attn_varlen_func"),
+)
+
+#: Every emulated function, by its vendor path: what the contract test checks.
+FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "vllm.vllm_flash_attn.flash_attn_varlen_func": flash_attn_varlen_func,
+    "vllm._custom_ops.reshape_and_cache_flash": reshape_and_cache_flash,
+    "flash_attn.flash_attn_varlen_func": fa2_flash_attn_varlen_func,
+    "flash_attn.flash_attn_with_kvcache": fa2_flash_attn_with_kvcache,
+    "flash_attn_interface.flash_attn_with_kvcache": fa3_flash_attn_with_kvcache,
+    "flash_attn.cute.flash_attn_varlen_func": fa4_flash_attn_varlen_func,
+}

@@ -1,0 +1,331 @@
+"""The emulator follows FlashAttention's conventions and rejects what the libraries reject.
+
+The math is checked on inputs whose answer is plain arithmetic: a zero query gives every visible
+key the same weight, so the output is the mean of the visible values and the LSE is the log of
+how many keys are visible.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from attnhub_flash import emulator
+from attnhub_flash.emulator import FlashOpError, NotEmulatedError
+
+H, HK, D = 2, 1, 8
+
+
+def _cache(kv_lens: list[int], page: int, *, dtype: torch.dtype = torch.float16) -> dict[str, Any]:
+    """A paged cache whose value at sequence position j is j (every head and channel), blocks
+    laid out in reverse so a wrong block lookup shows, and its block table."""
+    blocks = [max(1, math.ceil(n / page)) for n in kv_lens]
+    total = sum(blocks) + 1
+    k = torch.randn(total, page, HK, D).to(dtype)
+    v = torch.full((total, page, HK, D), -100.0, dtype=dtype)
+    table = torch.zeros(len(kv_lens), max(blocks), dtype=torch.int32)
+    nxt = total - 1
+    for b in range(len(kv_lens)):
+        for i in range(blocks[b]):
+            table[b, i] = nxt
+            pos = torch.arange(i * page, (i + 1) * page, dtype=torch.float32)
+            v[nxt] = pos.to(dtype)[:, None, None].expand(page, HK, D)
+            nxt -= 1
+    return dict(k=k, v=v, block_table=table)
+
+
+def _zero_q(q_lens: list[int], dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    return torch.zeros(sum(q_lens), H, D, dtype=dtype)
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _vllm(q_lens: list[int], kv_lens: list[int], page: int = 16, **kw: Any) -> Any:
+    c = _cache(kv_lens, page)
+    args: dict[str, Any] = dict(
+        q=_zero_q(q_lens),
+        k=c["k"],
+        v=c["v"],
+        cu_seqlens_q=_cu(q_lens),
+        max_seqlen_q=max(q_lens),
+        seqused_k=torch.tensor(kv_lens, dtype=torch.int32),
+        max_seqlen_k=max(kv_lens),
+        block_table=c["block_table"],
+        causal=True,
+        return_softmax_lse=True,
+    )
+    args.update(kw)
+    return emulator.VLLM.flash_attn_varlen_func(**args)
+
+
+# --- the conventions --------------------------------------------------------------------------
+
+
+def test_causal_is_bottom_right_aligned_as_the_docstring_draws_it() -> None:
+    # seqlen_q = 2, seqlen_k = 5: row 0 keeps keys 0..3, row 1 keeps 0..4 [doc]
+    out, lse = _vllm([2], [5])
+    assert out[:, 0, 0].tolist() == [1.5, 2.0]  # mean of 0..3, mean of 0..4
+    assert torch.allclose(lse[0], torch.tensor([math.log(4), math.log(5)]))
+
+
+def test_fully_masked_rows_give_zero_output_and_plus_infinite_lse() -> None:
+    # seqlen_q = 5, seqlen_k = 2: rows 0..2 see nothing [doc: "the output will be zero"]
+    out, lse = _vllm([5], [2])
+    assert torch.all(out[:3] == 0) and out[3, 0, 0] == 0.0 and out[4, 0, 0] == 0.5
+    assert torch.all(torch.isposinf(lse[:, :3])) and torch.isfinite(lse[:, 3:]).all()
+
+
+def test_fa4_reports_empty_rows_with_minus_infinite_lse() -> None:
+    c = _cache([2], 16)
+    out, lse = emulator.FA4.flash_attn_varlen_func(
+        _zero_q([5]),
+        c["k"],
+        c["v"],
+        cu_seqlens_q=_cu([5]),
+        seqused_k=torch.tensor([2], dtype=torch.int32),
+        page_table=c["block_table"],
+        causal=True,
+        return_lse=True,
+    )
+    assert torch.all(out[:3] == 0) and torch.all(torch.isneginf(lse[:, :3]))
+
+
+def test_window_left_keeps_left_plus_one_keys_ending_at_the_aligned_position() -> None:
+    out, lse = _vllm([2], [9], window_size=(2, 0))  # row 0 at position 7: keys 5..7
+    assert out[:, 0, 0].tolist() == [6.0, 7.0]
+    assert torch.allclose(lse, torch.full_like(lse, math.log(3)))
+
+
+def test_lse_is_natural_log_float32_heads_by_tokens_for_varlen() -> None:
+    out, lse = _vllm([1, 3], [20, 33])
+    assert lse.shape == (H, 4) and lse.dtype == torch.float32
+    assert torch.allclose(lse[0], torch.tensor([20.0, 31.0, 32.0, 33.0]).log())
+    assert out.dtype == torch.float16 and out.shape == (4, H, D)
+
+
+def test_the_kvcache_functions_return_lse_batch_heads_seqlen() -> None:
+    c = _cache([7, 12], 256)
+    q = torch.zeros(2, 1, H, D, dtype=torch.float16)
+    out, lse = emulator.FA2.flash_attn_with_kvcache(
+        q,
+        c["k"],
+        c["v"],
+        cache_seqlens=torch.tensor([7, 12], dtype=torch.int32),
+        block_table=c["block_table"],
+        causal=True,
+        return_softmax_lse=True,
+    )
+    assert out.shape == (2, 1, H, D) and out[:, 0, 0, 0].tolist() == [3.0, 5.5]
+    assert lse.shape == (2, H, 1)
+    assert torch.allclose(lse[:, 0, 0], torch.tensor([7.0, 12.0]).log())
+
+
+def test_fa3_returns_more_than_out_and_lse_with_the_lse_as_its_interface_does() -> None:
+    c = _cache([5], 16)
+    result = emulator.FA3.flash_attn_with_kvcache(
+        _zero_q([2]),
+        c["k"],
+        c["v"],
+        cache_seqlens=torch.tensor([5], dtype=torch.int32),
+        page_table=c["block_table"],
+        cu_seqlens_q=_cu([2]),
+        max_seqlen_q=2,
+        causal=True,
+        return_softmax_lse=True,
+    )
+    assert len(result) > 2  # (out, softmax_lse, *rest)
+    out, lse = result[:2]
+    assert out[:, 0, 0].tolist() == [1.5, 2.0] and lse.shape == (H, 2)
+
+
+def test_a_sink_joins_the_denominator_without_a_value() -> None:
+    c = _cache([4], 16)
+    sink = torch.tensor([0.0, math.log(4.0)])  # head 1: a sink weighing as much as 4 keys
+    out, lse = emulator.FA4.flash_attn_varlen_func(
+        _zero_q([1]),
+        c["k"],
+        c["v"],
+        cu_seqlens_q=_cu([1]),
+        seqused_k=torch.tensor([4], dtype=torch.int32),
+        page_table=c["block_table"],
+        causal=True,
+        learnable_sink=sink,
+        return_lse=True,
+    )
+    assert out[0, 0, 0] == 6 / 5 and out[0, 1, 0] == 6 / 8  # (0+1+2+3) / (4 + e^sink)
+    assert torch.allclose(lse[:, 0], torch.tensor([math.log(5), math.log(8)]))
+
+
+def test_alibi_biases_by_distance_from_the_aligned_position() -> None:
+    slopes = torch.tensor([math.log(2.0), 0.0])  # head 0: weight halves per step back
+    out, _ = _vllm([1], [3], alibi_slopes=slopes)
+    w = torch.tensor([0.25, 0.5, 1.0])
+    assert torch.isclose(out[0, 0, 0].float(), (w * torch.arange(3.0)).sum() / w.sum(), atol=1e-3)
+    assert out[0, 1, 0] == 1.0  # slope 0: plain mean
+
+
+def test_softcap_bounds_the_scores() -> None:
+    c = _cache([2], 16)
+    c["k"][:] = 0
+    key_rows = c["block_table"][0, 0]
+    c["k"][key_rows, 1] = 50.0  # key 1 scores 50 * sum(q) * scale: huge, capped at 1
+    q = torch.ones(1, H, D, dtype=torch.float16)
+    out, lse = _vllm([1], [2], q=q, k=c["k"], softcap=1.0, softmax_scale=1.0)
+    e = math.exp(math.tanh(400.0))  # cap * tanh(s / cap) with s = 400, cap = 1
+    assert torch.isclose(out[0, 0, 0].float(), torch.tensor(e / (1 + e)), atol=1e-3)
+    assert torch.allclose(lse[:, 0], torch.tensor(math.log(1 + e)))
+
+
+def test_out_is_written_in_place() -> None:
+    buf = torch.full((3, H, D), 9.0, dtype=torch.float16)
+    got, _ = _vllm([3], [3], out=buf)
+    assert got is buf and buf[:, 0, 0].tolist() == [0.0, 0.5, 1.0]
+
+
+def test_reshape_and_cache_flash_skips_negative_slots_and_writes_only_slot_mapping_rows() -> None:
+    kc = torch.zeros(2, 16, HK, D, dtype=torch.float16)
+    vc = torch.zeros_like(kc)
+    key = torch.arange(1.0, 5.0)[:, None, None].expand(4, HK, D).to(torch.float16)
+    one = torch.ones(1)
+    slots = torch.tensor([3, -1, 20], dtype=torch.int64)  # key row 3 is padding
+    emulator.VLLM_CACHE_OPS.reshape_and_cache_flash(key, key, kc, vc, slots, "auto", one, one)
+    flat = kc.view(32, HK, D)
+    assert flat[3, 0, 0] == 1 and flat[20, 0, 0] == 3
+    assert int((flat != 0).any(-1).any(-1).sum()) == 2
+
+
+# --- what the libraries reject ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        (dict(cu_seqlens_k=_cu([3])), AssertionError, "cannot be provided at the same time"),
+        (dict(seqused_k=None, cu_seqlens_k=None), AssertionError, "must be provided"),
+        (dict(s_aux=torch.zeros(H)), NotImplementedError, "FA2 does not support s_aux"),
+        (dict(fa_version=3, alibi_slopes=torch.zeros(H)), AssertionError, "Alibi"),
+        (dict(max_seqlen_k=2), FlashOpError, "max_seqlen_k = 2"),
+        (dict(dropout_p=0.1), NotEmulatedError, "dropout_p"),
+    ],
+)
+def test_vllm_wrapper_refusals(kw: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        _vllm([3], [3], **kw)
+
+
+def test_vllm_block_table_without_seqused_k_is_refused() -> None:
+    c = _cache([3], 16)
+    with pytest.raises(AssertionError, match="seqused_k must be provided"):
+        emulator.VLLM.flash_attn_varlen_func(
+            q=_zero_q([3]),
+            k=c["k"],
+            v=c["v"],
+            cu_seqlens_q=_cu([3]),
+            max_seqlen_q=3,
+            cu_seqlens_k=_cu([3]),
+            max_seqlen_k=3,
+            block_table=c["block_table"],
+        )
+
+
+@pytest.mark.parametrize(("page", "ok"), [(16, True), (32, True), (8, False), (24, False)])
+def test_vllm_paged_blocks_are_multiples_of_16(page: int, ok: bool) -> None:
+    if ok:
+        _vllm([1], [3], page=page)
+        return
+    with pytest.raises(FlashOpError, match="multiple of 16"):
+        _vllm([1], [3], page=page)
+
+
+def test_fa2_paged_blocks_are_multiples_of_256() -> None:
+    c = _cache([3], 16)
+    with pytest.raises(FlashOpError, match="multiple of 256"):
+        emulator.FA2.flash_attn_varlen_func(
+            _zero_q([3]), c["k"], c["v"], _cu([3]), _cu([3]), 3, 3, block_table=c["block_table"]
+        )
+
+
+def test_int64_block_tables_are_refused() -> None:
+    c = _cache([3], 16)
+    with pytest.raises(FlashOpError, match="int32"):
+        _vllm([3], [3], block_table=c["block_table"].long())
+
+
+def test_lengths_must_be_int32() -> None:
+    with pytest.raises(FlashOpError, match="cu_seqlens_q must have dtype int32"):
+        _vllm([3], [3], cu_seqlens_q=_cu([3]).long())
+
+
+@pytest.mark.parametrize(
+    ("q", "match"),
+    [
+        (torch.zeros(3, H, D, dtype=torch.float32), "fp16 and bf16"),
+        (torch.zeros(3, H, D, dtype=torch.bfloat16), "same dtype"),
+    ],
+)
+def test_dtypes_and_heads_are_checked(q: torch.Tensor, match: str) -> None:
+    with pytest.raises(FlashOpError, match=match):
+        _vllm([3], [3], q=q)
+
+
+def test_query_heads_must_be_a_multiple_of_the_kv_heads() -> None:
+    k = torch.zeros(3, 16, 2, D, dtype=torch.float16)
+    with pytest.raises(FlashOpError, match="divisible by nheads_k"):
+        _vllm([3], [3], q=torch.zeros(3, 3, D, dtype=torch.float16), k=k, v=k)
+
+
+def test_head_sizes_follow_each_providers_rule() -> None:
+    c = _cache([3], 16)
+    k = torch.zeros(c["k"].shape[0], 16, HK, 12, dtype=torch.float16)
+    with pytest.raises(FlashOpError, match="multiples of 8"):
+        _vllm([3], [3], q=torch.zeros(3, H, 12, dtype=torch.float16), k=k, v=k)
+    k = torch.zeros(c["k"].shape[0], 16, HK, 192, dtype=torch.float16)
+    with pytest.raises(FlashOpError, match=r"8\.\.128"):
+        emulator.FA4.flash_attn_varlen_func(
+            torch.zeros(3, H, 192, dtype=torch.float16),
+            k,
+            k,
+            cu_seqlens_q=_cu([3]),
+            seqused_k=torch.tensor([3], dtype=torch.int32),
+            page_table=c["block_table"],
+        )
+
+
+def test_fa4_page_table_with_cu_seqlens_k_is_refused() -> None:
+    c = _cache([3], 16)
+    with pytest.raises(AssertionError, match="page_table is not supported with cu_seqlens_k"):
+        emulator.FA4.flash_attn_varlen_func(
+            _zero_q([3]),
+            c["k"],
+            c["v"],
+            cu_seqlens_q=_cu([3]),
+            cu_seqlens_k=_cu([3]),
+            page_table=c["block_table"],
+        )
+
+
+def test_a_block_table_too_short_for_the_sequence_is_refused() -> None:
+    with pytest.raises(FlashOpError, match="blocks"):
+        _vllm([1], [40], block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_fa3_varlen_q_needs_max_seqlen_q() -> None:
+    c = _cache([3], 16)
+    with pytest.raises(FlashOpError, match="max_seqlen_q"):
+        emulator.FA3.flash_attn_with_kvcache(
+            _zero_q([3]),
+            c["k"],
+            c["v"],
+            cache_seqlens=torch.tensor([3], dtype=torch.int32),
+            page_table=c["block_table"],
+            cu_seqlens_q=_cu([3]),
+        )
+
+
+def test_unknown_keywords_are_refused_as_python_would() -> None:
+    with pytest.raises(TypeError, match="page_table"):
+        _vllm([3], [3], page_table=None)
