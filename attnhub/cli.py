@@ -453,7 +453,7 @@ def _bench_host(args: argparse.Namespace, console: Console) -> int:
                 )
             )
     where = bench.machine()
-    table = Table(title="host overhead per call (bf16, 8/2 heads, head 32, block 128, decode)")
+    table = Table(title="host overhead per call (bf16, 8/2 heads, head 64, block 128, decode)")
     for col in ("backend", "requests", "build us", "forward us", "write_kv(meta=) us"):
         table.add_column(col, justify="right")
     for r in rows:

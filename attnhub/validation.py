@@ -173,26 +173,31 @@ def step_extents(batch: BatchMetadata) -> StepExtents:
     """Check the step's slot and block values that need no cache (slots >= -1 and distinct,
     blocks read >= 0) and bound the largest of each, on the batch's host copies. A handful of
     numpy reductions: no per-request work on the usual step."""
+    # ufunc.reduce directly: ndarray.max() adds a Python wrapper (~1 us each) on tiny arrays
     slots = batch.host_slot_mapping().numpy()
     max_slot = -1
     if slots.size:
-        max_slot, lowest = int(slots.max()), int(slots.min())
+        max_slot, lowest = int(_MAX(slots)), int(_MIN(slots))
         if lowest < -1:
             i = int(np.flatnonzero(slots < -1)[0])
             raise InvalidInputError(
                 f"slot_mapping[{i}] = {int(slots[i])} is not a slot; use -1 for padding"
             )
-        _check_distinct_slots(slots if lowest >= 0 else slots[slots >= 0], slots)
+        if slots.size > 1:
+            _check_distinct_slots(slots if lowest >= 0 else slots[slots >= 0], slots)
     max_block = -1
     if batch.num_reqs:
         table = batch.host_block_table().numpy()  # [B, max_blocks]
-        max_block = int(table.max())
-        if int(table.min()) < 0:  # entries past a request's blocks may be anything: look closer
+        max_block = int(_MAX(table, axis=None))
+        if int(_MIN(table, axis=None)) < 0:  # entries past a request's blocks may be anything
             bad = np.argwhere(_in_use(batch, table.shape[1]) & (table < 0))
             if bad.size:
                 r, c = int(bad[0, 0]), int(bad[0, 1])
                 raise InvalidInputError(f"block_table[{r}, {c}] = {int(table[r, c])} is negative")
     return StepExtents(max_slot, max_block)
+
+
+_MAX, _MIN = np.maximum.reduce, np.minimum.reduce
 
 
 def _in_use(batch: BatchMetadata, width: int) -> np.ndarray:  # [B, width] bool
@@ -207,7 +212,7 @@ def _check_distinct_slots(written: np.ndarray, slots: np.ndarray) -> None:
     overlap, or a stale block table); one sort of the written slots, on the host."""
     ordered = np.sort(written)
     same = ordered[1:] == ordered[:-1]
-    if not same.any():
+    if not np.logical_or.reduce(same):
         return
     slot = int(ordered[1:][same][0])
     i, j = (int(x) for x in np.flatnonzero(slots == slot)[:2])

@@ -60,3 +60,14 @@ def test_machine_description_names_present_and_missing_isa_flags():
         "AMD EPYC, avx2 (no avx512f, avx512_bf16, amx_bf16), 2 cores, 2 torch threads, "
         "torch 2.13.0+cpu"
     )
+
+
+def test_host_overhead_runs_for_every_installed_backend() -> None:
+    """The host bench's shape is one every in-repo backend serves (emulated where needed)."""
+    import attnhub
+
+    for info in attnhub.list_backends():
+        if info.backend is None or info.availability("cpu", emulate=True) is not None:
+            continue
+        row = bench.host_overhead(1, backend=info.name, emulate=True)
+        assert row.backend == info.name and row.forward_us > 0

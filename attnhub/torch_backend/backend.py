@@ -128,23 +128,24 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
         super().__init__(backend)
         spec = self.spec
         k_dtype, v_dtype = spec.kv_cache_format.storage_dtypes(spec.dtype)
-        self._bytes_per_token = (
+        self._storage_dtypes = (k_dtype, v_dtype)
+        self._gather_budget_tokens = backend.gather_budget_bytes // (
             spec.num_kv_heads * spec.head_size * (k_dtype.itemsize + v_dtype.itemsize)
         )
+        self._eager = bool({"softcap", "alibi", "sinks"} & spec.features())
 
     def plan(self, batch: BatchMetadata, common_prefix_len: int) -> TorchAttentionMetadata:
         spec = self.spec
-        eager = bool({"softcap", "alibi", "sinks"} & spec.features())
         step = plan_step(
             spec,
             batch,
             decode_threshold=self.reorder_batch_threshold,
-            gather_budget_tokens=self.backend.gather_budget_bytes // self._bytes_per_token,
-            eager=eager,
+            gather_budget_tokens=self._gather_budget_tokens,
+            eager=self._eager,
             device=self.backend.device,
         )
         shape = (step.max_gather_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-        k_dtype, v_dtype = spec.kv_cache_format.storage_dtypes(spec.dtype)
+        k_dtype, v_dtype = self._storage_dtypes
         buffers = (
             self.backend.buffer("key", shape, k_dtype),
             self.backend.buffer("value", shape, v_dtype),
