@@ -1,4 +1,9 @@
-"""The float64 reference reproduces the golden convention cases (computed independently)."""
+"""The float64 reference reproduces the golden convention cases (computed independently).
+
+The cases live in the repo, ``tests/data/attention_conventions.json`` (a copy of the project's
+``golden/attention_conventions.json``), so a fresh clone checks them; a missing file is a
+failure, never a skip.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +15,15 @@ import torch
 
 from attnhub import reference
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
-CONVENTIONS = GOLDEN / "attention_conventions.json"
+CONVENTIONS = Path(__file__).resolve().parent / "data" / "attention_conventions.json"
 ATOL = 1e-9
-
-pytestmark = pytest.mark.skipif(
-    not CONVENTIONS.is_file(), reason=f"golden data not found at {CONVENTIONS}"
-)
 
 
 def _load() -> dict:
     if not CONVENTIONS.is_file():
-        return {"cases": [], "merge": None}
+        raise FileNotFoundError(
+            f"golden data missing: {CONVENTIONS} is part of the repo (git checkout -- tests/data)"
+        )
     return json.loads(CONVENTIONS.read_text())
 
 
