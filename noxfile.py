@@ -1,5 +1,5 @@
-"""Sessions: lint, typecheck, tests, conformance per backend, contracts (default run); bench
-(on request).
+"""Sessions: lint, typecheck, tests, conformance per backend, contracts, wheelhouse (default run);
+bench, vllm (on request).
 
 Every session that installs attnhub pins torch==2.13.0 (a CPU build is on this machine kind's
 package index; an unpinned torch would pull several GB of CUDA packages). Vendor libraries are
@@ -8,30 +8,46 @@ never installed: vendor backends run through their CPU emulators.
 
 from __future__ import annotations
 
+import email.message
+import email.parser
 import os
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
 
 import nox
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
-nox.options.sessions = ["lint", "typecheck", "tests", "conformance", "contracts"]
+nox.options.sessions = ["lint", "typecheck", "tests", "conformance", "contracts", "wheelhouse"]
 nox.options.error_on_external_run = True
 
 TORCH = "torch==2.13.0"
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".ci-results")
+REPO = Path(__file__).resolve().parent
+RESULTS = os.path.join(REPO, ".ci-results")
+#: Where ``nox -s wheelhouse`` builds every distribution's wheel (docs/install.md).
+WHEELHOUSE = REPO / "dist"
+#: Every distribution in the repo, by directory: the core, the suite, each vendor backend, each
+#: engine integration (a new ``backends/NAME/pyproject.toml`` is picked up by itself).
+DISTRIBUTION_DIRS = [
+    ".",
+    "conformance",
+    *sorted(
+        p.parent.relative_to(REPO).as_posix()
+        for pattern in ("backends/*/pyproject.toml", "integrations/*/pyproject.toml")
+        for p in REPO.glob(pattern)
+    ),
+]
 
 #: In-repo backends the conformance sessions run: name -> extra distributions to install.
 #: Vendor backends are added here as they land (each runs emulated on a machine without its
 #: hardware).
 BACKENDS: dict[str, list[str]] = {"torch": [], "ascend": ["-e", "backends/ascend"]}
-#: Every in-repo distribution, for the sessions that install them all.
+#: Every in-repo distribution, editable, for the sessions that install them all.
 ALL_DISTRIBUTIONS = [
     "-e",
     ".[test]",
-    "-e",
-    "conformance",
-    "-e",
-    "backends/ascend",
-    "-e",
-    "integrations/vllm",
+    *(arg for directory in DISTRIBUTION_DIRS[1:] for arg in ("-e", f"./{directory}")),
 ]
 
 
@@ -124,6 +140,141 @@ def contracts(session: nox.Session) -> None:
         _junit("contracts"),
         *session.posargs,
     )
+
+
+@nox.session
+def wheelhouse(session: nox.Session) -> None:
+    """``pip install attnhub[ascend]`` end to end, offline for attnhub's own names: every
+    distribution of the repo built as a wheel into dist/, then installed as docs/install.md says
+    (third-party dependencies from the configured sources; attnhub's distributions with
+    ``--no-index --find-links dist``, so no index is ever asked for an attnhub name): attnhub with
+    every extra whose distribution was built here (ascend; iluvatar and cuda once
+    backends/iluvatar and backends/flash exist), and every other wheel. Then, from outside the
+    checkout: each module comes from the installed wheels, ``attnhub list`` shows each backend
+    (tests/test_install.py), and the suite passes against each backend (emulated)."""
+    session.install("pip")  # the commands proven are pip's; a uv venv has no pip of its own
+    WHEELHOUSE.mkdir(exist_ok=True)
+    for old in WHEELHOUSE.glob("attnhub*.whl"):
+        old.unlink()
+    session.run(
+        *("python", "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(WHEELHOUSE)),
+        *(f"./{directory}".removesuffix(".") for directory in DISTRIBUTION_DIRS),
+    )
+    wheels = {_wheel_name(path): path for path in sorted(WHEELHOUSE.glob("attnhub*.whl"))}
+    packages = _packages_of(session, wheels)
+
+    extras, absent = _backend_extras(_metadata(wheels["attnhub"]), set(wheels))
+    session.log(f"extras installed from the wheelhouse: {', '.join(extras) or 'none'}")
+    for extra, names in absent.items():
+        session.log(f"extra {extra!r} skipped: {', '.join(names)} is not in this repo (yet)")
+    pulled = {"attnhub", *(name for names in extras.values() for name in names)}
+    session.install(TORCH, *_third_party_requirements(wheels.values()))
+    session.run(
+        *("python", "-m", "pip", "install", "--no-index", "--find-links", str(WHEELHOUSE)),
+        f"attnhub[{','.join(extras)}]" if extras else "attnhub",
+        *(name for name in wheels if name not in pulled),  # the suite, the vLLM adapter
+    )
+
+    session.chdir(session.create_tmp())  # outside the checkout: its sources are not importable
+    session.run("python", "-c", _IMPORTED_FROM_SITE_PACKAGES, *packages)
+    _single_threaded(session)
+    pytest = ("pytest", "-q", "-p", "no:cacheprovider")
+    session.run(*pytest, str(REPO / "tests" / "test_install.py"), _junit("wheelhouse-install"))
+    backends = sorted(name for path in wheels.values() for name in _entry_points(path, "attnhub"))
+    session.run(
+        *pytest,
+        *("--pyargs", "attnhub_conformance", "--attnhub-emulate"),
+        *(f"--attnhub-backend={backend}" for backend in backends),
+        _junit("wheelhouse-conformance"),
+        *session.posargs,
+    )
+
+
+def _wheel_name(path: Path) -> str:
+    return str(canonicalize_name(path.name.split("-")[0]))
+
+
+def _metadata(wheel: Path) -> email.message.Message:
+    with zipfile.ZipFile(wheel) as z:
+        name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.parser.Parser().parsestr(z.read(name).decode())
+
+
+def _entry_points(wheel: Path, group: str) -> list[str]:
+    """Names registered in entry-point ``group`` by ``wheel``."""
+    with zipfile.ZipFile(wheel) as z:
+        names = [n for n in z.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        text = z.read(names[0]).decode() if names else ""
+    found, current = [], None
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            current = line.strip("[]")
+        elif "=" in line and current == group:
+            found.append(line.split("=")[0].strip())
+    return found
+
+
+def _packages_of(session: nox.Session, wheels: dict[str, Path]) -> list[str]:
+    """The top-level packages of the wheels; fails if two wheels ship the same file (pip would
+    let the second overwrite the first)."""
+    owner: dict[str, str] = {}
+    for name, path in wheels.items():
+        with zipfile.ZipFile(path) as z:
+            for member in z.namelist():
+                if member in owner:
+                    session.error(f"{member} is in both {owner[member]} and {name}")
+                owner[member] = name
+    return sorted({m.split("/")[0] for m in owner if "/" in m and ".dist-info/" not in m})
+
+
+def _backend_extras(
+    metadata: email.message.Message, built: set[str]
+) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """attnhub's extras that name only attnhub distributions (a backend: ascend, iluvatar,
+    cuda), split into those whose distributions are all in ``built`` and the others: extra ->
+    the distributions it pulls, extra -> those missing."""
+    requirements = [Requirement(r) for r in metadata.get_all("Requires-Dist") or []]
+    extras: dict[str, list[str]] = {}
+    absent: dict[str, list[str]] = {}
+    for extra in metadata.get_all("Provides-Extra") or []:
+        names = [
+            str(canonicalize_name(r.name))
+            for r in requirements
+            if r.marker is not None and r.marker.evaluate({"extra": extra})
+        ]
+        if not names or not all(n.startswith("attnhub-") for n in names):
+            continue  # test, plot, dev: third-party tools, not a backend
+        missing = [n for n in names if n not in built]
+        if missing:
+            absent[extra] = missing
+        else:
+            extras[extra] = names
+    return extras, absent
+
+
+def _third_party_requirements(wheels: Iterable[Path]) -> list[str]:
+    """What the wheels require from outside the repo (extras aside): installed from the
+    configured sources before attnhub's own names are installed with ``--no-index``."""
+    found = set()
+    for wheel in wheels:
+        for line in _metadata(wheel).get_all("Requires-Dist") or []:
+            requirement = Requirement(line)
+            if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+                continue
+            if not canonicalize_name(requirement.name).startswith("attnhub"):
+                found.add(str(requirement))
+    return sorted(found)
+
+
+_IMPORTED_FROM_SITE_PACKAGES = """
+import importlib, pathlib, sys, sysconfig
+site = pathlib.Path(sysconfig.get_paths()["purelib"]).resolve()
+for name in sys.argv[1:]:
+    path = pathlib.Path(importlib.import_module(name).__file__).resolve()
+    assert site in path.parents, f"{name} imported from {path}, not from {site}"
+    print(f"{name}: {path.parent}")
+"""
 
 
 @nox.session

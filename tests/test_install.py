@@ -1,0 +1,80 @@
+"""What an installed attnhub gives, however it was installed: editable (``nox -s tests``) or from
+wheels with ``--no-index`` (``nox -s wheelhouse``, which runs this file from outside the
+checkout). Each check follows the installed distributions, so it holds for any set of them."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+INSTALL_DOC = Path(__file__).resolve().parents[1] / "docs" / "install.md"
+CLI = Path(sys.executable).with_name("attnhub")  # the console script beside this interpreter
+
+
+def attnhub(*args: str) -> str:
+    proc = subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def installed_entry_points(group: str) -> dict[str, str]:
+    """Entry-point name -> canonical name of the installed distribution that registers it."""
+    return {
+        ep.name: canonicalize_name(ep.dist.name)
+        for ep in metadata.entry_points(group=group)
+        if ep.dist is not None
+    }
+
+
+def test_attnhub_list_shows_the_backend_of_every_installed_distribution():
+    expected = installed_entry_points("attnhub")
+    assert expected.get("torch") == "attnhub"  # the built-in backend, through the same group
+    listed = {entry["plugin"]: entry for entry in json.loads(attnhub("list", "--json"))}
+    for plugin, distribution in expected.items():
+        assert plugin in listed, f"{distribution} registers {plugin!r}; attnhub list omits it"
+        assert listed[plugin]["error"] is None, listed[plugin]["error"]
+        assert canonicalize_name(listed[plugin]["distribution"]) == distribution
+
+
+def test_attnhub_help_lists_the_command_of_every_installed_distribution():
+    text = attnhub("--help")
+    for command in installed_entry_points("attnhub.cli"):
+        assert re.search(rf"^\s+{re.escape(command)}\b", text, re.M), text
+
+
+def third_party_requirement_names() -> set[str]:
+    """What attnhub, the suite and each installed backend require from outside the repo."""
+    distributions = {"attnhub", "attnhub-conformance", *installed_entry_points("attnhub").values()}
+    names = set()
+    for distribution in distributions:
+        for line in metadata.requires(distribution) or []:
+            requirement = Requirement(line)
+            if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+                continue  # an extra's requirement
+            name = canonicalize_name(requirement.name)
+            if not name.startswith("attnhub"):
+                names.add(name)
+    return names
+
+
+def test_install_doc_installs_every_third_party_dependency_before_the_wheelhouse():
+    """docs/install.md installs the dependencies from the usual index, then attnhub's own names
+    with --no-index: its dependency line must name exactly what the distributions require."""
+    lines = [
+        line
+        for line in INSTALL_DOC.read_text().splitlines()
+        if line.startswith("pip install ") and line.rstrip().endswith("# third-party dependencies")
+    ]
+    assert len(lines) == 1, lines
+    words = shlex.split(lines[0].split("#")[0])[2:]
+    assert {canonicalize_name(Requirement(word).name) for word in words} == (
+        third_party_requirement_names()
+    )
