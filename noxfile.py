@@ -39,10 +39,23 @@ DISTRIBUTION_DIRS = [
     ),
 ]
 
-#: In-repo backends the conformance sessions run: name -> extra distributions to install.
-#: Vendor backends are added here as they land (each runs emulated on a machine without its
-#: hardware).
-BACKENDS: dict[str, list[str]] = {"torch": [], "ascend": ["-e", "backends/ascend"]}
+#: What the conformance session runs, one pytest run each (emulated where the hardware is
+#: absent): a label -> (backend name, environment). The flash backend runs once per provider.
+CONFORMANCE_TARGETS: dict[str, tuple[str, dict[str, str]]] = {
+    "torch": ("torch", {}),
+    "ascend": ("ascend", {}),
+    "iluvatar": ("iluvatar", {}),
+    **{
+        f"flash-{p}": ("flash", {"ATTNHUB_FLASH_PROVIDER": p})
+        for p in ("vllm", "vllm-fa3", "fa2", "fa3", "fa4")
+    },
+}
+#: The vendor backend packages (mypy runs on each).
+BACKEND_PACKAGES = (
+    "backends/ascend/attnhub_ascend",
+    "backends/iluvatar/attnhub_iluvatar",
+    "backends/flash/attnhub_flash",
+)
 #: Every in-repo distribution, editable, for the sessions that install them all.
 ALL_DISTRIBUTIONS = [
     "-e",
@@ -78,7 +91,8 @@ def typecheck(session: nox.Session) -> None:
     session.install(TORCH, "mypy>=1.10")
     session.install(*ALL_DISTRIBUTIONS)
     session.run("mypy")
-    session.run("mypy", "backends/ascend/attnhub_ascend")
+    for package in BACKEND_PACKAGES:
+        session.run("mypy", package)
 
 
 @nox.session
@@ -93,6 +107,8 @@ def tests(session: nox.Session) -> None:
         "tests",
         "conformance/tests",
         "backends/ascend/tests",
+        "backends/iluvatar/tests",
+        "backends/flash/tests",
         "integrations/vllm/tests",
         "-m",
         "not contract",
@@ -103,24 +119,31 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
-@nox.parametrize("backend", list(BACKENDS))
-def conformance(session: nox.Session, backend: str) -> None:
-    """The conformance suite against one in-repo backend (emulated without its hardware)."""
+def conformance(session: nox.Session) -> None:
+    """The conformance suite against every in-repo backend, emulated without its hardware, the
+    flash backend once per provider; one environment, one pytest run (and JUnit file) each.
+    ``nox -s conformance -- ascend flash-fa2`` runs only those labels (see CONFORMANCE_TARGETS);
+    arguments that are not labels go to pytest."""
     session.install(TORCH)
-    session.install("-e", ".", "-e", "conformance", *BACKENDS[backend])
+    session.install(*ALL_DISTRIBUTIONS)
     _single_threaded(session)
-    session.run(
-        "pytest",
-        "--pyargs",
-        "attnhub_conformance",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"--attnhub-backend={backend}",
-        "--attnhub-emulate",
-        _junit(f"conformance-{backend}"),
-        *session.posargs,
-    )
+    chosen = [a for a in session.posargs if a in CONFORMANCE_TARGETS]
+    extra = [a for a in session.posargs if a not in CONFORMANCE_TARGETS]
+    for label in chosen or CONFORMANCE_TARGETS:
+        backend, env = CONFORMANCE_TARGETS[label]
+        session.run(
+            "pytest",
+            "--pyargs",
+            "attnhub_conformance",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--attnhub-backend={backend}",
+            "--attnhub-emulate",
+            _junit(f"conformance-{label}"),
+            *extra,
+            env=env,
+        )
 
 
 @nox.session
@@ -128,10 +151,11 @@ def contracts(session: nox.Session) -> None:
     """Vendor emulators against the vendors' published schemas (downloads the torch-npu wheel
     once, cached in $ATTNHUB_WHEEL_CACHE, default ~/.cache/attnhub/wheels)."""
     session.install(TORCH)
-    session.install("-e", ".", "-e", "backends/ascend", "pytest>=8")
+    session.install("-e", ".", "-e", "backends/ascend", "-e", "backends/flash", "pytest>=8")
     session.run(
         "pytest",
         "backends/ascend/tests",
+        "backends/flash/tests",
         "-m",
         "contract",
         "-q",
