@@ -159,3 +159,23 @@ def guard_cache(cache: PagedKVCache) -> PagedKVCache:
         key_scale=g(cache.key_scale, "key_scale"),
         value_scale=g(cache.value_scale, "value_scale"),
     )
+
+
+def run_layer_guarded(
+    impl: Any,  # an AttentionImpl
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    cache: PagedKVCache,
+    meta: Any,  # the step's AttentionMetadata
+) -> torch.Tensor:
+    """One layer of a step as an engine that separates the KV write runs it, with every
+    device-side input guarded: ``write_kv(meta=)`` (when there are new keys), then ``forward``.
+    Returns forward's output, unguarded; a host read raises HostSyncError."""
+    guarded_meta = guard_tree(meta, "meta")
+    k = None if key is None else guard(key, "the key input")
+    v = None if value is None else guard(value, "the value input")
+    if k is not None and v is not None:
+        impl.write_kv(k, v, guard_cache(cache), meta=guarded_meta)
+    out = impl.forward(guard(query, "the query input"), k, v, guard_cache(cache), guarded_meta)
+    return unguard(out)

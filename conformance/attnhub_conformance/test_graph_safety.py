@@ -12,14 +12,7 @@ import pytest
 from attnhub import GraphSupport
 from attnhub_conformance import harness
 from attnhub_conformance.cases import Case
-from attnhub_conformance.hostsync import (
-    HostSyncError,
-    guard,
-    guard_cache,
-    guard_tree,
-    unguard,
-    where,
-)
+from attnhub_conformance.hostsync import HostSyncError, run_layer_guarded, where
 
 
 @pytest.mark.attnhub_cases("host_sync")
@@ -30,19 +23,9 @@ def test_forward_does_not_sync_with_the_host(case: Case) -> None:
         meta = step.build()
     else:
         meta = step.builder.build_for_graph_capture(step.batch)
-    guarded_meta = guard_tree(meta, "meta")
-    key = guard(layer.key, "the key input") if step.plan.new_kv else None
-    value = guard(layer.value, "the value input") if step.plan.new_kv else None
+    key, value = (layer.key, layer.value) if step.plan.new_kv else (None, None)
     try:
-        if key is not None and value is not None:  # the engine's separate write, then forward
-            layer.impl.write_kv(key, value, guard_cache(layer.cache), meta=guarded_meta)
-        out = layer.impl.forward(
-            guard(layer.query, "the query input"),
-            key,
-            value,
-            guard_cache(layer.cache),
-            guarded_meta,
-        )
+        out = run_layer_guarded(layer.impl, layer.query, key, value, layer.cache, meta)
     except HostSyncError as exc:
         raise HostSyncError(f"{case.id}: {exc} (at {where(exc)})") from None
-    harness.assert_matches_reference(step, layer, unguard(out), "forward under graph rules")
+    harness.assert_matches_reference(step, layer, out, "forward under graph rules")

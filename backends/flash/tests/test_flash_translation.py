@@ -272,21 +272,8 @@ def test_forward_and_write_kv_read_no_device_tensor_on_the_host(provider: str) -
             st = h.step(requests, provider, s, padding=2)
             meta = st.backend.metadata_builder().build(st.batch)
             impl = st.backend.impl(sinks=st.sinks, alibi_slopes=st.alibi)
-            guard = hostsync.guard
-            impl.write_kv(
-                guard(st.key, "key"),
-                guard(st.value, "value"),
-                hostsync.guard_cache(st.cache),
-                meta=hostsync.guard_tree(meta, "meta"),
-            )
-            out = impl.forward(
-                guard(st.query, "query"),
-                guard(st.key, "key"),
-                guard(st.value, "value"),
-                hostsync.guard_cache(st.cache),
-                hostsync.guard_tree(meta, "meta"),
-            )
-            h.assert_matches_reference(st, hostsync.unguard(out))
+            out = hostsync.run_layer_guarded(impl, st.query, st.key, st.value, st.cache, meta)
+            h.assert_matches_reference(st, out)
 
 
 # --- bad input ----------------------------------------------------------------------------------

@@ -272,21 +272,8 @@ def test_forward_and_write_kv_read_no_device_tensor_on_the_host(
     st = _step(requests, kv)
     meta = st.backend.metadata_builder().build(st.batch)
     impl = st.backend.impl()
-    guard = hostsync.guard
-    impl.write_kv(
-        guard(st.key, "key"),
-        guard(st.value, "value"),
-        hostsync.guard_cache(st.cache),
-        meta=hostsync.guard_tree(meta, "meta"),
-    )
-    out = impl.forward(
-        guard(st.query, "query"),
-        guard(st.key, "key"),
-        guard(st.value, "value"),
-        hostsync.guard_cache(st.cache),
-        hostsync.guard_tree(meta, "meta"),
-    )
-    _assert_matches_quantized_reference(st, hostsync.unguard(out))
+    out = hostsync.run_layer_guarded(impl, st.query, st.key, st.value, st.cache, meta)
+    _assert_matches_quantized_reference(st, out)
 
 
 def test_the_registered_backend_refuses_the_int8_caches_with_the_reason() -> None:
