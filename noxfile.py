@@ -173,6 +173,7 @@ def tests(session: nox.Session) -> None:
     # tests start a Python that imports torch (2.5 s each with it, 6 s without, as
     # PYTHONDONTWRITEBYTECODE keeps imports from writing it).
     session.install(TORCH, *ALL_DISTRIBUTIONS, env={"UV_COMPILE_BYTECODE": "1"})
+    _install_pip(session)  # the authoring guide's package is pip-installed by a test
     _single_threaded(session)
     session.run(
         "pytest",
