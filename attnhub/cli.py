@@ -45,11 +45,6 @@ def _console(*, stderr: bool = False) -> Console:
     return Console(highlight=False, stderr=stderr)
 
 
-def _env_flag(name: str) -> bool:
-    """An environment switch as the registry reads it ("1", "true", "yes")."""
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
-
-
 class Steps:
     """Progress of a long run: a transient bar on a terminal; elsewhere (CI logs, pipes) one
     line per step, so the run shows it is alive. Both on stderr, apart from the results."""
@@ -225,14 +220,14 @@ def cmd_select(args: argparse.Namespace) -> int:
         PluginLoadError,
         PluginLoadWarning,
     )
-    from attnhub.registry import ENV_BACKEND, ENV_EMULATE, default_registry, list_backends
+    from attnhub.registry import ENV_BACKEND, default_registry, emulate_from_env, list_backends
 
     console = _console()
     spec = _spec_from_args(args)
     # What select() would read from the environment, read once: the table below ranks with the
     # same emulate and names what was asked for.
     prefer = args.prefer or os.environ.get(ENV_BACKEND) or None
-    emulate = args.emulate or _env_flag(ENV_EMULATE)
+    emulate = args.emulate or emulate_from_env()
     registry = default_registry()
     failed = [info for info in list_backends() if info.error is not None]
     with warnings.catch_warnings():

@@ -43,6 +43,13 @@ from attnhub.spec import AttentionSpec
 ENTRY_POINT_GROUP = "attnhub"
 ENV_BACKEND = "ATTNHUB_BACKEND"
 ENV_EMULATE = "ATTNHUB_EMULATE"
+
+
+def emulate_from_env() -> bool:
+    """Whether ``ATTNHUB_EMULATE`` asks for emulation ("1", "true" or "yes")."""
+    return os.environ.get(ENV_EMULATE, "").lower() in ("1", "true", "yes")
+
+
 IN_PROCESS = "<in-process>"  # BackendInfo.plugin of a backend given to register_backend()
 CORE_PACKAGE = __name__.partition(".")[0]  # entry points into this package are the built-ins
 
@@ -301,7 +308,7 @@ class Registry:
     ) -> AttentionBackend:
         """See :func:`select_backend`. Warns (PluginLoadWarning) about each failed plugin."""
         prefer = prefer or os.environ.get(ENV_BACKEND) or None
-        emulate = emulate or os.environ.get(ENV_EMULATE, "").lower() in ("1", "true", "yes")
+        emulate = emulate or emulate_from_env()
         self.discover()
         failures = [f for f in self._failures if f.plugin != prefer]  # prefer raises instead
         for failed in failures:
