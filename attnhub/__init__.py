@@ -34,7 +34,14 @@ if TYPE_CHECKING:
         reorder_decodes_first,
         split_decodes_and_prefills,
     )
-    from attnhub.capabilities import FEATURES, Capabilities, GraphSupport, Refusal, Tolerance
+    from attnhub.capabilities import (
+        FEATURES,
+        AccuracyBound,
+        Capabilities,
+        GraphSupport,
+        Refusal,
+        Tolerance,
+    )
     from attnhub.hookspecs import hookimpl
     from attnhub.kv_cache import PagedKVCache
     from attnhub.registry import (
@@ -62,7 +69,14 @@ _HOMES = {
         "reorder_decodes_first",
         "split_decodes_and_prefills",
     ),
-    "attnhub.capabilities": ("FEATURES", "Capabilities", "GraphSupport", "Refusal", "Tolerance"),
+    "attnhub.capabilities": (
+        "FEATURES",
+        "AccuracyBound",
+        "Capabilities",
+        "GraphSupport",
+        "Refusal",
+        "Tolerance",
+    ),
     "attnhub.hookspecs": ("hookimpl",),
     "attnhub.kv_cache": ("PagedKVCache",),
     "attnhub.registry": (
@@ -101,6 +115,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "FEATURES",
     "KV_CACHE_DTYPES",
+    "AccuracyBound",
     "AttentionBackend",
     "AttentionImpl",
     "AttentionMetadata",

@@ -7,13 +7,15 @@ declaration, so a backend never has to describe itself twice.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from attnhub.errors import UnknownNameError
-from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType
+from attnhub.errors import InvalidInputError, UnknownNameError
+from attnhub.quant import query_quantization
+from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType, canonical_kv_cache_dtype
 
 #: Optional features a spec may use and a backend may declare (names used everywhere).
 FEATURES = ("sliding_window", "softcap", "alibi", "sinks")
@@ -78,6 +80,27 @@ class Tolerance:
 
 
 @dataclass(frozen=True)
+class AccuracyBound:
+    """How far a quantized KV cache (and the query quantization that goes with it) may take a
+    backend's output from attention over the *unquantized* inputs, on the conformance suite's
+    standard cases (N(0, 1) inputs): the largest absolute difference, and the smallest cosine
+    similarity of one token's output over all its heads, against the float64 reference."""
+
+    max_abs_error: float
+    min_cosine: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.max_abs_error) and self.max_abs_error > 0):
+            raise InvalidInputError(
+                f"AccuracyBound.max_abs_error = {self.max_abs_error!r} must be finite and > 0"
+            )
+        if not (0 < self.min_cosine <= 1):
+            raise InvalidInputError(
+                f"AccuracyBound.min_cosine = {self.min_cosine!r} must be in (0, 1]"
+            )
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """A backend's declaration. ``None`` in a set-valued field means "any".
 
@@ -111,6 +134,57 @@ class Capabilities:
     graph_capture: GraphSupport = GraphSupport.NEVER
     tolerances: Mapping[torch.dtype, Tolerance] = field(default_factory=dict)
     priority: Mapping[str, int] = field(default_factory=dict)
+    #: Per KV-cache format, the :class:`~attnhub.quant.QueryQuantization` scheme (its name)
+    #: the kernels apply to the query with that cache; a format absent here leaves the query
+    #: as it is. The suite's same-inputs reference then uses the query so quantized.
+    query_quantization: Mapping[str, str] = field(default_factory=dict)
+    #: Per quantized KV-cache format, how far the output may be from attention over the
+    #: unquantized query, keys and values (required where the query is quantized or the cache
+    #: is int8; the suite checks it on its standard cases).
+    quantization_accuracy: Mapping[str, AccuracyBound] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for what, mapping in (
+            ("query_quantization", self.query_quantization),
+            ("quantization_accuracy", self.quantization_accuracy),
+        ):
+            for kv in mapping:
+                name = canonical_kv_cache_dtype(kv)
+                if name is None or name != kv:
+                    raise UnknownNameError(
+                        f"{what} names kv_cache_dtype {kv!r}, which is not a canonical name; "
+                        f"known: {', '.join(KV_CACHE_DTYPES)}"
+                    )
+                if kv not in self.kv_cache_dtypes:
+                    raise UnknownNameError(
+                        f"{what} names kv_cache_dtype {kv!r}, which the capabilities do not "
+                        "declare (kv_cache_dtypes)"
+                    )
+        for scheme in self.query_quantization.values():
+            query_quantization(scheme)  # UnknownNameError for a name that is no scheme
+        for kv, bound in self.quantization_accuracy.items():
+            if not KV_CACHE_DTYPES[kv].is_quantized and kv not in self.query_quantization:
+                raise UnknownNameError(
+                    f"quantization_accuracy names kv_cache_dtype {kv!r}, which quantizes "
+                    "nothing (neither the cache nor the query)"
+                )
+            if not isinstance(bound, AccuracyBound):
+                raise InvalidInputError(
+                    f"quantization_accuracy[{kv!r}] must be an AccuracyBound, got "
+                    f"{type(bound).__name__}"
+                )
+
+    def accuracy_bound(self, kv_cache_dtype: str) -> AccuracyBound:
+        """The declared :class:`AccuracyBound` for ``kv_cache_dtype`` (UnknownNameError if
+        none)."""
+        try:
+            return self.quantization_accuracy[kv_cache_dtype]
+        except KeyError:
+            declared = ", ".join(self.quantization_accuracy) or "none"
+            raise UnknownNameError(
+                f"no accuracy bound declared for kv_cache_dtype {kv_cache_dtype!r} "
+                f"(declared: {declared})"
+            ) from None
 
     def supports_feature(self, feature: str) -> bool:
         if feature not in FEATURES:
@@ -240,4 +314,13 @@ class Capabilities:
             "cascade": self.cascade,
             "graph_capture": self.graph_capture.name.lower(),
             "priority": dict(self.priority),
+            "query_quantization": {
+                k: self.query_quantization[k]
+                for k in KV_CACHE_DTYPES
+                if k in self.query_quantization
+            },
+            "quantization_accuracy": {
+                k: {"max_abs_error": b.max_abs_error, "min_cosine": b.min_cosine}
+                for k, b in self.quantization_accuracy.items()
+            },
         }

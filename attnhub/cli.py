@@ -186,6 +186,20 @@ def capability_lines(caps: Capabilities) -> Iterator[tuple[str, str]]:
             )
             + " (atol/rtol)",
         )
+    if caps.query_quantization:
+        yield (
+            "query quantized",
+            names(f"{kv}: {scheme}" for kv, scheme in sorted(caps.query_quantization.items())),
+        )
+    if caps.quantization_accuracy:
+        yield (
+            "quant accuracy",
+            names(
+                f"{kv} {b.max_abs_error:g}/{b.min_cosine:g}"
+                for kv, b in sorted(caps.quantization_accuracy.items())
+            )
+            + " (max abs error/min cosine vs unquantized)",
+        )
 
 
 # --- attnhub select --------------------------------------------------------------------------

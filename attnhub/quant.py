@@ -3,11 +3,20 @@
 fp8: per-tensor scale, stored ``fp8(clamp(x / scale, -max, max))``, read back as ``fp8 * scale``.
 int8: symmetric, ``scale = amax / 127`` over the reduced dimension(s) (or a given static scale),
 stored ``clamp(round(x / scale), -128, 127)``, read back as ``int8 * scale``.
+
+Some kernels quantize the *query* too before attending over a quantized cache; what they do to
+it is a named :class:`QueryQuantization` scheme, which a backend declares per KV-cache format
+(``Capabilities.query_quantization``) and which :func:`simulate_query_quantization` reproduces,
+so that the reference can be computed from the query the kernels actually use.
 """
 
 from __future__ import annotations
 
+import enum
+
 import torch
+
+from attnhub.errors import InvalidInputError, UnknownNameError
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -57,3 +66,59 @@ def dequantize_int8(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     return (x.to(torch.float32) * scale).to(dtype)
+
+
+# --- query quantization ---------------------------------------------------------------------
+
+
+class QueryQuantization(str, enum.Enum):
+    """What a backend's kernels do to the query before attending (the value is the name
+    backends declare in ``Capabilities.query_quantization``)."""
+
+    #: Dynamic symmetric int8 per (token, head): ``scale = amax / 127`` over ``head_size``,
+    #: ``q = clamp(round(x / scale), -128, 127)`` (round half to even, as ``torch.round``), the
+    #: kernels then compute with ``q * scale``; an all-zero head gets scale 0 and stores zeros.
+    INT8_PER_TOKEN_HEAD = "int8_per_token_head"
+    #: Static fp8 e4m3 with one per-tensor scale set with the model (default 1.0, vLLM's
+    #: ``q_scale`` when the checkpoint has none): ``fp8(clamp(x / scale, -448, 448))``, the
+    #: kernels then compute with ``fp8 * scale``, as with the fp8 KV caches.
+    FP8_STATIC = "fp8_static"
+
+
+#: Every scheme by name, with what it does in one line (``attnhub list`` and docs).
+QUERY_QUANTIZATIONS: dict[str, str] = {
+    QueryQuantization.INT8_PER_TOKEN_HEAD.value: (
+        "int8, dynamic symmetric scale amax/127 per (token, head), round half to even"
+    ),
+    QueryQuantization.FP8_STATIC.value: "fp8 e4m3 with a static per-tensor scale (default 1.0)",
+}
+
+
+def query_quantization(name: str | QueryQuantization) -> QueryQuantization:
+    """The scheme called ``name``; :class:`~attnhub.errors.UnknownNameError` for another."""
+    try:
+        return QueryQuantization(name)
+    except ValueError:
+        raise UnknownNameError(
+            f"query quantization {name!r} is unknown; known: {', '.join(QUERY_QUANTIZATIONS)}"
+        ) from None
+
+
+def simulate_query_quantization(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    scheme: str | QueryQuantization,
+    *,
+    scale: float = 1.0,  # fp8_static only: the static query scale
+) -> torch.Tensor:  # float64, same shape
+    """The query as kernels applying ``scheme`` compute with: quantized, then dequantized in
+    float64 (exact: an int8 or fp8 value times a float32 scale is representable)."""
+    kind = query_quantization(scheme)
+    if query.dim() != 3:
+        raise InvalidInputError(
+            f"query must be [num_tokens, num_heads, head_size], got shape {tuple(query.shape)}"
+        )
+    if kind is QueryQuantization.INT8_PER_TOKEN_HEAD:
+        q8, s = quantize_int8_dynamic(query, dim=-1)
+        return q8.to(torch.float64) * s.to(torch.float64)
+    stored = quantize_fp8(query, scale, torch.float8_e4m3fn)
+    return stored.to(torch.float64) * float(torch.tensor(scale, dtype=torch.float32))

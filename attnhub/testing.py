@@ -29,15 +29,17 @@ import torch
 
 from attnhub import reference
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import Tolerance
+from attnhub.capabilities import AccuracyBound, Capabilities, Tolerance
 from attnhub.kv_cache import PagedKVCache
-from attnhub.quant import quantize_fp8
+from attnhub.quant import quantize_fp8, simulate_query_quantization
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
 
 __all__ = [
     "FP8_TEST_SCALES",
     "ROUNDING_FLOORS",
     "TOLERANCE_CAPS",
+    "accuracy",
+    "accuracy_mismatch",
     "alibi_slopes",
     "assert_within",
     "blocks_needed",
@@ -50,6 +52,7 @@ __all__ = [
     "mismatch",
     "num_blocks_for",
     "poison_unused_slots",
+    "quantized_query",
     "random_kv",
     "random_qkv",
     "random_sinks",
@@ -353,6 +356,19 @@ def reference_after_write(
     return expected, out
 
 
+def quantized_query(
+    query: torch.Tensor, capabilities: Capabilities, kv_cache_dtype: str
+) -> torch.Tensor:
+    """The query as a backend declaring ``capabilities`` computes with over a
+    ``kv_cache_dtype`` cache: quantized and dequantized (float64) where it declares a
+    ``query_quantization`` scheme for that format, else ``query`` itself. Give it to the
+    reference for the "same inputs" comparison."""
+    scheme = capabilities.query_quantization.get(kv_cache_dtype)
+    if scheme is None:
+        return query
+    return simulate_query_quantization(query.detach().to("cpu"), scheme).to(query.device)
+
+
 # --- comparing outputs ------------------------------------------------------------------------
 
 
@@ -496,6 +512,49 @@ def assert_within(
         raise AssertionError(f"{what}: {why}")
 
 
+def accuracy(
+    actual: torch.Tensor,  # [n, H, D] a backend's output
+    expected: torch.Tensor,  # [n, H, D] e.g. the float64 reference over unquantized inputs
+) -> tuple[float, float]:
+    """``(max abs error, min cosine similarity)`` of ``actual`` against ``expected``: the
+    cosine is taken per token over all its heads and channels (a token whose two outputs are
+    both zero counts 1). Non-finite output gives ``(inf, -1)``."""
+    a = actual.detach().to("cpu", torch.float64).reshape(actual.shape[0], -1)
+    e = expected.detach().to("cpu", torch.float64).reshape(expected.shape[0], -1)
+    if not a.numel():
+        return 0.0, 1.0
+    if not bool(torch.isfinite(a).all()):
+        return math.inf, -1.0
+    err = float((a - e).abs().max())
+    na, ne = a.norm(dim=1), e.norm(dim=1)
+    both_zero = (na == 0) & (ne == 0)
+    cos = (a * e).sum(1) / (na * ne).clamp_min(torch.finfo(torch.float64).tiny)
+    cos = torch.where(both_zero, torch.ones_like(cos), cos)
+    return err, float(cos.min())
+
+
+def accuracy_mismatch(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    bound: AccuracyBound,
+    batch: BatchMetadata | None = None,
+) -> str | None:
+    """None when ``actual`` is within ``bound`` of ``expected`` (see :func:`accuracy`); else
+    a sentence with the measured max abs error and min cosine, and where the worst are."""
+    err, cos = accuracy(actual, expected)
+    if err <= bound.max_abs_error and cos >= bound.min_cosine:
+        return None
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    flat = int(torch.argmax(torch.nan_to_num((a - e).abs(), nan=math.inf)))
+    t = flat // max(1, a[0].numel()) if a.dim() > 1 else flat
+    where = f"token {t}" + (f" ({token_origin(batch, t)})" if batch is not None else "")
+    return (
+        f"max abs error {err:.4g} (declared bound {bound.max_abs_error:g}), min cosine "
+        f"similarity {cos:.6f} (declared bound {bound.min_cosine:g}); largest error at {where}"
+    )
+
+
 # --- comparing caches -------------------------------------------------------------------------
 
 
@@ -506,7 +565,10 @@ def _slot_bytes(cache: PagedKVCache, name: str) -> torch.Tensor:  # [num_slots, 
         scale = cache.slot_scale_nhd(name)
         assert scale is not None
         plane = scale
-    return plane.to("cpu").reshape(cache.num_slots, -1).contiguous().view(torch.uint8)
+    # flattened before the byte view: a [num_slots, 1] plane (one kv head, HND) is contiguous
+    # with a last stride other than 1, which .view(uint8) refuses
+    flat = plane.to("cpu").reshape(cache.num_slots, -1).contiguous().reshape(-1)
+    return flat.view(torch.uint8).reshape(cache.num_slots, -1)
 
 
 def _describe_slots(cache: PagedKVCache, slots: list[int]) -> str:

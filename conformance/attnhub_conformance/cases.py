@@ -616,6 +616,51 @@ def kv_cache_cases(target: Target, scope: Scope) -> list[Case]:
     return out.list()
 
 
+def quantization_accuracy_cases(target: Target, scope: Scope) -> list[Case]:
+    """Each declared quantized KV-cache format (and each format the backend quantizes the
+    query for): forward over it matches the reference on the same quantized inputs, and stays
+    within the declared ``quantization_accuracy`` of attention over the unquantized query,
+    keys and values. Required (a missing bound fails) where the query is quantized or the
+    cache is int8; skipped with the reason for other formats that declare none (fp8 caches
+    whose kernels take the query as it is: the same-inputs cases check their whole math)."""
+    ax = Axes(target, scope)
+    out = Cases(target, "quantization_accuracy", scope)
+    base = ax.base
+    if base is None:
+        return []
+    caps = ax.caps
+    proves = (
+        "forward matches the reference on the quantized inputs and stays within the declared "
+        "max abs error / min cosine of attention over the unquantized inputs"
+    )
+    kvs = [k for k in [base.kv_cache_dtype, *ax.kv_cache_dtypes] if _quantizes(caps, k)]
+    for kv in kvs:
+        required = kv in caps.query_quantization or KV_CACHE_DTYPES[kv].key_dtype == torch.int8
+        row = f"quantized cache accuracy: {kv}"
+        if kv not in caps.quantization_accuracy and not required:
+            out.add(
+                row,
+                proves,
+                config=base.with_(kv_cache_dtype=kv),
+                name=f"kv_{kv}",
+                skip=f"no accuracy bound declared for {kv} (Capabilities.quantization_accuracy); "
+                "its kernels take the query unquantized",
+            )
+            continue
+        shapes = shapes_for(caps, base.attn_type)
+        mixed = main_shape(base.attn_type)
+        picked = shapes if scope.full else [mixed, *(s for s in (DECODE, PREFILL) if s in shapes)]
+        for dtype, shape in itertools.product(ax.dtypes, picked):
+            config = base.with_(kv_cache_dtype=kv, dtype=dtype)
+            if ax.supports(config):
+                out.add(row, proves, config=config, shape=shape)
+    return out.list()
+
+
+def _quantizes(caps: Capabilities, kv: str) -> bool:
+    return KV_CACHE_DTYPES[kv].is_quantized or kv in caps.query_quantization
+
+
 def strided_cache_cases(target: Target, scope: Scope) -> list[Case]:
     """What ``capabilities.strided_kv_cache`` declares holds: a backend that takes K/V planes
     that are strided views (one tensor with a slot's key and value side by side, as vLLM
@@ -870,6 +915,7 @@ GENERATORS: dict[str, Callable[[Target, Scope], list[Case]]] = {
     "refusals": refusal_cases,
     "host_sync": host_sync_cases,
     "strided_cache": strided_cache_cases,
+    "quantization_accuracy": quantization_accuracy_cases,
     "properties": property_case,
     "output_buffer": lambda t, s: simple_cases(
         "output_buffer", "output buffer", "forward(..., output=buf) fills and returns buf", t, s

@@ -9,7 +9,12 @@ How a step is prepared, so that a backend has every chance to be caught:
   - the cached context is written by the backend's own ``write_kv`` (as earlier steps would
     have), the new tokens by ``forward``;
   - the reference reads the cache *after* forward, i.e. exactly what the backend stored
-    (its quantization included).
+    (its quantization included), and, where the backend declares that its kernels quantize
+    the query for the cache's format (``Capabilities.query_quantization``), takes the query so
+    quantized: the "same inputs" comparison, at the tight tolerance;
+  - the keys and values written are kept, so that a quantized cache's output can also be
+    compared with attention over the unquantized inputs (``unquantized_reference``), within
+    the backend's declared ``quantization_accuracy``.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class Layer:
     value: torch.Tensor
     alibi_slopes: torch.Tensor | None
     sinks: torch.Tensor | None
+    #: The cached context as written before the step (unquantized): its slots, keys, values.
+    context_slots: torch.Tensor | None = None  # [c] int64, host
+    context_key: torch.Tensor | None = None  # [c, num_kv_heads, head_size]
+    context_value: torch.Tensor | None = None
 
 
 @dataclass
@@ -205,6 +214,7 @@ def write_context(step: Step, layer: Layer) -> None:
         return
     key, value = testing.random_kv(step.spec, slots.numel(), step.generator, device=step.device)
     layer.impl.write_kv(key, value, layer.cache, slots.to(step.device))
+    layer.context_slots, layer.context_key, layer.context_value = slots, key, value
 
 
 # --- comparing with the reference ------------------------------------------------------------
@@ -218,10 +228,15 @@ def reference_output(
     *,
     compute_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:  # [n, H, D] f64, host
+    """The reference over the cache as stored, for the query as the backend's kernels use it
+    (``testing.quantized_query``: quantized where the backend declares it for this cache)."""
     batch = step.batch if batch is None else batch
     query = layer.query if query is None else query
+    query = testing.quantized_query(
+        query[: batch.num_actual_tokens], step.backend.capabilities, step.spec.kv_cache_dtype
+    )
     out, _ = reference.paged_attention(
-        query[: batch.num_actual_tokens],
+        query,
         layer.cache,
         batch,
         step.spec,
@@ -230,6 +245,47 @@ def reference_output(
         compute_dtype=compute_dtype,
     )
     return out
+
+
+def unquantized_reference(step: Step, layer: Layer) -> torch.Tensor:  # [n, H, D] f64, host
+    """Attention over the inputs before any quantization: the original query, and the keys and
+    values written (context and new tokens) as given, in an unquantized cache."""
+    spec = replace(step.spec, kv_cache_dtype="auto")
+    cache = PagedKVCache.for_spec(spec, step.num_blocks, "cpu")
+    if layer.context_slots is not None:
+        assert layer.context_key is not None and layer.context_value is not None
+        reference.write_kv(cache, layer.context_key, layer.context_value, layer.context_slots)
+    if step.plan.new_kv:
+        reference.write_kv(cache, layer.key, layer.value, step.batch.slot_mapping)
+    batch = step.batch
+    out, _ = reference.paged_attention(
+        layer.query[: batch.num_actual_tokens],
+        cache,
+        batch,
+        spec,
+        alibi_slopes=layer.alibi_slopes,
+        sinks=layer.sinks,
+    )
+    return out
+
+
+def assert_accurate(step: Step, layer: Layer, out: torch.Tensor) -> None:
+    """``out`` is within the declared ``quantization_accuracy`` of attention over the
+    unquantized inputs (max abs error and min cosine similarity per token)."""
+    kv = step.spec.kv_cache_dtype
+    caps = step.backend.capabilities
+    bound = caps.quantization_accuracy.get(kv)
+    assert bound is not None, (
+        f"{step.label}: the backend declares kv_cache_dtype {kv!r} but no accuracy bound for "
+        "it (Capabilities.quantization_accuracy: max abs error and min cosine similarity vs "
+        "attention over the unquantized inputs)"
+    )
+    want = unquantized_reference(step, layer)
+    why = testing.accuracy_mismatch(out[: step.n], want, bound, step.batch)
+    assert why is None, (
+        f"{step.label}: forward over a {kv} cache is further from attention over the "
+        f"unquantized inputs than declared: {why}"
+    )
 
 
 def tolerance(step: Step) -> Tolerance:

@@ -53,6 +53,7 @@ SECTIONS = (
     "feature:",
     "kv cache:",
     "kv cache writes",
+    "quantized cache accuracy:",
     "output buffer",
     "invalid inputs",
     "determinism",
@@ -68,6 +69,7 @@ _ORDER_WITHIN = {
     "heads:": ["mha", "gqa4", "mqa"],
     "feature:": ["sliding_window", "softcap", "alibi", "sinks", "combined"],
     "kv cache:": ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int8_k"],
+    "quantized cache accuracy:": ["fp8_e4m3", "fp8_e5m2", "int8", "int8_k"],
 }
 
 

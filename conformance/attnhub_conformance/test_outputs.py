@@ -1,4 +1,5 @@
-"""forward computes what attnhub.reference computes, for every declared configuration."""
+"""forward computes what attnhub.reference computes, for every declared configuration; over a
+quantized cache, also close to attention over the unquantized inputs, as declared."""
 
 from __future__ import annotations
 
@@ -26,3 +27,12 @@ def test_output_buffer_is_filled_and_returned(case: Case) -> None:
         f"{case.id}: forward(..., output=buf) returned a different tensor than buf"
     )
     harness.assert_matches_reference(step, layer, buf, "forward(..., output=buf)")
+
+
+@pytest.mark.attnhub_cases("quantization_accuracy")
+def test_quantized_cache_accuracy(case: Case) -> None:
+    step = harness.prepare(case)
+    layer = step.layers[0]
+    out = step.forward(layer)
+    harness.assert_matches_reference(step, layer, out)  # same inputs, tight tolerance
+    harness.assert_accurate(step, layer, out)  # unquantized inputs, declared bound

@@ -20,6 +20,7 @@ import attnhub
 from attnhub import BatchMetadata, GraphSupport, PagedKVCache, reference
 from attnhub.backend import AttentionMetadata
 from attnhub.errors import UnsupportedConfigurationError
+from attnhub.quant import simulate_query_quantization
 from attnhub.spec import AttentionType
 from attnhub.torch_backend import TorchAttentionImpl, TorchBackend, TorchMetadataBuilder
 
@@ -229,6 +230,43 @@ class LooseToleranceBackend(ScaleOffBackend):
     )
 
 
+# --- 8. a quantized query and cache, and an accuracy bound better than they deliver -----------
+class QueryQuantizingImpl(TorchAttentionImpl):
+    """Attention over the query quantized as the capabilities declare (int8 per token and
+    head): correct on the same quantized inputs."""
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        scheme = self.backend.capabilities.query_quantization[self.spec.kv_cache_dtype]
+        q = simulate_query_quantization(query, scheme).to(query.dtype)
+        super().attend(q, key, value, cache, meta, out)  # type: ignore[arg-type]
+
+
+class OverclaimsAccuracyBackend(TorchBackend):
+    name = "overclaims_accuracy"
+    capabilities = replace(
+        TorchBackend.capabilities,
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
+        query_quantization={"fp8_e4m3": "int8_per_token_head"},
+        # fp8 e4m3 keys and values alone err by a few percent: 0.005 is a bound it cannot meet
+        quantization_accuracy={"fp8_e4m3": attnhub.AccuracyBound(0.005, 0.99999)},
+    )
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        if self.spec.kv_cache_dtype == "auto":
+            return TorchAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+        return QueryQuantizingImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
 MUTANTS = (
     TopLeftCausalBackend,
     WritesPaddingBackend,
@@ -237,6 +275,7 @@ MUTANTS = (
     CorruptsOnBadSlotBackend,
     ScaleOffBackend,
     LooseToleranceBackend,
+    OverclaimsAccuracyBackend,
 )
 
 

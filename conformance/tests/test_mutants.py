@@ -62,6 +62,14 @@ MUTANT_RUNS = [
         "batch: mixed",
         id="loose_tolerance",
     ),
+    pytest.param(
+        "overclaims_accuracy",
+        "test_quantized_cache_accuracy",
+        "test_quantized_cache_accuracy[overclaims_accuracy-mixed-bf16-h64-gqa4-bs16-kv_fp8_e4m3]",
+        "further from attention over the unquantized inputs than declared",
+        "quantized cache accuracy: fp8_e4m3",
+        id="overclaims_accuracy",
+    ),
 ]
 
 
@@ -76,3 +84,13 @@ def test_suite_fails_on_mutant_naming_the_case(
     assert f"{case_id}:" in run.output, f"the message does not name {case_id}"
     assert words in run.output, run.output[-4000:]
     assert run.state(row, mutant) == "fail"
+
+
+def test_a_declared_query_quantization_is_what_the_same_inputs_reference_uses(run_suite) -> None:
+    """The overclaiming mutant quantizes its query as it declares: the reference on the same
+    (quantized) inputs agrees with it, so only the accuracy bound fails."""
+    run = run_suite(
+        "--attnhub-backend", "overclaims_accuracy", "-k", "test_matches_reference and fp8_e4m3"
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    assert " passed" in run.output
