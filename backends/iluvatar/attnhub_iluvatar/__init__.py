@@ -4,7 +4,6 @@ from attnhub_iluvatar.backend import (
     IluvatarAttentionImpl,
     IluvatarAttentionMetadata,
     IluvatarBackend,
-    IluvatarInt8Backend,
     IluvatarMetadataBuilder,
 )
 
@@ -14,7 +13,6 @@ __all__ = [
     "IluvatarAttentionImpl",
     "IluvatarAttentionMetadata",
     "IluvatarBackend",
-    "IluvatarInt8Backend",
     "IluvatarMetadataBuilder",
     "__version__",
 ]
