@@ -73,7 +73,11 @@ def dequantize_int8(
 
 class QueryQuantization(str, enum.Enum):
     """What a backend's kernels do to the query before attending (the value is the name
-    backends declare in ``Capabilities.query_quantization``)."""
+    backends declare in ``Capabilities.query_quantization``).
+
+    A scheme describes the query only. A kernel that also rounds intermediate values, e.g. the
+    softmax probabilities before ``P @ V`` (as an fp8 tensor-core path whose V is fp8 must),
+    is not described by it: the same-inputs reference would not reproduce that rounding."""
 
     #: Dynamic symmetric int8 per (token, head): ``scale = amax / 127`` over ``head_size``,
     #: ``q = clamp(round(x / scale), -128, 127)`` (round half to even, as ``torch.round``), the
