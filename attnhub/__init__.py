@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         split_decodes_and_prefills,
     )
     from attnhub.capabilities import FEATURES, Capabilities, GraphSupport, Refusal, Tolerance
+    from attnhub.graphs import BatchDescriptor, CaptureSizes, GraphRunner
     from attnhub.hookspecs import hookimpl
     from attnhub.kv_cache import PagedKVCache
     from attnhub.registry import (
@@ -63,6 +64,7 @@ _HOMES = {
         "split_decodes_and_prefills",
     ),
     "attnhub.capabilities": ("FEATURES", "Capabilities", "GraphSupport", "Refusal", "Tolerance"),
+    "attnhub.graphs": ("BatchDescriptor", "CaptureSizes", "GraphRunner"),
     "attnhub.hookspecs": ("hookimpl",),
     "attnhub.kv_cache": ("PagedKVCache",),
     "attnhub.registry": (
@@ -108,10 +110,13 @@ __all__ = [
     "AttentionSpec",
     "AttentionType",
     "BackendInfo",
+    "BatchDescriptor",
     "BatchMetadata",
     "BatchReorder",
     "Capabilities",
+    "CaptureSizes",
     "DecodePrefillSplit",
+    "GraphRunner",
     "GraphSupport",
     "PagedKVCache",
     "Refusal",
