@@ -85,6 +85,14 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return []
 
 
+def _has_mask(args: tuple[Any, ...]) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+        for i in (indices or ())
+    )
+
+
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.data_ptr() == b.data_ptr()
@@ -137,6 +145,8 @@ class _Recorder(TorchDispatchMode):
         why = UNCAPTURABLE.get(packet) or _DATA_SIZED_OVERLOADS.get((packet, func._overloadname))
         if packet == "repeat_interleave" and kwargs.get("output_size") is not None:
             why = None
+        if packet in ("index", "index_put", "_index_put_impl") and _has_mask(args):
+            why = "indexing with a boolean mask (its size depends on the data: nonzero)"
         if why is not None:
             raise GraphCaptureError(f"cannot capture aten.{packet}: {why}")
         frozen_args, frozen_kwargs = _freeze(args), _freeze(kwargs)
