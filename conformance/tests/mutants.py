@@ -270,6 +270,7 @@ class RestrictedBackend(TorchBackend):
         sinks=False,
         multi_token_decode=False,
         chunked_prefill=False,
+        graph_capture=GraphSupport.NEVER,
     )
 
     def metadata_builder(self) -> TorchMetadataBuilder:
