@@ -22,6 +22,7 @@ from attnhub.backend import AttentionMetadata
 from attnhub.errors import UnsupportedConfigurationError
 from attnhub.spec import AttentionType
 from attnhub.torch_backend import TorchAttentionImpl, TorchBackend, TorchMetadataBuilder
+from attnhub.torch_backend.backend import TorchAttentionMetadata
 
 
 # --- a plain per-request attention with one convention swappable --------------------------------
@@ -229,6 +230,19 @@ class LooseToleranceBackend(ScaleOffBackend):
     )
 
 
+# --- 8. graph capture declared, but what is captured was planned on the host -------------------
+class HostPlannedCaptureBuilder(TorchMetadataBuilder):
+    def build_for_graph_capture(self, batch: BatchMetadata) -> TorchAttentionMetadata:
+        return self.build(batch)  # the chunk plan: the capture step's blocks, slots, lengths
+
+
+class BakesHostPlanBackend(TorchBackend):
+    name = "bakes_host_plan"
+
+    def metadata_builder(self) -> TorchMetadataBuilder:
+        return HostPlannedCaptureBuilder(self)
+
+
 MUTANTS = (
     TopLeftCausalBackend,
     WritesPaddingBackend,
@@ -237,6 +251,7 @@ MUTANTS = (
     CorruptsOnBadSlotBackend,
     ScaleOffBackend,
     LooseToleranceBackend,
+    BakesHostPlanBackend,
 )
 
 

@@ -62,6 +62,14 @@ MUTANT_RUNS = [
         "batch: mixed",
         id="loose_tolerance",
     ),
+    pytest.param(
+        "bakes_host_plan",
+        "test_graph_replays_match_eager_and_the_reference",
+        "test_graph_replays_match_eager_and_the_reference[bakes_host_plan-graphs-bf16-h64-gqa4-bs16]",
+        "vs reference",
+        "graph capture",
+        id="bakes_host_plan",
+    ),
 ]
 
 

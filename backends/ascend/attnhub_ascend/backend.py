@@ -386,7 +386,14 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         fills while captured. The length lists are this batch's; update_graph_params replaces
         them in the captured tasks every step."""
         if self.graph_support == GraphSupport.NEVER:
-            self._check_graph_level(batch)  # raises, naming the level
+            raise UnsupportedConfigurationError(
+                self.backend.name,
+                [
+                    "graph capture of this spec: a sliding window pads decode rows per step, "
+                    "non-causal attention gathers host-planned key slots (data-dependent "
+                    "shapes); graph_support is NEVER for it"
+                ],
+            )
         if not batch.causal:
             raise UnsupportedConfigurationError(
                 self.backend.name,

@@ -21,6 +21,7 @@ from attnhub_ascend.backend import RESHAPE_AND_CACHE, SCATTER_PA_KV_CACHE
 from attnhub_ascend.npu_graph import NpuGraphError
 
 from attnhub import AttentionSpec, BatchMetadata, GraphSupport, reference, testing
+from attnhub.errors import UnsupportedConfigurationError
 from attnhub.graphs import GraphRunner, NPUGraphAdaptor
 
 BS = 128
@@ -187,7 +188,11 @@ def test_graph_support_is_never_for_specs_with_data_dependent_shapes() -> None:
     causal = h.backend(h.spec()).metadata_builder()
     assert causal.graph_support == GraphSupport.UNIFORM_BATCH
     for spec in (h.spec(sliding_window=200), h.spec(attn_type="encoder_only")):
-        assert h.backend(spec).metadata_builder().graph_support == GraphSupport.NEVER
+        builder = h.backend(spec).metadata_builder()
+        assert builder.graph_support == GraphSupport.NEVER
+        batch, _ = testing.make_batch([1, 1], [10, 20], BS, 4, causal=spec.causal)
+        with pytest.raises(UnsupportedConfigurationError, match="data-dependent shapes"):
+            builder.build_for_graph_capture(batch)
 
 
 # --- the emulated graph API's own rules ----------------------------------------------------------
