@@ -171,6 +171,19 @@ class SyncsInForwardBackend(TorchBackend):
         return SyncingImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
+# --- 4b. graph capture declared, but what is captured was planned on the host -------------------
+class HostPlannedCaptureBuilder(TorchMetadataBuilder):
+    def build_for_graph_capture(self, batch: BatchMetadata) -> TorchAttentionMetadata:
+        return self.build(batch)  # the chunk plan: the capture step's blocks, slots, lengths
+
+
+class BakesHostPlanBackend(TorchBackend):
+    name = "bakes_host_plan"
+
+    def metadata_builder(self) -> TorchMetadataBuilder:
+        return HostPlannedCaptureBuilder(self)
+
+
 # --- 5. an out-of-range slot accepted, and the cache written partly before failing -------------
 class CorruptsOnBadSlotImpl(TorchAttentionImpl):
     @staticmethod
@@ -230,28 +243,15 @@ class LooseToleranceBackend(ScaleOffBackend):
     )
 
 
-# --- 8. graph capture declared, but what is captured was planned on the host -------------------
-class HostPlannedCaptureBuilder(TorchMetadataBuilder):
-    def build_for_graph_capture(self, batch: BatchMetadata) -> TorchAttentionMetadata:
-        return self.build(batch)  # the chunk plan: the capture step's blocks, slots, lengths
-
-
-class BakesHostPlanBackend(TorchBackend):
-    name = "bakes_host_plan"
-
-    def metadata_builder(self) -> TorchMetadataBuilder:
-        return HostPlannedCaptureBuilder(self)
-
-
 MUTANTS = (
     TopLeftCausalBackend,
     WritesPaddingBackend,
     IgnoresWindowBackend,
     SyncsInForwardBackend,
+    BakesHostPlanBackend,
     CorruptsOnBadSlotBackend,
     ScaleOffBackend,
     LooseToleranceBackend,
-    BakesHostPlanBackend,
 )
 
 
