@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         Refusal,
         Tolerance,
     )
+    from attnhub.graphs import BatchDescriptor, CaptureSizes, GraphRunner
     from attnhub.hookspecs import hookimpl
     from attnhub.kv_cache import PagedKVCache
     from attnhub.registry import (
@@ -77,6 +78,7 @@ _HOMES = {
         "Refusal",
         "Tolerance",
     ),
+    "attnhub.graphs": ("BatchDescriptor", "CaptureSizes", "GraphRunner"),
     "attnhub.hookspecs": ("hookimpl",),
     "attnhub.kv_cache": ("PagedKVCache",),
     "attnhub.registry": (
@@ -123,10 +125,13 @@ __all__ = [
     "AttentionSpec",
     "AttentionType",
     "BackendInfo",
+    "BatchDescriptor",
     "BatchMetadata",
     "BatchReorder",
     "Capabilities",
+    "CaptureSizes",
     "DecodePrefillSplit",
+    "GraphRunner",
     "GraphSupport",
     "PagedKVCache",
     "Refusal",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -27,6 +27,9 @@ from attnhub.errors import (
 )
 from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec
+
+if TYPE_CHECKING:
+    from attnhub.graphs.adaptor import GraphAdaptor
 
 
 def device_type(device: torch.device | str) -> str:
@@ -121,6 +124,14 @@ class AttentionBackend(abc.ABC):
             self.spec, num_blocks, self.device, layout=self.capabilities.kv_cache_layout
         )
 
+    def graph_adaptor(self) -> GraphAdaptor:
+        """The device-graph API this backend's graphs are captured with (attnhub.graphs):
+        CUDA graphs on "cuda", the eager tape elsewhere. A backend whose graphs need its
+        vendor's API (task-group updates) returns its adaptor."""
+        from attnhub.graphs import default_adaptor
+
+        return default_adaptor(self.device)
+
     @abc.abstractmethod
     def metadata_builder(self) -> AttentionMetadataBuilder[Any]:
         """The per-model builder; call ``build(batch)`` once per step."""
@@ -206,12 +217,59 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
         """Backend-specific host-side work of one step (the batch is already validated)."""
 
     def build_for_graph_capture(self, batch: BatchMetadata) -> M:
-        """Metadata for capturing a device graph on a dummy batch of the captured size."""
-        if self.graph_support == GraphSupport.NEVER:
+        """Metadata for capturing a device graph of ``batch``'s shape.
+
+        ``batch``'s device tensors are the graph runner's persistent buffers (refilled before
+        every replay), its host copies the capture step's own. The metadata's tensors must be
+        those buffers, or computed from them by device ops inside ``forward`` (which the
+        graph captures): never host-planned from this batch's values, which every later
+        replay would repeat. Host values a kernel takes are refreshed per step by
+        :meth:`update_graph_params`. Default: ``build(batch)`` (right only for a backend
+        whose ``plan`` keeps no per-step value outside the batch's tensors)."""
+        self._check_graph_level(batch)
+        return self.build(batch)
+
+    def _check_graph_level(self, batch: BatchMetadata) -> None:
+        """Refuse a capture beyond the declared ``graph_support`` (vLLM's AttentionCGSupport)."""
+        level = self.graph_support
+        if level == GraphSupport.NEVER:
             raise UnsupportedConfigurationError(
                 self.backend.name, ["device-graph capture is not supported"]
             )
-        return self.build(batch)
+        if level == GraphSupport.ALWAYS or not batch.num_reqs:
+            return
+        q = batch.query_lens_cpu
+        uniform = bool((q == q[0]).all())
+        if not uniform or (level == GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE and int(q[0]) != 1):
+            raise UnsupportedConfigurationError(
+                self.backend.name,
+                [
+                    f"graph capture of this batch (query lengths {q.tolist()}): the backend "
+                    f"captures {level.name.lower()} batches only"
+                ],
+            )
+
+    def check_graph_step(self, batch: BatchMetadata) -> validation.StepExtents:
+        """Every check ``build`` makes of a step, without planning it: for a step that replays
+        a captured graph (the graph runner calls it on each padded batch). Returns the step's
+        extents, to compare with every KV cache the graph writes or reads."""
+        validation.check_batch_for_spec(self.spec, batch, self.backend.device)
+        extents = validation.step_extents(batch)
+        self._check_batch_kinds(batch)
+        self._check_graph_level(batch)
+        return extents
+
+    def update_graph_params(self, graph_meta: M, batch: BatchMetadata, stream: Any) -> None:
+        """Before a replay: refresh the host-side kernel arguments a captured graph baked in.
+
+        ``graph_meta`` is what ``build_for_graph_capture`` returned for the graph (whatever
+        ``forward`` recorded in it during capture included); ``batch`` is this step's, already
+        checked by ``check_graph_step`` and copied into the persistent buffers. ``stream`` is
+        the graph adaptor's update stream (None where the device has none), already ordered
+        after the previous replay (docs/graphs.md, "Ordering"). Called for every replay,
+        including the one right after capture. Default: nothing to refresh (a backend whose
+        captured kernels read every per-step value from device tensors)."""
+        return None
 
 
 class AttentionImpl(abc.ABC):

@@ -398,8 +398,18 @@ def test_backend_refuses_a_spec_it_does_not_support() -> None:
 
 
 def test_graph_capture_build_is_refused_by_a_backend_that_never_captures(ctx: Ctx) -> None:
-    assert TorchBackend.capabilities.graph_capture == GraphSupport.NEVER
+    class NeverCaptures(TorchBackend):
+        capabilities = replace(TorchBackend.capabilities, graph_capture=GraphSupport.NEVER)
+
+    builder = NeverCaptures(SPEC, "cpu").metadata_builder()
     with pytest.raises(UnsupportedConfigurationError, match="graph capture"):
+        builder.build_for_graph_capture(ctx.batch)
+
+
+def test_graph_capture_build_refuses_a_batch_beyond_the_declared_level(ctx: Ctx) -> None:
+    assert TorchBackend.capabilities.graph_capture == GraphSupport.UNIFORM_BATCH
+    assert len(set(ctx.batch.query_lens_cpu.tolist())) > 1  # a mixed batch
+    with pytest.raises(UnsupportedConfigurationError, match="uniform_batch batches only"):
         ctx.builder.build_for_graph_capture(ctx.batch)
 
 

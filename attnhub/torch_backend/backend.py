@@ -27,6 +27,7 @@ from attnhub.kv_cache import PagedKVCache
 from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub.torch_backend import kernels
+from attnhub.torch_backend.graph import GraphStep, graph_attend, graph_write
 from attnhub.torch_backend.plan import SlotWrite, StepPlan, plan_slot_write, plan_step
 
 
@@ -36,6 +37,8 @@ class TorchAttentionMetadata(AttentionMetadata):
     #: (key, value) [max_gather_blocks, block_size, Hkv, D] in the cache's storage dtypes:
     #: scratch every layer of the step gathers into (the backend's, reused across steps).
     gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: Set by build_for_graph_capture: the step's fixed shape; forward takes the graph path.
+    graph: GraphStep | None = None
 
 
 @dataclass
@@ -60,7 +63,9 @@ class TorchBackend(AttentionBackend):
         sinks=True,
         multi_token_decode=True,
         chunked_prefill=True,
-        graph_capture=GraphSupport.NEVER,
+        # uniform batches (every request the same query length) take a static-shape path
+        # (graph.py) whose per-step values are all read on the device
+        graph_capture=GraphSupport.UNIFORM_BATCH,
         tolerances={
             torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
             torch.float16: Tolerance(atol=3e-3, rtol=3e-3),
@@ -154,6 +159,14 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
             batch=batch, common_prefix_len=common_prefix_len, plan=step, gather_buffers=buffers
         )
 
+    def build_for_graph_capture(self, batch: BatchMetadata) -> TorchAttentionMetadata:
+        """Metadata of the static-shape graph path (graph.py): no host planning at all; the
+        batch's device tensors (the runner's persistent buffers) are read by forward."""
+        extents = self.check_graph_step(batch)
+        meta = TorchAttentionMetadata(batch=batch, graph=GraphStep.of(batch))
+        object.__setattr__(meta, "extents", extents)
+        return meta
+
 
 class TorchAttentionImpl(AttentionImpl):
     backend: TorchBackend
@@ -170,7 +183,9 @@ class TorchAttentionImpl(AttentionImpl):
         self._eager = bool({"softcap", "alibi", "sinks"} & self.spec.features())
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
-        if not isinstance(meta, TorchAttentionMetadata) or meta.gather_buffers is None:
+        if not isinstance(meta, TorchAttentionMetadata) or (
+            meta.gather_buffers is None and meta.graph is None
+        ):
             raise InvalidInputError(
                 f"meta must come from the torch backend's metadata_builder().build(batch), "
                 f"got {type(meta).__name__}"
@@ -192,6 +207,9 @@ class TorchAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         meta: TorchAttentionMetadata,  # type: ignore[override]
     ) -> None:
+        if meta.graph is not None:
+            graph_write(key, value, meta.batch.slot_mapping, self._write_targets(cache))
+            return
         assert meta.plan is not None
         self._scatter(key, value, cache, meta.plan.write)
 
@@ -238,6 +256,11 @@ class TorchAttentionImpl(AttentionImpl):
         out: torch.Tensor,
     ) -> None:
         spec, plan = self.spec, meta.plan
+        if meta.graph is not None:
+            graph_attend(
+                spec, meta.graph, query, cache, meta.batch, self.alibi_slopes, self.sinks, out
+            )
+            return
         assert plan is not None and meta.gather_buffers is not None  # check_step
         eager = self._eager
         bs, Hkv, D = cache.block_size, spec.num_kv_heads, spec.head_size

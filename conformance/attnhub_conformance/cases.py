@@ -940,6 +940,15 @@ GENERATORS: dict[str, Callable[[Target, Scope], list[Case]]] = {
 }
 
 
+def _graph_cases(target: Target, scope: Scope) -> list[Case]:
+    from attnhub_conformance.graph_cases import graph_cases
+
+    return graph_cases(target, scope)
+
+
+GENERATORS["graphs"] = _graph_cases
+
+
 def generate(kind: str, target: Target, scope: Scope) -> list[Case]:
     """The cases of one kind of test for one target (none for a target that cannot run)."""
     if kind == "availability":

@@ -23,6 +23,7 @@ from attnhub.errors import UnsupportedConfigurationError
 from attnhub.quant import simulate_query_quantization
 from attnhub.spec import AttentionType
 from attnhub.torch_backend import TorchAttentionImpl, TorchBackend, TorchMetadataBuilder
+from attnhub.torch_backend.backend import TorchAttentionMetadata
 
 
 # --- a plain per-request attention with one convention swappable --------------------------------
@@ -171,6 +172,19 @@ class SyncsInForwardBackend(TorchBackend):
         return SyncingImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
+# --- 4b. graph capture declared, but what is captured was planned on the host -------------------
+class HostPlannedCaptureBuilder(TorchMetadataBuilder):
+    def build_for_graph_capture(self, batch: BatchMetadata) -> TorchAttentionMetadata:
+        return self.build(batch)  # the chunk plan: the capture step's blocks, slots, lengths
+
+
+class BakesHostPlanBackend(TorchBackend):
+    name = "bakes_host_plan"
+
+    def metadata_builder(self) -> TorchMetadataBuilder:
+        return HostPlannedCaptureBuilder(self)
+
+
 # --- 5. an out-of-range slot accepted, and the cache written partly before failing -------------
 class CorruptsOnBadSlotImpl(TorchAttentionImpl):
     @staticmethod
@@ -272,6 +286,7 @@ MUTANTS = (
     WritesPaddingBackend,
     IgnoresWindowBackend,
     SyncsInForwardBackend,
+    BakesHostPlanBackend,
     CorruptsOnBadSlotBackend,
     ScaleOffBackend,
     LooseToleranceBackend,
@@ -309,6 +324,7 @@ class RestrictedBackend(TorchBackend):
         sinks=False,
         multi_token_decode=False,
         chunked_prefill=False,
+        graph_capture=GraphSupport.NEVER,
     )
 
     def metadata_builder(self) -> TorchMetadataBuilder:

@@ -11,7 +11,7 @@ from attnhub_conformance.harness import random_block_table
 from attnhub_conformance.hostsync import HostSyncError, guard, guard_tree
 from attnhub_conformance.targets import Target
 
-from attnhub import FEATURES
+from attnhub import FEATURES, GraphSupport
 from attnhub.torch_backend import TorchBackend
 
 
@@ -58,6 +58,7 @@ class Narrow(TorchBackend):
         alibi=False,
         kv_cache_dtypes=frozenset({"auto"}),
         multi_token_decode=False,
+        graph_capture=GraphSupport.NEVER,
     )
 
 

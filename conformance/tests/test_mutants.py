@@ -39,6 +39,14 @@ MUTANT_RUNS = [
         id="syncs_in_forward",
     ),
     pytest.param(
+        "bakes_host_plan",
+        "test_graph_replays_match_eager_and_the_reference",
+        "test_graph_replays_match_eager_and_the_reference[bakes_host_plan-graphs-bf16-h64-gqa4-bs16]",
+        "vs reference",
+        "graph capture",
+        id="bakes_host_plan",
+    ),
+    pytest.param(
         "corrupts_on_bad_slot",
         "test_rejects_invalid_input",
         "test_rejects_invalid_input[corrupts_on_bad_slot-slot_outside_cache]",

@@ -27,7 +27,7 @@ docs/backends/ascend.md.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -161,6 +161,33 @@ class AscendAttentionMetadata(AttentionMetadata):
     query_rows: torch.Tensor | None = None  # [kernel_tokens] int64, device
     output_rows: torch.Tensor | None = None  # [num_actual_tokens] int64, device
     kernel_tokens: int = 0  # T of the fused call (num_actual_tokens + window padding rows)
+    #: Set by build_for_graph_capture: the FIA task groups forward captured (one per layer).
+    graph: AscendGraph | None = None
+
+
+class GraphTask:
+    """One captured FIA call: its task-group handle, the ExternalEvent its replay waits on, and
+    the call itself (op, positional tensors, keyword arguments without the length lists)."""
+
+    def __init__(
+        self,
+        handle: Any,
+        event: Any,
+        op: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        list_names: tuple[str, str],
+    ) -> None:
+        self.handle, self.event, self.op = handle, event, op
+        self.args, self.kwargs, self.list_names = args, kwargs, list_names
+
+
+class AscendGraph:
+    """What a captured step's metadata carries for its updates: the tasks forward captured.
+    A plain class (not a dataclass): every copy of the metadata shares one list."""
+
+    def __init__(self) -> None:
+        self.tasks: list[GraphTask] = []
 
 
 class AscendBackend(AttentionBackend):
@@ -188,9 +215,10 @@ class AscendBackend(AttentionBackend):
         multi_token_decode=True,
         chunked_prefill=True,
         cascade=False,
-        # The fused call bakes host-side length lists into a captured graph; replaying it
-        # needs Ascend's task-group update, which attnhub's graph runner does not drive yet.
-        graph_capture=GraphSupport.NEVER,
+        # Uniform batches of causal specs without a window (the builder's graph_support says
+        # NEVER for the others): FIA's host-side length lists, baked into a captured graph,
+        # are refreshed per step by task-group updates (update_graph_params, docs/graphs.md).
+        graph_capture=GraphSupport.UNIFORM_BATCH,
         # The emulator computes in float32 and rounds once; the kernels accumulate in float32
         # with float16/bfloat16 operands.
         tolerances={
@@ -283,6 +311,21 @@ class AscendBackend(AttentionBackend):
             )
         #: torch_npu or the emulator, resolved once for this instance.
         self.ops: Any = ops.namespace(self.device, emulate)
+        self._graph_api: Any = None
+
+    @property
+    def graph_api(self) -> Any:
+        """``torch.npu`` natively (NPUGraph, task groups, streams, events), else its emulation
+        (``attnhub_ascend.npu_graph``); resolved on first use."""
+        if self._graph_api is None:
+            self._graph_api = ops.graph_namespace(self.device, self.emulate)
+        return self._graph_api
+
+    def graph_adaptor(self) -> Any:
+        """attnhub's NPUGraphAdaptor over this backend's graph API."""
+        from attnhub.graphs import NPUGraphAdaptor
+
+        return NPUGraphAdaptor(self.graph_api)
 
     def metadata_builder(self) -> AscendMetadataBuilder:
         return AscendMetadataBuilder(self)
@@ -326,6 +369,64 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         #: decoder spec given a batch with causal=False).
         self.sparse_causal = SparseArgs.for_spec(self.spec, causal=True)
         self.sparse_full = SparseArgs.for_spec(self.spec, causal=False)
+
+    @property
+    def graph_support(self) -> GraphSupport:
+        """The declared level, but NEVER for specs whose step has data-dependent shapes: a
+        window (decode rows padded per step, see _window_decode_rows) or non-causal attention
+        (npu_fusion_attention over keys gathered by a host-planned slot list)."""
+        spec = self.spec
+        if not spec.causal or (self.pad_window_decodes and spec.window[0] >= 0):
+            return GraphSupport.NEVER
+        return super().graph_support
+
+    def build_for_graph_capture(self, batch: BatchMetadata) -> AscendAttentionMetadata:
+        """The step's plan with the runner's persistent buffers as its tensors (block table,
+        slots: the KV write finds its rows on the device) and an empty task list that forward
+        fills while captured. The length lists are this batch's; update_graph_params replaces
+        them in the captured tasks every step."""
+        if self.graph_support == GraphSupport.NEVER:
+            raise UnsupportedConfigurationError(
+                self.backend.name,
+                [
+                    "graph capture of this spec: a sliding window pads decode rows per step, "
+                    "non-causal attention gathers host-planned key slots (data-dependent "
+                    "shapes); graph_support is NEVER for it"
+                ],
+            )
+        if not batch.causal:
+            raise UnsupportedConfigurationError(
+                self.backend.name,
+                ["graph capture of a non-causal batch (npu_fusion_attention's packed path)"],
+            )
+        extents = self.check_graph_step(batch)
+        meta = self.plan(batch, 0)
+        if meta.query_rows is not None or meta.block_table is not batch.block_table:
+            raise UnsupportedConfigurationError(
+                self.backend.name,
+                ["graph capture needs an int32 contiguous block table and no window padding"],
+            )
+        meta = replace(meta, slot_mapping=None, write_rows=None, graph=AscendGraph())
+        object.__setattr__(meta, "extents", extents)
+        return meta
+
+    def update_graph_params(
+        self, graph_meta: AscendAttentionMetadata, batch: BatchMetadata, stream: Any
+    ) -> None:
+        """Re-launch every captured FIA task with this step's lists, inside
+        graph_task_update_begin/end on the adaptor's update stream (already ordered after the
+        previous replay), then record the task's ExternalEvent there, which the replay's
+        captured wait consumes (vllm-ascend's update_attn_params, without its synchronize)."""
+        assert graph_meta.graph is not None, "metadata not from build_for_graph_capture"
+        npu = self.backend.graph_api
+        query_ends = tuple(batch.query_start_loc_cpu[1:].tolist())  # host data
+        kv_lengths = tuple(batch.seq_lens_cpu.tolist())
+        for task in graph_meta.graph.tasks:
+            q_name, kv_name = task.list_names
+            npu.graph_task_update_begin(stream, task.handle)
+            task.op(*task.args, **task.kwargs, **{q_name: query_ends, kv_name: kv_lengths})
+            npu.graph_task_update_end(stream)
+            task.event.record(stream)
 
     def plan(self, batch: BatchMetadata, common_prefix_len: int) -> AscendAttentionMetadata:
         spec = self.spec
@@ -556,12 +657,44 @@ class AscendAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
     ) -> None:
-        assert isinstance(meta, AscendAttentionMetadata) and meta.slot_mapping is not None
+        assert isinstance(meta, AscendAttentionMetadata)
+        if meta.graph is not None:
+            self._write_graph_step(key, value, cache, meta.batch.slot_mapping)
+            return
+        assert meta.slot_mapping is not None
         if meta.write_rows is not None:  # some real token has slot -1 (scatter op only)
             key, value = key[meta.write_rows], value[meta.write_rows]
         n = meta.slot_mapping.shape[0]
         if n:
             self._write(key[:n], value[:n], cache, meta.slot_mapping)  # int32, planned once
+
+    def _write_graph_step(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """The KV write of a captured step, with a fixed shape: the rows to leave out (slot -1:
+        padding) are not known at capture. _npu_reshape_and_cache skips them itself;
+        npu_scatter_pa_kv_cache takes no -1, so each such row is redirected to the step's first
+        written row (same slot, same value: duplicates of one value), and a step that writes
+        nothing rewrites slot 0 with what it holds. Device ops only: the graph captures them."""
+        T = slot_mapping.shape[0]
+        if self.backend.kv_write_op == RESHAPE_AND_CACHE:
+            self._write(key[:T], value[:T], cache, slot_mapping.to(torch.int32))
+            return
+        slots = slot_mapping.long()
+        valid = slots >= 0
+        any_valid = valid.any()
+        first = torch.argmax(valid.to(torch.int32))
+        rows = torch.where(valid, torch.arange(T, device=slots.device), first)
+        dst = torch.where(any_valid, slots.index_select(0, rows), 0)
+        k = torch.where(any_valid, key.index_select(0, rows), _flat(cache.key).index_select(0, dst))
+        v = torch.where(
+            any_valid, value.index_select(0, rows), _flat(cache.value).index_select(0, dst)
+        )
+        self._write(k, v, cache, dst.to(torch.int32))
 
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor
@@ -653,28 +786,35 @@ class AscendAttentionImpl(AttentionImpl):
             out=[target, self._lse],
         )
         if self.learnable_sink is None:
-            ops_.npu_fused_infer_attention_score.out(
-                q,
-                key_cache,
-                value_cache,
-                actual_seq_lengths=meta.query_ends,  # cumulative query ends (TND)
-                actual_seq_lengths_kv=meta.kv_lengths,  # per-sequence (paged cache)
-                num_heads=spec.num_heads,
-                scale=spec.scale,
-                **shared,
-            )
+            op = ops_.npu_fused_infer_attention_score.out
+            # cumulative query ends (TND); per-sequence KV lengths (paged cache)
+            lists = ("actual_seq_lengths", "actual_seq_lengths_kv")
+            shared.update(num_heads=spec.num_heads, scale=spec.scale)
         else:
-            ops_.npu_fused_infer_attention_score_v2.out(
-                q,
-                key_cache,
-                value_cache,
-                actual_seq_qlen=meta.query_ends,
-                actual_seq_kvlen=meta.kv_lengths,
+            op = ops_.npu_fused_infer_attention_score_v2.out
+            lists = ("actual_seq_qlen", "actual_seq_kvlen")
+            shared.update(
                 learnable_sink=self.learnable_sink,
                 num_query_heads=spec.num_heads,
                 softmax_scale=spec.scale,
-                **shared,
             )
+        args = (q, key_cache, value_cache)
+        npu = self.backend.graph_api if meta.graph is not None else None
+        if npu is None or not npu.is_current_stream_capturing():
+            op(*args, **shared, **{lists[0]: meta.query_ends, lists[1]: meta.kv_lengths})
+            return
+        # Captured: the lists are host values the task bakes in. Record the call in a task
+        # group, after a wait on an ExternalEvent that each step's update records
+        # (update_graph_params), as vllm-ascend's full-graph FIA path does [callers].
+        stream = npu.current_stream()
+        event = npu.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        npu.graph_task_group_begin(stream)
+        op(*args, **shared, **{lists[0]: meta.query_ends, lists[1]: meta.kv_lengths})
+        handle = npu.graph_task_group_end(stream)
+        assert meta.graph is not None
+        meta.graph.tasks.append(GraphTask(handle, event, op, args, shared, lists))
 
     def _attend_packed(
         self,

@@ -158,9 +158,18 @@ def _counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             sig.bind(*args, **kwargs)  # the vendor binding rejects unknown / missing arguments
         except TypeError as exc:
             raise TypeError(f"torch_npu.{name}(): {exc}") from None
+        if graph_dispatch is not None:  # npu_graph: captured, or replacing a captured task
+            return graph_dispatch(name, fn, args, kwargs)
         return fn(*args, **kwargs)
 
     return op
+
+
+#: Set by ``attnhub_ascend.npu_graph`` (the emulated ``torch.npu`` graph API) when imported:
+#: routes every op call through the graph being captured or the task being updated, if any.
+graph_dispatch: Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any] | None = (
+    None
+)
 
 
 class OpPacket:

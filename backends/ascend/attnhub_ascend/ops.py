@@ -85,5 +85,18 @@ def namespace(device: torch.device | str, emulate: bool) -> Any:
     return emulator
 
 
+def graph_namespace(device: torch.device | str, emulate: bool) -> Any:
+    """The graph API (NPUGraph, graph, task groups, streams, events): ``torch.npu`` natively
+    (``import torch_npu`` patches it in), else the emulation in ``attnhub_ascend.npu_graph``.
+
+    Call only after ``unavailable_reason`` returned None."""
+    if device_type(device) == NATIVE_DEVICE:
+        namespace(device, emulate)  # imports torch_npu (or raises why not)
+        return torch.npu  # type: ignore[attr-defined]
+    from attnhub_ascend import npu_graph
+
+    return npu_graph
+
+
 def is_emulated(device: torch.device | str) -> bool:
     return device_type(device) == EMULATED_DEVICE

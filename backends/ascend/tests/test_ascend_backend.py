@@ -99,13 +99,13 @@ def test_kv_hidden_size_limit_of_the_three_dimensional_cache_view() -> None:
     assert any("65535" in r for r in AscendBackend.unsupported_reasons(spec))
 
 
-def test_cascade_and_graph_capture_are_refused_at_build() -> None:
-    st = h.step([(1, 300), (1, 290)])
+def test_cascade_and_graph_capture_of_a_mixed_batch_are_refused_at_build() -> None:
+    st = h.step([(1, 300), (4, 290)])
     builder = st.backend.metadata_builder()
     with pytest.raises(UnsupportedConfigurationError, match="cascade"):
         builder.build(st.batch, common_prefix_len=128)
-    with pytest.raises(UnsupportedConfigurationError, match="graph"):
-        builder.build_for_graph_capture(st.batch)
+    with pytest.raises(UnsupportedConfigurationError, match="graph capture"):
+        builder.build_for_graph_capture(st.batch)  # uniform batches only
 
 
 def test_refusals_are_explained_per_field_not_by_their_wording() -> None:

@@ -1,0 +1,136 @@
+"""GraphRunner: capture a step per batch descriptor on first use, replay it afterwards.
+
+    runner = GraphRunner(backend, step, capture_sizes=CaptureSizes.up_to(64),
+                         max_blocks_per_req=64, kv_caches=caches)
+    out = runner.run(batch, query, key, value)   # step(query, key, value, meta) captured
+
+Per step, on the host only: the batch is padded to its descriptor (``padding``), validated
+with the backend's own step checks (values, kinds, extents against every KV cache), copied into
+the persistent buffers (``buffers``), and then either captured (first batch of the descriptor:
+``builder.build_for_graph_capture`` on the buffers, then ``adaptor.capture``) or not; every
+step then gets ``builder.update_graph_params`` (host-side kernel arguments refreshed, inside
+``adaptor.updating()``) and a replay. The returned rows are views of the graph's output: valid
+until the next ``run``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attnhub.backend import AttentionBackend, AttentionMetadata
+from attnhub.batch import BatchMetadata
+from attnhub.capabilities import GraphSupport
+from attnhub.errors import UnsupportedConfigurationError
+from attnhub.graphs.adaptor import CapturedGraph, GraphAdaptor
+from attnhub.graphs.buffers import PersistentBatch, PersistentInputs
+from attnhub.graphs.descriptor import BatchDescriptor, describe
+from attnhub.graphs.errors import BatchTooLargeError, NotCapturableBatchError
+from attnhub.graphs.padding import pad_batch
+from attnhub.graphs.sizes import CaptureSizes
+from attnhub.kv_cache import PagedKVCache
+from attnhub.validation import check_extents
+
+#: step(*inputs, meta) -> output tensor (rows = tokens) or a tuple/list of them.
+StepFn = Callable[..., Any]
+
+
+@dataclass
+class _Entry:
+    meta: AttentionMetadata  # built for capture, over the persistent buffers
+    graph: CapturedGraph
+
+
+class GraphRunner:
+    """See the module docstring. ``eager_fallback``: batches that cannot be captured (beyond
+    the backend's declared support, or larger than the largest capture size) run eagerly with
+    ordinary metadata instead of raising."""
+
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        step: StepFn,
+        *,
+        capture_sizes: CaptureSizes | Sequence[int],
+        max_blocks_per_req: int,
+        kv_caches: Sequence[PagedKVCache] = (),
+        eager_fallback: bool = False,
+        adaptor: GraphAdaptor | None = None,
+    ) -> None:
+        self.backend = backend
+        self.builder = backend.metadata_builder()
+        self.level = self.builder.graph_support
+        if self.level == GraphSupport.NEVER:
+            raise UnsupportedConfigurationError(
+                backend.name, ["device-graph capture is not supported (GraphSupport.NEVER)"]
+            )
+        self.step = step
+        if not isinstance(capture_sizes, CaptureSizes):
+            capture_sizes = CaptureSizes(capture_sizes)
+        self.sizes = capture_sizes
+        self.width = max_blocks_per_req
+        self.kv_caches = list(kv_caches)
+        self.eager_fallback = eager_fallback
+        self.adaptor = adaptor if adaptor is not None else backend.graph_adaptor()
+        largest = self.sizes.largest
+        self.batch_buffers = PersistentBatch(
+            largest, largest, max_blocks_per_req, backend.spec.block_size, backend.device
+        )
+        self.input_buffers = PersistentInputs(largest)
+        self.graphs: dict[BatchDescriptor, _Entry] = {}
+        #: "captures", "replays", "eager" steps so far.
+        self.stats: Counter[str] = Counter()
+
+    def descriptor(self, batch: BatchMetadata) -> BatchDescriptor | str:
+        """The descriptor ``batch`` runs under, or why it cannot be captured."""
+        return describe(batch, self.sizes, self.level)
+
+    def run(self, batch: BatchMetadata, *inputs: torch.Tensor) -> Any:
+        """One step: the rows of the step's output for ``batch``'s real tokens."""
+        try:
+            desc = self.descriptor(batch)
+        except BatchTooLargeError:
+            if not self.eager_fallback:
+                raise
+            return self._eager(batch, inputs)
+        if isinstance(desc, str):
+            if self.eager_fallback:
+                return self._eager(batch, inputs)
+            raise NotCapturableBatchError(
+                f"this batch cannot be captured by the {self.backend.name} backend: {desc} "
+                "(construct the runner with eager_fallback=True to run it eagerly)"
+            )
+        padded = pad_batch(batch, desc, self.width)
+        step_batch = self.batch_buffers.load(padded, causal=batch.causal)
+        extents = self.builder.check_graph_step(step_batch)
+        for cache in self.kv_caches:
+            check_extents(extents, step_batch, cache)
+        static = self.input_buffers.load(inputs, padded.num_real_tokens, desc.num_tokens)
+        entry = self.graphs.get(desc)
+        if entry is None:
+            meta = self.builder.build_for_graph_capture(step_batch)
+            captured = self.adaptor.capture(lambda: self.step(*static, meta))
+            entry = self.graphs[desc] = _Entry(meta, captured)
+            self.stats["captures"] += 1
+        with self.adaptor.updating() as stream:
+            self.builder.update_graph_params(entry.meta, step_batch, stream)
+        self.adaptor.replay(entry.graph)
+        self.stats["replays"] += 1
+        return _rows(entry.graph.output, padded.num_real_tokens)
+
+    def _eager(self, batch: BatchMetadata, inputs: Sequence[torch.Tensor]) -> Any:
+        self.stats["eager"] += 1
+        meta = self.builder.build(batch)
+        return _rows(self.step(*inputs, meta), batch.num_actual_tokens)
+
+
+def _rows(output: Any, n: int) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output[:n]
+    if isinstance(output, (list, tuple)):
+        return type(output)(_rows(o, n) for o in output)
+    return output

@@ -1,0 +1,241 @@
+"""Graph capture of the ascend backend on the emulated torch.npu graph API (npu_graph).
+
+The backend captures FIA inside task groups; each step's update re-launches it with the
+step's length lists. Shown here: replays follow new lengths (checked against the reference),
+a replay whose update is skipped answers for the captured lengths (wrong), one whose event is
+never recorded would hang, and an update not ordered after the previous replay is refused,
+while the runner's event ordering needs no host synchronization per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import ascend_helpers as h
+import pytest
+import torch
+from attnhub_ascend import AscendBackend, npu_graph
+from attnhub_ascend.backend import RESHAPE_AND_CACHE, SCATTER_PA_KV_CACHE
+from attnhub_ascend.npu_graph import NpuGraphError
+
+from attnhub import AttentionSpec, BatchMetadata, GraphSupport, reference, testing
+from attnhub.errors import UnsupportedConfigurationError
+from attnhub.graphs import GraphRunner, NPUGraphAdaptor
+
+BS = 128
+NUM_BLOCKS = 24
+
+
+class Model:
+    """Two layers over their own caches on one emulated backend."""
+
+    def __init__(self, spec: AttentionSpec | None = None, backend_cls: type = AscendBackend):
+        self.spec = spec or h.spec(dtype=torch.float16)
+        self.backend = backend_cls(self.spec, "cpu", emulate=True)
+        g = testing.generator(5)
+        self.sinks = testing.random_sinks(self.spec.num_heads, g) if self.spec.use_sinks else None
+        self.impl = self.backend.impl(sinks=self.sinks)
+        self.caches = [self.backend.allocate_kv_cache(NUM_BLOCKS) for _ in range(2)]
+        for c in self.caches:
+            testing.fill_cache_random(c, g)
+
+    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
+        out = q
+        for cache in self.caches:
+            out = self.impl.forward(q, k, v, cache, meta)
+        return out
+
+    def runner(self, **kw: Any) -> GraphRunner:
+        opts: dict[str, Any] = dict(
+            capture_sizes=[4, 8], max_blocks_per_req=4, kv_caches=self.caches
+        )
+        opts.update(kw)
+        return GraphRunner(self.backend, self.step, **opts)
+
+    def check(self, out: torch.Tensor, batch: BatchMetadata, q: torch.Tensor, what: str) -> None:
+        want, _ = reference.paged_attention(
+            q[: batch.num_actual_tokens], self.caches[1], batch, self.spec, sinks=self.sinks
+        )
+        tol = self.backend.capabilities.tolerance(self.spec.dtype)
+        testing.assert_within(out, want, tol, what, batch=batch)
+
+
+def _decode(seq_lens: list[int], table: torch.Tensor) -> BatchMetadata:
+    return BatchMetadata.from_lengths([1] * len(seq_lens), seq_lens, table, BS)
+
+
+def _table(num_reqs: int, seed: int = 0) -> torch.Tensor:
+    """Every request owns 4 blocks (room to grow to 512 tokens)."""
+    return testing.shuffled_block_table(
+        [4 * BS] * num_reqs, BS, NUM_BLOCKS, testing.generator(seed)
+    )
+
+
+def _qkv(spec: AttentionSpec, n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    return testing.random_qkv(spec, n, testing.generator(seed))
+
+
+class ScatterBackend(AscendBackend):
+    kv_write_op = SCATTER_PA_KV_CACHE
+
+
+class ReshapeBackend(AscendBackend):
+    kv_write_op = RESHAPE_AND_CACHE
+
+
+@pytest.mark.parametrize("backend_cls", [ScatterBackend, ReshapeBackend])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_replays_follow_each_steps_lengths(backend_cls: type, sinks: bool) -> None:
+    spec = h.spec(dtype=torch.float16, use_sinks=sinks)
+    model = Model(spec, backend_cls)
+    runner = model.runner()
+    table = _table(3)
+    seqs = [100, 250, 7]
+    for i in range(6):  # decode steps: every sequence grows by one token; one descriptor
+        batch = _decode(seqs, table)
+        q, k, v = _qkv(spec, 3, seed=i)
+        out = runner.run(batch, q, k, v).clone()
+        model.check(out, batch, q, f"step {i}")
+        seqs = [s + 1 for s in seqs]
+    other = _decode([300, 5, 60, 90, 1], _table(5, seed=1))  # another descriptor (8)
+    q, k, v = _qkv(spec, 5, seed=9)
+    model.check(runner.run(other, q, k, v).clone(), other, q, "5 requests")
+    assert runner.stats == {"captures": 2, "replays": 7}
+
+
+def test_a_replay_whose_update_is_skipped_answers_for_the_captured_lengths() -> None:
+    model = Model()
+    runner = model.runner()
+    table = _table(3)
+    first = _decode([100, 250, 7], table)
+    runner.run(first, *_qkv(model.spec, 3, seed=0))
+    grown = _decode([101, 251, 8], table)
+
+    def events_only(graph_meta: Any, batch: BatchMetadata, stream: Any) -> None:
+        for task in graph_meta.graph.tasks:  # the ordering, without the task update
+            task.event.record(stream)
+
+    q, k, v = _qkv(model.spec, 3, seed=1)
+    runner.builder.update_graph_params = events_only  # type: ignore[method-assign]
+    stale = runner.run(grown, q, k, v).clone()
+    # the FIA tasks still carry the captured lengths: the new token's key is not attended
+    with pytest.raises(AssertionError):
+        model.check(stale, grown, q, "skipped update")
+    captured_lengths = _decode([100, 250, 7], table)
+    model.check(stale, captured_lengths, q, "what the captured lengths give")
+    del runner.builder.update_graph_params  # the real hook again: the right answer
+    q, k, v = _qkv(model.spec, 3, seed=2)
+    model.check(runner.run(grown, q, k, v).clone(), grown, q, "updated")
+
+
+def test_a_replay_whose_event_nothing_recorded_would_wait_forever() -> None:
+    model = Model()
+    runner = model.runner()
+    table = _table(2)
+    runner.run(_decode([10, 20], table), *_qkv(model.spec, 2, seed=0))
+    runner.builder.update_graph_params = lambda *a: None  # type: ignore[method-assign]
+    with pytest.raises(NpuGraphError, match="wait forever"):
+        runner.run(_decode([11, 21], table), *_qkv(model.spec, 2, seed=1))
+
+
+class UnorderedAdaptor(NPUGraphAdaptor):
+    """Updates on a side stream with nothing ordering them after the previous replay."""
+
+    @contextmanager
+    def updating(self) -> Iterator[Any]:
+        with self.npu.stream(self.update_stream):
+            yield self.update_stream
+
+
+class SeedAdaptor(UnorderedAdaptor):
+    """vllm-ascend's ordering: the host synchronizes the device before every update."""
+
+    @contextmanager
+    def updating(self) -> Iterator[Any]:
+        self.npu.synchronize()
+        with super().updating() as stream:
+            yield stream
+
+
+def test_an_update_not_ordered_after_the_last_replay_is_refused() -> None:
+    model = Model()
+    runner = model.runner(adaptor=UnorderedAdaptor(npu_graph))
+    table = _table(2)
+    runner.run(_decode([10, 20], table), *_qkv(model.spec, 2, seed=0))
+    with pytest.raises(NpuGraphError, match="before the replay ran it"):
+        runner.run(_decode([11, 21], table), *_qkv(model.spec, 2, seed=1))
+
+
+def test_events_order_updates_without_a_host_sync_per_step() -> None:
+    table = _table(2)
+    steps = [_decode([10 + i, 20 + i], table) for i in range(4)]
+    syncs = []
+    for adaptor in (NPUGraphAdaptor(npu_graph), SeedAdaptor(npu_graph)):
+        model = Model()
+        runner = model.runner(adaptor=adaptor)
+        runner.run(steps[0], *_qkv(model.spec, 2, seed=0))  # capture (graph() synchronizes)
+        before = sum(npu_graph.host_syncs.values())
+        for i, batch in enumerate(steps[1:], 1):
+            q, k, v = _qkv(model.spec, 2, seed=i)
+            model.check(runner.run(batch, q, k, v).clone(), batch, q, f"{adaptor.name} {i}")
+        syncs.append(sum(npu_graph.host_syncs.values()) - before)
+    assert syncs == [0, 3]  # attnhub's runner: none; the seed's: one per step
+
+
+def test_graph_support_is_never_for_specs_with_data_dependent_shapes() -> None:
+    causal = h.backend(h.spec()).metadata_builder()
+    assert causal.graph_support == GraphSupport.UNIFORM_BATCH
+    for spec in (h.spec(sliding_window=200), h.spec(attn_type="encoder_only")):
+        builder = h.backend(spec).metadata_builder()
+        assert builder.graph_support == GraphSupport.NEVER
+        batch, _ = testing.make_batch([1, 1], [10, 20], BS, 4, causal=spec.causal)
+        with pytest.raises(UnsupportedConfigurationError, match="data-dependent shapes"):
+            builder.build_for_graph_capture(batch)
+
+
+# --- the emulated graph API's own rules ----------------------------------------------------------
+
+
+def test_the_emulated_graph_api_refuses_what_the_device_refuses() -> None:
+    npu = npu_graph
+    s = npu.Stream()
+    with pytest.raises(NpuGraphError, match="outside a capture"):
+        npu.graph_task_group_begin(s)
+    g = npu.NPUGraph()
+    with pytest.raises(NpuGraphError, match="default stream"):
+        g.capture_begin()
+    x = torch.zeros(3)
+    with npu.graph(g, stream=s):
+        x.add_(1)
+        npu.graph_task_group_begin(s)
+        y = x * 2
+        with pytest.raises(Exception, match="torch_npu op calls"):
+            npu.graph_task_group_end(s)
+    g.replay()
+    assert x.tolist() == [2, 2, 2] and y.tolist() == [4, 4, 4]
+    with pytest.raises(NpuGraphError, match="must come from graph_task_group_end"):
+        npu.graph_task_update_begin(s, object())  # type: ignore[arg-type]
+
+
+def test_a_task_update_may_change_host_values_only() -> None:
+    spec = h.spec(dtype=torch.float16)
+    model = Model(spec)
+    runner = model.runner()
+    table = _table(2)
+    runner.run(_decode([10, 20], table), *_qkv(spec, 2, seed=0))
+    meta = next(iter(runner.graphs.values())).meta
+    task = meta.graph.tasks[0]
+    other = torch.empty_like(task.args[0])
+    stream = runner.adaptor.update_stream
+    with runner.adaptor.updating():
+        npu_graph.graph_task_update_begin(stream, task.handle)
+        task.op(
+            other,
+            *task.args[1:],
+            **task.kwargs,
+            **dict(zip(task.list_names, ((1, 2), (10, 20)), strict=True)),
+        )
+        with pytest.raises(NpuGraphError, match="host-side arguments only"):
+            npu_graph.graph_task_update_end(stream)

@@ -1,0 +1,313 @@
+"""attnhub.graphs: capture sizes, descriptors, padding, the tape, the runner (torch backend)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnhub
+from attnhub import AttentionSpec, GraphSupport, testing
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.graphs import (
+    BatchDescriptor,
+    BatchTooLargeError,
+    CaptureSizes,
+    EagerAdaptor,
+    GraphCaptureError,
+    GraphRunner,
+    NotCapturableBatchError,
+    Tape,
+    describe,
+    pad_batch,
+)
+from attnhub.torch_backend.backend import TorchBackend
+from attnhub.validation import check_batch_for_spec, step_extents
+
+BS = 16
+SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, block_size=BS, dtype=torch.float32)
+TOL = TorchBackend.capabilities.tolerances[torch.float32]
+
+
+# --- sizes and descriptors ----------------------------------------------------------------------
+
+
+def test_capture_sizes_pad_to_the_next_size_and_name_a_batch_too_large() -> None:
+    sizes = CaptureSizes([8, 1, 4, 4])
+    assert sizes.sizes == (1, 4, 8)
+    assert [sizes.size_for(n) for n in (1, 2, 4, 5, 8)] == [1, 4, 4, 8, 8]
+    assert sizes.size_for(3, query_len=2) == 4  # whole requests of 2 tokens
+    with pytest.raises(BatchTooLargeError, match=r"9 tokens.*largest capture size is 8"):
+        sizes.size_for(9)
+    with pytest.raises(BatchTooLargeError, match="multiple of the query length 3"):
+        sizes.size_for(5, query_len=3)
+    assert CaptureSizes.up_to(20).sizes == (1, 2, 4, 8, 16, 20)
+    with pytest.raises(InvalidInputError, match="capture size 0"):
+        CaptureSizes([0, 4])
+
+
+def _batch(query_lens: list[int], seq_lens: list[int], seed: int = 0, num_blocks: int = 64):
+    batch, _ = testing.make_batch(query_lens, seq_lens, BS, num_blocks, seed=seed)
+    return batch
+
+
+def test_descriptors_follow_the_declared_level() -> None:
+    sizes = CaptureSizes([4, 8])
+    decode = _batch([1, 1, 1], [5, 40, 17])
+    assert describe(decode, sizes, GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE) == BatchDescriptor(
+        num_tokens=4, num_reqs=4, uniform_decode=True
+    )
+    spec_decode = _batch([2, 2, 2], [5, 40, 17])
+    assert describe(spec_decode, sizes, GraphSupport.UNIFORM_BATCH) == BatchDescriptor(
+        num_tokens=8, num_reqs=4, uniform_decode=True
+    )
+    why = describe(spec_decode, sizes, GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    assert isinstance(why, str) and "one-token decodes" in why
+    mixed = _batch([1, 3], [5, 40])
+    why = describe(mixed, sizes, GraphSupport.UNIFORM_BATCH)
+    assert isinstance(why, str) and "different query lengths" in why
+
+
+def test_padding_adds_dummy_requests_that_every_step_check_accepts() -> None:
+    batch = _batch([1, 1, 1], [5, 40, 17])
+    desc = BatchDescriptor(num_tokens=8, num_reqs=8, uniform_decode=True)
+    padded = pad_batch(batch, desc, width=6)
+    assert padded.seq_lens.tolist() == [5, 40, 17, 1, 1, 1, 1, 1]
+    assert padded.query_start_loc.tolist() == list(range(9))
+    assert padded.slot_mapping[:3].tolist() == batch.slot_mapping.tolist()
+    assert padded.slot_mapping[3:].tolist() == [-1] * 5  # dummies write nothing
+    assert padded.block_table.shape == (8, 6)
+    assert padded.block_table[3:].eq(0).all()
+    assert torch.equal(padded.block_table[:3, : batch.block_table.shape[1]], batch.block_table)
+    backend = TorchBackend(SPEC, "cpu")
+    runner = GraphRunner(backend, lambda *a: None, capture_sizes=[8], max_blocks_per_req=6)
+    step_batch = runner.batch_buffers.load(padded)
+    check_batch_for_spec(SPEC, step_batch, torch.device("cpu"))
+    assert step_extents(step_batch).max_slot == int(batch.slot_mapping.max())
+    with pytest.raises(InvalidInputError, match=r"request 1 \(seq_len 40\) needs 3 blocks"):
+        pad_batch(batch, desc, width=2)
+
+
+# --- the tape -----------------------------------------------------------------------------------
+
+
+def test_a_tape_replays_ops_on_new_buffer_contents_with_host_values_frozen() -> None:
+    buf = torch.arange(6.0)
+    out = torch.empty(3)
+    n = [3]  # a host value the step reads at capture
+
+    def step() -> None:
+        k = n[0]  # baked into the ops' shapes, as a kernel argument would be
+        torch.mul(buf[:k], 2, out=out[:k])
+
+    tape = Tape()
+    with tape.recording():
+        step()
+    assert out.tolist() == [0, 2, 4]
+    buf.copy_(torch.arange(6.0) + 10)
+    n[0] = 1  # a device graph would not see this
+    tape.replay()
+    assert out.tolist() == [20, 22, 24]
+
+
+def test_a_tape_refuses_host_reads_and_data_dependent_shapes_at_capture() -> None:
+    x = torch.tensor([0, 3, 0, 5])
+    for bad, named in (
+        (lambda: x.sum().item(), "host read"),
+        (lambda: bool(x.any()), "host read"),
+        (lambda: x.nonzero(), "nonzero"),
+        (lambda: x[x > 0], "boolean mask"),
+        (lambda: torch.repeat_interleave(x, x), "repeat_interleave"),
+    ):
+        with pytest.raises(GraphCaptureError, match=named), Tape().recording():
+            bad()
+
+
+def test_the_eager_adaptor_replays_what_was_captured_not_the_python() -> None:
+    calls = []
+    buf = torch.zeros(2)
+
+    def step() -> torch.Tensor:
+        calls.append(1)
+        return buf + 1
+
+    adaptor = EagerAdaptor()
+    captured = adaptor.capture(step)
+    buf.fill_(5)
+    adaptor.replay(captured)
+    adaptor.replay(captured)
+    assert len(calls) == 1
+    assert captured.output.tolist() == [6, 6]
+
+
+# --- the runner with the torch backend ------------------------------------------------------------
+
+
+class Model:
+    """Two attention layers over their own caches; the step returns the last layer's output."""
+
+    def __init__(self, spec: AttentionSpec = SPEC, num_blocks: int = 48) -> None:
+        self.spec = spec
+        self.backend = TorchBackend(spec, "cpu")
+        self.impl = self.backend.impl()
+        g = testing.generator(1)
+        self.caches = [self.backend.allocate_kv_cache(num_blocks) for _ in range(2)]
+        for c in self.caches:
+            testing.fill_cache_random(c, g)
+        self.num_blocks = num_blocks
+
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: attnhub.AttentionMetadata
+    ) -> torch.Tensor:
+        out = q
+        for cache in self.caches:
+            out = self.impl.forward(q, k, v, cache, meta)
+        return out
+
+    def runner(self, **kw: object) -> GraphRunner:
+        opts: dict = dict(capture_sizes=[2, 4, 8], max_blocks_per_req=8, kv_caches=self.caches)
+        opts.update(kw)
+        return GraphRunner(self.backend, self.step, **opts)
+
+
+def _step_inputs(spec: AttentionSpec, batch: attnhub.BatchMetadata, seed: int):
+    return testing.random_qkv(spec, batch.num_tokens, testing.generator(seed))
+
+
+@pytest.mark.parametrize("query_len", [1, 2])
+def test_replays_of_one_descriptor_match_eager_and_the_reference(query_len: int) -> None:
+    graphed, eager = Model(), Model()
+    runner = graphed.runner()
+    builder = eager.backend.metadata_builder()
+    g = testing.generator(7)
+    for i, num_reqs in enumerate([3, 4, 3, 1, 2, 4, 1]):
+        seqs = torch.randint(query_len, 120, (num_reqs,), generator=g).tolist()
+        batch = _batch([query_len] * num_reqs, seqs, seed=i, num_blocks=48)
+        q, k, v = _step_inputs(SPEC, batch, seed=i)
+        _, expected = testing.reference_after_write(SPEC, graphed.caches[1], batch, q, k, v)
+        out = runner.run(batch, q, k, v).clone()
+        testing.assert_within(out, expected.float(), TOL, f"replay {i}", batch=batch)
+        want = eager.step(q, k, v, builder.build(batch))
+        testing.assert_within(out, want, TOL, f"eager {i}", batch=batch)
+        for a, b in zip(graphed.caches, eager.caches, strict=True):
+            assert torch.equal(a.key, b.key) and torch.equal(a.value, b.value)
+    # sizes 4 and 8 for query_len 1 (2 for one or two requests), fewer captures than steps
+    assert runner.stats["replays"] == 7
+    assert runner.stats["captures"] == len(runner.graphs) < 7
+
+
+def test_padding_never_touches_the_cache_outside_the_real_slots() -> None:
+    model = Model()
+    runner = model.runner(capture_sizes=[8])
+    batch = _batch([1, 1], [30, 70], num_blocks=48)
+    q, k, v = _step_inputs(SPEC, batch, seed=3)
+    expected = testing.cache_after_write(model.caches[0], k, v, batch.slot_mapping)
+    runner.run(batch, q, k, v)
+    assert torch.equal(model.caches[0].key, expected.key)
+    assert torch.equal(model.caches[0].value, expected.value)
+
+
+def test_a_batch_beyond_the_largest_size_is_refused_naming_it_or_run_eagerly() -> None:
+    model = Model()
+    batch = _batch([1] * 9, [20] * 9, num_blocks=48)
+    q, k, v = _step_inputs(SPEC, batch, seed=4)
+    with pytest.raises(BatchTooLargeError, match=r"9 tokens.*largest capture size is 8"):
+        model.runner().run(batch, q, k, v)
+    runner = model.runner(eager_fallback=True)
+    _, expected = testing.reference_after_write(SPEC, model.caches[1], batch, q, k, v)
+    out = runner.run(batch, q, k, v)
+    testing.assert_within(out, expected.float(), TOL, batch=batch)
+    assert runner.stats == {"eager": 1}
+
+
+def test_a_batch_beyond_the_declared_level_is_refused_or_run_eagerly() -> None:
+    model = Model()
+    batch = _batch([1, 5], [20, 40], num_blocks=48)
+    q, k, v = _step_inputs(SPEC, batch, seed=5)
+    with pytest.raises(NotCapturableBatchError, match="different query lengths"):
+        model.runner().run(batch, q, k, v)
+    runner = model.runner(eager_fallback=True)
+    _, expected = testing.reference_after_write(SPEC, model.caches[1], batch, q, k, v)
+    testing.assert_within(runner.run(batch, q, k, v), expected.float(), TOL, batch=batch)
+
+
+def test_a_bad_step_is_refused_before_any_replay_and_leaves_the_cache() -> None:
+    model = Model()
+    runner = model.runner()
+    batch = _batch([1, 1], [20, 40], num_blocks=48)
+    runner.run(batch, *_step_inputs(SPEC, batch, seed=6))
+    before = model.caches[0].clone()
+    bad = _batch([1, 1], [20, 40], num_blocks=48)
+    bad.block_table_cpu = None
+    bad.block_table[1, 2] = 48  # past the cache
+    bad.slot_mapping[1] = 48 * BS - 1
+    with pytest.raises(InvalidInputError, match="outside the cache"):
+        runner.run(bad, *_step_inputs(SPEC, bad, seed=7))
+    assert torch.equal(model.caches[0].key, before.key)
+    assert runner.stats["replays"] == 1
+
+
+def test_every_feature_of_the_torch_backend_replays_correctly() -> None:
+    spec = AttentionSpec(
+        num_heads=4,
+        num_kv_heads=1,
+        head_size=32,
+        block_size=BS,
+        dtype=torch.float32,
+        sliding_window=24,
+        logits_soft_cap=30.0,
+        use_alibi=True,
+    )
+    backend = TorchBackend(spec, "cpu")
+    impl = backend.impl(alibi_slopes=testing.alibi_slopes(4))
+    cache = backend.allocate_kv_cache(48)
+    testing.fill_cache_random(cache, testing.generator(2))
+    runner = GraphRunner(
+        backend,
+        lambda q, k, v, m: impl.forward(q, k, v, cache, m),
+        capture_sizes=[4, 8],
+        max_blocks_per_req=8,
+        kv_caches=[cache],
+    )
+    for i, seqs in enumerate([[3, 50, 90], [60, 2], [100, 30, 31, 7]]):
+        batch = _batch([2] * len(seqs), seqs, seed=i, num_blocks=48)
+        q, k, v = _step_inputs(spec, batch, seed=10 + i)
+        _, expected = testing.reference_after_write(
+            spec, cache, batch, q, k, v, alibi_slopes=testing.alibi_slopes(4)
+        )
+        out = runner.run(batch, q, k, v)
+        testing.assert_within(out, expected.float(), TOL, f"step {i}", batch=batch)
+
+
+def test_a_backend_that_never_captures_gets_no_runner() -> None:
+    from dataclasses import replace
+
+    class Never(TorchBackend):
+        capabilities = replace(TorchBackend.capabilities, graph_capture=GraphSupport.NEVER)
+
+    with pytest.raises(UnsupportedConfigurationError, match="not supported"):
+        GraphRunner(Never(SPEC, "cpu"), lambda *a: None, capture_sizes=[4], max_blocks_per_req=4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda)")
+def test_the_cuda_adaptor_replays_the_torch_backend_on_a_gpu() -> None:
+    from attnhub.graphs import CUDAGraphAdaptor
+
+    backend = TorchBackend(SPEC, "cuda")
+    impl = backend.impl()
+    cache = backend.allocate_kv_cache(48)
+    testing.fill_cache_random(cache, testing.generator(3))
+    runner = GraphRunner(
+        backend,
+        lambda q, k, v, m: impl.forward(q, k, v, cache, m),
+        capture_sizes=[4, 8],
+        max_blocks_per_req=8,
+        kv_caches=[cache],
+    )
+    assert isinstance(runner.adaptor, CUDAGraphAdaptor)
+    for i, seqs in enumerate([[3, 50, 90], [60, 2, 5], [100, 30, 31, 7]]):
+        batch, _ = testing.make_batch([1] * len(seqs), seqs, BS, 48, seed=i, device="cuda")
+        q, k, v = testing.random_qkv(SPEC, batch.num_tokens, testing.generator(i), device="cuda")
+        _, expected = testing.reference_after_write(SPEC, cache, batch, q, k, v)
+        out = runner.run(batch, q, k, v)
+        testing.assert_within(out.cpu(), expected.float(), TOL, f"step {i}", batch=batch)
+    assert runner.stats["captures"] == 2
