@@ -120,6 +120,7 @@ BACKEND_PACKAGES = (
     "backends/ascend/attnhub_ascend",
     "backends/iluvatar/attnhub_iluvatar",
     "backends/flash/attnhub_flash",
+    "backends/cpu/attnhub_cpu",
 )
 #: Every in-repo distribution, editable, for the sessions that install them all.
 ALL_DISTRIBUTIONS = [
