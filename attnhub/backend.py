@@ -141,6 +141,9 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
     def __init__(self, backend: AttentionBackend) -> None:
         self.backend = backend
         self.spec = backend.spec
+        #: The step ``build`` is planning: its extents and the host facts read while checking
+        #: it (query and sequence lengths as numpy, their extremes), set before ``plan``.
+        self.step: validation.StepExtents | None = None
 
     @property
     def graph_support(self) -> GraphSupport:
@@ -149,8 +152,7 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
     def build(self, batch: BatchMetadata, *, common_prefix_len: int = 0) -> M:
         """Validate the batch and plan the step, on host data only (the batch's host copies):
         no device-to-host sync. Every value check of the step runs here, once for all layers."""
-        validation.check_batch_for_spec(self.spec, batch, self.backend.device)
-        extents = validation.step_extents(batch)
+        extents = validation.check_step(self.spec, batch, self.backend.device)
         self._check_batch_kinds(batch)
         if common_prefix_len:
             if not self.backend.capabilities.cascade:
@@ -167,6 +169,7 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
                 raise InvalidInputError(
                     f"common_prefix_len = {common_prefix_len} must be in 0..the shortest context"
                 )
+        self.step = extents  # what was read of the batch, for plan to reuse
         meta = self.plan(batch, common_prefix_len)
         object.__setattr__(meta, "extents", extents)  # the last touch: frozen from here on
         return meta
@@ -319,12 +322,19 @@ class AttentionImpl(abc.ABC):
     def _check_cache(self, cache: PagedKVCache) -> None:
         """check_cache, remembered for the last cache seen (and the very tensors it held): a
         model calls every layer with its own cache, step after step."""
+        last = self._checked_cache
+        if (
+            last is not None
+            and last[0] is cache
+            and last[1] is cache.key
+            and last[2] is cache.value
+            and last[3] is cache.key_scale
+            and last[4] is cache.value_scale
+        ):
+            return
         if not isinstance(cache, PagedKVCache):
             raise InvalidInputError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         planes = (cache, cache.key, cache.value, cache.key_scale, cache.value_scale)
-        last = self._checked_cache
-        if last is not None and all(a is b for a, b in zip(planes, last, strict=True)):
-            return
         caps = self.backend.capabilities
         validation.check_cache(
             self.spec,
