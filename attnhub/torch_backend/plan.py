@@ -173,10 +173,22 @@ def plan_step(
     host_visible: list[torch.Tensor | None] = []
     host_distance: list[torch.Tensor | None] = []
     max_gather = 0
+    span_extremes = None
+    if len(spans) > 2:  # every chunk's longest and shortest sequence in two operations
+        firsts = [a for a, _ in spans]
+        span_extremes = zip(
+            np.maximum.reduceat(seqs, firsts).tolist(),
+            np.minimum.reduceat(seqs, firsts).tolist(),
+            strict=True,
+        )
+    width = table.shape[1]
+    flat_table = table_t.view(-1) if table_t.is_contiguous() else None
     for a, b in spans:
         C, Q = b - a, int(qlens[a])
         lens = seqs[a:b]  # [C]
-        if C == 1:
+        if span_extremes is not None:
+            longest, shortest = next(span_extremes)
+        elif C == 1:
             longest = shortest = int(lens[0])
         elif C == B and extremes is not None and extremes[0] == extremes[1]:
             # the whole batch, one query length: its extremes are the step's (no reduction)
@@ -201,8 +213,8 @@ def plan_step(
             own_keys = np.arange(L)[None, :] < (lens - key_offset)[:, None]
             pad = np.flatnonzero(~own_keys)  # c * L + j -> buffer row c * nblk * bs + j
             pad_tokens = torch.from_numpy(pad + (pad // L) * (nblk * bs - L))
-        if C == B and nblk == table.shape[1] and not ragged and table_t.is_contiguous():
-            host_ids.append(table_t.view(-1))  # the whole table as it is: no copy
+        if flat_table is not None and first_blk == 0 and nblk == width and not ragged:
+            host_ids.append(flat_table[a * width : b * width])  # rows of the table: no copy
         else:
             host_ids.append(torch.from_numpy(np.ascontiguousarray(ids).reshape(-1)))
         host_pads.append(pad_tokens)
