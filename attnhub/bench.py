@@ -280,13 +280,21 @@ def plot(results: list[BenchResult], path: str, where: Machine | None = None) ->
 # emulator's math says nothing about the hardware).
 
 HOST_SPEC = dict(num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, block_size=128)
-#: The steps timed: decodes of 300-token sequences, and one mixed step (decodes with a chunked
-#: prefill over cached context and a fresh prefill).
+
+
+def _ragged(n: int) -> list[int]:
+    """Sequence lengths of n decodes as an engine has them: ragged, 260..300 tokens."""
+    return [300 - (17 * r) % 41 for r in range(n)]
+
+
+#: The steps timed (query lengths, sequence lengths): decodes of ragged sequences of 260-300
+#: tokens, and one mixed step (decodes with a chunked prefill over cached context and a fresh
+#: prefill).
 HOST_STEPS: dict[str, tuple[list[int], list[int]]] = {
     "decode x1": ([1], [300]),
-    "decode x32": ([1] * 32, [300] * 32),
-    "decode x256": ([1] * 256, [300] * 256),
-    "mixed x16": ([1] * 14 + [64, 128], [300] * 14 + [364, 128]),
+    "decode x32": ([1] * 32, _ragged(32)),
+    "decode x256": ([1] * 256, _ragged(256)),
+    "mixed x16": ([1] * 14 + [64, 128], [*_ragged(14), 364, 128]),
 }
 VLLM_CPU = "vllm CPU_ATTN"
 
@@ -307,14 +315,17 @@ class HostOverhead:
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, runs: int = 7) -> float:
+    """Median over ``runs`` of the mean CPU time of this thread per call: host work is CPU work
+    on the calling thread, and its CPU time, unlike wall time, does not count the time another
+    process on a shared machine held the core (torch runs one thread here)."""
     for _ in range(max(3, calls // 10)):
         fn()
     per_run = []
     for _ in range(runs):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         for _ in range(calls):
             fn()
-        per_run.append((time.perf_counter() - t0) / calls)
+        per_run.append((time.thread_time() - t0) / calls)
     return statistics.median(per_run) * 1e6
 
 

@@ -23,7 +23,9 @@ def _double(x: torch.Tensor) -> torch.Tensor:
 def _op(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 1:  # the op's check runs in both modes
         raise ValueError("x must be 1-D")
-    time.sleep(0.001)
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.001:  # 1 ms of this thread's CPU time (what is summed)
+        pass
     return _double(x)
 
 

@@ -211,7 +211,7 @@ def plan_step(
             own = (lens + bs - 1) // bs - first_blk  # [C]
             ids = np.where(np.arange(nblk)[None, :] >= own[:, None], ids[:, :1], ids)
             own_keys = np.arange(L)[None, :] < (lens - key_offset)[:, None]
-            pad = np.flatnonzero(~own_keys)  # c * L + j -> buffer row c * nblk * bs + j
+            pad = (~own_keys).ravel().nonzero()[0]  # c * L + j -> buffer row c * nblk * bs + j
             pad_tokens = torch.from_numpy(pad + (pad // L) * (nblk * bs - L))
         if flat_table is not None and first_blk == 0 and nblk == width and not ragged:
             host_ids.append(flat_table[a * width : b * width])  # rows of the table: no copy
@@ -261,7 +261,7 @@ def plan_step(
         assert ids_d is not None
         visible = mask = None
         if vis is not None:
-            visible = vis[:, None, None]  # [C, 1, 1, Q, L]
+            visible = vis.view(C, 1, 1, Q, L)
             if eager:
                 pass
             elif Q == 1:
@@ -269,8 +269,8 @@ def plan_step(
                 # goes in additive form in the model dtype (0 / -inf): SDPA converts a bool
                 # mask to it on every call, measured ~17% of a small bf16 decode call; here
                 # once per step.
-                additive = torch.zeros((C, 1, 1, L), dtype=spec.dtype, device=device)
-                mask = additive.masked_fill_(~vis[:, None], -math.inf)
+                zero, minus_inf = _additive_values(spec.dtype, device)
+                mask = torch.where(vis.view(C, 1, 1, L), zero, minus_inf)
             else:  # SDPA's rows are (head-in-group, token)
                 mask = visible.expand(C, 1, group, Q, L).reshape(C, 1, group * Q, L)
         chunks.append(
@@ -297,6 +297,21 @@ def plan_step(
             None if step is None else step.min_slot,
         ),
     )
+
+
+_ADDITIVE: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _additive_values(
+    dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:  # 0 and -inf, 0-d, made once per dtype and device
+    values = _ADDITIVE.get((dtype, device))
+    if values is None:
+        values = _ADDITIVE[dtype, device] = (
+            torch.zeros((), dtype=dtype, device=device),
+            torch.full((), -math.inf, dtype=dtype, device=device),
+        )
+    return values
 
 
 def _to_device(
