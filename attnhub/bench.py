@@ -553,3 +553,46 @@ def vllm_host_overhead(step: str | int = "decode x1") -> HostOverhead:
         null_kernels=True,
         forward_full_us=full_us,
     )
+
+
+def plot_host(rows: list[HostOverhead], path: str, where: Machine | None = None) -> None:
+    """The host-overhead curve over batch size: per-step ``build`` and per-layer ``forward``
+    wrapper / ``write_kv(meta=)`` of every backend on the decode steps, vLLM's CPU backend
+    dashed where it was timed (needs matplotlib: ``pip install 'attnhub[plot]'``)."""
+    plt = _pyplot()
+    decode = [r for r in rows if r.step.startswith("decode")]
+    backends = list(dict.fromkeys(r.backend for r in decode))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), sharex=True)
+    for ax, (field_name, title) in zip(
+        axes,
+        (
+            ("build_us", "build() per step"),
+            ("forward_us", "forward wrapper per layer"),
+            ("write_kv_us", "write_kv(meta=) per layer"),
+        ),
+        strict=True,
+    ):
+        for name in backends:
+            pts = sorted((r.num_reqs, getattr(r, field_name)) for r in decode if r.backend == name)
+            if not all(r.null_kernels for r in decode if r.backend == name) and field_name != (
+                "build_us"
+            ):
+                continue  # emulator math included: not a host overhead
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                linestyle="--" if name == VLLM_CPU else "-",
+                label=name,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("decode requests per step")
+        ax.set_ylabel("host time, us (CPU time, median)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    if where is not None:
+        fig.text(0.01, 0.01, where.describe(), fontsize=7, color="grey")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=120)

@@ -360,9 +360,6 @@ def _error(message: str) -> None:
 
 # --- attnhub bench ---------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.plot and args.host:
-        _error("bench: --plot draws the ratio chart; --host measures no ratios")
-        return 2
     if args.plot:  # before benchmarking, not after minutes of it
         from attnhub.bench import plotting_problem
 
@@ -493,6 +490,9 @@ def _bench_host(args: argparse.Namespace, console: Console) -> int:
         with open(args.json, "w") as fh:
             json.dump(bench.report(rows, where), fh, indent=2)
         console.print(f"wrote {args.json}")
+    if args.plot:
+        bench.plot_host(rows, args.plot, where)
+        console.print(f"wrote {args.plot}")
     return 0
 
 
@@ -605,7 +605,8 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
         "--plot",
         default=None,
         metavar="PATH",
-        help="write a PNG bar chart of the ratios (needs matplotlib: pip install 'attnhub[plot]')",
+        help="write a PNG: the ratios as bars, or with --host the host-overhead curve over batch "
+        "size (needs matplotlib: pip install 'attnhub[plot]')",
     )
     p.set_defaults(func=cmd_bench)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from attnhub import bench
@@ -78,3 +79,15 @@ def test_host_overhead_of_an_emulated_backend_runs_its_ops_with_null_kernels() -
     """Its ops checked their arguments (time counted) and skipped their math."""
     row = bench.host_overhead("mixed x16", backend="ascend", emulate=True)
     assert row.null_kernels and row.op_checks_us > 0 and row.forward_full_us is None
+
+
+def test_host_plot_draws_the_curve_over_batch_size(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    rows = [
+        bench.HostOverhead(name, f"decode x{n}", n, 10.0 * n**0.1, 5.0, 4.0, True)
+        for name in ("torch", bench.VLLM_CPU)
+        for n in (1, 32, 256)
+    ]
+    path = tmp_path / "host.png"
+    bench.plot_host(rows, str(path), bench.machine())
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

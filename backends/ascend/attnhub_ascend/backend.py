@@ -332,12 +332,11 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         spec = self.spec
         n = batch.num_actual_tokens
         step = self.step  # what build's checks read of the batch (numpy host copies)
-        q_lens = batch.query_lens_cpu  # [num_reqs] int32, host
         seq_lens = batch.seq_lens_cpu
         if step is not None and step.context_lens is not None:
             state = self._state(step, batch)
         else:
-            state = self.state_of(q_lens, seq_lens)
+            state = self.state_of(batch.query_lens_cpu, seq_lens)
         causal = spec.causal and batch.causal
         sparse = self.sparse_causal if causal else self.sparse_full
         mask = None
@@ -371,7 +370,9 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                 query_ends=query_ends,
                 kv_lengths=tuple(torch.cumsum(seq_lens, 0).tolist()),  # cumulative KV ends
                 kv_slots=(
-                    self._kv_slots(batch) if cross or bool((seq_lens != q_lens).any()) else None
+                    self._kv_slots(batch)
+                    if cross or bool((seq_lens != batch.query_lens_cpu).any())
+                    else None
                 ),
             )
         if batch.num_reqs > MAX_FIA_BATCH:
@@ -397,7 +398,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
             and sparse.sparse_mode == 4
             and state is not AscendAttentionState.PREFILL_NO_CACHE
         ):
-            common.update(self._window_decode_rows(batch, q_lens, seq_lens))
+            common.update(self._window_decode_rows(batch, batch.query_lens_cpu, seq_lens))
         return AscendAttentionMetadata(**common)
 
     def _kv_write_rows(self, batch: BatchMetadata, step: StepExtents | None) -> dict[str, Any]:
