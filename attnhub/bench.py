@@ -314,18 +314,24 @@ class HostOverhead:
     forward_full_us: float | None = None  # the whole forward, kernels included
 
 
-def _per_call_us(fn: Callable[[], object], calls: int, runs: int = 7) -> float:
+def _per_call_us(fn: Callable[[], object], calls: int, runs: int = 7, minus: Any = None) -> float:
     """Median over ``runs`` of the mean CPU time of this thread per call: host work is CPU work
     on the calling thread, and its CPU time, unlike wall time, does not count the time another
-    process on a shared machine held the core (torch runs one thread here)."""
+    process on a shared machine held the core (torch runs one thread here). ``minus``: an
+    ``attnhub.emulation.OpTime`` whose growth during each run is subtracted from that run (the
+    time inside emulated ops)."""
     for _ in range(max(3, calls // 10)):
         fn()
     per_run = []
     for _ in range(runs):
+        inside = 0.0 if minus is None else minus.seconds
         t0 = time.thread_time()
         for _ in range(calls):
             fn()
-        per_run.append((time.thread_time() - t0) / calls)
+        elapsed = time.thread_time() - t0
+        if minus is not None:
+            elapsed -= minus.seconds - inside
+        per_run.append(elapsed / calls)
     return statistics.median(per_run) * 1e6
 
 
@@ -399,17 +405,12 @@ def host_overhead(
         null = _has_null_mode(be)
         if null:
             with emulation.null_kernels() as ops:
-                fwd_us = _per_call_us(forward, 100)
+                fwd_us = _per_call_us(forward, 100, minus=ops)
+                kv_us = _per_call_us(write, 200, minus=ops)
                 before = ops.seconds
                 for _ in range(100):
                     forward()
                 op_us = (ops.seconds - before) / 100 * 1e6
-                kv_us = _per_call_us(write, 200)
-                before = ops.seconds
-                for _ in range(200):
-                    write()
-                fwd_us -= op_us
-                kv_us -= (ops.seconds - before) / 200 * 1e6
         else:  # emulator math included: few calls
             fwd_us = _per_call_us(forward, 5)
             kv_us = _per_call_us(write, 50)
