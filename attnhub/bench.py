@@ -563,6 +563,7 @@ def plot_host(rows: list[HostOverhead], path: str, where: Machine | None = None)
     plt = _pyplot()
     decode = [r for r in rows if r.step.startswith("decode")]
     backends = list(dict.fromkeys(r.backend for r in decode))
+    colors = {name: f"C{i}" for i, name in enumerate(backends)}  # one color per backend
     fig, axes = plt.subplots(1, 3, figsize=(13, 4), sharex=True)
     for ax, (field_name, title) in zip(
         axes,
@@ -584,6 +585,7 @@ def plot_host(rows: list[HostOverhead], path: str, where: Machine | None = None)
                 [p[1] for p in pts],
                 marker="o",
                 linestyle="--" if name == VLLM_CPU else "-",
+                color=colors[name],
                 label=name,
             )
         ax.set_xscale("log", base=2)
@@ -592,7 +594,7 @@ def plot_host(rows: list[HostOverhead], path: str, where: Machine | None = None)
         ax.set_ylabel("host time, us (CPU time, median)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=7)
+        ax.legend(fontsize=7)
     if where is not None:
         fig.text(0.01, 0.01, where.describe(), fontsize=7, color="grey")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
