@@ -232,6 +232,7 @@ class AttentionImpl(abc.ABC):
         self.alibi_slopes = self._per_head("alibi_slopes", alibi_slopes, spec.use_alibi)
         self.sinks = self._per_head("sinks", sinks, spec.use_sinks)
         self._checked_cache: tuple[object, ...] | None = None
+        self._cache_sizes: tuple[int, int] | None = None  # (num_slots, num_blocks) of that cache
 
     def _per_head(
         self, name: str, t: torch.Tensor | None, declared: bool
@@ -344,6 +345,7 @@ class AttentionImpl(abc.ABC):
             strided=caps.strided_kv_cache,
         )
         self._checked_cache = planes
+        self._cache_sizes = (cache.num_slots, cache.num_blocks)
 
     @staticmethod
     def _check_meta(meta: object) -> None:
@@ -353,14 +355,23 @@ class AttentionImpl(abc.ABC):
                 f"got {type(meta).__name__}"
             )
 
-    @staticmethod
-    def _check_extents(meta: AttentionMetadata, cache: PagedKVCache) -> None:
-        """The step's slots and blocks (found by ``build``) fit this cache: O(1)."""
-        if meta.extents is None:
+    def _check_extents(self, meta: AttentionMetadata, cache: PagedKVCache) -> None:
+        """The step's slots and blocks (found by ``build``) fit this cache: O(1), two integer
+        comparisons with the sizes remembered when the cache was checked."""
+        extents = meta.extents
+        if extents is None:
             raise InvalidInputError(
                 f"meta ({type(meta).__name__}) was not made by metadata_builder().build(batch)"
             )
-        validation.check_extents(meta.extents, meta.batch, cache)
+        sizes = self._cache_sizes
+        if (
+            sizes is None
+            or self._checked_cache is None
+            or self._checked_cache[0] is not cache
+            or extents.max_slot >= sizes[0]
+            or extents.max_block >= sizes[1]
+        ):
+            validation.check_extents(extents, meta.batch, cache)  # names what does not fit
 
     def check_forward(
         self,

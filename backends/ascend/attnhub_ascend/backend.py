@@ -526,6 +526,7 @@ class AscendAttentionImpl(AttentionImpl):
         # softmax_lse of the .out overloads is a reserved output without the LSE flag; a
         # one-element float32 tensor is accepted there [inferred; the docs' example passes one].
         self._lse = torch.empty(1, dtype=torch.float32, device=backend.device)
+        self._storage_checked: torch.Tensor | None = None  # the key plane last checked
         #: (key plane, value plane, their (num_blocks, block_size, KV_N*D) views)
         self._paged_views: tuple[torch.Tensor, ...] | None = None
 
@@ -553,7 +554,9 @@ class AscendAttentionImpl(AttentionImpl):
                 f"meta must come from the ascend backend's metadata_builder().build(batch), "
                 f"got {type(meta).__name__}"
             )
-        _check_cache_storage(cache)
+        if cache.key is not self._storage_checked:  # once per cache plane, not per layer call
+            _check_cache_storage(cache)
+            self._storage_checked = cache.key
 
     # --- KV write ---------------------------------------------------------------------------
     def store_kv(
