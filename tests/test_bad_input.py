@@ -453,7 +453,7 @@ def test_step_values_are_read_by_build_once_never_by_layers(
     from attnhub import validation
 
     calls: list[str] = []
-    for name in ("step_extents", "check_slot_values"):
+    for name in ("check_step", "step_extents", "check_slot_values"):
         original = getattr(validation, name)
         monkeypatch.setattr(
             validation, name, lambda *a, _o=original, _n=name: (calls.append(_n), _o(*a))[1]
@@ -463,7 +463,7 @@ def test_step_values_are_read_by_build_once_never_by_layers(
     for impl in layers:
         impl.write_kv(ctx.k, ctx.v, ctx.cache, meta=meta)
         impl.forward(ctx.q, None, None, ctx.cache, meta)
-    assert calls == ["step_extents"]
+    assert calls == ["check_step"]
 
 
 def test_metadata_is_frozen_after_build(ctx: Ctx) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from attnhub import bench
@@ -27,11 +28,12 @@ def test_full_cases_carry_the_target_ratios():
 
 def test_host_overhead_mode_writes_json(tmp_path):
     out = tmp_path / "host.json"
-    assert main(["bench", "--host", "--json", str(out)]) == 0
+    assert main(["bench", "--host", "--backend", "torch", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    rows = doc["results"]
-    assert [r["num_reqs"] for r in rows] == [1, 32, 256]
-    assert all(r["build_us"] > 0 and r["forward_us"] > 0 for r in rows)
+    rows = [r for r in doc["results"] if r["backend"] == "torch"]
+    assert [r["step"] for r in rows] == list(bench.HOST_STEPS)
+    assert [r["num_reqs"] for r in rows] == [1, 32, 256, 16]
+    assert all(r["build_us"] > 0 and r["forward_us"] > 0 and r["null_kernels"] for r in rows)
     assert doc["machine"] == dataclasses.asdict(bench.machine())
 
 
@@ -69,5 +71,23 @@ def test_host_overhead_runs_for_every_installed_backend() -> None:
     for info in attnhub.list_backends():
         if info.backend is None or info.availability("cpu", emulate=True) is not None:
             continue
-        row = bench.host_overhead(1, backend=info.name, emulate=True)
-        assert row.backend == info.name and row.forward_us > 0
+        row = bench.host_overhead("decode x1", backend=info.name, emulate=True)
+        assert row.backend.startswith(info.name) and row.forward_us > 0
+
+
+def test_host_overhead_of_an_emulated_backend_runs_its_ops_with_null_kernels() -> None:
+    """Its ops checked their arguments (time counted) and skipped their math."""
+    row = bench.host_overhead("mixed x16", backend="ascend", emulate=True)
+    assert row.null_kernels and row.op_checks_us > 0 and row.forward_full_us is None
+
+
+def test_host_plot_draws_the_curve_over_batch_size(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    rows = [
+        bench.HostOverhead(name, f"decode x{n}", n, 10.0 * n**0.1, 5.0, 4.0, True)
+        for name in ("torch", bench.VLLM_CPU)
+        for n in (1, 32, 256)
+    ]
+    path = tmp_path / "host.png"
+    bench.plot_host(rows, str(path), bench.machine())
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

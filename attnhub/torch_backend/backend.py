@@ -148,6 +148,7 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
             gather_budget_tokens=self._gather_budget_tokens,
             eager=self._eager,
             device=self.backend.device,
+            step=self.step,
         )
         shape = (step.max_gather_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
         k_dtype, v_dtype = self._storage_dtypes

@@ -24,6 +24,7 @@ import torch
 
 from attnhub.batch import BatchMetadata
 from attnhub.spec import AttentionSpec
+from attnhub.validation import StepExtents
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,17 @@ class SlotWrite:
     rows: torch.Tensor | None  # [n] int64
 
 
-def plan_slot_write(slot_mapping: torch.Tensor, host: torch.Tensor | None = None) -> SlotWrite:
+def plan_slot_write(
+    slot_mapping: torch.Tensor, host: torch.Tensor | None = None, min_slot: int | None = None
+) -> SlotWrite:
     """Where a write goes, padding (-1) removed. ``host``: the slot mapping's host copy (a
     step's): where some slot is padding, the rows to keep are found there, no device read.
     Without it (write_kv given a device slot mapping of its own) they are found on the
-    device (its output size depends on the data: a sync)."""
-    slots = slot_mapping.long()
+    device (its output size depends on the data: a sync). ``min_slot``: the smallest slot, when
+    the step's checks found it (>= 0: no padding, nothing to read)."""
+    slots = slot_mapping if slot_mapping.dtype is torch.int64 else slot_mapping.long()
+    if min_slot is not None and min_slot >= 0:
+        return SlotWrite(slots=slots, rows=None)
     if host is None and slots.device.type == "cpu":
         host = slots
     if host is not None:
@@ -85,17 +91,20 @@ def chunk_spans(
     seqs: np.ndarray,  # [B] int64
     decode_threshold: int,
     gather_budget_tokens: int,
+    extremes: tuple[int, int, int] | None = None,
 ) -> list[tuple[int, int]]:  # [first request, end request) per chunk
     """Cut the batch into chunks: runs of requests with the same query_len <= decode_threshold
     are cut greedily so that ``num_reqs * longest`` stays within the budget (at least one
     request per chunk); every other request is a chunk of its own. Loops per chunk, not per
-    request."""
+    request. ``extremes``: (shortest query, longest query, longest sequence) where known."""
     n = qlens.shape[0]
     if not n:
         return []
-    q_min, q_max = int(qlens.min()), int(qlens.max())
+    if extremes is None:
+        extremes = (int(qlens.min()), int(qlens.max()), int(seqs.max()))
+    q_min, q_max, s_max = extremes
     if q_min == q_max and q_max <= decode_threshold:  # the usual decode step: one run
-        if n * int(seqs.max()) <= gather_budget_tokens:
+        if n * s_max <= gather_budget_tokens:
             return [(0, n)]
         decode = np.ones(n, dtype=bool)
         bounds = [0, n]
@@ -128,8 +137,10 @@ def plan_step(
     gather_budget_tokens: int,
     eager: bool,
     device: torch.device,
+    step: StepExtents | None = None,
 ) -> StepPlan:
     """``eager``: the impl computes scores itself (softcap, ALiBi, sinks), so no SDPA mask.
+    ``step``: what the step's checks read (``AttentionMetadataBuilder.step``), reused.
 
     Host work runs in numpy on the batch's host copies, once per chunk (never per request)."""
     bs = batch.block_size
@@ -138,12 +149,20 @@ def plan_step(
     left, right = spec.window
     if causal:
         right = 0
-    starts = batch.query_start_loc_cpu.numpy().astype(np.int64)
-    qlens = starts[1:] - starts[:-1]
-    seqs = batch.seq_lens_cpu.numpy().astype(np.int64)
-    table = batch.host_block_table().numpy()  # [B, max_blocks]
-    spans = chunk_spans(qlens, seqs, decode_threshold, gather_budget_tokens)
+    starts = batch.query_start_loc_cpu.numpy()
+    extremes = None
+    if step is not None and step.query_lens is not None and step.seq_lens is not None:
+        qlens, seqs = step.query_lens, step.seq_lens  # int32: positions stay below 2**31
+        extremes = (step.min_query_len, batch.max_query_len, batch.max_seq_len)
+    else:
+        starts = starts.astype(np.int64)
+        qlens = starts[1:] - starts[:-1]
+        seqs = batch.seq_lens_cpu.numpy().astype(np.int64)
+    table_t = batch.host_block_table()
+    table = table_t.numpy()  # [B, max_blocks]
+    spans = chunk_spans(qlens, seqs, decode_threshold, gather_budget_tokens, extremes)
     plain = not spec.features()
+    B = qlens.shape[0]
 
     # Per chunk: which blocks to gather (only those a query can see: a sliding window skips
     # the older ones), and the mask / ALiBi distances where the pattern is not plain. Built on
@@ -154,16 +173,34 @@ def plan_step(
     host_visible: list[torch.Tensor | None] = []
     host_distance: list[torch.Tensor | None] = []
     max_gather = 0
+    span_extremes = None
+    if len(spans) > 2:  # every chunk's longest and shortest sequence in two operations
+        firsts = [a for a, _ in spans]
+        span_extremes = zip(
+            np.maximum.reduceat(seqs, firsts).tolist(),
+            np.minimum.reduceat(seqs, firsts).tolist(),
+            strict=True,
+        )
+    width = table.shape[1]
+    flat_table = table_t.view(-1) if table_t.is_contiguous() else None
     for a, b in spans:
         C, Q = b - a, int(qlens[a])
         lens = seqs[a:b]  # [C]
-        longest, shortest = (int(lens[0]),) * 2 if C == 1 else (int(lens.max()), int(lens.min()))
+        if span_extremes is not None:
+            longest, shortest = next(span_extremes)
+        elif C == 1:
+            longest = shortest = int(lens[0])
+        elif C == B and extremes is not None and extremes[0] == extremes[1]:
+            # the whole batch, one query length: its extremes are the step's (no reduction)
+            longest, shortest = extremes[2], step.min_context_len + Q  # type: ignore[union-attr]
+        else:
+            longest, shortest = int(lens.max()), int(lens.min())
         first_visible = 0 if left < 0 else max(0, shortest - Q - left)
         first_blk = first_visible // bs
         key_offset = first_blk * bs  # position of the first gathered key
         nblk = (longest + bs - 1) // bs - first_blk
         L = longest - key_offset
-        ids = table[a:b, first_blk : first_blk + nblk].astype(np.int64)  # [C, nblk]
+        ids = table[a:b, first_blk : first_blk + nblk]  # [C, nblk] int32 or int64
         ragged = shortest != longest
         pad_tokens = None
         own_keys: np.ndarray | None = None  # [C, L] bool: row j of request c is its own key
@@ -174,9 +211,12 @@ def plan_step(
             own = (lens + bs - 1) // bs - first_blk  # [C]
             ids = np.where(np.arange(nblk)[None, :] >= own[:, None], ids[:, :1], ids)
             own_keys = np.arange(L)[None, :] < (lens - key_offset)[:, None]
-            pad = np.flatnonzero(~own_keys)  # c * L + j -> buffer row c * nblk * bs + j
+            pad = (~own_keys).ravel().nonzero()[0]  # c * L + j -> buffer row c * nblk * bs + j
             pad_tokens = torch.from_numpy(pad + (pad // L) * (nblk * bs - L))
-        host_ids.append(torch.from_numpy(ids.reshape(-1)))
+        if flat_table is not None and first_blk == 0 and nblk == width and not ragged:
+            host_ids.append(flat_table[a * width : b * width])  # rows of the table: no copy
+        else:
+            host_ids.append(torch.from_numpy(np.ascontiguousarray(ids).reshape(-1)))
         host_pads.append(pad_tokens)
         max_gather = max(max_gather, C * nblk)
 
@@ -221,7 +261,7 @@ def plan_step(
         assert ids_d is not None
         visible = mask = None
         if vis is not None:
-            visible = vis[:, None, None]  # [C, 1, 1, Q, L]
+            visible = vis.view(C, 1, 1, Q, L)
             if eager:
                 pass
             elif Q == 1:
@@ -229,8 +269,8 @@ def plan_step(
                 # goes in additive form in the model dtype (0 / -inf): SDPA converts a bool
                 # mask to it on every call, measured ~17% of a small bf16 decode call; here
                 # once per step.
-                additive = torch.zeros((C, 1, 1, L), dtype=spec.dtype, device=device)
-                mask = additive.masked_fill_(~vis[:, None], -math.inf)
+                zero, minus_inf = _additive_values(spec.dtype, device)
+                mask = torch.where(vis.view(C, 1, 1, L), zero, minus_inf)
             else:  # SDPA's rows are (head-in-group, token)
                 mask = visible.expand(C, 1, group, Q, L).reshape(C, 1, group * Q, L)
         chunks.append(
@@ -251,8 +291,27 @@ def plan_step(
     return StepPlan(
         chunks=tuple(chunks),
         max_gather_blocks=max_gather,
-        write=plan_slot_write(batch.slot_mapping, batch.host_slot_mapping()),
+        write=plan_slot_write(
+            batch.slot_mapping,
+            batch.host_slot_mapping(),
+            None if step is None else step.min_slot,
+        ),
     )
+
+
+_ADDITIVE: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _additive_values(
+    dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:  # 0 and -inf, 0-d, made once per dtype and device
+    values = _ADDITIVE.get((dtype, device))
+    if values is None:
+        values = _ADDITIVE[dtype, device] = (
+            torch.zeros((), dtype=dtype, device=device),
+            torch.full((), -math.inf, dtype=dtype, device=device),
+        )
+    return values
 
 
 def _to_device(

@@ -43,6 +43,7 @@ from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec, AttentionType
+from attnhub.validation import StepExtents
 from attnhub_ascend import ops
 
 INT_MAX = 2147483647  # the kernels' default for pre_tokens / next_tokens: unbounded
@@ -431,9 +432,12 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
     def plan(self, batch: BatchMetadata, common_prefix_len: int) -> AscendAttentionMetadata:
         spec = self.spec
         n = batch.num_actual_tokens
-        q_lens = batch.query_lens_cpu  # [num_reqs] int32, host
+        step = self.step  # what build's checks read of the batch (numpy host copies)
         seq_lens = batch.seq_lens_cpu
-        state = self.state_of(q_lens, seq_lens)
+        if step is not None and step.context_lens is not None:
+            state = self._state(step, batch)
+        else:
+            state = self.state_of(batch.query_lens_cpu, seq_lens)
         causal = spec.causal and batch.causal
         sparse = self.sparse_causal if causal else self.sparse_full
         mask = None
@@ -449,9 +453,9 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
             sparse=sparse,
             atten_mask=mask,
             kernel_tokens=n,
-            **self._kv_write_rows(batch),
+            **self._kv_write_rows(batch, step),
         )
-        query_ends = tuple(batch.query_start_loc_cpu[1:].tolist())  # host data
+        query_ends = tuple(batch.query_start_loc_cpu.numpy()[1:].tolist())  # host data
         if not causal:  # npu_fusion_attention over packed K/V
             if batch.num_reqs > MAX_ENCODER_BATCH:
                 raise UnsupportedConfigurationError(
@@ -467,7 +471,9 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                 query_ends=query_ends,
                 kv_lengths=tuple(torch.cumsum(seq_lens, 0).tolist()),  # cumulative KV ends
                 kv_slots=(
-                    self._kv_slots(batch) if cross or bool((seq_lens != q_lens).any()) else None
+                    self._kv_slots(batch)
+                    if cross or bool((seq_lens != batch.query_lens_cpu).any())
+                    else None
                 ),
             )
         if batch.num_reqs > MAX_FIA_BATCH:
@@ -478,29 +484,33 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                     f"{MAX_FIA_BATCH} (len(actual_seq_lengths))"
                 ],
             )
+        table = batch.block_table
+        if table.dtype is not torch.int32 or not table.is_contiguous():
+            table = table.to(torch.int32).contiguous()
         common.update(
-            block_table=batch.block_table.to(torch.int32).contiguous(),
+            block_table=table,
             query_ends=query_ends,
             # paged cache: per-sequence KV lengths [callers: vllm-ascend passes seq_lens; the
             # FIA doc calls both TND lists cumulative]
-            kv_lengths=tuple(seq_lens.tolist()),
+            kv_lengths=tuple(seq_lens.numpy().tolist()),
         )
         if (
             self.pad_window_decodes
             and sparse.sparse_mode == 4
             and state is not AscendAttentionState.PREFILL_NO_CACHE
         ):
-            common.update(self._window_decode_rows(batch, q_lens, seq_lens))
+            common.update(self._window_decode_rows(batch, batch.query_lens_cpu, seq_lens))
         return AscendAttentionMetadata(**common)
 
-    def _kv_write_rows(self, batch: BatchMetadata) -> dict[str, Any]:
+    def _kv_write_rows(self, batch: BatchMetadata, step: StepExtents | None) -> dict[str, Any]:
         """The KV write's slots (int32, once per step, not per layer) and, where needed, the
         rows it takes. Padding rows past num_actual_tokens are never written. A slot -1 among
         the real tokens is skipped by _npu_reshape_and_cache itself; npu_scatter_pa_kv_cache
         takes only slots in [0, num_slots) [doc], so for it such rows are left out here, from
         the batch's host copy of the slots (no device read)."""
         n = batch.num_actual_tokens
-        if self.backend.kv_write_op == SCATTER_PA_KV_CACHE:
+        no_padding = step is not None and step.min_slot >= 0  # build found no -1 at all
+        if self.backend.kv_write_op == SCATTER_PA_KV_CACHE and not no_padding:
             host = batch.host_slot_mapping()[:n]
             if bool((host < 0).any()):
                 keep = (host >= 0).nonzero()[:, 0]
@@ -508,7 +518,10 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                 return dict(
                     slot_mapping=host[keep].to(torch.int32).to(dev), write_rows=keep.to(dev)
                 )
-        return dict(slot_mapping=batch.slot_mapping[:n].to(torch.int32))
+        slots = batch.slot_mapping
+        if slots.shape[0] != n:
+            slots = slots[:n]
+        return dict(slot_mapping=slots if slots.dtype is torch.int32 else slots.to(torch.int32))
 
     def _kv_slots(self, batch: BatchMetadata) -> torch.Tensor:  # [sum(seq_lens)] int64, device
         """The cache slot of every key of every request, in order, for the packed path to gather
@@ -520,6 +533,23 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         dev, bs = self.backend.device, batch.block_size
         req_d, pos_d = req.to(dev), pos.to(dev)
         return batch.block_table[req_d, pos_d // bs].long() * bs + pos_d % bs
+
+    def _state(self, step: StepExtents, batch: BatchMetadata) -> AscendAttentionState:
+        """``state_of`` from what build's checks found (numpy, mostly no reduction at all)."""
+        assert step.context_lens is not None and step.query_lens is not None
+        max_q = batch.max_query_len
+        if max_q == 1 and step.min_context_len > 0:
+            return AscendAttentionState.DECODE_ONLY
+        context = step.context_lens
+        if not context.any():
+            return AscendAttentionState.PREFILL_NO_CACHE
+        if max_q == 1:
+            return AscendAttentionState.DECODE_ONLY
+        if max_q <= self.reorder_batch_threshold:
+            return AscendAttentionState.MULTI_TOKEN_DECODE
+        if not ((step.query_lens <= self.reorder_batch_threshold) & (context > 0)).any():
+            return AscendAttentionState.PREFILL_CACHE_HIT
+        return AscendAttentionState.CHUNKED_PREFILL
 
     def state_of(self, q_lens: torch.Tensor, seq_lens: torch.Tensor) -> AscendAttentionState:
         """The step's state, from host lengths."""
@@ -597,6 +627,9 @@ class AscendAttentionImpl(AttentionImpl):
         # softmax_lse of the .out overloads is a reserved output without the LSE flag; a
         # one-element float32 tensor is accepted there [inferred; the docs' example passes one].
         self._lse = torch.empty(1, dtype=torch.float32, device=backend.device)
+        self._storage_checked: torch.Tensor | None = None  # the key plane last checked
+        #: (key plane, value plane, their (num_blocks, block_size, KV_N*D) views)
+        self._paged_views: tuple[torch.Tensor, ...] | None = None
 
     def check_forward(
         self,
@@ -622,7 +655,9 @@ class AscendAttentionImpl(AttentionImpl):
                 f"meta must come from the ascend backend's metadata_builder().build(batch), "
                 f"got {type(meta).__name__}"
             )
-        _check_cache_storage(cache)
+        if cache.key is not self._storage_checked:  # once per cache plane, not per layer call
+            _check_cache_storage(cache)
+            self._storage_checked = cache.key
 
     # --- KV write ---------------------------------------------------------------------------
     def store_kv(
@@ -666,7 +701,9 @@ class AscendAttentionImpl(AttentionImpl):
             key, value = key[meta.write_rows], value[meta.write_rows]
         n = meta.slot_mapping.shape[0]
         if n:
-            self._write(key[:n], value[:n], cache, meta.slot_mapping)  # int32, planned once
+            if key.shape[0] != n:
+                key, value = key[:n], value[:n]
+            self._write(key, value, cache, meta.slot_mapping)  # int32, planned once
 
     def _write_graph_step(
         self,
@@ -744,9 +781,11 @@ class AscendAttentionImpl(AttentionImpl):
             self._attend_packed(query[:n], k, v, meta, out[:n])
             return
         if meta.query_rows is None:
-            q = query[:n].contiguous()
-            direct = out[:n].is_contiguous()
-            target = out[:n] if direct else torch.empty_like(q)
+            if query.shape[0] != n:
+                query, out = query[:n], out[:n]
+            q = query.contiguous()
+            direct = out.is_contiguous()
+            target = out if direct else torch.empty_like(q)
         else:  # window decode rows padded: kernel rows != token rows
             q = query.index_select(0, meta.query_rows)
             direct = False
@@ -766,13 +805,22 @@ class AscendAttentionImpl(AttentionImpl):
         target: torch.Tensor,  # like q: written by the kernel
     ) -> None:
         spec, sparse, ops_ = self.spec, meta.sparse, self.backend.ops
-        num_blocks, block_size = cache.key.shape[:2]
-        # NHD cache viewed as (num_blocks, block_size, KV_N * D): a view, made per call so a
-        # reallocated cache is never stale. TND + this paged view with float16 or head sizes
-        # other than 128/192 follows vllm-ascend's callers over one docs section that lists
-        # "BFLOAT16, D 128/192" for TND [callers over doc, inferred to cover paged TND].
-        key_cache = cache.key.view(num_blocks, block_size, -1)
-        value_cache = cache.value.view(num_blocks, block_size, -1)
+        # NHD cache viewed as (num_blocks, block_size, KV_N * D): views remembered for the last
+        # cache's very planes, so a reallocated cache is never stale. TND + this paged view
+        # with float16 or head sizes other than 128/192 follows vllm-ascend's callers over one
+        # docs section that lists "BFLOAT16, D 128/192" for TND [callers over doc, inferred to
+        # cover paged TND].
+        views = self._paged_views
+        if views is None or views[0] is not cache.key or views[1] is not cache.value:
+            num_blocks, block_size = cache.key.shape[:2]
+            views = self._paged_views = (
+                cache.key,
+                cache.value,
+                cache.key.view(num_blocks, block_size, -1),
+                cache.value.view(num_blocks, block_size, -1),
+            )
+        key_cache, value_cache = views[2], views[3]
+        block_size = key_cache.shape[1]
         shared: dict[str, Any] = dict(
             atten_mask=meta.atten_mask,
             block_table=meta.block_table,

@@ -64,7 +64,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+
+from attnhub import emulation
 
 #: These ops stand in for the NPU: a host read made inside them is a read on the device, which
 #: attnhub's host-sync guard (the conformance suite's) allows.
@@ -149,6 +152,7 @@ def record_calls() -> Iterator[list[Call]]:
 def _counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     sig = inspect.signature(fn)
 
+    @emulation.timed  # in null-kernel mode, the time spent inside the op is summed
     @functools.wraps(fn)
     def op(*args: Any, **kwargs: Any) -> Any:
         call_counts[name] += 1
@@ -559,10 +563,38 @@ def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (qu
         if head_dim > 128:
             raise _fail(op, f"learnable_sink needs value D <= 128, got {head_dim}")
 
+    return _fia_math(c, q_lens, kv_lens, keys, sink)
+
+
+def _fia_null(
+    c: _FiaCall,
+    q_lens: list[int],
+    kv_lens: list[int],
+    keys: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q = c.query
+    lse_shape = (q.shape[0], q.shape[1], 1)
+    return (
+        emulation.preallocated(q.shape, q.dtype, q.device),
+        emulation.preallocated(lse_shape, torch.float32, q.device),
+    )
+
+
+@emulation.kernel(null=_fia_null)
+def _fia_math(
+    c: _FiaCall,
+    q_lens: list[int],
+    kv_lens: list[int],
+    keys: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (query dtype), lse [T, N, 1] float32
+    """FIA's math, every argument checked by ``_fia``."""
+    q = c.query
     out = torch.empty_like(q)
-    lse = torch.empty(total, num_heads, 1, dtype=torch.float32, device=dev)
+    lse = torch.empty(q.shape[0], q.shape[1], 1, dtype=torch.float32, device=q.device)
     start = 0
-    for b in range(batch):  # the emulator loops; the backend never does
+    for b in range(len(q_lens)):  # the emulator loops; the backend never does
         q_len, kv_len = q_lens[b], kv_lens[b]
         if q_len == 0:
             continue
@@ -638,17 +670,23 @@ def _paged_keys(
     num_blocks = key.shape[0]
     capacity = table.shape[1] * bs
     table_l = table.to("cpu", torch.int64)
-    for b, kv_len in enumerate(kv_lens):
-        if kv_len < 0 or kv_len > capacity:
+    # Per request, in order: its KV length fits the table, and the blocks it reads are blocks
+    # (one vectorized pass; the first failing request is named, as a loop over them would).
+    kv = np.asarray(kv_lens, dtype=np.int64)
+    bad_len = (kv < 0) | (kv > capacity)
+    used = np.arange(table.shape[1])[None, :] < ((np.clip(kv, 0, capacity) + bs - 1) // bs)[:, None]
+    tab = table_l.numpy()
+    bad_block = (used & ((tab < 0) | (tab >= num_blocks))).any(axis=1)
+    if bool(bad_len.any() or bad_block.any()):
+        b = int(np.argmax(bad_len | bad_block))
+        if bad_len[b]:
             raise _fail(
                 op,
-                f"actual_seq_lengths_kv[{b}] = {kv_len} is not a per-sequence length within "
+                f"actual_seq_lengths_kv[{b}] = {kv_lens[b]} is not a per-sequence length within "
                 f"the block table ({table.shape[1]} blocks x {bs}); with a paged cache it is "
                 "the per-sequence KV length, not a cumulative end",
             )
-        used = table_l[b, : (kv_len + bs - 1) // bs]
-        if bool(((used < 0) | (used >= num_blocks)).any()):
-            raise _fail(op, f"block_table[{b}] names a block outside the {num_blocks} blocks")
+        raise _fail(op, f"block_table[{b}] names a block outside the {num_blocks} blocks")
 
     def keys(b: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(kv_lens[b])
@@ -686,17 +724,28 @@ def _write_out(
         raise _fail(op, "attention_out must be contiguous")
     if not isinstance(softmax_lse, torch.Tensor):
         raise _fail(op, f"softmax_lse must be a Tensor, got {type(softmax_lse).__name__}")
-    attention_out.copy_(result)
     if want_lse:
         # With the flag the op writes float32 (T, N, 1) [doc]. Without it softmax_lse is a
         # reserved output the op does not write: any dtype (vllm-ascend passes
         # torch.empty(1, dtype=query.dtype)) [callers; the OpApi passes it on unchecked].
         if softmax_lse.shape != lse.shape or softmax_lse.dtype != torch.float32:
             raise _fail(op, f"softmax_lse must be float32 {list(lse.shape)} with the LSE flag set")
-        softmax_lse.copy_(lse)
     elif softmax_lse.numel() < 1:
         raise _fail(op, "softmax_lse (reserved without the LSE flag) needs at least 1 element")
+    _copy_out(attention_out, result, softmax_lse if want_lse else None, lse)
     return attention_out, softmax_lse
+
+
+@emulation.kernel(null=emulation.skip)
+def _copy_out(
+    attention_out: torch.Tensor,
+    result: torch.Tensor,
+    softmax_lse: torch.Tensor | None,
+    lse: torch.Tensor,
+) -> None:
+    attention_out.copy_(result)
+    if softmax_lse is not None:
+        softmax_lse.copy_(lse)
 
 
 def _fia_v1(
@@ -1022,15 +1071,66 @@ def _npu_fusion_attention(
     if sparse_mode == 4 and pre_tockens + next_tockens < 0:
         raise _fail(op, "band: pre_tockens and next_tockens must overlap")
 
-    out = query.new_empty(total, num_heads, value.shape[2])
-    row_max = torch.empty(total, num_heads, dtype=torch.float32, device=dev)
-    row_sum = torch.empty(total, num_heads, dtype=torch.float32, device=dev)
-    qs = ks = 0
+    masks = []
     for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
         visible = _visible(q_len, kv_len, sparse_mode, pre_tockens, next_tockens)
         if q_len and (kv_len == 0 or (visible is not None and not visible.any(dim=1).all())):
             # "atten_mask中不能存在某一行全1的场景" (varlen) [doc]
             raise _fail(op, "varlen: a query row sees no key (fully masked rows are unsupported)")
+        masks.append(visible)
+    return _fusion_attention_math(
+        query, key, value, scale, q_lens, kv_lens, masks, softmax_layout, seed, offset
+    )
+
+
+def _fusion_attention_null(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    q_lens: list[int],
+    kv_lens: list[int],
+    masks: list[torch.Tensor | None],
+    softmax_layout: str,
+    seed: int,
+    offset: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    total, num_heads, _ = query.shape
+    dev = query.device
+    stats = (total, num_heads, 8) if softmax_layout == "TND" else (num_heads, total, 8)
+    return (
+        emulation.preallocated((total, num_heads, value.shape[2]), query.dtype, dev),
+        emulation.preallocated(stats, torch.float32, dev),
+        emulation.preallocated(stats, torch.float32, dev),
+        emulation.preallocated((0,), query.dtype, dev),
+        seed,
+        offset,
+        0,
+    )
+
+
+@emulation.kernel(null=_fusion_attention_null)
+def _fusion_attention_math(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    q_lens: list[int],
+    kv_lens: list[int],
+    masks: list[torch.Tensor | None],
+    softmax_layout: str,
+    seed: int,
+    offset: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    """npu_fusion_attention's math, every argument checked (``masks``: each request's
+    visibility, None: every key)."""
+    total, num_heads, _ = query.shape
+    dev = query.device
+    out = query.new_empty(total, num_heads, value.shape[2])
+    row_max = torch.empty(total, num_heads, dtype=torch.float32, device=dev)
+    row_sum = torch.empty(total, num_heads, dtype=torch.float32, device=dev)
+    qs = ks = 0
+    for q_len, kv_len, visible in zip(q_lens, kv_lens, masks, strict=True):
         if q_len == 0:  # an empty batch, or one of the trailing batches left out
             ks += kv_len
             continue
@@ -1134,9 +1234,24 @@ def _reshape_and_cache(
     keep = slots >= 0
     if bool((slots >= num_slots).any()):
         raise _fail(op, f"a slot index is >= the cache's {num_slots} slots")
-    rows = keep.nonzero()[:, 0]
+    _write_slots(key, value, key_cache, value_cache, slots, keep.nonzero()[:, 0])
+
+
+@emulation.kernel(null=emulation.skip)
+def _write_slots(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,  # [T] int64, every one checked
+    rows: torch.Tensor | None,  # the rows to write (None: every row)
+) -> None:
+    """The KV write both cache ops share: row ``rows[i]`` to slot ``slots[rows[i]]``."""
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if rows is not None:
+        slots, key, value = slots[rows], key[rows], value[rows]
     for src, dst in ((key, key_cache), (value, value_cache)):
-        dst.view(num_slots, *dst.shape[2:]).index_copy_(0, slots[rows], src[rows])
+        dst.view(num_slots, *dst.shape[2:]).index_copy_(0, slots, src)
 
 
 def _scatter_pa_kv_cache(
@@ -1221,8 +1336,7 @@ def _scatter_pa_kv_cache(
             f"slot_mapping[{bad}] = {int(slots[bad])} is outside [0, {num_slots - 1}] (no "
             "padding slot: pass only the rows to write)",
         )
-    for src, dst in ((key, key_cache), (value, value_cache)):
-        dst.view(num_slots, *dst.shape[2:]).index_copy_(0, slots, src)
+    _write_slots(key, value, key_cache, value_cache, slots, None)
 
 
 # --- the namespace -------------------------------------------------------------------------------

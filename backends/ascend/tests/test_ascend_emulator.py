@@ -11,6 +11,8 @@ import torch
 from attnhub_ascend import emulator
 from attnhub_ascend.emulator import NotEmulatedError, NpuOpError
 
+from attnhub import emulation
+
 FIA = emulator.npu_fused_infer_attention_score
 FA = emulator.npu_fusion_attention
 SCATTER = emulator.npu_scatter_pa_kv_cache
@@ -301,7 +303,8 @@ def test_every_call_is_counted_under_its_overload() -> None:
 
 
 def test_the_emulator_never_uses_attnhubs_reference() -> None:
-    source = inspect.getsource(emulator)
+    # The one attnhub module it may use is attnhub.emulation (the null-kernel switch: no math).
+    source = inspect.getsource(emulator).replace("from attnhub import emulation\n", "", 1)
     assert "import attnhub" not in source and "from attnhub" not in source
 
 
@@ -500,3 +503,38 @@ def test_fusion_attention_takes_a_value_head_size_up_to_the_keys() -> None:
     torch.testing.assert_close(out, wide[..., :16])  # the same weights over the same values
     with pytest.raises(NpuOpError, match="Dv <= 32"):
         FA(q, q, torch.randn(6, 2, 48).to(torch.bfloat16), 2, "TND", **lengths)
+
+
+# --- null-kernel mode (attnhub.emulation: host-overhead benchmarks) -------------------------------
+
+
+def test_null_kernels_keep_every_check() -> None:
+    a = _paged([3, 2, 4], [9, 9, 9])
+    a["actual_seq_lengths"] = [3, 2, 4]
+    with emulation.null_kernels(), pytest.raises(NpuOpError, match="cumulative"):
+        _fia(a)
+    a = _paged([2], [5])
+    a["block_table"] = a["block_table"].long()
+    with emulation.null_kernels(), pytest.raises(NpuOpError, match="block_table must be int32"):
+        _fia(a)
+    kc = torch.zeros(2, 4, 1, 16)
+    k = torch.ones(1, 1, 16)
+    with emulation.null_kernels(), pytest.raises(NpuOpError, match="outside"):
+        SCATTER(k, k, kc, kc.clone(), torch.tensor([8]), cache_mode="Norm")
+
+
+def test_null_kernels_skip_the_math_and_return_outputs_of_the_right_shapes() -> None:
+    a = _paged([2, 1], [130, 7])
+    with emulation.null_kernels() as ops:
+        out = _fia(a)
+        q = torch.randn(7, 2, 16).to(torch.float16)
+        res = FA(q, q, q, 2, "TND", scale=0.25, actual_seq_qlen=[3, 7], actual_seq_kvlen=[3, 7])
+        kc, vc = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+        k = torch.ones(3, 1, 16)
+        emulator._npu_reshape_and_cache(k, k, kc, vc, torch.tensor([5, -1, 0], dtype=torch.int32))
+        SCATTER(k, k, kc, vc, torch.tensor([1, 2, 3]), cache_mode="Norm")
+    assert out.shape == a["query"].shape and out.dtype == a["query"].dtype
+    assert len(res) == 7 and res[0].shape == q.shape and res[1].shape == (2, 7, 8)
+    assert not kc.any() and not vc.any()  # the writes wrote nothing
+    assert ops.calls == 4 and ops.seconds > 0
+    assert torch.isfinite(_fia(a)).all()  # outside: the math again
