@@ -64,9 +64,13 @@ def _caps(**fields: Any) -> Capabilities:
         dtypes=HALF,
         kv_cache_dtypes=frozenset({"auto"}),
         kv_cache_layout="NHD",
-        # Each plane must be contiguous: the paged kernels index blocks by the plane's own
-        # strides, but reshape_and_cache_flash and the scatter view a plane as slots.
-        strided_kv_cache=False,
+        # K/V planes may be strided views (vLLM's per-layer tensor holds a slot's key and
+        # value side by side) with a contiguous last dim: flash-attn checks only
+        # `k.stride(-1) == 1` and addresses paged blocks, rows and heads through the planes'
+        # own strides [source: flash_api.cpp]; reshape_and_cache_flash indexes both planes
+        # with key_cache's strides (so the impl refuses planes whose strides differ) and the
+        # scatter writes through (block, offset) indices. FlashAttentionImpl.check_planes.
+        strided_kv_cache=True,
         attn_types=ALL_TYPES,
         sliding_window=True,
         softcap=True,
@@ -499,6 +503,27 @@ class FlashAttentionImpl(AttentionImpl):
                 f"meta must come from this flash backend's metadata_builder().build(batch) "
                 f"(provider {self.backend.provider}), got {type(meta).__name__}"
             )
+        self.check_planes(cache)
+
+    def check_planes(self, cache: PagedKVCache) -> None:
+        """What the kernels need of the K/V planes beyond attnhub's shared cache checks (which
+        accept strided planes: ``strided_kv_cache=True``): a contiguous last dim (flash-attn's
+        ``TORCH_CHECK(k.stride(-1) == 1)``), and for vLLM's ``reshape_and_cache_flash``, which
+        addresses both planes with ``key_cache``'s strides, equal strides. O(1); raises
+        InvalidInputError before anything is written."""
+        key, value = cache.key, cache.value
+        for name, plane in (("key", key), ("value", value)):
+            if plane.stride(-1) != 1:
+                raise InvalidInputError(
+                    f"cache.{name} must have a contiguous last dimension (FlashAttention "
+                    f"kernels check stride(-1) == 1), got strides {list(plane.stride())}"
+                )
+        if self.backend.ops.cache_ops is not None and key.stride() != value.stride():
+            raise InvalidInputError(
+                f"cache.key strides {list(key.stride())} and cache.value strides "
+                f"{list(value.stride())} differ: vLLM's reshape_and_cache_flash addresses both "
+                "planes with the key plane's strides"
+            )
 
     # --- KV write ---------------------------------------------------------------------------
     def store_kv(
@@ -508,6 +533,7 @@ class FlashAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         slot_mapping: torch.Tensor,  # [n] int32/int64, -1 = padding
     ) -> None:
+        self.check_planes(cache)  # write_kv without a step: not checked by check_step
         if slot_mapping.shape[0] == 0:
             return
         if self.backend.ops.cache_ops is not None:
@@ -538,8 +564,8 @@ class FlashAttentionImpl(AttentionImpl):
         cache_ops = self.backend.ops.cache_ops
         assert cache_ops is not None
         cache_ops.reshape_and_cache_flash(
-            key,
-            value,
+            _dense_rows(key),
+            _dense_rows(value),
             cache.key,
             cache.value,
             slots,
@@ -559,8 +585,13 @@ class FlashAttentionImpl(AttentionImpl):
         if rows.numel() == 0:
             return
         for plane, src in ((cache.key, key), (cache.value, value)):
-            flat = plane.view(-1, *plane.shape[2:])  # [num_slots, num_kv_heads, head_size]
-            flat.index_copy_(0, slots, src.index_select(0, rows).to(plane.dtype))
+            new = src.index_select(0, rows).to(plane.dtype)
+            page = plane.shape[1]
+            if plane.stride(0) == page * plane.stride(1):  # blocks and rows merge into slots
+                flat = plane.view(-1, *plane.shape[2:])  # [num_slots, num_kv_heads, head_size]
+                flat.index_copy_(0, slots, new)
+            else:  # strided blocks (e.g. padded between blocks): (block, offset) indices
+                plane.index_put_((slots // page, slots % page), new)
 
     # --- attention ----------------------------------------------------------------------------
     def attend(
@@ -734,6 +765,14 @@ class FlashAttentionImpl(AttentionImpl):
             return_lse=lse,
         )
         return out, lse_t
+
+
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [n, H, D] with each row's heads dense, as reshape_and_cache_flash reads a token
+    (``H * D`` consecutive elements from ``t.stride(0)``): a copy only when they are not."""
+    if t.stride(-1) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2]):
+        return t
+    return t.contiguous()
 
 
 def merge_attn_states(

@@ -545,7 +545,18 @@ def reshape_and_cache_flash(  # vllm._custom_ops
     v_scale: torch.Tensor,
 ) -> None:
     """Write ``slot_mapping.size(0)`` tokens (key may hold more rows: padding) into the NHD
-    cache; a slot < 0 is skipped [schema/callers, vendor-ops.md]."""
+    cache; a slot < 0 is skipped [schema/callers, vendor-ops.md].
+
+    The cache planes may be strided views (vLLM's per-layer tensor holds a slot's key and value
+    side by side): the kernel addresses slot ``s``, head ``h``, channel ``c`` of both planes at
+    ``(s // block_size) * block_stride + (s % block_size) * page_stride + h * head_stride + c``
+    with the strides of ``key_cache`` [source: csrc/cache_kernels.cu], after
+    ``TORCH_CHECK(key_cache.stride(0) == value_cache.stride(0))``. So: last dim contiguous, and
+    ``value_cache`` laid out with ``key_cache``'s strides [inferred: the kernel does not check
+    the page and head strides of ``value_cache``; a mismatch would write elsewhere, so the
+    emulator refuses it rather than emulate that]. Each source row ``key[t]`` is read as
+    ``num_heads * head_size`` consecutive elements from ``t * key.stride(0)`` [source], so its
+    heads must be dense."""
     op = "_custom_ops.reshape_and_cache_flash"
     dev = key.device
     _tensor(op, "key", key, 3, dev)
@@ -567,6 +578,26 @@ def reshape_and_cache_flash(  # vllm._custom_ops
         raise _fail(op, f"key {key.dtype} and cache {kc.dtype} differ with kv_cache_dtype 'auto'")
     if tuple(key.shape[1:]) != tuple(kc.shape[2:]) or kc.shape != vc.shape:
         raise _fail(op, f"key {list(key.shape)} does not fit the cache {list(kc.shape)}")
+    if kc.stride(0) != vc.stride(0):
+        raise _fail(
+            op,
+            f"key_cache.stride(0) {kc.stride(0)} != value_cache.stride(0) {vc.stride(0)} "
+            "(TORCH_CHECK(key_cache.stride(0) == value_cache.stride(0)))",
+        )
+    if kc.stride() != vc.stride():
+        raise _fail(
+            op,
+            f"value_cache strides {list(vc.stride())} differ from key_cache's "
+            f"{list(kc.stride())}: the kernel indexes both with key_cache's strides",
+        )
+    head_size = key.shape[2]
+    for name, src in (("key", key), ("value", value)):
+        if src.shape[1] > 1 and src.stride(1) != head_size:
+            raise _fail(
+                op,
+                f"{name} rows must hold their heads densely (stride(1) == head_size "
+                f"{head_size}), got strides {list(src.stride())}",
+            )
     num_slots = kc.shape[0] * kc.shape[1]
     valid = slots >= 0  # padding is skipped
     if bool((slots[valid] >= num_slots).any()):
@@ -574,8 +605,9 @@ def reshape_and_cache_flash(  # vllm._custom_ops
         raise _fail(op, f"slot_mapping holds {bad}, outside the cache ({num_slots} slots)")
     rows = torch.nonzero(valid).flatten()
     targets = slots[rows]
-    kc.view(num_slots, *kc.shape[2:])[targets] = key[rows]
-    vc.view(num_slots, *vc.shape[2:])[targets] = value[rows]
+    block, offset = targets // kc.shape[1], targets % kc.shape[1]  # strided planes: no view
+    kc[block, offset] = key[rows]
+    vc[block, offset] = value[rows]
 
 
 # --- upstream FA2: flash_attn ------------------------------------------------------------------

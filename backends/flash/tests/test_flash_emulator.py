@@ -198,6 +198,41 @@ def test_reshape_and_cache_flash_skips_negative_slots_and_writes_only_slot_mappi
     assert int((flat != 0).any(-1).any(-1).sum()) == 2
 
 
+def test_reshape_and_cache_flash_writes_strided_planes_in_place() -> None:
+    """vLLM's per-layer tensor: a slot's key and value side by side in the last dim; the op
+    addresses both planes through key_cache's strides."""
+    both = torch.zeros(2, 16, HK, 2 * D, dtype=torch.float16)
+    kc, vc = both[..., :D], both[..., D:]
+    key = torch.arange(1.0, 4.0)[:, None, None].expand(3, HK, D).to(torch.float16)
+    one = torch.ones(1)
+    slots = torch.tensor([3, -1, 20], dtype=torch.int64)
+    emulator.VLLM_CACHE_OPS.reshape_and_cache_flash(key, -key, kc, vc, slots, "auto", one, one)
+    flat = both.view(32, HK, 2 * D)
+    assert flat[3, 0, 0] == 1 and flat[3, 0, D] == -1 and flat[20, 0, 0] == 3
+    assert flat[20, 0, D] == -3 and int((flat != 0).any(-1).any(-1).sum()) == 2
+
+
+@pytest.mark.parametrize(
+    ("value_cache", "match"),
+    [
+        (torch.zeros(2, 17, HK, D, dtype=torch.float16)[:, :16], r"stride\(0\)"),
+        (torch.zeros(2, HK, 16, D, dtype=torch.float16).transpose(1, 2), "key_cache's strides"),
+    ],
+)
+def test_reshape_and_cache_flash_refuses_value_planes_laid_out_unlike_the_key_plane(
+    value_cache: torch.Tensor, match: str
+) -> None:
+    kc = torch.zeros(2, 16, HK, D, dtype=torch.float16)
+    key = torch.ones(1, HK, D, dtype=torch.float16)
+    one = torch.ones(1)
+    slots = torch.tensor([3], dtype=torch.int64)
+    with pytest.raises(FlashOpError, match=match):
+        emulator.VLLM_CACHE_OPS.reshape_and_cache_flash(
+            key, key, kc, value_cache, slots, "auto", one, one
+        )
+    assert not kc.any() and not value_cache.any()
+
+
 # --- what the libraries reject ----------------------------------------------------------------
 
 

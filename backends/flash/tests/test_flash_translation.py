@@ -3,11 +3,14 @@ calls the emulator records."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import flash_helpers as h
 import pytest
 import torch
 from attnhub_flash import emulator
 
+from attnhub import testing
 from attnhub.errors import InvalidInputError
 from attnhub.spec import AttentionType
 
@@ -289,10 +292,63 @@ def test_metadata_of_another_provider_is_refused_before_anything_is_written() ->
     assert st.cache.equal(before)
 
 
-def test_a_strided_cache_plane_is_refused() -> None:
+def _planes(st: h.Step, key: torch.Tensor, value: torch.Tensor) -> h.Step:
+    """``st`` with its cache's contents copied into the planes ``key`` / ``value``."""
+    key.copy_(st.cache.key)
+    value.copy_(st.cache.value)
+    cache = dataclasses.replace(st.cache, key=key, value=value)
+    return dataclasses.replace(st, cache=cache)
+
+
+@pytest.mark.parametrize("provider", h.PROVIDERS)
+@pytest.mark.parametrize("layout", ["vllm", "padded blocks"])
+def test_strided_cache_planes_are_written_and_read_in_place(provider: str, layout: str) -> None:
+    """strided_kv_cache=True: K/V planes that are views with a contiguous last dim, as vLLM's
+    per-layer tensor gives them (a slot's key and value side by side), or blocks with padding
+    between them, are written and attended in place, with no copy of the cache."""
+    st = h.step(_mixed(provider), provider, padding=3)
+    nb, bs, hk, d = st.cache.key.shape
+    if layout == "vllm":
+        both = torch.empty(nb, bs, hk, 2 * d, dtype=st.cache.key.dtype)
+        key, value = both[..., :d], both[..., d:]
+    else:
+        both = torch.empty(2, nb, bs + 1, hk, d, dtype=st.cache.key.dtype)
+        key, value = both[0, :, :bs], both[1, :, :bs]
+    assert not key.is_contiguous()
+    st = _planes(st, key, value)
+    before = st.cache.clone()
+    out = h.forward(st)
+    assert st.cache.key.data_ptr() == key.data_ptr()  # the very views, written in place
+    expected = testing.cache_after_write(before, st.key, st.value, st.batch.slot_mapping)
+    assert not testing.cache_differences(st.cache, expected, st.batch.slot_mapping)
+    h.assert_matches_reference(st, out)
+
+
+@pytest.mark.parametrize("provider", ["vllm", "fa3"])
+def test_a_plane_without_a_contiguous_last_dim_is_refused(provider: str) -> None:
+    st = h.step(MIXED, provider)
+    meta = st.backend.metadata_builder().build(st.batch)
+    nb, bs, hk, d = st.cache.key.shape
+    key = torch.empty(nb, bs, d, hk, dtype=st.cache.key.dtype).transpose(2, 3)
+    st = _planes(st, key, st.cache.value.clone())
+    before = st.cache.clone()
+    with pytest.raises(InvalidInputError, match="contiguous last dimension"):
+        st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    with pytest.raises(InvalidInputError, match="contiguous last dimension"):
+        st.backend.impl().write_kv(st.key, st.value, st.cache, st.batch.slot_mapping)
+    assert st.cache.equal(before)
+
+
+def test_vllm_write_refuses_planes_of_different_strides() -> None:
+    """reshape_and_cache_flash addresses both planes with key_cache's strides: a value plane
+    laid out differently is refused before anything is written (the emulator's op refuses it
+    too, see test_flash_emulator)."""
     st = h.step(MIXED)
     meta = st.backend.metadata_builder().build(st.batch)
-    both = torch.stack([st.cache.key, st.cache.value], dim=2)  # [nb, bs, 2, Hkv, D]
-    strided = type(st.cache)(key=both[:, :, 0], value=both[:, :, 1], block_size=16, layout="NHD")
-    with pytest.raises(InvalidInputError):
-        st.backend.impl().forward(st.query, st.key, st.value, strided, meta)
+    nb, bs, hk, d = st.cache.key.shape
+    key = torch.empty(nb, bs, hk, 2 * d, dtype=st.cache.key.dtype)[..., :d]
+    st = _planes(st, key, st.cache.value.clone())
+    before = st.cache.clone()
+    with pytest.raises(InvalidInputError, match="strides"):
+        st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    assert st.cache.equal(before)
