@@ -233,6 +233,72 @@ def test_reshape_and_cache_flash_refuses_value_planes_laid_out_unlike_the_key_pl
     assert not kc.any() and not value_cache.any()
 
 
+def _schedule(q_lens: list[int], kv_lens: list[int], **kw: Any) -> torch.Tensor:
+    args: dict[str, Any] = dict(
+        batch_size=len(q_lens),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(kv_lens),
+        num_heads_q=H,
+        num_heads_kv=HK,
+        headdim=D,
+        cache_seqlens=torch.tensor(kv_lens, dtype=torch.int32),
+        qkv_dtype=torch.float16,
+        cu_seqlens_q=_cu(q_lens),
+        page_size=16,
+        causal=True,
+    )
+    args.update(kw)
+    return emulator.VLLM.get_scheduler_metadata(**args)
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "kw", "size"),
+    [
+        # prepared seqlens + the head-swizzle vector (causal), round_up(3, 4) each, + semaphore
+        ([3, 1, 5], {}, 1 + 4 * 2),
+        ([3, 1, 5], {"causal": False}, 1 + 4 * 1),
+        ([3, 1, 5], {"window_size": (4, 0)}, 1 + 4 * 2),  # local
+        ([3, 1, 5], {"window_size": (40, 0)}, 1 + 4 * 2),  # a window covering all: causal
+        ([3, 1, 5], {"num_splits": 4}, 1 + 4 * 3),  # + the dynamic-split vector
+        ([1, 1, 1, 1, 1], {}, 1 + 8 * 1),  # one query each, head size <= 64: not causal
+    ],
+)
+def test_fa3_scheduler_metadata_is_sized_as_the_fork_sizes_it(
+    q_lens: list[int], kw: dict[str, Any], size: int
+) -> None:
+    kv_lens = [9, 4, 20, 3, 3][: len(q_lens)]
+    got = _schedule(q_lens, kv_lens, **kw)
+    assert got.dtype == torch.int32 and tuple(got.shape) == (size,)
+
+
+def test_fa3_call_checks_the_scheduler_metadata_as_the_fork_does() -> None:
+    q_lens, kv_lens = [3, 1, 5], [9, 4, 20]
+    planned = _schedule(q_lens, kv_lens)
+    out, lse = _vllm(q_lens, kv_lens, fa_version=3, scheduler_metadata=planned)
+    want_out, want_lse = _vllm(q_lens, kv_lens, fa_version=3)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    # planned for 5 sequences (vectors of round_up(5, 4) = 8), or for a non-causal call
+    other_batch = _schedule([3, 1, 5, 2, 2], [9, 4, 20, 2, 2])
+    for stale in (other_batch, _schedule(q_lens, kv_lens, causal=False)):
+        with pytest.raises(FlashOpError, match="invalid shape"):
+            _vllm(q_lens, kv_lens, fa_version=3, scheduler_metadata=stale)
+    with pytest.raises(FlashOpError, match="int32"):
+        _vllm(q_lens, kv_lens, fa_version=3, scheduler_metadata=planned.long())
+    with pytest.raises(FlashOpError, match="num_splits > 256"):
+        _vllm(q_lens, kv_lens, fa_version=3, num_splits=300)
+    # FA2 never passes it to its kernel [schema]: ignored, even when stale
+    _vllm(q_lens, kv_lens, scheduler_metadata=_schedule([3], [9]))
+
+
+def test_fa3_scheduler_metadata_refusals() -> None:
+    with pytest.raises(FlashOpError, match="fp16, bf16"):
+        _schedule([3], [9], qkv_dtype=torch.float32)
+    with pytest.raises(FlashOpError, match="cache_seqlens"):
+        _schedule([3, 1], [9, 4], batch_size=3)
+    with pytest.raises(NotEmulatedError, match="cache_leftpad"):
+        _schedule([3], [9], cache_leftpad=torch.zeros(1, dtype=torch.int32))
+
+
 # --- what the libraries reject ----------------------------------------------------------------
 
 

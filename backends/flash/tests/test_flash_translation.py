@@ -16,6 +16,7 @@ from attnhub.spec import AttentionType
 
 VLLM = "vllm.vllm_flash_attn.flash_attn_varlen_func"
 WRITE = "vllm._custom_ops.reshape_and_cache_flash"
+SCHEDULE = "vllm.vllm_flash_attn.get_scheduler_metadata"
 FA2 = "flash_attn.flash_attn_varlen_func"
 FA2_DECODE = "flash_attn.flash_attn_with_kvcache"
 FA3 = "flash_attn_interface.flash_attn_with_kvcache"
@@ -55,6 +56,8 @@ def test_a_mixed_batch_is_one_attention_call(provider: str) -> None:
     expected = {ATTENTION[provider]: 1}
     if provider.startswith("vllm"):
         expected[WRITE] = 1
+    if provider == "vllm-fa3":  # FA3's schedule, planned by the builder
+        expected[SCHEDULE] = 1
     assert dict(emulator.call_counts) == expected
     h.assert_matches_reference(st, out)
 
@@ -72,6 +75,35 @@ def test_layers_share_the_step_plan() -> None:
     assert all(c.kwargs["block_table"] is meta.main.block_table for c in attn)
     assert all(c.kwargs["seqused_k"] is meta.main.seq_lens for c in attn)
     assert all(c.kwargs["cu_seqlens_q"] is meta.main.query_start_loc for c in attn)
+
+
+def test_vllm_fa3_plans_its_scheduler_metadata_once_per_step() -> None:
+    """As vLLM's builder does with fa_version=3: FA3's tile schedule is computed once per step
+    (get_scheduler_metadata) and every layer's call takes it, with num_splits=0 in both."""
+    st = h.step(MIXED, "vllm-fa3")
+    with emulator.record_calls() as calls:
+        meta = st.backend.metadata_builder().build(st.batch)
+        for _ in range(3):
+            st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    schedule = [c for c in calls if c.name == SCHEDULE]
+    attn = [c for c in calls if c.name == VLLM]
+    assert len(schedule) == 1 and len(attn) == 3
+    assert meta.main is not None and meta.main.scheduler_metadata is not None
+    for c in attn:
+        assert c.kwargs["scheduler_metadata"] is meta.main.scheduler_metadata
+        assert c.kwargs["num_splits"] == 0 and c.kwargs["fa_version"] == 3
+    planned = schedule[0].kwargs
+    assert planned["cache_seqlens"] is meta.main.seq_lens
+    assert planned["cu_seqlens_q"] is meta.main.query_start_loc
+    assert (planned["batch_size"], planned["max_seqlen_q"], planned["max_seqlen_k"]) == (5, 33, 70)
+    assert planned["causal"] is True and planned["page_size"] == 16
+    assert planned["num_splits"] == 0 and planned["window_size"] == (-1, -1)
+
+
+def test_vllm_fa2_plans_no_scheduler_metadata() -> None:
+    st = h.step(MIXED, "vllm")
+    meta = st.backend.metadata_builder().build(st.batch)
+    assert meta.main is not None and meta.main.scheduler_metadata is None
 
 
 # --- vLLM's fork ------------------------------------------------------------------------------
