@@ -581,9 +581,9 @@ def _fa3_metadata_size(
     ``round_up(batch, 4)`` long, then one semaphore. The window is normalized first as both
     do (a bound covering the whole sequence is none; one query token over a paged cache with
     head size <= 64 or > 128 is not causal). Read at vllm-project/flash-attention@01ed8aa;
-    other versions of the fork lay out more per-batch vectors. ``num_splits <= 0`` is the kernel's own heuristic,
-    which depends on the GPU's SM count: the emulator, which does not split, takes 1
-    [inferred: its own schedule]."""
+    other versions of the fork lay out more per-batch vectors. ``num_splits <= 0`` is the
+    kernel's own heuristic, which depends on the GPU's SM count: the emulator, which does not
+    split, takes 1 [inferred: its own schedule]."""
     left, right = (int(window[0]), int(window[1])) if len(window) == 2 else (-1, -1)
     if left >= max_seqlen_k - 1:
         left = -1
