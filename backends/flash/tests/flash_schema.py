@@ -189,4 +189,6 @@ def _same_default(a: object, b: object) -> bool:
         return float(a) == float(b)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same_default(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, str) and not isinstance(b, str):  # an expression kept as text, e.g.
+        return a == repr(b)  # `torch.bfloat16`: the emulator's object must spell the same
     return a == b

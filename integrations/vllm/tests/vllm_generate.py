@@ -1,6 +1,6 @@
 """Run one greedy generation through a real vLLM engine and print the result as JSON.
 
-    python vllm_generate.py --attention {vllm,torch,ascend} --model DIR [--dtype ...]
+    python vllm_generate.py --attention {vllm,torch,ascend,iluvatar,flash} --model DIR [--dtype ...]
         [--summary]   (host time per step and per layer: the adapter's benchmark)
 
 ``--attention vllm`` runs vLLM's own CPU backend; any other value is an attnhub backend name
@@ -128,6 +128,15 @@ def summary(result: dict, label: str | None = None) -> str:
     )
 
 
+def _attnhub_backends() -> list[str]:
+    """The attnhub backends this process's engine used (none when attnhub was off)."""
+    if "attnhub_vllm.backend" not in sys.modules:
+        return []
+    from attnhub_vllm.backend import _BACKENDS
+
+    return sorted({repr(b) for b in _BACKENDS.values()})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--attention", required=True)
@@ -225,6 +234,8 @@ def main() -> int:
         "steps": steps,
         "engine_start_s": start_s,
         "generate_s": gen_s,
+        # which attnhub backends served (e.g. "<FlashFA3Backend 'flash' (fa3) on cpu, emulated>")
+        "attnhub_backends": _attnhub_backends(),
     }
     with open(args.out, "w") as f:
         json.dump(result, f)
