@@ -53,6 +53,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from attnhub import emulation
+
 #: These functions stand in for the GPU: a host read made inside them is a read on the device,
 #: which attnhub's host-sync guard (the conformance suite's) allows.
 __attnhub_device_code__ = True
@@ -119,6 +121,7 @@ def _counted(module: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     name = f"{module}.{fn.__name__}"
     sig = inspect.signature(fn)
 
+    @emulation.timed  # in null-kernel mode, the time spent inside the op is summed
     @functools.wraps(fn)
     def op(*args: Any, **kwargs: Any) -> Any:
         call_counts[name] += 1
@@ -310,19 +313,22 @@ def _attend(
     return out, lse.squeeze(-1)
 
 
-def _paged_rows(
-    op: str, cache: torch.Tensor, table_row: list[int], length: int
-) -> torch.Tensor:  # [length, Hk, D]
-    page = cache.shape[1]
-    needed = -(-length // page)
+def _check_rows(op: str, cache: torch.Tensor, table_row: list[int], length: int) -> None:
+    """The pages ``length`` keys read from a table row exist in the paged ``cache``."""
+    needed = -(-length // cache.shape[1])
     if needed > len(table_row):
         raise _fail(op, f"{length} keys need {needed} blocks, the table row has {len(table_row)}")
-    ids = table_row[:needed]
-    bad = [b for b in ids if not 0 <= b < cache.shape[0]]
+    bad = [b for b in table_row[:needed] if not 0 <= b < cache.shape[0]]
     if bad:
         raise _fail(
             op, f"block table entry {bad[0]} is outside the cache ({cache.shape[0]} blocks)"
         )
+
+
+def _paged_rows(
+    cache: torch.Tensor, table_row: list[int], length: int
+) -> torch.Tensor:  # [length, Hk, D], the pages checked by _check_rows
+    ids = table_row[: -(-length // cache.shape[1])]
     return cache[torch.tensor(ids, dtype=torch.long)].reshape(-1, *cache.shape[2:])[:length]
 
 
@@ -343,6 +349,55 @@ def _varlen(
     slopes: torch.Tensor | None,  # [B, H]
     sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, D] f32, lse [H, total_q] f32
+    if table is not None:
+        for b, kv_len in enumerate(kv_lens):
+            if q_starts[b + 1] != q_starts[b]:  # a sequence without queries reads nothing
+                _check_rows(op, k, table[b], kv_len)  # v has k's shape (_check_qkv)
+    return _varlen_math(
+        rules,
+        q,
+        k,
+        v,
+        q_starts,
+        kv_lens,
+        kv_starts,
+        table,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        slopes=slopes,
+        sink=sink,
+    )
+
+
+def _varlen_null(
+    rules: _Rules, q: torch.Tensor, *rest: Any, **math_args: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    total_q, num_heads, head_size = q.shape
+    return (
+        emulation.preallocated((total_q, num_heads, head_size), torch.float32, q.device),
+        emulation.preallocated((num_heads, total_q), torch.float32, q.device),
+    )
+
+
+@emulation.kernel(null=_varlen_null)
+def _varlen_math(
+    rules: _Rules,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_starts: list[int],
+    kv_lens: list[int],
+    kv_starts: list[int] | None,
+    table: list[list[int]] | None,
+    *,
+    scale: float,
+    window: tuple[int, int],
+    softcap: float,
+    slopes: torch.Tensor | None,
+    sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, D] f32, lse [H, total_q] f32
+    """``_varlen``'s math, every argument checked by it."""
     total_q, num_heads, head_size = q.shape
     out = torch.zeros(total_q, num_heads, head_size, dtype=torch.float32)
     lse = torch.full((num_heads, total_q), rules.empty_lse, dtype=torch.float32)
@@ -351,8 +406,8 @@ def _varlen(
         if hi == lo:
             continue
         if table is not None:
-            kb = _paged_rows(op, k, table[b], kv_len)
-            vb = _paged_rows(op, v, table[b], kv_len)
+            kb = _paged_rows(k, table[b], kv_len)
+            vb = _paged_rows(v, table[b], kv_len)
         else:
             assert kv_starts is not None
             kb, vb = k[kv_starts[b] : kv_starts[b + 1]], v[kv_starts[b] : kv_starts[b + 1]]
@@ -755,6 +810,19 @@ def reshape_and_cache_flash(  # vllm._custom_ops
     if bool((slots[valid] >= num_slots).any()):
         bad = int(slots[valid].max())
         raise _fail(op, f"slot_mapping holds {bad}, outside the cache ({num_slots} slots)")
+    _write_slots(key, value, kc, vc, slots, valid)
+
+
+@emulation.kernel(null=emulation.skip)
+def _write_slots(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+) -> None:
+    """``reshape_and_cache_flash``'s write, every argument checked by it."""
     rows = torch.nonzero(valid).flatten()
     targets = slots[rows]
     block, offset = targets // kc.shape[1], targets % kc.shape[1]  # strided planes: no view

@@ -15,6 +15,8 @@ import torch
 from attnhub_flash import emulator
 from attnhub_flash.emulator import FlashOpError, NotEmulatedError
 
+from attnhub import emulation
+
 H, HK, D = 2, 1, 8
 
 
@@ -430,3 +432,57 @@ def test_fa3_varlen_q_needs_max_seqlen_q() -> None:
 def test_unknown_keywords_are_refused_as_python_would() -> None:
     with pytest.raises(TypeError, match="page_table"):
         _vllm([3], [3], page_table=None)
+
+
+# --- null-kernel mode (attnhub.emulation: host-overhead benchmarks) -------------------------------
+
+
+def test_null_kernels_keep_every_check() -> None:
+    with emulation.null_kernels(), pytest.raises(FlashOpError, match="blocks"):
+        _vllm([1], [40], block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with emulation.null_kernels(), pytest.raises(FlashOpError, match="outside the cache"):
+        _vllm([1], [3], block_table=torch.full((1, 1), 99, dtype=torch.int32))
+    with emulation.null_kernels(), pytest.raises(FlashOpError, match="int32"):
+        _vllm([1], [3], block_table=torch.zeros(1, 1, dtype=torch.int64))
+    kc = torch.zeros(2, 16, HK, D, dtype=torch.float16)
+    key = torch.ones(1, HK, D, dtype=torch.float16)
+    one = torch.ones(1)
+    with emulation.null_kernels(), pytest.raises(FlashOpError, match="outside the cache"):
+        emulator.VLLM_CACHE_OPS.reshape_and_cache_flash(
+            key, key, kc, kc.clone(), torch.tensor([32]), "auto", one, one
+        )
+
+
+def test_null_kernels_skip_the_math_and_return_outputs_of_the_right_shapes() -> None:
+    c = _cache([7, 12], 256)
+    kc = torch.zeros(2, 16, HK, D, dtype=torch.float16)
+    key = torch.ones(2, HK, D, dtype=torch.float16)
+    one = torch.ones(1)
+    with emulation.null_kernels() as ops:
+        out, lse = _vllm([2, 1], [5, 9])
+        emulator.VLLM_CACHE_OPS.reshape_and_cache_flash(
+            key, key, kc, kc.clone(), torch.tensor([0, 5]), "auto", one, one
+        )
+        out2, lse2 = emulator.FA2.flash_attn_with_kvcache(
+            torch.zeros(2, 1, H, D, dtype=torch.float16),
+            c["k"],
+            c["v"],
+            cache_seqlens=torch.tensor([7, 12], dtype=torch.int32),
+            block_table=c["block_table"],
+            return_softmax_lse=True,
+        )
+        out4, _ = emulator.FA4.flash_attn_varlen_func(
+            _zero_q([3]),
+            c["k"],
+            c["v"],
+            cu_seqlens_q=_cu([3]),
+            seqused_k=torch.tensor([7], dtype=torch.int32),
+            page_table=c["block_table"][:1],
+        )
+    assert out.shape == (3, H, D) and out.dtype == torch.float16 and lse.shape == (H, 3)
+    assert out2.shape == (2, 1, H, D) and lse2.shape == (2, H, 1)
+    assert out4.shape == (3, H, D) and out4.dtype == torch.float16
+    assert not kc.any()  # the write wrote nothing
+    assert ops.calls == 4 and ops.seconds > 0
+    out, _ = _vllm([3], [3])  # outside: the math again
+    assert out[:, 0, 0].tolist() == [0.0, 0.5, 1.0]

@@ -62,6 +62,8 @@ from typing import Any
 
 import torch
 
+from attnhub import emulation
+
 #: These ops stand in for the GPU: a host read made inside them is a read on the device, which
 #: attnhub's host-sync guard (the conformance suite's) allows.
 __attnhub_device_code__ = True
@@ -124,6 +126,7 @@ def _op(path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         sig = inspect.signature(fn)
         name = path.rsplit(".", 1)[1]
 
+        @emulation.timed  # in null-kernel mode, the time spent inside the op is summed
         @functools.wraps(fn)
         def op(*args: Any, **kwargs: Any) -> Any:
             for calls in _recorders:
@@ -304,22 +307,28 @@ def _attend(
     return out, lse2
 
 
+def _check_blocks(op: str, cache: torch.Tensor, table_row: list[int], seq_len: int) -> None:
+    """The blocks a sequence of ``seq_len`` keys reads from its table row exist in ``cache``
+    (HND)."""
+    num_blocks, _, bs, _ = cache.shape
+    need = -(-seq_len // bs)
+    if need > len(table_row):
+        raise _fail(
+            op, f"a sequence of {seq_len} keys needs {need} blocks, the table has {len(table_row)}"
+        )
+    bad = [b for b in table_row[:need] if not 0 <= b < num_blocks]
+    if bad:
+        raise _fail(op, f"block id {bad[0]} is outside the cache ({num_blocks} blocks)")
+
+
 def _gather(
     cache: torch.Tensor,  # HND [num_blocks, Hkv, block_size, D]
     table_row: list[int],
     seq_len: int,
     op: str,
 ) -> torch.Tensor:  # [seq_len, Hkv, D]
-    num_blocks, hkv, bs, d = cache.shape
-    need = -(-seq_len // bs)
-    if need > len(table_row):
-        raise _fail(
-            op, f"a sequence of {seq_len} keys needs {need} blocks, the table has {len(table_row)}"
-        )
-    blocks = table_row[:need]
-    bad = [b for b in blocks if not 0 <= b < num_blocks]
-    if bad:
-        raise _fail(op, f"block id {bad[0]} is outside the cache ({num_blocks} blocks)")
+    _, hkv, bs, d = cache.shape
+    blocks = table_row[: -(-seq_len // bs)]  # checked by _check_blocks
     if not blocks:
         return cache.new_zeros((0, hkv, d))
     picked = cache[torch.tensor(blocks, dtype=torch.long, device=cache.device)]
@@ -413,16 +422,66 @@ def _varlen(
         if bt.shape[0] != batch:
             raise _fail(op, f"block_table has {bt.shape[0]} rows, the batch {batch} sequences")
         table = bt.tolist()
+    for b in range(batch):
+        if block_table is not None:
+            _check_blocks(op, k, table[b], k_lens[b])
+        if q_lens[b] > k_lens[b] and causal:
+            raise _fail(op, f"sequence {b}: {q_lens[b]} queries over {k_lens[b]} keys (causal)")
+    return _varlen_math(
+        op,
+        q,
+        k,
+        v,
+        q_ends,
+        k_ends,
+        table,
+        scale,
+        causal,
+        window,
+        float(softcap),
+        alibi,
+        q_scale,
+        dq,
+    )
+
+
+def _varlen_null(
+    op: str, q: torch.Tensor, *rest: Any
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D] float32, lse2 [H, T]
+    t, h, d = q.shape
+    return (
+        emulation.preallocated((t, h, d), torch.float32, q.device),
+        emulation.preallocated((h, t), torch.float32, q.device),
+    )
+
+
+@emulation.kernel(null=_varlen_null)
+def _varlen_math(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ends: list[int],
+    k_ends: list[int],
+    table: list[list[int]],  # empty: packed k/v
+    scale: float,
+    causal: bool,
+    window: tuple[int, int],
+    softcap: float,
+    alibi: torch.Tensor | None,
+    q_scale: torch.Tensor | None,
+    dq: _Dequant | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D] float32, lse2 [H, T]
+    """``_varlen``'s math, every argument checked by it."""
+    t, h, d = q.shape
     qf = q.float() if q_scale is None else q.float() * q_scale.t()[:, :, None]
     out = torch.zeros(t, h, d, dtype=torch.float32)
     lse = torch.full((h, t), math.inf, dtype=torch.float32)
-    for b in range(batch):  # one sequence at a time
-        if block_table is None:
+    for b in range(len(q_ends) - 1):  # one sequence at a time
+        if not table:
             kb, vb = k[k_ends[b] : k_ends[b + 1]], v[k_ends[b] : k_ends[b + 1]]
         else:
-            kb, vb = _read_sequence(k, v, table[b], k_lens[b], op, dq)
-        if q_lens[b] > k_lens[b] and causal:
-            raise _fail(op, f"sequence {b}: {q_lens[b]} queries over {k_lens[b]} keys (causal)")
+            kb, vb = _read_sequence(k, v, table[b], k_ends[b + 1] - k_ends[b], op, dq)
         o, l2 = _attend(
             qf[q_ends[b] : q_ends[b + 1]],
             kb,
@@ -430,7 +489,7 @@ def _varlen(
             scale=scale,
             causal=causal,
             window=window,
-            softcap=float(softcap),
+            softcap=softcap,
             alibi=alibi,
         )
         out[q_ends[b] : q_ends[b + 1]] = o
@@ -607,6 +666,7 @@ def _slots(op: str, slot_mapping: object, num_tokens: int, num_slots: int) -> li
     return slots
 
 
+@emulation.kernel(null=emulation.skip)
 def _write_rows(
     cache: torch.Tensor,  # HND [num_blocks, Hkv, block_size, ...]
     rows: torch.Tensor,  # [n, Hkv, ...]
@@ -689,6 +749,26 @@ def merge_attn_states(
         x = _tensor(op, name, lse, 2)
         if x.dtype != torch.float32 or x.shape != (h, t):
             raise _fail(op, f"{name} must be float32 [{h}, {t}], got {x.dtype} {list(x.shape)}")
+    merged, lse = _merge_math(a, prefix_lse, b, suffix_lse)
+    result = _finish(op, merged, lse, output, a, a.dtype, return_lse)
+    return result
+
+
+def _merge_null(
+    a: torch.Tensor, prefix_lse: torch.Tensor, b: torch.Tensor, suffix_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:  # merged [T, H, D] float32, lse2 [H, T]
+    t, h, d = a.shape
+    return (
+        emulation.preallocated((t, h, d), torch.float32, a.device),
+        emulation.preallocated((h, t), torch.float32, a.device),
+    )
+
+
+@emulation.kernel(null=_merge_null)
+def _merge_math(
+    a: torch.Tensor, prefix_lse: torch.Tensor, b: torch.Tensor, suffix_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:  # merged [T, H, D] float32, lse2 [H, T]
+    """``merge_attn_states``' math, every argument checked by it."""
     la = prefix_lse.masked_fill(torch.isposinf(prefix_lse), -math.inf)
     lb = suffix_lse.masked_fill(torch.isposinf(suffix_lse), -math.inf)
     m = torch.maximum(la, lb)
@@ -698,8 +778,7 @@ def merge_attn_states(
     denom = (wa + wb).masked_fill(both_empty, 1.0)
     merged = (wa.t()[..., None] * a.float() + wb.t()[..., None] * b.float()) / denom.t()[..., None]
     lse = (m + torch.log2(denom)).masked_fill(both_empty, math.inf)
-    result = _finish(op, merged, lse, output, a, a.dtype, return_lse)
-    return result
+    return merged, lse
 
 
 # --- int8 modes ----------------------------------------------------------------------------------
@@ -709,9 +788,16 @@ def merge_attn_states(
 # Symmetric: scale = amax / 127, q = clamp(round(x / scale), -128, 127) [callers, math inferred].
 
 
+@emulation.kernel(null=lambda x, scale: emulation.preallocated(x.shape, torch.int8, x.device))
 def _quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     return torch.round(x.float() / safe).clamp_(-128, 127).to(torch.int8)
+
+
+@emulation.kernel(null=lambda x: emulation.preallocated(x.shape[:2], torch.float32, x.device))
+def _token_scales(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, H] float32
+    """A symmetric int8 scale per (token, head): amax / 127 over D."""
+    return x.float().abs().amax(dim=2) / 127.0
 
 
 @_op("inference.functions.scaled_int8_quant_for_attn")
@@ -729,7 +815,7 @@ def scaled_int8_quant_for_attn(
     if dim == 2:
         if scale is not None:
             raise _not_emulated(op, "dim=2 with a given scale")
-        s = x.float().abs().amax(dim=2) / 127.0  # [T, H]
+        s = _token_scales(x)  # [T, H]
         q = _quantize(x, s[..., None])
         return q, (s.t().contiguous() if transpose_scale else s)
     if dim == 0:
@@ -992,11 +1078,61 @@ def _paged_decode(
             if pos // bs >= len(blocks) or not 0 <= blocks[pos // bs] < kc.shape[0]:
                 raise _fail(op, f"sequence {r}: position {pos} has no valid block")
             slots.append(blocks[pos // bs] * bs + pos % bs)
+        save: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = (
+            sk,
+            sv,
+            ss,
+            slots,
+        )
+    else:
+        save = None
+    for r in range(b):  # every sequence's blocks, before anything is written
+        _check_blocks(op, kc, table[r], lens[r])
+    if save is not None:
+        sk, sv, ss, slots = save
         _write_rows(kc, sk, slots)
         _write_rows(vc, sv, slots)
         _write_rows(dq.key_scale_cache[..., None], ss[..., None], slots)
+    _paged_decode_math(
+        op,
+        o,
+        qi,
+        qs,
+        kc,
+        vc,
+        dq,
+        table,
+        lens,
+        scale,
+        causal,
+        window_left,
+        window_right,
+        softcap,
+        alibi,
+    )
+
+
+@emulation.kernel(null=emulation.skip)  # writes ``output`` in place
+def _paged_decode_math(
+    op: str,
+    o: torch.Tensor,
+    qi: torch.Tensor,
+    qs: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    dq: _Dequant,
+    table: list[list[int]],
+    lens: list[int],
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi: torch.Tensor | None,
+) -> None:
+    """``_paged_decode``'s attention, every argument checked by it."""
     qf = qi.float() * qs[..., None]
-    for r in range(b):
+    for r in range(qi.shape[0]):
         k, v = _read_sequence(kc, vc, table[r], lens[r], op, dq)
         res, _ = _attend(
             qf[r : r + 1],

@@ -12,6 +12,8 @@ import torch
 from attnhub_iluvatar import emulator, ops
 from attnhub_iluvatar.emulator import IxformerOpError, NotEmulatedError
 
+from attnhub import emulation
+
 FA = emulator.contrib.vllm_flash_attn
 FN = emulator.inference.functions
 BS = 16
@@ -307,7 +309,8 @@ def test_the_namespace_has_the_attribute_paths_of_ixformer() -> None:
 
 
 def test_the_emulator_never_uses_attnhubs_reference() -> None:
-    source = inspect.getsource(emulator)
+    # The one attnhub module it may use is attnhub.emulation (the null-kernel switch: no math).
+    source = inspect.getsource(emulator).replace("from attnhub import emulation\n", "", 1)
     assert "import attnhub" not in source and "from attnhub" not in source
     assert emulator.__attnhub_device_code__ is True
 
@@ -408,3 +411,75 @@ def test_the_int8_prefill_wants_its_query_scales_transposed() -> None:
             q, kc, vc, torch.ones(3, 2), ks, torch.ones(1, D), _i32([0, 3]), _i32([0, 3]), 3, 3,
             block_table=_i32([[1]]),
         )  # fmt: skip
+
+
+# --- null-kernel mode (attnhub.emulation: host-overhead benchmarks) -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(block_table=torch.tensor([[1]])), "block_table must be int32"),
+        (dict(cu_seqlens_q=_i32([1, 1])), "cumulative from 0"),
+        (dict(block_table=_i32([[9]])), "block id 9 is outside"),
+        (
+            dict(
+                cu_seqlens_q=_i32([0, 3]),
+                q=torch.zeros(3, 1, D).half(),
+                max_seqlen_q=3,
+                causal=True,
+            ),
+            "causal",
+        ),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_null_kernels_keep_every_check(change: dict[str, Any], message: str) -> None:
+    args = {**_valid(), **change}
+    with emulation.null_kernels(), pytest.raises(IxformerOpError, match=message):
+        FA.flash_attn_varlen_func(**args)
+
+
+def test_null_kernels_keep_the_checks_of_writes_and_paged_decode() -> None:
+    key = torch.ones(1, 1, D, dtype=torch.float16)
+    kc = torch.zeros(2, 1, BS, D, dtype=torch.float16)
+    with emulation.null_kernels(), pytest.raises(IxformerOpError, match="outside the cache"):
+        FN.reshape_and_cache_flash(key, key, kc, kc.clone(), torch.tensor([2 * BS]))
+    kc8, vc8, ks = _int8_cache()
+    out = torch.zeros(1, 1, D, dtype=torch.bfloat16)
+    q = torch.zeros(1, 1, D, dtype=torch.int8)
+    with emulation.null_kernels(), pytest.raises(IxformerOpError, match="block id 7 is outside"):
+        FN.vllm_paged_attention_int8(
+            out, q, kc8, vc8, torch.ones(1, 1), ks, torch.ones(1, D), 1, 1.0, _i32([[7]]),
+            _i32([2]), BS, 2,
+        )  # fmt: skip
+
+
+def test_null_kernels_skip_the_math_and_return_outputs_of_the_right_shapes() -> None:
+    args = _valid()
+    kc, vc = args["k"], args["v"]
+    before = kc.clone()
+    key = torch.ones(2, 1, D, dtype=torch.float16)
+    kc8, vc8, ks = _int8_cache()
+    decoded = torch.zeros(1, 1, D, dtype=torch.bfloat16)
+    q8 = torch.zeros(1, 1, D, dtype=torch.int8)
+    x = torch.randn(3, 2, D).half()
+    with emulation.null_kernels() as ops:
+        out, lse = FA.flash_attn_varlen_func(**args, return_softmax_lse=True)
+        FN.reshape_and_cache_flash(key, key, kc, vc, torch.tensor([0, 1]))
+        merged = FN.merge_attn_states(x, torch.zeros(2, 3), x, torch.zeros(2, 3))
+        qx, scale = FN.scaled_int8_quant_for_attn(x, 2, transpose_scale=True)
+        FN.vllm_paged_attention_int8(
+            decoded, q8, kc8, vc8, torch.ones(1, 1), ks, torch.ones(1, D), 1, 1.0, _i32([[2]]),
+            _i32([2]), BS, 2, save_key=torch.ones(1, 1, D, dtype=torch.int8),
+            save_value=torch.ones(1, 1, D, dtype=torch.int8), save_key_scale=torch.ones(1, 1),
+        )  # fmt: skip
+    assert out.shape == (1, 1, D) and out.dtype == torch.float16
+    assert lse.shape == (1, 1) and lse.dtype == torch.float32
+    assert merged.shape == x.shape and merged.dtype == x.dtype
+    assert qx.shape == x.shape and qx.dtype == torch.int8 and scale.shape == (2, 3)
+    assert torch.equal(kc, before) and not kc8.any() and not ks.any()  # nothing was written
+    assert not decoded.any()  # the paged kernel wrote nothing
+    assert ops.calls == 5 and ops.seconds > 0
+    out = FA.flash_attn_varlen_func(**args)  # outside: the math again
+    assert torch.isfinite(out).all() and out.abs().sum() > 0
