@@ -1,4 +1,10 @@
-"""What vendor op emulators share: a null-kernel mode and the time spent inside emulated ops.
+"""What vendor op emulators share: their ops' entry wrapper (call counts and records, the
+vendor binding's strict argument check), a null-kernel mode and the time spent inside ops.
+
+Every emulated op is registered with :meth:`OpLog.op`: each call is counted by name, appended
+to every open :meth:`OpLog.record` list (tests read what a backend passed), bound to the op's
+signature as the vendor binding binds it (an unknown or missing argument raises TypeError
+naming the op), and timed in null-kernel mode (below).
 
 An emulated op is two parts: its **checks** (everything the vendor op rejects: shapes, dtypes,
 layouts, length lists, limits) and its **math** (the attention, the KV write). A benchmark of a
@@ -22,10 +28,12 @@ Outside :func:`null_kernels` the markers cost one attribute read per op call.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import torch
@@ -125,3 +133,67 @@ def timed(fn: Callable[P, R]) -> Callable[P, R]:
             _STATE.depth = 0
 
     return op
+
+
+# --- the ops' entry: counted, recorded, bound -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    """One emulated op call, as the caller made it (``name``: the name its emulator gives it)."""
+
+    name: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+#: Runs an op instead of calling it directly: ``route(name, fn, args, kwargs)`` (an emulator's
+#: graph capture, which records or replays the call).
+Route = Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+
+
+class OpLog:
+    """One emulator's ops: how often each was called (``counts``) and what was passed
+    (:meth:`record`)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._recorders: list[list[Call]] = []
+
+    def reset_counts(self) -> None:
+        self.counts.clear()
+
+    @contextmanager
+    def record(self) -> Iterator[list[Call]]:
+        """Collect every call of this emulator's ops made inside the block."""
+        calls: list[Call] = []
+        self._recorders.append(calls)
+        try:
+            yield calls
+        finally:
+            self._recorders.remove(calls)
+
+    def op(
+        self, name: str, fn: Callable[..., Any], *, binding: str, route: Route | None = None
+    ) -> Callable[..., Any]:
+        """``fn`` as the emulated op ``name``: counted, recorded, bound to ``fn``'s signature
+        (a TypeError reads ``"{binding}(): ..."``), timed (:func:`timed`), then run (through
+        ``route`` when given)."""
+        sig = inspect.signature(fn)
+        counts, recorders = self.counts, self._recorders
+
+        @timed  # in null-kernel mode, the time spent inside the op is summed
+        @functools.wraps(fn)
+        def op(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            for calls in recorders:
+                calls.append(Call(name, args, dict(kwargs)))
+            try:
+                sig.bind(*args, **kwargs)  # the vendor binding rejects unknown / missing arguments
+            except TypeError as exc:
+                raise TypeError(f"{binding}(): {exc}") from None
+            if route is not None:
+                return route(name, fn, args, kwargs)
+            return fn(*args, **kwargs)
+
+        return op

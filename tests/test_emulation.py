@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -81,3 +82,36 @@ def test_skip_is_the_null_of_an_in_place_op():
     assert not target.any()
     fill(target)
     assert target.all()
+
+
+def test_an_op_log_counts_records_and_binds_its_ops():
+    log = emulation.OpLog()
+
+    def add(x: int, *, y: int = 1) -> int:
+        return x + y
+
+    op = log.op("math.add", add, binding="vendor.math.add")
+    with log.record() as calls:
+        assert op(2, y=3) == 5
+    assert op(1) == 2  # no recorder open: counted only
+    assert calls == [emulation.Call("math.add", (2,), {"y": 3})]
+    assert log.counts == {"math.add": 2}
+    with pytest.raises(TypeError, match=r"vendor\.math\.add\(\): .*z"):
+        op(1, z=2)  # the binding rejects what the vendor's would, naming the op
+    log.reset_counts()
+    assert not log.counts
+    assert op.__name__ == "add"  # the op keeps its function's name and signature
+
+
+def test_an_op_log_routes_calls_and_times_them_in_null_mode():
+    log = emulation.OpLog()
+    routed: list[str] = []
+
+    def route(name: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        routed.append(name)
+        return fn(*args, **kwargs) * 10
+
+    op = log.op("one", lambda: 1, binding="one", route=route)
+    with emulation.null_kernels() as ops:
+        assert op() == 10
+    assert routed == ["one"] and ops.calls == 1

@@ -55,13 +55,11 @@ Conventions, as the docs state them (``[inferred]`` marks our reading where they
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -118,55 +116,24 @@ class NotEmulatedError(NotImplementedError):
 
 # --- call accounting (tests count the fused calls a step makes) ----------------------------------
 
+_log = emulation.OpLog()
+#: One emulated op call, as the caller made it.
+Call = emulation.Call
 #: op name (with ``.out`` for the out overload) -> number of calls since the last reset.
-call_counts: Counter[str] = Counter()
-
-
-@dataclass(frozen=True)
-class Call:
-    """One emulated op call, as the caller made it."""
-
-    name: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-_recorders: list[list[Call]] = []
-
-
-def reset_call_counts() -> None:
-    call_counts.clear()
-
-
-@contextmanager
-def record_calls() -> Iterator[list[Call]]:
-    """Collect every emulated op call made inside the block (name, args, kwargs)."""
-    calls: list[Call] = []
-    _recorders.append(calls)
-    try:
-        yield calls
-    finally:
-        _recorders.remove(calls)
+call_counts: Counter[str] = _log.counts
+reset_call_counts = _log.reset_counts
+#: Collect every emulated op call made inside the block (name, args, kwargs).
+record_calls = _log.record
 
 
 def _counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    sig = inspect.signature(fn)
+    return _log.op(name, fn, binding=f"torch_npu.{name}", route=_route)
 
-    @emulation.timed  # in null-kernel mode, the time spent inside the op is summed
-    @functools.wraps(fn)
-    def op(*args: Any, **kwargs: Any) -> Any:
-        call_counts[name] += 1
-        for calls in _recorders:
-            calls.append(Call(name, args, dict(kwargs)))
-        try:
-            sig.bind(*args, **kwargs)  # the vendor binding rejects unknown / missing arguments
-        except TypeError as exc:
-            raise TypeError(f"torch_npu.{name}(): {exc}") from None
-        if graph_dispatch is not None:  # npu_graph: captured, or replacing a captured task
-            return graph_dispatch(name, fn, args, kwargs)
-        return fn(*args, **kwargs)
 
-    return op
+def _route(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if graph_dispatch is not None:  # npu_graph: captured, or replacing a captured task
+        return graph_dispatch(name, fn, args, kwargs)
+    return fn(*args, **kwargs)
 
 
 #: Set by ``attnhub_ascend.npu_graph`` (the emulated ``torch.npu`` graph API) when imported:

@@ -40,14 +40,11 @@ conformance suite compares the two).
 
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Optional, Union
 
@@ -86,53 +83,19 @@ class NotEmulatedError(NotImplementedError):
 
 # --- call accounting (tests read the calls a step makes) ----------------------------------------
 
+_log = emulation.OpLog()
+#: One emulated call, as the caller made it (``name``: "module.function").
+Call = emulation.Call
 #: "module.function" -> number of calls since the last reset.
-call_counts: Counter[str] = Counter()
-
-
-@dataclass(frozen=True)
-class Call:
-    """One emulated call, as the caller made it."""
-
-    name: str  # "vllm.vllm_flash_attn.flash_attn_varlen_func"
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-_recorders: list[list[Call]] = []
-
-
-def reset_call_counts() -> None:
-    call_counts.clear()
-
-
-@contextmanager
-def record_calls() -> Iterator[list[Call]]:
-    """Collect every emulated call made inside the block (name, args, kwargs)."""
-    calls: list[Call] = []
-    _recorders.append(calls)
-    try:
-        yield calls
-    finally:
-        _recorders.remove(calls)
+call_counts: Counter[str] = _log.counts
+reset_call_counts = _log.reset_counts
+#: Collect every emulated call made inside the block (name, args, kwargs).
+record_calls = _log.record
 
 
 def _counted(module: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     name = f"{module}.{fn.__name__}"
-    sig = inspect.signature(fn)
-
-    @emulation.timed  # in null-kernel mode, the time spent inside the op is summed
-    @functools.wraps(fn)
-    def op(*args: Any, **kwargs: Any) -> Any:
-        call_counts[name] += 1
-        for calls in _recorders:
-            calls.append(Call(name, args, dict(kwargs)))
-        try:
-            sig.bind(*args, **kwargs)  # Python's own binding: unknown / missing arguments
-        except TypeError as exc:
-            raise TypeError(f"{name}(): {exc}") from None
-        return fn(*args, **kwargs)
-
+    op = _log.op(name, fn, binding=name)
     op.__qualname__ = name
     return op
 

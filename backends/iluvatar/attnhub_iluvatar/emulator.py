@@ -50,13 +50,10 @@ Conventions:
 
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -95,49 +92,19 @@ class NotEmulatedError(NotImplementedError):
 
 # --- call recording (tests check what the backend passed) -----------------------------------------
 
-
-@dataclass(frozen=True)
-class Call:
-    """One emulated op call, as the caller made it (``name`` is the op's dotted path)."""
-
-    name: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-_recorders: list[list[Call]] = []
-
-
-@contextmanager
-def record_calls() -> Iterator[list[Call]]:
-    """Collect every emulated op call made inside the block (name, args, kwargs)."""
-    calls: list[Call] = []
-    _recorders.append(calls)
-    try:
-        yield calls
-    finally:
-        _recorders.remove(calls)
+_log = emulation.OpLog()
+#: One emulated op call, as the caller made it (``name`` is the op's dotted path).
+Call = emulation.Call
+#: Collect every emulated op call made inside the block (name, args, kwargs).
+record_calls = _log.record
 
 
 def _op(path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn`` as the op ``path`` ("module.name"): recorded, bound like the vendor's."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        sig = inspect.signature(fn)
-        name = path.rsplit(".", 1)[1]
-
-        @emulation.timed  # in null-kernel mode, the time spent inside the op is summed
-        @functools.wraps(fn)
-        def op(*args: Any, **kwargs: Any) -> Any:
-            for calls in _recorders:
-                calls.append(Call(path, args, dict(kwargs)))
-            try:
-                sig.bind(*args, **kwargs)  # unknown or missing arguments fail as they would
-            except TypeError as exc:
-                raise TypeError(f"ixformer.{path}(): {exc}") from None
-            return fn(*args, **kwargs)
-
-        op.__name__ = name
+        op = _log.op(path, fn, binding=f"ixformer.{path}")
+        op.__name__ = path.rsplit(".", 1)[1]
         return op
 
     return wrap
