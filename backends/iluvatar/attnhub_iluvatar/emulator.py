@@ -1070,11 +1070,11 @@ def _paged_decode(
         dq,
         table,
         lens,
-        scale,
+        float(scale),
         causal,
         window_left,
         window_right,
-        softcap,
+        float(softcap),
         alibi,
     )
 
@@ -1105,10 +1105,10 @@ def _paged_decode_math(
             qf[r : r + 1],
             k,
             v,
-            scale=float(scale),
+            scale=scale,
             causal=causal,
             window=(window_left, window_right),
-            softcap=float(softcap),
+            softcap=softcap,
             alibi=alibi,
         )
         o[r] = res[0].to(o.dtype)
