@@ -124,6 +124,18 @@ class AttentionBackend(abc.ABC):
             self.spec, num_blocks, self.device, layout=self.capabilities.kv_cache_layout
         )
 
+    def kv_cache_from_pages(self, pages: torch.Tensor) -> PagedKVCache | None:
+        """This backend's cache laid out inside an engine's memory, one page per block.
+
+        ``pages`` is ``[num_blocks, 2 * block_size * num_kv_heads * head_size]`` in the
+        spec's storage dtype, each row (a dense run; rows any stride apart) all of one block's
+        keys and values. A backend whose kernels keep a block in a layout of their own returns
+        views of that layout inside each page, so its kernels read and write the engine's
+        memory in place (no byte allocated beside it; page ``b`` holds block ``b`` alone).
+        Scales of a quantized format are the engine's to attach. Default: None (no page layout
+        of its own: the engine views its memory in ``capabilities.kv_cache_layout``)."""
+        return None
+
     def graph_adaptor(self) -> GraphAdaptor:
         """The device-graph API this backend's graphs are captured with (attnhub.graphs):
         CUDA graphs on "cuda", the eager tape elsewhere. A backend whose graphs need its

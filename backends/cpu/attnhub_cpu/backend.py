@@ -10,8 +10,9 @@ The kernels keep a block in a layout of their own: per (block, kv head), vec and
 keys transposed (``[head_size, block_size]``) and the values as rows (``[block_size,
 head_size]``). ``allocate_kv_cache`` gives exactly that storage as an attnhub HND cache (the key
 plane is a transposed view), so the kernels read and write the cache in place and every attnhub
-tool (the reference, the suite, block copies) reads it through the views. A cache in any other
-strides (K|V side by side per slot, as vLLM's per-layer tensor seen through the adapter) is
+tool (the reference, the suite, block copies) reads it through the views;
+``kv_cache_from_pages`` lays the same storage out in an engine's memory (vLLM's pages, as its
+own CPU backend keeps them). A cache in any other strides (K|V side by side per slot) is
 accepted too (``strided_kv_cache``): the write goes through indexing and the attention first
 copies the step's blocks into kernel storage (one gather of the K/V the step reads, per layer).
 """
@@ -217,6 +218,34 @@ class CpuBackend(AttentionBackend):
             raise InvalidInputError(f"num_blocks = {num_blocks!r} must be a positive int")
         key, value = self.new_planes(num_blocks)
         return PagedKVCache(key, value, self.spec.block_size, "HND", self.spec.kv_cache_dtype)
+
+    def kv_cache_from_pages(self, pages: torch.Tensor) -> PagedKVCache:
+        """The kernels' storage inside an engine's pages, in place: per (block, kv head) the
+        keys transposed (``[head_size, block_size]``) then the values (``[block_size,
+        head_size]``), the layout vLLM's own CPU backend keeps in its per-layer tensor
+        (``[blocks, kv heads, 2 * block_size, head_size]``, chunked in two). Read as HND."""
+        s = self.spec
+        h, n, d = s.num_kv_heads, s.block_size, s.head_size
+        page = 2 * h * n * d
+        if not isinstance(pages, torch.Tensor) or pages.dim() != 2 or pages.shape[1] != page:
+            shape = tuple(pages.shape) if isinstance(pages, torch.Tensor) else type(pages)
+            raise InvalidInputError(
+                f"pages {shape} must be [num_blocks, {page}] (2 * block_size {n} * "
+                f"num_kv_heads {h} * head_size {d})"
+            )
+        if pages.dtype != s.dtype or pages.device != self.device:
+            raise InvalidInputError(
+                f"pages are {pages.dtype} on {pages.device}, the cache is {s.dtype} on "
+                f"{self.device}"
+            )
+        if pages.shape[1] > 1 and pages.stride(1) != 1:
+            raise InvalidInputError(f"pages' rows must be dense, stride {pages.stride()}")
+        if pages.shape[0] > 1 and abs(pages.stride(0)) < page:
+            raise InvalidInputError(f"pages' rows overlap: stride {pages.stride()}, page {page}")
+        b, row, base = pages.shape[0], pages.stride(0), pages.storage_offset()
+        key = pages.as_strided((b, h, n, d), (row, 2 * n * d, 1, n), base)
+        value = pages.as_strided((b, h, n, d), (row, 2 * n * d, d, 1), base + n * d)
+        return PagedKVCache(key, value, n, "HND", s.kv_cache_dtype)
 
     def metadata_builder(self) -> CpuMetadataBuilder:
         return CpuMetadataBuilder(self)

@@ -48,6 +48,7 @@ from attnhub_vllm.mapping import (
     KV_CACHE_DTYPES,
     AttnhubConfigurationError,
     batch_from_common,
+    cache_pages,
     cache_planes,
     cache_views,
     choice_from_additional_config,
@@ -114,13 +115,26 @@ def paged_cache(
     backend: attnhub.AttentionBackend,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PagedKVCache:
-    """attnhub's cache over vLLM's per-layer tensor for ``backend``: strided K|V views where
-    the backend declares it takes them (``capabilities.strided_kv_cache``), else contiguous K
-    and V planes carved from the same memory, else (a non-contiguous tensor) caches of the
-    backend's own. ``scales``: the layer's fp8 (k_scale, v_scale), shared, not copied (vLLM may
-    update them in place). Logs once per backend the KV bytes a layer uses beyond vLLM's."""
+    """attnhub's cache over vLLM's per-layer tensor for ``backend``: the backend's own block
+    layout inside each page where it has one (``kv_cache_from_pages``: its kernels work in
+    place), else strided K|V views where the backend declares it takes them
+    (``capabilities.strided_kv_cache``), else contiguous K and V planes carved from the same
+    memory, else (a non-contiguous tensor) caches of the backend's own. ``scales``: the
+    layer's fp8 (k_scale, v_scale), shared, not copied (vLLM may update them in place). Logs
+    once per backend the KV bytes a layer uses beyond vLLM's."""
     spec, layout = backend.spec, backend.capabilities.kv_cache_layout
-    if backend.capabilities.strided_kv_cache:
+    pages = cache_pages(kv_cache, spec)
+    native = None if pages is None else backend.kv_cache_from_pages(pages)
+    if native is not None:
+        logger.info_once(
+            "attnhub-vllm: backend %r lays each block of vLLM's KV-cache tensor out in its "
+            "kernels' own layout (pages keep their block ids)",
+            backend.name,
+        )
+        cache = native
+        if scales is not None and spec.kv_cache_format.is_quantized:
+            cache = dataclasses.replace(cache, key_scale=scales[0], value_scale=scales[1])
+    elif backend.capabilities.strided_kv_cache:
         cache = cache_views(kv_cache, spec, layout, scales)
     else:
         planes = cache_planes(kv_cache, spec, layout, scales)

@@ -6,6 +6,8 @@
   reasons the adapter itself refuses (features it does not map).
 - :func:`cache_views`: vLLM's per-layer KV tensor (logical ``[B, H, N, 2*D]``, K then V in the
   last dim) -> ``PagedKVCache`` views in the backend's layout, without copying.
+- :func:`cache_pages`: the same memory as one row per block (a page), for backends that lay a
+  block out in their kernels' own layout (``AttentionBackend.kv_cache_from_pages``).
 - :func:`cache_planes`: the same memory as two contiguous K and V planes, for backends whose
   kernels refuse strided planes.
 """
@@ -205,6 +207,24 @@ def _paged(
         key_scale=key_scale,
         value_scale=value_scale,
     )
+
+
+def cache_pages(kv_cache: torch.Tensor, spec: AttentionSpec) -> torch.Tensor | None:
+    """vLLM's per-layer cache as ``[num_blocks, page]`` in attnhub's storage dtype: row ``b``
+    is the memory of block ``b`` (its heads, slots and K|V channels, in whatever order vLLM
+    allocated them). None when a block's memory is not one dense run (vLLM's block axis is
+    not outermost in memory)."""
+    if kv_cache.dim() != 4:
+        return None
+    strides = kv_cache.stride()
+    inner = sorted(range(1, 4), key=lambda i: -strides[i])
+    block = kv_cache[0].permute([i - 1 for i in inner]) if kv_cache.shape[0] else None
+    if block is None or not block.is_contiguous() or strides[0] < block.numel():
+        return None
+    t = _as_storage(kv_cache, spec)
+    page = block.numel() * kv_cache.element_size() // t.element_size()
+    row = strides[0] * kv_cache.element_size() // t.element_size()
+    return t.as_strided((t.shape[0], page), (row, 1), t.storage_offset())
 
 
 def cache_planes(

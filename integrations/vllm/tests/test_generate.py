@@ -214,7 +214,9 @@ def test_cpu_backend_generates_identical_tokens(
     model_dir: str, tmp_path: Path, dtype: str, block_size: int
 ) -> None:
     """attnhub's ``cpu`` backend calls the kernels vLLM's CPU backend calls, on the same ISA
-    path: the same batches and the same tokens, in every dtype it serves here."""
+    path: the same batches and the same tokens, in every dtype it serves here. It keeps its
+    kernels' block layout inside vLLM's own pages (``kv_cache_from_pages``: the layout
+    ``CPU_ATTN`` keeps there), so the kernels work in place: no KV byte beside vLLM's."""
     why = _cpu_backend_refusal(dtype)
     if why is not None:
         pytest.skip(f"attnhub's cpu backend cannot serve {dtype} on this machine: {why}")
@@ -223,6 +225,14 @@ def test_cpu_backend_generates_identical_tokens(
     batches = _check_batches(ref)
     assert [s["query_lens"] for s in got["steps"]] == [s["query_lens"] for s in ref["steps"]]
     assert got["token_ids"] == ref["token_ids"]
+    log = got["log"]
+    found = re.search(
+        r"backend 'cpu' KV cache per layer: (\d+) bytes in vLLM's tensor, (\d+) bytes extra", log
+    )
+    assert found and int(found[1]) > 0 and int(found[2]) == 0, log[-3000:]
+    assert "backend 'cpu' lays each block of vLLM's KV-cache tensor out in its kernels'" in log
+    layout = re.search(r"Using (\w+) KV cache layout", log)
+    assert layout and layout[1] == "LBHNC", log[-3000:]
     n, tokens = len(ref["token_ids"]), sum(map(len, ref["token_ids"]))
     print(f"\ncpu {dtype}: {n}/{n} prompts identical ({tokens} tokens); {batches}")
     print(_summary(f"vllm CPU_ATTN {dtype}", ref) + "\n" + _summary(f"attnhub cpu {dtype}", got))

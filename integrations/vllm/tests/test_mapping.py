@@ -10,6 +10,7 @@ import torch
 from attnhub_vllm.mapping import (
     AttnhubConfigurationError,
     batch_from_common,
+    cache_pages,
     cache_planes,
     cache_views,
     choice_from_additional_config,
@@ -131,6 +132,94 @@ def test_cache_planes_carve_contiguous_planes_from_vllm_memory(layout: str) -> N
     assert torch.equal(got_v[[1, 7]].double(), v.double())
     assert kv.count_nonzero() == 2 * 2 * 2 * 8  # only the written slots changed
     assert extra_kv_bytes(cache, kv) == 0
+
+
+def test_cache_pages_are_vllms_blocks_in_memory() -> None:
+    """Row b of the pages is the memory of vLLM's block b, whatever order vLLM laid its heads,
+    slots and channels out in (LBHNC, LBNHC); None where a block's memory is not one run."""
+    spec, _ = spec_from_vllm(
+        num_heads=4, num_kv_heads=2, head_size=8, dtype=torch.float32, block_size=4, scale=0.3
+    )
+    assert spec is not None
+    for kv in (torch.zeros(3, 2, 4, 16), torch.zeros(3, 4, 2, 16).permute(0, 2, 1, 3)):
+        pages = cache_pages(kv, spec)
+        assert pages is not None and tuple(pages.shape) == (3, 2 * 4 * 2 * 8)
+        for b in range(3):
+            assert pages[b].data_ptr() == kv[b].data_ptr()
+        pages[1].fill_(1.0)  # the same memory: exactly block 1 changes
+        assert kv[1].eq(1).all() and kv.count_nonzero() == kv[1].numel()
+    assert cache_pages(torch.zeros(3, 2, 4, 32)[..., :16], spec) is None  # gaps in a block
+    assert cache_pages(torch.zeros(2, 3, 4, 16).transpose(0, 1), spec) is None  # blocks inner
+    # Backends without a page layout of their own keep the adapter's views (default None).
+    backend = attnhub.select_backend(spec, prefer="torch")
+    assert backend.kv_cache_from_pages(cache_pages(torch.zeros(3, 2, 4, 16), spec)) is None
+
+
+def _cpu_backend(spec: attnhub.AttentionSpec) -> attnhub.AttentionBackend:
+    try:
+        cls = attnhub.get_backend("cpu")
+    except attnhub.errors.AttnhubError as exc:
+        pytest.skip(f"attnhub's cpu backend is not installed: {exc}")
+    why = cls.availability("cpu")
+    if why is not None:
+        pytest.skip(f"attnhub's cpu backend is unavailable: {why}")
+    return cls(spec)
+
+
+def test_cpu_backend_keeps_vllms_cpu_block_layout_in_the_pages() -> None:
+    """The cpu backend's cache in vLLM's pages is the kernels' storage, as vLLM's CPU_ATTN
+    views the same tensor ([B, H, 2N, D], keys then values): a write through attnhub leaves
+    exactly the bytes vLLM's own call leaves, the attention gives the bits it gives over the
+    backend's own cache, and no byte lies outside vLLM's tensor."""
+    spec = attnhub.AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32, block_size=32
+    )
+    backend = _cpu_backend(spec)
+    kv = torch.zeros(5, 2, 32, 128)  # vLLM's LBHNC per-layer tensor
+    pages = cache_pages(kv, spec)
+    assert pages is not None
+    cache = backend.kv_cache_from_pages(pages)
+    assert cache is not None and extra_kv_bytes(cache, kv) == 0
+    from attnhub_cpu.backend import is_kernel_storage
+
+    assert is_kernel_storage(cache)
+    gen = torch.Generator().manual_seed(0)
+    batch = BatchMetadata.from_lengths([1, 3], [40, 3], [[4, 1], [2, 0]], 32)
+    n = batch.num_actual_tokens
+    q = torch.randn(n, 4, 64, generator=gen)
+    k, v = torch.randn(n, 2, 64, generator=gen), torch.randn(n, 2, 64, generator=gen)
+    history = torch.randn(5, 2, 32, 128, generator=gen)  # earlier tokens, in vLLM's page bytes
+    kv.copy_(history)
+    impl = backend.impl()
+    meta = backend.metadata_builder().build(batch)
+    out = impl.forward(q, k, v, cache, meta)
+    theirs = history.clone().view(5, 2, 64, 64)  # vLLM's CPU_ATTN views its tensor so
+    k_cache, v_cache = theirs.chunk(2, dim=2)
+    torch.ops._C.cpu_attn_reshape_and_cache(
+        k, v, k_cache, v_cache, batch.slot_mapping.to(torch.int64), backend.isa, 1.0, 1.0, "auto"
+    )
+    assert torch.equal(kv, theirs.view_as(kv))
+    own = backend.allocate_kv_cache(5)  # the same K/V in the backend's own storage
+    own.key.copy_(cache.key)
+    own.value.copy_(cache.value)
+    assert torch.equal(impl.forward(q, None, None, own, meta), out)
+
+
+def test_cpu_backend_refuses_pages_it_cannot_lay_out() -> None:
+    spec = attnhub.AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32, block_size=32
+    )
+    backend = _cpu_backend(spec)
+    page = 2 * 2 * 32 * 64
+    bad = {
+        "must be \\[num_blocks, 8192\\]": torch.zeros(3, page + 1),
+        "float16": torch.zeros(3, page, dtype=torch.float16),
+        "dense": torch.zeros(3, 2 * page)[:, ::2],
+        "overlap": torch.zeros(4 * page).as_strided((3, page), (page // 2, 1)),
+    }
+    for match, pages in bad.items():
+        with pytest.raises(attnhub.errors.InvalidInputError, match=match):
+            backend.kv_cache_from_pages(pages)
 
 
 def test_extra_kv_bytes_counts_only_memory_outside_vllms_tensor() -> None:
