@@ -554,48 +554,73 @@ def _pyplot() -> ModuleType:  # matplotlib.pyplot
 
 
 def plot(run: Run, path: str, where: Machine | None = None) -> None:
-    """Achieved bandwidth (decode: K+V bytes read / time) and FLOP/s (prefill) of every backend
-    and dense SDPA, per dtype, against the ceilings measured in the same run (needs matplotlib:
-    ``pip install 'attnhub[plot]'``)."""
+    """Achieved bandwidth (decode: K+V bytes read / time) and FLOP/s (prefill) of every backend,
+    dense SDPA, and the direct kernel comparisons (hatched), per dtype, against the ceilings
+    measured in the same run (needs matplotlib: ``pip install 'attnhub[plot]'``)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     ceil = run.ceilings
     for ax, kind in zip(axes, ("decode", "prefill"), strict=True):
         rows = [r for r in run.results if r.kind == kind]
+        shapes = {(r.case, r.dtype): r for r in rows}
+        # (label, dtype) -> achieved; the direct comparisons of the same cases after the backends
+        bars: dict[str, dict[str, float]] = {}
+        for r in rows:
+            bars.setdefault(r.backend, {})[r.dtype] = r.gbps if kind == "decode" else r.gflops
+        for d in run.direct:
+            same = shapes.get((d.case, d.dtype))
+            if same is not None:
+                amount = same.kv_bytes if kind == "decode" else same.flops
+                bars.setdefault(f"{d.source}: kernels called directly", {})[d.dtype] = (
+                    amount / d.direct_ms / 1e6
+                )
         dtypes = list(dict.fromkeys(r.dtype for r in rows))
-        names = list(dict.fromkeys(r.backend for r in rows))
-        width = 0.8 / max(len(names), 1)
-        for j, name in enumerate(names):
-            xs, ys = [], []
-            for i, dt in enumerate(dtypes):
-                for r in rows:
-                    if r.backend == name and r.dtype == dt:
-                        xs.append(i - 0.4 + width * (j + 0.5))
-                        ys.append(r.gbps if kind == "decode" else r.gflops)
-            bars = ax.bar(xs, ys, width, label=name, color="grey" if name == DENSE else f"C{j}")
-            ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        width = 0.8 / max(len(bars), 1)
+        colors: dict[str, str] = {}  # a backend's direct comparison in the backend's color
+        for j, (label, values) in enumerate(bars.items()):
+            xs = [i - 0.4 + width * (j + 0.5) for i, dt in enumerate(dtypes) if dt in values]
+            ys = [values[dt] for dt in dtypes if dt in values]
+            direct = label.endswith("called directly")
+            drawn = ax.bar(
+                xs,
+                ys,
+                width,
+                label=label,
+                color=colors.setdefault(label.split(":")[0], "grey" if label == DENSE else f"C{j}"),
+                hatch="//" if direct else None,
+                edgecolor="white" if direct else None,
+            )
+            ax.bar_label(drawn, fmt="%.1f", fontsize=7)
         if kind == "decode":
-            ax.axhline(ceil.copy_gbps, color="#c44e52", linestyle="--")
-            ax.text(
-                -0.45, ceil.copy_gbps, f" copy bandwidth {ceil.copy_gbps:.1f} GB/s",
-                va="bottom", fontsize=8, color="#c44e52",
-            )  # fmt: skip
+            ax.axhline(
+                ceil.copy_gbps,
+                color="#c44e52",
+                linestyle="--",
+                label=f"measured copy bandwidth {ceil.copy_gbps:.1f} GB/s",
+            )
             ax.set_ylabel("achieved GB/s (K+V bytes read / forward time)")
+            ticks = dtypes
         else:
+            ticks = []
             for i, dt in enumerate(dtypes):
                 top = ceil.matmul_gflops.get(dt)
+                own = ceil.matmul_own_gflops.get(dt, top)
                 if top is None:
+                    ticks.append(dt)
                     continue
-                ax.hlines(top, i - 0.45, i + 0.45, colors="#c44e52", linestyles="dashed")
-                ax.text(
-                    i - 0.45, top, f" {dt} matmul {top:.0f} GFLOP/s",
-                    va="bottom", fontsize=8, color="#c44e52",
+                ax.hlines(
+                    top, i - 0.45, i + 0.45, colors="#c44e52", linestyles="dashed",
+                    label="measured matmul ceiling" if i == 0 else None,
                 )  # fmt: skip
+                tick = f"{dt}\nceiling {top:.1f} GFLOP/s"
+                if own is not None and own < top:
+                    tick += f"\n(float32 matmul; {dt}'s own: {own:.1f})"
+                ticks.append(tick)
             ax.set_ylabel("achieved GFLOP/s (useful causal FLOPs / time)")
         case = rows[0].case if rows else kind
-        ax.set_xticks(range(len(dtypes)), dtypes)
+        ax.set_xticks(range(len(dtypes)), ticks)
         ax.set_title(f"{case}: {'memory-bound' if kind == 'decode' else 'compute-bound'}")
-        ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
         ax.legend(fontsize=7, loc="upper right")
         ax.grid(True, axis="y", alpha=0.3)
     if where is not None:

@@ -396,7 +396,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         names: list[str] | None = [args.backend]
     else:
         names, _ = bench.bench_backends(args.device, args.emulate)
-    with Steps("bench", 2 + len(cases) * (1 + len(names or []))) as steps:
+    direct = not args.backend and args.device == "cpu"
+    with Steps("bench", 1 + len(cases) * (1 + len(names or [])) + direct) as steps:
         run = bench.run_all(
             cases,
             backends=[args.backend] if args.backend else None,
@@ -404,7 +405,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             emulate=args.emulate,
             quick=args.quick,
-            direct=not args.backend and args.device == "cpu",
+            direct=direct,
             progress=steps.step,
         )
     where = bench.machine()

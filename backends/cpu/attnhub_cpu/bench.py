@@ -176,6 +176,8 @@ def direct_comparisons(*, quick: bool = False, repeats: int = 9) -> list[DirectC
     why = CpuBackend.availability("cpu")
     if why is not None:
         raise BenchUnavailable(f"the cpu backend cannot run here: {why}")
+    cases = quick_cases() if quick else default_cases()
+    bs = cases[0].block_size
     return [
         DirectComparison(
             source="cpu",
@@ -185,9 +187,9 @@ def direct_comparisons(*, quick: bool = False, repeats: int = 9) -> list[DirectC
             direct_ms=r.direct_ms,
             speed=r.speed,
             goal=r.goal,
-            note="; ".join(n for n in (f"vLLM ISA path {r.isa}", r.note) if n),
+            note="; ".join(n for n in (f"vLLM ISA path {r.isa}, block {bs}", r.note) if n),
         )
-        for r in run(quick_cases() if quick else None, repeats=repeats)
+        for r in run(cases, repeats=repeats)
     ]
 
 
