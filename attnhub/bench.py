@@ -1,10 +1,14 @@
-"""``attnhub bench``: a backend's forward against dense SDPA, timed in the same run, as ratios.
+"""``attnhub bench``: every backend's forward against dense SDPA and against the machine's
+limits, timed in the same run, as ratios.
 
-Absolute times drift on shared machines; ratios measured back to back do not (much). Each case
-times the backend's full per-layer ``forward`` (KV write + attention over the paged cache, with
-metadata built once outside the timing, as an engine does) and the baseline on the same shapes
-with contiguous, unpaged K/V (dense ``scaled_dot_product_attention``, GQA folded into the query
-rows for decode, K/V heads expanded for causal prefill: the fastest dense forms measured here).
+Absolute times drift on shared machines; ratios measured in one run do not (much). Each case
+times dense SDPA once on the same shapes with contiguous, unpaged K/V (GQA folded into the query
+rows for decode, K/V heads expanded for causal prefill: the fastest dense forms measured here),
+then every backend's full per-layer ``forward`` (KV write + attention over the paged cache, with
+metadata built once outside the timing, as an engine does). The run also measures the copy
+bandwidth and matmul FLOP/s it compares decode and prefill with, and runs the direct kernel
+comparisons backends register in entry-point group ``attnhub.bench``. ``--host``: the host
+overhead of the per-step and per-layer calls (second half of this module).
 """
 
 from __future__ import annotations
@@ -159,7 +163,7 @@ def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float
 
 
 def _kv_and_plan(case: BenchCase, be: Any, device: str) -> tuple[Any, ...]:
-    """A paged cache filled with random K/V (shuffled blocks), the step's inputs and metadata."""
+    """A paged cache filled with random K/V (shuffled blocks), the step's batch and q, k, v."""
     gen = torch.Generator().manual_seed(0)
     H, Hkv, D, bs = case.num_heads, case.num_kv_heads, case.head_size, case.block_size
     blocks_per_req = -(-case.seq_len // bs)
