@@ -1,14 +1,19 @@
-"""``attnhub bench``: a backend's forward against dense SDPA, timed in the same run, as ratios.
+"""``attnhub bench``: every backend's forward against dense SDPA and against the machine's
+limits, timed in the same run, as ratios.
 
-Absolute times drift on shared machines; ratios measured back to back do not (much). Each case
-times the backend's full per-layer ``forward`` (KV write + attention over the paged cache, with
-metadata built once outside the timing, as an engine does) and the baseline on the same shapes
-with contiguous, unpaged K/V (dense ``scaled_dot_product_attention``, GQA folded into the query
-rows for decode, K/V heads expanded for causal prefill: the fastest dense forms measured here).
+Absolute times drift on shared machines; ratios measured in one run do not (much). Each case
+times dense SDPA once on the same shapes with contiguous, unpaged K/V (GQA folded into the query
+rows for decode, K/V heads expanded for causal prefill: the fastest dense forms measured here),
+then every backend's full per-layer ``forward`` (KV write + attention over the paged cache, with
+metadata built once outside the timing, as an engine does). The run also measures the copy
+bandwidth and matmul FLOP/s it compares decode and prefill with, and runs the direct kernel
+comparisons backends register in entry-point group ``attnhub.bench``. ``--host``: the host
+overhead of the per-step and per-layer calls (second half of this module).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import re
@@ -24,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from attnhub.batch import BatchMetadata
+from attnhub.errors import AttnhubError
 from attnhub.registry import select_backend
 from attnhub.spec import AttentionSpec
 
@@ -111,6 +117,19 @@ class BenchResult:
     ratio: float
     target: float | None
     build_us: float  # metadata build per step (host), microseconds
+    kind: str = "decode"  # "decode" | "prefill"
+    kv_bytes: int = 0  # K and V bytes the step reads (see kv_bytes)
+    flops: int = 0  # the attention's useful FLOPs (see attention_flops)
+
+    @property
+    def gbps(self) -> float:
+        """Achieved bandwidth: K+V bytes read / forward time, GB/s."""
+        return self.kv_bytes / self.backend_ms / 1e6
+
+    @property
+    def gflops(self) -> float:
+        """Achieved useful FLOP/s, GFLOP/s."""
+        return self.flops / self.backend_ms / 1e6
 
     @property
     def meets_target(self) -> bool | None:
@@ -143,22 +162,10 @@ def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float
     return statistics.median(times) * 1e3
 
 
-def run_case(
-    case: BenchCase,
-    *,
-    backend: str | None = None,
-    device: str = "cpu",
-    repeats: int = 7,
-    emulate: bool = False,
-) -> BenchResult:
+def _kv_and_plan(case: BenchCase, be: Any, device: str) -> tuple[Any, ...]:
+    """A paged cache filled with random K/V (shuffled blocks), the step's batch and q, k, v."""
     gen = torch.Generator().manual_seed(0)
     H, Hkv, D, bs = case.num_heads, case.num_kv_heads, case.head_size, case.block_size
-    group = H // Hkv
-    spec = AttentionSpec(
-        num_heads=H, num_kv_heads=Hkv, head_size=D, dtype=case.dtype, block_size=bs
-    )
-    be = select_backend(spec, device, prefer=backend, emulate=emulate)
-    impl = be.impl()
     blocks_per_req = -(-case.seq_len // bs)
     num_blocks = case.num_reqs * blocks_per_req + 1  # block 0 stays unused
     cache = be.allocate_kv_cache(num_blocks)
@@ -175,17 +182,45 @@ def run_case(
         return torch.randn(shape, generator=gen).to(device, case.dtype)
 
     q, k, v = rand(T, H, D), rand(T, Hkv, D), rand(T, Hkv, D)
+    return cache, batch, q, k, v
+
+
+def _spec(case: BenchCase) -> AttentionSpec:
+    return AttentionSpec(
+        num_heads=case.num_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_size=case.head_size,
+        dtype=case.dtype,
+        block_size=case.block_size,
+    )
+
+
+def _time_backend(case: BenchCase, be: Any, device: str, repeats: int) -> tuple[float, float]:
+    """(forward ms, build us) of one backend class on ``case``."""
+    cache, batch, q, k, v = _kv_and_plan(case, be, device)
+    impl = be.impl()
     builder = be.metadata_builder()
     t0 = time.perf_counter()
     n_build = 20
     for _ in range(n_build):
         meta = builder.build(batch)
     build_us = (time.perf_counter() - t0) / n_build * 1e6
-    backend_ms = _median_ms(lambda: impl.forward(q, k, v, cache, meta), repeats)
+    return _median_ms(lambda: impl.forward(q, k, v, cache, meta), repeats), build_us
 
+
+def dense_ms(case: BenchCase, *, device: str = "cpu", repeats: int = 7) -> float:
+    """Dense SDPA on the case's shapes with contiguous, unpaged K/V, median ms: GQA folded into
+    the query rows for decode, K/V heads expanded for causal prefill (the fastest dense forms
+    measured here)."""
+    gen = torch.Generator().manual_seed(1)
+    H, Hkv, D = case.num_heads, case.num_kv_heads, case.head_size
     B, L = case.num_reqs, case.seq_len
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(device, case.dtype)
+
     if case.kind == "decode":
-        dq = rand(B, Hkv, group, D)  # GQA folded into the query rows
+        dq = rand(B, Hkv, H // Hkv, D)
         dk, dv = rand(B, Hkv, L, D), rand(B, Hkv, L, D)
 
         def dense() -> object:
@@ -197,28 +232,305 @@ def run_case(
         def dense() -> object:
             return F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
 
-    dense_ms = _median_ms(dense, repeats)
+    return _median_ms(dense, repeats)
+
+
+def run_case(
+    case: BenchCase,
+    *,
+    backend: str | None = None,
+    device: str = "cpu",
+    repeats: int = 7,
+    emulate: bool = False,
+    dense: float | None = None,
+) -> BenchResult:
+    """One backend (the selected one unless named) on ``case``, and dense SDPA (unless its
+    time, ``dense``, was measured already in this run)."""
+    be = select_backend(_spec(case), device, prefer=backend, emulate=emulate)
+    backend_ms, build_us = _time_backend(case, be, device, repeats)
+    d_ms = dense_ms(case, device=device, repeats=repeats) if dense is None else dense
     return BenchResult(
         case=case.name,
-        backend=be.name,
+        backend=be.name + (f" {EMULATED}" if be.emulated else ""),
         dtype=str(case.dtype).removeprefix("torch."),
         backend_ms=backend_ms,
-        dense_ms=dense_ms,
-        ratio=backend_ms / dense_ms,
+        dense_ms=d_ms,
+        ratio=backend_ms / d_ms,
         target=case.target,
         build_us=build_us,
+        kind=case.kind,
+        kv_bytes=kv_bytes(case),
+        flops=attention_flops(case),
     )
 
 
-def report(results: list[BenchResult] | list[HostOverhead], where: Machine) -> dict[str, object]:
-    """The JSON a run writes: the machine it ran on, then every result."""
+# --- what the hardware can do, measured in the same run -------------------------------------
+#
+# Decode reads every K and V byte of the cache once per layer: its time is bounded below by
+# those bytes over the memory bandwidth. Causal prefill is compute-bound: its useful FLOPs (QK^T
+# and PV over the causal half) over the time, against what a plain matmul reaches here.
+
+#: label of rows that ran a backend's emulator: the math of an emulator, not of the hardware
+EMULATED = "(emulated: emulator math)"
+DENSE = "dense SDPA (unpaged)"
+
+
+def kv_bytes(case: BenchCase) -> int:
+    """Bytes of K and V the step reads from the cache: every cached token's key and value of
+    every kv head, once."""
+    itemsize = torch.empty((), dtype=case.dtype).element_size()
+    return 2 * case.num_reqs * case.seq_len * case.num_kv_heads * case.head_size * itemsize
+
+
+def attention_flops(case: BenchCase) -> int:
+    """Useful FLOPs of the step's attention: 2 per multiply-add of QK^T and of PV, for every
+    (query, visible key) pair of every query head (causal: key position <= query position)."""
+    q_len = 1 if case.kind == "decode" else case.seq_len
+    ctx = case.seq_len - q_len
+    pairs = q_len * ctx + q_len * (q_len + 1) // 2  # each query sees the context and itself
+    return 4 * case.num_reqs * case.num_heads * case.head_size * pairs
+
+
+@dataclass
+class Ceilings:
+    """The machine's limits, measured in the run they are compared with."""
+
+    copy_gbps: float  # (bytes read + bytes written) / time of one large tensor copy, GB/s
+    copy_bytes: int  # the size of the copied tensor
+    #: dtype -> the compute ceiling, GFLOP/s: the faster of a square matmul in that dtype and
+    #: in float32 (a kernel can always convert to float32 and compute there)
+    matmul_gflops: dict[str, float]
+    matmul_n: int
+    #: dtype -> its own matmul as measured (n = ``matmul_n``, or 512 where that dtype takes a
+    #: slow path: bf16 without AVX512-BF16 / AMX runs ~100x under float32 here)
+    matmul_own_gflops: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def measure_ceilings(
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+    *,
+    quick: bool = False,
+    repeats: int = 7,
+    device: str = "cpu",
+) -> Ceilings:
+    """Copy bandwidth of a tensor far larger than the CPU caches (256 MiB; 32 MiB quick), the
+    STREAM "copy" convention (read + write bytes); and the FLOP/s of an n x n matmul per dtype
+    (n = 2048; 256 quick), medians of ``repeats`` runs. A dtype whose 512 x 512 matmul runs
+    under a quarter of float32's is timed at 512 only (its slow path would take minutes)."""
+    nbytes = (32 if quick else 256) << 20
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    copy_s = _median_ms(lambda: dst.copy_(src), repeats) / 1e3
+    n = 256 if quick else 2048
+
+    def mm_gflops(dtype: torch.dtype, size: int, reps: int) -> float:
+        a = torch.randn(size, size).to(device, dtype)
+        b = torch.randn(size, size).to(device, dtype)
+        return 2 * size**3 / (_median_ms(lambda: torch.mm(a, b), reps, warmup=1) / 1e3) / 1e9
+
+    fp32 = mm_gflops(torch.float32, n, repeats)
+    own: dict[str, float] = {}
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        if dtype == torch.float32:
+            own[name] = fp32
+            continue
+        probe = mm_gflops(dtype, min(n, 512), 1)
+        slow = probe < fp32 / 4
+        own[name] = probe if slow or n <= 512 else mm_gflops(dtype, n, repeats)
+    return Ceilings(
+        copy_gbps=2 * nbytes / copy_s / 1e9,
+        copy_bytes=nbytes,
+        matmul_gflops={dt: max(v, fp32) for dt, v in own.items()},
+        matmul_n=n,
+        matmul_own_gflops=own,
+    )
+
+
+@dataclass
+class Skipped:
+    """A backend (or a direct comparison) this run did not time, and why."""
+
+    backend: str
+    reason: str
+    case: str = ""  # empty: every case
+    dtype: str = ""
+
+
+def bench_backends(device: str = "cpu", emulate: bool = False) -> tuple[list[str], list[Skipped]]:
+    """Every installed backend that runs on ``device`` natively (and, with ``emulate``, the
+    ones that run only through their emulators), and why each other one is not timed."""
+    import attnhub
+
+    names: list[str] = []
+    skipped: list[Skipped] = []
+    for info in attnhub.list_backends():
+        why = info.availability(device)
+        if why is None or (emulate and info.availability(device, emulate=True) is None):
+            names.append(info.name)
+        elif info.backend is not None and info.availability(device, emulate=True) is None:
+            skipped.append(
+                Skipped(
+                    info.name, f"runs on {device} only through its emulator (--emulate times "
+                    "the emulator's math, which says nothing about the hardware)",
+                )
+            )  # fmt: skip
+        else:
+            skipped.append(Skipped(info.name, why))
+    return names, skipped
+
+
+# --- direct kernel comparisons (entry-point group attnhub.bench) ------------------------------
+#
+# How close a backend gets to calling its vendor's kernels directly is something only the
+# backend's package can measure (it knows the library's calls). A distribution registers a
+# comparison in group ``attnhub.bench``::
+#
+#     [project.entry-points."attnhub.bench"]
+#     mybackend = "my_package.bench:direct_comparisons"
+#
+# The value is a callable ``(*, quick: bool, repeats: int) -> list[DirectComparison]``; it
+# raises ``BenchUnavailable(reason)`` when it cannot run here (its vendor library absent, ...).
+# ``attnhub bench`` runs every one it finds, and reports each skipped one with its reason.
+
+BENCH_GROUP = "attnhub.bench"
+
+
+class BenchUnavailable(Exception):
+    """A direct comparison cannot run here; the message says why."""
+
+
+@dataclass
+class DirectComparison:
+    """A backend's ``forward`` against the same vendor kernels called directly on the same
+    tensors."""
+
+    source: str  # the entry point's name (the backend's, by convention)
+    case: str
+    dtype: str
+    backend_ms: float  # the backend's forward, median
+    direct_ms: float  # the kernels called directly, median
+    speed: float  # direct / backend time (1.0: as fast as the kernels alone)
+    goal: float = 0.95
+    note: str = ""
+
+    @property
+    def meets_goal(self) -> bool:
+        return self.speed >= self.goal
+
+
+def direct_comparisons(
+    *, quick: bool = False, repeats: int = 9, only: str | None = None
+) -> tuple[list[DirectComparison], list[Skipped]]:
+    """Every registered direct comparison (or the one named ``only``) run, or why not."""
+    import importlib.metadata as md
+
+    rows: list[DirectComparison] = []
+    skipped: list[Skipped] = []
+    for ep in sorted(md.entry_points(group=BENCH_GROUP), key=lambda e: e.name):
+        if only is not None and ep.name != only:
+            continue
+        try:
+            got = list(ep.load()(quick=quick, repeats=repeats))
+        except BenchUnavailable as exc:
+            skipped.append(Skipped(f"{ep.name} direct", str(exc)))
+            continue
+        except Exception as exc:  # a broken plugin is reported, never a crash of the run
+            skipped.append(Skipped(f"{ep.name} direct", f"failed: {type(exc).__name__}: {exc}"))
+            continue
+        bad = [r for r in got if not isinstance(r, DirectComparison)]
+        if bad:
+            skipped.append(
+                Skipped(f"{ep.name} direct", f"returned {bad[0]!r}, not a DirectComparison")
+            )
+            continue
+        rows.extend(got)
+    return rows, skipped
+
+
+@dataclass
+class Run:
+    """One ``attnhub bench`` run: every backend and dense SDPA per case, the machine's measured
+    limits, the direct kernel comparisons, and what was skipped."""
+
+    results: list[BenchResult]
+    ceilings: Ceilings
+    direct: list[DirectComparison]
+    skipped: list[Skipped]
+
+
+def run_all(
+    cases: list[BenchCase],
+    *,
+    backends: list[str] | None = None,
+    device: str = "cpu",
+    repeats: int = 7,
+    emulate: bool = False,
+    quick: bool = False,
+    direct: bool = True,
+    progress: Callable[[str], object] = lambda _label: None,
+) -> Run:
+    """Every case on every backend (``bench_backends`` unless named) and dense SDPA, timed once
+    per case; the ceilings; the direct comparisons (``direct``)."""
+    skipped: list[Skipped] = []
+    if backends is None:
+        backends, skipped = bench_backends(device, emulate)
+    progress("ceilings: copy bandwidth, matmul FLOP/s")
+    dtypes = tuple(dict.fromkeys(c.dtype for c in cases))
+    ceilings = measure_ceilings(dtypes, quick=quick, repeats=repeats, device=device)
+    results: list[BenchResult] = []
+    for case in cases:
+        dname = str(case.dtype).removeprefix("torch.")
+        progress(f"{case.name} {dname}: {DENSE}")
+        d_ms = dense_ms(case, device=device, repeats=repeats)
+        results.append(
+            BenchResult(
+                case.name, DENSE, dname, d_ms, d_ms, 1.0, None, 0.0, case.kind,
+                kv_bytes(case), attention_flops(case),
+            )
+        )  # fmt: skip
+        for name in backends:
+            progress(f"{case.name} {dname}: {name}")
+            try:
+                results.append(
+                    run_case(
+                        case,
+                        backend=name,
+                        device=device,
+                        repeats=repeats,
+                        emulate=emulate,
+                        dense=d_ms,
+                    )
+                )
+            except AttnhubError as exc:  # refused (dtype, shape): said, not timed
+                reason = " ".join(line.strip(" -") for line in str(exc).splitlines())
+                skipped.append(Skipped(name, reason, case.name, dname))
+    rows: list[DirectComparison] = []
+    if direct:
+        progress("direct kernel comparisons")
+        rows, why = direct_comparisons(quick=quick, repeats=max(repeats, 3))
+        skipped += why
+    return Run(results, ceilings, rows, skipped)
+
+
+def report(
+    results: list[BenchResult] | list[HostOverhead], where: Machine, run: Run | None = None
+) -> dict[str, object]:
+    """The JSON a run writes: the machine it ran on, then every result (and, for a kernel run,
+    the measured ceilings, the achieved GB/s and GFLOP/s, the direct comparisons, the skips)."""
     rows: list[dict[str, object]] = []
     for r in results:
         row = asdict(r)
         if isinstance(r, BenchResult):
             row["meets_target"] = r.meets_target
+            row["gbps"], row["gflops"] = r.gbps, r.gflops
         rows.append(row)
-    return {"machine": asdict(where), "results": rows}
+    doc: dict[str, object] = {"machine": asdict(where), "results": rows}
+    if run is not None:
+        doc["ceilings"] = asdict(run.ceilings)
+        doc["direct"] = [{**asdict(d), "meets_goal": d.meets_goal} for d in run.direct]
+        doc["skipped"] = [asdict(s) for s in run.skipped]
+    return doc
 
 
 PLOT_EXTRA = "pip install 'attnhub[plot]'"
@@ -245,21 +557,79 @@ def _pyplot() -> ModuleType:  # matplotlib.pyplot
     return plt
 
 
-def plot(results: list[BenchResult], path: str, where: Machine | None = None) -> None:
-    """A bar chart of the ratios (needs matplotlib: ``pip install 'attnhub[plot]'``)."""
+def plot(run: Run, path: str, where: Machine | None = None) -> None:
+    """Achieved bandwidth (decode: K+V bytes read / time) and FLOP/s (prefill) of every backend,
+    dense SDPA, and the direct kernel comparisons (hatched), per dtype, against the ceilings
+    measured in the same run (needs matplotlib: ``pip install 'attnhub[plot]'``)."""
     plt = _pyplot()
-    labels = [f"{r.case}\n{r.dtype}" for r in results]
-    fig, ax = plt.subplots(figsize=(1.6 * len(results) + 2, 3.5))
-    ax.bar(labels, [r.ratio for r in results], color="#4c72b0")
-    for i, r in enumerate(results):
-        if r.target is not None:
-            ax.hlines(r.target, i - 0.4, i + 0.4, colors="#c44e52", linestyles="dashed")
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_ylabel("time / dense SDPA time")
-    ax.set_title(f"attnhub {results[0].backend if results else ''} backend vs dense SDPA")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    ceil = run.ceilings
+    for ax, kind in zip(axes, ("decode", "prefill"), strict=True):
+        rows = [r for r in run.results if r.kind == kind]
+        shapes = {(r.case, r.dtype): r for r in rows}
+        # (label, dtype) -> achieved; the direct comparisons of the same cases after the backends
+        bars: dict[str, dict[str, float]] = {}
+        for r in rows:
+            bars.setdefault(r.backend, {})[r.dtype] = r.gbps if kind == "decode" else r.gflops
+        for d in run.direct:
+            same = shapes.get((d.case, d.dtype))
+            if same is not None:
+                amount = same.kv_bytes if kind == "decode" else same.flops
+                bars.setdefault(f"{d.source}: kernels called directly", {})[d.dtype] = (
+                    amount / d.direct_ms / 1e6
+                )
+        dtypes = list(dict.fromkeys(r.dtype for r in rows))
+        width = 0.8 / max(len(bars), 1)
+        colors: dict[str, str] = {}  # a backend's direct comparison in the backend's color
+        for j, (label, values) in enumerate(bars.items()):
+            xs = [i - 0.4 + width * (j + 0.5) for i, dt in enumerate(dtypes) if dt in values]
+            ys = [values[dt] for dt in dtypes if dt in values]
+            direct = label.endswith("called directly")
+            drawn = ax.bar(
+                xs,
+                ys,
+                width,
+                label=label,
+                color=colors.setdefault(label.split(":")[0], "grey" if label == DENSE else f"C{j}"),
+                hatch="//" if direct else None,
+                edgecolor="white" if direct else None,
+            )
+            ax.bar_label(drawn, fmt="%.1f", fontsize=7)
+        if kind == "decode":
+            ax.axhline(
+                ceil.copy_gbps,
+                color="#c44e52",
+                linestyle="--",
+                label=f"measured copy bandwidth {ceil.copy_gbps:.1f} GB/s",
+            )
+            ax.set_ylabel("achieved GB/s (K+V bytes read / forward time)")
+            ticks = dtypes
+        else:
+            ticks = []
+            for i, dt in enumerate(dtypes):
+                top = ceil.matmul_gflops.get(dt)
+                own = ceil.matmul_own_gflops.get(dt, top)
+                if top is None:
+                    ticks.append(dt)
+                    continue
+                ax.hlines(
+                    top, i - 0.45, i + 0.45, colors="#c44e52", linestyles="dashed",
+                    label="measured matmul ceiling" if i == 0 else None,
+                )  # fmt: skip
+                tick = f"{dt}\nceiling {top:.1f} GFLOP/s"
+                if own is not None and own < top:
+                    tick += f"\n(float32 matmul; {dt}'s own: {own:.1f})"
+                ticks.append(tick)
+            ax.set_ylabel("achieved GFLOP/s (useful causal FLOPs / time)")
+        case = rows[0].case if rows else kind
+        ax.set_xticks(range(len(dtypes)), ticks)
+        ax.set_title(f"{case}: {'memory-bound' if kind == 'decode' else 'compute-bound'}")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
+        ax.legend(fontsize=7, loc="upper right")
+        ax.grid(True, axis="y", alpha=0.3)
     if where is not None:
         fig.text(0.01, 0.01, where.describe(), fontsize=7, color="grey")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=120)
 
 

@@ -392,53 +392,101 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.host:
         return _bench_host(args, console)
     cases = bench.default_cases(quick=args.quick)
-    results = []
-    with Steps("bench", len(cases)) as steps:
-        for case in cases:
-            steps.step(f"{case.name} {str(case.dtype).removeprefix('torch.')}")
-            results.append(
-                bench.run_case(
-                    case,
-                    backend=args.backend,
-                    device=args.device,
-                    repeats=args.repeats,
-                    emulate=args.emulate,
-                )
-            )
+    if args.backend:
+        names: list[str] | None = [args.backend]
+    else:
+        names, _ = bench.bench_backends(args.device, args.emulate)
+    direct = not args.backend and args.device == "cpu"
+    with Steps("bench", 1 + len(cases) * (1 + len(names or [])) + direct) as steps:
+        run = bench.run_all(
+            cases,
+            backends=[args.backend] if args.backend else None,
+            device=args.device,
+            repeats=args.repeats,
+            emulate=args.emulate,
+            quick=args.quick,
+            direct=direct,
+            progress=steps.step,
+        )
     where = bench.machine()
-    table = Table(title=f"attnhub bench on {args.device}")
+    ceil = run.ceilings
+    console.print(
+        f"measured ceilings: copy {ceil.copy_gbps:.1f} GB/s (read + write of "
+        f"{ceil.copy_bytes >> 20} MiB); compute: matmul {ceil.matmul_n}^3 "
+        + ", ".join(
+            f"{dt} {v:.1f} GFLOP/s"
+            + (
+                f" (its own matmul {ceil.matmul_own_gflops[dt]:.1f}: float32's is the ceiling)"
+                if ceil.matmul_own_gflops.get(dt, v) < v
+                else ""
+            )
+            for dt, v in ceil.matmul_gflops.items()
+        ),
+        soft_wrap=True,
+    )
+    table = Table(title=f"attnhub bench on {args.device}: every backend vs dense SDPA and ceilings")
     for col in (
         "case",
         "dtype",
         "backend",
-        "backend ms",
-        "dense SDPA ms",
-        "ratio",
+        "ms",
+        "vs dense",
         "target",
+        "achieved",
+        "of measured ceiling",
         "build us",
     ):
-        table.add_column(col, justify="right" if col != "case" else "left")
-    for r in results:
+        table.add_column(col, justify="left" if col in ("case", "backend") else "right")
+    for r in run.results:
         ok = r.meets_target
         mark = "" if ok is None else (" [green]ok[/green]" if ok else " [red]missed[/red]")
+        top = ceil.matmul_gflops.get(r.dtype)
+        if r.kind == "decode":  # memory-bound: K+V bytes read / time vs copy bandwidth
+            achieved, of = f"{r.gbps:.1f} GB/s", f"{r.gbps / ceil.copy_gbps:.0%} of copy"
+        else:  # compute-bound: useful FLOP/s vs matmul
+            achieved = f"{r.gflops:.1f} GFLOP/s"
+            of = "-" if not top else f"{r.gflops / top:.0%} of matmul"
         table.add_row(
             r.case,
             r.dtype,
             r.backend,
             f"{r.backend_ms:.1f}",
-            f"{r.dense_ms:.1f}",
             f"{r.ratio:.2f}x",
             ("-" if r.target is None else f"<= {r.target:.2f}x") + mark,
-            f"{r.build_us:.0f}",
+            achieved,
+            of,
+            "-" if r.backend == bench.DENSE else f"{r.build_us:.0f}",
         )
     console.print(table)
+    if run.direct:
+        direct = Table(title="backend forward vs the same vendor kernels called directly")
+        for col in ("backend", "case", "dtype", "forward ms", "direct ms", "speed", "goal", "note"):
+            direct.add_column(col, justify="right" if "ms" in col or col == "speed" else "left")
+        for d in run.direct:
+            mark = " [green]ok[/green]" if d.meets_goal else " [red]missed[/red]"
+            direct.add_row(
+                d.source,
+                d.case,
+                d.dtype,
+                f"{d.backend_ms:.1f}",
+                f"{d.direct_ms:.1f}",
+                f"{d.speed:.3f}x",
+                f">= {d.goal:.2f}x{mark}",
+                d.note.split(":")[0],
+            )
+        console.print(direct)
+        for note in dict.fromkeys(d.note for d in run.direct if ":" in d.note):
+            console.print(f"note: {note}", soft_wrap=True)
+    for sk in run.skipped:
+        where_ = f" ({sk.case} {sk.dtype})" if sk.case else ""
+        console.print(f"skipped {sk.backend}{where_}: {sk.reason}", soft_wrap=True)
     console.print(f"machine: {where.describe()}", soft_wrap=True)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(bench.report(results, where), fh, indent=2)
+            json.dump(bench.report(run.results, where, run), fh, indent=2)
         console.print(f"wrote {args.json}")
     if args.plot:
-        bench.plot(results, args.plot, where)
+        bench.plot(run, args.plot, where)
         console.print(f"wrote {args.plot}")
     return 0
 
@@ -464,14 +512,22 @@ def _bench_host(args: argparse.Namespace, console: Console) -> int:
     jobs = [(n, st) for n in names for st in steps]
     if vllm_why is None:
         jobs += [(bench.VLLM_CPU, st) for st in steps]
+    from attnhub.errors import AttnhubError
+
     rows = []
+    refused: dict[str, str] = {}
     with Steps("bench --host", len(jobs)) as progress:
         for name, st in jobs:
             progress.step(f"{name}: {st}")
             if name == bench.VLLM_CPU:
                 rows.append(bench.vllm_host_overhead(st))
             else:
-                rows.append(bench.host_overhead(st, backend=name, device=args.device, emulate=True))
+                try:
+                    rows.append(
+                        bench.host_overhead(st, backend=name, device=args.device, emulate=True)
+                    )
+                except AttnhubError as exc:  # the host shape refused (bf16 on some ISAs)
+                    refused.setdefault(name, str(exc).splitlines()[0])
     where = bench.machine()
     table = Table(
         title="host overhead per call, us (bf16, 8/2 heads, head 64, block 128; kernels out)"
@@ -497,6 +553,8 @@ def _bench_host(args: argparse.Namespace, console: Console) -> int:
             "-" if r.forward_full_us is None else f"{r.forward_full_us:.0f}",
         )
     console.print(table)
+    for name, why in refused.items():
+        console.print(f"skipped {name}: {why}", soft_wrap=True)
     if vllm_why is not None:
         console.print(f"vLLM's CPU backend not timed: {vllm_why}", soft_wrap=True)
     console.print(f"machine: {where.describe()}", soft_wrap=True)
@@ -587,18 +645,25 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
 
     p = sub.add_parser(
         "bench",
-        help="backend vs dense SDPA, as ratios measured in one run",
-        description="Times a backend's per-layer forward against dense SDPA on the same shapes, "
-        "back to back, and reports the ratios (absolute times drift on shared machines).",
+        help="every backend vs dense SDPA and the machine's measured limits, in one run",
+        description="Times every installed backend's per-layer forward against dense SDPA on "
+        "the same shapes, and against the copy bandwidth (decode) and matmul FLOP/s (prefill) "
+        "measured in the same run; runs the direct kernel comparisons backends register "
+        "(entry-point group 'attnhub.bench'), reporting each one skipped with its reason. "
+        "Ratios from one run compare; absolute times drift on shared machines.",
     )
     p.add_argument(
-        "--backend", default=None, metavar="NAME", help="backend to time (default: selected)"
+        "--backend",
+        default=None,
+        metavar="NAME",
+        help="time this backend only, no direct comparisons (default: every installed one)",
     )
     p.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     p.add_argument(
         "--emulate",
         action="store_true",
-        help="let vendor backends run through their CPU emulators",
+        help="also time backends that run here only through their CPU emulators (labelled: "
+        "emulator math, not the hardware's)",
     )
     p.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     p.add_argument(
@@ -619,7 +684,8 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
         "--plot",
         default=None,
         metavar="PATH",
-        help="write a PNG: the ratios as bars, or with --host the host-overhead curve over batch "
+        help="write a PNG: achieved GB/s (decode) and GFLOP/s (prefill) per backend against "
+        "the measured ceilings, or with --host the host-overhead curve over batch "
         "size (needs matplotlib: pip install 'attnhub[plot]')",
     )
     p.set_defaults(func=cmd_bench)

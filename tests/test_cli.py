@@ -159,10 +159,13 @@ def test_bench_prints_a_line_per_case_outside_a_terminal(capsys, monkeypatch):
         return bench.BenchResult(case.name, "torch", "float32", 2.0, 1.0, 2.0, None, 5.0)
 
     monkeypatch.setattr(bench, "run_case", fake_run)
-    assert main(["bench", "--quick"]) == 0
+    assert main(["bench", "--quick", "--repeats", "1", "--backend", "torch"]) == 0
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
-        "bench [1/2] decode 8x256 float32",
-        "bench [2/2] prefill 1x256 float32",
+        "bench [1/5] ceilings: copy bandwidth, matmul FLOP/s",
+        f"bench [2/5] decode 8x256 float32: {bench.DENSE}",
+        "bench [3/5] decode 8x256 float32: torch",
+        f"bench [4/5] prefill 1x256 float32: {bench.DENSE}",
+        "bench [5/5] prefill 1x256 float32: torch",
     ]
     assert "decode 8x256" in captured.out  # the table, on stdout

