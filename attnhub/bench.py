@@ -805,8 +805,18 @@ def _has_null_mode(be: object) -> bool:
     """Whether a backend's op namespace (an emulator module) marks its math for
     ``null_kernels`` (it imports ``attnhub.emulation``)."""
     ops = getattr(be, "ops", None)
-    module = sys.modules.get(getattr(ops, "__name__", "") or "")
-    return module is not None and getattr(module, "emulation", None) is not None
+    # A backend's ops are a module, or a namespace over one (e.g. one per provider, its
+    # attention functions under ``ops.attention``): find the module its functions live in.
+    for namespace in (ops, getattr(ops, "attention", None)):
+        if namespace is None:
+            continue
+        module = sys.modules.get(getattr(namespace, "__name__", "") or "")
+        if module is None and hasattr(namespace, "__dict__"):
+            fn = next((v for v in vars(namespace).values() if callable(v)), None)
+            module = sys.modules.get(getattr(fn, "__module__", "") or "")
+        if module is not None and getattr(module, "emulation", None) is not None:
+            return True
+    return False
 
 
 class _without_math:
