@@ -125,7 +125,7 @@ BACKEND_PACKAGES = (
 #: Every in-repo distribution, editable, for the sessions that install them all.
 ALL_DISTRIBUTIONS = [
     "-e",
-    ".[test]",
+    ".[test,plot]",  # plot: the bench figure tests run too
     *(arg for directory in DISTRIBUTION_DIRS[1:] for arg in ("-e", f"./{directory}")),
 ]
 
