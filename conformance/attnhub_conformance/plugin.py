@@ -2,7 +2,7 @@
 
     pytest --pyargs attnhub_conformance --attnhub-backend torch [--attnhub-scope full]
            [--attnhub-emulate] [--attnhub-device cpu] [--attnhub-report matrix.json]
-           [--attnhub-allow-unavailable]
+           [--attnhub-allow-unavailable] [--attnhub-hypothesis-seed N|random]
 
 Installed plugins load in every pytest session; this one stays inert (options only, nothing
 imported beyond pytest) until a test marked ``attnhub_cases`` is collected.
@@ -15,6 +15,7 @@ exits with ``EXIT_BACKEND_CANNOT_RUN`` when nothing else failed.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,9 @@ _REPLACEABLE = (
     pytest.ExitCode.TESTS_FAILED,
     pytest.ExitCode.NO_TESTS_COLLECTED,
 )
+#: The property test's seed unless ``--attnhub-hypothesis-seed`` says otherwise: a run that
+#: passed (in CI, say) passes again, and a failure is the same failure on every rerun.
+DEFAULT_HYPOTHESIS_SEED = 0
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -87,6 +91,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="N",
         help="examples per backend for the random-batch property test (default: 15)",
     )
+    group.addoption(
+        "--attnhub-hypothesis-seed",
+        default=str(DEFAULT_HYPOTHESIS_SEED),
+        metavar="N|random",
+        help="seed of the random-batch property test: an integer (default "
+        f"{DEFAULT_HYPOTHESIS_SEED}: every run draws the same examples), or 'random' (a fresh "
+        "seed per run, printed at the end and in a failure so that it can be rerun)",
+    )
 
 
 class SuiteState:
@@ -100,6 +112,26 @@ class SuiteState:
         self._cases: dict[tuple[str, str], list[Case]] = {}
         self._other_failures = 0  # failed test phases other than "this backend cannot run"
         self._said_cannot_run: set[str] = set()  # backends whose availability test said so
+        self._hypothesis_seed: int | None = None
+        self._seeded: set[str] = set()  # node ids of the tests that asked for the seed
+        self._seeded_failed = False  # one of them failed
+
+    @property
+    def hypothesis_seed_is_random(self) -> bool:
+        return self.config.getoption("attnhub_hypothesis_seed") == "random"
+
+    @property
+    def hypothesis_seed(self) -> int:
+        """The session's seed for the property test: the option's integer, or for ``random``
+        one drawn once per session (every backend's property test uses the same N)."""
+        if self._hypothesis_seed is None:
+            if self.hypothesis_seed_is_random:
+                self._hypothesis_seed = secrets.randbelow(2**32)
+            else:
+                self._hypothesis_seed = _parse_seed(
+                    self.config.getoption("attnhub_hypothesis_seed")
+                )
+        return self._hypothesis_seed
 
     @property
     def scope(self) -> Scope:
@@ -179,8 +211,16 @@ class SuiteState:
                     self._said_cannot_run.add(facts["backend"])
         if report.failed and not cannot_run:
             self._other_failures += 1
+        if report.failed and report.nodeid in self._seeded:
+            self._seeded_failed = True
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self._seeded and (self.hypothesis_seed_is_random or self._seeded_failed):
+            terminalreporter.write_line(
+                f"attnhub: the property test drew its examples with hypothesis seed "
+                f"{self.hypothesis_seed}; --attnhub-hypothesis-seed {self.hypothesis_seed} "
+                "draws them again"
+            )
         if self.unsaid_cannot_run:
             terminalreporter.write_sep("=", "attnhub: backends this run had to test cannot run")
             for target in self.unsaid_cannot_run:
@@ -226,6 +266,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     state = config.stash[_STATE] = SuiteState(config)
     config.pluginmanager.register(state, "attnhub-conformance-state")
+    seed = config.getoption("attnhub_hypothesis_seed")
+    if seed != "random":
+        _parse_seed(seed)
     for path in config.getoption("attnhub_report"):
         if not path.lower().endswith((".json", ".md", ".markdown", ".html", ".htm")):
             raise pytest.UsageError(f"--attnhub-report {path}: use a .json, .md or .html file name")
@@ -300,6 +343,26 @@ def attnhub_record(request: pytest.FixtureRequest) -> Callable[[str], None]:
 @pytest.fixture
 def attnhub_hypothesis_examples(request: pytest.FixtureRequest) -> int:
     return int(request.config.getoption("attnhub_hypothesis_examples"))
+
+
+@pytest.fixture
+def attnhub_hypothesis_seed(request: pytest.FixtureRequest) -> int:
+    """The session's ``--attnhub-hypothesis-seed`` (see ``SuiteState.hypothesis_seed``)."""
+    state = state_of(request.config)
+    state._seeded.add(request.node.nodeid)
+    return state.hypothesis_seed
+
+
+def _parse_seed(text: str) -> int:
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if seed < 0:
+        raise pytest.UsageError(
+            f"--attnhub-hypothesis-seed {text}: use a non-negative integer or 'random'"
+        )
+    return seed
 
 
 def _short_reason(report: pytest.TestReport) -> str | None:

@@ -287,6 +287,17 @@ class AscendBackend(AttentionBackend):
                         value=spec.attn_type,
                     )
                 )
+            if spec.dtype != torch.bfloat16:
+                reasons.append(
+                    Refusal(
+                        f"sinks need a bfloat16 model, got {spec.dtype}: learnable_sink of "
+                        "npu_fused_infer_attention_score_v2 is bfloat16 only, so float16 sinks "
+                        "would lose 3 mantissa bits, a per-head error that biases the whole "
+                        "output beyond float16 rounding",
+                        field="sinks",
+                        value=spec.dtype,
+                    )
+                )
             if spec.head_size > MAX_SINK_HEAD_SIZE:
                 reasons.append(
                     Refusal(
@@ -620,9 +631,9 @@ class AscendAttentionImpl(AttentionImpl):
         sinks: torch.Tensor | None = None,
     ) -> None:
         super().__init__(backend, alibi_slopes=alibi_slopes, sinks=sinks)
-        # learnable_sink is bfloat16 (Q_N,) whatever the model's dtype [doc: the sink tensor's
-        # dtype is the only one constrained]: converted once per layer, not per call. The
-        # rounding of attnhub's float32 sinks stays within the tolerances [inferred].
+        # learnable_sink is bfloat16 (Q_N,) [doc]: converted once per layer, not per call. Only
+        # bfloat16 models take sinks (unsupported_reasons): there the sink's rounding is the
+        # model dtype's own, as in a plain bfloat16 computation.
         self.learnable_sink = None if self.sinks is None else self.sinks.to(torch.bfloat16)
         # softmax_lse of the .out overloads is a reserved output without the LSE flag; a
         # one-element float32 tensor is accepted there [inferred; the docs' example passes one].
