@@ -41,6 +41,7 @@ CLI_OPTIONS = {
     "--attnhub-scope": "--quick/--full",
     "--attnhub-report": "--report",
     "--attnhub-hypothesis-examples": "--hypothesis-examples",
+    "--attnhub-hypothesis-seed": "--hypothesis-seed",
 }
 
 
@@ -115,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="examples per backend of the random-batch property test",
     )
     p.add_argument(
+        "--hypothesis-seed",
+        default=None,
+        metavar="N|random",
+        help="seed of the property test's examples (default 0: every run draws the same; "
+        "'random': a fresh seed, named at the end of the run)",
+    )
+    p.add_argument(
         "-k",
         dest="keyword",
         metavar="EXPR",
@@ -152,6 +160,8 @@ def pytest_args(ns: argparse.Namespace) -> list[str]:
         args += ["--attnhub-report", path]
     if ns.hypothesis_examples is not None:
         args += ["--attnhub-hypothesis-examples", str(ns.hypothesis_examples)]
+    if ns.hypothesis_seed is not None:
+        args += ["--attnhub-hypothesis-seed", ns.hypothesis_seed]
     if ns.keyword:
         args += ["-k", ns.keyword]
     if ns.exitfirst:

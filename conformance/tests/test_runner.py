@@ -104,3 +104,12 @@ def test_progress_outside_a_terminal_is_a_line_per_test_module(tmp_path: Path) -
     assert any("test_availability.py; so far" in ln for ln in lines)
     assert any("test_outputs.py; so far" in ln for ln in lines)
     assert "conformance [" not in proc.stdout  # the matrix alone on stdout
+
+
+def test_the_commands_hypothesis_seed_reaches_the_plugin() -> None:
+    from attnhub_conformance.runner import build_parser, pytest_args
+
+    args = pytest_args(build_parser().parse_args(["--hypothesis-seed", "random"]))
+    assert args[args.index("--attnhub-hypothesis-seed") + 1] == "random"
+    assert "--attnhub-hypothesis-seed" not in pytest_args(build_parser().parse_args([]))
+    assert in_cli_terms("--attnhub-hypothesis-seed 7") == "--hypothesis-seed 7"
