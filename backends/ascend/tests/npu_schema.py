@@ -12,33 +12,22 @@ Python ``inspect.Signature``.
 
 from __future__ import annotations
 
-import inspect
-import os
 import re
-import subprocess
-import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from attnhub import contracts
+from attnhub.contracts import NO_DEFAULT, Param
 
 WHEEL_REQUIREMENT = "torch-npu==2.10.0.post4"
 WHEEL_GLOB = "torch_npu-2.10.0.post4-*.whl"
 YAML_PATH = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 ATB_LIBRARY = "torch_npu/lib/libop_plugin_atb.so"
-NO_DEFAULT = inspect.Parameter.empty
+#: An emulator function's parameters, comparable with the published ones.
+from_signature = contracts.params_of
 
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    kw_only: bool
-    default: object = NO_DEFAULT  # NO_DEFAULT: required
-    is_out: bool = False  # an out argument (``Tensor(a!)`` after ``*`` in an out overload)
-
-    def describe(self) -> str:
-        kind = "keyword-only" if self.kw_only else "positional"
-        d = "" if self.default is NO_DEFAULT else f"={self.default!r}"
-        return f"{kind} {self.name}{d}"
+NPU_WHEEL = contracts.VendorArtifact(WHEEL_REQUIREMENT, WHEEL_GLOB, timeout_s=600)
 
 
 @dataclass(frozen=True)
@@ -48,40 +37,9 @@ class Schema:
     text: str
 
 
-def cache_dir() -> Path:
-    return Path(
-        os.environ.get("ATTNHUB_WHEEL_CACHE") or Path.home() / ".cache" / "attnhub" / "wheels"
-    )
-
-
 def find_or_download_wheel() -> tuple[Path | None, str]:
     """The cached wheel, downloading it once if needed: (path, "") or (None, why not)."""
-    directory = cache_dir()
-    found = sorted(directory.glob(WHEEL_GLOB))
-    if found:
-        return found[0], ""
-    directory.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary",
-        ":all:",
-        WHEEL_REQUIREMENT,
-        "-d",
-        str(directory),
-    ]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"{' '.join(cmd)} could not run: {exc}"
-    found = sorted(directory.glob(WHEEL_GLOB))
-    if proc.returncode or not found:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return None, f"{' '.join(cmd)} failed (exit {proc.returncode}): {' | '.join(tail)}"
-    return found[0], ""
+    return contracts.find_or_download(NPU_WHEEL)
 
 
 def yaml_schemas(wheel: Path) -> dict[str, list[Schema]]:
@@ -174,14 +132,6 @@ def parse(func: str) -> Schema:
     return Schema(name, tuple(params), func)
 
 
-def from_signature(sig: inspect.Signature) -> tuple[Param, ...]:
-    return tuple(
-        Param(p.name, p.kind is inspect.Parameter.KEYWORD_ONLY, p.default)
-        for p in sig.parameters.values()
-        if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    )
-
-
 def expected_python_params(schema: Schema) -> tuple[Param, ...]:
     """What a Python binding of ``schema`` takes. One rule beyond the schema: an out overload's
     out arguments (``Tensor(a!) attention_out, Tensor(b!) softmax_lse``) are passed as one
@@ -195,31 +145,4 @@ def expected_python_params(schema: Schema) -> tuple[Param, ...]:
 
 def differences(want: tuple[Param, ...], got: tuple[Param, ...]) -> list[str]:
     """Every way ``got`` (the emulator) differs from ``want`` (the schema), as sentences."""
-    problems = []
-    w = {p.name: p for p in want}
-    g = {p.name: p for p in got}
-    for name in w.keys() - g.keys():
-        problems.append(f"missing parameter: {w[name].describe()}")
-    for name in g.keys() - w.keys():
-        problems.append(f"parameter not in the schema: {g[name].describe()}")
-    for name in w.keys() & g.keys():
-        a, b = w[name], g[name]
-        if a.kw_only != b.kw_only:
-            problems.append(f"{name}: schema has it {a.describe()}, emulator {b.describe()}")
-        elif not _same_default(a.default, b.default):
-            problems.append(f"{name}: schema default {a.default!r}, emulator {b.default!r}")
-    positional_w = [p.name for p in want if not p.kw_only]
-    positional_g = [p.name for p in got if not p.kw_only]
-    if not problems and positional_w != positional_g:
-        problems.append(f"positional order: schema {positional_w}, emulator {positional_g}")
-    return problems
-
-
-def _same_default(a: object, b: object) -> bool:
-    if a is NO_DEFAULT or b is NO_DEFAULT:
-        return a is b
-    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
-        return a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return float(a) == float(b)
-    return a == b
+    return contracts.differences(want, got, source="the schema")

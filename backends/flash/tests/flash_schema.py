@@ -15,85 +15,30 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import inspect
-import os
-import subprocess
-import sys
 import tarfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
-NO_DEFAULT = inspect.Parameter.empty
+from attnhub import contracts
+from attnhub.contracts import NO_DEFAULT, Param, VendorArtifact
 
+#: An emulator function's parameters, comparable with the published ones.
+from_signature = contracts.params_of
 
-@dataclass(frozen=True)
-class Archive:
-    requirement: str
-    glob: str
-    pip_args: tuple[str, ...]
-    env: tuple[tuple[str, str], ...] = ()
-
-
-FA_SDIST = Archive(
+FA_SDIST = VendorArtifact(
     "flash-attn==2.8.3",
     "flash_attn-2.8.3.tar.gz",
     ("--no-binary", ":all:", "--no-build-isolation"),
     (("FLASH_ATTENTION_SKIP_CUDA_BUILD", "TRUE"),),
 )
-FA4_WHEEL = Archive(
+FA4_WHEEL = VendorArtifact(
     "flash-attn-4==4.0.0b36", "flash_attn_4-4.0.0b36-*.whl", ("--only-binary", ":all:")
 )
 
 
-@dataclass(frozen=True)
-class Param:
-    name: str
-    kw_only: bool
-    default: object = NO_DEFAULT
-
-    def describe(self) -> str:
-        kind = "keyword-only" if self.kw_only else "positional-or-keyword"
-        d = "" if self.default is NO_DEFAULT else f"={self.default!r}"
-        return f"{kind} {self.name}{d}"
-
-
-def cache_dir() -> Path:
-    return Path(
-        os.environ.get("ATTNHUB_WHEEL_CACHE") or Path.home() / ".cache" / "attnhub" / "wheels"
-    )
-
-
-def find_or_download(archive: Archive) -> tuple[Path | None, str]:
+def find_or_download(archive: VendorArtifact) -> tuple[Path | None, str]:
     """The cached archive, downloading it once if needed: (path, "") or (None, why not)."""
-    directory = cache_dir()
-    found = sorted(directory.glob(archive.glob))
-    if found:
-        return found[0], ""
-    directory.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        *archive.pip_args,
-        archive.requirement,
-        "-d",
-        str(directory),
-    ]
-    env = {**os.environ, **dict(archive.env)}
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=900, check=False, env=env
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"{' '.join(cmd)} could not run: {exc}"
-    found = sorted(directory.glob(archive.glob))
-    if proc.returncode or not found:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return None, f"{' '.join(cmd)} failed (exit {proc.returncode}): {' | '.join(tail)}"
-    return found[0], ""
+    return contracts.find_or_download(archive)
 
 
 def read_member(archive: Path, suffix: str) -> str:
@@ -150,45 +95,6 @@ def function_params(source: str, name: str) -> tuple[Param, ...]:
     raise LookupError(f"no module-level function {name!r}")
 
 
-def from_signature(sig: inspect.Signature) -> tuple[Param, ...]:
-    return tuple(
-        Param(p.name, p.kind is inspect.Parameter.KEYWORD_ONLY, p.default)
-        for p in sig.parameters.values()
-        if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    )
-
-
 def differences(want: tuple[Param, ...], got: tuple[Param, ...]) -> list[str]:
     """Every way ``got`` (the emulator) differs from ``want`` (the published function)."""
-    problems = []
-    w = {p.name: p for p in want}
-    g = {p.name: p for p in got}
-    for name in w.keys() - g.keys():
-        problems.append(f"missing parameter: {w[name].describe()}")
-    for name in g.keys() - w.keys():
-        problems.append(f"parameter not in the interface: {g[name].describe()}")
-    for name in w.keys() & g.keys():
-        a, b = w[name], g[name]
-        if a.kw_only != b.kw_only:
-            problems.append(f"{name}: interface has it {a.describe()}, emulator {b.describe()}")
-        elif not _same_default(a.default, b.default):
-            problems.append(f"{name}: interface default {a.default!r}, emulator {b.default!r}")
-    order_w = [p.name for p in want if not p.kw_only]
-    order_g = [p.name for p in got if not p.kw_only]
-    if not problems and order_w != order_g:
-        problems.append(f"positional order: interface {order_w}, emulator {order_g}")
-    return problems
-
-
-def _same_default(a: object, b: object) -> bool:
-    if a is NO_DEFAULT or b is NO_DEFAULT:
-        return a is b
-    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
-        return a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return float(a) == float(b)
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same_default(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, str) and not isinstance(b, str):  # an expression kept as text, e.g.
-        return a == repr(b)  # `torch.bfloat16`: the emulator's object must spell the same
-    return a == b
+    return contracts.differences(want, got, source="the interface")

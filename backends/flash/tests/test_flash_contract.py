@@ -87,7 +87,7 @@ def test_every_emulated_function_has_a_published_or_recorded_signature() -> None
 _archives: dict[str, Path] = {}
 
 
-def _archive(archive: flash_schema.Archive) -> Path:
+def _archive(archive: flash_schema.VendorArtifact) -> Path:
     if archive.requirement not in _archives:
         path, why = flash_schema.find_or_download(archive)
         if path is None:
