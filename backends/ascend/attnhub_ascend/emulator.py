@@ -171,6 +171,30 @@ def _fail(op: str, message: str) -> NpuOpError:
     return NpuOpError(f"{op}: {message}")
 
 
+def _check_bsnd_caches(
+    op: str,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    what: str,
+) -> None:
+    """The KV writes' cache shapes: [num_blocks, block_size, KV_N, Dk / Dv] matching key/value."""
+    if (
+        key_cache.dim() != 4
+        or value_cache.dim() != 4
+        or key_cache.shape[:2] != value_cache.shape[:2]
+        or tuple(key_cache.shape[2:]) != tuple(key.shape[1:])
+        or tuple(value_cache.shape[2:]) != tuple(value.shape[1:])
+    ):
+        raise _fail(
+            op,
+            f"{what} must be [num_blocks, block_size, KV_N, Dk / Dv] matching key "
+            f"{list(key.shape)} and value {list(value.shape)}, got {list(key_cache.shape)} and "
+            f"{list(value_cache.shape)}",
+        )
+
+
 def _not_emulated(op: str, **params: object) -> None:
     """Raise for any parameter that is set (not None / not its default) and not emulated."""
     for name, value in params.items():
@@ -1176,19 +1200,7 @@ def _reshape_and_cache(
         raise _fail(
             op, f"slot_indices has {slot_indices.shape[0]} entries, key {key.shape[0]} rows"
         )
-    if (
-        key_cache.dim() != 4
-        or value_cache.dim() != 4
-        or key_cache.shape[:2] != value_cache.shape[:2]
-        or tuple(key_cache.shape[2:]) != tuple(key.shape[1:])
-        or tuple(value_cache.shape[2:]) != tuple(value.shape[1:])
-    ):
-        raise _fail(
-            op,
-            f"caches must be [num_blocks, block_size, KV_N, Dk / Dv] matching key "
-            f"{list(key.shape)} and value {list(value.shape)}, got {list(key_cache.shape)} and "
-            f"{list(value_cache.shape)}",
-        )
+    _check_bsnd_caches(op, key, value, key_cache, value_cache, "caches")
     if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
         raise _fail(op, "key/value dtypes must match the caches'")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
@@ -1276,19 +1288,7 @@ def _scatter_pa_kv_cache(
             op,
             f"slot_mapping must be [T={key.shape[0]}], got {list(slot_mapping.shape)}",
         )
-    if (
-        key_cache.dim() != 4
-        or value_cache.dim() != 4
-        or key_cache.shape[:2] != value_cache.shape[:2]
-        or tuple(key_cache.shape[2:]) != tuple(key.shape[1:])
-        or tuple(value_cache.shape[2:]) != tuple(value.shape[1:])
-    ):
-        raise _fail(
-            op,
-            f"Norm caches must be [num_blocks, block_size, KV_N, Dk / Dv] matching key "
-            f"{list(key.shape)} and value {list(value.shape)}, got {list(key_cache.shape)} and "
-            f"{list(value_cache.shape)}",
-        )
+    _check_bsnd_caches(op, key, value, key_cache, value_cache, "Norm caches")
     if len({t.dtype for t in (key, value, key_cache, value_cache)}) != 1:
         raise _fail(op, "key, value, key_cache and value_cache must share one dtype")
     devices = {t.device for _, t in tensors}
