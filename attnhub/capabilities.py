@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnhub.errors import InvalidInputError, UnknownNameError
-from attnhub.quant import query_quantization
+from attnhub.quant import probability_quantization, query_quantization
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType, canonical_kv_cache_dtype
 
 #: Optional features a spec may use and a backend may declare (names used everywhere).
@@ -142,11 +142,17 @@ class Capabilities:
     #: unquantized query, keys and values (required where the query is quantized or the cache
     #: is int8; the suite checks it on its standard cases).
     quantization_accuracy: Mapping[str, AccuracyBound] = field(default_factory=dict)
+    #: Per KV-cache format, the :class:`~attnhub.quant.ProbabilityQuantization` scheme (its
+    #: name) by which the kernels round the softmax probabilities before ``P @ V`` with that
+    #: cache (an fp8 V multiplied on fp8 tensor cores); a format absent here keeps them
+    #: unrounded. The suite's same-inputs comparison then allows what that rounding can change.
+    probability_quantization: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for what, mapping in (
             ("query_quantization", self.query_quantization),
             ("quantization_accuracy", self.quantization_accuracy),
+            ("probability_quantization", self.probability_quantization),
         ):
             for kv in mapping:
                 name = canonical_kv_cache_dtype(kv)
@@ -162,6 +168,14 @@ class Capabilities:
                     )
         for scheme in self.query_quantization.values():
             query_quantization(scheme)  # UnknownNameError for a name that is no scheme
+        for kv, scheme in self.probability_quantization.items():
+            probability_quantization(scheme)
+            if kv not in self.quantization_accuracy:
+                raise UnknownNameError(
+                    f"probability_quantization names kv_cache_dtype {kv!r} without an accuracy "
+                    "bound for it (quantization_accuracy): rounded probabilities move the "
+                    "output away from attention over the unquantized inputs"
+                )
         for kv, bound in self.quantization_accuracy.items():
             if not KV_CACHE_DTYPES[kv].is_quantized and kv not in self.query_quantization:
                 raise UnknownNameError(
@@ -322,5 +336,10 @@ class Capabilities:
             "quantization_accuracy": {
                 k: {"max_abs_error": b.max_abs_error, "min_cosine": b.min_cosine}
                 for k, b in self.quantization_accuracy.items()
+            },
+            "probability_quantization": {
+                k: self.probability_quantization[k]
+                for k in KV_CACHE_DTYPES
+                if k in self.probability_quantization
             },
         }

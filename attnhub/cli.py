@@ -191,6 +191,12 @@ def capability_lines(caps: Capabilities) -> Iterator[tuple[str, str]]:
             "query quantized",
             names(f"{kv}: {scheme}" for kv, scheme in sorted(caps.query_quantization.items())),
         )
+    if caps.probability_quantization:
+        yield (
+            "P rounded",
+            names(f"{kv}: {scheme}" for kv, scheme in sorted(caps.probability_quantization.items()))
+            + " (softmax probabilities before P @ V)",
+        )
     if caps.quantization_accuracy:
         yield (
             "quant accuracy",

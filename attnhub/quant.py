@@ -126,3 +126,79 @@ def simulate_query_quantization(
         return q8.to(torch.float64) * s.to(torch.float64)
     stored = quantize_fp8(query, scale, torch.float8_e4m3fn)
     return stored.to(torch.float64) * float(torch.tensor(scale, dtype=torch.float32))
+
+
+# --- probability quantization ---------------------------------------------------------------
+
+
+class ProbabilityQuantization(str, enum.Enum):
+    """What a backend's kernels do to the softmax probabilities ``P`` before ``P @ V`` (the
+    value is the name backends declare in ``Capabilities.probability_quantization``).
+
+    A kernel whose ``V`` is fp8 multiplies ``P`` on the same fp8 tensor cores, so it rounds
+    ``P`` to fp8 first; the normalizing sum (and the LSE) still come from the unrounded
+    values. Where the kernel rounds relative to a *running* maximum (an online softmax over
+    key tiles), which values round how depends on its tiling: the same-inputs reference
+    models the rounding with the row's maximum over all its keys
+    (:func:`round_probabilities`), and the suite bounds what the tiling can change with
+    :func:`probability_error_bound`."""
+
+    #: FlashAttention-3's fp8 path: ``exp`` of the scores relative to the (running) row
+    #: maximum, times ``2**8`` (``Max_offset = 8``, so that the largest is 256 and small
+    #: probabilities stay out of e4m3's subnormals), rounded to fp8 e4m3 (round to nearest
+    #: even) before ``P @ V`` [source: hopper/softmax.h, flash_fwd_kernel_sm90.h].
+    FP8_E4M3 = "fp8_e4m3"
+
+
+#: Every probability scheme by name, with what it does in one line.
+PROBABILITY_QUANTIZATIONS: dict[str, str] = {
+    ProbabilityQuantization.FP8_E4M3.value: (
+        "softmax probabilities scaled so the row maximum is 2**8, rounded to fp8 e4m3 before "
+        "P @ V (FlashAttention-3's fp8 path)"
+    ),
+}
+
+#: FP8_E4M3: the scaled maximum (2**Max_offset) and e4m3's unit roundoff (3 mantissa bits).
+_FP8_PROB_MAX = 2.0**8
+_E4M3_UNIT_ROUNDOFF = 2.0**-4
+#: e4m3's largest absolute rounding error below its smallest normal 2**-6 (half the 2**-9
+#: subnormal spacing), in units of the scaled maximum: 2**-10 / 2**8.
+_E4M3_SUBNORMAL_ERROR = 2.0**-10 / _FP8_PROB_MAX
+
+
+def probability_quantization(name: str | ProbabilityQuantization) -> ProbabilityQuantization:
+    """The scheme called ``name``; :class:`~attnhub.errors.UnknownNameError` for another."""
+    try:
+        return ProbabilityQuantization(name)
+    except ValueError:
+        raise UnknownNameError(
+            f"probability quantization {name!r} is unknown; known: "
+            f"{', '.join(PROBABILITY_QUANTIZATIONS)}"
+        ) from None
+
+
+def round_probabilities(
+    p: torch.Tensor,  # [..., keys] normalized softmax probabilities (rows may hold a sink's share)
+    scheme: str | ProbabilityQuantization,
+) -> torch.Tensor:  # same shape and dtype
+    """``p`` as a kernel applying ``scheme`` with the row's maximum over all keys multiplies
+    ``V`` with: each row scaled so that its largest probability is ``2**8``, rounded to e4m3,
+    scaled back. A row of zeros (it sees no key) stays zero."""
+    probability_quantization(scheme)
+    top = p.amax(dim=-1, keepdim=True)
+    unit = torch.where(top > 0, top / _FP8_PROB_MAX, torch.ones_like(top))
+    scaled = (p / unit).to(torch.float32).to(torch.float8_e4m3fn)
+    return scaled.to(p.dtype) * unit
+
+
+def probability_error_bound(
+    p: torch.Tensor,  # [..., keys] normalized softmax probabilities
+    scheme: str | ProbabilityQuantization,
+) -> torch.Tensor:  # same shape: the largest |rounded - p| any tiling of the kernel can give
+    """How far ``scheme`` can move each probability, whatever running maximum the kernel
+    rounds it against: ``u * p`` in e4m3's normal range (``u = 2**-4``), and in its
+    subnormal range at most ``min(p, 2**-18)``; a running maximum is never above the row's,
+    and an unrounded normalizing sum is at least that maximum's share, so both hold in
+    normalized units. Multiplied into ``|V|`` (``P @ |V|``) it bounds the output's change."""
+    probability_quantization(scheme)
+    return _E4M3_UNIT_ROUNDOFF * p + p.clamp(max=_E4M3_SUBNORMAL_ERROR)

@@ -23,6 +23,7 @@ result from the float64 one, as flash-attn's tests do.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -68,9 +69,14 @@ def attention(
     alibi_slopes: torch.Tensor | None = None,  # [num_heads]
     sinks: torch.Tensor | None = None,  # [num_heads]
     compute_dtype: torch.dtype = F64,
+    probabilities: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [query_len, num_heads, head_size], lse [H, q_len]
     """Attention of one request whose last ``query_len`` positions are the new tokens. Returns
-    float64 (computed in ``compute_dtype``)."""
+    float64 (computed in ``compute_dtype``).
+
+    ``probabilities``, where given, maps the normalized probabilities ``p`` [H, q_len, seq_len]
+    (masked keys 0) to what multiplies ``V`` instead: e.g. ``attnhub.quant.round_probabilities``
+    for a kernel that rounds them. The LSE is not affected."""
     q_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = key.shape
     assert q_len <= seq_len, "the query tokens are the last positions of the sequence"
@@ -109,6 +115,8 @@ def attention(
         lse = torch.logsumexp(s, dim=-1)
     empty = torch.isneginf(lse)  # rows that see nothing: output 0, LSE +inf
     p = torch.exp(s - lse.masked_fill(empty, 0)[..., None]).masked_fill(~visible, 0)
+    if probabilities is not None:
+        p = probabilities(p)
     out = torch.einsum("hij,jhd->ihd", p, v)
     return out.to(F64), lse.to(F64).masked_fill(empty, math.inf)
 
@@ -171,9 +179,10 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     compute_dtype: torch.dtype = F64,
+    probabilities: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_actual_tokens, H, D] f64, lse [H, tokens]
     """What a backend's forward must return for ``batch``, reading keys from ``cache``
-    (``compute_dtype``: see the module docstring)."""
+    (``compute_dtype``: see the module docstring; ``probabilities``: see :func:`attention`)."""
     _check_inputs(query, cache, batch, spec)
     qsl = batch.query_start_loc_cpu.tolist()
     outs, lses = [], []
@@ -191,6 +200,7 @@ def paged_attention(
             alibi_slopes=None if alibi_slopes is None else alibi_slopes.to("cpu"),
             sinks=None if sinks is None else sinks.to("cpu"),
             compute_dtype=compute_dtype,
+            probabilities=probabilities,
         )
         outs.append(out)
         lses.append(lse)

@@ -21,17 +21,26 @@ data on every device and every run::
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
 from attnhub import reference
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import AccuracyBound, Capabilities, Tolerance
+from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import PagedKVCache
-from attnhub.quant import quantize_fp8, simulate_query_quantization
+from attnhub.quant import (
+    FP8_DTYPES,
+    probability_error_bound,
+    quantize_fp8,
+    round_probabilities,
+    simulate_query_quantization,
+)
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
 
 __all__ = [
@@ -52,6 +61,8 @@ __all__ = [
     "mismatch",
     "num_blocks_for",
     "poison_unused_slots",
+    "probability_allowance",
+    "probability_rounding",
     "quantized_query",
     "random_kv",
     "random_qkv",
@@ -369,6 +380,62 @@ def quantized_query(
     return simulate_query_quantization(query.detach().to("cpu"), scheme).to(query.device)
 
 
+def probability_rounding(
+    capabilities: Capabilities, kv_cache_dtype: str
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The map of normalized probabilities a backend declaring ``capabilities`` applies before
+    ``P @ V`` over a ``kv_cache_dtype`` cache (``attnhub.quant.round_probabilities`` for its
+    declared ``probability_quantization`` scheme), for ``reference.paged_attention(
+    probabilities=)``; None where it declares none."""
+    scheme = capabilities.probability_quantization.get(kv_cache_dtype)
+    if scheme is None:
+        return None
+    return functools.partial(round_probabilities, scheme=scheme)
+
+
+def probability_allowance(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size], as the kernels use it
+    cache: PagedKVCache,
+    batch: BatchMetadata,
+    spec: AttentionSpec,
+    scheme: str,
+    *,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_actual_tokens, H, D] f64, host
+    """How far rounding the probabilities by ``scheme`` can move each output element from the
+    unrounded reference, whatever the kernel's tiling: ``sum_j bound(p_j) * |v_j|`` with
+    ``bound = attnhub.quant.probability_error_bound``, i.e. the reference over ``|V|`` with
+    the probabilities replaced by their bounds. Added to the tolerance of the same-inputs
+    comparison (``mismatch(allowance=)``)."""
+    out, _ = reference.paged_attention(
+        query,
+        _abs_values(cache),
+        batch,
+        spec,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        probabilities=functools.partial(probability_error_bound, scheme=scheme),
+    )
+    return out
+
+
+def _abs_values(cache: PagedKVCache) -> PagedKVCache:
+    """``cache`` with every value replaced by its magnitude (a copy; keys shared)."""
+    plane = cache.value
+    if plane.dtype in FP8_DTYPES:  # no fp8 abs kernel on CPU: clear the sign bit
+        magnitude = (plane.view(torch.uint8) & 0x7F).view(plane.dtype)
+    elif plane.is_floating_point():
+        magnitude = plane.abs()
+    else:
+        raise InvalidInputError(
+            f"value plane of dtype {plane.dtype}: probability rounding bounds are defined for "
+            "floating-point and fp8 values only"
+        )
+    scale = cache.value_scale
+    return replace(cache, value=magnitude, value_scale=None if scale is None else scale.abs())
+
+
 # --- comparing outputs ------------------------------------------------------------------------
 
 
@@ -389,17 +456,21 @@ def mismatch(
     expected: torch.Tensor,  # same shape, usually the float64 reference
     tol: Tolerance,
     batch: BatchMetadata | None = None,
+    *,
+    allowance: torch.Tensor | None = None,  # same shape, >= 0: added to what is allowed
 ) -> str | None:
-    """None when ``|actual - expected| <= tol.atol + tol.rtol * |expected|`` everywhere and
-    ``actual`` is finite; otherwise a sentence: how many elements fail, the worst one (with
-    ``batch`` and 3-D tensors: its token's request and position, head and channel) and by how
-    much, and which requests have errors."""
+    """None when ``|actual - expected| <= tol.atol + tol.rtol * |expected| [+ allowance]``
+    everywhere and ``actual`` is finite; otherwise a sentence: how many elements fail, the
+    worst one (with ``batch`` and 3-D tensors: its token's request and position, head and
+    channel) and by how much, and which requests have errors."""
     a = actual.detach().to("cpu", torch.float64)
     e = expected.detach().to("cpu", torch.float64)
     if a.shape != e.shape:
         return f"shape {list(a.shape)}, expected {list(e.shape)}"
     err = (a - e).abs()
     allowed = tol.atol + tol.rtol * e.abs()
+    if allowance is not None:
+        allowed = allowed + allowance.detach().to("cpu", torch.float64)
     finite = torch.isfinite(a)
     bad = (err > allowed) | ~finite
     if not bool(bad.any()):
@@ -415,7 +486,8 @@ def mismatch(
     got, want = float(a.flatten()[flat]), float(e.flatten()[flat])
     message = (
         f"{int(bad.sum())} of {bad.numel()} elements outside atol={tol.atol:g} + "
-        f"rtol={tol.rtol:g}*|ref|; worst at {where}: got {got:.6g}, expected {want:.6g} "
+        f"rtol={tol.rtol:g}*|ref|{' + allowance' if allowance is not None else ''}; "
+        f"worst at {where}: got {got:.6g}, expected {want:.6g} "
         f"(|diff| {abs(got - want):.3g}, allowed {float(allowed.flatten()[flat]):.3g})"
     )
     if batch is not None and a.dim() >= 1:
@@ -459,6 +531,8 @@ def rounding_mismatch(
     exact: torch.Tensor,  # the float64 reference
     rounded: torch.Tensor,  # the reference computed in the model dtype (compute_dtype=)
     dtype: torch.dtype,
+    *,
+    plain: str | None = None,  # what ``rounded`` is, in words (default: a plain computation)
 ) -> str | None:
     """None when ``actual`` is as close to ``exact`` as rounding to ``dtype`` allows; else why.
 
@@ -487,12 +561,12 @@ def rounding_mismatch(
         ("mean error", float(err.mean()), float(base.mean()), f_mean),
         ("magnitude bias", abs(bias(a)), abs(bias(r)), f_bias),
     )
-    for what, got, plain, floor in checks:
-        if got > 2 * plain + floor:
+    said = plain or f"a plain {str(dtype).removeprefix('torch.')} computation"
+    for what, got, base_err, floor in checks:
+        if got > 2 * base_err + floor:
             return (
-                f"{what} {got:.3g} vs the float64 reference exceeds 2 x {plain:.3g} (what a "
-                f"plain {str(dtype).removeprefix('torch.')} computation errs by) + {floor:g}: "
-                "more than rounding explains"
+                f"{what} {got:.3g} vs the float64 reference exceeds 2 x {base_err:.3g} (what "
+                f"{said} errs by) + {floor:g}: more than rounding explains"
             )
     return None
 

@@ -593,11 +593,12 @@ def kv_cache_cases(target: Target, scope: Scope) -> list[Case]:
     configs += [base.with_(block_size=b) for b in ax.block_sizes]
     configs += [base.with_(attn_type=t) for t in ax.attn_types]
     if scope.full:
-        configs += [
+        pairs = [
             base.with_(dtype=d, kv_cache_dtype=k)
             for d in ax.dtypes
             for k in [base.kv_cache_dtype, *ax.kv_cache_dtypes]
         ]
+        configs += [c for c in pairs if ax.supports(c)]  # e.g. fp8 with bf16 models only
     for config in configs:
         if config.attn_type is AttentionType.ENCODER_DECODER:
             continue  # cross-attention steps write no new keys

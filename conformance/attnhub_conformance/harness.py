@@ -11,7 +11,10 @@ How a step is prepared, so that a backend has every chance to be caught:
   - the reference reads the cache *after* forward, i.e. exactly what the backend stored
     (its quantization included), and, where the backend declares that its kernels quantize
     the query for the cache's format (``Capabilities.query_quantization``), takes the query so
-    quantized: the "same inputs" comparison, at the tight tolerance;
+    quantized: the "same inputs" comparison, at the tight tolerance; where it declares that
+    they round the softmax probabilities (``Capabilities.probability_quantization``), the
+    tolerance grows by what that rounding can change (``testing.probability_allowance``) and
+    the rounding check compares with a plain computation that rounds them too;
   - the keys and values written are kept, so that a quantized cache's output can also be
     compared with attention over the unquantized inputs (``unquantized_reference``), within
     the backend's declared ``quantization_accuracy``.
@@ -227,14 +230,28 @@ def reference_output(
     query: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype = torch.float64,
+    round_probabilities: bool = False,
+    allowance: bool = False,
 ) -> torch.Tensor:  # [n, H, D] f64, host
     """The reference over the cache as stored, for the query as the backend's kernels use it
-    (``testing.quantized_query``: quantized where the backend declares it for this cache)."""
+    (``testing.quantized_query``: quantized where the backend declares it for this cache).
+    ``round_probabilities``: with the probabilities rounded as the backend declares
+    (``testing.probability_rounding``); ``allowance``: instead, what that rounding can change
+    per element (``testing.probability_allowance``)."""
     batch = step.batch if batch is None else batch
     query = layer.query if query is None else query
-    query = testing.quantized_query(
-        query[: batch.num_actual_tokens], step.backend.capabilities, step.spec.kv_cache_dtype
-    )
+    caps, kv = step.backend.capabilities, step.spec.kv_cache_dtype
+    query = testing.quantized_query(query[: batch.num_actual_tokens], caps, kv)
+    if allowance:
+        return testing.probability_allowance(
+            query,
+            layer.cache,
+            batch,
+            step.spec,
+            caps.probability_quantization[kv],
+            alibi_slopes=layer.alibi_slopes,
+            sinks=layer.sinks,
+        )
     out, _ = reference.paged_attention(
         query,
         layer.cache,
@@ -243,6 +260,7 @@ def reference_output(
         alibi_slopes=layer.alibi_slopes,
         sinks=layer.sinks,
         compute_dtype=compute_dtype,
+        probabilities=testing.probability_rounding(caps, kv) if round_probabilities else None,
     )
     return out
 
@@ -320,12 +338,25 @@ def assert_matches_reference(
     tol, dtype = tolerance(step), step.spec.dtype
     exact = reference_output(step, layer)
     said = f"declared tolerance atol={tol.atol:g} rtol={tol.rtol:g}"
-    why = testing.mismatch(out[:n], exact, tol, step.batch)
+    # kernels that round the probabilities (declared): what that can change is allowed too,
+    # and "a plain computation" rounds them as well (as FlashAttention-3's own fp8 tests do)
+    rounds_p = step.spec.kv_cache_dtype in step.backend.capabilities.probability_quantization
+    if rounds_p:
+        said += " + the declared probability rounding's bound"
+    allowance = reference_output(step, layer, allowance=True) if rounds_p else None
+    why = testing.mismatch(out[:n], exact, tol, step.batch, allowance=allowance)
     assert why is None, (
         f"{step.label}: {what} differs from attnhub.reference ({dtype}, {said}): {why}"
     )
-    rounded = reference_output(step, layer, compute_dtype=dtype)
-    why = testing.rounding_mismatch(out[:n], exact, rounded, dtype)
+    rounded = reference_output(step, layer, compute_dtype=dtype, round_probabilities=rounds_p)
+    plain = None
+    if rounds_p:
+        scheme = step.backend.capabilities.probability_quantization[step.spec.kv_cache_dtype]
+        plain = (
+            f"a plain {str(dtype).removeprefix('torch.')} computation rounding its "
+            f"probabilities as declared ({scheme})"
+        )
+    why = testing.rounding_mismatch(out[:n], exact, rounded, dtype, plain=plain)
     assert why is None, f"{step.label}: {what} ({dtype}, {said}): {why}"
     pad = out[n:].detach().to("cpu")
     assert bool((pad == 0).all()), (

@@ -281,6 +281,45 @@ class OverclaimsAccuracyBackend(TorchBackend):
         return QueryQuantizingImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
+# --- 9. rounds its probabilities (declared), and reads V with a scale 3% off -----------------
+class ValueScaleOffImpl(TorchAttentionImpl):
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        assert cache.value_scale is not None
+        off = replace(cache, value_scale=cache.value_scale * 1.03)  # the bug
+        super().attend(query, key, value, off, meta, out)
+
+
+class ValueScaleOffBackend(TorchBackend):
+    """Declares that it rounds the softmax probabilities to fp8 (as FlashAttention-3 does),
+    which widens the same-inputs tolerance by up to 6% of the weighted |V|: a 3% scale error
+    hides inside that elementwise, but not from the bias check against a plain computation
+    that rounds them too."""
+
+    name = "value_scale_off"
+    capabilities = replace(
+        TorchBackend.capabilities,
+        dtypes=frozenset({torch.bfloat16}),
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
+        probability_quantization={"fp8_e4m3": "fp8_e4m3"},
+        quantization_accuracy={"fp8_e4m3": attnhub.AccuracyBound(1.0, 0.9)},
+    )
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        if self.spec.kv_cache_dtype == "auto":
+            return TorchAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+        return ValueScaleOffImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
 MUTANTS = (
     TopLeftCausalBackend,
     WritesPaddingBackend,
@@ -291,6 +330,7 @@ MUTANTS = (
     ScaleOffBackend,
     LooseToleranceBackend,
     OverclaimsAccuracyBackend,
+    ValueScaleOffBackend,
 )
 
 

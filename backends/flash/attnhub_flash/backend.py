@@ -42,9 +42,10 @@ from attnhub.backend import (
     AttentionMetadataBuilder,
 )
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
+from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import PagedKVCache
+from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_flash import ops
 
@@ -60,6 +61,20 @@ CascadePolicy = Literal["auto", "always", "never"]
 NUM_SPLITS = 0
 HALF = frozenset({torch.float16, torch.bfloat16})
 ALL_TYPES = frozenset(AttentionType)
+FP8_KV = "fp8_e4m3"
+#: FA3's fp8 path (vLLM's fork with fa_version=3, and upstream hopper): q, k and v all fp8
+#: e4m3 with float32 descales; the query quantized with a static scale as vLLM does
+#: (``ops.scaled_fp8_quant(query, layer._q_scale)``, 1.0 unless the checkpoint sets one); the
+#: softmax probabilities rounded to e4m3 before ``P @ V`` (hopper/softmax.h ``Max_offset``).
+#: The accuracy bound is what the emulated kernels measure on the suite's standard cases
+#: (worst over head sizes 64-256, block sizes, GQA, windows, softcap, sinks), rounded up:
+#: docs/backends/flash.md.
+FA3_FP8 = dict(
+    kv_cache_dtypes=frozenset({"auto", FP8_KV}),
+    query_quantization={FP8_KV: "fp8_static"},
+    probability_quantization={FP8_KV: "fp8_e4m3"},
+    quantization_accuracy={FP8_KV: AccuracyBound(max_abs_error=0.3, min_cosine=0.995)},
+)
 
 
 def _caps(**fields: Any) -> Capabilities:
@@ -113,6 +128,7 @@ CAPABILITIES: dict[str, Capabilities] = {
         alibi=False,
         sinks=True,
         priority={"cuda": 85},
+        **FA3_FP8,
     ),
     # Upstream FA2: "page_block_size must be a multiple of 256" [doc]; head sizes up to 256,
     # multiples of 8 (others are padded by the Python wrapper, which would copy the cache).
@@ -132,6 +148,7 @@ CAPABILITIES: dict[str, Capabilities] = {
         alibi=False,
         sinks=False,
         priority={"cuda": 90},
+        **FA3_FP8,
     ),
     # FA4: _validate_head_dims on SM100: 8..128 (multiples of 8 for 16-bit dtypes) or 256
     # [schema]; any page size, 128 the TMA fast path [schema]; learnable_sink [schema].
@@ -149,13 +166,13 @@ _WHY: dict[str, dict[str, str]] = {
         "block_size": "vLLM's flash-attention fork takes paged blocks in multiples of 16",
         "head_size": "vLLM's flash-attention fork takes head sizes in multiples of 8 up to 256",
         "sinks": "vLLM's fork takes s_aux sinks only with fa_version=3, not used here yet",
-        "kv_cache_dtype": "fp8 descales need fa_version=3 and a query scale, not done yet",
+        "kv_cache_dtype": "fp8 caches need fa_version=3: provider vllm-fa3",
     },
     "vllm-fa3": {
         "block_size": "vLLM's flash-attention fork takes paged blocks in multiples of 16",
         "head_size": "vLLM's flash-attention fork takes head sizes in multiples of 8 up to 256",
         "alibi": "vLLM's fork has no ALiBi with fa_version=3",
-        "kv_cache_dtype": "fp8 descales need a query scale, not done yet",
+        "kv_cache_dtype": "FA3 takes fp8 e4m3 caches only",
     },
     "fa2": {
         "block_size": "upstream FA2's paged KV needs page_block_size a multiple of 256",
@@ -167,7 +184,7 @@ _WHY: dict[str, dict[str, str]] = {
         "alibi": "FA3 has no ALiBi",
         "sinks": "FA3 2.8.3 has no attention sinks",
         "head_size": "FA3 takes head sizes in multiples of 8 up to 256",
-        "kv_cache_dtype": "FA3's fp8 path needs an fp8 query too (descales), not done yet",
+        "kv_cache_dtype": "FA3 takes fp8 e4m3 caches only",
     },
     "fa4": {
         "alibi": "FA4 has no ALiBi (score_mod could express it; not done)",
@@ -266,10 +283,13 @@ class FlashBackend(AttentionBackend):
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec) -> list[Refusal]:
         why = {**_COMMON_WHY, **_WHY[cls.provider]}
-        return [
+        reasons = [
             r.because(f"provider {cls.provider}: {why[r.field]}") if r.field in why else r
             for r in super().unsupported_reasons(spec)
         ]
+        if spec.kv_cache_dtype == FP8_KV and FP8_KV in cls.capabilities.kv_cache_dtypes:
+            reasons += _fp8_refusals(cls.provider, spec)
+        return reasons
 
     def __init__(
         self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
@@ -289,6 +309,31 @@ class FlashBackend(AttentionBackend):
         self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
     ) -> FlashAttentionImpl:
         return FlashAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+def _fp8_refusals(provider: str, spec: AttentionSpec) -> list[Refusal]:
+    """What FA3's fp8 kernels refuse beyond the declaration [source: hopper/flash_api.cpp]."""
+    reasons = []
+    if spec.dtype != torch.bfloat16:
+        reasons.append(
+            Refusal(
+                f"kv_cache_dtype {FP8_KV!r} with dtype {spec.dtype} is not supported (provider "
+                f"{provider}: FA3's fp8 kernels write bfloat16 outputs only: 'For FP8 input, "
+                "output must have dtype BF16')",
+                field="kv_cache_dtype",
+                value=spec.kv_cache_dtype,
+            )
+        )
+    if spec.head_size % 16:
+        reasons.append(
+            Refusal(
+                f"head_size {spec.head_size} is not a multiple of 16 (provider {provider}: "
+                "FA3 aligns fp8 head sizes to 16)",
+                field="head_size",
+                value=spec.head_size,
+            )
+        )
+    return reasons
 
 
 class FlashVllmBackend(FlashBackend):
@@ -451,7 +496,7 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             num_heads_kv=spec.num_kv_heads,
             headdim=spec.head_size,
             cache_seqlens=seq_lens,
-            qkv_dtype=spec.dtype,
+            qkv_dtype=torch.float8_e4m3fn if spec.kv_cache_dtype == FP8_KV else spec.dtype,
             cu_seqlens_q=query_start_loc,
             page_size=spec.block_size,
             causal=causal,
@@ -542,6 +587,10 @@ class FlashAttentionImpl(AttentionImpl):
         # reshape_and_cache_flash takes per-tensor scales even for an unquantized cache
         ones = torch.ones(1, dtype=torch.float32, device=backend.device)
         self._k_scale, self._v_scale = ones, ones.clone()
+        #: fp8 cache (FA3): the query goes in as fp8(q / q_scale) too, with this static
+        #: scale (attnhub's ``fp8_static`` scheme, 1.0 as vLLM's default ``_q_scale``)
+        self.fp8 = spec.kv_cache_dtype == FP8_KV
+        self._q_scale = ones.clone()
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, FlashAttentionMetadata) or meta.provider != self.backend.provider:
@@ -609,15 +658,16 @@ class FlashAttentionImpl(AttentionImpl):
         # writes slots.size(0) tokens (key may be longer: padding), slot < 0 skipped [schema]
         cache_ops = self.backend.ops.cache_ops
         assert cache_ops is not None
+        fp8 = self.fp8
         cache_ops.reshape_and_cache_flash(
             _dense_rows(key),
             _dense_rows(value),
             cache.key,
             cache.value,
             slots,
-            "auto",
-            self._k_scale,
-            self._v_scale,
+            "fp8" if fp8 else "auto",  # fp8: stores fp8(x / scale) with the cache's scales
+            cache.key_scale if fp8 else self._k_scale,
+            cache.value_scale if fp8 else self._v_scale,
         )
 
     @staticmethod
@@ -630,14 +680,19 @@ class FlashAttentionImpl(AttentionImpl):
     ) -> None:
         if rows.numel() == 0:
             return
-        for plane, src in ((cache.key, key), (cache.value, value)):
-            new = src.index_select(0, rows).to(plane.dtype)
+        planes = ((cache.key, key, cache.key_scale), (cache.value, value, cache.value_scale))
+        for plane, src, scale in planes:
+            new = src.index_select(0, rows)
+            # fp8: stored fp8(x / scale), as bytes (no fp8 indexing kernels on CPU)
+            new = indexable(quantize_fp8(new, scale, plane.dtype) if scale is not None else new)
+            dst = indexable(plane)
+            new = new.to(dst.dtype)
             page = plane.shape[1]
             if plane.stride(0) == page * plane.stride(1):  # blocks and rows merge into slots
-                flat = plane.view(-1, *plane.shape[2:])  # [num_slots, num_kv_heads, head_size]
+                flat = dst.view(-1, *plane.shape[2:])  # [num_slots, num_kv_heads, head_size]
                 flat.index_copy_(0, slots, new)
             else:  # strided blocks (e.g. padded between blocks): (block, offset) indices
-                plane.index_put_((slots // page, slots % page), new)
+                dst.index_put_((slots // page, slots % page), new)
 
     # --- attention ----------------------------------------------------------------------------
     def attend(
@@ -654,6 +709,8 @@ class FlashAttentionImpl(AttentionImpl):
         if n == 0:
             return
         q, target = query[:n], out[:n]
+        if self.fp8:  # FA3 takes q, k and v in one dtype: fp8(q / q_scale) [source]
+            q = quantize_fp8(q, self._q_scale)
         if meta.prefix is None:
             assert meta.main is not None
             result, _ = self._call(q, cache, meta.main, out=target)
@@ -688,6 +745,20 @@ class FlashAttentionImpl(AttentionImpl):
             return self._fa3(q, cache, args, lse)
         return self._fa4(q, cache, args, lse, self.sinks if sinks else None)
 
+    def _descales(self, cache: PagedKVCache, a: KernelArgs) -> dict[str, torch.Tensor]:
+        """fp8 calls: FA3's ``q/k/v_descale``, float32 (batch, num_kv_heads): the per-tensor
+        scales expanded (stride 0, as vLLM passes ``layer._k_scale.expand(...)``); none for
+        other caches."""
+        if not self.fp8:
+            return {}
+        assert cache.key_scale is not None and cache.value_scale is not None
+        shape = (a.block_table.shape[0], self.spec.num_kv_heads)
+        return {
+            "q_descale": self._q_scale.reshape(1, 1).expand(shape),
+            "k_descale": cache.key_scale.reshape(1, 1).expand(shape),
+            "v_descale": cache.value_scale.reshape(1, 1).expand(shape),
+        }
+
     def _vllm(
         self,
         q: torch.Tensor,
@@ -720,6 +791,7 @@ class FlashAttentionImpl(AttentionImpl):
             num_splits=NUM_SPLITS,
             fa_version=3 if self.backend.provider == "vllm-fa3" else 2,
             s_aux=sinks,
+            **self._descales(cache, a),
         )
         return result if lse else (result, None)
 
@@ -770,6 +842,7 @@ class FlashAttentionImpl(AttentionImpl):
             window_size=self.window,
             softcap=self.softcap,
             return_softmax_lse=lse,
+            **self._descales(cache, a),
         )
         fa = self.backend.ops.attention
         if a.decode_only and not lse:

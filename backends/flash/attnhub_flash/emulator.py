@@ -33,7 +33,7 @@ reading where they are silent; docs/backends/flash.md lists every one):
 
 It is strict: a call the library rejects (wrong dtype, layout, a missing or doubled length
 argument, a block table that is not int32) raises :class:`FlashOpError`; a valid call that uses
-something not emulated (dropout, rotary, fp8 descales, new K/V appended by the kernel) raises
+something not emulated (dropout, rotary, fp8 e5m2, new K/V appended by the kernel) raises
 :class:`NotEmulatedError`. It computes in float32 and never calls ``attnhub.reference`` (the
 conformance suite compares the two).
 """
@@ -71,6 +71,7 @@ __all__ = [
 ]
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16)
+FP8 = torch.float8_e4m3fn
 
 
 class FlashOpError(RuntimeError):
@@ -151,7 +152,14 @@ class _Rules:
 
 
 def _check_qkv(
-    op: str, rules: _Rules, q: object, k: object, v: object, *, paged: bool
+    op: str,
+    rules: _Rules,
+    q: object,
+    k: object,
+    v: object,
+    *,
+    paged: bool,
+    fp8: bool = False,  # FA3 kernels: fp8 e4m3 q, k and v too
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if not isinstance(q, torch.Tensor):
         raise _fail(op, f"q must be a Tensor, got {type(q).__name__}")
@@ -159,8 +167,11 @@ def _check_qkv(
     q = _tensor(op, "q", q, 3, dev)
     k = _tensor(op, "k", k, 4 if paged else 3, dev)
     v = _tensor(op, "v", v, 4 if paged else 3, dev)
-    if q.dtype not in MODEL_DTYPES:
-        raise _fail(op, f"{rules.lib} supports only fp16 and bf16 here, got q {q.dtype}")
+    if fp8 and q.dtype == FP8:
+        pass  # "FlashAttention only supports fp16, bf16, and fp8_e4m3 data type" [source]
+    elif q.dtype not in MODEL_DTYPES:
+        kinds = "fp16, bf16 and fp8_e4m3" if fp8 else "fp16 and bf16"
+        raise _fail(op, f"{rules.lib} supports only {kinds} here, got q {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise _fail(op, f"query and key/value must have the same dtype: {q.dtype}, {k.dtype}")
     if k.shape != v.shape:
@@ -173,6 +184,8 @@ def _check_qkv(
         raise _fail(op, f"nheads {num_heads} must be divisible by nheads_k {num_kv_heads}")
     if not rules.head_ok(head_size):
         raise _fail(op, f"head size {head_size}: {rules.lib} supports {rules.head_rule}")
+    if q.dtype == FP8 and head_size % 16:  # alignment 16 for fp8, 8 otherwise [source]
+        raise _fail(op, f"head_size should be a multiple of 16 (fp8 inputs), got {head_size}")
     if paged:
         page = k.shape[1]
         if page % rules.page_multiple:
@@ -224,6 +237,66 @@ def _softcap(op: str, softcap: object) -> float:
     return float(softcap)
 
 
+def _descales(
+    op: str,
+    q: torch.Tensor,
+    batch: int,
+    num_kv_heads: int,
+    q_descale: object,
+    k_descale: object,
+    v_descale: object,
+) -> torch.Tensor | None:  # [batch, 3, Hk] float32 (q, k, v), or None: not an fp8 call
+    """FA3's descales, read only when q is fp8 (ignored otherwise) [source: flash_api.cpp
+    mha_fwd]: each float32 (batch_size, num_heads_k), any strides (the kernel takes a batch
+    and a head stride, so ``scale.expand(B, Hk)`` as vLLM passes it is fine); a missing one
+    is 1."""
+    if q.dtype != FP8:
+        return None
+    planes = []
+    given_scales = (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+    for name, given in given_scales:
+        if given is None:
+            planes.append(torch.ones(batch, num_kv_heads, dtype=torch.float32, device=q.device))
+            continue
+        t = given
+        if not isinstance(t, torch.Tensor):
+            raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.device != q.device:
+            raise _fail(op, f"{name} is on {t.device}, q on {q.device}")
+        if tuple(t.shape) != (batch, num_kv_heads):
+            raise _fail(
+                op, f"{name} must have shape ({batch}, {num_kv_heads}), got {list(t.shape)}"
+            )
+        if t.dtype != torch.float32:  # data_ptr<float>()
+            raise _fail(op, f"{name} must have dtype float32, got {t.dtype}")
+        planes.append(t.float())
+    return torch.stack(planes, dim=1)
+
+
+def _out_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp8 inputs write bf16 outputs, others their own dtype [source: mha_fwd]."""
+    return torch.bfloat16 if q.dtype == FP8 else q.dtype
+
+
+def _fp8_block_n(head_size: int, window: tuple[int, int]) -> int:
+    """The key tile (kBlockN) of FA3's fp8 forward on Hopper for a paged cache read without
+    TMA (page size other than the tile) by two MMA warpgroups [source: hopper/tile_size.h
+    ``tile_size_fwd_sm90``, element_size 1]. It decides only against which running maximum
+    each probability is rounded; the kernel's choice of the one-warpgroup variant and of
+    split-KV (``num_splits``), which change the tiling too, are not modeled [inferred]."""
+    left, right = window
+    local = (left >= 0 or right >= 0) and not (left < 0 and right == 0)
+    if head_size <= 64:
+        return 160
+    if head_size <= 96:
+        return 128
+    if head_size <= 128:
+        return 160
+    if head_size <= 192:
+        return 128 if local else 160  # (paged_kv_non_TMA || softcap) && is_local
+    return 64 if local else 128
+
+
 # --- the math ----------------------------------------------------------------------------------
 
 
@@ -238,14 +311,20 @@ def _attend(
     slopes: torch.Tensor | None,  # [H] float32
     sink: torch.Tensor | None,  # [H] float32 logits joining the denominator
     empty_lse: float,
+    descale: torch.Tensor | None = None,  # [3, Hk] float32 (q, k, v): an fp8 call
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [q_len, H, D] f32, lse [H, q_len] f32
-    q_len, num_heads, _ = q.shape
+    q_len, num_heads, head_size = q.shape
     kv_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     qf = q.float().permute(1, 0, 2)  # [H, q_len, D]
     kf = k.float().repeat_interleave(group, dim=1).permute(1, 0, 2)  # [H, kv_len, D]
     vf = v.float().repeat_interleave(group, dim=1).permute(1, 0, 2)
-    s = torch.bmm(qf, kf.transpose(1, 2)) * scale  # [H, q_len, kv_len]
+    s = torch.bmm(qf, kf.transpose(1, 2))  # [H, q_len, kv_len]
+    if descale is not None:  # fp8: q_descale * k_descale join the softmax scale [source]
+        per_head = descale.repeat_interleave(group, dim=1)  # [3, H]
+        s = s * (scale * per_head[0] * per_head[1])[:, None, None]
+    else:
+        s = s * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     # bottom-right alignment: query i sits at key position i + kv_len - q_len
@@ -259,6 +338,10 @@ def _attend(
     if right >= 0:
         keep &= d <= right
     s = s.masked_fill(~keep[None], -math.inf)
+    if descale is not None:
+        block_n = _fp8_block_n(head_size, window)
+        out, lse = _fp8_softmax_pv(s, vf, sink, block_n, empty_lse)
+        return out * per_head[2][None, :, None], lse  # v_descale scales the output [source]
     parts = [s] if sink is None else [s, sink.float()[:, None, None].expand(num_heads, q_len, 1)]
     full = torch.cat(parts, dim=-1)
     m = (
@@ -274,6 +357,48 @@ def _attend(
     out = torch.bmm(p, vf).permute(1, 0, 2)  # [q_len, H, D]
     lse = torch.where(empty, torch.full_like(denom, empty_lse), torch.log(denom) + safe_m)
     return out, lse.squeeze(-1)
+
+
+def _fp8_softmax_pv(
+    s: torch.Tensor,  # [H, q_len, kv_len] float32 scaled scores, masked keys -inf
+    v: torch.Tensor,  # [H, kv_len, D] float32 (the fp8 values)
+    sink: torch.Tensor | None,  # [H]
+    block_n: int,
+    empty_lse: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [q_len, H, D] f32 (before v_descale), lse
+    """FA3's fp8 online softmax [source: hopper/softmax.h, flash_fwd_kernel_sm90.h]: the keys
+    in tiles of ``block_n``, the last tile first; per tile the running row maximum ``m_t``
+    (over the tiles seen so far), ``P = exp2((s - m_t) * log2(e) + 8)`` (``Max_offset = 8``:
+    at most 256) summed unrounded into the row sum, and **rounded to fp8 e4m3** (round to
+    nearest even) for ``P @ V``; the accumulator rescaled by ``exp(m_t - m)`` as the maximum
+    grows; at the end divided by the row sum, LSE ``m + log(sum / 2**8)``. A sink joins the
+    row sum only, after the last tile, against the final maximum [inferred: vLLM's fork]."""
+    num_heads, q_len, kv_len = s.shape
+    tiles = -(-kv_len // block_n)
+    padded = torch.nn.functional.pad(s, (0, tiles * block_n - kv_len), value=-math.inf)
+    blocks = padded.view(num_heads, q_len, tiles, block_n)
+    # running maximum in the kernel's order (tile T-1 first): max over tiles t..T-1
+    running = blocks.amax(dim=-1).flip(-1).cummax(dim=-1).values.flip(-1)  # [H, q, T]
+    final = running[..., :1] if tiles else s.new_full((num_heads, q_len, 1), -math.inf)
+    safe_run = torch.where(torch.isinf(running), torch.zeros_like(running), running)
+    safe_final = torch.where(torch.isinf(final), torch.zeros_like(final), final)
+    p = torch.exp2((blocks - safe_run[..., None]) * math.log2(math.e) + 8.0)  # [H, q, T, N]
+    rescale = torch.exp(safe_run - safe_final)[..., None]  # tile t's share at the end
+    row_sum = (p * rescale).sum(dim=(-1, -2))  # [H, q] unrounded
+    if sink is not None:
+        row_sum = row_sum + torch.exp2(
+            (sink.float()[:, None] - safe_final[..., 0]) * math.log2(math.e) + 8.0
+        )
+    weights = (p.to(FP8).float() * rescale).reshape(num_heads, q_len, -1)[..., :kv_len]
+    acc = torch.bmm(weights, v)  # [H, q, D]
+    total = row_sum  # 0: the row sees no key and has no sink
+    out = acc / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    lse = torch.where(
+        total > 0,
+        safe_final[..., 0] + torch.log(total / 2.0**8),
+        torch.full_like(total, empty_lse),
+    )
+    return out.permute(1, 0, 2), lse
 
 
 def _check_rows(op: str, cache: torch.Tensor, table_row: list[int], length: int) -> None:
@@ -311,6 +436,7 @@ def _varlen(
     softcap: float,
     slopes: torch.Tensor | None,  # [B, H]
     sink: torch.Tensor | None,
+    descale: torch.Tensor | None = None,  # [B, 3, Hk]: fp8 inputs (_descales)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, D] f32, lse [H, total_q] f32
     if table is not None:
         for b, kv_len in enumerate(kv_lens):
@@ -330,6 +456,7 @@ def _varlen(
         softcap=softcap,
         slopes=slopes,
         sink=sink,
+        descale=descale,
     )
 
 
@@ -359,6 +486,7 @@ def _varlen_math(
     softcap: float,
     slopes: torch.Tensor | None,
     sink: torch.Tensor | None,
+    descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, D] f32, lse [H, total_q] f32
     """``_varlen``'s math, every argument checked by it."""
     total_q, num_heads, head_size = q.shape
@@ -384,6 +512,7 @@ def _varlen_math(
             slopes=None if slopes is None else slopes[b],
             sink=sink,
             empty_lse=rules.empty_lse,
+            descale=None if descale is None else descale[b],
         )
         out[lo:hi], lse[:, lo:hi] = o, l_
     return out, lse
@@ -406,13 +535,14 @@ def _max_covers(op: str, name: str, given: object, lengths: Sequence[int]) -> No
 
 
 def _out(op: str, out: object, like: torch.Tensor) -> torch.Tensor | None:
+    """``out=``: q's shape, and q's dtype (bf16 for fp8 q: "For FP8 input, output must have
+    dtype BF16" [source])."""
     if out is None:
         return None
     t = _tensor(op, "out", out, like.dim(), like.device)
-    if t.shape != like.shape or t.dtype != like.dtype:
-        raise _fail(
-            op, f"out must be {like.dtype} {list(like.shape)}, got {t.dtype} {list(t.shape)}"
-        )
+    dtype = _out_dtype(like)
+    if t.shape != like.shape or t.dtype != dtype:
+        raise _fail(op, f"out must be {dtype} {list(like.shape)}, got {t.dtype} {list(t.shape)}")
     return t
 
 
@@ -514,14 +644,11 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         q_v=q_v,
         dropout_p=dropout_p or None,
         return_attn_probs=return_attn_probs,
-        q_descale=q_descale,
-        k_descale=k_descale,
-        v_descale=v_descale,
         cp_tot_seqused_k=cp_tot_seqused_k,
         cp_world_size=None if cp_world_size == 1 else cp_world_size,
     )
     paged = block_table is not None
-    q, k, v = _check_qkv(op, _VLLM_RULES, q, k, v, paged=paged)
+    q, k, v = _check_qkv(op, _VLLM_RULES, q, k, v, paged=paged, fp8=fa_version == 3)
     dev = q.device
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise _fail(op, "cu_seqlens_q must be a Tensor")
@@ -565,13 +692,15 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         softcap=_softcap(op, softcap),
         slopes=_alibi(op, alibi_slopes, q.shape[1], batch, dev),
         sink=sink,
+        # FA2's kernel is not passed the descales [schema]; fp8 q only reaches FA3 (above)
+        descale=_descales(op, q, batch, k.shape[-2], q_descale, k_descale, v_descale),
     )
     if paged:
         res, lse = _paged_call(op, _VLLM_RULES, q, k, v, q_starts, kv_lens, block_table, **args)
     else:
         res, lse = _varlen(op, _VLLM_RULES, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
     if out_t is None:
-        out_t = res.to(q.dtype)
+        out_t = res.to(_out_dtype(q))
     else:
         out_t.copy_(res)
     return (out_t, lse) if return_softmax_lse else out_t
@@ -736,7 +865,8 @@ def reshape_and_cache_flash(  # vllm._custom_ops
     slots = _tensor(op, "slot_mapping", slot_mapping, 1, dev)
     if slots.dtype != torch.int64:
         raise _fail(op, f"slot_mapping must be int64, got {slots.dtype}")
-    if kv_cache_dtype != "auto":
+    fp8 = kv_cache_dtype in ("fp8", "fp8_e4m3")
+    if kv_cache_dtype != "auto" and not fp8:
         raise NotEmulatedError(f"{op}: kv_cache_dtype {kv_cache_dtype!r} is not emulated")
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.dtype != torch.float32:
@@ -744,7 +874,16 @@ def reshape_and_cache_flash(  # vllm._custom_ops
     n = slots.shape[0]
     if key.shape[0] < n or value.shape[0] < n:
         raise _fail(op, f"key/value have fewer rows than slot_mapping ({n})")
-    if key.dtype != kc.dtype or value.dtype != vc.dtype:
+    if fp8:
+        # the kernel reinterprets the caches' bytes as fp8 (vLLM allocates them uint8 and
+        # views them as float8_e4m3fn for attention) and reads key/value as the model dtype
+        # [source: csrc/cache_kernels.cu DISPATCH_BY_KV_CACHE_DTYPE]
+        for name, plane in (("key_cache", kc), ("value_cache", vc)):
+            if plane.dtype not in (torch.uint8, FP8):
+                raise _fail(op, f"{name} must hold bytes (uint8 or fp8) for fp8, got {plane.dtype}")
+        if key.dtype not in (torch.float32, *MODEL_DTYPES) or value.dtype != key.dtype:
+            raise _fail(op, f"key/value must be float32, fp16 or bf16, got {key.dtype}")
+    elif key.dtype != kc.dtype or value.dtype != vc.dtype:
         raise _fail(op, f"key {key.dtype} and cache {kc.dtype} differ with kv_cache_dtype 'auto'")
     if tuple(key.shape[1:]) != tuple(kc.shape[2:]) or kc.shape != vc.shape:
         raise _fail(op, f"key {list(key.shape)} does not fit the cache {list(kc.shape)}")
@@ -773,7 +912,14 @@ def reshape_and_cache_flash(  # vllm._custom_ops
     if bool((slots[valid] >= num_slots).any()):
         bad = int(slots[valid].max())
         raise _fail(op, f"slot_mapping holds {bad}, outside the cache ({num_slots} slots)")
-    _write_slots(key, value, kc, vc, slots, valid)
+    _write_slots(key, value, kc, vc, slots, valid, (k_scale, v_scale) if fp8 else None)
+
+
+def _to_fp8_bytes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's fp8 store: ``x / scale`` in float32, converted to e4m3 saturating at +-448
+    (``__nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, __NV_E4M3)``) [source:
+    csrc/quantization/fp8/nvidia/quant_utils.cuh], as bytes."""
+    return (x.float() / scale.float()).clamp(-448.0, 448.0).to(FP8).view(torch.uint8)
 
 
 @emulation.kernel(null=emulation.skip)
@@ -784,13 +930,18 @@ def _write_slots(
     vc: torch.Tensor,
     slots: torch.Tensor,
     valid: torch.Tensor,
+    fp8_scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
     """``reshape_and_cache_flash``'s write, every argument checked by it."""
     rows = torch.nonzero(valid).flatten()
     targets = slots[rows]
     block, offset = targets // kc.shape[1], targets % kc.shape[1]  # strided planes: no view
-    kc[block, offset] = key[rows]
-    vc[block, offset] = value[rows]
+    if fp8_scales is None:
+        kc[block, offset] = key[rows]
+        vc[block, offset] = value[rows]
+        return
+    for plane, src, scale in ((kc, key, fp8_scales[0]), (vc, value, fp8_scales[1])):
+        plane.view(torch.uint8)[block, offset] = _to_fp8_bytes(src[rows], scale)
 
 
 # --- upstream FA2: flash_attn ------------------------------------------------------------------
@@ -864,13 +1015,17 @@ def _padded_batch_call(
     cache_seqlens: object,
     table: object,
     table_name: str,
+    *,
+    fp8: bool = False,  # FA3: fp8 e4m3 inputs with descales
+    descales: tuple[object, object, object] = (None, None, None),
     **math_args: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Sq, H, D] q dtype, lse [B, H, Sq]
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise _fail(op, "q must be a 4-D Tensor (batch_size, seqlen, nheads, headdim)")
     batch, seqlen = q.shape[:2]
     flat = q.reshape(batch * seqlen, *q.shape[2:])
-    qf, kc, vc = _check_qkv(op, rules, flat, k_cache, v_cache, paged=True)
+    qf, kc, vc = _check_qkv(op, rules, flat, k_cache, v_cache, paged=True, fp8=fp8)
+    math_args["descale"] = _descales(op, qf, batch, kc.shape[-2], *descales)
     if table is None:
         raise NotEmulatedError(f"{op}: a contiguous (non-paged) cache is not emulated")
     if isinstance(cache_seqlens, int):
@@ -882,7 +1037,7 @@ def _padded_batch_call(
     if t.dtype != torch.int32:
         raise _fail(op, f"{table_name} must have dtype torch.int32, got {t.dtype}")
     res, lse = _paged_call(op, rules, qf, kc, vc, starts, kv_lens, t, **math_args)
-    out = res.to(q.dtype).view(batch, seqlen, *q.shape[2:])
+    out = res.to(_out_dtype(qf)).view(batch, seqlen, *q.shape[2:])
     # (H, B * Sq) -> (B, H, Sq)
     return out, lse.view(-1, batch, seqlen).permute(1, 0, 2).contiguous()
 
@@ -1001,12 +1156,10 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
         cache_leftpad=cache_leftpad,
         cu_seqlens_k_new=cu_seqlens_k_new,
         rotary_seqlens=rotary_seqlens,
-        q_descale=q_descale,
-        k_descale=k_descale,
-        v_descale=v_descale,
         attention_chunk=attention_chunk or None,
         scheduler_metadata=scheduler_metadata,
     )
+    descales = (q_descale, k_descale, v_descale)
     if cache_seqlens is None:
         raise NotEmulatedError(f"{op}: cache_seqlens=None (whole cache) is not emulated")
     if page_table is None:
@@ -1029,12 +1182,14 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
             cache_seqlens,
             page_table,
             "page_table",
+            fp8=True,
+            descales=descales,
             **math_args,
         )
         return (out, lse, *_fa3_rest()) if return_softmax_lse else out
     if max_seqlen_q is None:
         raise _fail(op, "max_seqlen_q must be given with cu_seqlens_q")
-    qq, kc, vc = _check_qkv(op, _FA3_RULES, q, k_cache, v_cache, paged=True)
+    qq, kc, vc = _check_qkv(op, _FA3_RULES, q, k_cache, v_cache, paged=True, fp8=True)
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise _fail(op, "cu_seqlens_q must be a Tensor")
     batch = cu_seqlens_q.shape[0] - 1
@@ -1046,8 +1201,9 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
     else:
         kv_lens = _int32(op, "cache_seqlens", cache_seqlens, (batch,), dev)
     math_args["scale"] = qq.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    math_args["descale"] = _descales(op, qq, batch, kc.shape[-2], *descales)
     res, lse = _paged_call(op, _FA3_RULES, qq, kc, vc, q_starts, kv_lens, page_table, **math_args)
-    out = res.to(qq.dtype)
+    out = res.to(_out_dtype(qq))
     return (out, lse, *_fa3_rest()) if return_softmax_lse else out
 
 

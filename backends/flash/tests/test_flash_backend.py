@@ -129,7 +129,12 @@ def test_the_cache_is_nhd_as_the_paged_kernels_take_it() -> None:
         ("vllm", dict(block_size=8), "multiples of 16"),
         ("vllm", dict(head_size=72 + 4), "multiples of 8 up to 256"),
         ("vllm", dict(use_sinks=True), "fa_version=3"),
-        ("vllm", dict(kv_cache_dtype="fp8_e4m3"), "fp8"),
+        ("vllm", dict(kv_cache_dtype="fp8_e4m3"), "provider vllm-fa3"),
+        ("fa2", dict(kv_cache_dtype="fp8_e4m3"), "no fp8"),
+        ("fa3", dict(kv_cache_dtype="fp8_e5m2"), "fp8 e4m3 caches only"),
+        ("fa3", dict(kv_cache_dtype="fp8_e4m3", dtype=torch.float16), "bfloat16 outputs"),
+        ("vllm-fa3", dict(kv_cache_dtype="fp8_e4m3", dtype=torch.float16), "bfloat16 outputs"),
+        ("fa3", dict(kv_cache_dtype="fp8_e4m3", head_size=72), "fp8 head sizes to 16"),
         ("vllm-fa3", dict(use_alibi=True), "no ALiBi with fa_version=3"),
         ("vllm-fa3", dict(block_size=8), "multiples of 16"),
         ("fa2", dict(block_size=16), "multiple of 256"),
@@ -143,6 +148,8 @@ def test_the_cache_is_nhd_as_the_paged_kernels_take_it() -> None:
         ("fa3", dict(block_size=1, head_size=256), None),
         ("fa4", dict(use_sinks=True, head_size=256, block_size=128), None),
         ("vllm-fa3", dict(use_sinks=True, sliding_window=8, logits_soft_cap=5.0), None),
+        ("fa3", dict(kv_cache_dtype="fp8_e4m3", head_size=80, sliding_window=8), None),
+        ("vllm-fa3", dict(kv_cache_dtype="fp8_e4m3", use_sinks=True), None),
     ],
 )
 def test_each_provider_refuses_what_its_kernels_lack_and_says_which_provider(
