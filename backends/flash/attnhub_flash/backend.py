@@ -412,17 +412,19 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             num_actual_tokens=n,
         )
         if n:
-            q_lens = batch.query_lens_cpu  # host
             causal = self.spec.causal and batch.causal
             main = self._kernel_args(
-                # int32 and contiguous once per step, not per layer (no-ops when already so)
-                batch.query_start_loc.to(torch.int32).contiguous(),
+                # int32 and contiguous once per step, not per layer
+                _int32(batch.query_start_loc),
                 batch.max_query_len,
-                batch.seq_lens.to(torch.int32).contiguous(),
+                _int32(batch.seq_lens),
                 batch.seq_lens_cpu,
-                batch.block_table.to(torch.int32).contiguous(),
+                batch.max_seq_len,  # checked against the lengths by check_step
+                _int32(batch.block_table),
                 causal,
-                decode_only=n == batch.num_reqs and bool((q_lens == 1).all()),
+                # every query one token: no query is longer than 1 and they are as many as
+                # the requests
+                decode_only=n == batch.num_reqs and batch.max_query_len == 1,
             )
             fields["main"] = main
             blocks = common_prefix_len // batch.block_size  # whole shared blocks
@@ -430,7 +432,8 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
                 fields.update(self._cascade(batch, main, blocks))
         if self.backend.ops.cache_ops is not None:  # vLLM's fork
             # reshape_and_cache_flash skips slot < 0 itself [schema]; int64 as vLLM passes it
-            fields["slot_mapping"] = batch.slot_mapping.to(torch.int64)
+            slots = batch.slot_mapping
+            fields["slot_mapping"] = slots if slots.dtype == torch.int64 else slots.long()
         else:
             host = batch.host_slot_mapping()[:n].long()
             rows = torch.nonzero(host >= 0).flatten()
@@ -444,13 +447,13 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
         max_query_len: int,
         seq_lens: torch.Tensor,  # device
         seq_lens_cpu: torch.Tensor,  # host
+        max_seq_len: int,
         block_table: torch.Tensor,
         causal: bool,
         *,
         decode_only: bool = False,
     ) -> KernelArgs:
         cu_k = None
-        max_seq_len = int(seq_lens_cpu.max()) if seq_lens_cpu.numel() else 0
         metadata = None
         if self.backend.provider == "vllm-fa3":
             metadata = self._scheduler_metadata(
@@ -551,6 +554,7 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             n,
             prefix_lens.to(dev),
             prefix_lens,
+            prefix_len,
             main.block_table[:1, :blocks].contiguous(),
             causal=False,
         )
@@ -559,6 +563,7 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             main.max_query_len,
             suffix_lens.to(dev),
             suffix_lens,
+            main.max_seq_len - prefix_len,
             main.block_table[:, blocks:].contiguous(),
             causal=True,
         )
@@ -591,6 +596,9 @@ class FlashAttentionImpl(AttentionImpl):
         #: scale (attnhub's ``fp8_static`` scheme, 1.0 as vLLM's default ``_q_scale``)
         self.fp8 = spec.kv_cache_dtype == FP8_KV
         self._q_scale = ones.clone()
+        #: the last K/V planes check_planes accepted (a model calls each layer with its own
+        #: cache, step after step: checked once, as the core remembers its cache checks)
+        self._planes_ok: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, FlashAttentionMetadata) or meta.provider != self.backend.provider:
@@ -607,6 +615,9 @@ class FlashAttentionImpl(AttentionImpl):
         addresses both planes with ``key_cache``'s strides, equal strides. O(1); raises
         InvalidInputError before anything is written."""
         key, value = cache.key, cache.value
+        ok = self._planes_ok
+        if ok is not None and ok[0] is key and ok[1] is value:
+            return
         for name, plane in (("key", key), ("value", value)):
             if plane.stride(-1) != 1:
                 raise InvalidInputError(
@@ -619,6 +630,7 @@ class FlashAttentionImpl(AttentionImpl):
                 f"{list(value.stride())} differ: vLLM's reshape_and_cache_flash addresses both "
                 "planes with the key plane's strides"
             )
+        self._planes_ok = (key, value)
 
     # --- KV write ---------------------------------------------------------------------------
     def store_kv(
@@ -886,6 +898,13 @@ class FlashAttentionImpl(AttentionImpl):
             return_lse=lse,
         )
         return out, lse_t
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous int32 tensor: itself when it already is (no op dispatched)."""
+    if t.dtype == torch.int32 and t.is_contiguous():
+        return t
+    return t.to(torch.int32).contiguous()
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:

@@ -371,6 +371,23 @@ def test_a_plane_without_a_contiguous_last_dim_is_refused(provider: str) -> None
     assert st.cache.equal(before)
 
 
+def test_planes_accepted_once_do_not_let_other_planes_through() -> None:
+    """The impl remembers the last planes it accepted (by identity), not a verdict per cache:
+    a layer that met good planes still refuses a cache holding other, bad ones."""
+    st = h.step(MIXED, "fa3")
+    meta = st.backend.metadata_builder().build(st.batch)
+    impl = st.backend.impl()
+    impl.forward(st.query, st.key, st.value, st.cache, meta)  # accepted, remembered
+    nb, bs, hk, d = st.cache.key.shape
+    key = torch.empty(nb, bs, d, hk, dtype=st.cache.key.dtype).transpose(2, 3)
+    key.copy_(st.cache.key)
+    st.cache.key = key  # the same cache object, another key plane
+    before = st.cache.clone()
+    with pytest.raises(InvalidInputError, match="contiguous last dimension"):
+        impl.forward(st.query, st.key, st.value, st.cache, meta)
+    assert st.cache.equal(before)
+
+
 def test_vllm_write_refuses_planes_of_different_strides() -> None:
     """reshape_and_cache_flash addresses both planes with key_cache's strides: a value plane
     laid out differently is refused before anything is written (the emulator's op refuses it
