@@ -60,6 +60,13 @@ def _int32(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     return values.to(torch.int32).to(device)
 
 
+def _as_int32(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor as contiguous int32: itself when it already is (no op dispatched)."""
+    if t.dtype == torch.int32 and t.is_contiguous():
+        return t
+    return t.to(torch.int32).contiguous()
+
+
 def _cumulative(lengths: torch.Tensor) -> torch.Tensor:  # [n + 1] int64, host
     ends = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     torch.cumsum(lengths.to(torch.int64), 0, out=ends[1:])
@@ -294,7 +301,7 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             causal=causal,
             # Padding rows past num_actual_tokens are never handed to the write; the op itself
             # skips any slot < 0 among the rest.
-            slot_mapping=batch.slot_mapping[:n],
+            slot_mapping=batch.slot_mapping if batch.num_tokens == n else batch.slot_mapping[:n],
         )
         if batch.num_reqs == 0:
             return IluvatarAttentionMetadata(**common)
@@ -329,6 +336,8 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
 
         Engines send decodes first (``reorder_batch_threshold``); a decode after a prefill is
         served by the prefill call, which computes any request correctly."""
+        if batch.max_query_len <= threshold:  # checked against the lengths by check_step
+            return batch.num_reqs
         small = (batch.query_lens_cpu <= threshold).to(torch.int64)
         return int(torch.cumprod(small, 0).sum())
 
@@ -388,6 +397,17 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
 
     def _decode(self, batch: BatchMetadata, nd: int) -> DecodePlan:
         dev = self.backend.device
+        if nd == batch.num_reqs:  # the whole step: lengths and maxima as the batch holds them
+            max_q = batch.max_query_len
+            return DecodePlan(
+                num_reqs=nd,
+                num_tokens=batch.num_actual_tokens,
+                max_query_len=max_q,
+                max_seq_len=batch.max_seq_len,
+                seq_lens=_as_int32(batch.seq_lens),
+                block_table=_as_int32(batch.block_table),
+                cu_query_lens=None if max_q == 1 else _as_int32(batch.query_start_loc),
+            )
         q_lens = batch.query_lens_cpu[:nd]
         max_q = int(q_lens.max())
         return DecodePlan(
