@@ -40,8 +40,8 @@ conformance suite compares the two).
 
 from __future__ import annotations
 
-import itertools
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -137,7 +137,7 @@ def _int32(
         raise _fail(op, f"{name} must have dtype int32, got {t.dtype}")
     if tuple(t.shape) != shape:
         raise _fail(op, f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    return [int(x) for x in t.reshape(-1).tolist()]
+    return t.reshape(-1).tolist()
 
 
 @dataclass(frozen=True)
@@ -401,21 +401,32 @@ def _fp8_softmax_pv(
     return out.permute(1, 0, 2), lse
 
 
-def _check_rows(op: str, cache: torch.Tensor, table_row: list[int], length: int) -> None:
-    """The pages ``length`` keys read from a table row exist in the paged ``cache``."""
-    needed = -(-length // cache.shape[1])
-    if needed > len(table_row):
-        raise _fail(op, f"{length} keys need {needed} blocks, the table row has {len(table_row)}")
-    bad = [b for b in table_row[:needed] if not 0 <= b < cache.shape[0]]
-    if bad:
-        raise _fail(
-            op, f"block table entry {bad[0]} is outside the cache ({cache.shape[0]} blocks)"
-        )
+def _check_table(
+    op: str,
+    cache: torch.Tensor,  # paged [num_blocks, page, Hk, D]
+    table: list[list[int]],  # [B][max_blocks] (host data: device code)
+    kv_lens: list[int],
+    q_starts: list[int],
+) -> None:
+    """The pages each sequence's keys are read from exist in the paged ``cache`` (a sequence
+    without queries reads nothing)."""
+    page, num_blocks = cache.shape[1], cache.shape[0]
+    for b, length in enumerate(kv_lens):
+        if q_starts[b + 1] == q_starts[b]:
+            continue
+        row = table[b]
+        needed = -(-length // page)
+        if needed > len(row):
+            raise _fail(op, f"{length} keys need {needed} blocks, the table row has {len(row)}")
+        used = row[:needed]
+        if used and (min(used) < 0 or max(used) >= num_blocks):
+            first = next(x for x in used if not 0 <= x < num_blocks)
+            raise _fail(op, f"block table entry {first} is outside the cache ({num_blocks} blocks)")
 
 
 def _paged_rows(
     cache: torch.Tensor, table_row: list[int], length: int
-) -> torch.Tensor:  # [length, Hk, D], the pages checked by _check_rows
+) -> torch.Tensor:  # [length, Hk, D], the pages checked by _check_table
     ids = table_row[: -(-length // cache.shape[1])]
     return cache[torch.tensor(ids, dtype=torch.long)].reshape(-1, *cache.shape[2:])[:length]
 
@@ -429,7 +440,7 @@ def _varlen(
     q_starts: list[int],  # B + 1 cumulative
     kv_lens: list[int],  # B
     kv_starts: list[int] | None,  # packed: B + 1 cumulative; None: paged
-    table: list[list[int]] | None,
+    table: list[list[int]] | None,  # [B][max_blocks] (host data: device code)
     *,
     scale: float,
     window: tuple[int, int],
@@ -439,9 +450,7 @@ def _varlen(
     descale: torch.Tensor | None = None,  # [B, 3, Hk]: fp8 inputs (_descales)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, D] f32, lse [H, total_q] f32
     if table is not None:
-        for b, kv_len in enumerate(kv_lens):
-            if q_starts[b + 1] != q_starts[b]:  # a sequence without queries reads nothing
-                _check_rows(op, k, table[b], kv_len)  # v has k's shape (_check_qkv)
+        _check_table(op, k, table, kv_lens, q_starts)  # v has k's shape (_check_qkv)
     return _varlen_math(
         rules,
         q,
@@ -519,11 +528,12 @@ def _varlen_math(
 
 
 def _cumulative(op: str, name: str, ends: list[int], total: int | None) -> list[int]:
-    if not ends or ends[0] != 0 or any(b < a for a, b in itertools.pairwise(ends)):
+    lengths = list(map(operator.sub, ends[1:], ends[:-1]))
+    if not ends or ends[0] != 0 or (lengths and min(lengths) < 0):
         raise _fail(op, f"{name} must be cumulative lengths from 0, got {ends[:8]}...")
     if total is not None and ends[-1] != total:
         raise _fail(op, f"{name}[-1] = {ends[-1]} must equal the packed length {total}")
-    return [b - a for a, b in itertools.pairwise(ends)]
+    return lengths
 
 
 def _max_covers(op: str, name: str, given: object, lengths: Sequence[int]) -> None:
@@ -563,8 +573,7 @@ def _paged_call(
         raise _fail(op, f"block_table must have dtype torch.int32, got {table_t.dtype}")
     if table_t.shape[0] != batch:
         raise _fail(op, f"block_table has {table_t.shape[0]} rows for a batch of {batch}")
-    table = table_t.tolist()
-    return _varlen(op, rules, q, k, v, q_starts, kv_lens, None, table, **math_args)
+    return _varlen(op, rules, q, k, v, q_starts, kv_lens, None, table_t.tolist(), **math_args)
 
 
 # --- vLLM's fork: vllm.vllm_flash_attn ---------------------------------------------------------
