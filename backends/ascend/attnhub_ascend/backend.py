@@ -1,12 +1,14 @@
 """The ``ascend`` backend: attnhub's protocol translated into ``torch_npu``'s calling conventions.
 
-Per step, the builder does every host-side thing once (FlashInfer's ``plan``): it names the
-step's state, turns the lengths into the lists the kernels take (cumulative query ends,
-per-sequence KV lengths with the paged cache, cumulative KV ends for packed K/V), converts the
-block table and slot mapping to int32, and picks up the compressed 2048x2048 causal mask (one
-per device, built once per process). Per layer, the impl makes one KV write and **one** fused
-attention call for the whole batch, mixed or not, with no loop over requests and no host read
-of a device tensor:
+Per step, the builder does every host-side thing once (FlashInfer's ``plan``): it turns the
+lengths into the lists the kernels take (cumulative query ends, per-sequence KV lengths with
+the paged cache, cumulative KV ends for packed K/V), converts the block table to int32 (and the
+slot mapping, for the ATB write only), and picks up the compressed 2048x2048 causal mask (one
+per device, built once per process); the step's state is named on first read. Per layer, the
+impl makes one KV write and **one** fused attention call for the whole batch, mixed or not,
+with no loop over requests and no host read of a device tensor. Both are paid on every step
+and layer, so they are kept cheap on the host (docs/performance.md): no torch op in the usual
+plan, FIA's keyword arguments made once per step, the usual layer call checked in one pass.
 
   decoder          npu_fused_infer_attention_score.out     TND, paged NHD cache viewed as
                    (..._v2.out with learnable_sink)        (num_blocks, block_size, KV_N*D),
@@ -16,9 +18,9 @@ of a device tensor:
                                                            there is context (cross-attention),
                                                            sparse_mode 0 (4 with a window and
                                                            a bool mask)
-  KV write         npu_scatter_pa_kv_cache(cache_mode=     int32 slots, -1 rows left out by
-                   "Norm"); _npu_reshape_and_cache (ATB,   the builder; the ATB op skips them
-                   310P) with AscendBackend.kv_write_op    itself
+  KV write         npu_scatter_pa_kv_cache(cache_mode=     the engine's slots (int32 or int64),
+                   "Norm"); _npu_reshape_and_cache (ATB,   -1 rows left out by the builder;
+                   310P) with AscendBackend.kv_write_op    int32 slots, the ATB op skips -1
 
 Every ``[inferred]`` vendor semantic relied on is marked where it is used and listed in
 docs/backends/ascend.md.
@@ -27,6 +29,7 @@ docs/backends/ascend.md.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -58,7 +61,7 @@ MAX_ENCODER_BATCH = 1024  # npu_fusion_attention varlen: at most 1024 sequences 
 MAX_FIA_BATCH = 4096  # FIA TND: at most 4096 requests (len(actual_seq_lengths)) per call
 #: (1, 2, ..., MAX_FIA_BATCH): the query ends of a step whose requests all have one token.
 _UNIT_ENDS = tuple(range(1, MAX_FIA_BATCH + 1))
-_MIN = np.minimum.reduce
+_MIN, _OR = np.minimum.reduce, np.logical_or.reduce
 #: The KV-cache write ops. ``npu_scatter_pa_kv_cache`` (cache_mode "Norm") is the A2/A3 one
 #: (910B) and vllm-ascend's current write; ``_npu_reshape_and_cache`` is the ATB op (needs the
 #: NNAL/ATB package), which vllm-ascend keeps for 310P only.
@@ -138,7 +141,8 @@ class SparseArgs:
 class AscendAttentionMetadata(AttentionMetadata):
     """One step, planned: every host-side argument of the kernels, ready to pass."""
 
-    state: AscendAttentionState = AscendAttentionState.PREFILL_NO_CACHE
+    #: The builder's reorder_batch_threshold, which ``state`` counts decodes by.
+    reorder_batch_threshold: int = 16
     num_actual_tokens: int = 0
     #: True: non-causal attention over packed K/V (npu_fusion_attention); False: the fused
     #: paged call (FIA).
@@ -168,12 +172,64 @@ class AscendAttentionMetadata(AttentionMetadata):
     kernel_tokens: int = 0  # T of the fused call (num_actual_tokens + window padding rows)
     #: Set by build_for_graph_capture: the FIA task groups forward captured (one per layer).
     graph: AscendGraph | None = None
+
+    @functools.cached_property
+    def state(self) -> AscendAttentionState:
+        """What kind of step this is, decided on first read (no layer needs it: the fused call
+        is the same for every state) from the lengths build's checks read (``extents``), or
+        from the batch's host lengths where there are none."""
+        facts = self.extents
+        if facts is not None and facts.context_lens is not None and facts.query_lens is not None:
+            return _state(facts, self.batch.max_query_len, self.reorder_batch_threshold)
+        return state_of(
+            self.batch.query_lens_cpu, self.batch.seq_lens_cpu, self.reorder_batch_threshold
+        )
+
     #: FIA's keyword arguments for this step, made by the first layer that attends with it and
     #: reused by every other layer of the same backend (keyed by the backend: its spec gives
     #: the layer-wide ones). Not an argument: every copy (``dataclasses.replace``) starts empty.
     fia_kwargs: dict[Any, dict[str, Any]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+
+
+def state_of(q_lens: torch.Tensor, seq_lens: torch.Tensor, threshold: int) -> AscendAttentionState:
+    """A step's state from its host lengths: requests with query_len <= ``threshold`` over
+    cached context count as (multi-token) decodes."""
+    context = seq_lens - q_lens
+    if not bool((context > 0).any()):
+        return AscendAttentionState.PREFILL_NO_CACHE
+    if bool((q_lens == 1).all()):
+        return AscendAttentionState.DECODE_ONLY
+    small = q_lens <= threshold
+    if bool(small.all()):
+        return AscendAttentionState.MULTI_TOKEN_DECODE
+    if not bool((small & (context > 0)).any()):
+        return AscendAttentionState.PREFILL_CACHE_HIT
+    return AscendAttentionState.CHUNKED_PREFILL
+
+
+def _state(step: StepExtents, max_q: int, threshold: int) -> AscendAttentionState:
+    """``state_of`` from what build's checks read (numpy): their extremes first (no array
+    operation on most steps), ufunc reductions called directly where those do not decide."""
+    assert step.context_lens is not None and step.query_lens is not None
+    min_context = step.min_context_len
+    if max_q == 1 and min_context > 0:
+        return AscendAttentionState.DECODE_ONLY
+    context = step.context_lens
+    if min_context == 0 and not _OR(context):
+        return AscendAttentionState.PREFILL_NO_CACHE
+    if max_q == 1:
+        return AscendAttentionState.DECODE_ONLY
+    if max_q <= threshold:
+        return AscendAttentionState.MULTI_TOKEN_DECODE
+    if step.min_query_len > threshold:  # no small request at all
+        return AscendAttentionState.PREFILL_CACHE_HIT
+    if min_context > 0:  # the smallest request is small and has context
+        return AscendAttentionState.CHUNKED_PREFILL
+    if not _OR(np.less_equal(step.query_lens, threshold) & np.greater(context, 0)):
+        return AscendAttentionState.PREFILL_CACHE_HIT
+    return AscendAttentionState.CHUNKED_PREFILL
 
 
 class GraphTask:
@@ -459,7 +515,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         n = batch.num_actual_tokens
         B = batch.num_reqs
         facts = self._facts(batch)
-        state = self._state(facts, batch)
+        threshold = self.reorder_batch_threshold
         causal = spec.causal and batch.causal
         sparse = self.sparse_causal if causal else self.sparse_full
         mask = None
@@ -485,7 +541,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
             return AscendAttentionMetadata(
                 batch=batch,
                 common_prefix_len=common_prefix_len,
-                state=state,
+                reorder_batch_threshold=threshold,
                 num_actual_tokens=n,
                 packed=True,
                 sparse=sparse,
@@ -516,14 +572,14 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         if (
             self.pad_window_decodes
             and sparse.sparse_mode == 4
-            and state is not AscendAttentionState.PREFILL_NO_CACHE
+            and (facts.min_context_len > 0 or bool(_OR(facts.context_lens)))  # some context
         ):
-            padded = self._window_decode_rows(batch, batch.query_lens_cpu, batch.seq_lens_cpu)
+            padded = self._window_decode_rows(batch, facts)
             if padded:
                 return AscendAttentionMetadata(
                     batch=batch,
                     common_prefix_len=common_prefix_len,
-                    state=state,
+                    reorder_batch_threshold=threshold,
                     num_actual_tokens=n,
                     sparse=sparse,
                     atten_mask=mask,
@@ -536,7 +592,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         return AscendAttentionMetadata(
             batch=batch,
             common_prefix_len=common_prefix_len,
-            state=state,
+            reorder_batch_threshold=threshold,
             num_actual_tokens=n,
             sparse=sparse,
             atten_mask=mask,
@@ -607,40 +663,11 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         req_d, pos_d = req.to(dev), pos.to(dev)
         return batch.block_table[req_d, pos_d // bs].long() * bs + pos_d % bs
 
-    def _state(self, step: StepExtents, batch: BatchMetadata) -> AscendAttentionState:
-        """``state_of`` from the step's host facts (numpy, mostly no reduction at all)."""
-        assert step.context_lens is not None and step.query_lens is not None
-        max_q = batch.max_query_len
-        if max_q == 1 and step.min_context_len > 0:
-            return AscendAttentionState.DECODE_ONLY
-        context = step.context_lens
-        if not context.any():
-            return AscendAttentionState.PREFILL_NO_CACHE
-        if max_q == 1:
-            return AscendAttentionState.DECODE_ONLY
-        if max_q <= self.reorder_batch_threshold:
-            return AscendAttentionState.MULTI_TOKEN_DECODE
-        if not ((step.query_lens <= self.reorder_batch_threshold) & (context > 0)).any():
-            return AscendAttentionState.PREFILL_CACHE_HIT
-        return AscendAttentionState.CHUNKED_PREFILL
-
     def state_of(self, q_lens: torch.Tensor, seq_lens: torch.Tensor) -> AscendAttentionState:
-        """The step's state, from host lengths."""
-        context = seq_lens - q_lens
-        if not bool((context > 0).any()):
-            return AscendAttentionState.PREFILL_NO_CACHE
-        if bool((q_lens == 1).all()):
-            return AscendAttentionState.DECODE_ONLY
-        small = q_lens <= self.reorder_batch_threshold
-        if bool(small.all()):
-            return AscendAttentionState.MULTI_TOKEN_DECODE
-        if not bool((small & (context > 0)).any()):
-            return AscendAttentionState.PREFILL_CACHE_HIT
-        return AscendAttentionState.CHUNKED_PREFILL
+        """The state of a step of these host lengths (``AscendAttentionMetadata.state``)."""
+        return state_of(q_lens, seq_lens, self.reorder_batch_threshold)
 
-    def _window_decode_rows(
-        self, batch: BatchMetadata, q_lens: torch.Tensor, seq_lens: torch.Tensor
-    ) -> dict[str, Any]:
+    def _window_decode_rows(self, batch: BatchMetadata, facts: StepExtents) -> dict[str, Any]:
         """Give every windowed one-token request a leading padding row: the metadata fields
         that say so (none when no request needs one).
 
@@ -653,30 +680,29 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         (seq_len > W) are padded; if the hardware does apply the band to single rows, the
         padding changes nothing.
         """
+        q, seq = facts.query_lens, facts.seq_lens
+        assert q is not None and seq is not None
+        decodes_only = batch.max_query_len == 1
         visible = self.spec.window[0] + 1
-        pad = (q_lens == 1) & (seq_lens > visible)
-        if not bool(pad.any()):
+        pad = seq > visible if decodes_only else (q == 1) & (seq > visible)
+        if not _OR(pad):
             return {}
-        q = q_lens.long()
-        extra = pad.long()
-        kq = q + extra  # kernel query rows per request
-        k_starts = torch.cumsum(kq, 0) - kq
-        q_starts = batch.query_start_loc_cpu[:-1].long()
-        reqs = torch.arange(q.numel())
-        total = int(kq.sum())
-        req_of_row = torch.repeat_interleave(reqs, kq)  # [kernel_tokens]
-        offset = torch.arange(total) - k_starts[req_of_row]
-        # the padding row (offset 0 of a padded request) reads the request's own query row
-        src = q_starts[req_of_row] + (offset - extra[req_of_row]).clamp(min=0)
-        req_of_token = torch.repeat_interleave(reqs, q)  # [num_actual_tokens]
-        token_offset = torch.arange(int(q.sum())) - q_starts[req_of_token]
-        dst = k_starts[req_of_token] + extra[req_of_token] + token_offset
+        # numpy on host lengths (a torch op here costs several times more, see plan): every
+        # token once, a padded request's one token twice (its padding row reads the same query
+        # row); each token's output is its last kernel row
+        n = batch.num_actual_tokens
+        qsl = batch.query_start_loc_cpu.numpy()
+        copies = np.ones(n, dtype=np.int64)
+        copies[qsl[:-1][pad]] = 2
+        src = np.repeat(np.arange(n), copies)  # [kernel_tokens]
+        ends = np.cumsum(copies)  # each token's last kernel row + 1
         dev = self.backend.device
         return dict(
-            query_rows=src.to(dev),
-            output_rows=dst.to(dev),
-            query_ends=tuple(torch.cumsum(kq, 0).tolist()),
-            kernel_tokens=total,
+            query_rows=torch.from_numpy(src).to(dev),
+            output_rows=torch.from_numpy(ends - 1).to(dev),
+            # a request's query end is its last token's (one token per request: all of them)
+            query_ends=tuple((ends if decodes_only else ends[qsl[1:] - 1]).tolist()),
+            kernel_tokens=int(src.shape[0]),
         )
 
 

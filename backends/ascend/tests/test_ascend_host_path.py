@@ -6,6 +6,7 @@ are made once per step."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -208,6 +209,7 @@ def test_the_plan_from_builds_facts_is_the_plan_from_the_batch(
     builder.step = None
     again = builder.plan(st.batch, 0)
     assert _fields(meta) == _fields(again)
+    assert again.extents is None and meta.state is again.state  # from build's facts / torch
     # and the step's lists are the batch's own
     assert list(meta.query_ends) == st.batch.query_start_loc_cpu[1:].tolist()
     assert list(meta.kv_lengths) == st.batch.seq_lens_cpu.tolist()
@@ -236,3 +238,55 @@ def test_fia_arguments_are_made_once_per_step_and_never_copied() -> None:
     with emulator.record_calls() as calls:
         layers[0].forward(st.query, st.key, st.value, st.cache, other)
     assert [c.kwargs["actual_seq_lengths_kv"] for c in calls if c.name == FIA] == [other.kv_lengths]
+
+
+KINDS = [(1, 1), (1, 9), (3, 3), (3, 300), (16, 16), (16, 40), (17, 17), (17, 100), (130, 300)]
+
+
+def test_the_state_from_builds_facts_is_state_of_the_lengths() -> None:
+    """_state decides from the extremes build found where they suffice; state_of (torch, every
+    request) is the definition. Every batch of one to three of these kinds of request."""
+    seen = set()
+    for size in (1, 2, 3):
+        for requests in itertools.combinations_with_replacement(KINDS, size):
+            st = h.step(list(requests))
+            builder = st.backend.metadata_builder()
+            meta = builder.build(st.batch)
+            want = builder.state_of(st.batch.query_lens_cpu, st.batch.seq_lens_cpu)
+            assert meta.state is want, requests
+            seen.add(want)
+    assert len(seen) == 5  # every state was reached
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        [(1, 200), (1, 30), (1, 41), (1, 40)],  # decodes only: the one-token shortcut
+        [(1, 200), (1, 30), (6, 100), (1, 300), (40, 40)],
+        [(3, 200), (1, 41)],
+    ],
+)
+def test_window_padding_rows_read_their_token_and_come_first(
+    requests: list[tuple[int, int]],
+) -> None:
+    st = h.step(requests, h.spec(sliding_window=40), padding=2)
+    meta = st.backend.metadata_builder().build(st.batch)
+    q_lens = [q for q, _ in requests]
+    padded = [q == 1 and s > 40 for q, s in requests]
+    assert meta.query_rows is not None and meta.output_rows is not None
+    src, dst = meta.query_rows.tolist(), meta.output_rows.tolist()
+    n = sum(q_lens)
+    assert meta.kernel_tokens == len(src) == n + sum(padded)
+    assert [src[d] for d in dst] == list(range(n))  # every token's output row reads it
+    starts = st.batch.query_start_loc_cpu[:-1].tolist()
+    for r, t in enumerate(starts):  # the padding row right before a padded token reads it
+        if padded[r]:
+            assert dst[t] >= 1 and src[dst[t] - 1] == t
+    ends, rows = [], 0
+    for q, p in zip(q_lens, padded, strict=True):
+        rows += q + p
+        ends.append(rows)
+    assert list(meta.query_ends) == ends
+    h.assert_matches_reference(
+        st, st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    )
