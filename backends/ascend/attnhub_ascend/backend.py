@@ -730,6 +730,9 @@ class AscendAttentionImpl(AttentionImpl):
         #: (key plane, value plane, their (num_blocks, block_size, KV_N*D) views)
         self._paged_views: tuple[torch.Tensor, ...] | None = None
         spec = self.spec
+        #: The cache of the last call the core's checks accepted: (cache, its four planes,
+        #: num_slots, num_blocks), for _usual_step.
+        self._accepted: tuple[Any, ...] | None = None
         #: What _usual_call compares the call's tensors with.
         self._expected = (
             spec.num_heads,
@@ -757,6 +760,7 @@ class AscendAttentionImpl(AttentionImpl):
                 "this non-causal step attends over its own new keys (npu_fusion_attention, "
                 "no cached context): key and value must be given"
             )
+        self._accept(cache)
         return out
 
     def _usual_call(
@@ -770,12 +774,13 @@ class AscendAttentionImpl(AttentionImpl):
     ) -> bool:
         """Whether every check of ``check_forward`` holds, tested in one pass on the usual
         layer call (~2 us instead of ~6: no function per tensor, no error text): this
-        backend's metadata, the cache checked last time (the core's memo) with its storage
-        checked, query / key / value / output of the spec's shapes, dtype and device with
-        enough rows, the step's extents inside the cache. It raises nothing: where any
-        condition does not hold (or differs from the core's only in spelling, e.g. an
-        equivalent device), the core's checks run and name what is wrong, with their errors
-        (tests/test_ascend_translation.py compares both on every kind of bad call)."""
+        backend's metadata, the very cache (same planes) of the last call the core's checks
+        accepted, with its storage checked, query / key / value / output of the spec's
+        shapes, dtype and device with enough rows, the step's extents inside the cache. It
+        raises nothing: where any condition does not hold (or differs from the core's only in
+        spelling, e.g. an equivalent device), the core's checks run and name what is wrong,
+        with their errors (tests/test_ascend_host_path.py compares both on every kind of bad
+        call)."""
         if not self._usual_step(cache, meta):
             return False
         assert isinstance(meta, AscendAttentionMetadata)
@@ -799,24 +804,39 @@ class AscendAttentionImpl(AttentionImpl):
         return self._usual_kv(key, value, meta)
 
     def _usual_step(self, cache: PagedKVCache, meta: object) -> bool:
-        """This backend's metadata with its extents inside the cache checked last time (the
-        core's memo, AttentionImpl._check_cache), whose storage check_step has checked."""
-        last = self._checked_cache
-        sizes = self._cache_sizes
+        """This backend's metadata, with its extents inside a cache the core's checks accepted
+        last time (the same planes: the core's own memo, AttentionImpl._check_cache, keys on
+        them too), whose storage check_step has checked."""
+        accepted = self._accepted
         if not (
             isinstance(meta, AscendAttentionMetadata)
-            and last is not None
-            and sizes is not None
-            and last[0] is cache
-            and last[1] is cache.key
-            and last[2] is cache.value
-            and last[3] is cache.key_scale
-            and last[4] is cache.value_scale
+            and accepted is not None
+            and accepted[0] is cache
+            and accepted[1] is cache.key
+            and accepted[2] is cache.value
+            and accepted[3] is cache.key_scale
+            and accepted[4] is cache.value_scale
             and cache.key is self._storage_checked
         ):
             return False
         extents = meta.extents
-        return extents is not None and extents.max_slot < sizes[0] and extents.max_block < sizes[1]
+        return (
+            extents is not None
+            and extents.max_slot < accepted[5]
+            and extents.max_block < accepted[6]
+        )
+
+    def _accept(self, cache: PagedKVCache) -> None:
+        """The core's checks accepted a call with ``cache``: remember its planes and sizes."""
+        self._accepted = (
+            cache,
+            cache.key,
+            cache.value,
+            cache.key_scale,
+            cache.value_scale,
+            cache.num_slots,
+            cache.num_blocks,
+        )
 
     def _usual_kv(self, key: object, value: object, meta: AscendAttentionMetadata) -> bool:
         """validation.check_kv's conditions for the step's new keys and values."""
@@ -859,6 +879,7 @@ class AscendAttentionImpl(AttentionImpl):
             self.store_step_kv(key, value, cache, meta)
             return
         super().write_kv(key, value, cache, slot_mapping, meta=meta)
+        self._accept(cache)
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, AscendAttentionMetadata):
@@ -883,7 +904,7 @@ class AscendAttentionImpl(AttentionImpl):
             return
         _check_cache_storage(cache)
         # The engine's own slot tensor (write_kv alone): converted per call.
-        key, value, slots = key[:n], value[:n], slot_mapping.to(torch.int32)
+        key, value, slots = key[:n], value[:n], slot_mapping.to(torch.int32).contiguous()
         if self.backend.kv_write_op == SCATTER_PA_KV_CACHE:
             # No padding slot in this op: drop the -1 rows. write_kv without meta has already
             # read these slots on the host (the core's value check), so this read adds none
@@ -914,7 +935,7 @@ class AscendAttentionImpl(AttentionImpl):
         if n:
             if key.shape[0] != n:
                 key, value = key[:n], value[:n]
-            self._write(key, value, cache, meta.slot_mapping)  # int32, planned once
+            self._write(key, value, cache, meta.slot_mapping)  # planned once per step
 
     def _write_graph_step(
         self,
@@ -930,7 +951,7 @@ class AscendAttentionImpl(AttentionImpl):
         nothing rewrites slot 0 with what it holds. Device ops only: the graph captures them."""
         T = slot_mapping.shape[0]
         if self.backend.kv_write_op == RESHAPE_AND_CACHE:
-            self._write(key[:T], value[:T], cache, slot_mapping.to(torch.int32))
+            self._write(key[:T], value[:T], cache, slot_mapping.to(torch.int32).contiguous())
             return
         slots = slot_mapping.long()
         valid = slots >= 0
@@ -947,6 +968,8 @@ class AscendAttentionImpl(AttentionImpl):
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor
     ) -> None:
+        """The KV write op; ``slots`` contiguous already (planned once per step, or made so by
+        the caller)."""
         if self.backend.kv_write_op == SCATTER_PA_KV_CACHE:
             # vllm-ascend's A2/A3 write: ND caches (num_blocks, block_size, KV_N, D), every slot
             # in range (the builder / store_kv left out -1 rows) [doc]
@@ -955,7 +978,7 @@ class AscendAttentionImpl(AttentionImpl):
                 value=value.contiguous(),
                 key_cache=cache.key,
                 value_cache=cache.value,
-                slot_mapping=slots.contiguous(),
+                slot_mapping=slots,
                 cache_mode="Norm",
             )
             return
@@ -965,7 +988,7 @@ class AscendAttentionImpl(AttentionImpl):
             value=value.contiguous(),
             key_cache=cache.key,
             value_cache=cache.value,
-            slot_indices=slots.contiguous(),
+            slot_indices=slots,
         )
 
     # --- attention ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from attnhub_ascend.backend import RESHAPE_AND_CACHE, AscendAttentionImpl
 
 from attnhub import AttentionMetadata
 from attnhub.backend import AttentionImpl
+from attnhub.errors import InvalidInputError
 from attnhub.spec import AttentionType
 
 MIXED = [(1, 300), (3, 140), (1, 9), (40, 300), (130, 130)]
@@ -290,3 +291,41 @@ def test_window_padding_rows_read_their_token_and_come_first(
     h.assert_matches_reference(
         st, st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
     )
+
+
+def test_a_cache_whose_plane_was_replaced_is_checked_again() -> None:
+    """The one-pass test keys on the planes of the last accepted cache, as the core's memo."""
+    st, impl, c = _warm()
+    d = st.cache.key.shape[-1]
+    doubled = torch.zeros((*st.cache.key.shape[:-1], 2 * d), dtype=st.cache.key.dtype)
+    st.cache.key = doubled[..., :d]  # PagedKVCache is mutable: same object, strided plane
+    assert not impl._usual_call(**c)
+    with pytest.raises(InvalidInputError, match="contiguous"):
+        impl.forward(st.query, st.key, st.value, st.cache, c["meta"])
+
+
+def test_another_cache_goes_through_the_cores_checks_once() -> None:
+    st, impl, c = _warm()
+    other = st.backend.allocate_kv_cache(40)  # another layer's cache, the same geometry
+    assert not impl._usual_call(**{**c, "cache": other})
+    impl.forward(st.query, st.key, st.value, other, c["meta"])  # accepted by the core
+    assert impl._usual_call(**{**c, "cache": other}) and not impl._usual_call(**c)
+    impl.forward(st.query, st.key, st.value, st.cache, c["meta"])
+    assert impl._usual_call(**c)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("atb", [False, True])
+def test_write_kv_with_a_strided_slot_tensor_of_its_own(atb: bool, dtype: torch.dtype) -> None:
+    st = h.step([(5, 5)])
+    backend = st.backend
+    if atb:
+        backend = type("Atb", (AscendBackend,), {"kv_write_op": RESHAPE_AND_CACHE})(
+            st.backend.spec, "cpu", emulate=True
+        )
+    wide = torch.full((10,), -1, dtype=dtype)
+    wide[::2] = torch.tensor([3, 9, 130, 8, 7])
+    backend.impl().write_kv(st.key, st.value, st.cache, wide[::2])
+    flat_k = st.cache.key.view(-1, *st.cache.key.shape[2:])
+    for row, slot in enumerate((3, 9, 130, 8, 7)):
+        assert torch.equal(flat_k[slot], st.key[row])
