@@ -552,7 +552,9 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                 query_ends=query_ends,
                 kv_lengths=tuple(np.cumsum(seq_lens).tolist()),  # cumulative KV ends
                 kv_slots=(
-                    self._kv_slots(batch) if cross or bool(facts.context_lens.any()) else None
+                    self._kv_slots(batch, seq_lens)
+                    if cross or bool(_OR(facts.context_lens))
+                    else None
                 ),
             )
         if B > MAX_FIA_BATCH:
@@ -652,16 +654,20 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
             slots = slots.contiguous()  # once per step: every layer's write takes it as is
         return slots, None
 
-    def _kv_slots(self, batch: BatchMetadata) -> torch.Tensor:  # [sum(seq_lens)] int64, device
+    def _kv_slots(
+        self, batch: BatchMetadata, seq_lens: np.ndarray
+    ) -> torch.Tensor:  # [sum(seq_lens)] int64, device
         """The cache slot of every key of every request, in order, for the packed path to gather
-        (non-causal attention over cached context, cross-attention). Positions are host data;
-        the block table is read on the device, so building it needs no device-to-host sync."""
-        seq = batch.seq_lens_cpu.long()
-        req = torch.repeat_interleave(torch.arange(batch.num_reqs), seq)
-        pos = torch.arange(int(seq.sum())) - (torch.cumsum(seq, 0) - seq)[req]
+        (non-causal attention over cached context, cross-attention). Positions are host data
+        (numpy); the block table is read on the device, so building it needs no device-to-host
+        sync."""
+        seq = seq_lens.astype(np.int64)
+        req = np.repeat(np.arange(seq.shape[0]), seq)  # the request of every key
+        pos = np.arange(req.shape[0]) - np.repeat(np.cumsum(seq) - seq, seq)  # its position
         dev, bs = self.backend.device, batch.block_size
-        req_d, pos_d = req.to(dev), pos.to(dev)
-        return batch.block_table[req_d, pos_d // bs].long() * bs + pos_d % bs
+        req_d = torch.from_numpy(req).to(dev)
+        block_d = torch.from_numpy(pos // bs).to(dev)
+        return batch.block_table[req_d, block_d].long() * bs + torch.from_numpy(pos % bs).to(dev)
 
     def state_of(self, q_lens: torch.Tensor, seq_lens: torch.Tensor) -> AscendAttentionState:
         """The state of a step of these host lengths (``AscendAttentionMetadata.state``)."""
