@@ -608,8 +608,9 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
 
     def _facts(self, batch: BatchMetadata) -> StepExtents:
         """What build's checks read of this batch (``self.step``: numpy lengths, the smallest
-        slot), or the same read here where plan runs without them (graph capture)."""
-        step = self.step
+        slot), or the same read here where plan runs without them (graph capture). The facts
+        are taken once: a later plan of another batch never reads them."""
+        step, self.step = self.step, None
         if step is not None and step.seq_lens is not None and step.context_lens is not None:
             return step
         qsl = batch.query_start_loc_cpu.numpy()

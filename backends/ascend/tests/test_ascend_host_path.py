@@ -13,7 +13,7 @@ from typing import Any
 import ascend_helpers as h
 import pytest
 import torch
-from attnhub_ascend import AscendBackend, emulator
+from attnhub_ascend import AscendAttentionState, AscendBackend, emulator
 from attnhub_ascend.backend import RESHAPE_AND_CACHE, AscendAttentionImpl
 
 from attnhub import AttentionMetadata
@@ -207,7 +207,7 @@ def test_the_plan_from_builds_facts_is_the_plan_from_the_batch(
         )
     builder = backend.metadata_builder()
     meta = builder.build(st.batch)
-    builder.step = None
+    assert builder.step is None  # taken by plan: a plan without build reads the batch
     again = builder.plan(st.batch, 0)
     assert _fields(meta) == _fields(again)
     assert again.extents is None and meta.state is again.state  # from build's facts / torch
@@ -329,3 +329,12 @@ def test_write_kv_with_a_strided_slot_tensor_of_its_own(atb: bool, dtype: torch.
     flat_k = st.cache.key.view(-1, *st.cache.key.shape[2:])
     for row, slot in enumerate((3, 9, 130, 8, 7)):
         assert torch.equal(flat_k[slot], st.key[row])
+
+
+def test_a_graph_capture_plans_its_own_batch_not_the_last_builds() -> None:
+    builder = h.backend().metadata_builder()
+    builder.build(h.step(MIXED).batch)  # another step's facts, taken by its plan
+    capture = h.step([(1, 300), (1, 9), (1, 129)]).batch
+    meta = builder.build_for_graph_capture(capture)
+    assert meta.query_ends == (1, 2, 3) and meta.kv_lengths == (300, 9, 129)
+    assert meta.state is AscendAttentionState.DECODE_ONLY
