@@ -1,12 +1,14 @@
 """The ``ascend`` backend: attnhub's protocol translated into ``torch_npu``'s calling conventions.
 
-Per step, the builder does every host-side thing once (FlashInfer's ``plan``): it names the
-step's state, turns the lengths into the lists the kernels take (cumulative query ends,
-per-sequence KV lengths with the paged cache, cumulative KV ends for packed K/V), converts the
-block table and slot mapping to int32, and picks up the compressed 2048x2048 causal mask (one
-per device, built once per process). Per layer, the impl makes one KV write and **one** fused
-attention call for the whole batch, mixed or not, with no loop over requests and no host read
-of a device tensor:
+Per step, the builder does every host-side thing once (FlashInfer's ``plan``): it turns the
+lengths into the lists the kernels take (cumulative query ends, per-sequence KV lengths with
+the paged cache, cumulative KV ends for packed K/V), converts the block table to int32 (and the
+slot mapping, for the ATB write only), and picks up the compressed 2048x2048 causal mask (one
+per device, built once per process); the step's state is named on first read. Per layer, the
+impl makes one KV write and **one** fused attention call for the whole batch, mixed or not,
+with no loop over requests and no host read of a device tensor. Both are paid on every step
+and layer, so they are kept cheap on the host (docs/performance.md): no torch op in the usual
+plan, FIA's keyword arguments made once per step, the usual layer call checked in one pass.
 
   decoder          npu_fused_infer_attention_score.out     TND, paged NHD cache viewed as
                    (..._v2.out with learnable_sink)        (num_blocks, block_size, KV_N*D),
@@ -16,9 +18,9 @@ of a device tensor:
                                                            there is context (cross-attention),
                                                            sparse_mode 0 (4 with a window and
                                                            a bool mask)
-  KV write         npu_scatter_pa_kv_cache(cache_mode=     int32 slots, -1 rows left out by
-                   "Norm"); _npu_reshape_and_cache (ATB,   the builder; the ATB op skips them
-                   310P) with AscendBackend.kv_write_op    itself
+  KV write         npu_scatter_pa_kv_cache(cache_mode=     the engine's slots (int32 or int64),
+                   "Norm"); _npu_reshape_and_cache (ATB,   -1 rows left out by the builder;
+                   310P) with AscendBackend.kv_write_op    int32 slots, the ATB op skips -1
 
 Every ``[inferred]`` vendor semantic relied on is marked where it is used and listed in
 docs/backends/ascend.md.
@@ -27,9 +29,11 @@ docs/backends/ascend.md.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from attnhub.backend import (
@@ -55,6 +59,9 @@ MAX_KV_HIDDEN = 65535  # KV_N * D in the (num_blocks, block_size, KV_N*D) cache 
 MAX_SINK_HEAD_SIZE = 128
 MAX_ENCODER_BATCH = 1024  # npu_fusion_attention varlen: at most 1024 sequences per call
 MAX_FIA_BATCH = 4096  # FIA TND: at most 4096 requests (len(actual_seq_lengths)) per call
+#: (1, 2, ..., MAX_FIA_BATCH): the query ends of a step whose requests all have one token.
+_UNIT_ENDS = tuple(range(1, MAX_FIA_BATCH + 1))
+_MIN, _OR = np.minimum.reduce, np.logical_or.reduce
 #: The KV-cache write ops. ``npu_scatter_pa_kv_cache`` (cache_mode "Norm") is the A2/A3 one
 #: (910B) and vllm-ascend's current write; ``_npu_reshape_and_cache`` is the ATB op (needs the
 #: NNAL/ATB package), which vllm-ascend keeps for 310P only.
@@ -134,7 +141,8 @@ class SparseArgs:
 class AscendAttentionMetadata(AttentionMetadata):
     """One step, planned: every host-side argument of the kernels, ready to pass."""
 
-    state: AscendAttentionState = AscendAttentionState.PREFILL_NO_CACHE
+    #: The builder's reorder_batch_threshold, which ``state`` counts decodes by.
+    reorder_batch_threshold: int = 16
     num_actual_tokens: int = 0
     #: True: non-causal attention over packed K/V (npu_fusion_attention); False: the fused
     #: paged call (FIA).
@@ -164,6 +172,64 @@ class AscendAttentionMetadata(AttentionMetadata):
     kernel_tokens: int = 0  # T of the fused call (num_actual_tokens + window padding rows)
     #: Set by build_for_graph_capture: the FIA task groups forward captured (one per layer).
     graph: AscendGraph | None = None
+
+    @functools.cached_property
+    def state(self) -> AscendAttentionState:
+        """What kind of step this is, decided on first read (no layer needs it: the fused call
+        is the same for every state) from the lengths build's checks read (``extents``), or
+        from the batch's host lengths where there are none."""
+        facts = self.extents
+        if facts is not None and facts.context_lens is not None and facts.query_lens is not None:
+            return _state(facts, self.batch.max_query_len, self.reorder_batch_threshold)
+        return state_of(
+            self.batch.query_lens_cpu, self.batch.seq_lens_cpu, self.reorder_batch_threshold
+        )
+
+    #: FIA's keyword arguments for this step, made by the first layer that attends with it and
+    #: reused by every other layer of the same backend (keyed by the backend: its spec gives
+    #: the layer-wide ones). Not an argument: every copy (``dataclasses.replace``) starts empty.
+    fia_kwargs: dict[Any, dict[str, Any]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+
+def state_of(q_lens: torch.Tensor, seq_lens: torch.Tensor, threshold: int) -> AscendAttentionState:
+    """A step's state from its host lengths: requests with query_len <= ``threshold`` over
+    cached context count as (multi-token) decodes."""
+    context = seq_lens - q_lens
+    if not bool((context > 0).any()):
+        return AscendAttentionState.PREFILL_NO_CACHE
+    if bool((q_lens == 1).all()):
+        return AscendAttentionState.DECODE_ONLY
+    small = q_lens <= threshold
+    if bool(small.all()):
+        return AscendAttentionState.MULTI_TOKEN_DECODE
+    if not bool((small & (context > 0)).any()):
+        return AscendAttentionState.PREFILL_CACHE_HIT
+    return AscendAttentionState.CHUNKED_PREFILL
+
+
+def _state(step: StepExtents, max_q: int, threshold: int) -> AscendAttentionState:
+    """``state_of`` from what build's checks read (numpy): their extremes first (no array
+    operation on most steps), ufunc reductions called directly where those do not decide."""
+    assert step.context_lens is not None and step.query_lens is not None
+    min_context = step.min_context_len
+    if max_q == 1 and min_context > 0:
+        return AscendAttentionState.DECODE_ONLY
+    context = step.context_lens
+    if min_context == 0 and not _OR(context):
+        return AscendAttentionState.PREFILL_NO_CACHE
+    if max_q == 1:
+        return AscendAttentionState.DECODE_ONLY
+    if max_q <= threshold:
+        return AscendAttentionState.MULTI_TOKEN_DECODE
+    if step.min_query_len > threshold:  # no small request at all
+        return AscendAttentionState.PREFILL_CACHE_HIT
+    if min_context > 0:  # the smallest request is small and has context
+        return AscendAttentionState.CHUNKED_PREFILL
+    if not _OR(np.less_equal(step.query_lens, threshold) & np.greater(context, 0)):
+        return AscendAttentionState.PREFILL_CACHE_HIT
+    return AscendAttentionState.CHUNKED_PREFILL
 
 
 class GraphTask:
@@ -412,6 +478,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                 ["graph capture of a non-causal batch (npu_fusion_attention's packed path)"],
             )
         extents = self.check_graph_step(batch)
+        self.step = extents  # not the last build's: plan reads this batch's lengths itself
         meta = self.plan(batch, 0)
         if meta.query_rows is not None or meta.block_table is not batch.block_table:
             raise UnsupportedConfigurationError(
@@ -441,144 +508,173 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
             task.event.record(stream)
 
     def plan(self, batch: BatchMetadata, common_prefix_len: int) -> AscendAttentionMetadata:
+        # Paid once per engine step: no torch op on the usual step (a torch op after build's
+        # numpy checks costs 5-20 us here, the CPU caches being cold for torch's dispatcher;
+        # docs/performance.md). The lengths come from what build's checks read (numpy).
         spec = self.spec
         n = batch.num_actual_tokens
-        step = self.step  # what build's checks read of the batch (numpy host copies)
-        seq_lens = batch.seq_lens_cpu
-        if step is not None and step.context_lens is not None:
-            state = self._state(step, batch)
-        else:
-            state = self.state_of(batch.query_lens_cpu, seq_lens)
+        B = batch.num_reqs
+        facts = self._facts(batch)
+        threshold = self.reorder_batch_threshold
         causal = spec.causal and batch.causal
         sparse = self.sparse_causal if causal else self.sparse_full
         mask = None
         if sparse.needs_mask:  # FIA takes int8 (vllm-ascend's); npu_fusion_attention bool
-            mask_dtype = torch.int8 if causal else torch.bool
-            mask = compressed_causal_mask(self.backend.device, mask_dtype)
-        common: dict[str, Any] = dict(
-            batch=batch,
-            common_prefix_len=common_prefix_len,
-            state=state,
-            num_actual_tokens=n,
-            packed=not causal,
-            sparse=sparse,
-            atten_mask=mask,
-            kernel_tokens=n,
-            **self._kv_write_rows(batch, step),
-        )
-        query_ends = tuple(batch.query_start_loc_cpu.numpy()[1:].tolist())  # host data
+            mask = compressed_causal_mask(self.backend.device, torch.int8 if causal else torch.bool)
+        slot_mapping, write_rows = self._kv_write_rows(batch, facts)
+        if B and batch.max_query_len == 1:  # one token per request: the ends are 1..B
+            query_ends = _UNIT_ENDS[:B] if B <= MAX_FIA_BATCH else tuple(range(1, B + 1))
+        else:
+            query_ends = tuple(batch.query_start_loc_cpu.numpy()[1:].tolist())  # host data
+        seq_lens = facts.seq_lens
+        assert seq_lens is not None and facts.context_lens is not None  # _facts
         if not causal:  # npu_fusion_attention over packed K/V
-            if batch.num_reqs > MAX_ENCODER_BATCH:
+            if B > MAX_ENCODER_BATCH:
                 raise UnsupportedConfigurationError(
                     self.backend.name,
                     [
-                        f"{batch.num_reqs} sequences in one step: npu_fusion_attention's "
-                        f"varlen mode takes at most {MAX_ENCODER_BATCH}"
+                        f"{B} sequences in one step: npu_fusion_attention's varlen mode takes "
+                        f"at most {MAX_ENCODER_BATCH}"
                     ],
                 )
             cross = spec.attn_type is AttentionType.ENCODER_DECODER
             return AscendAttentionMetadata(
-                **common,
+                batch=batch,
+                common_prefix_len=common_prefix_len,
+                reorder_batch_threshold=threshold,
+                num_actual_tokens=n,
+                packed=True,
+                sparse=sparse,
+                atten_mask=mask,
+                kernel_tokens=n,
+                slot_mapping=slot_mapping,
+                write_rows=write_rows,
                 query_ends=query_ends,
-                kv_lengths=tuple(torch.cumsum(seq_lens, 0).tolist()),  # cumulative KV ends
+                kv_lengths=tuple(np.cumsum(seq_lens).tolist()),  # cumulative KV ends
                 kv_slots=(
-                    self._kv_slots(batch)
-                    if cross or bool((seq_lens != batch.query_lens_cpu).any())
+                    self._kv_slots(batch, seq_lens)
+                    if cross or bool(_OR(facts.context_lens))
                     else None
                 ),
             )
-        if batch.num_reqs > MAX_FIA_BATCH:
+        if B > MAX_FIA_BATCH:
             raise UnsupportedConfigurationError(
                 self.backend.name,
                 [
-                    f"{batch.num_reqs} requests in one step: FIA's TND layout takes at most "
+                    f"{B} requests in one step: FIA's TND layout takes at most "
                     f"{MAX_FIA_BATCH} (len(actual_seq_lengths))"
                 ],
             )
         table = batch.block_table
         if table.dtype is not torch.int32 or not table.is_contiguous():
             table = table.to(torch.int32).contiguous()
-        common.update(
-            block_table=table,
-            query_ends=query_ends,
-            # paged cache: per-sequence KV lengths [callers: vllm-ascend passes seq_lens; the
-            # FIA doc calls both TND lists cumulative]
-            kv_lengths=tuple(seq_lens.numpy().tolist()),
-        )
+        # paged cache: per-sequence KV lengths [callers: vllm-ascend passes seq_lens; the FIA
+        # doc calls both TND lists cumulative]
+        kv_lengths = tuple(seq_lens.tolist())
         if (
             self.pad_window_decodes
             and sparse.sparse_mode == 4
-            and state is not AscendAttentionState.PREFILL_NO_CACHE
+            and (facts.min_context_len > 0 or bool(_OR(facts.context_lens)))  # some context
         ):
-            common.update(self._window_decode_rows(batch, batch.query_lens_cpu, seq_lens))
-        return AscendAttentionMetadata(**common)
-
-    def _kv_write_rows(self, batch: BatchMetadata, step: StepExtents | None) -> dict[str, Any]:
-        """The KV write's slots (int32, once per step, not per layer) and, where needed, the
-        rows it takes. Padding rows past num_actual_tokens are never written. A slot -1 among
-        the real tokens is skipped by _npu_reshape_and_cache itself; npu_scatter_pa_kv_cache
-        takes only slots in [0, num_slots) [doc], so for it such rows are left out here, from
-        the batch's host copy of the slots (no device read)."""
-        n = batch.num_actual_tokens
-        no_padding = step is not None and step.min_slot >= 0  # build found no -1 at all
-        if self.backend.kv_write_op == SCATTER_PA_KV_CACHE and not no_padding:
-            host = batch.host_slot_mapping()[:n]
-            if bool((host < 0).any()):
-                keep = (host >= 0).nonzero()[:, 0]
-                dev = self.backend.device
-                return dict(
-                    slot_mapping=host[keep].to(torch.int32).to(dev), write_rows=keep.to(dev)
+            padded = self._window_decode_rows(batch, facts)
+            if padded:
+                return AscendAttentionMetadata(
+                    batch=batch,
+                    common_prefix_len=common_prefix_len,
+                    reorder_batch_threshold=threshold,
+                    num_actual_tokens=n,
+                    sparse=sparse,
+                    atten_mask=mask,
+                    slot_mapping=slot_mapping,
+                    write_rows=write_rows,
+                    block_table=table,
+                    kv_lengths=kv_lengths,
+                    **padded,
                 )
+        return AscendAttentionMetadata(
+            batch=batch,
+            common_prefix_len=common_prefix_len,
+            reorder_batch_threshold=threshold,
+            num_actual_tokens=n,
+            sparse=sparse,
+            atten_mask=mask,
+            kernel_tokens=n,
+            slot_mapping=slot_mapping,
+            write_rows=write_rows,
+            block_table=table,
+            query_ends=query_ends,
+            kv_lengths=kv_lengths,
+        )
+
+    def _facts(self, batch: BatchMetadata) -> StepExtents:
+        """What build's checks read of this batch (``self.step``: numpy lengths, the smallest
+        slot), or the same read here where plan runs without them (graph capture). The facts
+        are taken once: a later plan of another batch never reads them."""
+        step, self.step = self.step, None
+        if step is not None and step.seq_lens is not None and step.context_lens is not None:
+            return step
+        qsl = batch.query_start_loc_cpu.numpy()
+        seq = batch.seq_lens_cpu.numpy()
+        q = qsl[1:] - qsl[:-1]
+        ctx = seq - q
+        return StepExtents(
+            max_slot=-1,
+            max_block=-1,
+            min_slot=-1,  # unknown: the write's rows are looked for
+            query_lens=q,
+            seq_lens=seq,
+            context_lens=ctx,
+            min_query_len=int(q.min()) if q.size else 0,
+            min_context_len=int(ctx.min()) if ctx.size else 0,
+        )
+
+    def _kv_write_rows(
+        self, batch: BatchMetadata, facts: StepExtents
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The KV write's slots (once per step, not per layer) and, where needed, the rows it
+        takes. Padding rows past num_actual_tokens are never written. A slot -1 among the real
+        tokens is skipped by _npu_reshape_and_cache itself; npu_scatter_pa_kv_cache takes only
+        slots in [0, num_slots) [doc], so for it such rows are left out here, from the batch's
+        host copy of the slots (no device read). npu_scatter_pa_kv_cache takes int32 or int64
+        slots [doc]: the engine's own tensor is passed as it is (no conversion per step);
+        _npu_reshape_and_cache takes int32 only."""
+        n = batch.num_actual_tokens
+        scatter = self.backend.kv_write_op == SCATTER_PA_KV_CACHE
+        if scatter and n and facts.min_slot < 0:  # a -1 somewhere (build saw every slot)
+            host = batch.host_slot_mapping().numpy()[:n]
+            if int(_MIN(host)) < 0:  # a real token's write is skipped, not only padding
+                keep = np.flatnonzero(host >= 0)
+                dev = self.backend.device
+                return torch.from_numpy(host[keep]).to(dev), torch.from_numpy(keep).to(dev)
         slots = batch.slot_mapping
         if slots.shape[0] != n:
             slots = slots[:n]
-        return dict(slot_mapping=slots if slots.dtype is torch.int32 else slots.to(torch.int32))
+        if not scatter and slots.dtype is not torch.int32:
+            slots = slots.to(torch.int32)
+        if not slots.is_contiguous():
+            slots = slots.contiguous()  # once per step: every layer's write takes it as is
+        return slots, None
 
-    def _kv_slots(self, batch: BatchMetadata) -> torch.Tensor:  # [sum(seq_lens)] int64, device
+    def _kv_slots(
+        self, batch: BatchMetadata, seq_lens: np.ndarray
+    ) -> torch.Tensor:  # [sum(seq_lens)] int64, device
         """The cache slot of every key of every request, in order, for the packed path to gather
-        (non-causal attention over cached context, cross-attention). Positions are host data;
-        the block table is read on the device, so building it needs no device-to-host sync."""
-        seq = batch.seq_lens_cpu.long()
-        req = torch.repeat_interleave(torch.arange(batch.num_reqs), seq)
-        pos = torch.arange(int(seq.sum())) - (torch.cumsum(seq, 0) - seq)[req]
+        (non-causal attention over cached context, cross-attention). Positions are host data
+        (numpy); the block table is read on the device, so building it needs no device-to-host
+        sync."""
+        seq = seq_lens.astype(np.int64)
+        req = np.repeat(np.arange(seq.shape[0]), seq)  # the request of every key
+        pos = np.arange(req.shape[0]) - np.repeat(np.cumsum(seq) - seq, seq)  # its position
         dev, bs = self.backend.device, batch.block_size
-        req_d, pos_d = req.to(dev), pos.to(dev)
-        return batch.block_table[req_d, pos_d // bs].long() * bs + pos_d % bs
-
-    def _state(self, step: StepExtents, batch: BatchMetadata) -> AscendAttentionState:
-        """``state_of`` from what build's checks found (numpy, mostly no reduction at all)."""
-        assert step.context_lens is not None and step.query_lens is not None
-        max_q = batch.max_query_len
-        if max_q == 1 and step.min_context_len > 0:
-            return AscendAttentionState.DECODE_ONLY
-        context = step.context_lens
-        if not context.any():
-            return AscendAttentionState.PREFILL_NO_CACHE
-        if max_q == 1:
-            return AscendAttentionState.DECODE_ONLY
-        if max_q <= self.reorder_batch_threshold:
-            return AscendAttentionState.MULTI_TOKEN_DECODE
-        if not ((step.query_lens <= self.reorder_batch_threshold) & (context > 0)).any():
-            return AscendAttentionState.PREFILL_CACHE_HIT
-        return AscendAttentionState.CHUNKED_PREFILL
+        req_d = torch.from_numpy(req).to(dev)
+        block_d = torch.from_numpy(pos // bs).to(dev)
+        return batch.block_table[req_d, block_d].long() * bs + torch.from_numpy(pos % bs).to(dev)
 
     def state_of(self, q_lens: torch.Tensor, seq_lens: torch.Tensor) -> AscendAttentionState:
-        """The step's state, from host lengths."""
-        context = seq_lens - q_lens
-        if not bool((context > 0).any()):
-            return AscendAttentionState.PREFILL_NO_CACHE
-        if bool((q_lens == 1).all()):
-            return AscendAttentionState.DECODE_ONLY
-        small = q_lens <= self.reorder_batch_threshold
-        if bool(small.all()):
-            return AscendAttentionState.MULTI_TOKEN_DECODE
-        if not bool((small & (context > 0)).any()):
-            return AscendAttentionState.PREFILL_CACHE_HIT
-        return AscendAttentionState.CHUNKED_PREFILL
+        """The state of a step of these host lengths (``AscendAttentionMetadata.state``)."""
+        return state_of(q_lens, seq_lens, self.reorder_batch_threshold)
 
-    def _window_decode_rows(
-        self, batch: BatchMetadata, q_lens: torch.Tensor, seq_lens: torch.Tensor
-    ) -> dict[str, Any]:
+    def _window_decode_rows(self, batch: BatchMetadata, facts: StepExtents) -> dict[str, Any]:
         """Give every windowed one-token request a leading padding row: the metadata fields
         that say so (none when no request needs one).
 
@@ -591,30 +687,29 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         (seq_len > W) are padded; if the hardware does apply the band to single rows, the
         padding changes nothing.
         """
+        q, seq = facts.query_lens, facts.seq_lens
+        assert q is not None and seq is not None
+        decodes_only = batch.max_query_len == 1
         visible = self.spec.window[0] + 1
-        pad = (q_lens == 1) & (seq_lens > visible)
-        if not bool(pad.any()):
+        pad = seq > visible if decodes_only else (q == 1) & (seq > visible)
+        if not _OR(pad):
             return {}
-        q = q_lens.long()
-        extra = pad.long()
-        kq = q + extra  # kernel query rows per request
-        k_starts = torch.cumsum(kq, 0) - kq
-        q_starts = batch.query_start_loc_cpu[:-1].long()
-        reqs = torch.arange(q.numel())
-        total = int(kq.sum())
-        req_of_row = torch.repeat_interleave(reqs, kq)  # [kernel_tokens]
-        offset = torch.arange(total) - k_starts[req_of_row]
-        # the padding row (offset 0 of a padded request) reads the request's own query row
-        src = q_starts[req_of_row] + (offset - extra[req_of_row]).clamp(min=0)
-        req_of_token = torch.repeat_interleave(reqs, q)  # [num_actual_tokens]
-        token_offset = torch.arange(int(q.sum())) - q_starts[req_of_token]
-        dst = k_starts[req_of_token] + extra[req_of_token] + token_offset
+        # numpy on host lengths (a torch op here costs several times more, see plan): every
+        # token once, a padded request's one token twice (its padding row reads the same query
+        # row); each token's output is its last kernel row
+        n = batch.num_actual_tokens
+        qsl = batch.query_start_loc_cpu.numpy()
+        copies = np.ones(n, dtype=np.int64)
+        copies[qsl[:-1][pad]] = 2
+        src = np.repeat(np.arange(n), copies)  # [kernel_tokens]
+        ends = np.cumsum(copies)  # each token's last kernel row + 1
         dev = self.backend.device
         return dict(
-            query_rows=src.to(dev),
-            output_rows=dst.to(dev),
-            query_ends=tuple(torch.cumsum(kq, 0).tolist()),
-            kernel_tokens=total,
+            query_rows=torch.from_numpy(src).to(dev),
+            output_rows=torch.from_numpy(ends - 1).to(dev),
+            # a request's query end is its last token's (one token per request: all of them)
+            query_ends=tuple((ends if decodes_only else ends[qsl[1:] - 1]).tolist()),
+            kernel_tokens=int(src.shape[0]),
         )
 
 
@@ -641,6 +736,18 @@ class AscendAttentionImpl(AttentionImpl):
         self._storage_checked: torch.Tensor | None = None  # the key plane last checked
         #: (key plane, value plane, their (num_blocks, block_size, KV_N*D) views)
         self._paged_views: tuple[torch.Tensor, ...] | None = None
+        spec = self.spec
+        #: The cache of the last call the core's checks accepted: (cache, its four planes,
+        #: num_slots, num_blocks), for _usual_step.
+        self._accepted: tuple[Any, ...] | None = None
+        #: What _usual_call compares the call's tensors with.
+        self._expected = (
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_size,
+            spec.dtype,
+            backend.device,
+        )
 
     def check_forward(
         self,
@@ -651,6 +758,8 @@ class AscendAttentionImpl(AttentionImpl):
         meta: AttentionMetadata,
         output: torch.Tensor | None,
     ) -> torch.Tensor:
+        if self._usual_call(query, key, value, cache, meta, output):
+            return torch.empty_like(query) if output is None else output
         out = super().check_forward(query, key, value, cache, meta, output)  # + check_step
         assert isinstance(meta, AscendAttentionMetadata)
         if meta.packed and meta.kv_slots is None and key is None:
@@ -658,7 +767,126 @@ class AscendAttentionImpl(AttentionImpl):
                 "this non-causal step attends over its own new keys (npu_fusion_attention, "
                 "no cached context): key and value must be given"
             )
+        self._accept(cache)
         return out
+
+    def _usual_call(
+        self,
+        query: object,
+        key: object,
+        value: object,
+        cache: PagedKVCache,
+        meta: object,
+        output: object,
+    ) -> bool:
+        """Whether every check of ``check_forward`` holds, tested in one pass on the usual
+        layer call (~2 us instead of ~6: no function per tensor, no error text): this
+        backend's metadata, the very cache (same planes) of the last call the core's checks
+        accepted, with its storage checked, query / key / value / output of the spec's
+        shapes, dtype and device with enough rows, the step's extents inside the cache. It
+        raises nothing: where any condition does not hold (or differs from the core's only in
+        spelling, e.g. an equivalent device), the core's checks run and name what is wrong,
+        with their errors (tests/test_ascend_host_path.py compares both on every kind of bad
+        call)."""
+        if not self._usual_step(cache, meta):
+            return False
+        assert isinstance(meta, AscendAttentionMetadata)
+        H, _, D, dtype, dev = self._expected
+        if not (isinstance(query, torch.Tensor) and query.dtype is dtype and query.device == dev):
+            return False
+        qs = query.shape
+        if not (len(qs) == 3 and qs[1] == H and qs[2] == D):
+            return False
+        if qs[0] < meta.batch.num_actual_tokens:
+            return False
+        if output is not None and not (
+            isinstance(output, torch.Tensor)
+            and output.shape == qs
+            and output.dtype is dtype
+            and output.device == dev
+        ):
+            return False
+        if key is None:
+            return value is None and not (meta.packed and meta.kv_slots is None)
+        return self._usual_kv(key, value, meta)
+
+    def _usual_step(self, cache: PagedKVCache, meta: object) -> bool:
+        """This backend's metadata, with its extents inside a cache the core's checks accepted
+        last time (the same planes: the core's own memo, AttentionImpl._check_cache, keys on
+        them too), whose storage check_step has checked."""
+        accepted = self._accepted
+        if not (
+            isinstance(meta, AscendAttentionMetadata)
+            and accepted is not None
+            and accepted[0] is cache
+            and accepted[1] is cache.key
+            and accepted[2] is cache.value
+            and accepted[3] is cache.key_scale
+            and accepted[4] is cache.value_scale
+            and cache.key is self._storage_checked
+        ):
+            return False
+        extents = meta.extents
+        return (
+            extents is not None
+            and extents.max_slot < accepted[5]
+            and extents.max_block < accepted[6]
+        )
+
+    def _accept(self, cache: PagedKVCache) -> None:
+        """The core's checks accepted a call with ``cache``: remember its planes and sizes."""
+        self._accepted = (
+            cache,
+            cache.key,
+            cache.value,
+            cache.key_scale,
+            cache.value_scale,
+            cache.num_slots,
+            cache.num_blocks,
+        )
+
+    def _usual_kv(self, key: object, value: object, meta: AscendAttentionMetadata) -> bool:
+        """validation.check_kv's conditions for the step's new keys and values."""
+        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+            return False
+        _, Hkv, D, dtype, dev = self._expected
+        ks, vs = key.shape, value.shape
+        return (
+            len(ks) == 3
+            and len(vs) == 3
+            and ks[1] == Hkv
+            and vs[1] == Hkv
+            and ks[2] == D
+            and vs[2] == D
+            and ks[0] == vs[0]
+            and ks[0] >= meta.batch.slot_mapping.shape[0]
+            and key.dtype is dtype
+            and value.dtype is dtype
+            and key.device == dev
+            and value.device == dev
+        )
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor | None = None,
+        *,
+        meta: AttentionMetadata | None = None,
+    ) -> None:
+        # the usual write_kv(meta=): every check of the core's in one pass (see _usual_call);
+        # anything else goes through the core's checks
+        if (
+            meta is not None
+            and self._usual_step(cache, meta)
+            and (slot_mapping is None or slot_mapping is meta.batch.slot_mapping)
+            and self._usual_kv(key, value, meta)  # type: ignore[arg-type]
+        ):
+            self.store_step_kv(key, value, cache, meta)
+            return
+        super().write_kv(key, value, cache, slot_mapping, meta=meta)
+        self._accept(cache)
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, AscendAttentionMetadata):
@@ -683,7 +911,7 @@ class AscendAttentionImpl(AttentionImpl):
             return
         _check_cache_storage(cache)
         # The engine's own slot tensor (write_kv alone): converted per call.
-        key, value, slots = key[:n], value[:n], slot_mapping.to(torch.int32)
+        key, value, slots = key[:n], value[:n], slot_mapping.to(torch.int32).contiguous()
         if self.backend.kv_write_op == SCATTER_PA_KV_CACHE:
             # No padding slot in this op: drop the -1 rows. write_kv without meta has already
             # read these slots on the host (the core's value check), so this read adds none
@@ -714,7 +942,7 @@ class AscendAttentionImpl(AttentionImpl):
         if n:
             if key.shape[0] != n:
                 key, value = key[:n], value[:n]
-            self._write(key, value, cache, meta.slot_mapping)  # int32, planned once
+            self._write(key, value, cache, meta.slot_mapping)  # planned once per step
 
     def _write_graph_step(
         self,
@@ -730,7 +958,7 @@ class AscendAttentionImpl(AttentionImpl):
         nothing rewrites slot 0 with what it holds. Device ops only: the graph captures them."""
         T = slot_mapping.shape[0]
         if self.backend.kv_write_op == RESHAPE_AND_CACHE:
-            self._write(key[:T], value[:T], cache, slot_mapping.to(torch.int32))
+            self._write(key[:T], value[:T], cache, slot_mapping.to(torch.int32).contiguous())
             return
         slots = slot_mapping.long()
         valid = slots >= 0
@@ -747,6 +975,8 @@ class AscendAttentionImpl(AttentionImpl):
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor
     ) -> None:
+        """The KV write op; ``slots`` contiguous already (planned once per step, or made so by
+        the caller)."""
         if self.backend.kv_write_op == SCATTER_PA_KV_CACHE:
             # vllm-ascend's A2/A3 write: ND caches (num_blocks, block_size, KV_N, D), every slot
             # in range (the builder / store_kv left out -1 rows) [doc]
@@ -755,7 +985,7 @@ class AscendAttentionImpl(AttentionImpl):
                 value=value.contiguous(),
                 key_cache=cache.key,
                 value_cache=cache.value,
-                slot_mapping=slots.contiguous(),
+                slot_mapping=slots,
                 cache_mode="Norm",
             )
             return
@@ -765,7 +995,7 @@ class AscendAttentionImpl(AttentionImpl):
             value=value.contiguous(),
             key_cache=cache.key,
             value_cache=cache.value,
-            slot_indices=slots.contiguous(),
+            slot_indices=slots,
         )
 
     # --- attention ----------------------------------------------------------------------------
@@ -815,7 +1045,6 @@ class AscendAttentionImpl(AttentionImpl):
         meta: AscendAttentionMetadata,
         target: torch.Tensor,  # like q: written by the kernel
     ) -> None:
-        spec, sparse, ops_ = self.spec, meta.sparse, self.backend.ops
         # NHD cache viewed as (num_blocks, block_size, KV_N * D): views remembered for the last
         # cache's very planes, so a reallocated cache is never stale. TND + this paged view
         # with float16 or head sizes other than 128/192 follows vllm-ascend's callers over one
@@ -831,8 +1060,34 @@ class AscendAttentionImpl(AttentionImpl):
                 cache.value.view(num_blocks, block_size, -1),
             )
         key_cache, value_cache = views[2], views[3]
-        block_size = key_cache.shape[1]
-        shared: dict[str, Any] = dict(
+        if meta.graph is not None:
+            self._attend_paged_graph(q, key_cache, value_cache, meta, target)
+            return
+        # the step's keyword arguments, made once per step for all layers (the block size is
+        # the spec's: the cache was checked against it)
+        kwargs = meta.fia_kwargs.get(self.backend)
+        if kwargs is None:
+            kwargs = meta.fia_kwargs[self.backend] = self._fia_kwargs(meta, with_lists=True)
+        if self.learnable_sink is None:
+            self.backend.ops.npu_fused_infer_attention_score.out(
+                q, key_cache, value_cache, **kwargs, out=[target, self._lse]
+            )
+        else:
+            self.backend.ops.npu_fused_infer_attention_score_v2.out(
+                q,
+                key_cache,
+                value_cache,
+                **kwargs,
+                learnable_sink=self.learnable_sink,
+                out=[target, self._lse],
+            )
+
+    def _fia_kwargs(self, meta: AscendAttentionMetadata, *, with_lists: bool) -> dict[str, Any]:
+        """FIA's keyword arguments (v2's names with sinks) but the sink and the outputs; with
+        the two length lists (cumulative query ends for TND, per-sequence KV lengths for the
+        paged cache [callers]) or without them (a captured task, whose lists are updated)."""
+        spec, sparse = self.spec, meta.sparse
+        kwargs: dict[str, Any] = dict(
             atten_mask=meta.atten_mask,
             block_table=meta.block_table,
             num_key_value_heads=spec.num_kv_heads,
@@ -840,26 +1095,39 @@ class AscendAttentionImpl(AttentionImpl):
             next_tokens=sparse.next_tokens,
             input_layout="TND",
             sparse_mode=sparse.sparse_mode,
-            block_size=block_size,
+            block_size=spec.block_size,
             workspace=None,
-            out=[target, self._lse],
         )
+        q_name, kv_name = _FIA_LISTS if self.learnable_sink is None else _FIA_V2_LISTS
         if self.learnable_sink is None:
-            op = ops_.npu_fused_infer_attention_score.out
-            # cumulative query ends (TND); per-sequence KV lengths (paged cache)
-            lists = ("actual_seq_lengths", "actual_seq_lengths_kv")
-            shared.update(num_heads=spec.num_heads, scale=spec.scale)
+            kwargs.update(num_heads=spec.num_heads, scale=spec.scale)
         else:
-            op = ops_.npu_fused_infer_attention_score_v2.out
-            lists = ("actual_seq_qlen", "actual_seq_kvlen")
-            shared.update(
-                learnable_sink=self.learnable_sink,
-                num_query_heads=spec.num_heads,
-                softmax_scale=spec.scale,
-            )
+            kwargs.update(num_query_heads=spec.num_heads, softmax_scale=spec.scale)
+        if with_lists:
+            kwargs.update({q_name: meta.query_ends, kv_name: meta.kv_lengths})
+        return kwargs
+
+    def _attend_paged_graph(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AscendAttentionMetadata,
+        target: torch.Tensor,
+    ) -> None:
+        """FIA on a step made by build_for_graph_capture: recorded in a task group while the
+        stream is captured, called directly otherwise (the step run before capture)."""
+        ops_ = self.backend.ops
+        shared = self._fia_kwargs(meta, with_lists=False)
+        shared["out"] = [target, self._lse]
+        if self.learnable_sink is None:
+            op, lists = ops_.npu_fused_infer_attention_score.out, _FIA_LISTS
+        else:
+            op, lists = ops_.npu_fused_infer_attention_score_v2.out, _FIA_V2_LISTS
+            shared["learnable_sink"] = self.learnable_sink
         args = (q, key_cache, value_cache)
-        npu = self.backend.graph_api if meta.graph is not None else None
-        if npu is None or not npu.is_current_stream_capturing():
+        npu = self.backend.graph_api
+        if not npu.is_current_stream_capturing():
             op(*args, **shared, **{lists[0]: meta.query_ends, lists[1]: meta.kv_lengths})
             return
         # Captured: the lists are host values the task bakes in. Record the call in a task
@@ -902,6 +1170,11 @@ class AscendAttentionImpl(AttentionImpl):
             sparse_mode=sparse.sparse_mode,
         )
         out.copy_(result[0])
+
+
+#: The names of FIA's two length lists (query ends, KV lengths): v1 and v2 (with sinks).
+_FIA_LISTS = ("actual_seq_lengths", "actual_seq_lengths_kv")
+_FIA_V2_LISTS = ("actual_seq_qlen", "actual_seq_kvlen")
 
 
 def _flat(plane: torch.Tensor) -> torch.Tensor:  # [num_slots, num_kv_heads, head_size] view

@@ -247,16 +247,34 @@ def test_sinks_go_through_v2_as_a_bfloat16_learnable_sink() -> None:
 # --- int32 tensors and the KV write --------------------------------------------------------------
 
 
-def test_block_table_and_slot_mapping_are_int32() -> None:
+def test_block_table_is_int32_and_the_scatter_write_takes_the_engines_slots() -> None:
     st = h.step(MIXED, padding=4)
     st.batch.block_table = st.batch.block_table.long()  # an engine may hand int64 tables
     meta = st.backend.metadata_builder().build(st.batch)
     assert meta.block_table is not None and meta.block_table.dtype == torch.int32
-    assert meta.slot_mapping is not None and meta.slot_mapping.dtype == torch.int32
+    # npu_scatter_pa_kv_cache takes int32 or int64 slots [doc]: no conversion per step, the
+    # engine's own slots cut to the real tokens (a view, nothing copied)
+    assert st.batch.slot_mapping.dtype == torch.int64
+    assert meta.slot_mapping is not None and meta.slot_mapping.dtype == torch.int64
+    assert meta.slot_mapping.shape[0] == 175
+    assert meta.slot_mapping.data_ptr() == st.batch.slot_mapping.data_ptr()
     with emulator.record_calls() as calls:
         st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
     assert _only(calls, FIA).kwargs["block_table"].dtype == torch.int32
-    assert _only(calls, WRITE).kwargs["slot_mapping"].dtype == torch.int32
+    assert _only(calls, WRITE).kwargs["slot_mapping"] is meta.slot_mapping
+
+
+def test_a_strided_slot_mapping_is_made_contiguous_once_per_step() -> None:
+    st = h.step(MIXED)
+    wide = torch.full((2 * st.batch.num_tokens,), -7, dtype=torch.int64)
+    wide[::2] = st.batch.slot_mapping
+    st.batch.slot_mapping = wide[::2]  # same values, stride 2
+    meta = st.backend.metadata_builder().build(st.batch)
+    assert meta.slot_mapping is not None and meta.slot_mapping.is_contiguous()
+    with emulator.record_calls() as calls:
+        out = st.backend.impl().forward(st.query, st.key, st.value, st.cache, meta)
+    assert _only(calls, WRITE).kwargs["slot_mapping"] is meta.slot_mapping
+    h.assert_matches_reference(st, out)
 
 
 def test_padding_rows_are_not_handed_to_the_kv_write() -> None:
