@@ -341,6 +341,15 @@ class AttentionImpl(abc.ABC):
         cache (O(1), no device-to-host sync), as ``forward`` does. Without it, every call checks
         its own slot values on the host (a copy to the host where they live on an accelerator).
         """
+        if (
+            meta is not None
+            and self._usual_step(cache, meta)
+            and (slot_mapping is None or slot_mapping is meta.batch.slot_mapping)
+            and self._usual_kv(key, value, meta)
+        ):  # the usual call: every shared check in one pass (see _usual_call)
+            self.check_step(cache, meta)
+            self.store_step_kv(key, value, cache, meta)
+            return
         dev = self.backend.device
         self._check_cache(cache)
         if meta is not None:
@@ -453,6 +462,9 @@ class AttentionImpl(abc.ABC):
         output: torch.Tensor | None,
     ) -> torch.Tensor:
         """Validate a forward call completely (nothing written yet); return the output buffer."""
+        if self._usual_call(query, key, value, cache, meta, output):
+            self.check_step(cache, meta)
+            return torch.empty_like(query) if output is None else output
         spec, dev = self.spec, self.backend.device
         self._check_meta(meta)
         batch = meta.batch
@@ -475,6 +487,91 @@ class AttentionImpl(abc.ABC):
             validation.check_tensor("output", output, tuple(q.shape), spec.dtype, dev)
         self._check_extents(meta, cache)
         return output
+
+    # --- the usual call, checked in one pass --------------------------------------------------
+    # A model calls every layer with its own cache, step after step, with tensors of the spec's
+    # shapes: these test every condition of the shared checks above in one expression each (no
+    # function per tensor, no error text), against the cache the checks accepted last (the very
+    # planes) and the sizes they remembered. They raise nothing: where a condition does not
+    # hold, or holds only in another spelling (an equivalent device), the checks above run and
+    # name what is wrong. tests/test_usual_call.py holds both paths to the same outcomes.
+
+    def _usual_step(self, cache: object, meta: object) -> bool:
+        """An AttentionMetadata made by build, whose extents fit the cache the checks
+        accepted last (the same cache object and planes)."""
+        last, sizes = self._checked_cache, self._cache_sizes
+        if not (
+            last is not None
+            and sizes is not None
+            and last[0] is cache
+            and isinstance(cache, PagedKVCache)
+            and last[1] is cache.key
+            and last[2] is cache.value
+            and last[3] is cache.key_scale
+            and last[4] is cache.value_scale
+            and isinstance(meta, AttentionMetadata)
+        ):
+            return False
+        extents = meta.extents
+        return extents is not None and extents.max_slot < sizes[0] and extents.max_block < sizes[1]
+
+    def _usual_call(
+        self,
+        query: object,
+        key: object,
+        value: object,
+        cache: object,
+        meta: object,
+        output: object,
+    ) -> bool:
+        """Every shared check of ``check_forward`` holds (``check_step`` apart)."""
+        if not self._usual_step(cache, meta):
+            return False
+        assert isinstance(meta, AttentionMetadata)
+        spec, dev = self.spec, self.backend.device
+        if not (
+            isinstance(query, torch.Tensor) and query.dtype is spec.dtype and query.device == dev
+        ):
+            return False
+        qs = query.shape
+        if not (
+            len(qs) == 3
+            and qs[1] == spec.num_heads
+            and qs[2] == spec.head_size
+            and qs[0] >= meta.batch.num_actual_tokens
+        ):
+            return False
+        if output is not None and not (
+            isinstance(output, torch.Tensor)
+            and output.shape == qs
+            and output.dtype is spec.dtype
+            and output.device == dev
+        ):
+            return False
+        if key is None:
+            return value is None
+        return self._usual_kv(key, value, meta)
+
+    def _usual_kv(self, key: object, value: object, meta: AttentionMetadata) -> bool:
+        """``validation.check_kv``'s conditions for the step's new keys and values."""
+        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+            return False
+        spec, dev = self.spec, self.backend.device
+        ks, vs = key.shape, value.shape
+        return (
+            len(ks) == 3
+            and len(vs) == 3
+            and ks[1] == spec.num_kv_heads
+            and vs[1] == spec.num_kv_heads
+            and ks[2] == spec.head_size
+            and vs[2] == spec.head_size
+            and ks[0] == vs[0]
+            and ks[0] >= meta.batch.num_tokens
+            and key.dtype is spec.dtype
+            and value.dtype is spec.dtype
+            and key.device == dev
+            and value.device == dev
+        )
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         """Backend-specific checks of a call with a step's metadata (``forward`` and

@@ -736,18 +736,6 @@ class AscendAttentionImpl(AttentionImpl):
         self._storage_checked: torch.Tensor | None = None  # the key plane last checked
         #: (key plane, value plane, their (num_blocks, block_size, KV_N*D) views)
         self._paged_views: tuple[torch.Tensor, ...] | None = None
-        spec = self.spec
-        #: The cache of the last call the core's checks accepted: (cache, its four planes,
-        #: num_slots, num_blocks), for _usual_step.
-        self._accepted: tuple[Any, ...] | None = None
-        #: What _usual_call compares the call's tensors with.
-        self._expected = (
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_size,
-            spec.dtype,
-            backend.device,
-        )
 
     def check_forward(
         self,
@@ -758,135 +746,14 @@ class AscendAttentionImpl(AttentionImpl):
         meta: AttentionMetadata,
         output: torch.Tensor | None,
     ) -> torch.Tensor:
-        if self._usual_call(query, key, value, cache, meta, output):
-            return torch.empty_like(query) if output is None else output
         out = super().check_forward(query, key, value, cache, meta, output)  # + check_step
         assert isinstance(meta, AscendAttentionMetadata)
-        if meta.packed and meta.kv_slots is None and key is None:
+        if key is None and meta.packed and meta.kv_slots is None:
             raise InvalidInputError(
                 "this non-causal step attends over its own new keys (npu_fusion_attention, "
                 "no cached context): key and value must be given"
             )
-        self._accept(cache)
         return out
-
-    def _usual_call(
-        self,
-        query: object,
-        key: object,
-        value: object,
-        cache: PagedKVCache,
-        meta: object,
-        output: object,
-    ) -> bool:
-        """Whether every check of ``check_forward`` holds, tested in one pass on the usual
-        layer call (~2 us instead of ~6: no function per tensor, no error text): this
-        backend's metadata, the very cache (same planes) of the last call the core's checks
-        accepted, with its storage checked, query / key / value / output of the spec's
-        shapes, dtype and device with enough rows, the step's extents inside the cache. It
-        raises nothing: where any condition does not hold (or differs from the core's only in
-        spelling, e.g. an equivalent device), the core's checks run and name what is wrong,
-        with their errors (tests/test_ascend_host_path.py compares both on every kind of bad
-        call)."""
-        if not self._usual_step(cache, meta):
-            return False
-        assert isinstance(meta, AscendAttentionMetadata)
-        H, _, D, dtype, dev = self._expected
-        if not (isinstance(query, torch.Tensor) and query.dtype is dtype and query.device == dev):
-            return False
-        qs = query.shape
-        if not (len(qs) == 3 and qs[1] == H and qs[2] == D):
-            return False
-        if qs[0] < meta.batch.num_actual_tokens:
-            return False
-        if output is not None and not (
-            isinstance(output, torch.Tensor)
-            and output.shape == qs
-            and output.dtype is dtype
-            and output.device == dev
-        ):
-            return False
-        if key is None:
-            return value is None and not (meta.packed and meta.kv_slots is None)
-        return self._usual_kv(key, value, meta)
-
-    def _usual_step(self, cache: PagedKVCache, meta: object) -> bool:
-        """This backend's metadata, with its extents inside a cache the core's checks accepted
-        last time (the same planes: the core's own memo, AttentionImpl._check_cache, keys on
-        them too), whose storage check_step has checked."""
-        accepted = self._accepted
-        if not (
-            isinstance(meta, AscendAttentionMetadata)
-            and accepted is not None
-            and accepted[0] is cache
-            and accepted[1] is cache.key
-            and accepted[2] is cache.value
-            and accepted[3] is cache.key_scale
-            and accepted[4] is cache.value_scale
-            and cache.key is self._storage_checked
-        ):
-            return False
-        extents = meta.extents
-        return (
-            extents is not None
-            and extents.max_slot < accepted[5]
-            and extents.max_block < accepted[6]
-        )
-
-    def _accept(self, cache: PagedKVCache) -> None:
-        """The core's checks accepted a call with ``cache``: remember its planes and sizes."""
-        self._accepted = (
-            cache,
-            cache.key,
-            cache.value,
-            cache.key_scale,
-            cache.value_scale,
-            cache.num_slots,
-            cache.num_blocks,
-        )
-
-    def _usual_kv(self, key: object, value: object, meta: AscendAttentionMetadata) -> bool:
-        """validation.check_kv's conditions for the step's new keys and values."""
-        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
-            return False
-        _, Hkv, D, dtype, dev = self._expected
-        ks, vs = key.shape, value.shape
-        return (
-            len(ks) == 3
-            and len(vs) == 3
-            and ks[1] == Hkv
-            and vs[1] == Hkv
-            and ks[2] == D
-            and vs[2] == D
-            and ks[0] == vs[0]
-            and ks[0] >= meta.batch.slot_mapping.shape[0]
-            and key.dtype is dtype
-            and value.dtype is dtype
-            and key.device == dev
-            and value.device == dev
-        )
-
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        cache: PagedKVCache,
-        slot_mapping: torch.Tensor | None = None,
-        *,
-        meta: AttentionMetadata | None = None,
-    ) -> None:
-        # the usual write_kv(meta=): every check of the core's in one pass (see _usual_call);
-        # anything else goes through the core's checks
-        if (
-            meta is not None
-            and self._usual_step(cache, meta)
-            and (slot_mapping is None or slot_mapping is meta.batch.slot_mapping)
-            and self._usual_kv(key, value, meta)  # type: ignore[arg-type]
-        ):
-            self.store_step_kv(key, value, cache, meta)
-            return
-        super().write_kv(key, value, cache, slot_mapping, meta=meta)
-        self._accept(cache)
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, AscendAttentionMetadata):

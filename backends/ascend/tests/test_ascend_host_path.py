@@ -17,7 +17,6 @@ from attnhub_ascend import AscendAttentionState, AscendBackend, emulator
 from attnhub_ascend.backend import RESHAPE_AND_CACHE, AscendAttentionImpl
 
 from attnhub import AttentionMetadata
-from attnhub.backend import AttentionImpl
 from attnhub.errors import InvalidInputError
 from attnhub.spec import AttentionType
 
@@ -35,14 +34,19 @@ def _outcome(fn: Callable[[], object]) -> tuple[str, str]:
     return "ok", "" if not isinstance(result, torch.Tensor) else str(tuple(result.shape))
 
 
-def _core_check_forward(impl: AscendAttentionImpl, c: Call) -> object:
-    """check_forward with the one-pass test switched off on this instance: the core's checks
-    and ascend's own, as before it existed."""
+def _checked_in_full(impl: AscendAttentionImpl, call: Callable[[], object]) -> object:
+    """``call`` with the core's one-pass test of the usual call switched off on this instance:
+    every check run one by one, as before it existed."""
     impl._usual_call = lambda *args: False  # type: ignore[method-assign]
+    impl._usual_step = lambda *args: False  # type: ignore[method-assign]
     try:
-        return impl.check_forward(**c)
+        return call()
     finally:
-        del impl._usual_call
+        del impl._usual_call, impl._usual_step
+
+
+def _core_check_forward(impl: AscendAttentionImpl, c: Call) -> object:
+    return _checked_in_full(impl, lambda: impl.check_forward(**c))
 
 
 def _warm() -> tuple[h.Step, AscendAttentionImpl, Call]:
@@ -138,7 +142,9 @@ def test_write_kv_meta_checks_accept_and_refuse_exactly_as_the_cores(case: str) 
     args = (call["key"], call["value"], call["cache"])
     slots = st.batch.slot_mapping if case == "own slots" else None
     before = call["cache"].clone() if hasattr(call["cache"], "clone") else None
-    core = _outcome(lambda: AttentionImpl.write_kv(impl, *args, slots, meta=call["meta"]))
+    core = _outcome(
+        lambda: _checked_in_full(impl, lambda: impl.write_kv(*args, slots, meta=call["meta"]))
+    )
     fast = _outcome(lambda: impl.write_kv(*args, slots, meta=call["meta"]))
     assert fast == core
     if case not in ("good", "own slots"):
@@ -161,7 +167,6 @@ def test_a_non_causal_step_without_new_keys_is_refused_on_the_one_pass_path_too(
     impl = st.backend.impl()
     impl.forward(st.query, st.key, st.value, st.cache, meta)
     call: Call = dict(query=st.query, key=None, value=None, cache=st.cache, meta=meta, output=None)
-    assert not impl._usual_call(**call)
     outcome = _outcome(lambda: impl.check_forward(**call))
     assert outcome[0] == "InvalidInputError" and "key and value must be given" in outcome[1]
 
