@@ -234,8 +234,7 @@ class Planner:
             qlens = starts[1:] - starts[:-1]
             seqs = batch.seq_lens_cpu.numpy().astype(np.int64)
             extremes = (int(qlens.min()), int(qlens.max()), int(seqs.max())) if len(qlens) else None
-        table_t = batch.host_block_table()
-        table = table_t.numpy()  # [B, max_blocks]
+        table = batch.host_block_table().numpy()  # [B, max_blocks]
         B = qlens.shape[0]
         if not B:
             spans: list[tuple[int, int]] = []
@@ -259,8 +258,6 @@ class Planner:
         host_distance: list[torch.Tensor | None] = []
         ragged_decodes: list[_Ragged] = []
         max_gather = 0
-        width = table.shape[1]
-        flat_table = table_t.view(-1) if table_t.is_contiguous() else None
         for i, (a, b) in enumerate(spans):
             C, Q = b - a, int(qlens[a])
             if C == 1:
@@ -304,10 +301,8 @@ class Planner:
                 own_keys = np.arange(L)[None, :] < (lens - key_offset)[:, None]
                 pad = (~own_keys).ravel().nonzero()[0]  # c * L + j -> buffer row c*nblk*bs + j
                 pad_tokens = torch.from_numpy(pad + (pad // L) * (nblk * bs - L))
-            if flat_table is not None and first_blk == 0 and nblk == width and not ragged:
-                host_ids.append(flat_table[a * width : b * width])  # rows of the table: no copy
-            else:
-                host_ids.append(torch.from_numpy(np.ascontiguousarray(ids).reshape(-1)))
+            # whole rows of a contiguous table: a view, no copy
+            host_ids.append(torch.from_numpy(np.ascontiguousarray(ids).reshape(-1)))
             host_pads.append(pad_tokens)
 
             visible = distance = None
@@ -406,16 +401,16 @@ class Planner:
         one range, listed with one ``repeat`` for all, and a mask is zeros with -inf put at
         those rows (never a comparison per (request, key)).
         Returns, per chunk index: block ids, padding rows, ``visible`` (eager), ``mask`` (SDPA)."""
+        # Per request (row r): keys len_r..L-1 of its chunk are padding. They end at buf_end_r
+        # in its chunk's gather buffer (its buffer rows start at (row in chunk) * nblk * bs)
+        # and at mask_end_r in the masks of all the chunks laid end to end.
         if len(ragged) == 1:
             i, lo, hi, W, L = ragged[0]
             R = hi - lo
             lens, grid = seqs[lo:hi], table[lo:hi, :W]
-            row_nblk: np.ndarray | int = W
-            row_L: np.ndarray | int = L
-            # per request: where its rows start in its chunk's gather buffer, in the masks
-            buf_row = np.arange(0, R * W * bs, W * bs)
-            mask_row = np.arange(0, R * L, L)
-            keys = R * L
+            counts = L - lens
+            buf_end = np.arange(L, R * W * bs + L, W * bs)
+            mask_end = np.arange(L, R * L + L, L)
         else:
             firsts = [a for _, a, _, _, _ in ragged]
             sizes = [b - a for _, a, b, _, _ in ragged]
@@ -429,54 +424,48 @@ class Planner:
                     [np.arange(a, a + c) for a, c in zip(firsts, sizes, strict=True)]
                 )
                 lens, grid = seqs[rows], table[rows, :W]
-            size_np = np.array(sizes)
-            bounds = list(itertools.accumulate(sizes, initial=0))  # each chunk's first row
-            local = np.arange(R) - np.repeat(np.array(bounds[:-1]), size_np)  # row in chunk
-            row_nblk = W if min(nblks) == W else np.repeat(np.array(nblks), size_np)
-            row_L = Ls[0] if min(Ls) == max(Ls) else np.repeat(np.array(Ls), size_np)
-            buf_row = local * (row_nblk * bs)
-            if isinstance(row_L, int):
-                mask_row = np.arange(0, R * row_L, row_L)
-                keys = R * row_L
+            row0 = list(itertools.accumulate(sizes, initial=0))  # each chunk's first row
+            if min(Ls) == max(Ls):
+                row_L: np.ndarray | int = Ls[0]
+                mask_end = np.arange(Ls[0], R * Ls[0] + Ls[0], Ls[0])
             else:
-                mask_row = np.cumsum(row_L) - row_L
-                keys = int(mask_row[-1] + row_L[-1])
+                row_L = np.repeat(Ls, sizes)
+                mask_end = np.cumsum(row_L)
+            counts = row_L - lens
+            if min(nblks) == W:  # r * W * bs, less its chunk's first row's
+                shift = [L - r * W * bs for L, r in zip(Ls, row0[:-1], strict=True)]
+                buf_end = np.arange(0, R * W * bs, W * bs) + np.repeat(shift, sizes)
+            else:
+                local = np.arange(R) - np.repeat(row0[:-1], sizes)
+                buf_end = local * np.repeat(nblks, sizes) * bs + row_L
         # block ids: past its own blocks, a request gathers its first block again
-        past = self._block_starts(W, bs)[None, :] >= lens[:, None]  # [R, W]
-        ids = np.where(past, grid[:, :1], grid)
-        if not isinstance(row_nblk, int):
-            ids = ids[np.arange(W)[None, :] < row_nblk[:, None]]  # each chunk's own width
-        # padding rows: keys len..L-1 of each request, at its buffer row + j in its chunk's
-        # gather buffer and at its mask row + j in the masks: one range per request
-        ends = np.cumsum(row_L - lens)  # [R] padding rows up to and with it
-        total = int(ends[-1])
-        shift = ends - row_L  # row_L - len - ends: minus (padding rows before it) - len
-        ar = np.arange(total)
-        counts = row_L - lens
-        pads = np.repeat(buf_row - shift, counts) + ar
-        masked = np.repeat(mask_row - shift, counts) + ar
+        ids = np.where(self._block_starts(W, bs) >= lens[:, None], grid[:, :1], grid)
+        if len(ragged) > 1 and min(nblks) != W:
+            ids = ids[np.arange(W)[None, :] < np.repeat(nblks, sizes)[:, None]]  # own widths
+        ends = np.cumsum(counts)  # padding rows up to and with each request
+        ar = np.arange(int(ends[-1]))
+        pads = torch.from_numpy(np.repeat(buf_end - ends, counts) + ar)
+        masked = torch.from_numpy(np.repeat(mask_end - ends, counts) + ar)
+        ids_t = torch.from_numpy(ids.reshape(-1))
+        keys = int(mask_end[-1])
         dev = self.device
-        ids_t = torch.from_numpy(ids.reshape(-1)).to(dev)
-        pads_t = torch.from_numpy(pads).to(dev)
-        masked_t = torch.from_numpy(masked).to(dev)
-        if self.eager:
-            vis_t = torch.ones(keys, dtype=torch.bool, device=dev).index_fill_(0, masked_t, False)
-        else:
-            vis_t = torch.zeros(keys, dtype=self.dtype, device=dev).index_fill_(
-                0, masked_t, -math.inf
-            )
+        if dev.type != "cpu":
+            ids_t, pads, masked = ids_t.to(dev), pads.to(dev), masked.to(dev)
         eager = self.eager
+        if eager:
+            vis = torch.ones(keys, dtype=torch.bool, device=dev).index_fill_(0, masked, False)
+        else:
+            vis = torch.zeros(keys, dtype=self.dtype, device=dev).index_fill_(0, masked, -math.inf)
         if len(ragged) == 1:
             return {
                 i: (
                     ids_t,
-                    pads_t,
-                    vis_t.view(R, 1, 1, 1, L) if eager else None,
-                    None if eager else vis_t.view(R, 1, 1, L),
+                    pads,
+                    vis.view(R, 1, 1, 1, L) if eager else None,
+                    None if eager else vis.view(R, 1, 1, L),
                 )
             }
-        upto = [0, *ends[np.array(bounds[1:]) - 1].tolist()]  # padding rows before a chunk
-        pad_counts = [b - a for a, b in itertools.pairwise(upto)]
+        upto = [0, *ends[[r - 1 for r in row0[1:]]].tolist()]  # padding rows before a chunk
         return {
             i: (
                 ids_c,
@@ -488,18 +477,18 @@ class Planner:
                 ragged,
                 sizes,
                 ids_t.split_with_sizes([c * nb for c, nb in zip(sizes, nblks, strict=True)]),
-                pads_t.split_with_sizes(pad_counts),
-                vis_t.split_with_sizes([c * L for c, L in zip(sizes, Ls, strict=True)]),
+                pads.split_with_sizes([b - a for a, b in itertools.pairwise(upto)]),
+                vis.split_with_sizes([c * L for c, L in zip(sizes, Ls, strict=True)]),
                 strict=True,
             )
         }
 
     def _block_starts(self, width: int, bs: int) -> np.ndarray:
-        """[width] the first key position of each block, made once per (width, block size)."""
+        """[1, width] the first key position of each block, made once per (width, block size)."""
         key = (width, bs)
         starts = self._starts.get(key)
         if starts is None:
-            starts = self._starts[key] = np.arange(width) * bs
+            starts = self._starts[key] = np.arange(width)[None, :] * bs
         return starts
 
 
@@ -520,10 +509,12 @@ def _additive_values(
 
 def _to_device(
     tensors: Sequence[torch.Tensor | None], device: torch.device
-) -> list[torch.Tensor | None]:
+) -> Sequence[torch.Tensor | None]:
     """Move host tensors (of one dtype) to ``device`` in one copy; views of it come back."""
+    if device.type == "cpu":
+        return tensors
     present = [t for t in tensors if t is not None]
-    if not present or device.type == "cpu":
+    if not present:
         return list(tensors)
     flat = torch.cat([t.reshape(-1) for t in present]).to(device)
     out: list[torch.Tensor | None] = []
