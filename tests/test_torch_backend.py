@@ -667,7 +667,7 @@ def _same_chunks(got: tuple, want: tuple) -> None:
     budget=st.sampled_from([1, 50, 200, 700, 100000]),
     block_size=st.sampled_from([1, 4, 16]),
     features=st.sampled_from([{}, {"softcap": 2.5}, {"sliding_window": 20}, {"alibi": True}]),
-    dtype=st.sampled_from([F32, BF16]),
+    dtype=st.sampled_from([F32, F16, BF16]),
     batch_causal=st.booleans(),
     spread=st.booleans(),
 )

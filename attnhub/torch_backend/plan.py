@@ -212,6 +212,17 @@ class Planner:
         self.alibi = spec.use_alibi
         self.dtype = spec.dtype
         self._starts: dict[tuple[int, int], np.ndarray] = {}
+        #: How the batched pass writes masks in numpy: (numpy dtype, visible, hidden, the torch
+        #: dtype to view it as): the eager kernel's bool ``visible``; SDPA's additive mask in
+        #: the model dtype, bf16 (which numpy lacks) as int16 bits (0xFF80 is -inf).
+        self._mask_kind: tuple[type, object, object, torch.dtype | None]
+        if eager:
+            self._mask_kind = (np.bool_, True, False, None)
+        elif spec.dtype == torch.bfloat16:
+            self._mask_kind = (np.int16, 0, np.int16(-128), torch.bfloat16)
+        else:
+            np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(spec.dtype)
+            self._mask_kind = (np_dtype or np.float32, 0, -math.inf, None)
 
     def plan(self, batch: BatchMetadata, step: StepExtents | None = None) -> StepPlan:
         """``step``: what the step's checks read (``AttentionMetadataBuilder.step``), reused."""
@@ -448,17 +459,20 @@ class Planner:
         ends = np.cumsum(counts)  # padding rows up to and with each request
         ar = np.arange(int(ends[-1]))
         pads = torch.from_numpy(np.repeat(buf_end - ends, counts) + ar)
-        masked = torch.from_numpy(np.repeat(mask_end - ends, counts) + ar)
+        # masks: visible everywhere but at the padding rows, built in numpy (bf16 as its bits)
+        dtype, visible, hidden, as_dtype = self._mask_kind
+        masks: np.ndarray = np.full(int(mask_end[-1]), visible, dtype=dtype)
+        masks[np.repeat(mask_end - ends, counts) + ar] = hidden
+        vis = torch.from_numpy(masks)
+        if as_dtype is not None:
+            vis = vis.view(as_dtype)
+        if not self.eager and vis.dtype != self.dtype:  # a model dtype numpy lacks: convert
+            vis = vis.to(self.dtype)
         ids_t = torch.from_numpy(ids.reshape(-1))
-        keys = int(mask_end[-1])
         dev = self.device
         if dev.type != "cpu":
-            ids_t, pads, masked = ids_t.to(dev), pads.to(dev), masked.to(dev)
+            ids_t, pads, vis = ids_t.to(dev), pads.to(dev), vis.to(dev)
         eager = self.eager
-        if eager:
-            vis = torch.ones(keys, dtype=torch.bool, device=dev).index_fill_(0, masked, False)
-        else:
-            vis = torch.zeros(keys, dtype=self.dtype, device=dev).index_fill_(0, masked, -math.inf)
         if len(ragged) == 1:
             return {
                 i: (
