@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, Tolerance, reference
@@ -670,6 +670,28 @@ def _same_chunks(got: tuple, want: tuple) -> None:
     dtype=st.sampled_from([F32, F16, BF16]),
     batch_causal=st.booleans(),
     spread=st.booleans(),
+)
+# an engine's decode step: ragged lengths in one block range (every chunk as wide), cut into
+# several ragged chunks; and the same with a prefill between two runs of decodes
+@example(
+    reqs=[(1, 32 + (7 * i) % 16) for i in range(20)],
+    budget=200,
+    block_size=16,
+    features={},
+    dtype=BF16,
+    batch_causal=True,
+    spread=False,
+)
+@example(
+    reqs=[(1, 32 + (7 * i) % 16) for i in range(9)]
+    + [(40, 10)]
+    + [(1, 32 + (5 * i) % 16) for i in range(11)],
+    budget=200,
+    block_size=16,
+    features={"softcap": 2.5},
+    dtype=F16,
+    batch_causal=True,
+    spread=True,
 )
 def test_batched_planning_of_ragged_decodes_equals_planning_each_chunk(
     reqs: list[tuple[int, int]],

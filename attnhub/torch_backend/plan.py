@@ -439,24 +439,23 @@ class Planner:
                 )
                 lens, grid = seqs[rows], table[rows, :W]
             row0 = list(itertools.accumulate(sizes, initial=0))  # each chunk's first row
-            if min(Ls) == max(Ls):
-                row_L: np.ndarray | int = Ls[0]
-                mask_end = np.arange(Ls[0], R * Ls[0] + Ls[0], Ls[0])
-            else:
-                row_L = np.repeat(Ls, sizes)
-                mask_end = np.cumsum(row_L)
-            counts = row_L - lens
-            if min(nblks) == W:  # r * W * bs, less its chunk's first row's
+            per_chunk = np.array(sizes)
+            if min(nblks) == W:
+                # one repeat gives each request its chunk's L and its buffer end less r * W * bs
                 shift = [L - r * W * bs for L, r in zip(Ls, row0[:-1], strict=True)]
-                buf_end = np.arange(0, R * W * bs, W * bs) + np.repeat(shift, sizes)
+                row_L, row_shift = np.repeat(np.array([Ls, shift]), per_chunk, axis=1)
+                buf_end = np.arange(0, R * W * bs, W * bs) + row_shift
             else:
-                local = np.arange(R) - np.repeat(row0[:-1], sizes)
-                buf_end = local * np.repeat(nblks, sizes) * bs + row_L
+                row_L = np.repeat(np.array(Ls), per_chunk)
+                local = np.arange(R) - np.repeat(np.array(row0[:-1]), per_chunk)
+                buf_end = local * np.repeat(np.array(nblks), per_chunk) * bs + row_L
+            mask_end = _ACCUMULATE(row_L)
+            counts = row_L - lens
         # block ids: past its own blocks, a request gathers its first block again
         ids = np.where(self._block_starts(W, bs) >= lens[:, None], grid[:, :1], grid)
         if len(ragged) > 1 and min(nblks) != W:
-            ids = ids[np.arange(W)[None, :] < np.repeat(nblks, sizes)[:, None]]  # own widths
-        ends = np.cumsum(counts)  # padding rows up to and with each request
+            ids = ids[np.arange(W)[None, :] < np.repeat(np.array(nblks), per_chunk)[:, None]]
+        ends = _ACCUMULATE(counts, dtype=np.int64)  # padding rows up to and with each request
         ar = np.arange(int(ends[-1]))
         pads = torch.from_numpy(np.repeat(buf_end - ends, counts) + ar)
         # masks: visible everywhere but at the padding rows, built in numpy (bf16 as its bits)
@@ -508,6 +507,8 @@ class Planner:
             starts = self._starts[key] = np.arange(width)[None, :] * bs
         return starts
 
+
+_ACCUMULATE = np.add.accumulate  # np.cumsum less its Python wrapper (~2 us on small arrays)
 
 _ADDITIVE: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
