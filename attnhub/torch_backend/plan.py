@@ -265,7 +265,7 @@ class Planner:
         shapes: list[tuple[int, int, int, int, int, bool]] = []  # (first_token, C, Q, L, nblk, sq)
         host_ids: list[torch.Tensor | None] = []
         host_pads: list[torch.Tensor | None] = []
-        host_visible: list[torch.Tensor | None] = []  # [C, Q, L] bool
+        host_visible: list[torch.Tensor | None] = []  # bool, see below
         host_distance: list[torch.Tensor | None] = []
         ragged_decodes: list[_Ragged] = []
         max_gather = 0
@@ -316,14 +316,11 @@ class Planner:
             host_ids.append(torch.from_numpy(np.ascontiguousarray(ids).reshape(-1)))
             host_pads.append(pad_tokens)
 
-            visible = distance = None
+            seen = distance = None  # seen: [C, Q, L] (or [C, 1, L]) bool
             if ragged and not needs_pattern and not causal_square:
                 # only the shorter requests' padding to hide (a decode, or no causality)
                 assert own_keys is not None
                 seen = own_keys[:, None, :]  # [C, 1, L]
-                visible = torch.from_numpy(
-                    seen if Q == 1 else np.broadcast_to(seen, (C, Q, L)).copy()
-                )
             if (needs_pattern and not causal_square) or self.alibi:
                 # positions in int32 where only a causal comparison follows (the step's lengths
                 # are int32: comparing them with int64 positions converts first, ~1.5x slower)
@@ -339,11 +336,20 @@ class Planner:
                         seen = seen & (pos_k <= pos_q + right)
                     if left >= 0:
                         seen = seen & (pos_k >= pos_q - left)
-                    if seen.shape != (C, Q, L):
-                        seen = np.broadcast_to(seen, (C, Q, L)).copy()
-                    visible = torch.from_numpy(seen)
                 if self.alibi:
                     distance = torch.from_numpy(np.abs(pos_q - pos_k).astype(np.float32))
+            visible = None
+            if seen is None:
+                pass
+            elif Q == 1:  # [C, 1, L]: a decode's row broadcasts over the query rows
+                visible = torch.from_numpy(np.ascontiguousarray(seen))
+            else:
+                # the eager kernel's [C, Q, L]; SDPA's [C, group, Q, L] (its rows are
+                # (head-in-group, token)), written by one numpy broadcast
+                rows = (C, Q, L) if eager else (C, self.group, Q, L)
+                full = np.empty(rows, dtype=bool)
+                full[...] = seen if eager else seen[:, None]
+                visible = torch.from_numpy(full)
             host_visible.append(visible)
             host_distance.append(distance)
 
@@ -373,9 +379,8 @@ class Planner:
                 # once per step.
                 zero, minus_inf = _additive_values(self.dtype, self.device)
                 mask = torch.where(vis.view(C, 1, 1, L), zero, minus_inf)
-            else:  # SDPA's rows are (head-in-group, token)
-                g = self.group
-                mask = vis.view(C, 1, 1, Q, L).expand(C, 1, g, Q, L).reshape(C, 1, g * Q, L)
+            else:  # SDPA's rows, (head-in-group, token), made so on the host
+                mask = vis.view(C, 1, self.group * Q, L)
             chunks.append(
                 Chunk(
                     first_token=first,
