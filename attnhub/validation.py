@@ -179,6 +179,10 @@ class StepExtents:
     context_lens: np.ndarray | None = field(default=None, repr=False, compare=False)  # [B]
     min_query_len: int = 0
     min_context_len: int = 0
+    #: The host copies as numpy, read once (``.numpy()`` costs ~1 us a call): [B + 1] query
+    #: start offsets and [B, max_blocks] block table (None where step_extents made this alone).
+    query_start_locs: np.ndarray | None = field(default=None, repr=False, compare=False)
+    block_table: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 def step_extents(batch: BatchMetadata) -> StepExtents:
@@ -354,6 +358,8 @@ def check_step(spec: AttentionSpec, batch: BatchMetadata, device: torch.device) 
         context_lens=ctx,
         min_query_len=lo_q,
         min_context_len=lo_c,
+        query_start_locs=qsl,
+        block_table=table,
     )
 
 

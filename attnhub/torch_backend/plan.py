@@ -235,17 +235,23 @@ class Planner:
         left, right = self.window
         if causal:
             right = 0
-        starts = batch.query_start_loc_cpu.numpy()
         extremes: tuple[int, int, int] | None  # shortest, longest query; longest sequence
-        if step is not None and step.query_lens is not None and step.seq_lens is not None:
+        if (
+            step is not None
+            and step.query_lens is not None
+            and step.seq_lens is not None
+            and step.query_start_locs is not None
+            and step.block_table is not None
+        ):  # what the step's checks read, as they read it
             qlens, seqs = step.query_lens, step.seq_lens  # int32: positions stay below 2**31
+            starts, table = step.query_start_locs, step.block_table
             extremes = (step.min_query_len, batch.max_query_len, batch.max_seq_len)
         else:
-            starts = starts.astype(np.int64)
+            starts = batch.query_start_loc_cpu.numpy().astype(np.int64)
             qlens = starts[1:] - starts[:-1]
             seqs = batch.seq_lens_cpu.numpy().astype(np.int64)
             extremes = (int(qlens.min()), int(qlens.max()), int(seqs.max())) if len(qlens) else None
-        table = batch.host_block_table().numpy()  # [B, max_blocks]
+            table = batch.host_block_table().numpy()  # [B, max_blocks]
         B = qlens.shape[0]
         if not B:
             spans: list[tuple[int, int]] = []
