@@ -187,8 +187,8 @@ class Planner:
     ``eager``: the impl computes scores itself (softcap, ALiBi, sinks), so no SDPA mask; it
     reads ``Chunk.visible`` instead. Host work runs in numpy on the batch's host copies. The
     usual chunk of a step, a ragged decode chunk (one query token, no window, no ALiBi), is
-    planned for every such chunk of the step at once in a fixed number of numpy operations and
-    one torch op for the masks (:meth:`_ragged_decodes`); every other chunk, once per chunk.
+    planned for every such chunk of the step at once in a fixed number of numpy operations
+    (:meth:`_ragged_decodes`, masks included); every other chunk, once per chunk.
     """
 
     def __init__(
