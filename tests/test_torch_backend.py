@@ -4,12 +4,13 @@ and behaves like a backend must (output buffers, padding, reuse, determinism, ba
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, Tolerance, reference
@@ -566,6 +567,9 @@ def random_setups(draw: st.DrawFn) -> dict:
         "sinks": draw(st.booleans()),
         "batch_causal": draw(st.sampled_from([True, True, False])),
         "seed": draw(st.integers(0, 2**16)),
+        # small budgets cut decode runs into several chunks (the batched planning of ragged
+        # decode chunks), as large batches are cut in an engine
+        "budget": draw(st.sampled_from([4 << 20, 1, 3000, 20000])),
     }
 
 
@@ -574,12 +578,15 @@ def random_setups(draw: st.DrawFn) -> dict:
 def test_forward_matches_reference_on_random_batches(setup: dict) -> None:
     s = dict(setup)
     q_lens, s_lens, seed = s.pop("query_lens"), s.pop("seq_lens"), s.pop("seed")
+    budget = s.pop("budget")
     case = Case("random", **s)
     spec = case.spec()
     batch, nblk = make_batch(q_lens, s_lens, case.block_size, seed=seed, causal=case.batch_causal)
     backend = TorchBackend(spec, "cpu")
+    backend.gather_budget_bytes = budget
     cache = backend.allocate_kv_cache(nblk)
     fill_cache_random(cache, generator(seed + 1))
+    poison_unused_slots(cache, batch)  # what a padded row would let through: NaN
     q, k, v = random_qkv(spec, batch.num_tokens, generator(seed + 2))
     weights = per_head_weights(spec, seed + 3)
     expected_cache, expected = reference_after_write(
@@ -635,3 +642,89 @@ def test_chunk_spans_follow_the_greedy_rule(reqs: list[tuple[int, int]], budget:
     seqs = [max(q, s) for q, s in reqs]
     got = chunk_spans(np.array(qlens), np.array(seqs), 16, budget)
     assert got == _greedy_spans(qlens, seqs, 16, budget)
+
+
+def _same_chunks(got: tuple, want: tuple) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        for name in g._fields:
+            a, b = getattr(g, name), getattr(w, name)
+            if isinstance(b, torch.Tensor):
+                assert isinstance(a, torch.Tensor), (i, name)
+                assert (a.shape, a.dtype) == (b.shape, b.dtype), (i, name)
+                assert torch.equal(a, b), (i, name)
+            else:
+                assert a == b, (i, name, a, b)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    reqs=st.lists(
+        st.tuples(st.sampled_from([1, 1, 1, 1, 2, 40]), st.integers(0, 90)),
+        min_size=1,
+        max_size=40,
+    ),
+    budget=st.sampled_from([1, 50, 200, 700, 100000]),
+    block_size=st.sampled_from([1, 4, 16]),
+    features=st.sampled_from([{}, {"softcap": 2.5}, {"sliding_window": 20}, {"alibi": True}]),
+    dtype=st.sampled_from([F32, F16, BF16]),
+    batch_causal=st.booleans(),
+    spread=st.booleans(),
+)
+# an engine's decode step: ragged lengths in one block range (every chunk as wide), cut into
+# several ragged chunks; and the same with a prefill between two runs of decodes
+@example(
+    reqs=[(1, 32 + (7 * i) % 16) for i in range(20)],
+    budget=200,
+    block_size=16,
+    features={},
+    dtype=BF16,
+    batch_causal=True,
+    spread=False,
+)
+@example(
+    reqs=[(1, 32 + (7 * i) % 16) for i in range(9)]
+    + [(40, 10)]
+    + [(1, 32 + (5 * i) % 16) for i in range(11)],
+    budget=200,
+    block_size=16,
+    features={"softcap": 2.5},
+    dtype=F16,
+    batch_causal=True,
+    spread=True,
+)
+def test_batched_planning_of_ragged_decodes_equals_planning_each_chunk(
+    reqs: list[tuple[int, int]],
+    budget: int,
+    block_size: int,
+    features: dict,
+    dtype: torch.dtype,
+    batch_causal: bool,
+    spread: bool,
+) -> None:
+    """The planner plans every ragged decode chunk of a step at once; the general per-chunk
+    planning of each is the specification: same chunks, ids, padding rows, masks."""
+    from attnhub.torch_backend.plan import Planner
+
+    q_lens = [q for q, _ in reqs]
+    s_lens = [q + c for q, c in reqs]
+    case = Case("plan", dtype=dtype, block_size=block_size, **features)
+    spec = case.spec()
+    # spread: a table wider than needed and not every row's blocks in order
+    batch, _ = make_batch(q_lens, s_lens, block_size, seed=len(reqs), causal=batch_causal)
+    if spread:
+        wide = torch.full((batch.num_reqs, batch.block_table.shape[1] + 3), -1, dtype=torch.int32)
+        wide[:, : batch.block_table.shape[1]] = batch.block_table
+        batch = dataclasses.replace(batch, block_table=wide, block_table_cpu=None)
+    backend = TorchBackend(spec, "cpu")
+    builder = backend.metadata_builder()
+    builder.build(batch)  # the step's checks, kept in builder.step
+    eager = bool({"softcap", "alibi", "sinks"} & spec.features())
+    planner = Planner(
+        spec, decode_threshold=16, gather_budget_tokens=budget, eager=eager, device=backend.device
+    )
+    for step in (builder.step, None):
+        got = planner.plan(batch, step)
+        want = planner._plan(batch, step, batched=False)
+        _same_chunks(got.chunks, want.chunks)
+        assert got.max_gather_blocks == want.max_gather_blocks

@@ -28,7 +28,7 @@ from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub.torch_backend import kernels
 from attnhub.torch_backend.graph import GraphStep, graph_attend, graph_write
-from attnhub.torch_backend.plan import SlotWrite, StepPlan, plan_slot_write, plan_step
+from attnhub.torch_backend.plan import Planner, SlotWrite, StepPlan, plan_slot_write
 
 
 @dataclass(frozen=True)
@@ -137,20 +137,18 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
         self._gather_budget_tokens = backend.gather_budget_bytes // (
             spec.num_kv_heads * spec.head_size * (k_dtype.itemsize + v_dtype.itemsize)
         )
-        self._eager = bool({"softcap", "alibi", "sinks"} & spec.features())
-
-    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> TorchAttentionMetadata:
-        spec = self.spec
-        step = plan_step(
+        self._planner = Planner(
             spec,
-            batch,
             decode_threshold=self.reorder_batch_threshold,
             gather_budget_tokens=self._gather_budget_tokens,
-            eager=self._eager,
-            device=self.backend.device,
-            step=self.step,
+            eager=bool({"softcap", "alibi", "sinks"} & spec.features()),
+            device=backend.device,
         )
-        shape = (step.max_gather_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        self._block_shape = (spec.block_size, spec.num_kv_heads, spec.head_size)
+
+    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> TorchAttentionMetadata:
+        step = self._planner.plan(batch, self.step)
+        shape = (step.max_gather_blocks, *self._block_shape)
         k_dtype, v_dtype = self._storage_dtypes
         buffers = (
             self.backend.buffer("key", shape, k_dtype),

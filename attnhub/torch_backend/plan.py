@@ -18,6 +18,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,8 +28,7 @@ from attnhub.spec import AttentionSpec
 from attnhub.validation import StepExtents
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):  # a tuple: made per chunk per step, at a third of a dataclass's cost
     first_token: int  # first query row of the chunk in q/out
     num_reqs: int  # C: requests in the chunk, consecutive in the batch
     query_len: int  # Q: every request of the chunk has this query_len
@@ -36,10 +36,10 @@ class Chunk:
     num_blocks: int  # blocks gathered per request
     block_ids: torch.Tensor  # [C * num_blocks] int64, device
     pad_tokens: torch.Tensor | None  # [n] int64: gathered rows past a request's own keys
-    visible: torch.Tensor | None  # [C, 1, 1, Q, L] bool, device; None: every key visible
-    mask: torch.Tensor | None  # visible as SDPA wants it (SDPA path only): [C, 1, group * Q, L]
-    #                              bool; when Q == 1, [C, 1, 1, L] additive (0 / -inf) in the
-    #                              model dtype, broadcast over the rows
+    visible: torch.Tensor | None  # (eager path) [C, 1, 1, Q, L] bool, device; None: all visible
+    mask: torch.Tensor | None  # (SDPA path) the visibility as SDPA wants it: [C, 1, group * Q,
+    #                              L] bool; when Q == 1, [C, 1, 1, L] additive (0 / -inf) in the
+    #                              model dtype, broadcast over the rows; None: all visible
     causal_square: bool  # C == 1, Q == L, causal, no feature: SDPA's is_causal applies
     distance: torch.Tensor | None  # [C, 1, 1, Q, L] float32 |pos(i) - j|, for ALiBi
 
@@ -87,45 +87,69 @@ def plan_slot_write(
 
 
 def chunk_spans(
-    qlens: np.ndarray,  # [B] int64
-    seqs: np.ndarray,  # [B] int64
+    qlens: np.ndarray,  # [B] int
+    seqs: np.ndarray,  # [B] int
     decode_threshold: int,
     gather_budget_tokens: int,
     extremes: tuple[int, int, int] | None = None,
 ) -> list[tuple[int, int]]:  # [first request, end request) per chunk
     """Cut the batch into chunks: runs of requests with the same query_len <= decode_threshold
     are cut greedily so that ``num_reqs * longest`` stays within the budget (at least one
-    request per chunk); every other request is a chunk of its own. Loops per chunk, not per
-    request. ``extremes``: (shortest query, longest query, longest sequence) where known."""
+    request per chunk); every other request is a chunk of its own. ``extremes``: (shortest
+    query, longest query, longest sequence) where known."""
     n = qlens.shape[0]
     if not n:
         return []
     if extremes is None:
         extremes = (int(qlens.min()), int(qlens.max()), int(seqs.max()))
+    return _spans(qlens, seqs.tolist(), decode_threshold, gather_budget_tokens, extremes)
+
+
+def _spans(
+    qlens: np.ndarray,
+    seqs: list[int],
+    decode_threshold: int,
+    budget: int,
+    extremes: tuple[int, int, int],
+) -> list[tuple[int, int]]:
+    """:func:`chunk_spans` on the sequence lengths as a list. No numpy call per chunk: any
+    ``budget // longest sequence`` requests of a run fit (k * their longest <= k * the step's
+    longest), so each chunk takes that many with one ``max`` of a list slice, then grows one
+    request at a time while the padded size fits (a Python step per request past the sure
+    part: none where the lengths are alike, as an engine's decodes are)."""
+    n = len(seqs)
     q_min, q_max, s_max = extremes
     if q_min == q_max and q_max <= decode_threshold:  # the usual decode step: one run
-        if n * s_max <= gather_budget_tokens:
+        if n * s_max <= budget:
             return [(0, n)]
-        decode = np.ones(n, dtype=bool)
         bounds = [0, n]
+        decode = None  # every request is a decode
     else:
-        decode = qlens <= decode_threshold
+        is_decode = qlens <= decode_threshold
         # a run starts where the query_len changes or either neighbour is not a decode
         starts = np.ones(n, dtype=bool)
-        starts[1:] = (qlens[1:] != qlens[:-1]) | ~decode[1:] | ~decode[:-1]
-        bounds = np.append(np.flatnonzero(starts), n).tolist()
+        starts[1:] = (qlens[1:] != qlens[:-1]) | ~is_decode[1:] | ~is_decode[:-1]
+        bounds = np.flatnonzero(starts).tolist()
+        bounds.append(n)
+        decode = is_decode.tolist()
+    sure = max(1, budget // s_max)
     spans: list[tuple[int, int]] = []
     for a, end in itertools.pairwise(bounds):
+        if end - a == 1 or (decode is not None and not decode[a]):
+            spans.append((a, end))  # a run of one request (every non-decode is one)
+            continue
         while a < end:
-            if end - a == 1 or not decode[a]:
-                spans.append((a, a + 1))
-                a += 1
-                continue
-            # padded size of the chunk [a, a + k) is k * max(seqs[a:a + k]): non-decreasing in k
-            padded = np.maximum.accumulate(seqs[a:end]) * np.arange(1, end - a + 1)
-            k = max(1, int(np.searchsorted(padded, gather_budget_tokens, side="right")))
-            spans.append((a, a + k))
-            a += k
+            b = min(a + sure, end)
+            longest = max(seqs[a:b])
+            while b < end:  # padded size (b + 1 - a) * longest is non-decreasing in b
+                s = seqs[b]
+                top = s if s > longest else longest
+                if (b + 1 - a) * top > budget:
+                    break
+                longest = top
+                b += 1
+            spans.append((a, b))
+            a = b
     return spans
 
 
@@ -139,165 +163,363 @@ def plan_step(
     device: torch.device,
     step: StepExtents | None = None,
 ) -> StepPlan:
-    """``eager``: the impl computes scores itself (softcap, ALiBi, sinks), so no SDPA mask.
-    ``step``: what the step's checks read (``AttentionMetadataBuilder.step``), reused.
+    """One step's plan (see :class:`Planner`, which a builder keeps to plan every step)."""
+    planner = Planner(
+        spec,
+        decode_threshold=decode_threshold,
+        gather_budget_tokens=gather_budget_tokens,
+        eager=eager,
+        device=device,
+    )
+    return planner.plan(batch, step)
 
-    Host work runs in numpy on the batch's host copies, once per chunk (never per request)."""
-    bs = batch.block_size
-    group = spec.num_queries_per_kv
-    causal = spec.causal and batch.causal
-    left, right = spec.window
-    if causal:
-        right = 0
-    starts = batch.query_start_loc_cpu.numpy()
-    extremes = None
-    if step is not None and step.query_lens is not None and step.seq_lens is not None:
-        qlens, seqs = step.query_lens, step.seq_lens  # int32: positions stay below 2**31
-        extremes = (step.min_query_len, batch.max_query_len, batch.max_seq_len)
-    else:
-        starts = starts.astype(np.int64)
-        qlens = starts[1:] - starts[:-1]
-        seqs = batch.seq_lens_cpu.numpy().astype(np.int64)
-    table_t = batch.host_block_table()
-    table = table_t.numpy()  # [B, max_blocks]
-    spans = chunk_spans(qlens, seqs, decode_threshold, gather_budget_tokens, extremes)
-    plain = not spec.features()
-    B = qlens.shape[0]
 
-    # Per chunk: which blocks to gather (only those a query can see: a sliding window skips
-    # the older ones), and the mask / ALiBi distances where the pattern is not plain. Built on
-    # the host in numpy, then sent to the device in one transfer per kind.
-    shapes: list[tuple[int, int, int, int, int, bool]] = []  # (first_token, C, Q, L, nblk, sq)
-    host_ids: list[torch.Tensor] = []
-    host_pads: list[torch.Tensor | None] = []
-    host_visible: list[torch.Tensor | None] = []
-    host_distance: list[torch.Tensor | None] = []
-    max_gather = 0
-    span_extremes = None
-    if len(spans) > 2:  # every chunk's longest and shortest sequence in two operations
-        firsts = [a for a, _ in spans]
-        span_extremes = zip(
-            np.maximum.reduceat(seqs, firsts).tolist(),
-            np.minimum.reduceat(seqs, firsts).tolist(),
-            strict=True,
-        )
-    width = table.shape[1]
-    flat_table = table_t.view(-1) if table_t.is_contiguous() else None
-    for a, b in spans:
-        C, Q = b - a, int(qlens[a])
-        lens = seqs[a:b]  # [C]
-        if span_extremes is not None:
-            longest, shortest = next(span_extremes)
-        elif C == 1:
-            longest = shortest = int(lens[0])
-        elif C == B and extremes is not None and extremes[0] == extremes[1]:
-            # the whole batch, one query length: its extremes are the step's (no reduction)
-            longest, shortest = extremes[2], step.min_context_len + Q  # type: ignore[union-attr]
+#: A ragged decode chunk waiting for the batched pass: (index, first request, end request,
+#: blocks per request, keys per request).
+_Ragged = tuple[int, int, int, int, int]
+#: What the batched pass gives a chunk: block ids, padding rows, visible, mask.
+_Planned = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+class Planner:
+    """Plans steps for one spec: what depends only on the spec is read once, here.
+
+    ``eager``: the impl computes scores itself (softcap, ALiBi, sinks), so no SDPA mask; it
+    reads ``Chunk.visible`` instead. Host work runs in numpy on the batch's host copies. The
+    usual chunk of a step, a ragged decode chunk (one query token, no window, no ALiBi), is
+    planned for every such chunk of the step at once in a fixed number of numpy operations
+    (:meth:`_ragged_decodes`, masks included); every other chunk, once per chunk.
+    """
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        *,
+        decode_threshold: int,
+        gather_budget_tokens: int,
+        eager: bool,
+        device: torch.device,
+    ) -> None:
+        self.spec = spec
+        self.decode_threshold = decode_threshold
+        self.budget = gather_budget_tokens
+        self.eager = eager
+        self.device = device
+        self.group = spec.num_queries_per_kv
+        self.window = spec.window
+        self.causal = spec.causal
+        self.plain = not spec.features()
+        self.alibi = spec.use_alibi
+        self.dtype = spec.dtype
+        self._starts: dict[tuple[int, int], np.ndarray] = {}
+        #: How the batched pass writes masks in numpy: (numpy dtype, visible, hidden, the torch
+        #: dtype to view it as): the eager kernel's bool ``visible``; SDPA's additive mask in
+        #: the model dtype, bf16 (which numpy lacks) as int16 bits (0xFF80 is -inf).
+        self._mask_kind: tuple[type, object, object, torch.dtype | None]
+        if eager:
+            self._mask_kind = (np.bool_, True, False, None)
+        elif spec.dtype == torch.bfloat16:
+            self._mask_kind = (np.int16, 0, np.int16(-128), torch.bfloat16)
         else:
-            longest, shortest = int(lens.max()), int(lens.min())
-        first_visible = 0 if left < 0 else max(0, shortest - Q - left)
-        first_blk = first_visible // bs
-        key_offset = first_blk * bs  # position of the first gathered key
-        nblk = (longest + bs - 1) // bs - first_blk
-        L = longest - key_offset
-        ids = table[a:b, first_blk : first_blk + nblk]  # [C, nblk] int32 or int64
-        ragged = shortest != longest
-        pad_tokens = None
-        own_keys: np.ndarray | None = None  # [C, L] bool: row j of request c is its own key
-        if ragged:
-            # A shorter request's columns past its own blocks may hold anything (-1, another
-            # request's block): gather its first block there instead, then zero every padded
-            # row, since a masked key still multiplies its value (0 * stale NaN = NaN).
-            own = (lens + bs - 1) // bs - first_blk  # [C]
-            ids = np.where(np.arange(nblk)[None, :] >= own[:, None], ids[:, :1], ids)
-            own_keys = np.arange(L)[None, :] < (lens - key_offset)[:, None]
-            pad = (~own_keys).ravel().nonzero()[0]  # c * L + j -> buffer row c * nblk * bs + j
-            pad_tokens = torch.from_numpy(pad + (pad // L) * (nblk * bs - L))
-        if flat_table is not None and first_blk == 0 and nblk == width and not ragged:
-            host_ids.append(flat_table[a * width : b * width])  # rows of the table: no copy
+            np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(spec.dtype)
+            self._mask_kind = (np_dtype or np.float32, 0, -math.inf, None)
+
+    def plan(self, batch: BatchMetadata, step: StepExtents | None = None) -> StepPlan:
+        """``step``: what the step's checks read (``AttentionMetadataBuilder.step``), reused."""
+        return self._plan(batch, step, batched=True)
+
+    def _plan(self, batch: BatchMetadata, step: StepExtents | None, *, batched: bool) -> StepPlan:
+        # batched=False plans every chunk on its own (the tests compare the two)
+        bs = batch.block_size
+        causal = self.causal and batch.causal
+        left, right = self.window
+        if causal:
+            right = 0
+        extremes: tuple[int, int, int] | None  # shortest, longest query; longest sequence
+        if (
+            step is not None
+            and step.query_lens is not None
+            and step.seq_lens is not None
+            and step.query_start_locs is not None
+            and step.block_table is not None
+        ):  # what the step's checks read, as they read it
+            qlens, seqs = step.query_lens, step.seq_lens  # int32: positions stay below 2**31
+            starts, table = step.query_start_locs, step.block_table
+            extremes = (step.min_query_len, batch.max_query_len, batch.max_seq_len)
         else:
+            starts = batch.query_start_loc_cpu.numpy().astype(np.int64)
+            qlens = starts[1:] - starts[:-1]
+            seqs = batch.seq_lens_cpu.numpy().astype(np.int64)
+            extremes = (int(qlens.min()), int(qlens.max()), int(seqs.max())) if len(qlens) else None
+            table = batch.host_block_table().numpy()  # [B, max_blocks]
+        B = qlens.shape[0]
+        if not B:
+            spans: list[tuple[int, int]] = []
+            lens_list: list[int] = []
+        else:
+            assert extremes is not None
+            lens_list = seqs.tolist()
+            spans = _spans(qlens, lens_list, self.decode_threshold, self.budget, extremes)
+        uniform = extremes is not None and extremes[0] == extremes[1]
+        # a pattern beyond "keys past the request's end are hidden" (besides causality for Q > 1)
+        pattern = left >= 0 or (right >= 0 and not causal)
+        eager, plain = self.eager, self.plain
+
+        # Per chunk: which blocks to gather (only those a query can see: a sliding window skips
+        # the older ones), and the mask / ALiBi distances where the pattern is not plain. Built on
+        # the host in numpy, then sent to the device in one transfer per kind.
+        shapes: list[tuple[int, int, int, int, int, bool]] = []  # (first_token, C, Q, L, nblk, sq)
+        host_ids: list[torch.Tensor | None] = []
+        host_pads: list[torch.Tensor | None] = []
+        host_visible: list[torch.Tensor | None] = []  # bool, see below
+        host_distance: list[torch.Tensor | None] = []
+        ragged_decodes: list[_Ragged] = []
+        max_gather = 0
+        for i, (a, b) in enumerate(spans):
+            C, Q = b - a, int(qlens[a])
+            if C == 1:
+                longest = shortest = lens_list[a]
+            elif C == B and uniform and step is not None:
+                # the whole batch, one query length: its extremes are the step's (no reduction)
+                assert extremes is not None
+                longest, shortest = extremes[2], step.min_context_len + Q
+            else:
+                part = lens_list[a:b]
+                longest, shortest = max(part), min(part)
+            first_visible = 0 if left < 0 else max(0, shortest - Q - left)
+            first_blk = first_visible // bs
+            key_offset = first_blk * bs  # position of the first gathered key
+            nblk = (longest + bs - 1) // bs - first_blk
+            L = longest - key_offset
+            if C * nblk > max_gather:
+                max_gather = C * nblk
+            ragged = shortest != longest
+            needs_pattern = pattern or (causal and Q > 1)
+            causal_square = C == 1 and Q == L and causal and plain
+            shapes.append((int(starts[a]), C, Q, L, nblk, causal_square))
+            if ragged and batched and Q == 1 and not pattern and not self.alibi:
+                ragged_decodes.append((i, a, b, nblk, L))  # planned below, all at once
+                host_ids.append(None)
+                host_pads.append(None)
+                host_visible.append(None)
+                host_distance.append(None)
+                continue
+            lens = seqs[a:b]  # [C]
+            ids = table[a:b, first_blk : first_blk + nblk]  # [C, nblk] int32 or int64
+            pad_tokens = None
+            own_keys: np.ndarray | None = None  # [C, L] bool: row j of request c is its own key
+            if ragged:
+                # A shorter request's columns past its own blocks may hold anything (-1,
+                # another request's block): gather its first block there instead, then zero
+                # every padded row, since a masked key still multiplies its value (0 * stale
+                # NaN = NaN).
+                own = (lens + bs - 1) // bs - first_blk  # [C]
+                ids = np.where(np.arange(nblk)[None, :] >= own[:, None], ids[:, :1], ids)
+                own_keys = np.arange(L)[None, :] < (lens - key_offset)[:, None]
+                pad = (~own_keys).ravel().nonzero()[0]  # c * L + j -> buffer row c*nblk*bs + j
+                pad_tokens = torch.from_numpy(pad + (pad // L) * (nblk * bs - L))
+            # whole rows of a contiguous table: a view, no copy
             host_ids.append(torch.from_numpy(np.ascontiguousarray(ids).reshape(-1)))
-        host_pads.append(pad_tokens)
-        max_gather = max(max_gather, C * nblk)
+            host_pads.append(pad_tokens)
 
-        needs_pattern = (causal and Q > 1) or left >= 0 or (right >= 0 and not causal)
-        causal_square = C == 1 and Q == L and causal and plain
-        visible = distance = None
-        if ragged and not needs_pattern and not causal_square:
-            # only the shorter requests' padding to hide (a decode, or no causality)
-            assert own_keys is not None
-            rows = own_keys[:, None, :]  # [C, 1, L]
-            visible = torch.from_numpy(rows if Q == 1 else np.broadcast_to(rows, (C, Q, L)).copy())
-        if (needs_pattern and not causal_square) or spec.use_alibi:
-            kv_len = lens[:, None, None]  # [C, 1, 1]
-            pos_q = (kv_len - Q) + np.arange(Q)[None, :, None]  # [C, Q, 1]
-            pos_k = key_offset + np.arange(L)[None, None, :]  # [1, 1, L]
-            if needs_pattern and not causal_square:
-                # [C, Q, L]: padding keys of shorter requests are invisible (pos_k <= pos_q
-                # implies pos_k < kv_len, so a causal pattern needs one comparison)
-                seen = pos_k <= pos_q if right == 0 else pos_k < kv_len
-                if right > 0:
-                    seen = seen & (pos_k <= pos_q + right)
-                if left >= 0:
-                    seen = seen & (pos_k >= pos_q - left)
-                if seen.shape != (C, Q, L):
-                    seen = np.broadcast_to(seen, (C, Q, L)).copy()
-                visible = torch.from_numpy(seen)
-            if spec.use_alibi:
-                distance = torch.from_numpy(np.abs(pos_q - pos_k).astype(np.float32))
-        host_visible.append(visible)
-        host_distance.append(distance)
-        shapes.append((int(starts[a]), C, Q, L, nblk, causal_square))
-
-    chunks = []
-    for (first, C, Q, L, nblk, causal_square), ids_d, pads_d, vis, dist in zip(
-        shapes,
-        _to_device(list(host_ids), device),
-        _to_device(host_pads, device),
-        _to_device(host_visible, device),
-        _to_device(host_distance, device),
-        strict=True,
-    ):
-        assert ids_d is not None
-        visible = mask = None
-        if vis is not None:
-            visible = vis.view(C, 1, 1, Q, L)
-            if eager:
+            seen = distance = None  # seen: [C, Q, L] (or [C, 1, L]) bool
+            if ragged and not needs_pattern and not causal_square:
+                # only the shorter requests' padding to hide (a decode, or no causality)
+                assert own_keys is not None
+                seen = own_keys[:, None, :]  # [C, 1, L]
+            if (needs_pattern and not causal_square) or self.alibi:
+                # positions in int32 where only a causal comparison follows (the step's lengths
+                # are int32: comparing them with int64 positions converts first, ~1.5x slower)
+                pos = np.int32 if right == 0 and left < 0 and not self.alibi else np.int64
+                kv_len = lens[:, None, None]  # [C, 1, 1]
+                pos_q = (kv_len - Q) + np.arange(Q, dtype=pos)[None, :, None]  # [C, Q, 1]
+                pos_k = key_offset + np.arange(L, dtype=pos)[None, None, :]  # [1, 1, L]
+                if needs_pattern and not causal_square:
+                    # [C, Q, L]: padding keys of shorter requests are invisible (pos_k <= pos_q
+                    # implies pos_k < kv_len, so a causal pattern needs one comparison)
+                    seen = pos_k <= pos_q if right == 0 else pos_k < kv_len
+                    if right > 0:
+                        seen = seen & (pos_k <= pos_q + right)
+                    if left >= 0:
+                        seen = seen & (pos_k >= pos_q - left)
+                if self.alibi:
+                    distance = torch.from_numpy(np.abs(pos_q - pos_k).astype(np.float32))
+            visible = None
+            if seen is None:
                 pass
+            elif Q == 1:  # [C, 1, L]: a decode's row broadcasts over the query rows
+                visible = torch.from_numpy(np.ascontiguousarray(seen))
+            else:
+                # the eager kernel's [C, Q, L]; SDPA's [C, group, Q, L] (its rows are
+                # (head-in-group, token)), written by one numpy broadcast
+                rows = (C, Q, L) if eager else (C, self.group, Q, L)
+                full = np.empty(rows, dtype=bool)
+                full[...] = seen if eager else seen[:, None]
+                visible = torch.from_numpy(full)
+            host_visible.append(visible)
+            host_distance.append(distance)
+
+        done = self._ragged_decodes(ragged_decodes, seqs, table, bs) if ragged_decodes else {}
+        chunks: list[Chunk] = []
+        for i, ((first, C, Q, L, nblk, causal_square), ids_d, pads_d, vis, dist) in enumerate(
+            zip(
+                shapes,
+                _to_device(host_ids, self.device),
+                _to_device(host_pads, self.device),
+                _to_device(host_visible, self.device),
+                _to_device(host_distance, self.device),
+                strict=True,
+            )
+        ):
+            visible = mask = None
+            if ids_d is None:  # a ragged decode chunk, planned with the others
+                ids_d, pads_d, visible, mask = done[i]
+            elif vis is None:
+                pass
+            elif eager:
+                visible = vis.view(C, 1, 1, Q, L)
             elif Q == 1:
                 # Decode: one query token broadcasts over SDPA's rows as it is, and the mask
                 # goes in additive form in the model dtype (0 / -inf): SDPA converts a bool
                 # mask to it on every call, measured ~17% of a small bf16 decode call; here
                 # once per step.
-                zero, minus_inf = _additive_values(spec.dtype, device)
+                zero, minus_inf = _additive_values(self.dtype, self.device)
                 mask = torch.where(vis.view(C, 1, 1, L), zero, minus_inf)
-            else:  # SDPA's rows are (head-in-group, token)
-                mask = visible.expand(C, 1, group, Q, L).reshape(C, 1, group * Q, L)
-        chunks.append(
-            Chunk(
-                first_token=first,
-                num_reqs=C,
-                query_len=Q,
-                kv_len=L,
-                num_blocks=nblk,
-                block_ids=ids_d,
-                pad_tokens=pads_d,
-                visible=visible,
-                mask=mask,
-                causal_square=causal_square,
-                distance=None if dist is None else dist[:, None, None],  # [C, 1, 1, Q, L]
+            else:  # SDPA's rows, (head-in-group, token), made so on the host
+                mask = vis.view(C, 1, self.group * Q, L)
+            chunks.append(
+                Chunk(
+                    first_token=first,
+                    num_reqs=C,
+                    query_len=Q,
+                    kv_len=L,
+                    num_blocks=nblk,
+                    block_ids=ids_d,
+                    pad_tokens=pads_d,
+                    visible=visible,
+                    mask=mask,
+                    causal_square=causal_square,
+                    distance=None if dist is None else dist[:, None, None],  # [C, 1, 1, Q, L]
+                )
             )
+        return StepPlan(
+            chunks=tuple(chunks),
+            max_gather_blocks=max_gather,
+            write=plan_slot_write(
+                batch.slot_mapping,
+                batch.host_slot_mapping(),
+                None if step is None else step.min_slot,
+            ),
         )
-    return StepPlan(
-        chunks=tuple(chunks),
-        max_gather_blocks=max_gather,
-        write=plan_slot_write(
-            batch.slot_mapping,
-            batch.host_slot_mapping(),
-            None if step is None else step.min_slot,
-        ),
-    )
 
+    def _ragged_decodes(
+        self,
+        ragged: list[_Ragged],
+        seqs: np.ndarray,
+        table: np.ndarray,
+        bs: int,
+    ) -> dict[int, _Planned]:
+        """Plan every ragged decode chunk of the step at once (no window: each gathers from
+        its requests' first block, and its keys are positions 0..L-1). Same block ids, padding
+        rows and masks as planning each chunk on its own, in a fixed number of operations on
+        arrays of one entry per request (or per padding row): a request's padding rows are
+        one range, listed with one ``repeat`` for all, and a mask is zeros with -inf put at
+        those rows (never a comparison per (request, key)).
+        Returns, per chunk index: block ids, padding rows, ``visible`` (eager), ``mask`` (SDPA)."""
+        # Per request (row r): keys len_r..L-1 of its chunk are padding. They end at buf_end_r
+        # in its chunk's gather buffer (its buffer rows start at (row in chunk) * nblk * bs)
+        # and at mask_end_r in the masks of all the chunks laid end to end.
+        if len(ragged) == 1:
+            i, lo, hi, W, L = ragged[0]
+            R = hi - lo
+            lens, grid = seqs[lo:hi], table[lo:hi, :W]
+            counts = L - lens
+            buf_end = np.arange(L, R * W * bs + L, W * bs)
+            mask_end = np.arange(L, R * L + L, L)
+        else:
+            firsts = [a for _, a, _, _, _ in ragged]
+            sizes = [b - a for _, a, b, _, _ in ragged]
+            nblks = [nb for _, _, _, nb, _ in ragged]
+            Ls = [L for _, _, _, _, L in ragged]
+            R, W = sum(sizes), max(nblks)
+            if firsts[-1] + sizes[-1] - firsts[0] == R:  # a decode run's chunks are adjacent
+                lens, grid = seqs[firsts[0] : firsts[0] + R], table[firsts[0] : firsts[0] + R, :W]
+            else:
+                rows = np.concatenate(
+                    [np.arange(a, a + c) for a, c in zip(firsts, sizes, strict=True)]
+                )
+                lens, grid = seqs[rows], table[rows, :W]
+            row0 = list(itertools.accumulate(sizes, initial=0))  # each chunk's first row
+            per_chunk = np.array(sizes)
+            if min(nblks) == W:
+                # one repeat gives each request its chunk's L and its buffer end less r * W * bs
+                shift = [L - r * W * bs for L, r in zip(Ls, row0[:-1], strict=True)]
+                row_L, row_shift = np.repeat(np.array([Ls, shift]), per_chunk, axis=1)
+                buf_end = np.arange(0, R * W * bs, W * bs) + row_shift
+            else:
+                row_L = np.repeat(np.array(Ls), per_chunk)
+                local = np.arange(R) - np.repeat(np.array(row0[:-1]), per_chunk)
+                buf_end = local * np.repeat(np.array(nblks), per_chunk) * bs + row_L
+            mask_end = _ACCUMULATE(row_L)
+            counts = row_L - lens
+        # block ids: past its own blocks, a request gathers its first block again
+        ids = np.where(self._block_starts(W, bs) >= lens[:, None], grid[:, :1], grid)
+        if len(ragged) > 1 and min(nblks) != W:
+            ids = ids[np.arange(W)[None, :] < np.repeat(np.array(nblks), per_chunk)[:, None]]
+        ends = _ACCUMULATE(counts, dtype=np.int64)  # padding rows up to and with each request
+        ar = np.arange(int(ends[-1]))
+        pads = torch.from_numpy(np.repeat(buf_end - ends, counts) + ar)
+        # masks: visible everywhere but at the padding rows, built in numpy (bf16 as its bits)
+        dtype, visible, hidden, as_dtype = self._mask_kind
+        masks: np.ndarray = np.full(int(mask_end[-1]), visible, dtype=dtype)
+        masks[np.repeat(mask_end - ends, counts) + ar] = hidden
+        vis = torch.from_numpy(masks)
+        if as_dtype is not None:
+            vis = vis.view(as_dtype)
+        if not self.eager and vis.dtype != self.dtype:  # a model dtype numpy lacks: convert
+            vis = vis.to(self.dtype)
+        ids_t = torch.from_numpy(ids.reshape(-1))
+        dev = self.device
+        if dev.type != "cpu":
+            ids_t, pads, vis = ids_t.to(dev), pads.to(dev), vis.to(dev)
+        eager = self.eager
+        if len(ragged) == 1:
+            return {
+                i: (
+                    ids_t,
+                    pads,
+                    vis.view(R, 1, 1, 1, L) if eager else None,
+                    None if eager else vis.view(R, 1, 1, L),
+                )
+            }
+        upto = [0, *ends[[r - 1 for r in row0[1:]]].tolist()]  # padding rows before a chunk
+        return {
+            i: (
+                ids_c,
+                pads_c,
+                vis_c.view(C, 1, 1, 1, L) if eager else None,
+                None if eager else vis_c.view(C, 1, 1, L),
+            )
+            for (i, _, _, _, L), C, ids_c, pads_c, vis_c in zip(
+                ragged,
+                sizes,
+                ids_t.split_with_sizes([c * nb for c, nb in zip(sizes, nblks, strict=True)]),
+                pads.split_with_sizes([b - a for a, b in itertools.pairwise(upto)]),
+                vis.split_with_sizes([c * L for c, L in zip(sizes, Ls, strict=True)]),
+                strict=True,
+            )
+        }
+
+    def _block_starts(self, width: int, bs: int) -> np.ndarray:
+        """[1, width] the first key position of each block, made once per (width, block size)."""
+        key = (width, bs)
+        starts = self._starts.get(key)
+        if starts is None:
+            starts = self._starts[key] = np.arange(width)[None, :] * bs
+        return starts
+
+
+_ACCUMULATE = np.add.accumulate  # np.cumsum less its Python wrapper (~2 us on small arrays)
 
 _ADDITIVE: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -316,10 +538,12 @@ def _additive_values(
 
 def _to_device(
     tensors: Sequence[torch.Tensor | None], device: torch.device
-) -> list[torch.Tensor | None]:
+) -> Sequence[torch.Tensor | None]:
     """Move host tensors (of one dtype) to ``device`` in one copy; views of it come back."""
+    if device.type == "cpu":
+        return tensors
     present = [t for t in tensors if t is not None]
-    if not present or device.type == "cpu":
+    if not present:
         return list(tensors)
     flat = torch.cat([t.reshape(-1) for t in present]).to(device)
     out: list[torch.Tensor | None] = []
