@@ -69,49 +69,61 @@ def record_steps(builder_cls: type, steps: list[dict]) -> None:
         q = (qsl[1:] - qsl[:-1]).tolist()
         s = cm.seq_lens[:n].tolist()
         steps.append({"query_lens": q, "context_lens": [b - a for a, b in zip(q, s, strict=True)]})
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         meta = original(self, common_prefix_len, cm, fast_build)
-        steps[-1]["build_us"] = (time.perf_counter() - t0) * 1e6
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        steps[-1]["build_us"] = (t1 - t0) / 1e3
+        steps[-1]["build_cpu_us"] = (c1 - c0) / 1e3
         return meta
 
     builder_cls.build = build
 
 
-def record_forward(impl_cls: type, times: list[float]) -> None:
-    """Wrap ``impl_cls.forward`` to time every per-layer call (host time on CPU)."""
+def record_forward(impl_cls: type, times: list[float], cpu: list[float]) -> None:
+    """Wrap ``impl_cls.forward`` to time every per-layer call: wall time in ``times``, this
+    thread's CPU time in ``cpu`` (what the call itself spent, whatever else the machine runs;
+    with one OpenMP thread the kernels run on this thread)."""
     original = impl_cls.forward
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         out = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k)
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
         if attn_metadata is not None:
-            times.append((time.perf_counter() - t0) * 1e6)
+            times.append((t1 - t0) / 1e3)
+            cpu.append((c1 - c0) / 1e3)
         return out
 
     impl_cls.forward = forward
 
 
-def record_kv_update(impl_cls: type, times: list[float]) -> None:
-    """Wrap ``impl_cls.do_kv_cache_update`` to time every per-layer KV write (host time)."""
+def record_kv_update(impl_cls: type, times: list[float], cpu: list[float]) -> None:
+    """Wrap ``impl_cls.do_kv_cache_update`` to time every per-layer KV write (wall and thread
+    CPU time, as :func:`record_forward`)."""
     original = impl_cls.do_kv_cache_update
 
     def do_kv_cache_update(self, *a, **k):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         original(self, *a, **k)
-        times.append((time.perf_counter() - t0) * 1e6)
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        times.append((t1 - t0) / 1e3)
+        cpu.append((c1 - c0) / 1e3)
 
     impl_cls.do_kv_cache_update = do_kv_cache_update
 
 
-def summary(result: dict, label: str | None = None) -> str:
-    """Medians over the decode-only steps (past the first four: warm)."""
+def summary(result: dict, label: str | None = None, *, cpu: bool = False) -> str:
+    """Medians over the decode-only steps (past the first four: warm): wall time, or with
+    ``cpu`` this thread's CPU time (steady on a shared machine, where wall time also counts
+    the time other processes hold the core)."""
     import statistics
 
-    steps, fwd, kvu = result["steps"], result["forward_us"], result["kv_update_us"]
+    suffix = "_cpu_us" if cpu else "_us"
+    steps, fwd, kvu = result["steps"], result["forward" + suffix], result["kv_update" + suffix]
     layers = len(fwd) // max(len(steps), 1)
     warm = range(min(4, len(steps)), len(steps))
     decode = [i for i in warm if max(steps[i]["query_lens"]) == 1]
-    label = label or f"{result['attention']} {result['dtype']}"
+    label = label or f"{result['attention']} {result['dtype']}" + (" (CPU time)" if cpu else "")
     if not decode:
         return f"{label}: no decode-only step"
 
@@ -122,7 +134,7 @@ def summary(result: dict, label: str | None = None) -> str:
     return (
         f"{label}: {len(decode)} warm decode-only steps of "
         f"{med([len(steps[i]['query_lens']) for i in decode]):.0f} requests: build "
-        f"{med([steps[i]['build_us'] for i in decode]):.0f} us/step, forward "
+        f"{med([steps[i]['build' + suffix] for i in decode]):.0f} us/step, forward "
         f"{med([fwd[i] for i in per_layer]):.0f} us/layer, KV write "
         f"{med([kvu[i] for i in per_layer if i < len(kvu)]):.0f} us/layer"
     )
@@ -187,9 +199,11 @@ def main() -> int:
         from attnhub_vllm.backend import AttnhubVllmMetadataBuilder as B
     record_steps(B, steps)
     forward_us: list[float] = []
-    record_forward(Impl, forward_us)
+    forward_cpu_us: list[float] = []
+    record_forward(Impl, forward_us, forward_cpu_us)
     kv_update_us: list[float] = []
-    record_kv_update(Impl, kv_update_us)
+    kv_update_cpu_us: list[float] = []
+    record_kv_update(Impl, kv_update_us, kv_update_cpu_us)
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -210,8 +224,8 @@ def main() -> int:
     )
     start_s = time.perf_counter() - t0
     steps.clear()  # drop the warm-up / profiling steps
-    forward_us.clear()
-    kv_update_us.clear()
+    for times in (forward_us, forward_cpu_us, kv_update_us, kv_update_cpu_us):
+        times.clear()
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, detokenize=False, logprobs=5, ignore_eos=True
     )
@@ -231,6 +245,8 @@ def main() -> int:
         ],
         "forward_us": forward_us,
         "kv_update_us": kv_update_us,
+        "forward_cpu_us": forward_cpu_us,  # this thread's CPU time of each call
+        "kv_update_cpu_us": kv_update_cpu_us,
         "steps": steps,
         "engine_start_s": start_s,
         "generate_s": gen_s,
@@ -241,6 +257,7 @@ def main() -> int:
         json.dump(result, f)
     if args.summary:
         print(summary(result))
+        print(summary(result, cpu=True))
     return 0
 
 
