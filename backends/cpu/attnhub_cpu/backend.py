@@ -362,14 +362,13 @@ class CpuMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]):
         return CpuAttentionMetadata(
             batch,
             common_prefix_len,
-            None,
-            causal,
-            sliding_window,
-            query_start_loc,
-            seq_lens,
-            _as(batch.block_table, torch.int32),
-            _as(batch.slot_mapping, torch.int64),
-            scheduler_metadata,
+            causal=causal,
+            sliding_window=sliding_window,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=_as(batch.block_table, torch.int32),
+            slot_mapping=_as(batch.slot_mapping, torch.int64),
+            scheduler_metadata=scheduler_metadata,
         )
 
 
