@@ -276,9 +276,10 @@ class Repack:
 
 @dataclass(frozen=True)
 class CpuAttentionMetadata(AttentionMetadata):
-    """One step, planned: the kernels' arguments, ready to pass."""
+    """One step, planned: the kernels' arguments that are not the batch's own tensors, ready
+    to pass (the batch's ``query_start_loc`` / ``seq_lens`` / ``slot_mapping`` are passed as
+    they are when already in the kernels' dtypes)."""
 
-    num_actual_tokens: int = 0
     causal: bool = True
     sliding_window: int = -1  # the kernel's W (-1: none)
     query_start_loc: torch.Tensor | None = None  # [B + 1] int32
@@ -301,35 +302,55 @@ class CpuAttentionMetadata(AttentionMetadata):
         return Repack(blocks, remapped.to(torch.int32).contiguous())
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in the dtype a kernel reads (attnhub batches may hold int32 or int64), dense."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
+
+
 class CpuMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]):
     backend: CpuBackend
 
-    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> CpuAttentionMetadata:
-        spec, backend = self.spec, self.backend
-        left, right = spec.window
-        if spec.causal and batch.causal:
-            right = 0
-        window = kernel_window(left, right)
-        if window is None:  # refused at construction; cannot happen for an accepted spec
-            raise UnsupportedConfigurationError(backend.name, [f"window {(left, right)}"])
-        causal, sliding_window = window
-        if spec.use_alibi and not causal:
-            raise UnsupportedConfigurationError(
-                backend.name,
-                [
+    def __init__(self, backend: CpuBackend) -> None:
+        super().__init__(backend)
+        spec = self.spec
+        #: batch.causal -> the kernel's (causal, sliding_window), or why the step is refused
+        #: (settled once: a spec's window and ALiBi do not change between steps).
+        self._windows: dict[bool, tuple[bool, int] | str] = {}
+        for batch_causal in (True, False):
+            left, right = spec.window
+            if spec.causal and batch_causal:
+                right = 0
+            window = kernel_window(left, right)
+            if window is None:  # refused at construction; cannot happen for an accepted spec
+                self._windows[batch_causal] = f"window {(left, right)}"
+            elif spec.use_alibi and not window[0]:
+                self._windows[batch_causal] = (
                     "a non-causal step (batch.causal False) with ALiBi: vLLM's CPU kernel adds "
                     "slope * (j - i) to later keys, attnhub's ALiBi is -slope * |i - j|"
-                ],
-            )
-        query_start_loc = batch.query_start_loc
-        seq_lens = batch.seq_lens
+                )
+            else:
+                self._windows[batch_causal] = window
+        #: get_scheduler_metadata's per-spec arguments
+        self._sched_args = (spec.num_heads, spec.num_kv_heads, spec.head_size)
+
+    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> CpuAttentionMetadata:
+        backend = self.backend
+        window = self._windows[batch.causal]
+        if isinstance(window, str):
+            raise UnsupportedConfigurationError(backend.name, [window])
+        causal, sliding_window = window
+        query_start_loc = _as(batch.query_start_loc, torch.int32)
+        seq_lens = _as(batch.seq_lens, torch.int32)
+        heads, kv_heads, head_size = self._sched_args
         scheduler_metadata = backend.ops.get_scheduler_metadata(
             batch.num_reqs,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_size,
+            heads,
+            kv_heads,
+            head_size,
             seq_lens,
-            spec.dtype,
+            self.spec.dtype,
             query_start_loc,
             causal,
             sliding_window,
@@ -341,13 +362,12 @@ class CpuMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]):
         return CpuAttentionMetadata(
             batch,
             common_prefix_len,
-            num_actual_tokens=batch.num_actual_tokens,
             causal=causal,
             sliding_window=sliding_window,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_table=batch.block_table.contiguous(),
-            slot_mapping=batch.slot_mapping,
+            block_table=_as(batch.block_table, torch.int32),
+            slot_mapping=_as(batch.slot_mapping, torch.int64),
             scheduler_metadata=scheduler_metadata,
         )
 
@@ -419,7 +439,7 @@ class CpuAttentionImpl(AttentionImpl):
         out: torch.Tensor,
     ) -> None:
         assert isinstance(meta, CpuAttentionMetadata)
-        n = meta.num_actual_tokens
+        n = meta.batch.num_actual_tokens
         if n == 0:
             return
         if self._in_kernel_storage(cache):
@@ -430,9 +450,14 @@ class CpuAttentionImpl(AttentionImpl):
             key_cache.copy_(cache.key[plan.blocks])
             value_cache.copy_(cache.value[plan.blocks])
             block_table = plan.block_table
-        # The kernel reads query rows and writes output rows densely ([n, heads * D]).
-        q = query[:n] if query.is_contiguous() else query[:n].contiguous()
-        o = out[:n]
+        # The kernel reads the query through its token and head strides (an engine's query
+        # is a column slice of its fused QKV rows: no copy) with dense channels (it checks
+        # stride(2) == 1), and writes output rows densely ([n, heads * D], strides ignored).
+        # An engine passes exactly n rows: no slicing then (a slice costs as much as a check).
+        q = query if query.shape[0] == n else query[:n]
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        o = out if out.shape[0] == n else out[:n]
         dense_out = o.is_contiguous()
         target = o if dense_out else torch.empty_like(o, memory_format=torch.contiguous_format)
         self.backend.ops.cpu_attention_with_kv_cache(

@@ -3,6 +3,7 @@ kept in the kernels' own layout, one kernel call per layer. Skipped where vllm-c
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -119,7 +120,9 @@ def test_one_scheduler_plan_per_step_and_one_call_of_each_kernel_per_layer() -> 
 
 def test_strided_query_and_output_give_the_same_bits() -> None:
     """vLLM hands a layer query/key/value split from one projection (rows strided): the kernel
-    reads rows densely, so the backend compacts what is strided."""
+    reads the query through its token and head strides, so it gets vLLM's very view (no
+    copy), and writes output rows densely, so a strided output goes through a dense
+    temporary; a query whose channels are not dense (the kernel refuses it) is compacted."""
     s = spec()
     backend, batch, cache, q, k, v = mixed_step(s, "strided")
     meta = backend.metadata_builder().build(batch)
@@ -128,8 +131,60 @@ def test_strided_query_and_output_give_the_same_bits() -> None:
     dense = impl.forward(q, k, v, start.clone(), meta)
     qkv = torch.cat([q, k, v], dim=1)  # [tokens, 8 + 2 + 2, 64]
     buf = torch.zeros(q.shape[0], 16, 64)
-    out = impl.forward(qkv[:, :8], qkv[:, 8:10], qkv[:, 10:], start, meta, output=buf[:, :8])
+    counting = Recording(backend.ops)
+    backend.ops = counting
+    n = batch.num_actual_tokens
+    query, key, value = qkv[:, :8], qkv[:, 8:10], qkv[:, 10:]
+    out = impl.forward(query, key, value, start.clone(), meta, output=buf[:, :8])
     assert torch.equal(out, dense) and torch.equal(buf[:, :8], dense)
+    query_passed = counting.args["cpu_attention_with_kv_cache"][0]
+    assert query_passed.data_ptr() == qkv.data_ptr() and query_passed.shape[0] == n
+    channels_strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # stride(2) == 8
+    out = impl.forward(channels_strided, k, v, start.clone(), meta)
+    assert torch.equal(out, dense)
+    assert counting.args["cpu_attention_with_kv_cache"][0].stride(2) == 1
+
+
+class Recording(Counting):
+    """The op namespace, keeping each op's last arguments too."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.args: dict[str, tuple[Any, ...]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        op = super().__getattr__(name)
+
+        def call(*args: Any) -> Any:
+            self.args[name] = args
+            return op(*args)
+
+        return call
+
+
+def test_a_batch_in_int64_with_int32_slots_gives_the_same_bits() -> None:
+    """attnhub batches may hold int32 or int64 lengths, tables and slots; the kernels take
+    int32 lengths and tables and int64 slots (and raise on anything else): the plan converts
+    once per step what is not already in the kernels' dtype."""
+    s = spec()
+    backend, batch, cache, q, k, v = mixed_step(s, "int64")
+    impl = backend.impl()
+    expected = impl.forward(q, k, v, cache.clone(), backend.metadata_builder().build(batch))
+    wide = dataclasses.replace(
+        batch,
+        query_start_loc=batch.query_start_loc.long(),
+        query_start_loc_cpu=batch.query_start_loc_cpu.long(),
+        seq_lens=batch.seq_lens.long(),
+        seq_lens_cpu=batch.seq_lens_cpu.long(),
+        block_table=batch.block_table.long(),
+        slot_mapping=batch.slot_mapping.int(),
+    )
+    got_cache = cache.clone()
+    meta = backend.metadata_builder().build(wide)
+    got = impl.forward(q, k, v, got_cache, meta)
+    assert torch.equal(got, expected)
+    impl.write_kv(k, v, got_cache, meta=meta)  # the planned write takes the converted slots
+    assert meta.slot_mapping is not None and meta.slot_mapping.dtype == torch.int64
 
 
 def test_write_kv_takes_int32_slots() -> None:

@@ -263,6 +263,9 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
                 builders[spec] = backend_for(spec, device, choice).metadata_builder()
             impl.meta_index = list(builders).index(spec)
         self._builders = list(builders.values())
+        # vLLM's max_query_len / max_seq_len are exact unless speculative decoding makes
+        # max_seq_len an optimistic bound: then the adapter reduces the lengths itself.
+        self._exact_maxima = getattr(vllm_config, "speculative_config", None) is None
         # Plan one dummy step now, outside inference mode: a builder's first build may create
         # per-device constants it caches for the process (the ascend backend's compressed
         # mask); made inside vLLM's inference_mode they would be inference tensors.
@@ -281,11 +284,13 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> AttnhubVllmMetadata:
-        batch = batch_from_common(common_attn_metadata, self.block_size)
-        return AttnhubVllmMetadata(
-            num_actual_tokens=batch.num_actual_tokens,
-            metas=[b.build(batch) for b in self._builders],
+        batch = batch_from_common(
+            common_attn_metadata, self.block_size, exact_maxima=self._exact_maxima
         )
+        builders = self._builders
+        if len(builders) == 1:  # the usual model: one spec for every layer
+            return AttnhubVllmMetadata(batch.num_actual_tokens, [builders[0].build(batch)])
+        return AttnhubVllmMetadata(batch.num_actual_tokens, [b.build(batch) for b in builders])
 
 
 class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
@@ -361,14 +366,13 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         return spec
 
     # --- per layer, per step -------------------------------------------------------------
-    def _attnhub(self, device: torch.device) -> tuple[Any, AttentionSpec]:
-        impl = self._impl
-        if impl is None:  # first call of this layer: sinks/slopes are loaded by now
-            assert self.spec is not None, "the metadata builder binds every layer at start"
-            backend = backend_for(self.spec, device, self.choice)
-            impl = backend.impl(alibi_slopes=self.alibi_slopes, sinks=self.sinks)
-            self._impl = impl
-        return impl, self.spec  # type: ignore[return-value]
+    def _attnhub(self, device: torch.device) -> Any:
+        """This layer's attnhub impl, made on its first call (sinks/slopes are loaded by
+        then); callers read ``self._impl`` first, so a step pays one attribute read."""
+        assert self.spec is not None, "the metadata builder binds every layer at start"
+        backend = backend_for(self.spec, device, self.choice)
+        self._impl = backend.impl(alibi_slopes=self.alibi_slopes, sinks=self.sinks)
+        return self._impl
 
     def _paged(self, kv_cache: torch.Tensor, impl: Any, layer: Any) -> PagedKVCache:
         key = (kv_cache.data_ptr(), kv_cache.shape)
@@ -388,7 +392,7 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        impl, _ = self._attnhub(key.device)
+        impl = self._impl or self._attnhub(key.device)
         cache = self._paged(kv_cache, impl, layer)
         meta = self._step_meta(layer, slot_mapping)
         if meta is not None:  # the planned write, slots checked once per step: no sync here
@@ -426,7 +430,7 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
             )
         if attn_metadata is None:  # vLLM's warm-up / profiling run
             return output
-        impl, _ = self._attnhub(query.device)
+        impl = self._impl or self._attnhub(query.device)
         meta = attn_metadata.metas[self.meta_index]
         out = output.view(-1, self.num_heads, self.head_size)
         impl.forward(query, None, None, self._paged(kv_cache, impl, layer), meta, output=out)

@@ -106,21 +106,34 @@ def spec_from_vllm(
     return spec, []
 
 
-def batch_from_common(cm: Any, block_size: int) -> BatchMetadata:
+def batch_from_common(cm: Any, block_size: int, *, exact_maxima: bool = False) -> BatchMetadata:
     """One step's ``BatchMetadata`` from vLLM's ``CommonAttentionMetadata``.
 
-    Slices only: vLLM's persistent buffers may be longer than the batch. Host copies come from
-    ``query_start_loc_cpu`` and, for the sequence lengths, from ``seq_lens`` itself when it
-    lives on the host (the CPU platform), else ``seq_lens_cpu_upper_bound`` (exact outside
-    async speculative decoding), else one device-to-host copy per step (never per layer).
-    On an accelerator, the block table and slot mapping attnhub's builders check are copied to
-    the host once per step too (vLLM's CommonAttentionMetadata carries no host copy of them);
-    on the CPU platform they are host tensors already.
+    Slices only, and only where vLLM's persistent buffers are longer than the batch. Host
+    copies come from ``query_start_loc_cpu`` and, for the sequence lengths, from ``seq_lens``
+    itself when it lives on the host (the CPU platform), else ``seq_lens_cpu_upper_bound``
+    (exact outside async speculative decoding), else one device-to-host copy per step (never
+    per layer). On an accelerator, the block table and slot mapping attnhub's builders check
+    are copied to the host once per step too (vLLM's CommonAttentionMetadata carries no host
+    copy of them); on the CPU platform they are host tensors already.
+
+    ``exact_maxima``: take vLLM's own ``max_query_len`` / ``max_seq_len`` (it computes them
+    from the same host arrays; exact unless speculative decoding makes ``max_seq_len`` an
+    optimistic bound) instead of reducing the lengths again. attnhub's ``build`` checks them
+    against the lengths either way, and refuses a wrong one with a typed error naming it.
+    ``num_actual_tokens`` always comes from ``query_start_loc`` (vLLM's may count padding).
     """
     n = int(cm.num_reqs)
-    qsl_cpu = cm.query_start_loc_cpu[: n + 1]
-    seq = cm.seq_lens[:n]
-    if seq.device.type == "cpu":
+    qsl_cpu = cm.query_start_loc_cpu
+    if qsl_cpu.shape[0] != n + 1:
+        qsl_cpu = qsl_cpu[: n + 1]
+    qsl = cm.query_start_loc
+    if qsl.shape[0] != n + 1:
+        qsl = qsl[: n + 1]
+    seq = cm.seq_lens
+    if seq.shape[0] != n:
+        seq = seq[:n]
+    if seq.is_cpu:
         seq_cpu = seq
     elif getattr(cm, "seq_lens_cpu_upper_bound", None) is not None:
         seq_cpu = cm.seq_lens_cpu_upper_bound[:n]
@@ -131,34 +144,42 @@ def batch_from_common(cm: Any, block_size: int) -> BatchMetadata:
     if seq_cpu.dtype != torch.int32:
         seq_cpu = seq_cpu.to(torch.int32)
     causal = cm.causal
-    if isinstance(causal, torch.Tensor):
-        raise AttnhubConfigurationError(
-            "attnhub-vllm: per-request (tensor) causal flags are not mapped to attnhub"
-        )
-    if n:  # numpy on the host copies: ~1 us per reduction where a torch op costs ~3-5 us
+    if causal is not True and causal is not False:
+        if isinstance(causal, torch.Tensor):
+            raise AttnhubConfigurationError(
+                "attnhub-vllm: per-request (tensor) causal flags are not mapped to attnhub"
+            )
+        causal = bool(causal)
+    if not n:
+        num_actual = max_q = max_s = 0
+    elif exact_maxima:
+        num_actual = int(qsl_cpu.numpy()[n])
+        max_q, max_s = int(cm.max_query_len), int(cm.max_seq_len)
+    else:  # numpy on the host copies: ~1 us per reduction where a torch op costs ~3-5 us
         qsl_np = qsl_cpu.numpy()
         num_actual = int(qsl_np[n])
         max_q = int((qsl_np[1:] - qsl_np[:-1]).max())
         max_s = int(seq_cpu.numpy().max())
-    else:
-        num_actual = max_q = max_s = 0
-    table = cm.block_table_tensor[:n]
-    on_host = table.device.type == "cpu"
+    table = cm.block_table_tensor
+    if table.shape[0] != n:
+        table = table[:n]
+    slots = cm.slot_mapping
+    on_host = table.is_cpu
     return BatchMetadata(
-        query_start_loc=cm.query_start_loc[: n + 1],
+        query_start_loc=qsl,
         query_start_loc_cpu=qsl_cpu,
         seq_lens=seq,
         seq_lens_cpu=seq_cpu,
         num_reqs=n,
-        num_actual_tokens=int(num_actual),
-        max_query_len=int(max_q),
-        max_seq_len=int(max_s),
+        num_actual_tokens=num_actual,
+        max_query_len=max_q,
+        max_seq_len=max_s,
         block_table=table,
-        slot_mapping=cm.slot_mapping,
+        slot_mapping=slots,
         block_size=block_size,
-        causal=bool(causal),
+        causal=causal,
         block_table_cpu=None if on_host else table.to("cpu"),
-        slot_mapping_cpu=None if on_host else cm.slot_mapping.to("cpu"),
+        slot_mapping_cpu=None if on_host else slots.to("cpu"),
     )
 
 

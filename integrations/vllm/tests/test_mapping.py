@@ -82,6 +82,38 @@ def test_batch_from_common_refuses_tensor_causal() -> None:
         batch_from_common(cm, 16)
 
 
+def test_batch_from_common_hands_over_vllms_exact_maxima() -> None:
+    """With ``exact_maxima`` (no speculative decoding: vLLM's maxima come from the same host
+    arrays) the batch takes vLLM's max_query_len / max_seq_len as they are, tokens still from
+    query_start_loc (vLLM's count may include padding rows), and no slice is made of buffers
+    already the batch's size."""
+    q, s = [1, 1, 7, 30], [9, 40, 7, 95]
+    cm, ref = _common(q, s, block_size=16, pad_reqs=0)
+    cm.max_seq_len = ref.max_seq_len  # exact, as vLLM's without speculative decoding
+    batch = batch_from_common(cm, 16, exact_maxima=True)
+    batch.validate()
+    assert (batch.max_query_len, batch.max_seq_len, batch.num_actual_tokens) == (30, 95, 39)
+    assert batch.query_start_loc_cpu is cm.query_start_loc_cpu and batch.seq_lens is cm.seq_lens
+    assert batch.block_table is cm.block_table_tensor
+
+
+def test_a_wrong_maximum_vllm_hands_over_is_refused_by_build_naming_it() -> None:
+    """vLLM's maxima are checked once, by attnhub's ``build``: an optimistic max_seq_len (as
+    speculative decoding gives) is refused with a typed error, before any cache is touched."""
+    cm, _ = _common([1, 1, 7, 30], [9, 40, 7, 95], block_size=16)  # max_seq_len: 95 + 7
+    batch = batch_from_common(cm, 16, exact_maxima=True)
+    assert batch.max_seq_len == 102
+    backend = attnhub.select_backend(
+        attnhub.AttentionSpec(
+            num_heads=4, num_kv_heads=2, head_size=8, dtype=torch.float32, block_size=16
+        ),
+        prefer="torch",
+    )
+    with pytest.raises(attnhub.errors.InvalidInputError, match="max_seq_len = 102"):
+        backend.metadata_builder().build(batch)
+    assert batch_from_common(cm, 16).max_seq_len == 95  # without it: reduced, exact
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_cache_views_address_vllm_packed_pages(layout: str) -> None:
     """K goes to [..., :D] and V to [..., D:] of vLLM's [B, H, N, 2D] page, at the slot's

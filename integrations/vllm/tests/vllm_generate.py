@@ -1,7 +1,8 @@
 """Run one greedy generation through a real vLLM engine and print the result as JSON.
 
-    python vllm_generate.py --attention {vllm,torch,ascend,iluvatar,flash} --model DIR [--dtype ...]
-        [--summary]   (host time per step and per layer: the adapter's benchmark)
+    python vllm_generate.py --attention {vllm,torch,cpu,ascend,iluvatar,flash} --model DIR
+        [--dtype ...] [--summary]   (host time per step and per layer: the adapter's benchmark)
+        [--outside-kernels]   (vllm and cpu: the kernels timed too, host time outside them)
 
 ``--attention vllm`` runs vLLM's own CPU backend; any other value is an attnhub backend name
 (the plugin is activated through ``ATTNHUB_BACKEND``). Run each in its own process: vLLM's
@@ -59,6 +60,54 @@ def prompts(seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
+#: Thread CPU time spent so far inside vLLM's CPU attention kernels (ns), when
+#: :func:`record_kernels` wraps them; each recorder stores its calls' share.
+KERNEL_NS = [0]
+
+
+def record_kernels(attention: str) -> bool:
+    """Time vLLM's CPU attention kernels (scheduler metadata, KV write, attention) inside each
+    call, for vLLM's own backend or attnhub's ``cpu`` backend (the same kernels): the report
+    then also gives the host time outside them, which the kernels' load-dependent time does
+    not blur. False for other backends (no such kernels)."""
+
+    def timed(op):  # type: ignore[no-untyped-def]
+        def call(*a, **k):  # type: ignore[no-untyped-def]
+            c0 = time.thread_time_ns()
+            try:
+                return op(*a, **k)
+            finally:
+                KERNEL_NS[0] += time.thread_time_ns() - c0
+
+        return call
+
+    if attention == "vllm":
+        from vllm.v1.attention.backends import cpu_attn
+
+        for name in (
+            "cpu_attn_get_scheduler_metadata",
+            "cpu_attn_reshape_and_cache",
+            "cpu_attention_with_kv_cache",
+        ):
+            setattr(cpu_attn.ops, name, timed(getattr(cpu_attn.ops, name)))
+        return True
+    if attention == "cpu":
+        from attnhub_cpu import ops
+
+        kernels = ops.kernels
+
+        class Timed:  # the op namespace, each op timed
+            def __init__(self, inner: object) -> None:
+                self.inner = inner
+
+            def __getattr__(self, name: str) -> object:
+                return timed(getattr(self.inner, name))
+
+        ops.kernels = lambda: Timed(kernels())
+        return True
+    return False
+
+
 def record_steps(builder_cls: type, steps: list[dict]) -> None:
     """Wrap ``builder_cls.build`` to record every step's query and context lengths."""
     original = builder_cls.build
@@ -69,49 +118,84 @@ def record_steps(builder_cls: type, steps: list[dict]) -> None:
         q = (qsl[1:] - qsl[:-1]).tolist()
         s = cm.seq_lens[:n].tolist()
         steps.append({"query_lens": q, "context_lens": [b - a for a, b in zip(q, s, strict=True)]})
-        t0 = time.perf_counter()
+        k0, c0, t0 = KERNEL_NS[0], time.thread_time_ns(), time.perf_counter_ns()
         meta = original(self, common_prefix_len, cm, fast_build)
-        steps[-1]["build_us"] = (time.perf_counter() - t0) * 1e6
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        steps[-1]["build_us"] = (t1 - t0) / 1e3
+        steps[-1]["build_cpu_us"] = (c1 - c0) / 1e3
+        steps[-1]["build_kernel_cpu_us"] = (KERNEL_NS[0] - k0) / 1e3
         return meta
 
     builder_cls.build = build
 
 
-def record_forward(impl_cls: type, times: list[float]) -> None:
-    """Wrap ``impl_cls.forward`` to time every per-layer call (host time on CPU)."""
+def record_forward(
+    impl_cls: type, times: list[float], cpu: list[float], kernel: list[float]
+) -> None:
+    """Wrap ``impl_cls.forward`` to time every per-layer call: wall time in ``times``, this
+    thread's CPU time in ``cpu`` (what the call itself spent, whatever else the machine runs;
+    with one OpenMP thread the kernels run on this thread)."""
     original = impl_cls.forward
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
+        k0, c0, t0 = KERNEL_NS[0], time.thread_time_ns(), time.perf_counter_ns()
         out = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k)
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
         if attn_metadata is not None:
-            times.append((time.perf_counter() - t0) * 1e6)
+            times.append((t1 - t0) / 1e3)
+            cpu.append((c1 - c0) / 1e3)
+            kernel.append((KERNEL_NS[0] - k0) / 1e3)
         return out
 
     impl_cls.forward = forward
 
 
-def record_kv_update(impl_cls: type, times: list[float]) -> None:
-    """Wrap ``impl_cls.do_kv_cache_update`` to time every per-layer KV write (host time)."""
+def record_kv_update(
+    impl_cls: type, times: list[float], cpu: list[float], kernel: list[float]
+) -> None:
+    """Wrap ``impl_cls.do_kv_cache_update`` to time every per-layer KV write (wall and thread
+    CPU time, as :func:`record_forward`)."""
     original = impl_cls.do_kv_cache_update
 
     def do_kv_cache_update(self, *a, **k):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
+        k0, c0, t0 = KERNEL_NS[0], time.thread_time_ns(), time.perf_counter_ns()
         original(self, *a, **k)
-        times.append((time.perf_counter() - t0) * 1e6)
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        times.append((t1 - t0) / 1e3)
+        cpu.append((c1 - c0) / 1e3)
+        kernel.append((KERNEL_NS[0] - k0) / 1e3)
 
     impl_cls.do_kv_cache_update = do_kv_cache_update
 
 
-def summary(result: dict, label: str | None = None) -> str:
-    """Medians over the decode-only steps (past the first four: warm)."""
+def summary(
+    result: dict, label: str | None = None, *, cpu: bool = False, outside: bool = False
+) -> str:
+    """Medians over the decode-only steps (past the first four: warm): wall time, or with
+    ``cpu`` this thread's CPU time (steady on a shared machine, where wall time also counts
+    the time other processes hold the core), or with ``outside`` the CPU time outside vLLM's
+    CPU kernels (runs made with ``--outside-kernels``)."""
     import statistics
 
-    steps, fwd, kvu = result["steps"], result["forward_us"], result["kv_update_us"]
+    steps = result["steps"]
+    if outside:
+
+        def minus(cpu_times: list[float], kernel_times: list[float]) -> list[float]:
+            return [c - k for c, k in zip(cpu_times, kernel_times, strict=True)]
+
+        fwd = minus(result["forward_cpu_us"], result["forward_kernel_cpu_us"])
+        kvu = minus(result["kv_update_cpu_us"], result["kv_update_kernel_cpu_us"])
+        build = [s["build_cpu_us"] - s["build_kernel_cpu_us"] for s in steps]
+        mode = " (CPU time outside the kernels)"
+    else:
+        suffix = "_cpu_us" if cpu else "_us"
+        fwd, kvu = result["forward" + suffix], result["kv_update" + suffix]
+        build = [s["build" + suffix] for s in steps]
+        mode = " (CPU time)" if cpu else ""
     layers = len(fwd) // max(len(steps), 1)
     warm = range(min(4, len(steps)), len(steps))
     decode = [i for i in warm if max(steps[i]["query_lens"]) == 1]
-    label = label or f"{result['attention']} {result['dtype']}"
+    label = (label or f"{result['attention']} {result['dtype']}") + mode
     if not decode:
         return f"{label}: no decode-only step"
 
@@ -122,7 +206,7 @@ def summary(result: dict, label: str | None = None) -> str:
     return (
         f"{label}: {len(decode)} warm decode-only steps of "
         f"{med([len(steps[i]['query_lens']) for i in decode]):.0f} requests: build "
-        f"{med([steps[i]['build_us'] for i in decode]):.0f} us/step, forward "
+        f"{med([build[i] for i in decode]):.0f} us/step, forward "
         f"{med([fwd[i] for i in per_layer]):.0f} us/layer, KV write "
         f"{med([kvu[i] for i in per_layer if i < len(kvu)]):.0f} us/layer"
     )
@@ -157,6 +241,12 @@ def main() -> int:
     ap.add_argument(
         "--summary", action="store_true", help="print host times per step and per layer"
     )
+    ap.add_argument(
+        "--outside-kernels",
+        action="store_true",
+        help="time vLLM's CPU attention kernels inside each call (vllm and cpu only) and "
+        "report the host time outside them too",
+    )
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -186,10 +276,15 @@ def main() -> int:
         from attnhub_vllm.backend import AttnhubVllmImpl as Impl
         from attnhub_vllm.backend import AttnhubVllmMetadataBuilder as B
     record_steps(B, steps)
+    kernels_timed = args.outside_kernels and record_kernels(args.attention)
     forward_us: list[float] = []
-    record_forward(Impl, forward_us)
+    forward_cpu_us: list[float] = []
+    forward_kernel_cpu_us: list[float] = []
+    record_forward(Impl, forward_us, forward_cpu_us, forward_kernel_cpu_us)
     kv_update_us: list[float] = []
-    record_kv_update(Impl, kv_update_us)
+    kv_update_cpu_us: list[float] = []
+    kv_update_kernel_cpu_us: list[float] = []
+    record_kv_update(Impl, kv_update_us, kv_update_cpu_us, kv_update_kernel_cpu_us)
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -210,8 +305,10 @@ def main() -> int:
     )
     start_s = time.perf_counter() - t0
     steps.clear()  # drop the warm-up / profiling steps
-    forward_us.clear()
-    kv_update_us.clear()
+    for times in (forward_us, forward_cpu_us, forward_kernel_cpu_us):
+        times.clear()
+    for times in (kv_update_us, kv_update_cpu_us, kv_update_kernel_cpu_us):
+        times.clear()
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, detokenize=False, logprobs=5, ignore_eos=True
     )
@@ -231,6 +328,11 @@ def main() -> int:
         ],
         "forward_us": forward_us,
         "kv_update_us": kv_update_us,
+        "forward_cpu_us": forward_cpu_us,  # this thread's CPU time of each call
+        "kv_update_cpu_us": kv_update_cpu_us,
+        # CPU time inside vLLM's CPU kernels per call (0 unless --outside-kernels timed them)
+        "forward_kernel_cpu_us": forward_kernel_cpu_us,
+        "kv_update_kernel_cpu_us": kv_update_kernel_cpu_us,
         "steps": steps,
         "engine_start_s": start_s,
         "generate_s": gen_s,
@@ -241,6 +343,9 @@ def main() -> int:
         json.dump(result, f)
     if args.summary:
         print(summary(result))
+        print(summary(result, cpu=True))
+        if kernels_timed:
+            print(summary(result, outside=True))
     return 0
 
 
