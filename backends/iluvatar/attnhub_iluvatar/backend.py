@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from attnhub.backend import (
@@ -58,6 +59,12 @@ INT8_K_MAX_ABS, INT8_K_MIN_COS = 0.05, 0.9997
 def _int32(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor as an int32 device tensor (one host-to-device copy, in plan)."""
     return values.to(torch.int32).to(device)
+
+
+def _device_int32(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host lengths (numpy) as an int32 device tensor of their own (a copy: never a view of
+    an engine's host buffer)."""
+    return torch.from_numpy(values.astype(np.int32)).to(device)
 
 
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
@@ -290,8 +297,11 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
     #: Leading requests with query_len <= this go to the decode kernel (multi-token decode up
     #: to this many tokens, through cu_query_lens).
     reorder_batch_threshold: ClassVar[int] = 16
+    #: The step being planned: query lengths, sequence lengths, query starts (host, numpy).
+    _lengths: tuple[np.ndarray, np.ndarray, np.ndarray]
 
     def plan(self, batch: BatchMetadata, common_prefix_len: int) -> IluvatarAttentionMetadata:
+        self._lengths = self._host_lengths(batch)
         n = batch.num_actual_tokens
         causal = self.spec.causal and batch.causal
         common: dict[str, Any] = dict(
@@ -330,16 +340,27 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             prefill=self._prefill(batch, num_decodes) if num_decodes < batch.num_reqs else None,
         )
 
-    @staticmethod
-    def _leading_decodes(batch: BatchMetadata, threshold: int) -> int:
+    def _host_lengths(self, batch: BatchMetadata) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The step's query lengths [B], sequence lengths [B] and query start offsets [B + 1]
+        on the host (numpy): as build's checks read them (``self.step``, taken once so that a
+        later plan never reads another step's), else from the batch's host copies."""
+        step, self.step = self.step, None
+        if step is not None:
+            q, seq, qsl = step.query_lens, step.seq_lens, step.query_start_locs
+            if q is not None and seq is not None and qsl is not None:
+                return q, seq, qsl
+        qsl = batch.query_start_loc_cpu.numpy()
+        return qsl[1:] - qsl[:-1], batch.seq_lens_cpu.numpy(), qsl
+
+    def _leading_decodes(self, batch: BatchMetadata, threshold: int) -> int:
         """How many requests at the front have query_len <= ``threshold`` (host data).
 
         Engines send decodes first (``reorder_batch_threshold``); a decode after a prefill is
         served by the prefill call, which computes any request correctly."""
         if batch.max_query_len <= threshold:  # checked against the lengths by check_step
             return batch.num_reqs
-        small = (batch.query_lens_cpu <= threshold).to(torch.int64)
-        return int(torch.cumprod(small, 0).sum())
+        small = self._lengths[0] <= threshold
+        return int(np.argmin(small))  # the first request over it (there is one)
 
     def _paged_decodes(self, batch: BatchMetadata, nd: int) -> PagedPlan:
         """Mode 1: the leading one-token decodes, one kernel sequence each."""
@@ -408,32 +429,35 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
                 block_table=_as_int32(batch.block_table),
                 cu_query_lens=None if max_q == 1 else _as_int32(batch.query_start_loc),
             )
-        q_lens = batch.query_lens_cpu[:nd]
-        max_q = int(q_lens.max())
+        q_lens, seq_lens, qsl = self._lengths
+        max_q = int(q_lens[:nd].max())
         return DecodePlan(
             num_reqs=nd,
-            num_tokens=int(batch.query_start_loc_cpu[nd]),
+            num_tokens=int(qsl[nd]),
             max_query_len=max_q,
-            max_seq_len=int(batch.seq_lens_cpu[:nd].max()),
-            seq_lens=_int32(batch.seq_lens_cpu[:nd], dev),
-            block_table=batch.block_table[:nd].to(torch.int32).contiguous(),
-            cu_query_lens=None if max_q == 1 else _int32(batch.query_start_loc_cpu[: nd + 1], dev),
+            max_seq_len=int(seq_lens[:nd].max()),
+            seq_lens=_device_int32(seq_lens[:nd], dev),
+            block_table=_as_int32(batch.block_table[:nd]),
+            cu_query_lens=None if max_q == 1 else _device_int32(qsl[: nd + 1], dev),
         )
 
     def _prefill(self, batch: BatchMetadata, nd: int) -> PrefillPlan:
         dev = self.backend.device
-        qsl = batch.query_start_loc_cpu[nd:].to(torch.int64)
-        seq_lens = batch.seq_lens_cpu[nd:]
+        q_lens, all_seq_lens, all_qsl = self._lengths
+        qsl = all_qsl[nd:].astype(np.int64)
+        seq_lens = all_seq_lens[nd:]
         start = int(qsl[0])
+        ends = np.zeros(seq_lens.size + 1, dtype=np.int64)
+        np.cumsum(seq_lens, out=ends[1:])
         return PrefillPlan(
             num_reqs=batch.num_reqs - nd,
             token_start=start,
             num_tokens=int(qsl[-1]) - start,
-            max_query_len=int(batch.query_lens_cpu[nd:].max()),
+            max_query_len=int(q_lens[nd:].max()),
             max_seq_len=int(seq_lens.max()),
-            cu_seqlens_q=_int32(qsl - start, dev),
-            cu_seqlens_k=_int32(_cumulative(seq_lens), dev),
-            block_table=batch.block_table[nd:].to(torch.int32).contiguous(),
+            cu_seqlens_q=_device_int32(qsl - start, dev),
+            cu_seqlens_k=_device_int32(ends, dev),
+            block_table=_as_int32(batch.block_table[nd:]),
         )
 
     def _cascade_prefix(self, common_prefix_len: int, causal: bool) -> int:

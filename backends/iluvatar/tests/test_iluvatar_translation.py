@@ -316,3 +316,34 @@ def test_strided_planes_are_refused_before_the_write() -> None:
     with pytest.raises(InvalidInputError, match="contiguous"):
         st.backend.impl().write_kv(st.key, st.value, strided, meta=meta)
     assert strided.equal(before)
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        [(1, 30), (3, 40), (1, 9), (40, 60), (17, 17)],  # decodes, then prefills
+        [(2, 9), (1, 50), (5, 5)],  # a multi-token decode among them
+        [(20, 20), (1, 33)],  # a prefill first: everything through the prefill call
+        [(1, 3), (1, 70)],  # decodes only
+    ],
+)
+def test_the_plan_from_builds_lengths_is_the_plan_from_the_batch(
+    requests: list[tuple[int, int]],
+) -> None:
+    """build hands its checks' host lengths to plan; planning the same batch from its own
+    host copies (no build before) gives the same kernel arguments."""
+    st = h.step(requests, padding=2)
+    built = st.backend.metadata_builder().build(st.batch)
+    direct = st.backend.metadata_builder().plan(st.batch, 0)
+    for part in ("decode", "prefill"):
+        a, b = getattr(built, part), getattr(direct, part)
+        assert (a is None) == (b is None), part
+        if a is None:
+            continue
+        for name in a.__dataclass_fields__:
+            x, y = getattr(a, name), getattr(b, name)
+            if isinstance(x, torch.Tensor):
+                assert isinstance(y, torch.Tensor)
+                assert x.dtype == y.dtype == torch.int32 and torch.equal(x, y), (part, name)
+            else:
+                assert x == y, (part, name)
