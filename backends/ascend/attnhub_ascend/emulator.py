@@ -1172,7 +1172,12 @@ def _reshape_and_cache(
     """Write key [T, KV_N, Dk] / value [T, KV_N, Dv] row t to slot ``slot_indices[t]`` of caches
     [num_blocks, block_size, KV_N, Dk / Dv] (slot = block * block_size + offset); K and V head
     sizes may differ (ATB's ReshapeAndCache takes them separately). ``slot_indices`` must be
-    int32; slots < 0 are skipped (padding). Returns nothing (mutates the caches)."""
+    int32; slots < 0 are skipped (padding). Returns nothing (mutates the caches).
+
+    ``key``, ``value`` and ``slot_indices`` may be strided: the torch_npu wrapper hands every
+    input to ATB as ``tensor.contiguous()`` (``ParamSetter::Input``); the caches are written
+    through as outputs, so they must be contiguous [source: op-plugin
+    ops/atb/ReshapeAndCachAtb.cpp, utils/custom_functions/atb/AtbCommon.cpp]."""
     op = "_npu_reshape_and_cache"
     for name, t in (
         ("key", key),

@@ -185,6 +185,19 @@ def test_reshape_and_cache_skips_negative_slots() -> None:
     assert int((kc.view(8, -1).abs().sum(1) > 0).sum()) == 2
 
 
+def test_reshape_and_cache_takes_strided_inputs_as_the_wrapper_copies_them() -> None:
+    """torch_npu's ATB wrapper makes every input contiguous before the op: strided key, value
+    and slot_indices are valid calls; the caches (outputs) must be contiguous."""
+    kc, vc = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    wide = torch.arange(3 * 32, dtype=torch.float32).view(3, 1, 32) + 1
+    k = wide[..., :16]  # rows 32 apart
+    slots = torch.tensor([5, 9, -1, 9, 0, 9], dtype=torch.int32)[::2]  # [5, -1, 0], stride 2
+    emulator._npu_reshape_and_cache(k, k, kc, vc, slots)
+    assert torch.equal(kc.view(8, 1, 16)[5], k[0]) and torch.equal(vc.view(8, 1, 16)[0], k[2])
+    with pytest.raises(NpuOpError, match="contiguous"):
+        emulator._npu_reshape_and_cache(k, k, torch.zeros(2, 4, 1, 32)[..., :16], vc, slots)
+
+
 # --- strictness ----------------------------------------------------------------------------------
 
 
