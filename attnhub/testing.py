@@ -26,6 +26,7 @@ import math
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +44,9 @@ from attnhub.quant import (
 )
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
 
+if TYPE_CHECKING:
+    from attnhub.backend import AttentionBackend, AttentionImpl
+
 __all__ = [
     "FP8_TEST_SCALES",
     "ROUNDING_FLOORS",
@@ -51,10 +55,13 @@ __all__ = [
     "accuracy_mismatch",
     "alibi_slopes",
     "assert_within",
+    "bad_layer_calls",
     "blocks_needed",
     "cache_after_write",
     "cache_differences",
+    "call_outcome",
     "capped_tolerance",
+    "checked_in_full",
     "fill_cache_random",
     "generator",
     "make_batch",
@@ -735,3 +742,71 @@ def cache_differences(
                     f"{err:.4g})"
                 )
     return problems
+
+
+# --- the one-pass check of the usual layer call ----------------------------------------------
+
+
+def call_outcome(fn: Callable[[], object]) -> tuple[str, str]:
+    """``("ok", result shape)`` or ``(exception type, message)``: what a call did, to compare
+    two ways of making it."""
+    try:
+        result = fn()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", "" if not isinstance(result, torch.Tensor) else str(tuple(result.shape))
+
+
+def checked_in_full(impl: AttentionImpl, call: Callable[[], object]) -> object:
+    """``call`` with ``AttentionImpl``'s one-pass test of the usual layer call switched off on
+    this instance: every check runs one by one (``AttentionImpl._usual_call``)."""
+    impl._usual_call = lambda *args: False  # type: ignore[method-assign]
+    impl._usual_step = lambda *args: False  # type: ignore[method-assign]
+    try:
+        return call()
+    finally:
+        del impl._usual_call, impl._usual_step
+
+
+def bad_layer_calls(
+    backend: AttentionBackend, call: dict[str, Any]
+) -> dict[str, dict[str, Any]]:  # name -> forward arguments
+    """A good layer call's arguments (``query, key, value, cache, meta, output``, a step of
+    ``backend`` with at least 2 query heads and tokens) made wrong in one way each, by name:
+    every one must be refused, with the same error whichever path checks it."""
+    from attnhub.backend import AttentionMetadata  # attnhub.backend needs no testing helper
+
+    q, k, v, cache, meta = call["query"], call["key"], call["value"], call["cache"], call["meta"]
+    T, D, n = q.shape[0], q.shape[-1], meta.batch.num_actual_tokens
+    spec = backend.spec
+    narrow = replace(spec, num_heads=spec.num_heads // spec.num_kv_heads, num_kv_heads=1)
+    other = type(backend)(narrow, backend.device, emulate=backend.emulated)
+    return {
+        "foreign meta": {**call, "meta": AttentionMetadata(batch=meta.batch)},
+        "not a meta": {**call, "meta": object()},
+        "meta without extents": {**call, "meta": replace(meta, extents=None)},
+        "query float16": {**call, "query": q.half()},
+        "query heads": {**call, "query": q[:, :1]},
+        "query head size": {**call, "query": q[..., : D // 2]},
+        "query 2-D": {**call, "query": q.flatten(1)},
+        "query short": {**call, "query": q[: n - 1]},
+        "query a list": {**call, "query": q.tolist()},
+        "key without value": {**call, "value": None},
+        "value without key": {**call, "key": None},
+        "key heads": {**call, "key": torch.cat([k, k], dim=1)},
+        "value head size": {**call, "value": v[..., : D // 2]},
+        "key short": {**call, "key": k[: T - 1], "value": v[: T - 1]},
+        "key and value rows differ": {**call, "value": torch.cat([v, v[:1]])},
+        "key float16": {**call, "key": k.half()},
+        "value a list": {**call, "value": v.tolist()},
+        "output shape": {**call, "output": torch.empty_like(q)[: T - 1]},
+        "output dtype": {**call, "output": torch.empty_like(q, dtype=torch.float16)},
+        "output a list": {**call, "output": []},
+        "cache too small": {**call, "cache": backend.allocate_kv_cache(2)},
+        "cache of another geometry": {**call, "cache": other.allocate_kv_cache(40)},
+        "cache not a cache": {**call, "cache": object()},
+        "cache of another dtype": {
+            **call,
+            "cache": replace(cache, key=cache.key.half(), value=cache.value.half()),
+        },
+    }

@@ -7,38 +7,26 @@ backend's tests hold its own checks to the same (backends/ascend/tests/test_asce
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from attnhub import AttentionMetadata, AttentionSpec, PagedKVCache
+from attnhub import AttentionSpec, PagedKVCache
 from attnhub.errors import InvalidInputError
-from attnhub.testing import fill_cache_random, generator, make_batch, random_qkv
+from attnhub.testing import (
+    bad_layer_calls,
+    call_outcome,
+    checked_in_full,
+    fill_cache_random,
+    generator,
+    make_batch,
+    random_qkv,
+)
 from attnhub.torch_backend import TorchAttentionImpl, TorchBackend
 
 SPEC = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, block_size=16)
 Call = dict[str, Any]
-
-
-def _outcome(fn: Callable[[], object]) -> tuple[str, str]:
-    try:
-        result = fn()
-    except Exception as exc:
-        return type(exc).__name__, str(exc)
-    return "ok", "" if not isinstance(result, torch.Tensor) else str(tuple(result.shape))
-
-
-def _checked_in_full(impl: TorchAttentionImpl, call: Callable[[], object]) -> object:
-    """``call`` with the one-pass test switched off on this instance."""
-    impl._usual_call = lambda *args: False  # type: ignore[method-assign]
-    impl._usual_step = lambda *args: False  # type: ignore[method-assign]
-    try:
-        return call()
-    finally:
-        del impl._usual_call, impl._usual_step
 
 
 def _warm() -> tuple[TorchBackend, TorchAttentionImpl, Call]:
@@ -54,42 +42,7 @@ def _warm() -> tuple[TorchBackend, TorchAttentionImpl, Call]:
     return backend, impl, dict(query=q, key=k, value=v, cache=cache, meta=meta, output=None)
 
 
-def _wrong(backend: TorchBackend, c: Call) -> dict[str, Call]:
-    q, k, v, cache = c["query"], c["key"], c["value"], c["cache"]
-    T = q.shape[0]
-    small = TorchBackend(dataclasses.replace(SPEC, num_kv_heads=1, num_heads=4))
-    return {
-        "foreign meta": {**c, "meta": AttentionMetadata(batch=c["meta"].batch)},
-        "not a meta": {**c, "meta": object()},
-        "meta without extents": {**c, "meta": dataclasses.replace(c["meta"], extents=None)},
-        "query float16": {**c, "query": q.half()},
-        "query heads": {**c, "query": q[:, :2]},
-        "query head size": {**c, "query": q[..., :32]},
-        "query 2-D": {**c, "query": q.flatten(1)},
-        "query short": {**c, "query": q[: T - 4]},
-        "query a list": {**c, "query": q.tolist()},
-        "key without value": {**c, "value": None},
-        "value without key": {**c, "key": None},
-        "key heads": {**c, "key": k[:, :1]},
-        "value head size": {**c, "value": v[..., :32]},
-        "key short": {**c, "key": k[: T - 1], "value": v[: T - 1]},
-        "key and value rows differ": {**c, "value": torch.cat([v, v[:1]])},
-        "key float16": {**c, "key": k.half()},
-        "value a list": {**c, "value": v.tolist()},
-        "output shape": {**c, "output": torch.empty_like(q)[: T - 1]},
-        "output dtype": {**c, "output": torch.empty_like(q, dtype=torch.float16)},
-        "output a list": {**c, "output": []},
-        "cache too small": {**c, "cache": backend.allocate_kv_cache(2)},
-        "cache of another geometry": {**c, "cache": small.allocate_kv_cache(40)},
-        "cache not a cache": {**c, "cache": object()},
-        "cache of another dtype": {
-            **c,
-            "cache": dataclasses.replace(cache, key=cache.key.half(), value=cache.value.half()),
-        },
-    }
-
-
-WRONG = list(_wrong(*_warm()[::2]))
+WRONG = list(bad_layer_calls(*_warm()[::2]))
 
 
 def test_the_usual_call_takes_the_one_pass_path() -> None:
@@ -105,10 +58,14 @@ def test_the_usual_call_takes_the_one_pass_path() -> None:
 @pytest.mark.parametrize("case", [*WRONG, "good", "no new keys"])
 def test_forward_checks_accept_and_refuse_exactly_as_the_full_checks(case: str) -> None:
     backend, impl, c = _warm()
-    calls = {**_wrong(backend, c), "good": c, "no new keys": {**c, "key": None, "value": None}}
+    calls = {
+        **bad_layer_calls(backend, c),
+        "good": c,
+        "no new keys": {**c, "key": None, "value": None},
+    }
     call = calls[case]
-    full = _outcome(lambda: _checked_in_full(impl, lambda: impl.check_forward(**call)))
-    fast = _outcome(lambda: impl.check_forward(**call))
+    full = call_outcome(lambda: checked_in_full(impl, lambda: impl.check_forward(**call)))
+    fast = call_outcome(lambda: impl.check_forward(**call))
     assert fast == full
     if case not in ("good", "no new keys"):
         assert full[0] != "ok", f"{case}: the full checks accepted it, the case tests nothing"
@@ -119,7 +76,7 @@ def test_forward_checks_accept_and_refuse_exactly_as_the_full_checks(case: str) 
 )
 def test_write_kv_meta_checks_accept_and_refuse_exactly_as_the_full_checks(case: str) -> None:
     backend, impl, c = _warm()
-    call = {**_wrong(backend, c), "good": c, "own slots": c}[case]
+    call = {**bad_layer_calls(backend, c), "good": c, "own slots": c}[case]
     args = (call["key"], call["value"], call["cache"])
     slots = (
         call["meta"].batch.slot_mapping
@@ -128,10 +85,10 @@ def test_write_kv_meta_checks_accept_and_refuse_exactly_as_the_full_checks(case:
     )
     cache = call["cache"]
     before = cache.clone() if isinstance(cache, PagedKVCache) else None
-    full = _outcome(
-        lambda: _checked_in_full(impl, lambda: impl.write_kv(*args, slots, meta=call["meta"]))
+    full = call_outcome(
+        lambda: checked_in_full(impl, lambda: impl.write_kv(*args, slots, meta=call["meta"]))
     )
-    fast = _outcome(lambda: impl.write_kv(*args, slots, meta=call["meta"]))
+    fast = call_outcome(lambda: impl.write_kv(*args, slots, meta=call["meta"]))
     assert fast == full
     if case not in ("good", "own slots"):
         assert full[0] != "ok", f"{case}: the full checks accepted it, the case tests nothing"

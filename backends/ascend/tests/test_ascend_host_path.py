@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
 from typing import Any
 
 import ascend_helpers as h
@@ -16,7 +15,7 @@ import torch
 from attnhub_ascend import AscendAttentionState, AscendBackend, emulator
 from attnhub_ascend.backend import RESHAPE_AND_CACHE, AscendAttentionImpl
 
-from attnhub import AttentionMetadata
+from attnhub import testing
 from attnhub.errors import InvalidInputError
 from attnhub.spec import AttentionType
 
@@ -26,27 +25,8 @@ FIA = "npu_fused_infer_attention_score.out"
 Call = dict[str, Any]
 
 
-def _outcome(fn: Callable[[], object]) -> tuple[str, str]:
-    try:
-        result = fn()
-    except Exception as exc:
-        return type(exc).__name__, str(exc)
-    return "ok", "" if not isinstance(result, torch.Tensor) else str(tuple(result.shape))
-
-
-def _checked_in_full(impl: AscendAttentionImpl, call: Callable[[], object]) -> object:
-    """``call`` with the core's one-pass test of the usual call switched off on this instance:
-    every check run one by one, as before it existed."""
-    impl._usual_call = lambda *args: False  # type: ignore[method-assign]
-    impl._usual_step = lambda *args: False  # type: ignore[method-assign]
-    try:
-        return call()
-    finally:
-        del impl._usual_call, impl._usual_step
-
-
 def _core_check_forward(impl: AscendAttentionImpl, c: Call) -> object:
-    return _checked_in_full(impl, lambda: impl.check_forward(**c))
+    return testing.checked_in_full(impl, lambda: impl.check_forward(**c))
 
 
 def _warm() -> tuple[h.Step, AscendAttentionImpl, Call]:
@@ -60,51 +40,13 @@ def _warm() -> tuple[h.Step, AscendAttentionImpl, Call]:
     return st, impl, call
 
 
-def _short_cache(st: h.Step) -> Any:
-    """A cache of the spec's geometry too small for the step's blocks and slots."""
-    return st.backend.allocate_kv_cache(2)
-
-
 def _wrong(st: h.Step, c: Call) -> dict[str, Call]:
-    q, k, v = st.query, st.key, st.value
-    T = q.shape[0]
-    return {
-        "foreign meta": {**c, "meta": AttentionMetadata(batch=st.batch)},
-        "not a meta": {**c, "meta": object()},
-        "meta without extents": {
-            **c,
-            "meta": dataclasses.replace(c["meta"], extents=None),
-        },
-        "query float16": {**c, "query": q.half()},
-        "query heads": {**c, "query": q[:, :2]},
-        "query head size": {**c, "query": q[..., :32]},
-        "query 2-D": {**c, "query": q.flatten(1)},
-        "query short": {**c, "query": q[: T - 4]},
-        "query a list": {**c, "query": q.tolist()},
-        "key without value": {**c, "value": None},
-        "value without key": {**c, "key": None},
-        "key heads": {**c, "key": k[:, :1]},
-        "value head size": {**c, "value": v[..., :32]},
-        "key short": {**c, "key": k[: T - 1], "value": v[: T - 1]},
-        "key and value rows differ": {**c, "value": torch.cat([v, v[:1]])},
-        "key float16": {**c, "key": k.half()},
-        "value a list": {**c, "value": v.tolist()},
-        "output shape": {**c, "output": torch.empty_like(q)[: T - 1]},
-        "output dtype": {**c, "output": torch.empty_like(q, dtype=torch.float16)},
-        "output a list": {**c, "output": []},
-        "cache too small": {**c, "cache": _short_cache(st)},
-        "cache of another geometry": {
-            **c,
-            "cache": h.backend(h.spec(num_kv_heads=1, num_heads=4)).allocate_kv_cache(40),
-        },
-        "cache strided": {**c, "cache": _strided(st)},
-    }
-
-
-def _strided(st: h.Step) -> Any:
+    """The core's catalogue of bad layer calls, and Ascend's own: a strided cache (its kernels
+    need contiguous planes)."""
     d = st.cache.key.shape[-1]
     doubled = torch.zeros((*st.cache.key.shape[:-1], 2 * d), dtype=st.cache.key.dtype)
-    return dataclasses.replace(st.cache, key=doubled[..., :d], value=doubled[..., d:])
+    strided = dataclasses.replace(st.cache, key=doubled[..., :d], value=doubled[..., d:])
+    return {**testing.bad_layer_calls(st.backend, c), "cache strided": {**c, "cache": strided}}
 
 
 WRONG = list(_wrong(*_warm()[::2]))  # the names of the bad calls
@@ -125,8 +67,8 @@ def test_forward_checks_accept_and_refuse_exactly_as_the_cores(case: str) -> Non
     st, impl, c = _warm()
     calls = {**_wrong(st, c), "good": c, "no new keys": {**c, "key": None, "value": None}}
     call = calls[case]
-    core = _outcome(lambda: _core_check_forward(impl, call))
-    fast = _outcome(lambda: impl.check_forward(**call))
+    core = testing.call_outcome(lambda: _core_check_forward(impl, call))
+    fast = testing.call_outcome(lambda: impl.check_forward(**call))
     assert fast == core
     if case not in ("good", "no new keys"):
         assert core[0] != "ok", f"{case}: the core accepted it, the case tests nothing"
@@ -142,10 +84,12 @@ def test_write_kv_meta_checks_accept_and_refuse_exactly_as_the_cores(case: str) 
     args = (call["key"], call["value"], call["cache"])
     slots = st.batch.slot_mapping if case == "own slots" else None
     before = call["cache"].clone() if hasattr(call["cache"], "clone") else None
-    core = _outcome(
-        lambda: _checked_in_full(impl, lambda: impl.write_kv(*args, slots, meta=call["meta"]))
+    core = testing.call_outcome(
+        lambda: testing.checked_in_full(
+            impl, lambda: impl.write_kv(*args, slots, meta=call["meta"])
+        )
     )
-    fast = _outcome(lambda: impl.write_kv(*args, slots, meta=call["meta"]))
+    fast = testing.call_outcome(lambda: impl.write_kv(*args, slots, meta=call["meta"]))
     assert fast == core
     if case not in ("good", "own slots"):
         assert core[0] != "ok", f"{case}: the core accepted it, the case tests nothing"
@@ -156,7 +100,9 @@ def test_write_kv_meta_checks_accept_and_refuse_exactly_as_the_cores(case: str) 
 def test_write_kv_with_another_slot_tensor_than_the_steps_is_refused_as_by_the_core() -> None:
     st, impl, c = _warm()
     other = st.batch.slot_mapping.clone()
-    outcome = _outcome(lambda: impl.write_kv(st.key, st.value, st.cache, other, meta=c["meta"]))
+    outcome = testing.call_outcome(
+        lambda: impl.write_kv(st.key, st.value, st.cache, other, meta=c["meta"])
+    )
     assert outcome[0] == "InvalidInputError" and "slot_mapping is not meta.batch" in outcome[1]
 
 
@@ -167,7 +113,7 @@ def test_a_non_causal_step_without_new_keys_is_refused_on_the_one_pass_path_too(
     impl = st.backend.impl()
     impl.forward(st.query, st.key, st.value, st.cache, meta)
     call: Call = dict(query=st.query, key=None, value=None, cache=st.cache, meta=meta, output=None)
-    outcome = _outcome(lambda: impl.check_forward(**call))
+    outcome = testing.call_outcome(lambda: impl.check_forward(**call))
     assert outcome[0] == "InvalidInputError" and "key and value must be given" in outcome[1]
 
 
