@@ -13,6 +13,7 @@ so that the reference can be computed from the query the kernels actually use.
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 import torch
 
@@ -98,14 +99,19 @@ QUERY_QUANTIZATIONS: dict[str, str] = {
 }
 
 
+_Scheme = TypeVar("_Scheme", bound=enum.Enum)
+
+
+def _scheme(kind: type[_Scheme], name: object, what: str, known: dict[str, str]) -> _Scheme:
+    try:
+        return kind(name)
+    except ValueError:
+        raise UnknownNameError(f"{what} {name!r} is unknown; known: {', '.join(known)}") from None
+
+
 def query_quantization(name: str | QueryQuantization) -> QueryQuantization:
     """The scheme called ``name``; :class:`~attnhub.errors.UnknownNameError` for another."""
-    try:
-        return QueryQuantization(name)
-    except ValueError:
-        raise UnknownNameError(
-            f"query quantization {name!r} is unknown; known: {', '.join(QUERY_QUANTIZATIONS)}"
-        ) from None
+    return _scheme(QueryQuantization, name, "query quantization", QUERY_QUANTIZATIONS)
 
 
 def simulate_query_quantization(
@@ -168,13 +174,9 @@ _E4M3_SUBNORMAL_ERROR = 2.0**-10 / _FP8_PROB_MAX
 
 def probability_quantization(name: str | ProbabilityQuantization) -> ProbabilityQuantization:
     """The scheme called ``name``; :class:`~attnhub.errors.UnknownNameError` for another."""
-    try:
-        return ProbabilityQuantization(name)
-    except ValueError:
-        raise UnknownNameError(
-            f"probability quantization {name!r} is unknown; known: "
-            f"{', '.join(PROBABILITY_QUANTIZATIONS)}"
-        ) from None
+    return _scheme(
+        ProbabilityQuantization, name, "probability quantization", PROBABILITY_QUANTIZATIONS
+    )
 
 
 def round_probabilities(

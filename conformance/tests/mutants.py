@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import ClassVar
 
 import torch
 
@@ -263,8 +264,22 @@ class QueryQuantizingImpl(TorchAttentionImpl):
         super().attend(q, key, value, cache, meta, out)  # type: ignore[arg-type]
 
 
-class OverclaimsAccuracyBackend(TorchBackend):
+class QuantizedCacheMutant(TorchBackend):
+    """A torch backend whose impl over a quantized cache is ``quantized_impl`` (the plain one
+    over an unquantized cache)."""
+
+    quantized_impl: ClassVar[type[TorchAttentionImpl]] = TorchAttentionImpl
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        cls = TorchAttentionImpl if self.spec.kv_cache_dtype == "auto" else self.quantized_impl
+        return cls(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+class OverclaimsAccuracyBackend(QuantizedCacheMutant):
     name = "overclaims_accuracy"
+    quantized_impl = QueryQuantizingImpl
     capabilities = replace(
         TorchBackend.capabilities,
         kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
@@ -272,13 +287,6 @@ class OverclaimsAccuracyBackend(TorchBackend):
         # fp8 e4m3 keys and values alone err by a few percent: 0.005 is a bound it cannot meet
         quantization_accuracy={"fp8_e4m3": attnhub.AccuracyBound(0.005, 0.99999)},
     )
-
-    def impl(
-        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
-    ) -> TorchAttentionImpl:
-        if self.spec.kv_cache_dtype == "auto":
-            return TorchAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
-        return QueryQuantizingImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 # --- 9. rounds its probabilities (declared), and reads V with a scale 3% off -----------------
@@ -297,13 +305,14 @@ class ValueScaleOffImpl(TorchAttentionImpl):
         super().attend(query, key, value, off, meta, out)
 
 
-class ValueScaleOffBackend(TorchBackend):
+class ValueScaleOffBackend(QuantizedCacheMutant):
     """Declares that it rounds the softmax probabilities to fp8 (as FlashAttention-3 does),
     which widens the same-inputs tolerance by up to 6% of the weighted |V|: a 3% scale error
     hides inside that elementwise, but not from the bias check against a plain computation
     that rounds them too."""
 
     name = "value_scale_off"
+    quantized_impl = ValueScaleOffImpl
     capabilities = replace(
         TorchBackend.capabilities,
         dtypes=frozenset({torch.bfloat16}),
@@ -311,13 +320,6 @@ class ValueScaleOffBackend(TorchBackend):
         probability_quantization={"fp8_e4m3": "fp8_e4m3"},
         quantization_accuracy={"fp8_e4m3": attnhub.AccuracyBound(1.0, 0.9)},
     )
-
-    def impl(
-        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
-    ) -> TorchAttentionImpl:
-        if self.spec.kv_cache_dtype == "auto":
-            return TorchAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
-        return ValueScaleOffImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 MUTANTS = (

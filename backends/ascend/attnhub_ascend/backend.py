@@ -522,6 +522,16 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         if sparse.needs_mask:  # FIA takes int8 (vllm-ascend's); npu_fusion_attention bool
             mask = compressed_causal_mask(self.backend.device, torch.int8 if causal else torch.bool)
         slot_mapping, write_rows = self._kv_write_rows(batch, facts)
+        common: dict[str, Any] = dict(  # what every kind of step's metadata holds
+            batch=batch,
+            common_prefix_len=common_prefix_len,
+            reorder_batch_threshold=threshold,
+            num_actual_tokens=n,
+            sparse=sparse,
+            atten_mask=mask,
+            slot_mapping=slot_mapping,
+            write_rows=write_rows,
+        )
         if B and batch.max_query_len == 1:  # one token per request: the ends are 1..B
             query_ends = _UNIT_ENDS[:B] if B <= MAX_FIA_BATCH else tuple(range(1, B + 1))
         else:
@@ -539,16 +549,9 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                 )
             cross = spec.attn_type is AttentionType.ENCODER_DECODER
             return AscendAttentionMetadata(
-                batch=batch,
-                common_prefix_len=common_prefix_len,
-                reorder_batch_threshold=threshold,
-                num_actual_tokens=n,
+                **common,
                 packed=True,
-                sparse=sparse,
-                atten_mask=mask,
                 kernel_tokens=n,
-                slot_mapping=slot_mapping,
-                write_rows=write_rows,
                 query_ends=query_ends,
                 kv_lengths=tuple(np.cumsum(seq_lens).tolist()),  # cumulative KV ends
                 kv_slots=(
@@ -579,28 +582,11 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
             padded = self._window_decode_rows(batch, facts)
             if padded:
                 return AscendAttentionMetadata(
-                    batch=batch,
-                    common_prefix_len=common_prefix_len,
-                    reorder_batch_threshold=threshold,
-                    num_actual_tokens=n,
-                    sparse=sparse,
-                    atten_mask=mask,
-                    slot_mapping=slot_mapping,
-                    write_rows=write_rows,
-                    block_table=table,
-                    kv_lengths=kv_lengths,
-                    **padded,
+                    **common, block_table=table, kv_lengths=kv_lengths, **padded
                 )
         return AscendAttentionMetadata(
-            batch=batch,
-            common_prefix_len=common_prefix_len,
-            reorder_batch_threshold=threshold,
-            num_actual_tokens=n,
-            sparse=sparse,
-            atten_mask=mask,
+            **common,
             kernel_tokens=n,
-            slot_mapping=slot_mapping,
-            write_rows=write_rows,
             block_table=table,
             query_ends=query_ends,
             kv_lengths=kv_lengths,
