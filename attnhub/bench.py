@@ -20,7 +20,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from types import ModuleType
 from typing import Any
@@ -514,10 +514,14 @@ def run_all(
 
 
 def report(
-    results: list[BenchResult] | list[HostOverhead], where: Machine, run: Run | None = None
+    results: list[BenchResult] | list[HostOverhead],
+    where: Machine,
+    run: Run | None = None,
+    host: list[HostOverhead] | None = None,
 ) -> dict[str, object]:
     """The JSON a run writes: the machine it ran on, then every result (and, for a kernel run,
-    the measured ceilings, the achieved GB/s and GFLOP/s, the direct comparisons, the skips)."""
+    the measured ceilings, the achieved GB/s and GFLOP/s, the direct comparisons, the skips;
+    ``host``: the host-overhead rows of the same run, ``attnhub bench --all``)."""
     rows: list[dict[str, object]] = []
     for r in results:
         row = asdict(r)
@@ -530,6 +534,8 @@ def report(
         doc["ceilings"] = asdict(run.ceilings)
         doc["direct"] = [{**asdict(d), "meets_goal": d.meets_goal} for d in run.direct]
         doc["skipped"] = [asdict(s) for s in run.skipped]
+    if host is not None:
+        doc["host"] = [asdict(r) for r in host]
     return doc
 
 
@@ -557,12 +563,57 @@ def _pyplot() -> ModuleType:  # matplotlib.pyplot
     return plt
 
 
-def plot(run: Run, path: str, where: Machine | None = None) -> None:
+def plot(
+    run: Run, path: str, where: Machine | None = None, host: list[HostOverhead] | None = None
+) -> None:
     """Achieved bandwidth (decode: K+V bytes read / time) and FLOP/s (prefill) of every backend,
     dense SDPA, and the direct kernel comparisons (hatched), per dtype, against the ceilings
-    measured in the same run (needs matplotlib: ``pip install 'attnhub[plot]'``)."""
+    measured in the same run; with ``host`` (the same run's host-overhead rows) the
+    host-overhead curve below them (needs matplotlib: ``pip install 'attnhub[plot]'``).
+    Returns the (closed) figure."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    if host is None:
+        fig = _figure(plt, (13, 5))
+        _draw_throughput(fig.subplots(1, 2), run, _colors(r.backend for r in run.results))
+    else:
+        # one color per backend in both parts (an emulated backend's host rows are labelled so)
+        colors = _colors([*(r.backend for r in run.results), *(r.backend for r in host)])
+        fig = _figure(plt, (13, 9.5))
+        top, bottom = fig.subfigures(2, 1, height_ratios=(5, 4))
+        _draw_throughput(top.subplots(1, 2), run, colors)
+        _draw_host(bottom.subplots(1, 3, sharex=True), host, colors)
+    return _finish(fig, path, where)
+
+
+def _colors(labels: Iterable[str]) -> Callable[[str], str]:
+    """A backend's color from its name (its label less " (emulated)"): dense SDPA grey, the
+    others matplotlib's cycle in order of appearance."""
+    names = list(dict.fromkeys(label.split(" (")[0] for label in labels if label != DENSE))
+    cycle = {name: f"C{i}" for i, name in enumerate(names)}
+
+    def color(label: str) -> str:
+        return "grey" if label == DENSE else cycle.get(label.split(" (")[0].split(":")[0], "k")
+
+    return color
+
+
+def _figure(plt: ModuleType, size: tuple[float, float]) -> Any:
+    """A figure laid out by matplotlib's constrained layout, a strip left at the bottom for the
+    machine line."""
+    fig = plt.figure(figsize=size, layout="constrained")
+    fig.get_layout_engine().set(rect=(0, 0.03, 1, 0.97))
+    return fig
+
+
+def _finish(fig: Any, path: str, where: Machine | None) -> Any:
+    if where is not None:
+        fig.text(0.01, 0.005, where.describe(), fontsize=7, color="grey")
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return fig
+
+
+def _draw_throughput(axes: Any, run: Run, color: Callable[[str], str]) -> None:
     ceil = run.ceilings
     for ax, kind in zip(axes, ("decode", "prefill"), strict=True):
         rows = [r for r in run.results if r.kind == kind]
@@ -580,7 +631,6 @@ def plot(run: Run, path: str, where: Machine | None = None) -> None:
                 )
         dtypes = list(dict.fromkeys(r.dtype for r in rows))
         width = 0.8 / max(len(bars), 1)
-        colors: dict[str, str] = {}  # a backend's direct comparison in the backend's color
         for j, (label, values) in enumerate(bars.items()):
             xs = [i - 0.4 + width * (j + 0.5) for i, dt in enumerate(dtypes) if dt in values]
             ys = [values[dt] for dt in dtypes if dt in values]
@@ -590,7 +640,7 @@ def plot(run: Run, path: str, where: Machine | None = None) -> None:
                 ys,
                 width,
                 label=label,
-                color=colors.setdefault(label.split(":")[0], "grey" if label == DENSE else f"C{j}"),
+                color=color(label),  # a backend's direct comparison in the backend's color
                 hatch="//" if direct else None,
                 edgecolor="white" if direct else None,
             )
@@ -627,10 +677,6 @@ def plot(run: Run, path: str, where: Machine | None = None) -> None:
         ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
         ax.legend(fontsize=7, loc="upper right")
         ax.grid(True, axis="y", alpha=0.3)
-    if where is not None:
-        fig.text(0.01, 0.01, where.describe(), fontsize=7, color="grey")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=120)
 
 
 # --- host overhead ---------------------------------------------------------------------------
@@ -936,15 +982,21 @@ def vllm_host_overhead(step: str | int = "decode x1") -> HostOverhead:
     )
 
 
-def plot_host(rows: list[HostOverhead], path: str, where: Machine | None = None) -> None:
+def plot_host(rows: list[HostOverhead], path: str, where: Machine | None = None) -> Any:
     """The host-overhead curve over batch size: per-step ``build`` and per-layer ``forward``
     wrapper / ``write_kv(meta=)`` of every backend on the decode steps, vLLM's CPU backend
     dashed where it was timed (needs matplotlib: ``pip install 'attnhub[plot]'``)."""
     plt = _pyplot()
+    fig = _figure(plt, (13, 4))
+    _draw_host(fig.subplots(1, 3, sharex=True), rows, _colors(r.backend for r in rows))
+    return _finish(fig, path, where)
+
+
+def _draw_host(axes: Any, rows: list[HostOverhead], color: Callable[[str], str]) -> None:
+    from matplotlib.ticker import LogLocator, ScalarFormatter
+
     decode = [r for r in rows if r.step.startswith("decode")]
     backends = list(dict.fromkeys(r.backend for r in decode))
-    colors = {name: f"C{i}" for i, name in enumerate(backends)}  # one color per backend
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4), sharex=True)
     for ax, (field_name, title) in zip(
         axes,
         (
@@ -965,17 +1017,18 @@ def plot_host(rows: list[HostOverhead], path: str, where: Machine | None = None)
                 [p[1] for p in pts],
                 marker="o",
                 linestyle="--" if name == VLLM_CPU else "-",
-                color=colors[name],
+                color=color(name),
                 label=name,
             )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())  # 40, not 4 x 10^1
+        ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 3.0, 5.0)))
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
+        sizes = sorted({r.num_reqs for r in decode})
+        ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.set_xlabel("decode requests per step")
         ax.set_ylabel("host time, us (CPU time, median)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    if where is not None:
-        fig.text(0.01, 0.01, where.describe(), fontsize=7, color="grey")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=120)

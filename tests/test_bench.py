@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 
 import pytest
@@ -242,6 +243,50 @@ def test_plot_draws_bandwidth_and_flops_against_the_ceilings(tmp_path) -> None:
     path = tmp_path / "throughput.png"
     bench.plot(bench.Run(rows, ceilings, [], []), str(path), bench.machine())
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_run_reports_kernels_direct_comparisons_and_host_overhead(tmp_path) -> None:
+    """``--all``: issue 16's whole report from one run, in one JSON and one figure."""
+    out, png = tmp_path / "all.json", tmp_path / "all.png"
+    argv = ["bench", "--all", "--quick", "--repeats", "1", "--backend", "torch"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        argv += ["--plot", str(png)]
+    assert main([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {r["backend"] for r in doc["results"]} == {bench.DENSE, "torch"}
+    assert {"ceilings", "direct", "skipped"} <= set(doc)
+    ours = [r for r in doc["host"] if r["backend"] == "torch"]  # (and vLLM's, where installed)
+    assert [r["step"] for r in ours] == list(bench.HOST_STEPS)
+    assert {r["backend"] for r in doc["host"]} <= {"torch", bench.VLLM_CPU}
+    assert all(r["build_us"] > 0 for r in ours)
+    assert png.exists() == ("--plot" in argv)
+
+
+def test_one_figure_holds_the_throughput_and_the_host_curve_in_one_color_per_backend(
+    tmp_path,
+) -> None:
+    pytest.importorskip("matplotlib")
+    rows = [
+        bench.BenchResult(c, b, "float32", ms, 1.0, ms, None, 0.0, kind, 10**8, 10**10)
+        for c, kind in (("decode 32x2048", "decode"), ("prefill 1x2048", "prefill"))
+        for b, ms in ((bench.DENSE, 1.0), ("torch", 2.0), ("ascend", 3.0))
+    ]
+    host = [
+        bench.HostOverhead(name, f"decode x{n}", n, 10.0 * n**0.1, 5.0, 4.0, True)
+        for name in ("ascend (emulated)", "torch")
+        for n in (1, 32, 256)
+    ]
+    ceilings = bench.Ceilings(200.0, 1 << 28, {"float32": 50.0}, 2048)
+    fig = bench.plot(bench.Run(rows, ceilings, [], []), str(tmp_path / "f.png"), host=host)
+    titles = [ax.get_title() for ax in fig.get_axes()]
+    assert len(titles) == 5 and titles[2] == "build() per step"
+    bars = {c.get_label(): c.patches[0].get_facecolor() for c in fig.get_axes()[0].containers}
+    lines = {ln.get_label(): ln.get_color() for ln in fig.get_axes()[2].get_lines()}
+    from matplotlib.colors import to_rgba
+
+    assert to_rgba(lines["torch"]) == bars["torch"]
+    assert to_rgba(lines["ascend (emulated)"]) == bars["ascend"]
+    assert bars[bench.DENSE] == to_rgba("grey")
 
 
 def test_a_dtypes_compute_ceiling_is_never_under_float32s() -> None:
