@@ -160,7 +160,7 @@ def _slot_outside(i: int, slot: int, cache: PagedKVCache) -> str:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~1.3 us more per step
 class StepExtents:
     """Upper bounds of the cache addresses a step uses, found once per step on its host copies.
     ``check_extents`` compares them with a cache; only when one does not fit does it look at
@@ -365,34 +365,32 @@ def check_step(spec: AttentionSpec, batch: BatchMetadata, device: torch.device) 
 
 def _structure_ok(batch: BatchMetadata, dev: torch.device) -> bool:
     """BatchMetadata.validate's shape, dtype and device conditions, all at once."""
+    # (``is_cpu`` and whole-shape comparisons: ``t.device.type`` costs ~0.45 us, ``is_cpu``
+    # 0.06; this runs on every step)
     ints = _INT_DTYPES
     B = batch.num_reqs
     qsl, seq = batch.query_start_loc_cpu, batch.seq_lens_cpu
     table, slots = batch.block_table, batch.slot_mapping
     if not (
-        qsl.dim() == 1
-        and qsl.shape[0] == B + 1
-        and seq.dim() == 1
-        and seq.shape[0] == B
+        qsl.shape == (B + 1,)
+        and seq.shape == (B,)
         and batch.query_start_loc.dtype in ints
         and batch.seq_lens.dtype in ints
         and table.dtype in ints
         and slots.dtype in ints
         and qsl.dtype in ints
         and seq.dtype in ints
-        and qsl.device.type == "cpu"
-        and seq.device.type == "cpu"
+        and qsl.is_cpu
+        and seq.is_cpu
         and batch.seq_lens.device == dev
         and table.device == dev
         and slots.device == dev
-        and table.dim() == 2
+        and table.ndim == 2
         and table.shape[0] == B
     ):
         return False
     for copy, t in ((batch.block_table_cpu, table), (batch.slot_mapping_cpu, slots)):
-        if copy is not None and not (
-            copy.shape == t.shape and copy.device.type == "cpu" and copy.dtype in ints
-        ):
+        if copy is not None and not (copy.shape == t.shape and copy.is_cpu and copy.dtype in ints):
             return False
     return True
 
