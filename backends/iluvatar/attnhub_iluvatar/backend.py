@@ -23,7 +23,7 @@ docs/backends/iluvatar.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -54,6 +54,9 @@ BLOCK_ALIGN = 16  # the HND cache's block_size must be a multiple of 16 [callers
 #: about 40% headroom on the error and 1.5-3x on 1 - cosine.
 INT8_MAX_ABS, INT8_MIN_COS = 0.06, 0.9995
 INT8_K_MAX_ABS, INT8_K_MIN_COS = 0.05, 0.9997
+
+
+_MAX = np.maximum.reduce  # ufunc.reduce directly: ndarray.max() adds a Python wrapper
 
 
 def _int32(values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -93,6 +96,11 @@ class DecodePlan:
     #: Multi-token decode: [num_reqs + 1] int32 cumulative query ends, q passed packed. None:
     #: every decode has one token and q goes as (B, 1, H, D).
     cu_query_lens: torch.Tensor | None
+    #: The call's keyword arguments that are the same for every layer of a backend, made by
+    #: the first layer and reused by the others (keyed by the backend; see ``step_kwargs``).
+    kwargs: dict[Any, dict[str, Any]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,10 @@ class PrefillPlan:
     cu_seqlens_q: torch.Tensor  # [num_reqs + 1] int32, device, re-based to 0
     cu_seqlens_k: torch.Tensor  # [num_reqs + 1] int32, device: cumulative seq_lens
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, device
+    #: As ``DecodePlan.kwargs``.
+    kwargs: dict[Any, dict[str, Any]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
 
 @dataclass(frozen=True)
@@ -360,7 +372,7 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         if batch.max_query_len <= threshold:  # checked against the lengths by check_step
             return batch.num_reqs
         small = self._lengths[0] <= threshold
-        return int(np.argmin(small))  # the first request over it (there is one)
+        return int(small.argmin())  # the first request over it (there is one)
 
     def _paged_decodes(self, batch: BatchMetadata, nd: int) -> PagedPlan:
         """Mode 1: the leading one-token decodes, one kernel sequence each."""
@@ -417,7 +429,8 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         return bool(torch.equal(derived, slots))
 
     def _decode(self, batch: BatchMetadata, nd: int) -> DecodePlan:
-        dev = self.backend.device
+        """The leading ``nd`` decodes: their rows of the batch's device lengths and table (no
+        host copy), maxima from the host lengths build's checks read."""
         if nd == batch.num_reqs:  # the whole step: lengths and maxima as the batch holds them
             max_q = batch.max_query_len
             return DecodePlan(
@@ -430,34 +443,46 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
                 cu_query_lens=None if max_q == 1 else _as_int32(batch.query_start_loc),
             )
         q_lens, seq_lens, qsl = self._lengths
-        max_q = int(q_lens[:nd].max())
+        num_tokens = int(qsl[nd])
+        # as many tokens as decodes: every one has one token (none has 0: a request has one)
+        max_q = 1 if num_tokens == nd else int(_MAX(q_lens[:nd]))
         return DecodePlan(
             num_reqs=nd,
-            num_tokens=int(qsl[nd]),
+            num_tokens=num_tokens,
             max_query_len=max_q,
-            max_seq_len=int(seq_lens[:nd].max()),
-            seq_lens=_device_int32(seq_lens[:nd], dev),
+            max_seq_len=int(_MAX(seq_lens[:nd])),
+            seq_lens=_as_int32(batch.seq_lens[:nd]),
             block_table=_as_int32(batch.block_table[:nd]),
-            cu_query_lens=None if max_q == 1 else _device_int32(qsl[: nd + 1], dev),
+            # the decodes lead: their query ends are the batch's first nd + 1, from 0
+            cu_query_lens=None if max_q == 1 else _as_int32(batch.query_start_loc[: nd + 1]),
         )
 
     def _prefill(self, batch: BatchMetadata, nd: int) -> PrefillPlan:
+        """The requests from ``nd`` on: their query ends re-based to 0 and their cumulative KV
+        lengths, from the host lengths build's checks read; their rows of the batch's device
+        table. The whole step (no decodes before them): the batch's query ends as they are."""
         dev = self.backend.device
-        q_lens, all_seq_lens, all_qsl = self._lengths
-        qsl = all_qsl[nd:].astype(np.int64)
+        _, all_seq_lens, all_qsl = self._lengths
         seq_lens = all_seq_lens[nd:]
-        start = int(qsl[0])
-        ends = np.zeros(seq_lens.size + 1, dtype=np.int64)
-        np.cumsum(seq_lens, out=ends[1:])
+        cu_k = np.zeros(seq_lens.size + 1, dtype=np.int32)
+        np.add.accumulate(seq_lens, out=cu_k[1:])  # int32: check_step bounds every length
+        if nd:
+            start = int(all_qsl[nd])
+            cu_q = _device_int32(all_qsl[nd:] - start, dev)
+            table = batch.block_table[nd:]
+        else:
+            start, cu_q, table = 0, _as_int32(batch.query_start_loc), batch.block_table
         return PrefillPlan(
             num_reqs=batch.num_reqs - nd,
             token_start=start,
-            num_tokens=int(qsl[-1]) - start,
-            max_query_len=int(q_lens[nd:].max()),
-            max_seq_len=int(seq_lens.max()),
-            cu_seqlens_q=_device_int32(qsl - start, dev),
-            cu_seqlens_k=_device_int32(ends, dev),
-            block_table=_as_int32(batch.block_table[nd:]),
+            num_tokens=int(all_qsl[-1]) - start,
+            # the longest query is a prefill's: every decode before them is <= the threshold,
+            # and the first prefill is over it (checked against the lengths by check_step)
+            max_query_len=batch.max_query_len,
+            max_seq_len=int(_MAX(seq_lens)),
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=torch.from_numpy(cu_k).to(dev),
+            block_table=_as_int32(table),
         )
 
     def _cascade_prefix(self, common_prefix_len: int, causal: bool) -> int:
@@ -592,7 +617,9 @@ class IluvatarAttentionImpl(AttentionImpl):
         assert isinstance(meta, IluvatarAttentionMetadata) and meta.slot_mapping is not None
         n = meta.num_actual_tokens
         if n:
-            self._write(key[:n], value[:n], cache, meta.slot_mapping)
+            if key.shape[0] != n:  # padding rows past the step's tokens
+                key, value = key[:n], value[:n]
+            self._write(key, value, cache, meta.slot_mapping)
 
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor
@@ -680,26 +707,33 @@ class IluvatarAttentionImpl(AttentionImpl):
         self, query: torch.Tensor, cache: PagedKVCache, plan: DecodePlan, out: torch.Tensor
     ) -> None:
         t = plan.num_tokens
+        if query.shape[0] != t:  # prefills or padding follow (out is like query)
+            query, out = query[:t], out[:t]
         if plan.cu_query_lens is None:  # one token each: (B, 1, H, D)
-            q, o = query[:t].unsqueeze(1), out[:t].unsqueeze(1)
-            multi: dict[str, Any] = {}
-        else:  # multi-token decode: packed (T, H, D) with cumulative query ends [callers]
-            q, o = query[:t], out[:t]
-            multi = dict(max_query_len=plan.max_query_len, cu_query_lens=plan.cu_query_lens)
+            query, out = query.unsqueeze(1), out.unsqueeze(1)
+        # else multi-token decode: packed (T, H, D) with cumulative query ends [callers]
+        step = plan.kwargs.get(self.backend)
+        if step is None:
+            step = plan.kwargs[self.backend] = self._decode_kwargs(plan)
         self.backend.ops.contrib.vllm_flash_attn.flash_attn_with_kvcache(
-            q,
-            cache.key,
-            cache.value,
+            query, cache.key, cache.value, out=out, alibi_slopes=self.alibi_slopes, **step
+        )
+
+    def _decode_kwargs(self, plan: DecodePlan) -> dict[str, Any]:
+        """flash_attn_with_kvcache's keyword arguments but the layer's (out, ALiBi slopes)."""
+        kwargs: dict[str, Any] = dict(
             cache_seqlens=plan.seq_lens,
             block_table=plan.block_table,
             causal=True,
             window_size=self.causal_window,
             max_context_len=plan.max_seq_len,
             use_sqrt_alibi=False,
-            out=o,
-            **multi,
-            **self._shared(),
+            softmax_scale=self.spec.scale,
+            softcap=self.softcap,
         )
+        if plan.cu_query_lens is not None:
+            kwargs.update(max_query_len=plan.max_query_len, cu_query_lens=plan.cu_query_lens)
+        return kwargs
 
     def _attend_prefill(
         self,
@@ -709,11 +743,19 @@ class IluvatarAttentionImpl(AttentionImpl):
         causal: bool,
         out: torch.Tensor,
     ) -> None:
-        rows = slice(plan.token_start, plan.token_start + plan.num_tokens)
+        start, t = plan.token_start, plan.num_tokens
+        if start or query.shape[0] != t:  # decodes before them, or padding after
+            query, out = query[start : start + t], out[start : start + t]
+        step = plan.kwargs.get(self.backend)
+        if step is None:
+            step = plan.kwargs[self.backend] = self._prefill_kwargs(plan, causal)
         self.backend.ops.contrib.vllm_flash_attn.flash_attn_varlen_func(
-            query[rows],
-            cache.key,
-            cache.value,
+            query, cache.key, cache.value, out=out, alibi_slopes=self.alibi_slopes, **step
+        )
+
+    def _prefill_kwargs(self, plan: PrefillPlan, causal: bool) -> dict[str, Any]:
+        """flash_attn_varlen_func's keyword arguments but the layer's (out, ALiBi slopes)."""
+        return dict(
             cu_seqlens_q=plan.cu_seqlens_q,
             cu_seqlens_k=plan.cu_seqlens_k,  # cumulative, also with the paged cache [callers]
             max_seqlen_q=plan.max_query_len,
@@ -722,8 +764,8 @@ class IluvatarAttentionImpl(AttentionImpl):
             window_size=self.causal_window if causal else self.full_window,
             block_table=plan.block_table,
             sqrt_alibi=False,
-            out=out[rows],
-            **self._shared(),
+            softmax_scale=self.spec.scale,
+            softcap=self.softcap,
         )
 
     def _attend_cascade(
