@@ -41,7 +41,7 @@ from attnhub.backend import (
     AttentionMetadata,
     AttentionMetadataBuilder,
 )
-from attnhub.batch import BatchMetadata
+from attnhub.batch import BatchMetadata, as_contiguous
 from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import PagedKVCache
@@ -422,12 +422,12 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             causal = self.spec.causal and batch.causal
             main = self._kernel_args(
                 # int32 and contiguous once per step, not per layer
-                _int32(batch.query_start_loc),
+                as_contiguous(batch.query_start_loc),
                 batch.max_query_len,
-                _int32(batch.seq_lens),
+                as_contiguous(batch.seq_lens),
                 batch.seq_lens_cpu,
                 batch.max_seq_len,  # checked against the lengths by check_step
-                _int32(batch.block_table),
+                as_contiguous(batch.block_table),
                 causal,
                 # every query one token: no query is longer than 1 and they are as many as
                 # the requests
@@ -941,13 +941,6 @@ class FlashAttentionImpl(AttentionImpl):
             return_lse=lse,
         )
         return out, lse_t
-
-
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous int32 tensor: itself when it already is (no op dispatched)."""
-    if t.dtype == torch.int32 and t.is_contiguous():
-        return t
-    return t.to(torch.int32).contiguous()
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:

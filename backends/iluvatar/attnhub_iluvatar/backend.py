@@ -35,7 +35,7 @@ from attnhub.backend import (
     AttentionMetadata,
     AttentionMetadataBuilder,
 )
-from attnhub.batch import BatchMetadata
+from attnhub.batch import BatchMetadata, as_contiguous
 from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kv_cache import PagedKVCache
@@ -59,22 +59,10 @@ INT8_K_MAX_ABS, INT8_K_MIN_COS = 0.05, 0.9997
 _MAX = np.maximum.reduce  # ufunc.reduce directly: ndarray.max() adds a Python wrapper
 
 
-def _int32(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor as an int32 device tensor (one host-to-device copy, in plan)."""
-    return values.to(torch.int32).to(device)
-
-
-def _device_int32(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host lengths (numpy) as an int32 device tensor of their own (a copy: never a view of
-    an engine's host buffer)."""
-    return torch.from_numpy(values.astype(np.int32)).to(device)
-
-
-def _as_int32(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor as contiguous int32: itself when it already is (no op dispatched)."""
-    if t.dtype == torch.int32 and t.is_contiguous():
-        return t
-    return t.to(torch.int32).contiguous()
+def _device_int32(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host lengths (numpy, or a host tensor) as an int32 device tensor of their own (a copy:
+    never a view of an engine's host buffer)."""
+    return torch.from_numpy(np.asarray(values).astype(np.int32)).to(device)
 
 
 def _cumulative(lengths: torch.Tensor) -> torch.Tensor:  # [n + 1] int64, host
@@ -380,8 +368,8 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             token_start=0,
             num_tokens=nd,
             causal=True,
-            context_lens=_int32(batch.seq_lens_cpu[:nd], self.backend.device),
-            block_table=batch.block_table[:nd].to(torch.int32).contiguous(),
+            context_lens=_device_int32(batch.seq_lens_cpu[:nd], self.backend.device),
+            block_table=as_contiguous(batch.block_table[:nd]),
             max_context_len=int(batch.seq_lens_cpu[:nd].max()),
         )
 
@@ -409,7 +397,7 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             token_start=0,
             num_tokens=batch.num_actual_tokens,
             causal=causal,
-            context_lens=_int32(lens, dev),
+            context_lens=_device_int32(lens, dev),
             block_table=batch.block_table.index_select(0, req.to(dev)).to(torch.int32),
             max_context_len=int(lens.max()),
         )
@@ -438,9 +426,9 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
                 num_tokens=batch.num_actual_tokens,
                 max_query_len=max_q,
                 max_seq_len=batch.max_seq_len,
-                seq_lens=_as_int32(batch.seq_lens),
-                block_table=_as_int32(batch.block_table),
-                cu_query_lens=None if max_q == 1 else _as_int32(batch.query_start_loc),
+                seq_lens=as_contiguous(batch.seq_lens),
+                block_table=as_contiguous(batch.block_table),
+                cu_query_lens=None if max_q == 1 else as_contiguous(batch.query_start_loc),
             )
         q_lens, seq_lens, qsl = self._lengths
         num_tokens = int(qsl[nd])
@@ -451,10 +439,10 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             num_tokens=num_tokens,
             max_query_len=max_q,
             max_seq_len=int(_MAX(seq_lens[:nd])),
-            seq_lens=_as_int32(batch.seq_lens[:nd]),
-            block_table=_as_int32(batch.block_table[:nd]),
+            seq_lens=as_contiguous(batch.seq_lens[:nd]),
+            block_table=as_contiguous(batch.block_table[:nd]),
             # the decodes lead: their query ends are the batch's first nd + 1, from 0
-            cu_query_lens=None if max_q == 1 else _as_int32(batch.query_start_loc[: nd + 1]),
+            cu_query_lens=None if max_q == 1 else as_contiguous(batch.query_start_loc[: nd + 1]),
         )
 
     def _prefill(self, batch: BatchMetadata, nd: int) -> PrefillPlan:
@@ -471,7 +459,7 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             cu_q = _device_int32(all_qsl[nd:] - start, dev)
             table = batch.block_table[nd:]
         else:
-            start, cu_q, table = 0, _as_int32(batch.query_start_loc), batch.block_table
+            start, cu_q, table = 0, as_contiguous(batch.query_start_loc), batch.block_table
         return PrefillPlan(
             num_reqs=batch.num_reqs - nd,
             token_start=start,
@@ -482,7 +470,7 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             max_seq_len=int(_MAX(seq_lens)),
             cu_seqlens_q=cu_q,
             cu_seqlens_k=torch.from_numpy(cu_k).to(dev),
-            block_table=_as_int32(table),
+            block_table=as_contiguous(table),
         )
 
     def _cascade_prefix(self, common_prefix_len: int, causal: bool) -> int:
@@ -491,6 +479,8 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         path, same result) for non-causal steps, for the int8 caches (no int8 kernel returns an
         LSE), and where the prefix call cannot reproduce the per-request math: a sliding window
         or ALiBi depend on each query's own position."""
+        if not common_prefix_len:  # the usual step: no shared prefix
+            return 0
         spec = self.spec
         if not causal or spec.has_window or spec.use_alibi or spec.kv_cache_format.is_quantized:
             return 0
@@ -504,14 +494,14 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         return CascadePlan(
             prefix_len=prefix,
             num_tokens=n,
-            cu_prefix_q=_int32(torch.tensor([0, n]), dev),
-            cu_prefix_k=_int32(torch.tensor([0, prefix]), dev),
-            prefix_block_table=batch.block_table[:1, :prefix_blocks].to(torch.int32).contiguous(),
+            cu_prefix_q=_device_int32(np.array([0, n]), dev),
+            cu_prefix_k=_device_int32(np.array([0, prefix]), dev),
+            prefix_block_table=as_contiguous(batch.block_table[:1, :prefix_blocks]),
             max_query_len=batch.max_query_len,
-            cu_seqlens_q=_int32(batch.query_start_loc_cpu, dev),
-            cu_suffix_k=_int32(_cumulative(suffix), dev),
+            cu_seqlens_q=_device_int32(batch.query_start_loc_cpu, dev),
+            cu_suffix_k=_device_int32(_cumulative(suffix), dev),
             max_suffix_len=int(suffix.max()),
-            suffix_block_table=batch.block_table[:, prefix_blocks:].to(torch.int32).contiguous(),
+            suffix_block_table=as_contiguous(batch.block_table[:, prefix_blocks:]),
         )
 
 
