@@ -277,7 +277,10 @@ class IluvatarBackend(AttentionBackend):
     def impl(
         self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
     ) -> IluvatarAttentionImpl:
-        return IluvatarAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+        # int8 caches: the KV write of a decode-only step rides on the paged kernel
+        quantized = self.spec.kv_cache_format.is_quantized
+        cls = IluvatarInt8AttentionImpl if quantized else IluvatarAttentionImpl
+        return cls(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 #: Why the kernels refuse what Capabilities refuses, per refused field.
@@ -526,6 +529,7 @@ class IluvatarAttentionImpl(AttentionImpl):
         self.full_window = spec.window
         #: The static V scale whose values were last found finite: (data_ptr, version).
         self._checked_value_scale: tuple[int, int] | None = None
+        self._int8 = spec.kv_cache_dtype == "int8"
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, IluvatarAttentionMetadata):
@@ -637,31 +641,6 @@ class IluvatarAttentionImpl(AttentionImpl):
             value, _ = fn.scaled_int8_quant_for_attn(value, 0, scale=cache.value_scale)
         return qk, k_scale, value
 
-    # --- the fused write of the int8 caches ----------------------------------------------------
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        cache: PagedKVCache,
-        meta: AttentionMetadata,
-        *,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As the base class; on the int8 caches' decode-only steps the KV write rides on the
-        paged kernel (its ``save_*`` arguments) instead of a separate call."""
-        fused = isinstance(meta, IluvatarAttentionMetadata) and meta.fused_write
-        if not fused or key is None:
-            return super().forward(query, key, value, cache, meta, output=output)
-        out = self.check_forward(query, key, value, cache, meta, output)
-        assert isinstance(meta, IluvatarAttentionMetadata) and meta.paged is not None
-        assert value is not None
-        n = meta.num_actual_tokens
-        if out.shape[0] > n:
-            out[n:].zero_()
-        self._attend_paged(query, cache, meta.paged, out, save=(key[:n], value[:n]))
-        return out
-
     # --- attention ----------------------------------------------------------------------------
     def attend(
         self,
@@ -675,7 +654,7 @@ class IluvatarAttentionImpl(AttentionImpl):
         assert isinstance(meta, IluvatarAttentionMetadata)
         if meta.paged is not None:
             self._attend_paged(query, cache, meta.paged, out)
-        if self.spec.kv_cache_dtype == "int8" and meta.prefill is not None:
+        if self._int8 and meta.prefill is not None:
             self._attend_prefill_int8(query, cache, meta.prefill, meta.causal, out)
             return
         if meta.cascade is not None:
@@ -876,3 +855,33 @@ class IluvatarAttentionImpl(AttentionImpl):
             block_table=plan.block_table,
             output_dtype=self.spec.dtype,
         )
+
+
+class IluvatarInt8AttentionImpl(IluvatarAttentionImpl):
+    """A layer over an int8 cache (modes 1 and 2): on decode-only steps the KV write rides on
+    the paged kernel. A class of its own so that a model-dtype cache's ``forward`` is the base
+    class's, with no test of a fused write that cannot happen there."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As the base class; on the int8 caches' decode-only steps the KV write rides on the
+        paged kernel (its ``save_*`` arguments) instead of a separate call."""
+        fused = isinstance(meta, IluvatarAttentionMetadata) and meta.fused_write
+        if not fused or key is None:
+            return super().forward(query, key, value, cache, meta, output=output)
+        out = self.check_forward(query, key, value, cache, meta, output)
+        assert isinstance(meta, IluvatarAttentionMetadata) and meta.paged is not None
+        assert value is not None
+        n = meta.num_actual_tokens
+        if out.shape[0] > n:
+            out[n:].zero_()
+        self._attend_paged(query, cache, meta.paged, out, save=(key[:n], value[:n]))
+        return out
