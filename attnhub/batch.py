@@ -339,6 +339,15 @@ def slot_mapping_from_positions(
     return blocks * block_size + pos % block_size
 
 
+def as_contiguous(t: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A batch tensor (lengths, offsets, table, slots) as kernels read it: contiguous, in
+    ``dtype`` (a batch may hold int32 or int64). ``t`` itself when it already is, with no op
+    dispatched: a plan calls this on every step, where the batch usually is already."""
+    if t.dtype is dtype and t.is_contiguous():
+        return t
+    return t.to(dtype).contiguous()
+
+
 # --- helpers engines need around a batch ---------------------------------------------------
 
 

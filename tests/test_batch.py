@@ -497,3 +497,17 @@ def test_virtual_batches_compute_local_attention_on_random_batches(
     virtual.validate()
     out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(virtual))
     assert_within(out, expected, TorchBackend.capabilities.tolerance(spec.dtype), "local attn")
+
+
+def test_as_contiguous_is_the_tensor_itself_when_it_already_is():
+    from attnhub.batch import as_contiguous
+
+    t = torch.arange(6, dtype=torch.int32).view(2, 3)
+    assert as_contiguous(t) is t
+    wide = t.long()
+    assert as_contiguous(wide).dtype == torch.int32 and as_contiguous(wide).equal(t)
+    strided = t.t()
+    made = as_contiguous(strided)
+    assert made.is_contiguous() and made.equal(strided) and made.data_ptr() != t.data_ptr()
+    assert as_contiguous(wide, torch.int64) is wide
+    assert as_contiguous(t, torch.int64).dtype == torch.int64

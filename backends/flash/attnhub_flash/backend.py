@@ -30,7 +30,7 @@ docs/backends/flash.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -41,7 +41,7 @@ from attnhub.backend import (
     AttentionMetadata,
     AttentionMetadataBuilder,
 )
-from attnhub.batch import BatchMetadata
+from attnhub.batch import BatchMetadata, as_contiguous
 from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import PagedKVCache
@@ -212,6 +212,13 @@ class KernelArgs:
     #: vllm-fa3: FA3's tile schedule for this call, planned once per step by the fork's
     #: get_scheduler_metadata (as vLLM's builder does) instead of by every layer's call.
     scheduler_metadata: torch.Tensor | None = None
+    #: The call's keyword arguments that are the same for every layer of a backend (this
+    #: call's lengths and table, the spec's scale, window and softcap), made by the first
+    #: layer that calls with them and reused by the others (keyed by the backend). Not an
+    #: argument: every copy (``dataclasses.replace``) starts empty.
+    step_kwargs: dict[Any, dict[str, Any]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
 
 @dataclass(frozen=True)
@@ -415,12 +422,12 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             causal = self.spec.causal and batch.causal
             main = self._kernel_args(
                 # int32 and contiguous once per step, not per layer
-                _int32(batch.query_start_loc),
+                as_contiguous(batch.query_start_loc),
                 batch.max_query_len,
-                _int32(batch.seq_lens),
+                as_contiguous(batch.seq_lens),
                 batch.seq_lens_cpu,
                 batch.max_seq_len,  # checked against the lengths by check_step
-                _int32(batch.block_table),
+                as_contiguous(batch.block_table),
                 causal,
                 # every query one token: no query is longer than 1 and they are as many as
                 # the requests
@@ -599,6 +606,9 @@ class FlashAttentionImpl(AttentionImpl):
         #: the last K/V planes check_planes accepted (a model calls each layer with its own
         #: cache, step after step: checked once, as the core remembers its cache checks)
         self._planes_ok: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: fp8: the descales last made (key scale, value scale, batch size, the descales),
+        #: reused while the cache's scale tensors and the batch size are the same
+        self._descales_made: tuple[Any, Any, int, dict[str, torch.Tensor]] | None = None
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, FlashAttentionMetadata) or meta.provider != self.backend.provider:
@@ -720,7 +730,9 @@ class FlashAttentionImpl(AttentionImpl):
         n = meta.num_actual_tokens
         if n == 0:
             return
-        q, target = query[:n], out[:n]
+        if query.shape[0] != n:  # padding rows past the step's tokens (out is like query)
+            query, out = query[:n], out[:n]
+        q, target = query, out
         if self.fp8:  # FA3 takes q, k and v in one dtype: fp8(q / q_scale) [source]
             q = quantize_fp8(q, self._q_scale)
         if meta.prefix is None:
@@ -763,13 +775,20 @@ class FlashAttentionImpl(AttentionImpl):
         other caches."""
         if not self.fp8:
             return {}
-        assert cache.key_scale is not None and cache.value_scale is not None
-        shape = (a.block_table.shape[0], self.spec.num_kv_heads)
-        return {
+        k_scale, v_scale = cache.key_scale, cache.value_scale
+        assert k_scale is not None and v_scale is not None
+        batch = a.block_table.shape[0]
+        made = self._descales_made
+        if made is not None and made[0] is k_scale and made[1] is v_scale and made[2] == batch:
+            return made[3]  # views of the same scale tensors: they read any in-place update
+        shape = (batch, self.spec.num_kv_heads)
+        descales = {
             "q_descale": self._q_scale.reshape(1, 1).expand(shape),
-            "k_descale": cache.key_scale.reshape(1, 1).expand(shape),
-            "v_descale": cache.value_scale.reshape(1, 1).expand(shape),
+            "k_descale": k_scale.reshape(1, 1).expand(shape),
+            "v_descale": v_scale.reshape(1, 1).expand(shape),
         }
+        self._descales_made = (k_scale, v_scale, batch, descales)
+        return descales
 
     def _vllm(
         self,
@@ -783,29 +802,53 @@ class FlashAttentionImpl(AttentionImpl):
         # vLLM's fork: positional order differs from upstream, so keywords only [schema];
         # block_table needs seqused_k [schema]; out= written in place. fa_version=3 takes the
         # sinks as s_aux, float32 (H,) [inferred: vLLM passes the layer's sinks as they are].
-        result = self.backend.ops.attention.flash_attn_varlen_func(
-            q=q,
-            k=cache.key,
-            v=cache.value,
-            out=out,
+        # The arguments every layer passes alike are made once per step (_vllm_step_kwargs);
+        # the layer's own (ALiBi slopes, sinks, fp8 descales) are added here.
+        step = a.step_kwargs.get(self.backend)
+        if step is None:
+            step = a.step_kwargs[self.backend] = self._vllm_step_kwargs(a)
+        fn = self.backend.ops.attention.flash_attn_varlen_func
+        if self.fp8:
+            result = fn(
+                q=q,
+                k=cache.key,
+                v=cache.value,
+                out=out,
+                alibi_slopes=self.alibi_slopes,
+                return_softmax_lse=lse,
+                s_aux=sinks,
+                **step,
+                **self._descales(cache, a),
+            )
+        else:
+            result = fn(
+                q=q,
+                k=cache.key,
+                v=cache.value,
+                out=out,
+                alibi_slopes=self.alibi_slopes,
+                return_softmax_lse=lse,
+                s_aux=sinks,
+                **step,
+            )
+        return result if lse else (result, None)
+
+    def _vllm_step_kwargs(self, a: KernelArgs) -> dict[str, Any]:
+        """The fork's keyword arguments of one call that do not depend on the layer."""
+        return dict(
             cu_seqlens_q=a.query_start_loc,
             max_seqlen_q=a.max_query_len,
             seqused_k=a.seq_lens,
             max_seqlen_k=a.max_seq_len,
             softmax_scale=self.spec.scale,
             causal=a.causal,
-            alibi_slopes=self.alibi_slopes,
             window_size=self.window,
             block_table=a.block_table,
             softcap=self.softcap,
-            return_softmax_lse=lse,
             scheduler_metadata=a.scheduler_metadata,  # vllm-fa3: planned once per step
             num_splits=NUM_SPLITS,
             fa_version=3 if self.backend.provider == "vllm-fa3" else 2,
-            s_aux=sinks,
-            **self._descales(cache, a),
         )
-        return result if lse else (result, None)
 
     def _fa2(
         self, q: torch.Tensor, cache: PagedKVCache, a: KernelArgs, lse: bool
@@ -900,17 +943,10 @@ class FlashAttentionImpl(AttentionImpl):
         return out, lse_t
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous int32 tensor: itself when it already is (no op dispatched)."""
-    if t.dtype == torch.int32 and t.is_contiguous():
-        return t
-    return t.to(torch.int32).contiguous()
-
-
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` [n, H, D] with each row's heads dense, as reshape_and_cache_flash reads a token
     (``H * D`` consecutive elements from ``t.stride(0)``): a copy only when they are not."""
-    if t.stride(-1) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2]):
+    if t.is_contiguous() or (t.stride(-1) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])):
         return t
     return t.contiguous()
 

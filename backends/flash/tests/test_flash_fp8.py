@@ -237,3 +237,47 @@ def test_reshape_and_cache_flash_fp8_refusals() -> None:
         emulator.VLLM_CACHE_OPS.reshape_and_cache_flash(
             key, key, byte_cache, byte_cache.clone(), torch.tensor([0]), "fp8_e5m2", one, one
         )
+
+
+# --- the backend's descales ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("provider", ["vllm-fa3", "fa3"])
+def test_the_backends_descales_follow_the_caches_scales_and_the_batch_size(provider: str) -> None:
+    """The expanded descale views are remembered per layer, and made again when the cache's
+    scale tensors or the batch size change; an in-place change of a scale reaches the kernel
+    (the views read the scale tensors themselves)."""
+    import dataclasses
+
+    import flash_helpers as h
+
+    from attnhub import BatchMetadata, testing
+
+    st = h.step([(1, 40), (3, 35), (20, 70)], provider, h.spec(provider, kv_cache_dtype="fp8_e4m3"))
+    impl = st.backend.impl()
+    builder = st.backend.metadata_builder()
+
+    def descales(cache: Any, batch: Any) -> dict[str, torch.Tensor]:
+        meta = builder.build(batch)
+        with emulator.record_calls() as calls:
+            impl.forward(st.query[: batch.num_tokens], st.key[: batch.num_tokens],
+                         st.value[: batch.num_tokens], cache, meta)  # fmt: skip
+        (call,) = [c for c in calls if "descale" in " ".join(c.kwargs)]
+        return {k: v for k, v in call.kwargs.items() if k.endswith("descale")}
+
+    first = descales(st.cache, st.batch)
+    assert {k: tuple(v.shape) for k, v in first.items()} == {
+        "q_descale": (3, 2), "k_descale": (3, 2), "v_descale": (3, 2)
+    }  # fmt: skip
+    again = descales(st.cache, st.batch)
+    assert all(again[k] is first[k] for k in first)  # remembered
+    st.cache.key_scale.fill_(2.0)  # in place: the same views read it
+    assert descales(st.cache, st.batch)["k_descale"].eq(2.0).all()
+    # a new scale tensor: made again from it
+    cache = dataclasses.replace(st.cache, value_scale=torch.full((1,), 0.5))
+    swapped = descales(cache, st.batch)
+    assert swapped["v_descale"] is not first["v_descale"] and swapped["v_descale"].eq(0.5).all()
+    # another batch size: made again for it
+    table = testing.shuffled_block_table([40, 35], 16, st.cache.num_blocks, testing.generator(1))
+    two = BatchMetadata.from_lengths([1, 1], [40, 35], table, 16)
+    assert {tuple(v.shape) for v in descales(cache, two).values()} == {(2, 2)}

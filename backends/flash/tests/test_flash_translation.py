@@ -77,6 +77,30 @@ def test_layers_share_the_step_plan() -> None:
     assert all(c.kwargs["cu_seqlens_q"] is meta.main.query_start_loc for c in attn)
 
 
+def test_layers_keep_their_own_weights_beside_the_steps_shared_arguments() -> None:
+    """The fork's arguments that are the same for every layer are made once per step; each
+    layer still passes its own ALiBi slopes, and a new step passes its own lengths."""
+    st = h.step(MIXED, s=h.spec(use_alibi=True))
+    meta = st.backend.metadata_builder().build(st.batch)
+    slopes = [testing.alibi_slopes(4), testing.alibi_slopes(4) * 0.5]
+    impls = [st.backend.impl(alibi_slopes=a) for a in slopes]
+    with emulator.record_calls() as calls:
+        outs = [impl.forward(st.query, st.key, st.value, st.cache, meta) for impl in impls]
+    attn = [c for c in calls if c.name == VLLM]
+    assert len(attn) == 2
+    assert all(c.kwargs["alibi_slopes"] is i.alibi_slopes for c, i in zip(attn, impls, strict=True))
+    assert attn[0].kwargs["block_table"] is attn[1].kwargs["block_table"]
+    for a, out in zip(slopes, outs, strict=True):
+        h.assert_matches_reference(dataclasses.replace(st, alibi=a), out)
+    # another step, the same layers: that step's lengths, not the first step's
+    st2 = h.step([(1, 20), (1, 3)], s=st.backend.spec)
+    meta2 = st.backend.metadata_builder().build(st2.batch)
+    with emulator.record_calls() as calls:
+        impls[0].forward(st2.query, st2.key, st2.value, st2.cache, meta2)
+    c = _only(calls, VLLM)
+    assert c.kwargs["seqused_k"].tolist() == [20, 3] and c.kwargs["max_seqlen_k"] == 20
+
+
 def test_vllm_fa3_plans_its_scheduler_metadata_once_per_step() -> None:
     """As vLLM's builder does with fa_version=3: FA3's tile schedule is computed once per step
     (get_scheduler_metadata) and every layer's call takes it, with num_splits=0 in both."""

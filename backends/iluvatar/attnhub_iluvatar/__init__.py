@@ -4,6 +4,7 @@ from attnhub_iluvatar.backend import (
     IluvatarAttentionImpl,
     IluvatarAttentionMetadata,
     IluvatarBackend,
+    IluvatarInt8AttentionImpl,
     IluvatarMetadataBuilder,
 )
 
@@ -13,6 +14,7 @@ __all__ = [
     "IluvatarAttentionImpl",
     "IluvatarAttentionMetadata",
     "IluvatarBackend",
+    "IluvatarInt8AttentionImpl",
     "IluvatarMetadataBuilder",
     "__version__",
 ]

@@ -23,7 +23,7 @@ docs/backends/iluvatar.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -35,7 +35,7 @@ from attnhub.backend import (
     AttentionMetadata,
     AttentionMetadataBuilder,
 )
-from attnhub.batch import BatchMetadata
+from attnhub.batch import BatchMetadata, as_contiguous
 from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kv_cache import PagedKVCache
@@ -56,22 +56,13 @@ INT8_MAX_ABS, INT8_MIN_COS = 0.06, 0.9995
 INT8_K_MAX_ABS, INT8_K_MIN_COS = 0.05, 0.9997
 
 
-def _int32(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor as an int32 device tensor (one host-to-device copy, in plan)."""
-    return values.to(torch.int32).to(device)
+_MAX = np.maximum.reduce  # ufunc.reduce directly: ndarray.max() adds a Python wrapper
 
 
-def _device_int32(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host lengths (numpy) as an int32 device tensor of their own (a copy: never a view of
-    an engine's host buffer)."""
-    return torch.from_numpy(values.astype(np.int32)).to(device)
-
-
-def _as_int32(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor as contiguous int32: itself when it already is (no op dispatched)."""
-    if t.dtype == torch.int32 and t.is_contiguous():
-        return t
-    return t.to(torch.int32).contiguous()
+def _device_int32(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host lengths (numpy, or a host tensor) as an int32 device tensor of their own (a copy:
+    never a view of an engine's host buffer)."""
+    return torch.from_numpy(np.asarray(values).astype(np.int32)).to(device)
 
 
 def _cumulative(lengths: torch.Tensor) -> torch.Tensor:  # [n + 1] int64, host
@@ -93,6 +84,11 @@ class DecodePlan:
     #: Multi-token decode: [num_reqs + 1] int32 cumulative query ends, q passed packed. None:
     #: every decode has one token and q goes as (B, 1, H, D).
     cu_query_lens: torch.Tensor | None
+    #: The call's keyword arguments that are the same for every layer of a backend, made by
+    #: the first layer and reused by the others (keyed by the backend; see ``step_kwargs``).
+    kwargs: dict[Any, dict[str, Any]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
 
 @dataclass(frozen=True)
@@ -108,6 +104,10 @@ class PrefillPlan:
     cu_seqlens_q: torch.Tensor  # [num_reqs + 1] int32, device, re-based to 0
     cu_seqlens_k: torch.Tensor  # [num_reqs + 1] int32, device: cumulative seq_lens
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, device
+    #: As ``DecodePlan.kwargs``.
+    kwargs: dict[Any, dict[str, Any]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
 
 @dataclass(frozen=True)
@@ -277,7 +277,10 @@ class IluvatarBackend(AttentionBackend):
     def impl(
         self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
     ) -> IluvatarAttentionImpl:
-        return IluvatarAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+        # int8 caches: the KV write of a decode-only step rides on the paged kernel
+        quantized = self.spec.kv_cache_format.is_quantized
+        cls = IluvatarInt8AttentionImpl if quantized else IluvatarAttentionImpl
+        return cls(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 #: Why the kernels refuse what Capabilities refuses, per refused field.
@@ -360,7 +363,7 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         if batch.max_query_len <= threshold:  # checked against the lengths by check_step
             return batch.num_reqs
         small = self._lengths[0] <= threshold
-        return int(np.argmin(small))  # the first request over it (there is one)
+        return int(small.argmin())  # the first request over it (there is one)
 
     def _paged_decodes(self, batch: BatchMetadata, nd: int) -> PagedPlan:
         """Mode 1: the leading one-token decodes, one kernel sequence each."""
@@ -368,8 +371,8 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             token_start=0,
             num_tokens=nd,
             causal=True,
-            context_lens=_int32(batch.seq_lens_cpu[:nd], self.backend.device),
-            block_table=batch.block_table[:nd].to(torch.int32).contiguous(),
+            context_lens=_device_int32(batch.seq_lens_cpu[:nd], self.backend.device),
+            block_table=as_contiguous(batch.block_table[:nd]),
             max_context_len=int(batch.seq_lens_cpu[:nd].max()),
         )
 
@@ -397,7 +400,7 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             token_start=0,
             num_tokens=batch.num_actual_tokens,
             causal=causal,
-            context_lens=_int32(lens, dev),
+            context_lens=_device_int32(lens, dev),
             block_table=batch.block_table.index_select(0, req.to(dev)).to(torch.int32),
             max_context_len=int(lens.max()),
         )
@@ -417,7 +420,8 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         return bool(torch.equal(derived, slots))
 
     def _decode(self, batch: BatchMetadata, nd: int) -> DecodePlan:
-        dev = self.backend.device
+        """The leading ``nd`` decodes: their rows of the batch's device lengths and table (no
+        host copy), maxima from the host lengths build's checks read."""
         if nd == batch.num_reqs:  # the whole step: lengths and maxima as the batch holds them
             max_q = batch.max_query_len
             return DecodePlan(
@@ -425,39 +429,51 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
                 num_tokens=batch.num_actual_tokens,
                 max_query_len=max_q,
                 max_seq_len=batch.max_seq_len,
-                seq_lens=_as_int32(batch.seq_lens),
-                block_table=_as_int32(batch.block_table),
-                cu_query_lens=None if max_q == 1 else _as_int32(batch.query_start_loc),
+                seq_lens=as_contiguous(batch.seq_lens),
+                block_table=as_contiguous(batch.block_table),
+                cu_query_lens=None if max_q == 1 else as_contiguous(batch.query_start_loc),
             )
         q_lens, seq_lens, qsl = self._lengths
-        max_q = int(q_lens[:nd].max())
+        num_tokens = int(qsl[nd])
+        # as many tokens as decodes: every one has one token (none has 0: a request has one)
+        max_q = 1 if num_tokens == nd else int(_MAX(q_lens[:nd]))
         return DecodePlan(
             num_reqs=nd,
-            num_tokens=int(qsl[nd]),
+            num_tokens=num_tokens,
             max_query_len=max_q,
-            max_seq_len=int(seq_lens[:nd].max()),
-            seq_lens=_device_int32(seq_lens[:nd], dev),
-            block_table=_as_int32(batch.block_table[:nd]),
-            cu_query_lens=None if max_q == 1 else _device_int32(qsl[: nd + 1], dev),
+            max_seq_len=int(_MAX(seq_lens[:nd])),
+            seq_lens=as_contiguous(batch.seq_lens[:nd]),
+            block_table=as_contiguous(batch.block_table[:nd]),
+            # the decodes lead: their query ends are the batch's first nd + 1, from 0
+            cu_query_lens=None if max_q == 1 else as_contiguous(batch.query_start_loc[: nd + 1]),
         )
 
     def _prefill(self, batch: BatchMetadata, nd: int) -> PrefillPlan:
+        """The requests from ``nd`` on: their query ends re-based to 0 and their cumulative KV
+        lengths, from the host lengths build's checks read; their rows of the batch's device
+        table. The whole step (no decodes before them): the batch's query ends as they are."""
         dev = self.backend.device
-        q_lens, all_seq_lens, all_qsl = self._lengths
-        qsl = all_qsl[nd:].astype(np.int64)
+        _, all_seq_lens, all_qsl = self._lengths
         seq_lens = all_seq_lens[nd:]
-        start = int(qsl[0])
-        ends = np.zeros(seq_lens.size + 1, dtype=np.int64)
-        np.cumsum(seq_lens, out=ends[1:])
+        cu_k = np.zeros(seq_lens.size + 1, dtype=np.int32)
+        np.add.accumulate(seq_lens, out=cu_k[1:])  # int32: check_step bounds every length
+        if nd:
+            start = int(all_qsl[nd])
+            cu_q = _device_int32(all_qsl[nd:] - start, dev)
+            table = batch.block_table[nd:]
+        else:
+            start, cu_q, table = 0, as_contiguous(batch.query_start_loc), batch.block_table
         return PrefillPlan(
             num_reqs=batch.num_reqs - nd,
             token_start=start,
-            num_tokens=int(qsl[-1]) - start,
-            max_query_len=int(q_lens[nd:].max()),
-            max_seq_len=int(seq_lens.max()),
-            cu_seqlens_q=_device_int32(qsl - start, dev),
-            cu_seqlens_k=_device_int32(ends, dev),
-            block_table=_as_int32(batch.block_table[nd:]),
+            num_tokens=int(all_qsl[-1]) - start,
+            # the longest query is a prefill's: every decode before them is <= the threshold,
+            # and the first prefill is over it (checked against the lengths by check_step)
+            max_query_len=batch.max_query_len,
+            max_seq_len=int(_MAX(seq_lens)),
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=torch.from_numpy(cu_k).to(dev),
+            block_table=as_contiguous(table),
         )
 
     def _cascade_prefix(self, common_prefix_len: int, causal: bool) -> int:
@@ -466,6 +482,8 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         path, same result) for non-causal steps, for the int8 caches (no int8 kernel returns an
         LSE), and where the prefix call cannot reproduce the per-request math: a sliding window
         or ALiBi depend on each query's own position."""
+        if not common_prefix_len:  # the usual step: no shared prefix
+            return 0
         spec = self.spec
         if not causal or spec.has_window or spec.use_alibi or spec.kv_cache_format.is_quantized:
             return 0
@@ -479,14 +497,14 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         return CascadePlan(
             prefix_len=prefix,
             num_tokens=n,
-            cu_prefix_q=_int32(torch.tensor([0, n]), dev),
-            cu_prefix_k=_int32(torch.tensor([0, prefix]), dev),
-            prefix_block_table=batch.block_table[:1, :prefix_blocks].to(torch.int32).contiguous(),
+            cu_prefix_q=_device_int32(np.array([0, n]), dev),
+            cu_prefix_k=_device_int32(np.array([0, prefix]), dev),
+            prefix_block_table=as_contiguous(batch.block_table[:1, :prefix_blocks]),
             max_query_len=batch.max_query_len,
-            cu_seqlens_q=_int32(batch.query_start_loc_cpu, dev),
-            cu_suffix_k=_int32(_cumulative(suffix), dev),
+            cu_seqlens_q=_device_int32(batch.query_start_loc_cpu, dev),
+            cu_suffix_k=_device_int32(_cumulative(suffix), dev),
             max_suffix_len=int(suffix.max()),
-            suffix_block_table=batch.block_table[:, prefix_blocks:].to(torch.int32).contiguous(),
+            suffix_block_table=as_contiguous(batch.block_table[:, prefix_blocks:]),
         )
 
 
@@ -511,6 +529,7 @@ class IluvatarAttentionImpl(AttentionImpl):
         self.full_window = spec.window
         #: The static V scale whose values were last found finite: (data_ptr, version).
         self._checked_value_scale: tuple[int, int] | None = None
+        self._int8 = spec.kv_cache_dtype == "int8"
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, IluvatarAttentionMetadata):
@@ -592,7 +611,9 @@ class IluvatarAttentionImpl(AttentionImpl):
         assert isinstance(meta, IluvatarAttentionMetadata) and meta.slot_mapping is not None
         n = meta.num_actual_tokens
         if n:
-            self._write(key[:n], value[:n], cache, meta.slot_mapping)
+            if key.shape[0] != n:  # padding rows past the step's tokens
+                key, value = key[:n], value[:n]
+            self._write(key, value, cache, meta.slot_mapping)
 
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor
@@ -620,31 +641,6 @@ class IluvatarAttentionImpl(AttentionImpl):
             value, _ = fn.scaled_int8_quant_for_attn(value, 0, scale=cache.value_scale)
         return qk, k_scale, value
 
-    # --- the fused write of the int8 caches ----------------------------------------------------
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        cache: PagedKVCache,
-        meta: AttentionMetadata,
-        *,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As the base class; on the int8 caches' decode-only steps the KV write rides on the
-        paged kernel (its ``save_*`` arguments) instead of a separate call."""
-        fused = isinstance(meta, IluvatarAttentionMetadata) and meta.fused_write
-        if not fused or key is None:
-            return super().forward(query, key, value, cache, meta, output=output)
-        out = self.check_forward(query, key, value, cache, meta, output)
-        assert isinstance(meta, IluvatarAttentionMetadata) and meta.paged is not None
-        assert value is not None
-        n = meta.num_actual_tokens
-        if out.shape[0] > n:
-            out[n:].zero_()
-        self._attend_paged(query, cache, meta.paged, out, save=(key[:n], value[:n]))
-        return out
-
     # --- attention ----------------------------------------------------------------------------
     def attend(
         self,
@@ -658,7 +654,7 @@ class IluvatarAttentionImpl(AttentionImpl):
         assert isinstance(meta, IluvatarAttentionMetadata)
         if meta.paged is not None:
             self._attend_paged(query, cache, meta.paged, out)
-        if self.spec.kv_cache_dtype == "int8" and meta.prefill is not None:
+        if self._int8 and meta.prefill is not None:
             self._attend_prefill_int8(query, cache, meta.prefill, meta.causal, out)
             return
         if meta.cascade is not None:
@@ -680,26 +676,33 @@ class IluvatarAttentionImpl(AttentionImpl):
         self, query: torch.Tensor, cache: PagedKVCache, plan: DecodePlan, out: torch.Tensor
     ) -> None:
         t = plan.num_tokens
+        if query.shape[0] != t:  # prefills or padding follow (out is like query)
+            query, out = query[:t], out[:t]
         if plan.cu_query_lens is None:  # one token each: (B, 1, H, D)
-            q, o = query[:t].unsqueeze(1), out[:t].unsqueeze(1)
-            multi: dict[str, Any] = {}
-        else:  # multi-token decode: packed (T, H, D) with cumulative query ends [callers]
-            q, o = query[:t], out[:t]
-            multi = dict(max_query_len=plan.max_query_len, cu_query_lens=plan.cu_query_lens)
+            query, out = query.unsqueeze(1), out.unsqueeze(1)
+        # else multi-token decode: packed (T, H, D) with cumulative query ends [callers]
+        step = plan.kwargs.get(self.backend)
+        if step is None:
+            step = plan.kwargs[self.backend] = self._decode_kwargs(plan)
         self.backend.ops.contrib.vllm_flash_attn.flash_attn_with_kvcache(
-            q,
-            cache.key,
-            cache.value,
+            query, cache.key, cache.value, out=out, alibi_slopes=self.alibi_slopes, **step
+        )
+
+    def _decode_kwargs(self, plan: DecodePlan) -> dict[str, Any]:
+        """flash_attn_with_kvcache's keyword arguments but the layer's (out, ALiBi slopes)."""
+        kwargs: dict[str, Any] = dict(
             cache_seqlens=plan.seq_lens,
             block_table=plan.block_table,
             causal=True,
             window_size=self.causal_window,
             max_context_len=plan.max_seq_len,
             use_sqrt_alibi=False,
-            out=o,
-            **multi,
-            **self._shared(),
+            softmax_scale=self.spec.scale,
+            softcap=self.softcap,
         )
+        if plan.cu_query_lens is not None:
+            kwargs.update(max_query_len=plan.max_query_len, cu_query_lens=plan.cu_query_lens)
+        return kwargs
 
     def _attend_prefill(
         self,
@@ -709,11 +712,19 @@ class IluvatarAttentionImpl(AttentionImpl):
         causal: bool,
         out: torch.Tensor,
     ) -> None:
-        rows = slice(plan.token_start, plan.token_start + plan.num_tokens)
+        start, t = plan.token_start, plan.num_tokens
+        if start or query.shape[0] != t:  # decodes before them, or padding after
+            query, out = query[start : start + t], out[start : start + t]
+        step = plan.kwargs.get(self.backend)
+        if step is None:
+            step = plan.kwargs[self.backend] = self._prefill_kwargs(plan, causal)
         self.backend.ops.contrib.vllm_flash_attn.flash_attn_varlen_func(
-            query[rows],
-            cache.key,
-            cache.value,
+            query, cache.key, cache.value, out=out, alibi_slopes=self.alibi_slopes, **step
+        )
+
+    def _prefill_kwargs(self, plan: PrefillPlan, causal: bool) -> dict[str, Any]:
+        """flash_attn_varlen_func's keyword arguments but the layer's (out, ALiBi slopes)."""
+        return dict(
             cu_seqlens_q=plan.cu_seqlens_q,
             cu_seqlens_k=plan.cu_seqlens_k,  # cumulative, also with the paged cache [callers]
             max_seqlen_q=plan.max_query_len,
@@ -722,8 +733,8 @@ class IluvatarAttentionImpl(AttentionImpl):
             window_size=self.causal_window if causal else self.full_window,
             block_table=plan.block_table,
             sqrt_alibi=False,
-            out=out[rows],
-            **self._shared(),
+            softmax_scale=self.spec.scale,
+            softcap=self.softcap,
         )
 
     def _attend_cascade(
@@ -844,3 +855,33 @@ class IluvatarAttentionImpl(AttentionImpl):
             block_table=plan.block_table,
             output_dtype=self.spec.dtype,
         )
+
+
+class IluvatarInt8AttentionImpl(IluvatarAttentionImpl):
+    """A layer over an int8 cache (modes 1 and 2): on decode-only steps the KV write rides on
+    the paged kernel. A class of its own so that a model-dtype cache's ``forward`` is the base
+    class's, with no test of a fused write that cannot happen there."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As the base class; on the int8 caches' decode-only steps the KV write rides on the
+        paged kernel (its ``save_*`` arguments) instead of a separate call."""
+        fused = isinstance(meta, IluvatarAttentionMetadata) and meta.fused_write
+        if not fused or key is None:
+            return super().forward(query, key, value, cache, meta, output=output)
+        out = self.check_forward(query, key, value, cache, meta, output)
+        assert isinstance(meta, IluvatarAttentionMetadata) and meta.paged is not None
+        assert value is not None
+        n = meta.num_actual_tokens
+        if out.shape[0] > n:
+            out[n:].zero_()
+        self._attend_paged(query, cache, meta.paged, out, save=(key[:n], value[:n]))
+        return out

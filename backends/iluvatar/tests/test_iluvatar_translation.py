@@ -193,6 +193,33 @@ def test_layers_share_the_step_plan() -> None:
     assert all(c.args[4] is meta.slot_mapping for c in calls if c.name == WRITE)
 
 
+def test_layers_keep_their_own_weights_beside_the_steps_shared_arguments() -> None:
+    """Each call's arguments that are the same for every layer are made once per step; each
+    layer still passes its own ALiBi slopes and output rows, and a new step its own lengths."""
+    st = h.step(MIXED, h.spec(use_alibi=True), padding=2)
+    meta = st.backend.metadata_builder().build(st.batch)
+    slopes = [testing.alibi_slopes(4), testing.alibi_slopes(4) * 0.5]
+    impls = [st.backend.impl(alibi_slopes=a) for a in slopes]
+    with emulator.record_calls() as calls:
+        outs = [impl.forward(st.query, st.key, st.value, st.cache, meta) for impl in impls]
+    for name in (KVCACHE, VARLEN):
+        made = [c for c in calls if c.name == name]
+        assert len(made) == 2
+        for c, impl, out in zip(made, impls, outs, strict=True):
+            assert c.kwargs["alibi_slopes"] is impl.alibi_slopes
+            assert c.kwargs["out"].untyped_storage().data_ptr() == out.data_ptr()
+        assert made[0].kwargs["block_table"] is made[1].kwargs["block_table"]
+    for a, out in zip(slopes, outs, strict=True):
+        h.assert_matches_reference(replace(st, alibi_slopes=a), out)
+    # another step, the same layer: that step's lengths
+    st2 = h.step([(1, 20), (1, 3), (20, 20)], st.backend.spec)
+    meta2 = st.backend.metadata_builder().build(st2.batch)
+    with emulator.record_calls() as calls:
+        impls[0].forward(st2.query, st2.key, st2.value, st2.cache, meta2)
+    assert h.only(calls, KVCACHE).kwargs["cache_seqlens"].tolist() == [20, 3]
+    assert h.only(calls, VARLEN).kwargs["cu_seqlens_k"].tolist() == [0, 20]
+
+
 # --- cascade -------------------------------------------------------------------------------------
 
 
