@@ -20,7 +20,8 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from types import ModuleType
 from typing import Any
@@ -728,6 +729,10 @@ class HostOverhead:
     null_kernels: bool  # the kernels were taken out (False: an emulator without null mode)
     op_checks_us: float = 0.0  # inside emulated ops per forward (subtracted from forward_us)
     forward_full_us: float | None = None  # the whole forward, kernels included
+    #: A vendor backend's forward / write_kv(meta=) with its op namespace replaced by no-ops
+    #: (no emulator code runs): its own Python alone, comparable with vLLM's wrapper.
+    forward_noop_us: float | None = None
+    write_kv_noop_us: float | None = None
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, runs: int = 7, minus: Any = None) -> float:
@@ -817,6 +822,7 @@ def host_overhead(
 
     op_us = 0.0
     null = True
+    fwd_noop_us = kv_noop_us = None
     if be.emulated:
         null = _has_null_mode(be)
         if null:
@@ -830,6 +836,10 @@ def host_overhead(
         else:  # emulator math included: few calls
             fwd_us = _per_call_us(forward, 5)
             kv_us = _per_call_us(write, 50)
+        if getattr(be, "ops", None) is not None:
+            with noop_ops(be, [forward, write]):
+                fwd_noop_us = _per_call_us(forward, 200)
+                kv_noop_us = _per_call_us(write, 200)
     else:  # the torch backend (or any native one): its math taken out on this instance
         with _without_math(impl):
             fwd_us = _per_call_us(forward, 200)
@@ -844,7 +854,118 @@ def host_overhead(
         null_kernels=null,
         op_checks_us=op_us,
         forward_full_us=full_us,
+        forward_noop_us=fwd_noop_us,
+        write_kv_noop_us=kv_noop_us,
     )
+
+
+# A vendor backend's op namespace replaced by no-ops. Null-kernel mode still runs every op's
+# argument checks (hundreds of microseconds of Python per forward), which evict the backend's
+# working set from the CPU caches and inflate its own lines by an amount that varies with the
+# machine's load. Replacing the namespace (``backend.ops``) by plain functions leaves no
+# emulator code in the timed calls. How: the calls run once through a recording proxy over the
+# real namespace, which notes every attribute path the backend reads and, for each op it calls,
+# what the op returned: one of its own arguments (``out=``: the same argument is returned
+# again, so the backend's code after the call takes the same branch) or an object of its own
+# (that very object is returned again: preallocated). The namespace is then rebuilt from those
+# paths as ``SimpleNamespace`` objects and functions, so an attribute read costs what it costs
+# on a module.
+
+_PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+class _Recording:
+    """A proxy over one object of a backend's op namespace: attribute reads are noted in
+    ``log`` (and proxied), calls are made for real and how to give their results back noted."""
+
+    def __init__(self, target: Any, path: tuple[str, ...], log: dict[tuple[str, ...], Any]):
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_log", log)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._target, name)
+        path = (*self._path, name)
+        if isinstance(value, _PLAIN):  # a flag or a name of the namespace: kept as it is
+            self._log.setdefault(path, ("value", value))
+            return value
+        self._log.setdefault(path, ("node", None))
+        return _Recording(value, path, self._log)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._target(*args, **kwargs)
+        how = _returned(result, args, kwargs)
+        seen = self._log.get(self._path)
+        if seen is not None and seen[0] == "call" and seen[1] != how:
+            raise RuntimeError(
+                f"op {'.'.join(self._path)} returned different kinds of result in one step: "
+                f"{seen[1]} and {how}; it cannot be replaced by one no-op"
+            )
+        self._log[self._path] = ("call", how)
+        return result
+
+
+def _returned(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """How to give ``result`` back from the same call's arguments: ("arg", i), ("kwarg", name),
+    ("const", object) or ("tuple", [each element so]). Identity, not equality."""
+    if isinstance(result, tuple):
+        return ("tuple", [_returned(r, args, kwargs) for r in result])
+    for i, a in enumerate(args):
+        if a is result and result is not None:
+            return ("arg", i)
+    for name, a in kwargs.items():
+        if a is result and result is not None:
+            return ("kwarg", name)
+    return ("const", result)
+
+
+def _noop(how: Any) -> Callable[..., Any]:
+    """A function that takes anything and returns what the recorded op returned."""
+    kind, what = how
+    if kind == "const":
+        return lambda *args, **kwargs: what
+    if kind == "kwarg":
+        return lambda *args, **kwargs: kwargs[what]
+    if kind == "arg":
+        return lambda *args, **kwargs: args[what]
+    parts = [_noop(h) for h in what]
+    return lambda *args, **kwargs: tuple(p(*args, **kwargs) for p in parts)
+
+
+def noop_namespace(log: dict[tuple[str, ...], Any]) -> Any:
+    """The recorded paths as plain objects: a called path is a no-op function (attributes read
+    under it set on the function), any other a ``SimpleNamespace``."""
+    from types import SimpleNamespace
+
+    nodes: dict[tuple[str, ...], Any] = {(): SimpleNamespace()}
+    for path in sorted(log, key=len):
+        kind, what = log[path]
+        if kind == "value":
+            node = what
+        elif kind == "call":
+            node = _noop(what)
+        else:
+            node = SimpleNamespace()
+        nodes[path] = node
+        setattr(nodes[path[:-1]], path[-1], node)
+    return nodes[()]
+
+
+@contextmanager
+def noop_ops(backend: Any, calls: list[Callable[[], object]]) -> Iterator[list[str]]:
+    """Within: ``backend.ops`` is a namespace of no-ops made by running ``calls`` once each
+    against the real one (recorded); yields the dotted names of the ops replaced. Restored on
+    exit."""
+    real = backend.ops
+    log: dict[tuple[str, ...], Any] = {}
+    backend.ops = _Recording(real, (), log)
+    try:
+        for call in calls:
+            call()
+        backend.ops = noop_namespace(log)
+        yield sorted(".".join(p) for p, (kind, _) in log.items() if kind == "call")
+    finally:
+        backend.ops = real
 
 
 def _has_null_mode(be: object) -> bool:
@@ -992,6 +1113,13 @@ def plot_host(rows: list[HostOverhead], path: str, where: Machine | None = None)
     return _finish(fig, path, where)
 
 
+def _wrapper_us(row: HostOverhead, field_name: str) -> float:
+    """A column of the host curve: a vendor backend's wrapper with its ops as no-ops where
+    that was timed, else the field itself."""
+    noop = getattr(row, field_name.replace("_us", "_noop_us"), None)
+    return float(getattr(row, field_name) if noop is None else noop)
+
+
 def _draw_host(axes: Any, rows: list[HostOverhead], color: Callable[[str], str]) -> None:
     from matplotlib.ticker import LogLocator, ScalarFormatter
 
@@ -1007,7 +1135,9 @@ def _draw_host(axes: Any, rows: list[HostOverhead], color: Callable[[str], str])
         strict=True,
     ):
         for name in backends:
-            pts = sorted((r.num_reqs, getattr(r, field_name)) for r in decode if r.backend == name)
+            pts = sorted(
+                (r.num_reqs, _wrapper_us(r, field_name)) for r in decode if r.backend == name
+            )
             if not all(r.null_kernels for r in decode if r.backend == name) and field_name != (
                 "build_us"
             ):

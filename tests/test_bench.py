@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -294,3 +298,125 @@ def test_a_dtypes_compute_ceiling_is_never_under_float32s() -> None:
     own = ceil.matmul_own_gflops
     assert ceil.matmul_gflops["bfloat16"] == max(own["bfloat16"], own["float32"])
     assert ceil.matmul_gflops["float32"] == own["float32"]
+
+
+# --- a vendor backend's ops as no-ops -------------------------------------------------------
+
+
+def _toy() -> Any:
+    made = torch.zeros(2)
+
+    def into(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(x)
+
+    def pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, made
+
+    def write(x: torch.Tensor) -> None:
+        x.add_(1)
+
+    return SimpleNamespace(
+        flag=None,
+        name="toy",
+        inner=SimpleNamespace(into=into, pair=pair),
+        write=write,
+    )
+
+
+def test_the_no_ops_give_back_what_the_ops_returned_and_do_nothing() -> None:
+    log: dict[tuple[str, ...], Any] = {}
+    rec = bench._Recording(_toy(), (), log)
+    x, out = torch.ones(2), torch.empty(2)
+    assert rec.flag is None and rec.name == "toy"  # plain values as they are
+    assert rec.inner.into(x, out=out) is out
+    first, made = rec.inner.pair(x)
+    assert first is x
+    rec.write(x)
+    assert x.tolist() == [2.0, 2.0]  # recorded for real
+    ns = bench.noop_namespace(log)
+    assert ns.flag is None and ns.name == "toy"
+    y, other = torch.full((2,), 5.0), torch.empty(2)
+    assert ns.inner.into(y, out=other) is other  # the out= argument of this call
+    a, b = ns.inner.pair(y)
+    assert a is y and b is made  # the argument, and the very object the op made
+    assert ns.write(y) is None and y.tolist() == [5.0, 5.0]  # nothing happens
+    assert other.data_ptr() != out.data_ptr()
+    assert isinstance(ns.inner, SimpleNamespace)  # plain objects: no proxy in timed calls
+
+
+def test_an_op_returning_different_kinds_in_one_step_is_refused() -> None:
+    def either(x: torch.Tensor, lse: bool) -> Any:
+        return (x, x) if lse else x
+
+    rec = bench._Recording(SimpleNamespace(either=either), (), {})
+    rec.either(torch.ones(1), False)
+    with pytest.raises(RuntimeError, match="either returned different kinds"):
+        rec.either(torch.ones(1), True)
+
+
+@pytest.mark.parametrize(
+    ("backend", "emulator"),
+    [
+        ("flash", "attnhub_flash.emulator"),
+        ("iluvatar", "attnhub_iluvatar.emulator"),
+        ("ascend", "attnhub_ascend.emulator"),
+    ],
+)
+def test_a_vendor_backends_wrapper_is_timed_with_no_emulated_op_running(
+    backend: str, emulator: str
+) -> None:
+    pytest.importorskip(emulator)
+    from attnhub import AttentionSpec, BatchMetadata, select_backend
+
+    counts = importlib.import_module(emulator)._log.counts
+    spec = AttentionSpec(**bench.HOST_SPEC)  # type: ignore[arg-type]
+    be: Any = select_backend(spec, "cpu", prefer=backend, emulate=True)
+    s = bench._host_step("mixed x16", "cpu")
+    cache = be.allocate_kv_cache(s.num_blocks)
+    batch = BatchMetadata.from_lengths(s.query_lens, s.seq_lens, s.table, 128, "cpu")
+    impl, meta = be.impl(), be.metadata_builder().build(batch)
+    real_ops = be.ops
+
+    def forward() -> object:
+        return impl.forward(s.q, s.k, s.k, cache, meta)
+
+    def write() -> None:
+        impl.write_kv(s.k, s.k, cache, meta=meta)
+
+    before = sum(counts.values())
+    with bench.noop_ops(be, [forward, write]) as replaced:
+        recorded = sum(counts.values()) - before
+        assert replaced and recorded >= len(replaced)  # each replaced op ran for real once
+        for _ in range(3):
+            forward()
+            write()
+        assert sum(counts.values()) - before == recorded  # and none ran since
+    assert be.ops is real_ops
+    row = bench.host_overhead("decode x1", backend=backend, emulate=True)
+    assert row.forward_noop_us is not None and row.write_kv_noop_us is not None
+
+
+def test_compare_host_alternates_two_trees_and_tabulates_medians(monkeypatch) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "compare_host", Path(__file__).resolve().parents[1] / "benchmarks" / "compare_host.py"
+    )
+    assert spec is not None and spec.loader is not None
+    ch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ch)
+    calls: list[object] = []
+
+    def fake_run(tree: object, args: list[str]) -> list[dict[str, Any]]:
+        calls.append(tree)
+        k = 2.0 if tree is None else 1.0  # "this" twice "other"
+        return [
+            dict(backend="flash (emulated)", step="decode x1", build_us=10 * k, forward_us=30 * k,
+                 write_kv_us=8 * k, forward_noop_us=None if tree else 7 * k,
+                 write_kv_noop_us=None if tree else 2 * k),
+        ]  # fmt: skip
+
+    monkeypatch.setattr(ch, "run_once", fake_run)
+    table = ch.compare(Path("/old"), 2, [])
+    assert calls == [Path("/old"), None, None, Path("/old")]  # the order alternates per round
+    row = table.splitlines()[2]
+    assert row.startswith("| flash (emulated) | decode x1 | 10.0 (10.0-10.0) | 20.0 (20.0-20.0)")
+    assert "30.0 (30.0-30.0) (null) | 14.0 (14.0-14.0) |" in row  # the older tree's null figure
