@@ -174,11 +174,9 @@ def plan_step(
     return planner.plan(batch, step)
 
 
-#: A ragged decode chunk waiting for the batched pass: (index, first request, end request,
-#: blocks per request, keys per request, padding rows, shortest sequence).
-_Ragged = tuple[int, int, int, int, int, int, int]
-#: What the batched pass gives a chunk: block ids, padding rows, visible, mask.
-_Planned = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+#: A ragged decode chunk waiting for the batched pass: (index, first query row, first request,
+#: end request, blocks per request, keys per request, padding rows, shortest sequence).
+_Ragged = tuple[int, int, int, int, int, int, int, int]
 
 
 class Planner:
@@ -205,6 +203,7 @@ class Planner:
         self.budget = gather_budget_tokens
         self.eager = eager
         self.device = device
+        self.on_cpu = device.type == "cpu"
         self.group = spec.num_queries_per_kv
         self.window = spec.window
         self.causal = spec.causal
@@ -307,7 +306,7 @@ class Planner:
             shapes.append((int(starts[a]), C, Q, L, nblk, causal_square))
             if ragged and batched and Q == 1 and not pattern and not self.alibi:
                 n_pad = C * L - sum(lens_list[a:b])  # padding rows of the chunk
-                ragged_decodes.append((i, a, b, nblk, L, n_pad, shortest))  # planned below
+                ragged_decodes.append((i, int(starts[a]), a, b, nblk, L, n_pad, shortest))
                 host_ids.append(None)
                 host_pads.append(None)
                 host_visible.append(None)
@@ -368,7 +367,10 @@ class Planner:
             host_visible.append(visible)
             host_distance.append(distance)
 
-        done = self._ragged_decodes(ragged_decodes, seqs, table, bs) if ragged_decodes else {}
+        done = {}  # chunk index -> the chunk, for the ragged decode chunks
+        if ragged_decodes:
+            planned = self._ragged_decodes(ragged_decodes, seqs, table, bs)
+            done = {r[0]: chunk for r, chunk in zip(ragged_decodes, planned, strict=True)}
         chunks: list[Chunk] = []
         for i, ((first, C, Q, L, nblk, causal_square), ids_d, pads_d, vis, dist) in enumerate(
             zip(
@@ -382,8 +384,9 @@ class Planner:
         ):
             visible = mask = None
             if ids_d is None:  # a ragged decode chunk, planned with the others
-                ids_d, pads_d, visible, mask = done[i]
-            elif vis is None:
+                chunks.append(done[i])
+                continue
+            if vis is None:
                 pass
             elif eager:
                 visible = vis.view(C, 1, 1, Q, L)
@@ -441,23 +444,22 @@ class Planner:
             if C * nblk > max_gather:
                 max_gather = C * nblk
             if shortest != longest:  # planned below with the other ragged ones
-                ragged.append((len(chunks), a, b, nblk, longest, C * longest - sum(part), shortest))
+                n_pad = C * longest - sum(part)
+                ragged.append((len(chunks), a, a, b, nblk, longest, n_pad, shortest))
                 chunks.append(_NO_CHUNK)
                 continue
             ids = torch.from_numpy(np.ascontiguousarray(table[a:b, :nblk]).reshape(-1))
             sq = C == 1 == longest and square
             chunks.append(Chunk(a, C, 1, longest, nblk, ids, None, None, None, sq, None))
-        if self.device.type != "cpu":  # the plain chunks' ids in one transfer
+        if not self.on_cpu:  # the plain chunks' ids in one transfer
             plain = [i for i, c in enumerate(chunks) if c is not _NO_CHUNK]
             moved = _to_device([chunks[i].block_ids for i in plain], self.device)
             for i, ids_d in zip(plain, moved, strict=True):
                 assert ids_d is not None
                 chunks[i] = chunks[i]._replace(block_ids=ids_d)
         if ragged:
-            done = self._ragged_decodes(ragged, seqs, table, bs)
-            for i, a, b, nblk, L, _, _ in ragged:
-                ids_d, pads_d, visible, mask = done[i]
-                chunks[i] = Chunk(a, b - a, 1, L, nblk, ids_d, pads_d, visible, mask, False, None)
+            for r, chunk in zip(ragged, self._ragged_decodes(ragged, seqs, table, bs), strict=True):
+                chunks[r[0]] = chunk
         return tuple(chunks), max_gather
 
     def _ragged_decodes(
@@ -466,14 +468,14 @@ class Planner:
         seqs: np.ndarray,
         table: np.ndarray,
         bs: int,
-    ) -> dict[int, _Planned]:
+    ) -> list[Chunk]:
         """Plan every ragged decode chunk of the step at once (no window: each gathers from
         its requests' first block, and its keys are positions 0..L-1). Same block ids, padding
         rows and masks as planning each chunk on its own, in a fixed number of operations on
         arrays of one entry per request (or per padding row): a request's padding rows are
         one range, listed with one ``repeat`` for all, and a mask is zeros with -inf put at
         those rows (never a comparison per (request, key)).
-        Returns, per chunk index: block ids, padding rows, ``visible`` (eager), ``mask`` (SDPA)."""
+        Returns the chunks' records, in the order of ``ragged``."""
         # Per request (row r of all the chunks' requests, in order): keys len_r..L-1 of its
         # chunk are padding. They end at buf_end_r in its chunk's gather buffer (its rows
         # start at (row in chunk) * nblk * bs) and at mask_end_r in the masks of all the chunks
@@ -486,9 +488,9 @@ class Planner:
         Ls: list[int] = []
         pad_counts: list[int] = []  # padding rows per chunk
         row = mask_at = 0
-        lo, hi = ragged[0][1], ragged[-1][2]
-        shortest = ragged[0][6]
-        for _, a, b, nblk, L, pad, short in ragged:
+        lo, hi = ragged[0][2], ragged[-1][3]
+        shortest = ragged[0][7]
+        for _, _, a, b, nblk, L, pad, short in ragged:
             C, wbs = b - a, nblk * bs
             per[0].append(wbs)
             per[1].append(L)
@@ -506,7 +508,7 @@ class Planner:
         if hi - lo == R:  # a decode run's chunks are adjacent
             lens, grid = seqs[lo:hi], table[lo:hi, :W]
         else:
-            rows = np.concatenate([np.arange(a, b) for _, a, b, *_ in ragged])
+            rows = np.concatenate([np.arange(a, b) for _, _, a, b, *_ in ragged])
             lens, grid = seqs[rows], table[rows, :W]
         coef = np.array(per)  # [4, chunks]
         if len(ragged) > 1:
@@ -535,37 +537,28 @@ class Planner:
             if min(nblks) != W:  # each request keeps its own chunk's width
                 ids = ids[self._block_starts(W, 1) < (coef[0] // bs)[:, None]]
         ids_t = torch.from_numpy(ids.reshape(-1))  # whole rows of a contiguous table: a view
-        dev = self.device
-        if dev.type != "cpu":
+        if not self.on_cpu:
+            dev = self.device
             ids_t, pads, vis = ids_t.to(dev), pads.to(dev), vis.to(dev)
-        eager = self.eager
-        if len(ragged) == 1:
-            i, L = ragged[0][0], Ls[0]
-            return {
-                i: (
-                    ids_t,
-                    pads,
-                    vis.view(R, 1, 1, 1, L) if eager else None,
-                    None if eager else vis.view(R, 1, 1, L),
-                )
-            }
-        return {
-            i: (
-                ids_c,
-                pads_c,
-                vis_c.view(C, 1, 1, 1, L) if eager else None,
-                None if eager else vis_c.view(C, 1, 1, L),
+        per_ids: Sequence[torch.Tensor] = (ids_t,)
+        per_pads: Sequence[torch.Tensor] = (pads,)
+        per_vis: Sequence[torch.Tensor] = (vis,)
+        if len(ragged) > 1:  # one split per kind
+            per_ids = ids_t.split_with_sizes([c * nb for c, nb in zip(sizes, nblks, strict=True)])
+            per_pads = pads.split_with_sizes(pad_counts)
+            per_vis = vis.split_with_sizes([c * L for c, L in zip(sizes, Ls, strict=True)])
+        chunks = []
+        for (_, first, a, b, nblk, L, _, _), ids_c, pads_c, v in zip(
+            ragged, per_ids, per_pads, per_vis, strict=True
+        ):
+            if self.eager:  # the eager kernel's visible: [C, 1, 1, 1, L]
+                visible, mask = v.view(b - a, 1, 1, 1, L), None
+            else:  # SDPA's additive mask: [C, 1, 1, L]
+                visible, mask = None, v.view(b - a, 1, 1, L)
+            chunks.append(
+                Chunk(first, b - a, 1, L, nblk, ids_c, pads_c, visible, mask, False, None)
             )
-            for (i, *_), C, L, ids_c, pads_c, vis_c in zip(
-                ragged,
-                sizes,
-                Ls,
-                ids_t.split_with_sizes([c * nb for c, nb in zip(sizes, nblks, strict=True)]),
-                pads.split_with_sizes(pad_counts),
-                vis.split_with_sizes([c * L for c, L in zip(sizes, Ls, strict=True)]),
-                strict=True,
-            )
-        }
+        return chunks
 
     def _arange(self, n: int) -> np.ndarray:
         """0..n-1 (int64), a view of one array kept and grown as needed."""
