@@ -644,6 +644,30 @@ def test_chunk_spans_follow_the_greedy_rule(reqs: list[tuple[int, int]], budget:
     assert got == _greedy_spans(qlens, seqs, 16, budget)
 
 
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 300), st.integers(2, 300)), min_size=1, max_size=6))
+def test_staircase_is_the_causal_pattern_of_one_request(steps: list[tuple[int, int]]) -> None:
+    """A chunked prefill's mask (one request, causal, no window) is read off one staircase
+    array: query q of a request with ``context`` cached keys sees keys 0..context + q. Masks
+    made earlier stay right when a longer one grows the array."""
+    import numpy as np
+
+    from attnhub.torch_backend.plan import Planner
+
+    planner = Planner(
+        Case("plan").spec(), decode_threshold=16, gather_budget_tokens=1000, eager=False,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    made = []
+    for context, Q in steps:
+        L = context + Q
+        want = np.arange(L)[None, None, :] <= (context + np.arange(Q))[None, :, None]
+        made.append((planner._staircase(context, Q, L), want))
+    for got, want in made:
+        assert got.shape == want.shape
+        assert np.array_equal(got, want)
+
+
 def _same_chunks(got: tuple, want: tuple) -> None:
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):

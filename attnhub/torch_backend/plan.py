@@ -212,6 +212,7 @@ class Planner:
         self.dtype = spec.dtype
         self._starts: dict[tuple[int, int], np.ndarray] = {}
         self._ar = np.arange(1024)  # see _arange
+        self._stairs = np.zeros(0, dtype=np.bool_)  # see _staircase
         #: How the batched pass writes masks in numpy: (numpy dtype, visible, hidden, the torch
         #: dtype to view it as): the eager kernel's bool ``visible``; SDPA's additive mask in
         #: the model dtype, bf16 (which numpy lacks) as int16 bits (0xFF80 is -inf).
@@ -335,7 +336,12 @@ class Planner:
                 # only the shorter requests' padding to hide (a decode, or no causality)
                 assert own_keys is not None
                 seen = own_keys[:, None, :]  # [C, 1, L]
-            if (needs_pattern and not causal_square) or self.alibi:
+            if needs_pattern and C == 1 and Q > 1 and right == 0 and left < 0 and not self.alibi:
+                # one request, causal, no window (a chunked prefill): query q sees keys
+                # 0..context + q, read off one staircase array (no arithmetic)
+                if not causal_square:
+                    seen = self._staircase(lens_list[a] - Q, Q, L)
+            elif (needs_pattern and not causal_square) or self.alibi:
                 # positions in int32 where only a causal comparison follows (the step's lengths
                 # are int32: comparing them with int64 positions converts first, ~1.5x slower)
                 pos = np.int32 if right == 0 and left < 0 and not self.alibi else np.int64
@@ -559,6 +565,21 @@ class Planner:
                 Chunk(first, b - a, 1, L, nblk, ids_c, pads_c, visible, mask, False, None)
             )
         return chunks
+
+    def _staircase(self, context: int, Q: int, L: int) -> np.ndarray:
+        """[1, Q, L] bool, row q True at keys 0..context + q and False after (L = context + Q):
+        the rows of one [True] * K + [False] * K array, each one element left of the row
+        before (a strided view of it, never written)."""
+        stairs = self._stairs
+        K = stairs.shape[0] // 2
+        if K < L:
+            K = max(L, 2 * K)
+            stairs = self._stairs = np.zeros(2 * K, dtype=np.bool_)
+            stairs[:K] = True
+        # row q, key k reads stairs[K - 1 - context - q + k]: True iff k <= context + q
+        return np.ndarray(
+            (1, Q, L), dtype=np.bool_, buffer=stairs, offset=K - 1 - context, strides=(0, -1, 1)
+        )
 
     def _arange(self, n: int) -> np.ndarray:
         """0..n-1 (int64), a view of one array kept and grown as needed."""
