@@ -102,7 +102,8 @@ def chunk_spans(
         return []
     if extremes is None:
         extremes = (int(qlens.min()), int(qlens.max()), int(seqs.max()))
-    return _spans(qlens, seqs.tolist(), decode_threshold, gather_budget_tokens, extremes)
+    spans = _spans(qlens, seqs.tolist(), decode_threshold, gather_budget_tokens, extremes)
+    return [(a, b) for a, b, _ in spans]
 
 
 def _spans(
@@ -111,8 +112,9 @@ def _spans(
     decode_threshold: int,
     budget: int,
     extremes: tuple[int, int, int],
-) -> list[tuple[int, int]]:
-    """:func:`chunk_spans` on the sequence lengths as a list. No numpy call per chunk: any
+) -> list[tuple[int, int, int]]:  # [first request, end request) and the longest sequence
+    """:func:`chunk_spans` on the sequence lengths as a list, with each chunk's longest
+    sequence (which the cut finds anyway). No numpy call per chunk: any
     ``budget // longest sequence`` requests of a run fit (k * their longest <= k * the step's
     longest), so each chunk takes that many with one ``max`` of a list slice, then grows one
     request at a time while the padded size fits (a Python step per request past the sure
@@ -121,7 +123,7 @@ def _spans(
     q_min, q_max, s_max = extremes
     if q_min == q_max and q_max <= decode_threshold:  # the usual decode step: one run
         if n * s_max <= budget:
-            return [(0, n)]
+            return [(0, n, s_max)]
         bounds = [0, n]
         q_lens = None  # every request is a decode
     else:
@@ -130,13 +132,13 @@ def _spans(
         bounds = [0, *(np.flatnonzero(qlens[1:] != qlens[:-1]) + 1).tolist(), n]
         q_lens = qlens.tolist()
     sure = max(1, budget // s_max)
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, int, int]] = []
     for a, end in itertools.pairwise(bounds):
         if end - a == 1:
-            spans.append((a, end))  # a run of one request
+            spans.append((a, end, seqs[a]))  # a run of one request
             continue
         if q_lens is not None and q_lens[a] > decode_threshold:
-            spans.extend((r, r + 1) for r in range(a, end))  # every non-decode is a chunk
+            spans.extend((r, r + 1, seqs[r]) for r in range(a, end))  # each non-decode alone
             continue
         while a < end:
             b = min(a + sure, end)
@@ -148,7 +150,7 @@ def _spans(
                     break
                 longest = top
                 b += 1
-            spans.append((a, b))
+            spans.append((a, b, longest))
             a = b
     return spans
 
@@ -255,7 +257,7 @@ class Planner:
             table = batch.host_block_table().numpy()  # [B, max_blocks]
         B = qlens.shape[0]
         if not B:
-            spans: list[tuple[int, int]] = []
+            spans: list[tuple[int, int, int]] = []
             lens_list: list[int] = []
         else:
             assert extremes is not None
@@ -283,17 +285,15 @@ class Planner:
         host_distance: list[torch.Tensor | None] = []
         ragged_decodes: list[_Ragged] = []
         max_gather = 0
-        for i, (a, b) in enumerate(spans):
+        for i, (a, b, longest) in enumerate(spans):
             C, Q = b - a, int(qlens[a])
             if C == 1:
-                longest = shortest = lens_list[a]
+                shortest = longest
             elif C == B and uniform and step is not None:
                 # the whole batch, one query length: its extremes are the step's (no reduction)
-                assert extremes is not None
-                longest, shortest = extremes[2], step.min_context_len + Q
+                shortest = step.min_context_len + Q
             else:
-                part = lens_list[a:b]
-                longest, shortest = max(part), min(part)
+                shortest = min(lens_list[a:b])
             first_visible = 0 if left < 0 else max(0, shortest - Q - left)
             first_blk = first_visible // bs
             key_offset = first_blk * bs  # position of the first gathered key
@@ -424,7 +424,7 @@ class Planner:
 
     def _decodes(
         self,
-        spans: list[tuple[int, int]],
+        spans: list[tuple[int, int, int]],
         lens_list: list[int],
         seqs: np.ndarray,
         table: np.ndarray,
@@ -439,13 +439,10 @@ class Planner:
         ragged: list[_Ragged] = []
         chunks: list[Chunk] = []
         max_gather = 0
-        for a, b in spans:  # a decode's first query row is its request's index
+        for a, b, longest in spans:  # a decode's first query row is its request's index
             C = b - a
-            if C == 1:
-                longest = shortest = lens_list[a]
-            else:
-                part = lens_list[a:b]
-                longest, shortest = max(part), min(part)
+            part = lens_list[a:b]
+            shortest = longest if C == 1 else min(part)
             nblk = (longest + bs - 1) // bs
             if C * nblk > max_gather:
                 max_gather = C * nblk
