@@ -571,8 +571,9 @@ class Planner:
         K = stairs.shape[0] // 2
         if K < L:
             K = max(L, 2 * K)
-            stairs = self._stairs = np.zeros(2 * K, dtype=np.bool_)
+            stairs = np.zeros(2 * K, dtype=np.bool_)
             stairs[:K] = True
+            self._stairs = stairs  # filled first: views of the old one stay as they are
         # row q, key k reads stairs[K - 1 - context - q + k]: True iff k <= context + q
         return np.ndarray(
             (1, Q, L), dtype=np.bool_, buffer=stairs, offset=K - 1 - context, strides=(0, -1, 1)
