@@ -644,6 +644,30 @@ def test_chunk_spans_follow_the_greedy_rule(reqs: list[tuple[int, int]], budget:
     assert got == _greedy_spans(qlens, seqs, 16, budget)
 
 
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 300), st.integers(2, 300)), min_size=1, max_size=6))
+def test_staircase_is_the_causal_pattern_of_one_request(steps: list[tuple[int, int]]) -> None:
+    """A chunked prefill's mask (one request, causal, no window) is read off one staircase
+    array: query q of a request with ``context`` cached keys sees keys 0..context + q. Masks
+    made earlier stay right when a longer one grows the array."""
+    import numpy as np
+
+    from attnhub.torch_backend.plan import Planner
+
+    planner = Planner(
+        Case("plan").spec(), decode_threshold=16, gather_budget_tokens=1000, eager=False,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    made = []
+    for context, Q in steps:
+        L = context + Q
+        want = np.arange(L)[None, None, :] <= (context + np.arange(Q))[None, :, None]
+        made.append((planner._staircase(context, Q, L), want))
+    for got, want in made:
+        assert got.shape == want.shape
+        assert np.array_equal(got, want)
+
+
 def _same_chunks(got: tuple, want: tuple) -> None:
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -728,3 +752,85 @@ def test_batched_planning_of_ragged_decodes_equals_planning_each_chunk(
         want = planner._plan(batch, step, batched=False)
         _same_chunks(got.chunks, want.chunks)
         assert got.max_gather_blocks == want.max_gather_blocks
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    # runs of requests of one length: some chunks ragged, some not; lengths over several
+    # block counts, so that chunks gather different numbers of blocks
+    runs=st.lists(st.tuples(st.integers(1, 90), st.integers(1, 6)), min_size=1, max_size=20),
+    budget=st.sampled_from([1, 50, 200, 700, 100000]),
+    block_size=st.sampled_from([1, 4, 16]),
+    features=st.sampled_from([{}, {"softcap": 2.5}, {"sinks": True}]),
+    dtype=st.sampled_from([F32, F16, BF16]),
+    batch_causal=st.booleans(),
+    spread=st.booleans(),
+)
+# the host-overhead bench's steps (docs/performance.md): ragged lengths of one block count
+@example(
+    runs=[(300 - (17 * r) % 41, 1) for r in range(40)],
+    budget=2000,
+    block_size=128,
+    features={},
+    dtype=BF16,
+    batch_causal=True,
+    spread=False,
+)
+# the shortest request ends where a block ends: its last column is another request's block
+@example(
+    runs=[(32, 1), (33, 2)],
+    budget=100000,
+    block_size=16,
+    features={},
+    dtype=F32,
+    batch_causal=True,
+    spread=True,
+)
+def test_decode_steps_planned_as_each_chunk_alone_and_forward_bitwise_equal(
+    runs: list[tuple[int, int]],
+    budget: int,
+    block_size: int,
+    features: dict,
+    dtype: torch.dtype,
+    batch_causal: bool,
+    spread: bool,
+) -> None:
+    """A step of one-token decodes has its own planning pass (``Planner._decodes``: plain
+    chunks as whole table rows, ragged ones all at once). It gives the chunks the general
+    per-chunk planning gives, and ``forward`` with either plan gives bitwise-equal outputs."""
+    import copy
+
+    from attnhub.torch_backend.plan import Planner
+
+    s_lens = [s for s, k in runs for _ in range(k)]
+    q_lens = [1] * len(s_lens)
+    case = Case("plan", dtype=dtype, block_size=block_size, **features)
+    spec = case.spec()
+    batch, nblk = make_batch(q_lens, s_lens, block_size, seed=len(s_lens), causal=batch_causal)
+    if spread:
+        wide = torch.full((batch.num_reqs, batch.block_table.shape[1] + 3), -1, dtype=torch.int32)
+        wide[:, : batch.block_table.shape[1]] = batch.block_table
+        batch = dataclasses.replace(batch, block_table=wide, block_table_cpu=None)
+    backend = TorchBackend(spec, "cpu")
+    builder = backend.metadata_builder()
+    eager = bool({"softcap", "alibi", "sinks"} & spec.features())
+    planner = Planner(
+        spec, decode_threshold=16, gather_budget_tokens=budget, eager=eager, device=backend.device
+    )
+    builder._planner = planner
+    meta = builder.build(batch)  # planned by the decode pass
+    want = planner._plan(batch, builder.step, batched=False)
+    _same_chunks(meta.plan.chunks, want.chunks)
+    assert meta.plan.max_gather_blocks == want.max_gather_blocks
+    for step in (builder.step, None):
+        _same_chunks(planner.plan(batch, step).chunks, want.chunks)
+    alone = copy.copy(meta)
+    object.__setattr__(alone, "plan", want)
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, generator(7))
+    poison_unused_slots(cache, batch)  # padding rows let through would give NaN
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(8))
+    impl = backend.impl(**per_head_weights(spec, 9))
+    got, expected = impl.forward(q, k, v, cache, meta), impl.forward(q, k, v, cache, alone)
+    assert torch.equal(got, expected)
+    assert not got.isnan().any()

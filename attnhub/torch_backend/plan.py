@@ -102,7 +102,8 @@ def chunk_spans(
         return []
     if extremes is None:
         extremes = (int(qlens.min()), int(qlens.max()), int(seqs.max()))
-    return _spans(qlens, seqs.tolist(), decode_threshold, gather_budget_tokens, extremes)
+    spans = _spans(qlens, seqs.tolist(), decode_threshold, gather_budget_tokens, extremes)
+    return [(a, b) for a, b, _ in spans]
 
 
 def _spans(
@@ -111,8 +112,9 @@ def _spans(
     decode_threshold: int,
     budget: int,
     extremes: tuple[int, int, int],
-) -> list[tuple[int, int]]:
-    """:func:`chunk_spans` on the sequence lengths as a list. No numpy call per chunk: any
+) -> list[tuple[int, int, int]]:  # [first request, end request) and the longest sequence
+    """:func:`chunk_spans` on the sequence lengths as a list, with each chunk's longest
+    sequence (which the cut finds anyway). No numpy call per chunk: any
     ``budget // longest sequence`` requests of a run fit (k * their longest <= k * the step's
     longest), so each chunk takes that many with one ``max`` of a list slice, then grows one
     request at a time while the padded size fits (a Python step per request past the sure
@@ -121,22 +123,22 @@ def _spans(
     q_min, q_max, s_max = extremes
     if q_min == q_max and q_max <= decode_threshold:  # the usual decode step: one run
         if n * s_max <= budget:
-            return [(0, n)]
+            return [(0, n, s_max)]
         bounds = [0, n]
-        decode = None  # every request is a decode
+        q_lens = None  # every request is a decode
     else:
-        is_decode = qlens <= decode_threshold
-        # a run starts where the query_len changes or either neighbour is not a decode
-        starts = np.ones(n, dtype=bool)
-        starts[1:] = (qlens[1:] != qlens[:-1]) | ~is_decode[1:] | ~is_decode[:-1]
-        bounds = np.flatnonzero(starts).tolist()
-        bounds.append(n)
-        decode = is_decode.tolist()
+        # a run starts where the query_len changes (three numpy calls); a run of non-decodes
+        # (prefills of one length) is cut into single requests below
+        bounds = [0, *(np.flatnonzero(qlens[1:] != qlens[:-1]) + 1).tolist(), n]
+        q_lens = qlens.tolist()
     sure = max(1, budget // s_max)
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, int, int]] = []
     for a, end in itertools.pairwise(bounds):
-        if end - a == 1 or (decode is not None and not decode[a]):
-            spans.append((a, end))  # a run of one request (every non-decode is one)
+        if end - a == 1:
+            spans.append((a, end, seqs[a]))  # a run of one request
+            continue
+        if q_lens is not None and q_lens[a] > decode_threshold:
+            spans.extend((r, r + 1, seqs[r]) for r in range(a, end))  # each non-decode alone
             continue
         while a < end:
             b = min(a + sure, end)
@@ -148,7 +150,7 @@ def _spans(
                     break
                 longest = top
                 b += 1
-            spans.append((a, b))
+            spans.append((a, b, longest))
             a = b
     return spans
 
@@ -174,11 +176,9 @@ def plan_step(
     return planner.plan(batch, step)
 
 
-#: A ragged decode chunk waiting for the batched pass: (index, first request, end request,
-#: blocks per request, keys per request).
-_Ragged = tuple[int, int, int, int, int]
-#: What the batched pass gives a chunk: block ids, padding rows, visible, mask.
-_Planned = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+#: A ragged decode chunk waiting for the batched pass: (index, first query row, first request,
+#: end request, blocks per request, keys per request, padding rows, shortest sequence).
+_Ragged = tuple[int, int, int, int, int, int, int, int]
 
 
 class Planner:
@@ -205,6 +205,7 @@ class Planner:
         self.budget = gather_budget_tokens
         self.eager = eager
         self.device = device
+        self.on_cpu = device.type == "cpu"
         self.group = spec.num_queries_per_kv
         self.window = spec.window
         self.causal = spec.causal
@@ -212,6 +213,8 @@ class Planner:
         self.alibi = spec.use_alibi
         self.dtype = spec.dtype
         self._starts: dict[tuple[int, int], np.ndarray] = {}
+        self._ar = np.arange(1024)  # see _arange
+        self._stairs = np.zeros(0, dtype=np.bool_)  # see _staircase
         #: How the batched pass writes masks in numpy: (numpy dtype, visible, hidden, the torch
         #: dtype to view it as): the eager kernel's bool ``visible``; SDPA's additive mask in
         #: the model dtype, bf16 (which numpy lacks) as int16 bits (0xFF80 is -inf).
@@ -254,7 +257,7 @@ class Planner:
             table = batch.host_block_table().numpy()  # [B, max_blocks]
         B = qlens.shape[0]
         if not B:
-            spans: list[tuple[int, int]] = []
+            spans: list[tuple[int, int, int]] = []
             lens_list: list[int] = []
         else:
             assert extremes is not None
@@ -264,6 +267,13 @@ class Planner:
         # a pattern beyond "keys past the request's end are hidden" (besides causality for Q > 1)
         pattern = left >= 0 or (right >= 0 and not causal)
         eager, plain = self.eager, self.plain
+        write = plan_slot_write(
+            batch.slot_mapping, batch.host_slot_mapping(), None if step is None else step.min_slot
+        )
+        one_token = uniform and extremes is not None and extremes[1] == 1  # decodes only
+        if batched and one_token and not pattern and not self.alibi:  # the usual step
+            decodes, max_gather = self._decodes(spans, lens_list, seqs, table, bs, causal)
+            return StepPlan(chunks=decodes, max_gather_blocks=max_gather, write=write)
 
         # Per chunk: which blocks to gather (only those a query can see: a sliding window skips
         # the older ones), and the mask / ALiBi distances where the pattern is not plain. Built on
@@ -275,17 +285,15 @@ class Planner:
         host_distance: list[torch.Tensor | None] = []
         ragged_decodes: list[_Ragged] = []
         max_gather = 0
-        for i, (a, b) in enumerate(spans):
+        for i, (a, b, longest) in enumerate(spans):
             C, Q = b - a, int(qlens[a])
             if C == 1:
-                longest = shortest = lens_list[a]
+                shortest = longest
             elif C == B and uniform and step is not None:
                 # the whole batch, one query length: its extremes are the step's (no reduction)
-                assert extremes is not None
-                longest, shortest = extremes[2], step.min_context_len + Q
+                shortest = step.min_context_len + Q
             else:
-                part = lens_list[a:b]
-                longest, shortest = max(part), min(part)
+                shortest = min(lens_list[a:b])
             first_visible = 0 if left < 0 else max(0, shortest - Q - left)
             first_blk = first_visible // bs
             key_offset = first_blk * bs  # position of the first gathered key
@@ -298,7 +306,8 @@ class Planner:
             causal_square = C == 1 and Q == L and causal and plain
             shapes.append((int(starts[a]), C, Q, L, nblk, causal_square))
             if ragged and batched and Q == 1 and not pattern and not self.alibi:
-                ragged_decodes.append((i, a, b, nblk, L))  # planned below, all at once
+                n_pad = C * L - sum(lens_list[a:b])  # padding rows of the chunk
+                ragged_decodes.append((i, int(starts[a]), a, b, nblk, L, n_pad, shortest))
                 host_ids.append(None)
                 host_pads.append(None)
                 host_visible.append(None)
@@ -327,7 +336,12 @@ class Planner:
                 # only the shorter requests' padding to hide (a decode, or no causality)
                 assert own_keys is not None
                 seen = own_keys[:, None, :]  # [C, 1, L]
-            if (needs_pattern and not causal_square) or self.alibi:
+            if needs_pattern and C == 1 and Q > 1 and right == 0 and left < 0 and not self.alibi:
+                # one request, causal, no window (a chunked prefill): query q sees keys
+                # 0..context + q, read off one staircase array (no arithmetic)
+                if not causal_square:
+                    seen = self._staircase(lens_list[a] - Q, Q, L)
+            elif (needs_pattern and not causal_square) or self.alibi:
                 # positions in int32 where only a causal comparison follows (the step's lengths
                 # are int32: comparing them with int64 positions converts first, ~1.5x slower)
                 pos = np.int32 if right == 0 and left < 0 and not self.alibi else np.int64
@@ -359,7 +373,10 @@ class Planner:
             host_visible.append(visible)
             host_distance.append(distance)
 
-        done = self._ragged_decodes(ragged_decodes, seqs, table, bs) if ragged_decodes else {}
+        done = {}  # chunk index -> the chunk, for the ragged decode chunks
+        if ragged_decodes:
+            planned = self._ragged_decodes(ragged_decodes, seqs, table, bs)
+            done = {r[0]: chunk for r, chunk in zip(ragged_decodes, planned, strict=True)}
         chunks: list[Chunk] = []
         for i, ((first, C, Q, L, nblk, causal_square), ids_d, pads_d, vis, dist) in enumerate(
             zip(
@@ -373,8 +390,9 @@ class Planner:
         ):
             visible = mask = None
             if ids_d is None:  # a ragged decode chunk, planned with the others
-                ids_d, pads_d, visible, mask = done[i]
-            elif vis is None:
+                chunks.append(done[i])
+                continue
+            if vis is None:
                 pass
             elif eager:
                 visible = vis.view(C, 1, 1, Q, L)
@@ -402,15 +420,50 @@ class Planner:
                     distance=None if dist is None else dist[:, None, None],  # [C, 1, 1, Q, L]
                 )
             )
-        return StepPlan(
-            chunks=tuple(chunks),
-            max_gather_blocks=max_gather,
-            write=plan_slot_write(
-                batch.slot_mapping,
-                batch.host_slot_mapping(),
-                None if step is None else step.min_slot,
-            ),
-        )
+        return StepPlan(chunks=tuple(chunks), max_gather_blocks=max_gather, write=write)
+
+    def _decodes(
+        self,
+        spans: list[tuple[int, int, int]],
+        lens_list: list[int],
+        seqs: np.ndarray,
+        table: np.ndarray,
+        bs: int,
+        causal: bool,
+    ) -> tuple[tuple[Chunk, ...], int]:
+        """The chunks of a step of one-token decodes (no window, no ALiBi): what the general
+        loop of :meth:`_plan` does for them, less what a decode never needs (no query offset,
+        no pattern, no distances). A chunk whose requests are all as long gathers whole table
+        rows and needs no padding nor mask; the ragged ones go to :meth:`_ragged_decodes`."""
+        square = causal and self.plain  # one request of one key: SDPA's is_causal applies
+        ragged: list[_Ragged] = []
+        chunks: list[Chunk] = []
+        max_gather = 0
+        for a, b, longest in spans:  # a decode's first query row is its request's index
+            C = b - a
+            part = lens_list[a:b]
+            shortest = longest if C == 1 else min(part)
+            nblk = (longest + bs - 1) // bs
+            if C * nblk > max_gather:
+                max_gather = C * nblk
+            if shortest != longest:  # planned below with the other ragged ones
+                n_pad = C * longest - sum(part)
+                ragged.append((len(chunks), a, a, b, nblk, longest, n_pad, shortest))
+                chunks.append(_NO_CHUNK)
+                continue
+            ids = torch.from_numpy(np.ascontiguousarray(table[a:b, :nblk]).reshape(-1))
+            sq = C == 1 == longest and square
+            chunks.append(Chunk(a, C, 1, longest, nblk, ids, None, None, None, sq, None))
+        if not self.on_cpu:  # the plain chunks' ids in one transfer
+            plain = [i for i, c in enumerate(chunks) if c is not _NO_CHUNK]
+            moved = _to_device([chunks[i].block_ids for i in plain], self.device)
+            for i, ids_d in zip(plain, moved, strict=True):
+                assert ids_d is not None
+                chunks[i] = chunks[i]._replace(block_ids=ids_d)
+        if ragged:
+            for r, chunk in zip(ragged, self._ragged_decodes(ragged, seqs, table, bs), strict=True):
+                chunks[r[0]] = chunk
+        return tuple(chunks), max_gather
 
     def _ragged_decodes(
         self,
@@ -418,97 +471,119 @@ class Planner:
         seqs: np.ndarray,
         table: np.ndarray,
         bs: int,
-    ) -> dict[int, _Planned]:
+    ) -> list[Chunk]:
         """Plan every ragged decode chunk of the step at once (no window: each gathers from
         its requests' first block, and its keys are positions 0..L-1). Same block ids, padding
         rows and masks as planning each chunk on its own, in a fixed number of operations on
         arrays of one entry per request (or per padding row): a request's padding rows are
         one range, listed with one ``repeat`` for all, and a mask is zeros with -inf put at
         those rows (never a comparison per (request, key)).
-        Returns, per chunk index: block ids, padding rows, ``visible`` (eager), ``mask`` (SDPA)."""
-        # Per request (row r): keys len_r..L-1 of its chunk are padding. They end at buf_end_r
-        # in its chunk's gather buffer (its buffer rows start at (row in chunk) * nblk * bs)
-        # and at mask_end_r in the masks of all the chunks laid end to end.
-        if len(ragged) == 1:
-            i, lo, hi, W, L = ragged[0]
-            R = hi - lo
+        Returns the chunks' records, in the order of ``ragged``."""
+        # Per request (row r of all the chunks' requests, in order): keys len_r..L-1 of its
+        # chunk are padding. They end at buf_end_r in its chunk's gather buffer (its rows
+        # start at (row in chunk) * nblk * bs) and at mask_end_r in the masks of all the chunks
+        # laid end to end. Both ends are affine in r within a chunk (slope nblk * bs or L), so
+        # one [4, C] array of per-chunk values, repeated per request (no repeat for one chunk:
+        # it broadcasts), gives both for every request with one multiply-add.
+        sizes: list[int] = []
+        per: list[list[int]] = [[], [], [], []]  # slopes (buffer, mask: L), intercepts
+        nblks: list[int] = []
+        Ls: list[int] = []
+        pad_counts: list[int] = []  # padding rows per chunk
+        row = mask_at = 0
+        lo, hi = ragged[0][2], ragged[-1][3]
+        shortest = ragged[0][7]
+        for _, _, a, b, nblk, L, pad, short in ragged:
+            C, wbs = b - a, nblk * bs
+            per[0].append(wbs)
+            per[1].append(L)
+            per[2].append(L - row * wbs)  # buf_end_r = r * wbs + L - row0 * wbs
+            per[3].append(mask_at + L - row * L)  # mask_end_r = mask_at + (r - row0 + 1) * L
+            sizes.append(C)
+            nblks.append(nblk)
+            Ls.append(L)
+            pad_counts.append(pad)
+            if short < shortest:
+                shortest = short
+            row += C
+            mask_at += C * L
+        R, W, total = row, max(nblks), sum(pad_counts)
+        if hi - lo == R:  # a decode run's chunks are adjacent
             lens, grid = seqs[lo:hi], table[lo:hi, :W]
-            counts = L - lens
-            buf_end = np.arange(L, R * W * bs + L, W * bs)
-            mask_end = np.arange(L, R * L + L, L)
         else:
-            firsts = [a for _, a, _, _, _ in ragged]
-            sizes = [b - a for _, a, b, _, _ in ragged]
-            nblks = [nb for _, _, _, nb, _ in ragged]
-            Ls = [L for _, _, _, _, L in ragged]
-            R, W = sum(sizes), max(nblks)
-            if firsts[-1] + sizes[-1] - firsts[0] == R:  # a decode run's chunks are adjacent
-                lens, grid = seqs[firsts[0] : firsts[0] + R], table[firsts[0] : firsts[0] + R, :W]
-            else:
-                rows = np.concatenate(
-                    [np.arange(a, a + c) for a, c in zip(firsts, sizes, strict=True)]
-                )
-                lens, grid = seqs[rows], table[rows, :W]
-            row0 = list(itertools.accumulate(sizes, initial=0))  # each chunk's first row
-            per_chunk = np.array(sizes)
-            if min(nblks) == W:
-                # one repeat gives each request its chunk's L and its buffer end less r * W * bs
-                shift = [L - r * W * bs for L, r in zip(Ls, row0[:-1], strict=True)]
-                row_L, row_shift = np.repeat(np.array([Ls, shift]), per_chunk, axis=1)
-                buf_end = np.arange(0, R * W * bs, W * bs) + row_shift
-            else:
-                row_L = np.repeat(np.array(Ls), per_chunk)
-                local = np.arange(R) - np.repeat(np.array(row0[:-1]), per_chunk)
-                buf_end = local * np.repeat(np.array(nblks), per_chunk) * bs + row_L
-            mask_end = _ACCUMULATE(row_L)
-            counts = row_L - lens
-        # block ids: past its own blocks, a request gathers its first block again
-        ids = np.where(self._block_starts(W, bs) >= lens[:, None], grid[:, :1], grid)
-        if len(ragged) > 1 and min(nblks) != W:
-            ids = ids[np.arange(W)[None, :] < np.repeat(np.array(nblks), per_chunk)[:, None]]
+            rows = np.concatenate([np.arange(a, b) for _, _, a, b, *_ in ragged])
+            lens, grid = seqs[rows], table[rows, :W]
+        coef = np.array(per)  # [4, chunks]
+        if len(ragged) > 1:
+            coef = np.repeat(coef, sizes, axis=1)  # [4, R]
+        counts = coef[1] - lens  # padding rows per request
         ends = _ACCUMULATE(counts, dtype=np.int64)  # padding rows up to and with each request
-        ar = np.arange(int(ends[-1]))
-        pads = torch.from_numpy(np.repeat(buf_end - ends, counts) + ar)
+        # [2, R]: where each request's padding starts, less its first padding row's index
+        starts = coef[:2] * self._arange(R) + (coef[2:4] - ends)
+        ar = self._arange(total)
+        spots = np.repeat(starts, counts, axis=1) + ar  # [2, total]: buffer rows, mask entries
+        pads = torch.from_numpy(spots[0])
         # masks: visible everywhere but at the padding rows, built in numpy (bf16 as its bits)
         dtype, visible, hidden, as_dtype = self._mask_kind
-        masks: np.ndarray = np.full(int(mask_end[-1]), visible, dtype=dtype)
-        masks[np.repeat(mask_end - ends, counts) + ar] = hidden
+        masks: np.ndarray = (np.zeros if visible == 0 else np.ones)(mask_at, dtype=dtype)
+        masks[spots[1]] = hidden
         vis = torch.from_numpy(masks)
         if as_dtype is not None:
             vis = vis.view(as_dtype)
         if not self.eager and vis.dtype != self.dtype:  # a model dtype numpy lacks: convert
             vis = vis.to(self.dtype)
-        ids_t = torch.from_numpy(ids.reshape(-1))
-        dev = self.device
-        if dev.type != "cpu":
+        # block ids: past its own blocks, a request gathers its first block again (only where
+        # some request has fewer blocks of its own than the widest chunk gathers)
+        ids = grid
+        if shortest <= (W - 1) * bs:
+            ids = np.where(self._block_starts(W, bs) >= lens[:, None], grid[:, :1], grid)
+            if min(nblks) != W:  # each request keeps its own chunk's width
+                ids = ids[self._block_starts(W, 1) < (coef[0] // bs)[:, None]]
+        ids_t = torch.from_numpy(ids.reshape(-1))  # whole rows of a contiguous table: a view
+        if not self.on_cpu:
+            dev = self.device
             ids_t, pads, vis = ids_t.to(dev), pads.to(dev), vis.to(dev)
-        eager = self.eager
-        if len(ragged) == 1:
-            return {
-                i: (
-                    ids_t,
-                    pads,
-                    vis.view(R, 1, 1, 1, L) if eager else None,
-                    None if eager else vis.view(R, 1, 1, L),
-                )
-            }
-        upto = [0, *ends[[r - 1 for r in row0[1:]]].tolist()]  # padding rows before a chunk
-        return {
-            i: (
-                ids_c,
-                pads_c,
-                vis_c.view(C, 1, 1, 1, L) if eager else None,
-                None if eager else vis_c.view(C, 1, 1, L),
+        per_ids: Sequence[torch.Tensor] = (ids_t,)
+        per_pads: Sequence[torch.Tensor] = (pads,)
+        per_vis: Sequence[torch.Tensor] = (vis,)
+        if len(ragged) > 1:  # one split per kind
+            per_ids = ids_t.split_with_sizes([c * nb for c, nb in zip(sizes, nblks, strict=True)])
+            per_pads = pads.split_with_sizes(pad_counts)
+            per_vis = vis.split_with_sizes([c * L for c, L in zip(sizes, Ls, strict=True)])
+        chunks = []
+        for (_, first, a, b, nblk, L, _, _), ids_c, pads_c, v in zip(
+            ragged, per_ids, per_pads, per_vis, strict=True
+        ):
+            if self.eager:  # the eager kernel's visible: [C, 1, 1, 1, L]
+                visible, mask = v.view(b - a, 1, 1, 1, L), None
+            else:  # SDPA's additive mask: [C, 1, 1, L]
+                visible, mask = None, v.view(b - a, 1, 1, L)
+            chunks.append(
+                Chunk(first, b - a, 1, L, nblk, ids_c, pads_c, visible, mask, False, None)
             )
-            for (i, _, _, _, L), C, ids_c, pads_c, vis_c in zip(
-                ragged,
-                sizes,
-                ids_t.split_with_sizes([c * nb for c, nb in zip(sizes, nblks, strict=True)]),
-                pads.split_with_sizes([b - a for a, b in itertools.pairwise(upto)]),
-                vis.split_with_sizes([c * L for c, L in zip(sizes, Ls, strict=True)]),
-                strict=True,
-            )
-        }
+        return chunks
+
+    def _staircase(self, context: int, Q: int, L: int) -> np.ndarray:
+        """[1, Q, L] bool, row q True at keys 0..context + q and False after (L = context + Q):
+        the rows of one [True] * K + [False] * K array, each one element left of the row
+        before (a strided view of it, never written)."""
+        stairs = self._stairs
+        K = stairs.shape[0] // 2
+        if K < L:
+            K = max(L, 2 * K)
+            stairs = np.zeros(2 * K, dtype=np.bool_)
+            stairs[:K] = True
+            self._stairs = stairs  # filled first: views of the old one stay as they are
+        # row q, key k reads stairs[K - 1 - context - q + k]: True iff k <= context + q
+        return np.ndarray(
+            (1, Q, L), dtype=np.bool_, buffer=stairs, offset=K - 1 - context, strides=(0, -1, 1)
+        )
+
+    def _arange(self, n: int) -> np.ndarray:
+        """0..n-1 (int64), a view of one array kept and grown as needed."""
+        if n > self._ar.shape[0]:
+            self._ar = np.arange(max(n, 2 * self._ar.shape[0]))
+        return self._ar[:n]
 
     def _block_starts(self, width: int, bs: int) -> np.ndarray:
         """[1, width] the first key position of each block, made once per (width, block size)."""
@@ -518,6 +593,9 @@ class Planner:
             starts = self._starts[key] = np.arange(width)[None, :] * bs
         return starts
 
+
+#: A place in :meth:`Planner._decodes`'s list for a chunk planned later.
+_NO_CHUNK = Chunk(0, 0, 0, 0, 0, torch.empty(0, dtype=torch.int64), None, None, None, False, None)
 
 _ACCUMULATE = np.add.accumulate  # np.cumsum less its Python wrapper (~2 us on small arrays)
 
