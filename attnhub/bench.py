@@ -566,7 +566,7 @@ def _pyplot() -> ModuleType:  # matplotlib.pyplot
 
 def plot(
     run: Run, path: str, where: Machine | None = None, host: list[HostOverhead] | None = None
-) -> None:
+) -> Any:
     """Achieved bandwidth (decode: K+V bytes read / time) and FLOP/s (prefill) of every backend,
     dense SDPA, and the direct kernel comparisons (hatched), per dtype, against the ceilings
     measured in the same run; with ``host`` (the same run's host-overhead rows) the
@@ -589,13 +589,20 @@ def plot(
 def _colors(labels: Iterable[str]) -> Callable[[str], str]:
     """A backend's color from its name (its label less " (emulated)"): dense SDPA grey, the
     others matplotlib's cycle in order of appearance."""
-    names = list(dict.fromkeys(label.split(" (")[0] for label in labels if label != DENSE))
+    names = list(dict.fromkeys(_name(label) for label in labels if label != DENSE))
     cycle = {name: f"C{i}" for i, name in enumerate(names)}
 
     def color(label: str) -> str:
-        return "grey" if label == DENSE else cycle.get(label.split(" (")[0].split(":")[0], "k")
+        if label == DENSE:
+            return "grey"
+        return cycle.setdefault(_name(label), f"C{len(cycle)}")
 
     return color
+
+
+def _name(label: str) -> str:
+    """A backend's name from a label: "flash (emulated)", "cpu: kernels called directly"."""
+    return label.split(" (")[0].split(":")[0]
 
 
 def _figure(plt: ModuleType, size: tuple[float, float]) -> Any:
@@ -896,11 +903,13 @@ class _Recording:
         result = self._target(*args, **kwargs)
         how = _returned(result, args, kwargs)
         seen = self._log.get(self._path)
-        if seen is not None and seen[0] == "call" and seen[1] != how:
-            raise RuntimeError(
-                f"op {'.'.join(self._path)} returned different kinds of result in one step: "
-                f"{seen[1]} and {how}; it cannot be replaced by one no-op"
-            )
+        if seen is not None and seen[0] == "call":
+            if _kind(seen[1]) != _kind(how):
+                raise RuntimeError(
+                    f"op {'.'.join(self._path)} returned different kinds of result in one "
+                    f"step: {_kind(seen[1])} and {_kind(how)}; it cannot be replaced by one no-op"
+                )
+            return result  # the same kind again (a new tensor each call): the first is kept
         self._log[self._path] = ("call", how)
         return result
 
@@ -917,6 +926,17 @@ def _returned(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
         if a is result and result is not None:
             return ("kwarg", name)
     return ("const", result)
+
+
+def _kind(how: Any) -> Any:
+    """What a recorded result's shape of return is, without the objects made (tensors do not
+    compare as values): ("arg", 0), ("kwarg", "out"), "const" or ("tuple", [...])."""
+    kind, what = how
+    if kind == "const":
+        return "const"
+    if kind == "tuple":
+        return ("tuple", [_kind(h) for h in what])
+    return how
 
 
 def _noop(how: Any) -> Callable[..., Any]:

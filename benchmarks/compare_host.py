@@ -96,13 +96,20 @@ def compare(tree: Path, rounds: int, bench_args: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # everything after "--" goes to attnhub bench --host as it is (argparse would take it for
+    # this script's own options)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    own, bench_args = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0],
+        usage="%(prog)s TREE [--rounds N] [-- ARGS for attnhub bench --host]",
+    )
     parser.add_argument("tree", type=Path, help="the other code tree (an export of a commit)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("bench_args", nargs="*", help="after --: arguments for bench --host")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(own)
     print(f"other = {args.tree.resolve()}; this = the code imported by default")
-    print(compare(args.tree.resolve(), args.rounds, args.bench_args))
+    print(compare(args.tree.resolve(), args.rounds, bench_args))
 
 
 if __name__ == "__main__":

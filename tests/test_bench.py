@@ -344,6 +344,20 @@ def test_the_no_ops_give_back_what_the_ops_returned_and_do_nothing() -> None:
     assert isinstance(ns.inner, SimpleNamespace)  # plain objects: no proxy in timed calls
 
 
+def test_an_op_making_a_new_result_each_call_is_one_no_op_giving_the_first() -> None:
+    """(e.g. a cascade step's two varlen calls, each returning a new (out, lse))"""
+
+    def fresh(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x + 1, torch.zeros(3)  # new tensors, of different sizes, on every call
+
+    log: dict[tuple[str, ...], Any] = {}
+    rec = bench._Recording(SimpleNamespace(fresh=fresh), (), log)
+    first = rec.fresh(torch.ones(2))
+    rec.fresh(torch.ones(5))
+    a, b = bench.noop_namespace(log).fresh(torch.ones(7))
+    assert a is first[0] and b is first[1]
+
+
 def test_an_op_returning_different_kinds_in_one_step_is_refused() -> None:
     def either(x: torch.Tensor, lse: bool) -> Any:
         return (x, x) if lse else x
@@ -396,13 +410,36 @@ def test_a_vendor_backends_wrapper_is_timed_with_no_emulated_op_running(
     assert row.forward_noop_us is not None and row.write_kv_noop_us is not None
 
 
-def test_compare_host_alternates_two_trees_and_tabulates_medians(monkeypatch) -> None:
+def _compare_host() -> Any:
     spec = importlib.util.spec_from_file_location(
         "compare_host", Path(__file__).resolve().parents[1] / "benchmarks" / "compare_host.py"
     )
     assert spec is not None and spec.loader is not None
-    ch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ch)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("argv", "rounds", "bench_args"),
+    [
+        (["/old"], 3, []),
+        (["/old", "--rounds", "5", "--", "--backend", "flash"], 5, ["--backend", "flash"]),
+        (["--rounds", "2", "/old", "--", "--rounds", "9"], 2, ["--rounds", "9"]),
+    ],
+)
+def test_compare_host_takes_its_documented_command_line(
+    monkeypatch, argv: list[str], rounds: int, bench_args: list[str]
+) -> None:
+    ch = _compare_host()
+    got: list[object] = []
+    monkeypatch.setattr(ch, "compare", lambda tree, n, args: got.append((tree, n, args)) or "")
+    ch.main(argv)
+    assert got == [(Path("/old").resolve(), rounds, bench_args)]
+
+
+def test_compare_host_alternates_two_trees_and_tabulates_medians(monkeypatch) -> None:
+    ch = _compare_host()
     calls: list[object] = []
 
     def fake_run(tree: object, args: list[str]) -> list[dict[str, Any]]:
