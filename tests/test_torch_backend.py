@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -728,30 +729,48 @@ def test_batched_planning_of_ragged_decodes_equals_planning_each_chunk(
 ) -> None:
     """The planner plans every ragged decode chunk of a step at once; the general per-chunk
     planning of each is the specification: same chunks, ids, padding rows, masks."""
-    from attnhub.torch_backend.plan import Planner
 
     q_lens = [q for q, _ in reqs]
     s_lens = [q + c for q, c in reqs]
-    case = Case("plan", dtype=dtype, block_size=block_size, **features)
-    spec = case.spec()
-    # spread: a table wider than needed and not every row's blocks in order
-    batch, _ = make_batch(q_lens, s_lens, block_size, seed=len(reqs), causal=batch_causal)
-    if spread:
-        wide = torch.full((batch.num_reqs, batch.block_table.shape[1] + 3), -1, dtype=torch.int32)
-        wide[:, : batch.block_table.shape[1]] = batch.block_table
-        batch = dataclasses.replace(batch, block_table=wide, block_table_cpu=None)
-    backend = TorchBackend(spec, "cpu")
+    _, batch, _, backend, planner = _planning_case(
+        q_lens, s_lens, budget, block_size, features, dtype, batch_causal, spread, seed=len(reqs)
+    )
     builder = backend.metadata_builder()
     builder.build(batch)  # the step's checks, kept in builder.step
-    eager = bool({"softcap", "alibi", "sinks"} & spec.features())
-    planner = Planner(
-        spec, decode_threshold=16, gather_budget_tokens=budget, eager=eager, device=backend.device
-    )
     for step in (builder.step, None):
         got = planner.plan(batch, step)
         want = planner._plan(batch, step, batched=False)
         _same_chunks(got.chunks, want.chunks)
         assert got.max_gather_blocks == want.max_gather_blocks
+
+
+def _planning_case(
+    q_lens: list[int],
+    s_lens: list[int],
+    budget: int,
+    block_size: int,
+    features: dict,
+    dtype: torch.dtype,
+    batch_causal: bool,
+    spread: bool,
+    seed: int,
+) -> tuple[AttentionSpec, BatchMetadata, int, TorchBackend, Any]:
+    """A step, its backend and a planner with the given gather budget (tokens). ``spread``: a
+    table wider than needed (-1 past each row's blocks)."""
+    from attnhub.torch_backend.plan import Planner
+
+    spec = Case("plan", dtype=dtype, block_size=block_size, **features).spec()
+    batch, nblk = make_batch(q_lens, s_lens, block_size, seed=seed, causal=batch_causal)
+    if spread:
+        wide = torch.full((batch.num_reqs, batch.block_table.shape[1] + 3), -1, dtype=torch.int32)
+        wide[:, : batch.block_table.shape[1]] = batch.block_table
+        batch = dataclasses.replace(batch, block_table=wide, block_table_cpu=None)
+    backend = TorchBackend(spec, "cpu")
+    eager = bool({"softcap", "alibi", "sinks"} & spec.features())
+    planner = Planner(
+        spec, decode_threshold=16, gather_budget_tokens=budget, eager=eager, device=backend.device
+    )
+    return spec, batch, nblk, backend, planner
 
 
 @settings(max_examples=100, deadline=None)
@@ -800,23 +819,12 @@ def test_decode_steps_planned_as_each_chunk_alone_and_forward_bitwise_equal(
     per-chunk planning gives, and ``forward`` with either plan gives bitwise-equal outputs."""
     import copy
 
-    from attnhub.torch_backend.plan import Planner
-
     s_lens = [s for s, k in runs for _ in range(k)]
     q_lens = [1] * len(s_lens)
-    case = Case("plan", dtype=dtype, block_size=block_size, **features)
-    spec = case.spec()
-    batch, nblk = make_batch(q_lens, s_lens, block_size, seed=len(s_lens), causal=batch_causal)
-    if spread:
-        wide = torch.full((batch.num_reqs, batch.block_table.shape[1] + 3), -1, dtype=torch.int32)
-        wide[:, : batch.block_table.shape[1]] = batch.block_table
-        batch = dataclasses.replace(batch, block_table=wide, block_table_cpu=None)
-    backend = TorchBackend(spec, "cpu")
-    builder = backend.metadata_builder()
-    eager = bool({"softcap", "alibi", "sinks"} & spec.features())
-    planner = Planner(
-        spec, decode_threshold=16, gather_budget_tokens=budget, eager=eager, device=backend.device
+    spec, batch, nblk, backend, planner = _planning_case(
+        q_lens, s_lens, budget, block_size, features, dtype, batch_causal, spread, len(s_lens)
     )
+    builder = backend.metadata_builder()
     builder._planner = planner
     meta = builder.build(batch)  # planned by the decode pass
     want = planner._plan(batch, builder.step, batched=False)

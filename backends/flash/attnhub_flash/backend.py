@@ -77,6 +77,9 @@ FA3_FP8 = dict(
 )
 
 
+_NO_DESCALES: dict[str, Any] = {}  # a model-dtype cache: no fp8 descales
+
+
 def _caps(**fields: Any) -> Capabilities:
     base: dict[str, Any] = dict(
         devices=frozenset({"cuda", "cpu"}),  # cpu: through the emulator only (emulate=True)
@@ -807,30 +810,17 @@ class FlashAttentionImpl(AttentionImpl):
         step = a.step_kwargs.get(self.backend)
         if step is None:
             step = a.step_kwargs[self.backend] = self._vllm_step_kwargs(a)
-        fn = self.backend.ops.attention.flash_attn_varlen_func
-        if self.fp8:
-            result = fn(
-                q=q,
-                k=cache.key,
-                v=cache.value,
-                out=out,
-                alibi_slopes=self.alibi_slopes,
-                return_softmax_lse=lse,
-                s_aux=sinks,
-                **step,
-                **self._descales(cache, a),
-            )
-        else:
-            result = fn(
-                q=q,
-                k=cache.key,
-                v=cache.value,
-                out=out,
-                alibi_slopes=self.alibi_slopes,
-                return_softmax_lse=lse,
-                s_aux=sinks,
-                **step,
-            )
+        result = self.backend.ops.attention.flash_attn_varlen_func(
+            q=q,
+            k=cache.key,
+            v=cache.value,
+            out=out,
+            alibi_slopes=self.alibi_slopes,
+            return_softmax_lse=lse,
+            s_aux=sinks,
+            **step,
+            **(self._descales(cache, a) if self.fp8 else _NO_DESCALES),
+        )
         return result if lse else (result, None)
 
     def _vllm_step_kwargs(self, a: KernelArgs) -> dict[str, Any]:
