@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from attnhub.batch import BatchMetadata
 from attnhub.errors import AttnhubError
-from attnhub.registry import select_backend
+from attnhub.registry import get_backend, select_backend
 from attnhub.spec import AttentionSpec
 
 #: CPU flags that decide which kernels a CPU runs (bf16 speed, vLLM's fp8 path).
@@ -776,9 +776,19 @@ class _HostStep:
     k: torch.Tensor  # [T, Hkv, D]
 
 
-def _host_step(name: str, device: str) -> _HostStep:
-    query_lens, seq_lens = HOST_STEPS[name]
+def host_block_size(backend: str | None) -> int:
+    """HOST_SPEC's block size, or, for a backend that does not serve it, the largest block size
+    it declares."""
     bs = int(HOST_SPEC["block_size"])  # type: ignore[call-overload]
+    if backend is None:
+        return bs
+    declared = get_backend(backend).capabilities.block_sizes
+    return bs if declared is None or bs in declared else max(declared)
+
+
+def _host_step(name: str, device: str, block_size: int | None = None) -> _HostStep:
+    query_lens, seq_lens = HOST_STEPS[name]
+    bs = block_size or int(HOST_SPEC["block_size"])  # type: ignore[call-overload]
     blocks = -(-max(seq_lens) // bs)
     n = len(query_lens)
     gen = torch.Generator().manual_seed(n)
@@ -802,13 +812,15 @@ def host_overhead(
     emulate: bool = False,
 ) -> HostOverhead:
     """An attnhub backend's host overhead on one of ``HOST_STEPS`` (an int n: ``decode xn``),
-    bf16, 8 query heads / 2 kv heads / head 64, block 128: a shape every in-repo backend serves.
+    bf16, 8 query heads / 2 kv heads / head 64, block 128 (or the backend's largest block size
+    where it does not serve 128: ``host_block_size``).
     """
     from attnhub import emulation
 
     name = f"decode x{step}" if isinstance(step, int) else step
-    s = _host_step(name, device)
-    spec = AttentionSpec(**HOST_SPEC)  # type: ignore[arg-type]
+    bs = host_block_size(backend)
+    s = _host_step(name, device, bs)
+    spec = AttentionSpec(**{**HOST_SPEC, "block_size": bs})  # type: ignore[arg-type]
     be = select_backend(spec, device, prefer=backend, emulate=emulate)
     cache = be.allocate_kv_cache(s.num_blocks)
     batch = BatchMetadata.from_lengths(s.query_lens, s.seq_lens, s.table, spec.block_size, device)

@@ -383,11 +383,12 @@ def test_a_vendor_backends_wrapper_is_timed_with_no_emulated_op_running(
     from attnhub import AttentionSpec, BatchMetadata, select_backend
 
     counts = importlib.import_module(emulator)._log.counts
-    spec = AttentionSpec(**bench.HOST_SPEC)  # type: ignore[arg-type]
+    bs = bench.host_block_size(backend)  # iluvatar: 64, its largest kernel block size
+    spec = AttentionSpec(**{**bench.HOST_SPEC, "block_size": bs})  # type: ignore[arg-type]
     be: Any = select_backend(spec, "cpu", prefer=backend, emulate=True)
-    s = bench._host_step("mixed x16", "cpu")
+    s = bench._host_step("mixed x16", "cpu", bs)
     cache = be.allocate_kv_cache(s.num_blocks)
-    batch = BatchMetadata.from_lengths(s.query_lens, s.seq_lens, s.table, 128, "cpu")
+    batch = BatchMetadata.from_lengths(s.query_lens, s.seq_lens, s.table, bs, "cpu")
     impl, meta = be.impl(), be.metadata_builder().build(batch)
     real_ops = be.ops
 

@@ -7,15 +7,18 @@ to 0, maximum lengths, all from the batch's host copies. Per layer, the impl mak
 and at most two attention calls, with no loop over requests and no host read of a device tensor:
 
   KV write       inference.functions.reshape_and_cache_flash   HND cache, int64 slots, -1 skipped
-  decodes        contrib.vllm_flash_attn.flash_attn_with_kvcache
-                   one token each: q (B, 1, H, D), cache_seqlens, block_table
-                   multi-token:    q (T, H, D) packed, cu_query_lens, max_query_len [callers]
-  prefills       contrib.vllm_flash_attn.flash_attn_varlen_func
+                   (8 arguments, as the fork's vllm._custom_ops passes them)
+  decodes        contrib.vllm_flash_attn.flash_attn_with_kvcache (one token each, the
+                   fork's threshold): q / out (T, 1, H, D), cache_seqlens, block_table,
+                   cu_query_lens, max_query_len, every argument but q and the cache by keyword
+  prefills       contrib.vllm_flash_attn.flash_attn_varlen_func, every argument by keyword
                    paged (block_table), cu_seqlens_q / cu_seqlens_k cumulative from 0
   non-causal     the whole step through flash_attn_varlen_func with causal=False
   shared prefix  (cascade) flash_attn_varlen_func twice (prefix, non-causal, all queries as one
-                   sequence; suffix, causal) with base-2 LSEs, then
-                   inference.functions.merge_attn_states
+                   sequence; suffix, causal) with their natural-log LSEs, then
+                   contrib.vllm_flash_attn.merge_attn_states (output positional)
+  int8 caches    decodes vllm_paged_attention_int8 / _mix, prefills flash_attn_varlen_int8_func
+                   (mode 2: the 16-bit value cache, v_scale=None), all by keyword
 
 Every ``[inferred]`` vendor semantic relied on is marked where it is used and listed in
 docs/backends/iluvatar.md.
@@ -43,10 +46,12 @@ from attnhub.quant import QueryQuantization
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_iluvatar import ops
 
-#: Head sizes ixformer's attention kernels are built for [inferred: what Iluvatar's vLLM
-#: backend reports as supported].
-HEAD_SIZES = frozenset({32, 64, 80, 96, 128, 160, 192, 224, 256})
-BLOCK_ALIGN = 16  # the HND cache's block_size must be a multiple of 16 [callers]
+#: Head sizes: the fork's ``supports_head_size``, ``head_size % 8 == 0 and head_size <= 256``
+#: [callers].
+HEAD_SIZES = frozenset(range(8, 257, 8))
+#: The fork's ``get_supported_kernel_block_sizes`` [callers]; its cache shape also requires a
+#: multiple of 16.
+BLOCK_SIZES = frozenset({16, 32, 64})
 #: The declared accuracy of modes 1 and 2 against attention over the unquantized inputs (max abs
 #: error, min per-token cosine similarity). Measured through the emulator on the conformance
 #: suite's accuracy cases, full scope (every batch shape, bf16 and fp16, N(0, 1) inputs):
@@ -81,9 +86,9 @@ class DecodePlan:
     max_seq_len: int  # max_context_len
     seq_lens: torch.Tensor  # [num_reqs] int32, device: cache_seqlens (keys incl. the new ones)
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, device
-    #: Multi-token decode: [num_reqs + 1] int32 cumulative query ends, q passed packed. None:
-    #: every decode has one token and q goes as (B, 1, H, D).
-    cu_query_lens: torch.Tensor | None
+    #: [num_reqs + 1] int32 cumulative query ends from 0 (the batch's first num_reqs + 1),
+    #: passed with every decode, as the fork does; q goes as (T, 1, H, D).
+    cu_query_lens: torch.Tensor
     #: The call's keyword arguments that are the same for every layer of a backend, made by
     #: the first layer and reused by the others (keyed by the backend; see ``step_kwargs``).
     kwargs: dict[Any, dict[str, Any]] = field(
@@ -128,21 +133,14 @@ class CascadePlan:
 
 @dataclass(frozen=True)
 class PagedPlan:
-    """Rows of the step served by the int8 caches' single-query paged kernels
-    (``vllm_paged_attention_int8`` / ``_mix``): one query per kernel sequence.
+    """The int8 caches' leading one-token decodes: one ``vllm_paged_attention_int8`` /
+    ``_mix`` call, with ``cu_query_lens`` and ``max_query_len`` as the fork passes them."""
 
-    Mode 1 sends its one-token decodes here. Mode 2 has no varlen kernel [callers list none],
-    so every query token is its own kernel sequence over its request's block table row, with
-    ``context_lens`` = its position + 1 (causal: the query sits at the last key, which is
-    bottom-right alignment) or the request's seq_len (non-causal, no window).
-    """
-
-    token_start: int
-    num_tokens: int
-    causal: bool
-    context_lens: torch.Tensor  # [num_tokens] int32, device
+    num_tokens: int  # rows 0..num_tokens-1, one per decode
+    context_lens: torch.Tensor  # [num_tokens] int32, device: keys incl. the new one
     block_table: torch.Tensor  # [num_tokens, max_blocks] int32, device
     max_context_len: int
+    cu_query_lens: torch.Tensor  # [num_tokens + 1] int32, device
 
 
 @dataclass(frozen=True)
@@ -167,7 +165,7 @@ class IluvatarBackend(AttentionBackend):
         devices=frozenset({"cuda", "cpu"}),  # cuda: a CoreX GPU; cpu: the emulator only
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         head_sizes=HEAD_SIZES,
-        block_size_multiple=BLOCK_ALIGN,
+        block_sizes=BLOCK_SIZES,
         # auto: ixformer's mode 0 (model-dtype cache); int8: mode 1 (int8 Q, K, V); int8_k:
         # mode 2 (int8 Q and K, V in the model dtype, one packed int8 storage).
         kv_cache_dtypes=frozenset({"auto", "int8", "int8_k"}),
@@ -179,7 +177,9 @@ class IluvatarBackend(AttentionBackend):
         sliding_window=True,
         softcap=True,
         alibi=True,
-        sinks=False,
+        # Both attention entry points take sinks= [callers]; the int8 kernels do not (refused
+        # below), and natively the installed ixformer must take the keyword (__init__).
+        sinks=True,
         multi_token_decode=True,
         chunked_prefill=True,
         cascade=True,
@@ -222,22 +222,16 @@ class IluvatarBackend(AttentionBackend):
             r.because(_WHY[r.field]) if r.field in _WHY else r
             for r in super().unsupported_reasons(spec)
         ]
-        if spec.kv_cache_dtype == "int8_k" and not spec.causal:
-            for feature, used, value in (
-                ("sliding_window", spec.has_window, spec.window),
-                ("alibi", spec.use_alibi, True),
-            ):
-                if used:
-                    reasons.append(
-                        Refusal(
-                            f"{feature.replace('_', ' ')} on a non-causal layer is not supported "
-                            "with kv_cache_dtype 'int8_k' (its single-query paged kernel aligns "
-                            "each query with its last key, so position-dependent terms would "
-                            "use the wrong query position)",
-                            field=feature,
-                            value=value,
-                        )
-                    )
+        if spec.use_sinks and spec.kv_cache_format.is_quantized:
+            reasons.append(
+                Refusal(
+                    f"sinks are not supported with kv_cache_dtype {spec.kv_cache_dtype!r} (the "
+                    "int8 kernels, flash_attn_varlen_int8_func and vllm_paged_attention_int8 / "
+                    "_mix, take no sinks argument)",
+                    field="sinks",
+                    value=True,
+                )
+            )
         return reasons
 
     def __init__(
@@ -246,6 +240,12 @@ class IluvatarBackend(AttentionBackend):
         super().__init__(spec, device, emulate=emulate)
         #: ixformer or the emulator, resolved once for this instance.
         self.ops: Any = ops.namespace(self.device, emulate)
+        if spec.use_sinks:
+            missing = ops.missing_sinks_keyword(self.ops)
+            if missing:
+                raise UnsupportedConfigurationError(
+                    self.name, [f"sinks: the installed ixformer's {missing} takes no 'sinks'"]
+                )
 
     def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
         """A zeroed HND cache; for ``int8_k`` (ixformer's mode 2) one packed int8 storage
@@ -285,9 +285,8 @@ class IluvatarBackend(AttentionBackend):
 
 #: Why the kernels refuse what Capabilities refuses, per refused field.
 _WHY = {
-    "sinks": "neither flash_attn_varlen_func nor flash_attn_with_kvcache takes sink logits",
-    "head_size": "ixformer's attention kernels are built for these head sizes",
-    "block_size": "the HND paged cache needs block_size a multiple of 16",
+    "head_size": "Iluvatar's vLLM backend takes head_size % 8 == 0 and head_size <= 256",
+    "block_size": "the kernel block sizes Iluvatar's vLLM backend declares",
     "dtype": "the kernels take float16 and bfloat16",
     "kv_cache_dtype": "ixformer's caches hold the model dtype or int8",
 }
@@ -297,9 +296,10 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
     """Plans a step once for every layer: decode / prefill split, lengths, sub-tables."""
 
     backend: IluvatarBackend
-    #: Leading requests with query_len <= this go to the decode kernel (multi-token decode up
-    #: to this many tokens, through cu_query_lens).
-    reorder_batch_threshold: ClassVar[int] = 16
+    #: Leading requests with query_len <= this go to the decode kernel: 1, the fork's
+    #: threshold without speculative tokens [callers]; longer ones (multi-token decodes
+    #: included) go to the varlen call, which computes any request.
+    reorder_batch_threshold: ClassVar[int] = 1
     #: The step being planned: query lengths, sequence lengths, query starts (host, numpy).
     _lengths: tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -318,14 +318,7 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         )
         if batch.num_reqs == 0:
             return IluvatarAttentionMetadata(**common)
-        kv = self.spec.kv_cache_dtype
-        if kv == "int8_k":
-            return IluvatarAttentionMetadata(
-                **common,
-                paged=self._per_token(batch, causal),
-                fused_write=self._fusable(batch, causal),
-            )
-        if kv == "int8":
+        if self.spec.kv_cache_format.is_quantized:  # modes 1 and 2
             nd = self._leading_decodes(batch, 1) if causal else 0
             return IluvatarAttentionMetadata(
                 **common,
@@ -366,43 +359,13 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         return int(small.argmin())  # the first request over it (there is one)
 
     def _paged_decodes(self, batch: BatchMetadata, nd: int) -> PagedPlan:
-        """Mode 1: the leading one-token decodes, one kernel sequence each."""
+        """The int8 caches: the leading one-token decodes, one paged kernel call."""
         return PagedPlan(
-            token_start=0,
             num_tokens=nd,
-            causal=True,
-            context_lens=_device_int32(batch.seq_lens_cpu[:nd], self.backend.device),
+            context_lens=as_contiguous(batch.seq_lens[:nd]),
             block_table=as_contiguous(batch.block_table[:nd]),
-            max_context_len=int(batch.seq_lens_cpu[:nd].max()),
-        )
-
-    def _per_token(self, batch: BatchMetadata, causal: bool) -> PagedPlan:
-        """Mode 2: every query token its own kernel sequence (see PagedPlan)."""
-        dev = self.backend.device
-        q_lens = batch.query_lens_cpu.to(torch.int64)
-        seq_lens = batch.seq_lens_cpu.to(torch.int64)
-        req = torch.repeat_interleave(torch.arange(batch.num_reqs), q_lens)  # [n] host
-        if causal:
-            offset = torch.arange(batch.num_actual_tokens) - batch.query_start_loc_cpu[req]
-            lens = seq_lens[req] - q_lens[req] + offset + 1  # position + 1
-        else:
-            if self.spec.has_window or self.spec.use_alibi:
-                raise UnsupportedConfigurationError(
-                    self.backend.name,
-                    [
-                        "a non-causal step with a sliding window or ALiBi is not supported with "
-                        "kv_cache_dtype 'int8_k' (the single-query kernel aligns each query with "
-                        "its last key)"
-                    ],
-                )
-            lens = seq_lens[req]
-        return PagedPlan(
-            token_start=0,
-            num_tokens=batch.num_actual_tokens,
-            causal=causal,
-            context_lens=_device_int32(lens, dev),
-            block_table=batch.block_table.index_select(0, req.to(dev)).to(torch.int32),
-            max_context_len=int(lens.max()),
+            max_context_len=int(_MAX(self._lengths[1][:nd])),
+            cu_query_lens=as_contiguous(batch.query_start_loc[: nd + 1]),
         )
 
     def _fusable(self, batch: BatchMetadata, causal: bool) -> bool:
@@ -431,7 +394,7 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
                 max_seq_len=batch.max_seq_len,
                 seq_lens=as_contiguous(batch.seq_lens),
                 block_table=as_contiguous(batch.block_table),
-                cu_query_lens=None if max_q == 1 else as_contiguous(batch.query_start_loc),
+                cu_query_lens=as_contiguous(batch.query_start_loc),
             )
         q_lens, seq_lens, qsl = self._lengths
         num_tokens = int(qsl[nd])
@@ -445,7 +408,7 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             seq_lens=as_contiguous(batch.seq_lens[:nd]),
             block_table=as_contiguous(batch.block_table[:nd]),
             # the decodes lead: their query ends are the batch's first nd + 1, from 0
-            cu_query_lens=None if max_q == 1 else as_contiguous(batch.query_start_loc[: nd + 1]),
+            cu_query_lens=as_contiguous(batch.query_start_loc[: nd + 1]),
         )
 
     def _prefill(self, batch: BatchMetadata, nd: int) -> PrefillPlan:
@@ -480,12 +443,19 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         """The keys the cascade path shares: common_prefix_len rounded down to whole blocks
         (the prefix call reads whole blocks of the first request's table). 0 (the regular
         path, same result) for non-causal steps, for the int8 caches (no int8 kernel returns an
-        LSE), and where the prefix call cannot reproduce the per-request math: a sliding window
-        or ALiBi depend on each query's own position."""
+        LSE), with sinks (whether ixformer's LSE counts the sink is not known, and the sink
+        must join exactly one of the two parts), and where the prefix call cannot reproduce the
+        per-request math: a sliding window or ALiBi depend on each query's own position."""
         if not common_prefix_len:  # the usual step: no shared prefix
             return 0
         spec = self.spec
-        if not causal or spec.has_window or spec.use_alibi or spec.kv_cache_format.is_quantized:
+        if (
+            not causal
+            or spec.has_window
+            or spec.use_alibi
+            or spec.use_sinks
+            or spec.kv_cache_format.is_quantized
+        ):
             return 0
         return common_prefix_len // spec.block_size * spec.block_size
 
@@ -529,7 +499,7 @@ class IluvatarAttentionImpl(AttentionImpl):
         self.full_window = spec.window
         #: The static V scale whose values were last found finite: (data_ptr, version).
         self._checked_value_scale: tuple[int, int] | None = None
-        self._int8 = spec.kv_cache_dtype == "int8"
+        self._quantized = spec.kv_cache_format.is_quantized
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, IluvatarAttentionMetadata):
@@ -624,11 +594,22 @@ class IluvatarAttentionImpl(AttentionImpl):
         fn = self.backend.ops.inference.functions
         kv = self.spec.kv_cache_dtype
         if kv == "auto":
-            fn.reshape_and_cache_flash(key, value, cache.key, cache.value, slots, "auto")
+            # as the fork's vllm._custom_ops.reshape_and_cache_flash calls it: 8 positional
+            # arguments, the scales 1.0 (they matter for fp8 caches only)
+            fn.reshape_and_cache_flash(key, value, cache.key, cache.value, slots, "auto", 1.0, 1.0)
             return
         qk, k_scale, v = self._quantize_kv(key, value, cache)
         write = fn.reshape_and_cache_flash_int8 if kv == "int8" else fn.reshape_and_cache_flash_mix
-        write(qk, v, k_scale, cache.key, cache.value, cache.key_scale, slots, "int8")
+        write(
+            key=qk,
+            value=v,
+            k_scale=k_scale,
+            key_cache=cache.key,
+            value_cache=cache.value,
+            key_scale_cache=cache.key_scale,
+            slot_mapping=slots,
+            kv_cache_dtype="",  # as the fork passes it [callers]
+        )
 
     def _quantize_kv(
         self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache
@@ -636,9 +617,11 @@ class IluvatarAttentionImpl(AttentionImpl):
         """int8 keys and their [T, Hkv] scales; values as the cache stores them (mode 1: int8
         with the cache's static value_scale; mode 2: unchanged)."""
         fn = self.backend.ops.inference.functions
-        qk, k_scale = fn.scaled_int8_quant_for_attn(key, 2)
+        qk, k_scale = fn.scaled_int8_quant_for_attn(key, 2, transpose_scale=False)
         if self.spec.kv_cache_dtype == "int8":
-            value, _ = fn.scaled_int8_quant_for_attn(value, 0, scale=cache.value_scale)
+            value, _ = fn.scaled_int8_quant_for_attn(
+                value, 0, transpose_scale=False, scale=cache.value_scale
+            )
         return qk, k_scale, value
 
     # --- attention ----------------------------------------------------------------------------
@@ -654,7 +637,7 @@ class IluvatarAttentionImpl(AttentionImpl):
         assert isinstance(meta, IluvatarAttentionMetadata)
         if meta.paged is not None:
             self._attend_paged(query, cache, meta.paged, out)
-        if self._int8 and meta.prefill is not None:
+        if self._quantized and meta.prefill is not None:
             self._attend_prefill_int8(query, cache, meta.prefill, meta.causal, out)
             return
         if meta.cascade is not None:
@@ -665,44 +648,42 @@ class IluvatarAttentionImpl(AttentionImpl):
         if meta.prefill is not None:
             self._attend_prefill(query, cache, meta.prefill, meta.causal, out)
 
-    def _shared(self) -> dict[str, Any]:
-        return dict(
-            softmax_scale=self.spec.scale,
-            softcap=self.softcap,
-            alibi_slopes=self.alibi_slopes,
-        )
-
     def _attend_decode(
         self, query: torch.Tensor, cache: PagedKVCache, plan: DecodePlan, out: torch.Tensor
     ) -> None:
         t = plan.num_tokens
         if query.shape[0] != t:  # prefills or padding follow (out is like query)
             query, out = query[:t], out[:t]
-        if plan.cu_query_lens is None:  # one token each: (B, 1, H, D)
-            query, out = query.unsqueeze(1), out.unsqueeze(1)
-        # else multi-token decode: packed (T, H, D) with cumulative query ends [callers]
         step = plan.kwargs.get(self.backend)
         if step is None:
             step = plan.kwargs[self.backend] = self._decode_kwargs(plan)
+        # as the fork: q and out (T, 1, H, D), every other argument by keyword [callers]
         self.backend.ops.contrib.vllm_flash_attn.flash_attn_with_kvcache(
-            query, cache.key, cache.value, out=out, alibi_slopes=self.alibi_slopes, **step
+            q=query.unsqueeze(1),
+            k_cache=cache.key,
+            v_cache=cache.value,
+            out=out.unsqueeze(1),
+            alibi_slopes=self.alibi_slopes,
+            sinks=self.sinks,
+            **step,
         )
 
     def _decode_kwargs(self, plan: DecodePlan) -> dict[str, Any]:
-        """flash_attn_with_kvcache's keyword arguments but the layer's (out, ALiBi slopes)."""
-        kwargs: dict[str, Any] = dict(
-            cache_seqlens=plan.seq_lens,
+        """flash_attn_with_kvcache's keyword arguments but the layer's (q, cache, out, ALiBi
+        slopes, sinks)."""
+        return dict(
             block_table=plan.block_table,
+            cache_seqlens=plan.seq_lens,
+            max_query_len=plan.max_query_len,
+            cu_query_lens=plan.cu_query_lens,
+            softmax_scale=self.spec.scale,
             causal=True,
             window_size=self.causal_window,
-            max_context_len=plan.max_seq_len,
-            use_sqrt_alibi=False,
-            softmax_scale=self.spec.scale,
             softcap=self.softcap,
+            use_sqrt_alibi=False,
+            use_cuda_graph=False,  # eager launches: attnhub does not capture this backend
+            max_context_len=plan.max_seq_len,
         )
-        if plan.cu_query_lens is not None:
-            kwargs.update(max_query_len=plan.max_query_len, cu_query_lens=plan.cu_query_lens)
-        return kwargs
 
     def _attend_prefill(
         self,
@@ -719,22 +700,29 @@ class IluvatarAttentionImpl(AttentionImpl):
         if step is None:
             step = plan.kwargs[self.backend] = self._prefill_kwargs(plan, causal)
         self.backend.ops.contrib.vllm_flash_attn.flash_attn_varlen_func(
-            query, cache.key, cache.value, out=out, alibi_slopes=self.alibi_slopes, **step
+            q=query,
+            k=cache.key,
+            v=cache.value,
+            out=out,
+            alibi_slopes=self.alibi_slopes,
+            sinks=self.sinks,
+            **step,
         )
 
     def _prefill_kwargs(self, plan: PrefillPlan, causal: bool) -> dict[str, Any]:
-        """flash_attn_varlen_func's keyword arguments but the layer's (out, ALiBi slopes)."""
+        """flash_attn_varlen_func's keyword arguments but the layer's (q, cache, out, ALiBi
+        slopes, sinks)."""
         return dict(
             cu_seqlens_q=plan.cu_seqlens_q,
             cu_seqlens_k=plan.cu_seqlens_k,  # cumulative, also with the paged cache [callers]
             max_seqlen_q=plan.max_query_len,
             max_seqlen_k=plan.max_seq_len,
+            softmax_scale=self.spec.scale,
             causal=causal,
             window_size=self.causal_window if causal else self.full_window,
-            block_table=plan.block_table,
-            sqrt_alibi=False,
-            softmax_scale=self.spec.scale,
             softcap=self.softcap,
+            sqrt_alibi=False,
+            block_table=plan.block_table,
         )
 
     def _attend_cascade(
@@ -742,13 +730,18 @@ class IluvatarAttentionImpl(AttentionImpl):
     ) -> None:
         fa = self.backend.ops.contrib.vllm_flash_attn
         q = query[: plan.num_tokens]
-        shared = dict(sqrt_alibi=False, return_softmax_lse=True, **self._shared())
+        shared = dict(
+            softmax_scale=self.spec.scale,
+            window_size=(-1, -1),  # cascade is planned only without a window
+            softcap=self.softcap,
+            return_softmax_lse=True,
+        )
         # The prefix: every query token of the step, as one sequence, over the shared keys;
         # every key of the prefix precedes every query, so non-causal is exact.
         prefix_out, prefix_lse = fa.flash_attn_varlen_func(
-            q,
-            cache.key,
-            cache.value,
+            q=q,
+            k=cache.key,
+            v=cache.value,
             cu_seqlens_q=plan.cu_prefix_q,
             cu_seqlens_k=plan.cu_prefix_k,
             max_seqlen_q=plan.num_tokens,
@@ -759,9 +752,9 @@ class IluvatarAttentionImpl(AttentionImpl):
         )
         # The suffix: each request over its own keys after the prefix, causal (bottom-right).
         suffix_out, suffix_lse = fa.flash_attn_varlen_func(
-            q,
-            cache.key,
-            cache.value,
+            q=q,
+            k=cache.key,
+            v=cache.value,
             cu_seqlens_q=plan.cu_seqlens_q,
             cu_seqlens_k=plan.cu_suffix_k,
             max_seqlen_q=plan.max_query_len,
@@ -770,10 +763,9 @@ class IluvatarAttentionImpl(AttentionImpl):
             block_table=plan.suffix_block_table,
             **shared,
         )
-        # Both LSEs are base 2, which ixformer's merge takes as they are [callers].
-        self.backend.ops.inference.functions.merge_attn_states(
-            prefix_out, prefix_lse, suffix_out, suffix_lse, output=out[: plan.num_tokens]
-        )
+        # Both LSEs are ixformer's own (natural log [inferred]), merged by its own op, output
+        # positional, as the fork calls it [callers].
+        fa.merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse, out[: plan.num_tokens])
 
     # --- the int8 caches ----------------------------------------------------------------------
     def _attend_paged(
@@ -784,42 +776,42 @@ class IluvatarAttentionImpl(AttentionImpl):
         out: torch.Tensor,
         save: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """``vllm_paged_attention_int8`` (mode 1) / ``_mix`` (mode 2): Q quantized per (token,
-        head), scales (T, H) [inferred: not transposed for the paged kernel]."""
+        """``vllm_paged_attention_int8`` (mode 1) / ``_mix`` (mode 2), every argument by
+        keyword as the fork passes them: Q quantized per (token, head), scales (T, H)."""
         fn = self.backend.ops.inference.functions
         spec = self.spec
-        rows = slice(plan.token_start, plan.token_start + plan.num_tokens)
-        q, q_scale = fn.scaled_int8_quant_for_attn(query[rows], 2)
-        left, right = self.causal_window if plan.causal else self.full_window
-        saves: dict[str, Any] = {}
-        if save is not None:
-            qk, k_scale, v = self._quantize_kv(save[0], save[1], cache)
-            saves = dict(save_key=qk, save_value=v, save_key_scale=k_scale)
-        common: dict[str, Any] = dict(
+        n = plan.num_tokens
+        q, q_scale = fn.scaled_int8_quant_for_attn(query[:n], 2, transpose_scale=False)
+        kwargs: dict[str, Any] = dict(
+            output=out[:n],
+            query=q,
+            key_cache=cache.key,
+            query_scale=q_scale,
+            key_scale_cache=cache.key_scale,
             num_kv_heads=spec.num_kv_heads,
             scale=spec.scale,
             block_tables=plan.block_table,
             context_lens=plan.context_lens,
             block_size=spec.block_size,
-            max_context_len=plan.max_context_len,
-            alibi_slopes=self.alibi_slopes,
-            causal=plan.causal,
-            window_left=left,
-            window_right=right,
             softcap=self.softcap,
-            enable_cuda_graph=False,
+            alibi_slopes=self.alibi_slopes,
+            causal=True,
+            window_left=self.causal_window[0],
+            window_right=self.causal_window[1],
             use_sqrt_alibi=False,
-            **saves,
+            use_cuda_graph=False,
+            max_context_len=plan.max_context_len,
+            cu_query_lens=plan.cu_query_lens,
+            max_query_len=1,
+            value_cache=cache.value,
         )
-        o = out[rows]
+        if save is not None:  # the fused KV write of a decode-only step
+            qk, k_scale, v = self._quantize_kv(save[0], save[1], cache)
+            kwargs.update(save_key=qk, save_value=v.contiguous(), save_key_scale=k_scale)
         if spec.kv_cache_dtype == "int8":
-            fn.vllm_paged_attention_int8(
-                o, q, cache.key, cache.value, q_scale, cache.key_scale, cache.value_scale, **common
-            )
+            fn.vllm_paged_attention_int8(value_scale_cache=cache.value_scale, **kwargs)
         else:
-            fn.vllm_paged_attention_mix(
-                o, q, cache.key, cache.value, q_scale, cache.key_scale, **common
-            )
+            fn.vllm_paged_attention_mix(**kwargs)
 
     def _attend_prefill_int8(
         self,
@@ -829,18 +821,19 @@ class IluvatarAttentionImpl(AttentionImpl):
         causal: bool,
         out: torch.Tensor,
     ) -> None:
-        """Mode 1's prefills: ``flash_attn_varlen_int8_func`` with Q quantized per (token,
-        head), its scales passed transposed (H, T) [callers]."""
+        """The int8 caches' other requests: ``flash_attn_varlen_int8_func`` with Q quantized
+        per (token, head), its scales transposed (H, T); mode 2 passes its 16-bit value cache
+        and ``v_scale=None`` [callers]."""
         fn = self.backend.ops.inference.functions
         rows = slice(plan.token_start, plan.token_start + plan.num_tokens)
         q, q_scale = fn.scaled_int8_quant_for_attn(query[rows], 2, transpose_scale=True)
         self.backend.ops.contrib.vllm_flash_attn.flash_attn_varlen_int8_func(
-            q,
-            cache.key,
-            cache.value,
-            q_scale,
-            cache.key_scale,
-            cache.value_scale,
+            q=q,
+            k=cache.key,
+            v=cache.value,
+            q_scale=q_scale,
+            k_scale=cache.key_scale,
+            v_scale=cache.value_scale if self.spec.kv_cache_dtype == "int8" else None,
             cu_seqlens_q=plan.cu_seqlens_q,
             cu_seqlens_k=plan.cu_seqlens_k,
             max_seqlen_q=plan.max_query_len,

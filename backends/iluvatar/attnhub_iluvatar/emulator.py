@@ -15,37 +15,46 @@ here (dropout, rotary embedding, ``sqrt_alibi``) it raises :class:`NotEmulatedEr
 computes in float32 from its own reading of the conventions and never calls
 ``attnhub.reference`` (the conformance suite compares the two).
 
-Emulated ops:
+Emulated ops (the call forms of Iluvatar's vLLM fork, ``shared/callers/iluvatar-vllm-flash-
+attention-backend.txt``, all accepted: ``tests/test_iluvatar_caller_forms.py`` replays them):
   contrib.vllm_flash_attn.flash_attn_varlen_func    varlen attention; paged with block_table
-  contrib.vllm_flash_attn.flash_attn_with_kvcache   decode over the paged cache (multi-token
-                                                    through cu_query_lens / max_query_len)
+  contrib.vllm_flash_attn.flash_attn_with_kvcache   decode over the paged cache: q 4-D, tokens
+                                                    through cu_query_lens / max_query_len
+  contrib.vllm_flash_attn.merge_attn_states         merge two partial results (natural-log LSE)
+  contrib.vllm_flash_attn.flash_attn_varlen_int8_func  modes 1 and 2: varlen attention over the
+                                                    int8 cache (mode 2: 16-bit V, v_scale=None)
   inference.functions.reshape_and_cache_flash       KV write into the HND cache
-  inference.functions.merge_attn_states             merge two partial results (base-2 LSE)
   inference.functions.scaled_int8_quant_for_attn    symmetric int8 quantization (Q, K, V)
   inference.functions.reshape_and_cache_flash_int8  mode-1 KV write (int8 K/V, K scale per slot)
   inference.functions.reshape_and_cache_flash_mix   mode-2 KV write (int8 K, 16-bit V)
-  contrib.vllm_flash_attn.flash_attn_varlen_int8_func  mode-1 varlen attention over the cache
-  inference.functions.vllm_paged_attention_int8     mode-1 single-query paged attention
-  inference.functions.vllm_paged_attention_mix      mode-2 single-query paged attention
+  inference.functions.vllm_paged_attention_int8     mode-1 paged decode attention
+  inference.functions.vllm_paged_attention_mix      mode-2 paged decode attention
   (their fused ``save_*`` KV write included)
 
 Conventions:
   - Paged cache: HND ``(num_blocks, num_kv_heads, block_size, head_size)``, block_size % 16 == 0,
-    each plane contiguous; ``block_table`` int32 ``(B, max_blocks)`` [callers].
+    each plane contiguous; ``block_table`` int32 ``(B, max_blocks)`` with a contiguous last
+    dimension (a column slice, as the caller's cascade suffix passes, is accepted) [callers].
+  - Head sizes: multiples of 8 up to 256 (the caller's ``supports_head_size``) [callers].
+  - Query rows past the last cumulative query end (CUDA-graph padding) are read by nothing and
+    their output rows are left untouched [callers: the fork passes padded q / out].
   - Masks are bottom-right aligned: query i of a sequence with q_len Sq and kv_len Sk sees keys
     ``i + Sk - Sq - left .. i + Sk - Sq + right`` (``window_size=(left, right)``, -1 unbounded;
     causal forces right = 0) [callers: flash-attn's convention, which ixformer follows].
   - Score order: scale, softcap ``cap * tanh(s / cap)``, ALiBi ``-slope * |i + Sk - Sq - j|``,
-    mask [callers].
-  - LSE is **base 2** (log2 of the softmax denominator), float32, shape (num_heads, num_tokens)
-    [callers]; a row that sees no key gives output 0 and LSE +inf [inferred].
-  - ``merge_attn_states`` weighs the two parts by ``2 ** lse`` [callers]; +inf LSE is an empty
-    part; both empty gives 0 [inferred].
+    mask [callers]. Sinks (one logit per query head) join the softmax denominator and carry no
+    value [inferred: the shared convention; the fork passes ``sinks=``].
+  - LSE is the **natural log** of the softmax denominator, float32, shape (num_heads,
+    num_tokens) [callers for the shape; inferred from the fork's DCP path, which feeds it to
+    vLLM's natural-log ``cp_lse_ag_out_rs``, for the base]; a row that sees no key gives output
+    0 and LSE +inf [inferred].
+  - ``merge_attn_states`` weighs the two parts by ``exp(lse)``; +inf LSE is an empty part; both
+    empty gives 0 [inferred].
   - Slots < 0 are skipped by the cache writes [callers].
   - int8: symmetric, scale = amax / 127, q = clamp(round(x / scale), -128, 127), a zero scale
     stores zeros [callers, math inferred]; the kernels dequantize Q, K and V with their scales
-    and compute as above. The paged kernels' ``save_*`` write each sequence's new token at
-    position context_lens - 1 before attending [inferred].
+    and compute as above. The paged kernels' ``save_*`` write each sequence's new tokens at the
+    positions before context_lens (the last at context_lens - 1) before attending [inferred].
 """
 
 from __future__ import annotations
@@ -75,11 +84,9 @@ __all__ = [
 ]
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16)
-#: Head sizes the attention kernels are built for [inferred: the sizes Iluvatar's vLLM backend
-#: reports as supported].
-HEAD_SIZES = (32, 64, 80, 96, 128, 160, 192, 224, 256)
+#: Head sizes: the fork's ``supports_head_size``, ``head_size % 8 == 0 and head_size <= 256``.
+HEAD_SIZE_ALIGN, MAX_HEAD_SIZE = 8, 256
 BLOCK_ALIGN = 16
-LOG2E = 1.0 / math.log(2.0)
 
 
 class IxformerOpError(RuntimeError):
@@ -147,6 +154,17 @@ def _int32(op: str, name: str, t: object, dims: int) -> torch.Tensor:
     return t
 
 
+def _table(op: str, name: str, t: object) -> torch.Tensor:
+    """A block table: int32 ``(B, max_blocks)`` whose last dimension is contiguous (rows may be
+    strided: the fork's cascade passes ``block_table[:, n:]``) [callers]."""
+    t = _tensor(op, name, t, 2)
+    if t.dtype != torch.int32:
+        raise _fail(op, f"{name} must be int32, got {t.dtype}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise _fail(op, f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+    return t
+
+
 def _same_device(op: str, ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != ref.device:
@@ -177,8 +195,10 @@ def _paged_cache(
 
 
 def _head_size(op: str, d: int) -> None:
-    if d not in HEAD_SIZES:
-        raise _fail(op, f"head_size {d} is not one of {list(HEAD_SIZES)}")
+    if d <= 0 or d % HEAD_SIZE_ALIGN or d > MAX_HEAD_SIZE:
+        raise _fail(
+            op, f"head_size {d} is not a multiple of {HEAD_SIZE_ALIGN} up to {MAX_HEAD_SIZE}"
+        )
 
 
 def _window(op: str, window_size: object) -> tuple[int, int]:
@@ -239,12 +259,11 @@ def _attend(
     window: tuple[int, int],
     softcap: float,
     alibi: torch.Tensor | None,  # [H] float32
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [Sq, H, D] float32, lse2 [H, Sq] float32
+    sinks: torch.Tensor | None = None,  # [H] float32: one logit per head, no value
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [Sq, H, D] float32, lse [H, Sq] float32 (ln)
     sq, h, d = q.shape
     sk, hkv, _ = k.shape
-    if sk == 0:  # no key at all: every row is empty
-        return torch.zeros(sq, h, d), torch.full((h, sq), math.inf)
-    group = h // hkv
+    group = h // hkv if hkv else 1
     kk = k.float().repeat_interleave(group, dim=1)
     vv = v.float().repeat_interleave(group, dim=1)
     s = torch.einsum("ihd,jhd->hij", q.float(), kk) * scale  # [H, Sq, Sk]
@@ -263,6 +282,12 @@ def _attend(
     if right >= 0:
         keep &= pos_k <= pos_q + right
     s = s.masked_fill(~keep, -math.inf)
+    if sinks is not None:  # the sink joins the denominator as one more score, with no value
+        sink = sinks.float()[:, None, None].expand(h, sq, 1)
+        s = torch.cat([s, sink], dim=-1)
+        vv = torch.cat([vv, vv.new_zeros(1, h, d)], dim=0)
+    if s.shape[-1] == 0:  # no key at all: every row is empty
+        return torch.zeros(sq, h, d), torch.full((h, sq), math.inf)
     m = s.amax(dim=-1, keepdim=True)  # [H, Sq, 1]
     empty = torch.isneginf(m)
     m = m.masked_fill(empty, 0.0)
@@ -270,8 +295,8 @@ def _attend(
     denom = p.sum(dim=-1, keepdim=True)
     safe = denom.masked_fill(empty, 1.0)
     out = torch.einsum("hij,jhd->ihd", p / safe, vv)
-    lse2 = ((m + torch.log(safe)) * LOG2E).squeeze(-1).masked_fill(empty.squeeze(-1), math.inf)
-    return out, lse2
+    lse = (m + torch.log(safe)).squeeze(-1).masked_fill(empty.squeeze(-1), math.inf)
+    return out, lse
 
 
 def _check_blocks(op: str, cache: torch.Tensor, table_row: list[int], seq_len: int) -> None:
@@ -332,6 +357,19 @@ def _read_sequence(
 # --- flash_attn_varlen_func ----------------------------------------------------------------------
 
 
+def _sinks(op: str, sinks: object, num_heads: int) -> torch.Tensor | None:
+    """One sink logit per query head, float32 or the model dtype (the fork checks only
+    ``sinks.shape[0] == num_heads``)."""
+    if sinks is None:
+        return None
+    t = _tensor(op, "sinks", sinks, 1)
+    if t.shape[0] != num_heads or not t.is_floating_point():
+        raise _fail(
+            op, f"sinks must be a float [num_heads={num_heads}], got {t.dtype} {list(t.shape)}"
+        )
+    return t
+
+
 def _varlen(
     op: str,
     q: torch.Tensor,
@@ -349,7 +387,8 @@ def _varlen(
     block_table: torch.Tensor | None,
     q_scale: torch.Tensor | None = None,  # int8 Q: (H, T) float32, transposed [callers]
     dq: _Dequant | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D] float32, lse2 [H, T]
+    sinks: object = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:  # out [T, H, D] f32, lse [H, T], rows computed
     if q_scale is None:
         q = _model_tensor(op, "q", q, 3)
     t, h, d = q.shape
@@ -360,32 +399,39 @@ def _varlen(
     q_ends = _cumulative(op, "cu_seqlens_q", cu_q, None)
     batch = len(q_ends) - 1
     k_ends = _cumulative(op, "cu_seqlens_k", cu_k, batch)
-    if q_ends[-1] != t:
-        raise _fail(op, f"cu_seqlens_q ends at {q_ends[-1]}, q has {t} tokens")
+    # rows past the last query end are CUDA-graph padding: the fork passes them [callers]
+    if q_ends[-1] > t:
+        raise _fail(op, f"cu_seqlens_q ends at {q_ends[-1]}, q has only {t} tokens")
     q_lens = [b - a for a, b in itertools.pairwise(q_ends)]
     k_lens = [b - a for a, b in itertools.pairwise(k_ends)]
-    if batch and (max(q_lens) > max_seqlen_q or max(k_lens) > max_seqlen_k):
+    if batch and max(q_lens) > max_seqlen_q:
+        raise _fail(op, f"max_seqlen_q = {max_seqlen_q} is below the longest query {max(q_lens)}")
+    # Over the paged cache the fork passes max_seqlen_k = the step's max_query_len even for
+    # sequences with cached context [callers]: the kernel reads each length from cu_seqlens_k.
+    if batch and block_table is None and max(k_lens) > max_seqlen_k:
         raise _fail(
-            op,
-            f"max_seqlen_q / max_seqlen_k = {max_seqlen_q} / {max_seqlen_k} are below the "
-            f"longest lengths {max(q_lens)} / {max(k_lens)}",
+            op, f"max_seqlen_k = {max_seqlen_k} is below the longest packed key run {max(k_lens)}"
         )
     window = _window(op, window_size)
     alibi = _alibi(op, alibi_slopes, h)
+    sink = _sinks(op, sinks, h)
+    _same_device(op, q, sinks=sink, alibi_slopes=alibi)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     if block_table is None:
         if dq is not None:
             raise _fail(op, "the int8 path takes a paged cache (block_table)")
         k = _model_tensor(op, "k", k, 3)
         v = _model_tensor(op, "v", v, 3)
-        if k.shape != v.shape or k.shape[0] != k_ends[-1] or k.shape[2] != d:
+        if k.shape != v.shape or k.shape[0] < k_ends[-1] or k.shape[2] != d:
             raise _fail(op, f"packed k/v {tuple(k.shape)} do not hold {k_ends[-1]} keys of {d}")
+        if h % k.shape[1]:
+            raise _fail(op, f"{h} query heads are not a multiple of {k.shape[1]} kv heads")
         table: list[list[int]] = []
     else:
         k, v = _paged_cache(op, k, v, h, d)
         if dq is None and (k.dtype != q.dtype or v.dtype != q.dtype):
             raise _fail(op, f"the cache ({k.dtype}) and q ({q.dtype}) must share a dtype")
-        bt = _int32(op, "block_table", block_table, 2)
+        bt = _table(op, "block_table", block_table)
         if bt.shape[0] != batch:
             raise _fail(op, f"block_table has {bt.shape[0]} rows, the batch {batch} sequences")
         table = bt.tolist()
@@ -394,7 +440,7 @@ def _varlen(
             _check_blocks(op, k, table[b], k_lens[b])
         if q_lens[b] > k_lens[b] and causal:
             raise _fail(op, f"sequence {b}: {q_lens[b]} queries over {k_lens[b]} keys (causal)")
-    return _varlen_math(
+    out32, lse = _varlen_math(
         op,
         q,
         k,
@@ -409,12 +455,14 @@ def _varlen(
         alibi,
         q_scale,
         dq,
+        sink,
     )
+    return out32, lse, q_ends[-1]
 
 
 def _varlen_null(
     op: str, q: torch.Tensor, *rest: Any
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D] float32, lse2 [H, T]
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D] float32, lse [H, T]
     t, h, d = q.shape
     return (
         emulation.preallocated((t, h, d), torch.float32, q.device),
@@ -438,7 +486,8 @@ def _varlen_math(
     alibi: torch.Tensor | None,
     q_scale: torch.Tensor | None,
     dq: _Dequant | None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D] float32, lse2 [H, T]
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D] float32, lse [H, T] (ln)
     """``_varlen``'s math, every argument checked by it."""
     t, h, d = q.shape
     qf = q.float() if q_scale is None else q.float() * q_scale.t()[:, :, None]
@@ -449,7 +498,7 @@ def _varlen_math(
             kb, vb = k[k_ends[b] : k_ends[b + 1]], v[k_ends[b] : k_ends[b + 1]]
         else:
             kb, vb = _read_sequence(k, v, table[b], k_ends[b + 1] - k_ends[b], op, dq)
-        o, l2 = _attend(
+        o, lb = _attend(
             qf[q_ends[b] : q_ends[b + 1]],
             kb,
             vb,
@@ -458,9 +507,10 @@ def _varlen_math(
             window=window,
             softcap=softcap,
             alibi=alibi,
+            sinks=sinks,
         )
         out[q_ends[b] : q_ends[b + 1]] = o
-        lse[:, q_ends[b] : q_ends[b + 1]] = l2
+        lse[:, q_ends[b] : q_ends[b + 1]] = lb
     return out, lse
 
 
@@ -472,39 +522,45 @@ def _finish(
     like: torch.Tensor,
     dtype: torch.dtype,
     return_lse: bool,
+    rows: int | None = None,
 ) -> Any:
+    """The result in ``dtype`` shaped like ``like``, written into ``out`` when given: only its
+    first ``rows`` rows (dim 0; the rest are graph padding, left untouched)."""
     target = _out(op, out, like, dtype)
     result = out32.to(dtype).view(like.shape)
     if target is None:
         target = result
-    else:
+    elif rows is None or rows == like.shape[0]:
         target.copy_(result)
+    else:
+        target[:rows].copy_(result[:rows])
     return (target, lse) if return_lse else target
 
 
 @_op("contrib.vllm_flash_attn.flash_attn_varlen_func")
 def flash_attn_varlen_func(
-    q: torch.Tensor,  # [T, H, D]
+    q: torch.Tensor,  # [T, H, D] (rows past cu_seqlens_q[-1]: padding)
     k: torch.Tensor,  # packed [T_k, Hkv, D], or the HND cache with block_table
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,  # [B + 1] int32, cumulative
     cu_seqlens_k: torch.Tensor,  # [B + 1] int32, cumulative (also with the paged cache)
     max_seqlen_q: int,
-    max_seqlen_k: int,
+    max_seqlen_k: int,  # over the paged cache, any positive bound (the fork: max_query_len)
+    *,  # the order past here is not public: the fork passes every argument by keyword
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: Sequence[int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,  # [B, max_blocks] int32
     sqrt_alibi: bool = False,
+    sinks: torch.Tensor | None = None,  # [H]: one sink logit per query head
     return_softmax_lse: bool = False,
-    *,
     out: torch.Tensor | None = None,
-) -> Any:  # out, or (out, lse [H, T] float32 base 2) with return_softmax_lse
+) -> Any:  # out, or (out, lse [H, T] float32, natural log) with return_softmax_lse
     op = "flash_attn_varlen_func"
     if dropout_p:
         raise _not_emulated(op, f"dropout_p={dropout_p}")
@@ -512,7 +568,9 @@ def flash_attn_varlen_func(
         raise _not_emulated(op, "return_attn_probs=True")
     if sqrt_alibi:
         raise _not_emulated(op, "sqrt_alibi=True (the vendor's formula is not public)")
-    out32, lse = _varlen(
+    if sinks is not None and return_softmax_lse:
+        raise _not_emulated(op, "return_softmax_lse with sinks (whether the LSE counts them)")
+    out32, lse, rows = _varlen(
         op,
         q,
         k,
@@ -527,8 +585,9 @@ def flash_attn_varlen_func(
         softcap,
         alibi_slopes,
         block_table,
+        sinks=sinks,
     )
-    return _finish(op, out32, lse, out, q, q.dtype, return_softmax_lse)
+    return _finish(op, out32, lse, out, q, q.dtype, return_softmax_lse, rows)
 
 
 # --- flash_attn_with_kvcache ---------------------------------------------------------------------
@@ -536,9 +595,10 @@ def flash_attn_varlen_func(
 
 @_op("contrib.vllm_flash_attn.flash_attn_with_kvcache")
 def flash_attn_with_kvcache(
-    q: torch.Tensor,  # [B, Sq, H, D]; or [T, H, D] packed with cu_query_lens
+    q: torch.Tensor,  # [B, Sq, H, D]; with cu_query_lens [T, 1, H, D], one token a row
     k_cache: torch.Tensor,  # HND [num_blocks, Hkv, block_size, D]
     v_cache: torch.Tensor,
+    *,  # the order past here is not public: the fork passes every argument by keyword
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     rotary_cos: torch.Tensor | None = None,
@@ -549,20 +609,20 @@ def flash_attn_with_kvcache(
     block_table: torch.Tensor | None = None,  # [B, max_blocks] int32
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: Sequence[int] = (-1, -1),
     softcap: float = 0.0,
     rotary_interleaved: bool = True,
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
     max_context_len: int | None = None,
-    use_cuda_graph: bool = False,
+    use_cuda_graph: bool = False,  # a capture-safe launch; the math is the same
     use_sqrt_alibi: bool = False,
+    sinks: torch.Tensor | None = None,  # [H]
     max_query_len: int | None = None,
-    cu_query_lens: torch.Tensor | None = None,  # [B + 1] int32, with a packed [T, H, D] q
-    *,
+    cu_query_lens: torch.Tensor | None = None,  # [B + 1] int32 over the rows of q
     out: torch.Tensor | None = None,
-) -> Any:  # out, or (out, lse [H, T] float32 base 2) with return_softmax_lse
+) -> Any:  # out, or (out, lse [H, T] float32, natural log) with return_softmax_lse
     op = "flash_attn_with_kvcache"
     for name, given in (
         ("k/v (appending new keys)", k is not None or v is not None),
@@ -570,6 +630,7 @@ def flash_attn_with_kvcache(
         ("cache_batch_idx", cache_batch_idx is not None),
         ("cache_leftpad", cache_leftpad is not None),
         ("use_sqrt_alibi=True", use_sqrt_alibi),
+        ("return_softmax_lse with sinks", return_softmax_lse and sinks is not None),
     ):
         if given:
             raise _not_emulated(op, name)
@@ -577,16 +638,17 @@ def flash_attn_with_kvcache(
         raise _not_emulated(op, "a cache without block_table")
     if cache_seqlens is None:
         raise _fail(op, "cache_seqlens is required")
+    # q is 4-D as flash-attn documents it; every call of the fork passes (T, 1, H, D) with
+    # cu_query_lens, whose entries count rows of q [callers]
+    q4 = _model_tensor(op, "q", q, 4)
+    batch, sq, h, d = q4.shape
+    packed = q4.reshape(batch * sq, h, d)
     if cu_query_lens is None:
-        q4 = _model_tensor(op, "q", q, 4)  # [B, Sq, H, D]
-        batch, sq, h, d = q4.shape
-        packed = q4.reshape(batch * sq, h, d)
         cu = torch.arange(0, batch * sq + 1, sq, dtype=torch.int32, device=q.device)
         longest_q = sq
     else:
         if max_query_len is None:
             raise _fail(op, "cu_query_lens needs max_query_len")
-        packed = _model_tensor(op, "q", q, 3)
         cu = _int32(op, "cu_query_lens", cu_query_lens, 1)
         longest_q = int(max_query_len)
     seqlens = _int32(op, "cache_seqlens", cache_seqlens, 1)
@@ -598,7 +660,7 @@ def flash_attn_with_kvcache(
         raise _fail(op, f"max_context_len {max_context_len} is below the longest {max(lens)}")
     cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu_k[1:] = torch.cumsum(seqlens.to(torch.int64), 0)
-    out32, lse = _varlen(
+    out32, lse, rows = _varlen(
         op,
         packed,
         k_cache,
@@ -613,8 +675,11 @@ def flash_attn_with_kvcache(
         softcap,
         alibi_slopes,
         block_table,
+        sinks=sinks,
     )
-    return _finish(op, out32, lse, out, q, q.dtype, return_softmax_lse)
+    if sq != 1 and rows != batch * sq:
+        raise _fail(op, f"cu_query_lens must cover every row of a q with {sq} tokens per row")
+    return _finish(op, out32, lse, out, q, q.dtype, return_softmax_lse, rows if sq == 1 else None)
 
 
 # --- KV writes -----------------------------------------------------------------------------------
@@ -679,14 +744,24 @@ def reshape_and_cache_flash(
     key_cache: torch.Tensor,  # HND [num_blocks, Hkv, block_size, D]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [n <= T] int64 (or int32); < 0 skipped
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    kv_cache_dtype: str,
+    k_scale: float | torch.Tensor,
+    v_scale: float | torch.Tensor,
 ) -> None:
+    """Eight arguments, as the fork's ``vllm._custom_ops.reshape_and_cache_flash`` passes them
+    (``kv_cache_dtype`` as vLLM's, the scales 1.0) [callers]; the scales matter only for fp8."""
     op = "reshape_and_cache_flash"
-    if kv_cache_dtype != "auto":
-        raise _not_emulated(op, f"kv_cache_dtype={kv_cache_dtype!r}")
     key_t, value_t, kc, vc = _cache_pair(op, key, value, key_cache, value_cache)
+    if kv_cache_dtype != "auto" and not (
+        kv_cache_dtype == "bfloat16" and kc.dtype == torch.bfloat16
+    ):
+        raise _not_emulated(op, f"kv_cache_dtype={kv_cache_dtype!r}")
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(sc, torch.Tensor):
+            if sc.numel() != 1:
+                raise _fail(op, f"{name} must be one value, got shape {tuple(sc.shape)}")
+        elif isinstance(sc, bool) or not isinstance(sc, (int, float)):
+            raise _fail(op, f"{name} must be a number or a one-element tensor, got {sc!r}")
     if kc.dtype != key_t.dtype or vc.dtype != value_t.dtype:
         raise _fail(op, f"the cache ({kc.dtype}) and the keys ({key_t.dtype}) differ in dtype")
     slots = _slots(op, slot_mapping, key_t.shape[0], kc.shape[0] * kc.shape[2])
@@ -697,15 +772,14 @@ def reshape_and_cache_flash(
 # --- merge_attn_states ---------------------------------------------------------------------------
 
 
-@_op("inference.functions.merge_attn_states")
+@_op("contrib.vllm_flash_attn.merge_attn_states")
 def merge_attn_states(
     prefix_output: torch.Tensor,  # [T, H, D]
-    prefix_lse: torch.Tensor,  # [H, T] float32, base 2; +inf = empty
+    prefix_lse: torch.Tensor,  # [H, T] float32, natural log; +inf = empty
     suffix_output: torch.Tensor,
     suffix_lse: torch.Tensor,
-    output: torch.Tensor | None = None,
-    return_lse: bool = False,
-) -> Any:  # output, or (output, lse [H, T] base 2) with return_lse
+    output: torch.Tensor | None = None,  # [T, H, D], positional in the fork's calls [callers]
+) -> torch.Tensor:
     op = "merge_attn_states"
     a = _model_tensor(op, "prefix_output", prefix_output, 3)
     b = _model_tensor(op, "suffix_output", suffix_output, 3)
@@ -717,13 +791,13 @@ def merge_attn_states(
         if x.dtype != torch.float32 or x.shape != (h, t):
             raise _fail(op, f"{name} must be float32 [{h}, {t}], got {x.dtype} {list(x.shape)}")
     merged, lse = _merge_math(a, prefix_lse, b, suffix_lse)
-    result = _finish(op, merged, lse, output, a, a.dtype, return_lse)
+    result: torch.Tensor = _finish(op, merged, lse, output, a, a.dtype, False)
     return result
 
 
 def _merge_null(
     a: torch.Tensor, prefix_lse: torch.Tensor, b: torch.Tensor, suffix_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:  # merged [T, H, D] float32, lse2 [H, T]
+) -> tuple[torch.Tensor, torch.Tensor]:  # merged [T, H, D] float32, lse [H, T]
     t, h, d = a.shape
     return (
         emulation.preallocated((t, h, d), torch.float32, a.device),
@@ -734,17 +808,17 @@ def _merge_null(
 @emulation.kernel(null=_merge_null)
 def _merge_math(
     a: torch.Tensor, prefix_lse: torch.Tensor, b: torch.Tensor, suffix_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:  # merged [T, H, D] float32, lse2 [H, T]
+) -> tuple[torch.Tensor, torch.Tensor]:  # merged [T, H, D] float32, lse [H, T]
     """``merge_attn_states``' math, every argument checked by it."""
     la = prefix_lse.masked_fill(torch.isposinf(prefix_lse), -math.inf)
     lb = suffix_lse.masked_fill(torch.isposinf(suffix_lse), -math.inf)
     m = torch.maximum(la, lb)
     both_empty = torch.isneginf(m)
     m = m.masked_fill(both_empty, 0.0)
-    wa, wb = torch.exp2(la - m), torch.exp2(lb - m)  # base 2: weights are 2 ** lse
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)  # natural log: weights are exp(lse)
     denom = (wa + wb).masked_fill(both_empty, 1.0)
     merged = (wa.t()[..., None] * a.float() + wb.t()[..., None] * b.float()) / denom.t()[..., None]
-    lse = (m + torch.log2(denom)).masked_fill(both_empty, math.inf)
+    lse = (m + torch.log(denom)).masked_fill(both_empty, math.inf)
     return merged, lse
 
 
@@ -767,6 +841,14 @@ def _token_scales(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, H] float
     return x.float().abs().amax(dim=2) / 127.0
 
 
+@emulation.kernel(null=lambda x: emulation.preallocated(x.shape[1:], torch.float32, x.device))
+def _channel_scales(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [H, D] float32
+    """A symmetric int8 scale per (head, channel): amax / 127 over the tokens."""
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape[1:], dtype=torch.float32)
+    return x.float().abs().amax(dim=0) / 127.0
+
+
 @_op("inference.functions.scaled_int8_quant_for_attn")
 def scaled_int8_quant_for_attn(
     x: torch.Tensor,  # [T, H, D] float16/bfloat16
@@ -774,9 +856,11 @@ def scaled_int8_quant_for_attn(
     transpose_scale: bool = False,
     scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # int8 like x, float32 scale
-    """``dim=2``: a scale per (token, head), amax/127 over D, returned (T, H), or (H, T) with
-    ``transpose_scale``. ``dim=0`` with ``scale`` (H, D): quantize with that static per-channel
-    scale, returned as given [inferred]."""
+    """``dim`` is the dimension the scale reduces over [inferred from the shapes the fork's
+    calls give and use]. ``dim=2``: a scale per (token, head), amax/127 over D, returned (T, H),
+    or (H, T) with ``transpose_scale``. ``dim=0``: a scale per (head, channel) over the tokens,
+    returned (H, D), or, with ``scale`` (H, D), quantize with that static scale, returned as
+    given (the fork's mode-1 values, and its calibration call without a scale) [callers]."""
     op = "scaled_int8_quant_for_attn"
     x = _model_tensor(op, "x", x, 3)
     if dim == 2:
@@ -786,17 +870,20 @@ def scaled_int8_quant_for_attn(
         q = _quantize(x, s[..., None])
         return q, (s.t().contiguous() if transpose_scale else s)
     if dim == 0:
+        if transpose_scale:
+            raise _not_emulated(op, "dim=0 with transpose_scale=True")
         if scale is None:
-            raise _not_emulated(op, "dim=0 without a static scale")
-        sc = _tensor(op, "scale", scale, 2)
-        if sc.dtype != torch.float32 or tuple(sc.shape) != tuple(x.shape[1:]):
-            raise _fail(
-                op,
-                f"a static scale for {tuple(x.shape)} must be float32 {tuple(x.shape[1:])}, got "
-                f"{sc.dtype} {tuple(sc.shape)}",
-            )
+            sc = _channel_scales(x)
+        else:
+            sc = _tensor(op, "scale", scale, 2)
+            if sc.dtype != torch.float32 or tuple(sc.shape) != tuple(x.shape[1:]):
+                raise _fail(
+                    op,
+                    f"a static scale for {tuple(x.shape)} must be float32 {tuple(x.shape[1:])}, "
+                    f"got {sc.dtype} {tuple(sc.shape)}",
+                )
         return _quantize(x, sc[None]), sc
-    raise _fail(op, f"dim must be 2 (per token and head) or 0 (static per channel), got {dim}")
+    raise _fail(op, f"dim must be 2 (per token and head) or 0 (per channel), got {dim}")
 
 
 def _int8(op: str, name: str, t: object, dims: int) -> torch.Tensor:
@@ -808,12 +895,17 @@ def _int8(op: str, name: str, t: object, dims: int) -> torch.Tensor:
     return t
 
 
-def _f32(op: str, name: str, t: object, shape: tuple[int, ...]) -> torch.Tensor:
+def _f32(
+    op: str, name: str, t: object, shape: tuple[int, ...], rows_strided: bool = False
+) -> torch.Tensor:
+    """A float32 tensor of ``shape``, contiguous; with ``rows_strided`` only its last dimension
+    must be (the fork passes ``query_scale[:, n:]`` of an (H, T) scale) [callers]."""
     t = _tensor(op, name, t, len(shape))
     if t.dtype != torch.float32 or tuple(t.shape) != shape:
         raise _fail(op, f"{name} must be float32 {shape}, got {t.dtype} {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise _fail(op, f"{name} must be contiguous")
+    dense = t.stride(-1) == 1 or t.shape[-1] <= 1 if rows_strided else t.is_contiguous()
+    if not dense:
+        raise _fail(op, f"{name} must be contiguous, got strides {t.stride()}")
     return t
 
 
@@ -849,8 +941,8 @@ def _write_quantized(
     kv_cache_dtype: object,
     mix: bool,
 ) -> None:
-    if kv_cache_dtype != "int8":
-        raise _not_emulated(op, f"kv_cache_dtype={kv_cache_dtype!r}")
+    if kv_cache_dtype != "":  # the fork passes "" [callers]; other values are not known
+        raise _not_emulated(op, f"kv_cache_dtype={kv_cache_dtype!r} (the fork passes '')")
     kc, vc, ks_cache = _quant_cache(op, key_cache, value_cache, key_scale_cache, mix)
     key_t = _int8(op, "key", key, 3)
     value_t = _tensor(op, "value", value, 3)
@@ -860,6 +952,8 @@ def _write_quantized(
             op,
             f"value must be {vc.dtype} {(t, hkv, d)}, got {value_t.dtype} {tuple(value_t.shape)}",
         )
+    if value_t.stride(-1) != 1:
+        raise _fail(op, f"value must have a contiguous last dimension, got {value_t.stride()}")
     if (hkv, d) != (kc.shape[1], kc.shape[3]):
         raise _fail(
             op,
@@ -875,6 +969,7 @@ def _write_quantized(
 
 @_op("inference.functions.reshape_and_cache_flash_int8")
 def reshape_and_cache_flash_int8(
+    *,  # the fork passes every argument by keyword; the order is not public
     key: torch.Tensor,  # [T, Hkv, D] int8
     value: torch.Tensor,  # [T, Hkv, D] int8 (quantized with the static V scale)
     k_scale: torch.Tensor,  # [T, Hkv] float32: each token's K scale
@@ -882,7 +977,7 @@ def reshape_and_cache_flash_int8(
     value_cache: torch.Tensor,  # HND int8
     key_scale_cache: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
     slot_mapping: torch.Tensor,  # [n <= T] int; < 0 skipped
-    kv_cache_dtype: str,
+    kv_cache_dtype: str,  # "" [callers]
 ) -> None:
     _write_quantized(
         "reshape_and_cache_flash_int8",
@@ -900,6 +995,7 @@ def reshape_and_cache_flash_int8(
 
 @_op("inference.functions.reshape_and_cache_flash_mix")
 def reshape_and_cache_flash_mix(
+    *,
     key: torch.Tensor,  # [T, Hkv, D] int8
     value: torch.Tensor,  # [T, Hkv, D] float16/bfloat16
     k_scale: torch.Tensor,  # [T, Hkv] float32
@@ -907,7 +1003,7 @@ def reshape_and_cache_flash_mix(
     value_cache: torch.Tensor,  # HND float16/bfloat16 (the packed storage's planes 1-2)
     key_scale_cache: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
     slot_mapping: torch.Tensor,
-    kv_cache_dtype: str,
+    kv_cache_dtype: str,  # "" [callers]
 ) -> None:
     _write_quantized(
         "reshape_and_cache_flash_mix",
@@ -925,19 +1021,20 @@ def reshape_and_cache_flash_mix(
 
 @_op("contrib.vllm_flash_attn.flash_attn_varlen_int8_func")
 def flash_attn_varlen_int8_func(
-    q: torch.Tensor,  # [T, H, D] int8
+    *,  # the fork passes every argument by keyword; the order is not public
+    q: torch.Tensor,  # [T, H, D] int8 (rows past cu_seqlens_q[-1]: padding)
     k: torch.Tensor,  # HND int8 key cache
-    v: torch.Tensor,  # HND int8 value cache
-    q_scale: torch.Tensor,  # [H, T] float32 (transposed) [callers]
+    v: torch.Tensor,  # HND value cache: int8 (mode 1) or float16/bfloat16 (mode 2)
+    q_scale: torch.Tensor,  # [H, T] float32 (transposed; rows may be strided) [callers]
     k_scale: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
-    v_scale: torch.Tensor,  # [Hkv, D] float32
+    v_scale: torch.Tensor | None,  # [Hkv, D] float32 (mode 1); None (mode 2) [callers]
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: Sequence[int] = (-1, -1),
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
     sqrt_alibi: bool = False,
@@ -954,10 +1051,11 @@ def flash_attn_varlen_int8_func(
         raise _fail(op, f"output_dtype must be float16 or bfloat16, got {output_dtype}")
     qi = _int8(op, "q", q, 3)
     t, h, d = qi.shape
-    qs = _f32(op, "q_scale", q_scale, (h, t))
-    kc, vc, ks = _quant_cache(op, k, v, k_scale, mix=False)
-    vs = _f32(op, "v_scale", v_scale, (kc.shape[1], d))
-    out32, _ = _varlen(
+    qs = _f32(op, "q_scale", q_scale, (h, t), rows_strided=True)
+    mix = v_scale is None  # mode 2: the 16-bit value cache, no value scale [callers]
+    kc, vc, ks = _quant_cache(op, k, v, k_scale, mix=mix)
+    vs = None if mix else _f32(op, "v_scale", v_scale, (kc.shape[1], d))
+    out32, _, rows = _varlen(
         op,
         qi,
         kc,
@@ -975,7 +1073,7 @@ def flash_attn_varlen_int8_func(
         q_scale=qs,
         dq=_Dequant(ks, vs),
     )
-    result: torch.Tensor = _finish(op, out32, out32, out, qi, output_dtype, False)
+    result: torch.Tensor = _finish(op, out32, out32, out, qi, output_dtype, False, rows)
     return result
 
 
@@ -999,16 +1097,20 @@ def _paged_decode(
     window_right: int,
     softcap: float,
     use_sqrt_alibi: bool,
+    cu_query_lens: object,
+    max_query_len: int | None,
     saves: tuple[object, object, object],
 ) -> None:
-    """One query per sequence over its context_lens keys (the last is the query's own
-    position). With ``save_*``, each sequence's new key/value/key scale is first written at
-    position context_lens - 1 (the fused KV write of decode-only steps) [inferred]."""
+    """Each sequence's queries (rows ``cu_query_lens[r]..cu_query_lens[r + 1]``, or one row
+    each without it) over its context_lens keys, bottom-right aligned (the last query is the
+    last key's position). With ``save_*``, each sequence's new keys/values/key scales (one per
+    query row) are first written at the positions before context_lens (the fused KV write of
+    decode-only steps) [inferred]."""
     if use_sqrt_alibi:
         raise _not_emulated(op, "use_sqrt_alibi=True (the vendor's formula is not public)")
     qi = _int8(op, "query", query, 3)
-    b, h, d = qi.shape
-    qs = _f32(op, "query_scale", query_scale, (b, h))
+    t, h, d = qi.shape
+    qs = _f32(op, "query_scale", query_scale, (t, h))
     _head_size(op, d)
     if num_kv_heads != kc.shape[1] or block_size != kc.shape[2] or d != kc.shape[3]:
         raise _fail(
@@ -1016,43 +1118,64 @@ def _paged_decode(
             f"num_kv_heads / block_size {num_kv_heads} / {block_size} and head size {d} do not "
             f"match the HND cache {tuple(kc.shape)}",
         )
-    bt = _int32(op, "block_tables", block_tables, 2)
+    if h % num_kv_heads:
+        raise _fail(op, f"{h} query heads are not a multiple of {num_kv_heads} kv heads")
+    bt = _table(op, "block_tables", block_tables)
     lens_t = _int32(op, "context_lens", context_lens, 1)
-    if bt.shape[0] != b or lens_t.shape[0] != b:
-        raise _fail(op, f"block_tables / context_lens must have {b} rows")
+    b = bt.shape[0]
+    if lens_t.shape[0] != b:
+        raise _fail(op, f"context_lens has {lens_t.shape[0]} entries, block_tables {b} rows")
+    _same_device(op, qi, block_tables=bt, context_lens=lens_t)
+    if cu_query_lens is None:
+        if b != t:
+            raise _fail(op, f"without cu_query_lens, one query row per sequence: {t} vs {b}")
+        ends = list(range(t + 1))
+    else:
+        cu = _int32(op, "cu_query_lens", cu_query_lens, 1)
+        _same_device(op, qi, cu_query_lens=cu)
+        ends = _cumulative(op, "cu_query_lens", cu, b)
+        if ends[-1] > t:
+            raise _fail(op, f"cu_query_lens ends at {ends[-1]}, query has only {t} rows")
+        if max_query_len is None:
+            raise _fail(op, "cu_query_lens needs max_query_len")
+    q_lens = [y - x for x, y in itertools.pairwise(ends)]
+    if q_lens and max_query_len is not None and max(q_lens) > max_query_len:
+        raise _fail(op, f"max_query_len {max_query_len} is below the longest {max(q_lens)}")
     lens = [int(x) for x in lens_t.tolist()]
-    if lens and (min(lens) < 1 or max(lens) > max_context_len):
-        raise _fail(op, f"context_lens {lens} must be in 1..max_context_len={max_context_len}")
+    if lens and max(lens) > max_context_len:
+        raise _fail(op, f"context_lens {lens} exceed max_context_len={max_context_len}")
+    short = [r for r in range(b) if lens[r] < q_lens[r]]
+    if short:
+        r = short[0]
+        raise _fail(op, f"sequence {r}: {q_lens[r]} queries over {lens[r]} keys")
     o = _tensor(op, "output", output, 3)
-    if tuple(o.shape) != (b, h, d) or o.dtype not in MODEL_DTYPES:
-        raise _fail(op, f"output must be float16/bfloat16 {(b, h, d)}, got {o.dtype}")
+    if tuple(o.shape) != (t, h, d) or o.dtype not in MODEL_DTYPES:
+        raise _fail(op, f"output must be float16/bfloat16 {(t, h, d)}, got {o.dtype}")
     alibi = _alibi(op, alibi_slopes, h)
     table = bt.tolist()
     save_key, save_value, save_key_scale = saves
+    save: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = None
     if save_key is not None or save_value is not None or save_key_scale is not None:
+        n = ends[-1]
         sk = _int8(op, "save_key", save_key, 3)
         sv = _tensor(op, "save_value", save_value, 3)
-        if tuple(sk.shape) != (b, kc.shape[1], d) or tuple(sv.shape) != tuple(sk.shape):
-            raise _fail(op, f"save_key / save_value must be {(b, kc.shape[1], d)}")
+        if tuple(sk.shape[1:]) != (kc.shape[1], d) or sk.shape[0] < n or sv.shape != sk.shape:
+            raise _fail(op, f"save_key / save_value must be ({n}, {kc.shape[1]}, {d})")
         if sv.dtype != vc.dtype:
             raise _fail(op, f"save_value must be {vc.dtype}, got {sv.dtype}")
-        ss = _f32(op, "save_key_scale", save_key_scale, (b, kc.shape[1]))
+        if not sv.is_contiguous():
+            raise _fail(op, "save_value must be contiguous (the fork makes it so)")
+        ss = _f32(op, "save_key_scale", save_key_scale, (sk.shape[0], kc.shape[1]))
         bs = kc.shape[2]
-        slots = []
+        slots = [-1] * sk.shape[0]
         for r in range(b):
-            pos = lens[r] - 1
-            blocks = table[r]
-            if pos // bs >= len(blocks) or not 0 <= blocks[pos // bs] < kc.shape[0]:
-                raise _fail(op, f"sequence {r}: position {pos} has no valid block")
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-        save: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = (
-            sk,
-            sv,
-            ss,
-            slots,
-        )
-    else:
-        save = None
+            for i in range(q_lens[r]):
+                pos = lens[r] - q_lens[r] + i
+                blocks = table[r]
+                if pos // bs >= len(blocks) or not 0 <= blocks[pos // bs] < kc.shape[0]:
+                    raise _fail(op, f"sequence {r}: position {pos} has no valid block")
+                slots[ends[r] + i] = blocks[pos // bs] * bs + pos % bs
+        save = (sk, sv, ss, slots)
     for r in range(b):  # every sequence's blocks, before anything is written
         _check_blocks(op, kc, table[r], lens[r])
     if save is not None:
@@ -1070,6 +1193,7 @@ def _paged_decode(
         dq,
         table,
         lens,
+        ends,
         float(scale),
         causal,
         window_left,
@@ -1090,6 +1214,7 @@ def _paged_decode_math(
     dq: _Dequant,
     table: list[list[int]],
     lens: list[int],
+    ends: list[int],
     scale: float,
     causal: bool,
     window_left: int,
@@ -1099,10 +1224,12 @@ def _paged_decode_math(
 ) -> None:
     """``_paged_decode``'s attention, every argument checked by it."""
     qf = qi.float() * qs[..., None]
-    for r in range(qi.shape[0]):
+    for r in range(len(lens)):
+        if ends[r] == ends[r + 1]:
+            continue
         k, v = _read_sequence(kc, vc, table[r], lens[r], op, dq)
         res, _ = _attend(
-            qf[r : r + 1],
+            qf[ends[r] : ends[r + 1]],
             k,
             v,
             scale=scale,
@@ -1111,22 +1238,23 @@ def _paged_decode_math(
             softcap=softcap,
             alibi=alibi,
         )
-        o[r] = res[0].to(o.dtype)
+        o[ends[r] : ends[r + 1]] = res.to(o.dtype)
 
 
 @_op("inference.functions.vllm_paged_attention_int8")
 def vllm_paged_attention_int8(
-    output: torch.Tensor,  # [B, H, D] float16/bfloat16, written
-    query: torch.Tensor,  # [B, H, D] int8: one query per sequence
+    *,  # the fork passes every argument by keyword; the order is not public
+    output: torch.Tensor,  # [T, H, D] float16/bfloat16, written
+    query: torch.Tensor,  # [T, H, D] int8
     key_cache: torch.Tensor,  # HND int8
     value_cache: torch.Tensor,  # HND int8
-    query_scale: torch.Tensor,  # [B, H] float32 [inferred: not transposed for decode]
+    query_scale: torch.Tensor,  # [T, H] float32 (not transposed) [callers]
     key_scale_cache: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
     value_scale_cache: torch.Tensor,  # [Hkv, D] float32, static
     num_kv_heads: int,
     scale: float,
     block_tables: torch.Tensor,  # [B, max_blocks] int32
-    context_lens: torch.Tensor,  # [B] int32: keys per sequence, the query's own included
+    context_lens: torch.Tensor,  # [B] int32: keys per sequence, its queries' own included
     block_size: int,
     max_context_len: int,
     alibi_slopes: torch.Tensor | None = None,
@@ -1134,11 +1262,13 @@ def vllm_paged_attention_int8(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
-    enable_cuda_graph: bool = False,
     use_sqrt_alibi: bool = False,
-    save_key: torch.Tensor | None = None,  # [B, Hkv, D] int8: fused KV write
-    save_value: torch.Tensor | None = None,  # [B, Hkv, D] int8
-    save_key_scale: torch.Tensor | None = None,  # [B, Hkv] float32
+    use_cuda_graph: bool = False,  # a capture-safe launch; the math is the same
+    cu_query_lens: torch.Tensor | None = None,  # [B + 1] int32 over the query rows
+    max_query_len: int | None = None,
+    save_key: torch.Tensor | None = None,  # [T, Hkv, D] int8: fused KV write
+    save_value: torch.Tensor | None = None,  # [T, Hkv, D] int8
+    save_key_scale: torch.Tensor | None = None,  # [T, Hkv] float32
 ) -> None:
     op = "vllm_paged_attention_int8"
     kc, vc, ks = _quant_cache(op, key_cache, value_cache, key_scale_cache, mix=False)
@@ -1163,17 +1293,20 @@ def vllm_paged_attention_int8(
         window_right,
         softcap,
         use_sqrt_alibi,
+        cu_query_lens,
+        max_query_len,
         (save_key, save_value, save_key_scale),
     )
 
 
 @_op("inference.functions.vllm_paged_attention_mix")
 def vllm_paged_attention_mix(
-    output: torch.Tensor,  # [B, H, D] float16/bfloat16, written
-    query: torch.Tensor,  # [B, H, D] int8
+    *,
+    output: torch.Tensor,  # [T, H, D] float16/bfloat16, written
+    query: torch.Tensor,  # [T, H, D] int8
     key_cache: torch.Tensor,  # HND int8
     value_cache: torch.Tensor,  # HND float16/bfloat16
-    query_scale: torch.Tensor,  # [B, H] float32
+    query_scale: torch.Tensor,  # [T, H] float32
     key_scale_cache: torch.Tensor,  # [num_blocks, Hkv, block_size] float32
     num_kv_heads: int,
     scale: float,
@@ -1186,11 +1319,13 @@ def vllm_paged_attention_mix(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
-    enable_cuda_graph: bool = False,
     use_sqrt_alibi: bool = False,
-    save_key: torch.Tensor | None = None,  # [B, Hkv, D] int8
-    save_value: torch.Tensor | None = None,  # [B, Hkv, D] float16/bfloat16
-    save_key_scale: torch.Tensor | None = None,  # [B, Hkv] float32
+    use_cuda_graph: bool = False,
+    cu_query_lens: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    save_key: torch.Tensor | None = None,  # [T, Hkv, D] int8
+    save_value: torch.Tensor | None = None,  # [T, Hkv, D] float16/bfloat16, contiguous
+    save_key_scale: torch.Tensor | None = None,  # [T, Hkv] float32
 ) -> None:
     op = "vllm_paged_attention_mix"
     kc, vc, ks = _quant_cache(op, key_cache, value_cache, key_scale_cache, mix=True)
@@ -1214,6 +1349,8 @@ def vllm_paged_attention_mix(
         window_right,
         softcap,
         use_sqrt_alibi,
+        cu_query_lens,
+        max_query_len,
         (save_key, save_value, save_key_scale),
     )
 
@@ -1230,12 +1367,12 @@ contrib = SimpleNamespace(
         flash_attn_varlen_func=flash_attn_varlen_func,
         flash_attn_with_kvcache=flash_attn_with_kvcache,
         flash_attn_varlen_int8_func=flash_attn_varlen_int8_func,
+        merge_attn_states=merge_attn_states,
     )
 )
 inference = SimpleNamespace(
     functions=_namespace(
         reshape_and_cache_flash=reshape_and_cache_flash,
-        merge_attn_states=merge_attn_states,
         scaled_int8_quant_for_attn=scaled_int8_quant_for_attn,
         reshape_and_cache_flash_int8=reshape_and_cache_flash_int8,
         reshape_and_cache_flash_mix=reshape_and_cache_flash_mix,

@@ -7,17 +7,17 @@ imports, i.e. on a CoreX machine. ``ixformer`` is not on PyPI and never a depend
 
 Resolved once per backend instance (``IluvatarBackend.__init__``), never per call. Both
 namespaces expose the same attribute paths: ``contrib.vllm_flash_attn.{flash_attn_varlen_func,
-flash_attn_with_kvcache, flash_attn_varlen_int8_func}`` and ``inference.functions.{
-reshape_and_cache_flash, merge_attn_states, scaled_int8_quant_for_attn,
+flash_attn_with_kvcache, flash_attn_varlen_int8_func, merge_attn_states}`` and
+``inference.functions.{reshape_and_cache_flash, scaled_int8_quant_for_attn,
 reshape_and_cache_flash_int8, reshape_and_cache_flash_mix, vllm_paged_attention_int8,
-vllm_paged_attention_mix}`` (which module holds which op is [callers] for the first two, else
-[inferred]: see docs/backends/iluvatar.md).
+vllm_paged_attention_mix}`` (which module holds which op: docs/backends/iluvatar.md).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from types import ModuleType
 from typing import Any
 
@@ -90,3 +90,25 @@ def namespace(device: torch.device | str, emulate: bool) -> Any:
 
 def is_emulated(device: torch.device | str) -> bool:
     return device_type(device) == EMULATED_DEVICE
+
+
+#: The attention entry points that take ``sinks=`` in Iluvatar's vLLM fork [callers].
+SINK_OPS = ("flash_attn_varlen_func", "flash_attn_with_kvcache")
+
+
+def missing_sinks_keyword(namespace: Any) -> str | None:
+    """The first of ``SINK_OPS`` (under ``contrib.vllm_flash_attn``) whose signature shows no
+    ``sinks`` parameter (nor ``**kwargs``), or None. The fork passes ``sinks=`` to both and
+    gates non-None sinks behind ``flash_attn_supports_sinks()``; this is attnhub's version of
+    that gate for an installed ixformer. A signature Python cannot read passes (the call
+    itself then says)."""
+    fa = namespace.contrib.vllm_flash_attn
+    for name in SINK_OPS:
+        try:
+            params = inspect.signature(getattr(fa, name)).parameters
+        except (TypeError, ValueError):
+            continue
+        kinds = {p.kind for p in params.values()}
+        if "sinks" not in params and inspect.Parameter.VAR_KEYWORD not in kinds:
+            return name
+    return None

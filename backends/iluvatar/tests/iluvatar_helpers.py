@@ -14,7 +14,7 @@ from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, reference, testi
 VARLEN = "contrib.vllm_flash_attn.flash_attn_varlen_func"
 KVCACHE = "contrib.vllm_flash_attn.flash_attn_with_kvcache"
 WRITE = "inference.functions.reshape_and_cache_flash"
-MERGE = "inference.functions.merge_attn_states"
+MERGE = "contrib.vllm_flash_attn.merge_attn_states"
 
 
 def spec(**changes: object) -> AttentionSpec:
@@ -42,6 +42,7 @@ class Step:
     key: torch.Tensor  # [num_tokens, Hkv, D]
     value: torch.Tensor
     alibi_slopes: torch.Tensor | None
+    sinks: torch.Tensor | None = None
 
 
 def step(
@@ -79,12 +80,13 @@ def step(
     testing.fill_cache_random(cache, g)
     slopes = testing.alibi_slopes(s.num_heads) if s.use_alibi else None
     query, key, value = testing.random_qkv(s, batch.num_tokens, g)
-    return Step(b, batch, cache, query, key, value, slopes)
+    sinks = testing.random_sinks(s.num_heads, g) if s.use_sinks else None
+    return Step(b, batch, cache, query, key, value, slopes, sinks)
 
 
 def forward(st: Step, common_prefix_len: int = 0) -> torch.Tensor:
     meta = st.backend.metadata_builder().build(st.batch, common_prefix_len=common_prefix_len)
-    impl = st.backend.impl(alibi_slopes=st.alibi_slopes)
+    impl = st.backend.impl(alibi_slopes=st.alibi_slopes, sinks=st.sinks)
     return impl.forward(st.query, st.key, st.value, st.cache, meta)
 
 
@@ -104,7 +106,12 @@ def assert_matches_reference(st: Step, out: torch.Tensor) -> None:
     """``out`` matches the reference over the cache as ``forward`` left it."""
     n = st.batch.num_actual_tokens
     want, _ = reference.paged_attention(
-        st.query[:n], st.cache, st.batch, st.backend.spec, alibi_slopes=st.alibi_slopes
+        st.query[:n],
+        st.cache,
+        st.batch,
+        st.backend.spec,
+        alibi_slopes=st.alibi_slopes,
+        sinks=st.sinks,
     )
     tol = st.backend.capabilities.tolerance(st.backend.spec.dtype)
     testing.assert_within(out[:n], want, tol, "iluvatar forward", batch=st.batch)

@@ -62,13 +62,17 @@ def test_the_cache_is_hnd_with_contiguous_planes() -> None:
     ("changes", "reason"),
     [
         (dict(dtype=torch.float32), "float16 and bfloat16"),
-        (dict(block_size=24), "multiple of 16"),
-        (dict(head_size=48), "built for these head sizes"),
-        (dict(head_size=512), "built for these head sizes"),
-        (dict(use_sinks=True), "sink logits"),
+        (dict(block_size=24), "kernel block sizes"),
+        (dict(block_size=128), "kernel block sizes"),
+        (dict(head_size=36), "head_size % 8 == 0"),
+        (dict(head_size=264), "head_size % 8 == 0"),
+        (dict(use_sinks=True, kv_cache_dtype="int8"), "take no sinks"),
+        (dict(use_sinks=True, kv_cache_dtype="int8_k"), "take no sinks"),
         (dict(kv_cache_dtype="fp8_e4m3"), "model dtype or int8"),
         (dict(head_size=80, block_size=32, sliding_window=5, logits_soft_cap=5.0), None),
+        (dict(head_size=40, block_size=64), None),
         (dict(use_alibi=True), None),
+        (dict(use_sinks=True), None),
     ],
 )
 def test_undeclared_configurations_are_refused_with_reasons(
@@ -85,10 +89,40 @@ def test_undeclared_configurations_are_refused_with_reasons(
 
 
 def test_refusals_are_explained_per_field() -> None:
-    by_field = {r.field: r for r in IluvatarBackend.unsupported_reasons(h.spec(use_sinks=True))}
-    assert by_field["sinks"].endswith(
-        "(neither flash_attn_varlen_func nor flash_attn_with_kvcache takes sink logits)"
+    spec = h.spec(head_size=36, block_size=128)
+    by_field = {r.field: r for r in IluvatarBackend.unsupported_reasons(spec)}
+    assert by_field["head_size"].endswith(
+        "(Iluvatar's vLLM backend takes head_size % 8 == 0 and head_size <= 256)"
     )
+    assert by_field["block_size"].endswith(
+        "(the kernel block sizes Iluvatar's vLLM backend declares)"
+    )
+
+
+def test_sinks_need_an_ixformer_whose_attention_takes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork gates sinks behind flash_attn_supports_sinks(); attnhub's gate is the installed
+    ixformer's signatures: an entry point without ``sinks`` refuses the spec at construction."""
+    from types import SimpleNamespace
+
+    from attnhub_iluvatar import ops
+
+    def no_sinks(q, k, v, *, out=None):  # type: ignore[no-untyped-def]
+        raise AssertionError("never called")
+
+    fake = SimpleNamespace(
+        contrib=SimpleNamespace(
+            vllm_flash_attn=SimpleNamespace(
+                flash_attn_varlen_func=h.emulator.contrib.vllm_flash_attn.flash_attn_varlen_func,
+                flash_attn_with_kvcache=no_sinks,
+            )
+        )
+    )
+    assert ops.missing_sinks_keyword(h.emulator) is None
+    assert ops.missing_sinks_keyword(fake) == "flash_attn_with_kvcache"
+    monkeypatch.setattr(ops, "namespace", lambda device, emulate: fake)
+    with pytest.raises(UnsupportedConfigurationError, match="flash_attn_with_kvcache takes no"):
+        IluvatarBackend(h.spec(use_sinks=True), "cpu", emulate=True)
+    IluvatarBackend(h.spec(), "cpu", emulate=True)  # no sinks: nothing to check
 
 
 def test_graph_capture_is_refused_at_build() -> None:
@@ -97,5 +131,6 @@ def test_graph_capture_is_refused_at_build() -> None:
         st.backend.metadata_builder().build_for_graph_capture(st.batch)
 
 
-def test_decodes_are_asked_for_first() -> None:
-    assert IluvatarBackend(h.spec(), "cpu", emulate=True).metadata_builder().reorder_batch_threshold
+def test_decodes_are_asked_for_first_with_the_forks_threshold() -> None:
+    builder = IluvatarBackend(h.spec(), "cpu", emulate=True).metadata_builder()
+    assert builder.reorder_batch_threshold == 1  # the fork's, without speculative tokens

@@ -66,7 +66,7 @@ def _varlen(q: torch.Tensor, kc: Any, vc: Any, q_lens: list[int], k_lens: list[i
 # --- math ----------------------------------------------------------------------------------------
 
 
-def test_softmax_over_the_paged_keys_and_the_lse_in_base_2() -> None:
+def test_softmax_over_the_paged_keys_and_the_lse_in_natural_log() -> None:
     q, k, v = _scores_case([1.0, 2.0, 0.0])
     kc, vc = _cache(k, v)
     out, lse = _varlen(q, kc, vc, [1], [3], return_softmax_lse=True)
@@ -74,7 +74,7 @@ def test_softmax_over_the_paged_keys_and_the_lse_in_base_2() -> None:
     probs = torch.tensor([x / sum(e) for x in e])
     assert torch.allclose(out[0, 0, :3].float(), probs, atol=1e-3)
     assert lse.shape == (1, 1) and lse.dtype == torch.float32
-    assert lse.item() == pytest.approx(math.log2(sum(e)), abs=1e-5)
+    assert lse.item() == pytest.approx(math.log(sum(e)), abs=1e-5)
 
 
 def test_gqa_query_head_h_reads_kv_head_h_over_the_group() -> None:
@@ -142,7 +142,7 @@ def test_decode_with_one_token_per_sequence_takes_batch_by_one_queries() -> None
 
 
 def test_multi_token_decode_reads_cumulative_query_lens() -> None:
-    q = torch.zeros(3, 1, D, dtype=torch.float16)
+    q = torch.zeros(3, 1, 1, D, dtype=torch.float16)  # (T, 1, H, D), as the fork passes it
     kc, vc = _cache(torch.zeros(4, 1, D), _one_hot_values(4))
     out = FA.flash_attn_with_kvcache(
         q,
@@ -154,9 +154,22 @@ def test_multi_token_decode_reads_cumulative_query_lens() -> None:
         max_query_len=2,
         cu_query_lens=_i32([0, 1, 3]),
     )
+    assert out.shape == (3, 1, 1, D)
+    out = out[:, 0]
     assert out[0, 0, :4].tolist() == [0.5, 0.5, 0.0, 0.0]  # 1 query over 2 keys
     assert out[1, 0, :4].float().tolist() == pytest.approx([1 / 3] * 3 + [0.0], abs=1e-3)
     assert out[2, 0, :4].tolist() == [0.25] * 4
+
+
+def test_decode_takes_q_four_dimensional_only() -> None:
+    """flash-attn documents q as (batch, seqlen, heads, dim); the fork always passes 4-D."""
+    q, k, v = _scores_case([1.0])
+    kc, vc = _cache(k, v)
+    with pytest.raises(IxformerOpError, match="q must be 4-D"):
+        FA.flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=_i32([1]), block_table=_i32([[1]]),
+            cu_query_lens=_i32([0, 1]), max_query_len=1,
+        )  # fmt: skip
 
 
 def test_out_is_written_in_place_and_returned() -> None:
@@ -167,15 +180,13 @@ def test_out_is_written_in_place_and_returned() -> None:
     assert got is buf and buf[0, 0, 0].item() == pytest.approx(math.e / (math.e + 1), abs=1e-3)
 
 
-def test_merge_weighs_by_two_to_the_lse() -> None:
+def test_merge_weighs_by_exp_of_the_lse() -> None:
     a = torch.full((1, 1, D), 1.0, dtype=torch.float16)
     b = torch.full((1, 1, D), 4.0, dtype=torch.float16)
-    # base 2: lse 1 and 2 weigh 2 and 4, so the merge is (2*1 + 4*4) / 6 = 3
-    out, lse = FN.merge_attn_states(
-        a, torch.tensor([[1.0]]), b, torch.tensor([[2.0]]), return_lse=True
-    )
-    assert out[0, 0, 0].item() == 3.0
-    assert lse.item() == pytest.approx(math.log2(6.0))
+    # natural log: lse 0 and ln 3 weigh 1 and 3, so the merge is (1*1 + 3*4) / 4 = 3.25
+    out = torch.empty_like(a)
+    FA.merge_attn_states(a, torch.tensor([[0.0]]), b, torch.tensor([[math.log(3.0)]]), out)
+    assert out[0, 0, 0].item() == 3.25
 
 
 def test_merge_treats_plus_inf_as_empty_and_both_empty_as_zero() -> None:
@@ -183,7 +194,7 @@ def test_merge_treats_plus_inf_as_empty_and_both_empty_as_zero() -> None:
     b = torch.full((2, 1, D), 4.0, dtype=torch.float16)
     inf = math.inf
     out = torch.empty_like(a)
-    got = FN.merge_attn_states(a, torch.tensor([[inf, inf]]), b, torch.tensor([[0.5, inf]]), out)
+    got = FA.merge_attn_states(a, torch.tensor([[inf, inf]]), b, torch.tensor([[0.5, inf]]), out)
     assert got is out
     assert out[0, 0, 0].item() == 4.0 and (out[1] == 0).all()
 
@@ -193,7 +204,7 @@ def test_reshape_and_cache_flash_writes_hnd_and_skips_negative_slots() -> None:
     vc = torch.zeros_like(kc)
     key = torch.randn(3, 2, D).to(torch.float16)
     value = torch.randn(3, 2, D).to(torch.float16)
-    FN.reshape_and_cache_flash(key, value, kc, vc, torch.tensor([17, -1, 5]))
+    FN.reshape_and_cache_flash(key, value, kc, vc, torch.tensor([17, -1, 5]), "auto", 1.0, 1.0)
     assert torch.equal(kc[1, :, 1], key[0]) and torch.equal(vc[0, :, 5], value[2])
     assert int((kc != 0).any(dim=-1).sum()) == 4  # 2 tokens x 2 heads, nothing else
 
@@ -223,9 +234,13 @@ def _valid() -> dict[str, Any]:
         (dict(cu_seqlens_k=torch.tensor([0, 2])), "cu_seqlens_k must be int32"),
         (dict(cu_seqlens_k=_i32([0, 2, 1])), "expected batch"),
         (dict(cu_seqlens_q=_i32([1, 1])), "cumulative from 0"),
-        (dict(max_seqlen_k=1), "below the longest"),
+        (dict(max_seqlen_q=0), "below the longest"),
         (dict(q=torch.zeros(1, 1, D)), "float16 or bfloat16"),
-        (dict(q=torch.zeros(1, 1, 48, dtype=torch.float16)), "head_size 48"),
+        (dict(q=torch.zeros(1, 1, 36, dtype=torch.float16)), "head_size 36"),
+        (dict(q=torch.zeros(1, 1, 264, dtype=torch.float16)), "head_size 264"),
+        (dict(block_table=_i32([[1, 0, 2, 0]])[:, ::2]), "contiguous last dimension"),
+        (dict(q=torch.zeros(0, 1, D, dtype=torch.float16)), "q has only 0 tokens"),
+        (dict(sinks=torch.zeros(2)), "sinks must be a float [num_heads=1]"),
         (dict(block_table=_i32([[9]])), "block id 9 is outside"),
         (dict(window_size=(-2, 0)), "window_size"),
         (dict(alibi_slopes=torch.ones(2)), "alibi_slopes must be float32 [num_heads=1]"),
@@ -250,7 +265,7 @@ def test_an_nhd_cache_is_rejected_by_the_write() -> None:
     nhd = torch.zeros(3, BS, 2, D, dtype=torch.float16)  # (blocks, block_size, heads, D)
     key = torch.zeros(1, 2, D, dtype=torch.float16)
     with pytest.raises(IxformerOpError, match="HND"):
-        FN.reshape_and_cache_flash(key, key, nhd, nhd.clone(), torch.tensor([0]))
+        FN.reshape_and_cache_flash(key, key, nhd, nhd.clone(), torch.tensor([0]), "auto", 1.0, 1.0)
 
 
 def test_non_contiguous_caches_are_rejected() -> None:
@@ -265,7 +280,7 @@ def test_float_slots_are_rejected() -> None:
     kc = torch.zeros(3, 1, BS, D, dtype=torch.float16)
     key = torch.zeros(1, 1, D, dtype=torch.float16)
     with pytest.raises(IxformerOpError, match="int32 or int64"):
-        FN.reshape_and_cache_flash(key, key, kc, kc.clone(), torch.tensor([0.0]))
+        FN.reshape_and_cache_flash(key, key, kc, kc.clone(), torch.tensor([0.0]), "auto", 1.0, 1.0)
 
 
 def test_multi_token_decode_needs_max_query_len() -> None:
@@ -273,7 +288,12 @@ def test_multi_token_decode_needs_max_query_len() -> None:
     kc, vc = _cache(k, v)
     with pytest.raises(IxformerOpError, match="max_query_len"):
         FA.flash_attn_with_kvcache(
-            q, kc, vc, cache_seqlens=_i32([1]), block_table=_i32([[1]]), cu_query_lens=_i32([0, 1])
+            q.unsqueeze(1),
+            kc,
+            vc,
+            cache_seqlens=_i32([1]),
+            block_table=_i32([[1]]),
+            cu_query_lens=_i32([0, 1]),
         )
 
 
@@ -322,7 +342,7 @@ def test_per_token_head_quantization_is_amax_over_127_rounded_half_to_even() -> 
     x = torch.zeros(2, 1, D, dtype=torch.float16)
     x[0, 0, :3] = torch.tensor([127.0, -63.5, 0.5])
     x[1, 0, 0] = -2.54
-    q, scale = FN.scaled_int8_quant_for_attn(x, 2)
+    q, scale = FN.scaled_int8_quant_for_attn(x, 2, transpose_scale=False)
     assert scale.shape == (2, 1) and scale[0, 0].item() == 1.0
     assert q[0, 0, :3].tolist() == [127, -64, 0]
     assert q[1, 0, 0].item() == -127
@@ -342,9 +362,41 @@ def test_static_per_channel_quantization_uses_the_given_scale() -> None:
         FN.scaled_int8_quant_for_attn(x, 0, scale=scale.double())
 
 
+def test_per_channel_quantization_without_a_scale_reduces_over_the_tokens() -> None:
+    """The fork's calibration call, ``scaled_int8_quant_for_attn(value, 0,
+    transpose_scale=False)``: a scale per (head, channel), amax / 127 over the tokens."""
+    x = torch.zeros(3, 2, D, dtype=torch.float16)
+    x[0, 0, 0], x[2, 0, 0], x[1, 1, 5] = 2.54, -12.7, 1.27
+    q, s = FN.scaled_int8_quant_for_attn(x, 0, transpose_scale=False)
+    assert s.shape == (2, D) and s.dtype == torch.float32
+    assert s[0, 0].item() == pytest.approx(0.1, rel=1e-3)
+    assert s[1, 5].item() == pytest.approx(0.01, rel=1e-3)
+    assert s[0, 1].item() == 0.0 and (q[:, 0, 1] == 0).all()
+    assert q[:, 0, 0].tolist() == [25, 0, -127] and q[1, 1, 5].item() == 127
+
+
 def _int8_cache(num_blocks: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kc = torch.zeros(num_blocks, 1, BS, D, dtype=torch.int8)
     return kc, torch.zeros_like(kc), torch.zeros(num_blocks, 1, BS)
+
+
+def _paged(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    q_scale: torch.Tensor,
+    ks: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    max_len: int,
+) -> dict[str, Any]:
+    """A paged int8 kernel's keywords (one kv head, scale 1), one query row per sequence."""
+    return dict(
+        output=out, query=q, key_cache=kc, query_scale=q_scale, key_scale_cache=ks,
+        num_kv_heads=1, scale=1.0, block_tables=tables, context_lens=lens, block_size=BS,
+        max_context_len=max_len, cu_query_lens=_i32(list(range(len(lens) + 1))),
+        max_query_len=1,
+    )  # fmt: skip
 
 
 def test_paged_int8_attention_dequantizes_q_k_and_v_with_their_scales() -> None:
@@ -358,8 +410,9 @@ def test_paged_int8_attention_dequantizes_q_k_and_v_with_their_scales() -> None:
     q = torch.zeros(1, 1, D, dtype=torch.int8)
     q[0, 0, 0] = 2
     FN.vllm_paged_attention_int8(
-        out, q, kc, vc, torch.tensor([[0.5]]), ks, v_scale, 1, 1.0, _i32([[2]]), _i32([2]), BS, 2
-    )
+        **_paged(out, q, kc, torch.tensor([[0.5]]), ks, _i32([[2]]), _i32([2]), 2),
+        value_cache=vc, value_scale_cache=v_scale,
+    )  # fmt: skip
     p = math.e / (math.e + 1)
     assert out[0, 0, 0].item() == pytest.approx(p * 1 + (1 - p) * 2, abs=1e-2)
 
@@ -372,8 +425,9 @@ def test_paged_kernels_save_the_new_token_at_position_context_len_minus_1() -> N
     save_key = torch.full((1, 1, D), 7, dtype=torch.int8)
     save_value = torch.full((1, 1, D), 1.5, dtype=torch.float16)
     FN.vllm_paged_attention_mix(
-        out, q, kc, vc16, torch.ones(1, 1), ks, 1, 1.0, _i32([[2, 1]]), _i32([18]), BS, 18,
-        save_key=save_key, save_value=save_value, save_key_scale=torch.tensor([[0.25]]),
+        **_paged(out, q, kc, torch.ones(1, 1), ks, _i32([[2, 1]]), _i32([18]), 18),
+        value_cache=vc16, save_key=save_key, save_value=save_value,
+        save_key_scale=torch.tensor([[0.25]]),
     )  # fmt: skip
     # position 17 is block 1 (the table's second entry), offset 1
     assert (kc[1, 0, 1] == 7).all() and (vc16[1, 0, 1] == 1.5).all() and ks[1, 0, 1] == 0.25
@@ -384,8 +438,9 @@ def test_the_int8_write_stores_the_key_scale_per_slot() -> None:
     kc, vc, ks = _int8_cache()
     key = torch.full((2, 1, D), 3, dtype=torch.int8)
     FN.reshape_and_cache_flash_int8(
-        key, key.clone(), torch.tensor([[0.5], [0.25]]), kc, vc, ks, torch.tensor([-1, 33]), "int8"
-    )
+        key=key, value=key.clone(), k_scale=torch.tensor([[0.5], [0.25]]), key_cache=kc,
+        value_cache=vc, key_scale_cache=ks, slot_mapping=torch.tensor([-1, 33]), kv_cache_dtype="",
+    )  # fmt: skip
     assert ks[2, 0, 1] == 0.25 and int((ks != 0).sum()) == 1
     assert (kc[2, 0, 1] == 3).all() and (vc[2, 0, 1] == 3).all()
 
@@ -393,13 +448,14 @@ def test_the_int8_write_stores_the_key_scale_per_slot() -> None:
 def test_mode_1_ops_reject_a_16_bit_value_cache_and_mode_2_an_int8_one() -> None:
     kc, vc, ks = _int8_cache()
     key = torch.zeros(1, 1, D, dtype=torch.int8)
+    common = dict(key=key, value=key, k_scale=torch.ones(1, 1), key_cache=kc, key_scale_cache=ks)
     with pytest.raises(IxformerOpError, match="value_cache must be int8"):
         FN.reshape_and_cache_flash_int8(
-            key, key, torch.ones(1, 1), kc, vc.half(), ks, torch.tensor([0]), "int8"
+            **common, value_cache=vc.half(), slot_mapping=torch.tensor([0]), kv_cache_dtype=""
         )
     with pytest.raises(IxformerOpError, match="float16 or bfloat16"):
         FN.reshape_and_cache_flash_mix(
-            key, key, torch.ones(1, 1), kc, vc, ks, torch.tensor([0]), "int8"
+            **common, value_cache=vc, slot_mapping=torch.tensor([0]), kv_cache_dtype=""
         )
 
 
@@ -408,7 +464,8 @@ def test_the_int8_prefill_wants_its_query_scales_transposed() -> None:
     q = torch.zeros(3, 2, D, dtype=torch.int8)
     with pytest.raises(IxformerOpError, match=r"q_scale must be float32 \(2, 3\)"):
         FA.flash_attn_varlen_int8_func(
-            q, kc, vc, torch.ones(3, 2), ks, torch.ones(1, D), _i32([0, 3]), _i32([0, 3]), 3, 3,
+            q=q, k=kc, v=vc, q_scale=torch.ones(3, 2), k_scale=ks, v_scale=torch.ones(1, D),
+            cu_seqlens_q=_i32([0, 3]), cu_seqlens_k=_i32([0, 3]), max_seqlen_q=3, max_seqlen_k=3,
             block_table=_i32([[1]]),
         )  # fmt: skip
 
@@ -444,14 +501,14 @@ def test_null_kernels_keep_the_checks_of_writes_and_paged_decode() -> None:
     key = torch.ones(1, 1, D, dtype=torch.float16)
     kc = torch.zeros(2, 1, BS, D, dtype=torch.float16)
     with emulation.null_kernels(), pytest.raises(IxformerOpError, match="outside the cache"):
-        FN.reshape_and_cache_flash(key, key, kc, kc.clone(), torch.tensor([2 * BS]))
+        FN.reshape_and_cache_flash(key, key, kc, kc.clone(), torch.tensor([2 * BS]), "auto", 1, 1)
     kc8, vc8, ks = _int8_cache()
     out = torch.zeros(1, 1, D, dtype=torch.bfloat16)
     q = torch.zeros(1, 1, D, dtype=torch.int8)
     with emulation.null_kernels(), pytest.raises(IxformerOpError, match="block id 7 is outside"):
         FN.vllm_paged_attention_int8(
-            out, q, kc8, vc8, torch.ones(1, 1), ks, torch.ones(1, D), 1, 1.0, _i32([[7]]),
-            _i32([2]), BS, 2,
+            **_paged(out, q, kc8, torch.ones(1, 1), ks, _i32([[7]]), _i32([2]), 2),
+            value_cache=vc8, value_scale_cache=torch.ones(1, D),
         )  # fmt: skip
 
 
@@ -466,12 +523,13 @@ def test_null_kernels_skip_the_math_and_return_outputs_of_the_right_shapes() -> 
     x = torch.randn(3, 2, D).half()
     with emulation.null_kernels() as ops:
         out, lse = FA.flash_attn_varlen_func(**args, return_softmax_lse=True)
-        FN.reshape_and_cache_flash(key, key, kc, vc, torch.tensor([0, 1]))
-        merged = FN.merge_attn_states(x, torch.zeros(2, 3), x, torch.zeros(2, 3))
+        FN.reshape_and_cache_flash(key, key, kc, vc, torch.tensor([0, 1]), "auto", 1.0, 1.0)
+        merged = FA.merge_attn_states(x, torch.zeros(2, 3), x, torch.zeros(2, 3))
         qx, scale = FN.scaled_int8_quant_for_attn(x, 2, transpose_scale=True)
         FN.vllm_paged_attention_int8(
-            decoded, q8, kc8, vc8, torch.ones(1, 1), ks, torch.ones(1, D), 1, 1.0, _i32([[2]]),
-            _i32([2]), BS, 2, save_key=torch.ones(1, 1, D, dtype=torch.int8),
+            **_paged(decoded, q8, kc8, torch.ones(1, 1), ks, _i32([[2]]), _i32([2]), 2),
+            value_cache=vc8, value_scale_cache=torch.ones(1, D),
+            save_key=torch.ones(1, 1, D, dtype=torch.int8),
             save_value=torch.ones(1, 1, D, dtype=torch.int8), save_key_scale=torch.ones(1, 1),
         )  # fmt: skip
     assert out.shape == (1, 1, D) and out.dtype == torch.float16

@@ -14,7 +14,7 @@ from attnhub_iluvatar import IluvatarBackend, emulator
 
 import attnhub
 from attnhub import PagedKVCache, reference, testing
-from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.errors import InvalidInputError
 from attnhub.spec import AttentionType
 
 QUANT = "inference.functions.scaled_int8_quant_for_attn"
@@ -23,7 +23,7 @@ WRITE_MIX = "inference.functions.reshape_and_cache_flash_mix"
 PAGED_INT8 = "inference.functions.vllm_paged_attention_int8"
 PAGED_MIX = "inference.functions.vllm_paged_attention_mix"
 VARLEN_INT8 = "contrib.vllm_flash_attn.flash_attn_varlen_int8_func"
-MERGE = "inference.functions.merge_attn_states"
+MERGE = "contrib.vllm_flash_attn.merge_attn_states"
 
 MIXED = [(1, 40), (1, 9), (3, 30), (20, 50), (17, 17)]
 DECODES = [(1, 40), (1, 9), (1, 33)]
@@ -79,8 +79,11 @@ def test_mode_1_keys_are_quantized_per_token_and_values_with_the_static_scale() 
     assert key_q.args[1] == 2 and "scale" not in key_q.kwargs
     assert value_q.args[1] == 0 and value_q.kwargs["scale"] is st.cache.value_scale
     w = h.only(calls, WRITE_INT8)
-    assert w.args[2].shape == (st.batch.num_actual_tokens, 2)  # k_scale per (token, kv head)
-    assert w.args[5] is st.cache.key_scale and w.args[7] == "int8"
+    assert w.args == ()  # by keyword, as the fork writes
+    n = st.batch.num_actual_tokens
+    assert w.kwargs["k_scale"].shape == (n, 2)  # k_scale per (token, kv head)
+    assert w.kwargs["key_scale_cache"] is st.cache.key_scale
+    assert w.kwargs["kv_cache_dtype"] == ""  # the fork's value
 
 
 def test_mode_1_prefill_query_scales_go_transposed() -> None:
@@ -88,8 +91,10 @@ def test_mode_1_prefill_query_scales_go_transposed() -> None:
     _, calls, _ = _run(st)
     pre = h.only(calls, VARLEN_INT8)
     # the 3-token decode, the chunked prefill and the fresh prefill: 40 tokens
-    assert pre.args[3].shape == (4, 40)  # (H, T)
-    assert pre.args[4] is st.cache.key_scale and pre.args[5] is st.cache.value_scale
+    assert pre.args == ()  # by keyword, as the fork calls it
+    assert pre.kwargs["q_scale"].shape == (4, 40)  # (H, T)
+    assert pre.kwargs["k_scale"] is st.cache.key_scale
+    assert pre.kwargs["v_scale"] is st.cache.value_scale
     assert pre.kwargs["cu_seqlens_q"].tolist() == [0, 3, 23, 40]
     assert pre.kwargs["output_dtype"] == torch.bfloat16
 
@@ -98,9 +103,14 @@ def test_mode_1_multi_token_decodes_go_to_the_varlen_kernel() -> None:
     st = _step(MIXED, "int8")
     _, calls, _ = _run(st)
     dec = h.only(calls, PAGED_INT8)
-    assert dec.args[1].shape == (2, 4, 64)  # the two one-token decodes only
+    assert dec.args == ()  # every argument by keyword, as the fork passes them
+    assert dec.kwargs["query"].shape == (2, 4, 64)  # the two one-token decodes only
     assert dec.kwargs["context_lens"].tolist() == [40, 9]
-    assert dec.args[4].shape == (2, 4)  # query scale (T, H)
+    assert dec.kwargs["query_scale"].shape == (2, 4)  # query scale (T, H)
+    assert dec.kwargs["cu_query_lens"].tolist() == [0, 1, 2]
+    assert dec.kwargs["max_query_len"] == 1 and dec.kwargs["max_context_len"] == 40
+    assert dec.kwargs["use_cuda_graph"] is False and dec.kwargs["use_sqrt_alibi"] is False
+    assert "enable_cuda_graph" not in dec.kwargs
 
 
 def test_mode_1_decode_only_steps_fuse_the_write_into_the_paged_kernel() -> None:
@@ -185,15 +195,18 @@ def test_mode_2_cache_is_one_packed_int8_storage_with_v_in_planes_1_and_2() -> N
     assert cache.key_scale is not None and tuple(cache.key_scale.shape) == shape[:3]
 
 
-def test_mode_2_serves_every_query_token_as_its_own_paged_sequence() -> None:
+def test_mode_2_prefills_go_to_the_varlen_int8_kernel_with_the_16_bit_values() -> None:
+    """The fork runs mode 2's prefills through flash_attn_varlen_int8_func with its 16-bit value
+    cache and v_scale=None [callers], its decodes through vllm_paged_attention_mix."""
     st = _step([(1, 20), (3, 18)], "int8_k")
     out, calls, expected = _run(st)
-    assert _names(calls) == [QUANT, WRITE_MIX, QUANT, PAGED_MIX]
-    dec = h.only(calls, PAGED_MIX)
-    assert dec.kwargs["context_lens"].tolist() == [20, 16, 17, 18]  # each token's position + 1
-    table = st.batch.block_table
-    assert dec.kwargs["block_tables"].tolist() == [table[i].tolist() for i in (0, 1, 1, 1)]
-    assert dec.kwargs["causal"] is True
+    assert _names(calls) == [QUANT, WRITE_MIX, QUANT, PAGED_MIX, QUANT, VARLEN_INT8]
+    dec, pre = h.only(calls, PAGED_MIX), h.only(calls, VARLEN_INT8)
+    assert dec.kwargs["context_lens"].tolist() == [20]
+    assert "value_scale_cache" not in dec.kwargs and dec.kwargs["value_cache"] is st.cache.value
+    assert pre.kwargs["v"] is st.cache.value and pre.kwargs["v_scale"] is None
+    assert pre.kwargs["cu_seqlens_q"].tolist() == [0, 3]
+    assert pre.kwargs["cu_seqlens_k"].tolist() == [0, 18]
     assert testing.cache_differences(st.cache, expected, st.batch.slot_mapping) == []
     _assert_matches_quantized_reference(st, out)
 
@@ -203,7 +216,8 @@ def test_mode_2_writes_values_unquantized() -> None:
     out, calls, _ = _run(st)
     w = h.only(calls, WRITE_MIX)
     n = st.batch.num_actual_tokens
-    assert torch.equal(w.args[1], st.value[:n]) and w.args[4] is st.cache.value
+    assert torch.equal(w.kwargs["value"], st.value[:n])
+    assert w.kwargs["value_cache"] is st.cache.value and w.kwargs["kv_cache_dtype"] == ""
     _assert_matches_quantized_reference(st, out)
 
 
@@ -211,34 +225,28 @@ def test_mode_2_decode_only_steps_fuse_the_write() -> None:
     st = _step(DECODES, "int8_k", sliding_window=9)
     out, calls, expected = _run(st)
     assert _names(calls) == [QUANT, QUANT, PAGED_MIX]
-    assert h.only(calls, PAGED_MIX).kwargs["save_value"].dtype == torch.bfloat16
+    save_value = h.only(calls, PAGED_MIX).kwargs["save_value"]
+    assert save_value.dtype == torch.bfloat16 and save_value.is_contiguous()  # as the fork's
     assert testing.cache_differences(st.cache, expected, st.batch.slot_mapping) == []
     _assert_matches_quantized_reference(st, out)
 
 
-def test_mode_2_non_causal_tokens_see_their_whole_sequence() -> None:
-    st = _step([(3, 9), (5, 5)], "int8_k", attn_type=AttentionType.ENCODER)
-    out, calls, _ = _run(st)
-    assert h.only(calls, PAGED_MIX).kwargs["context_lens"].tolist() == [9] * 3 + [5] * 5
-    _assert_matches_quantized_reference(st, out)
-
-
 @pytest.mark.parametrize(
-    ("feature", "changes"),
-    [("sliding_window", dict(sliding_window=5)), ("alibi", dict(use_alibi=True))],
-    ids=["window", "alibi"],
+    "changes", [dict(), dict(sliding_window=5, use_alibi=True)], ids=["plain", "window_alibi"]
 )
-def test_mode_2_refuses_position_terms_on_non_causal_layers_with_the_reason(
-    feature: str, changes: dict[str, object]
+def test_mode_2_non_causal_steps_are_one_varlen_call_with_windows_and_alibi(
+    changes: dict[str, object],
 ) -> None:
-    """The single-query kernel puts each query at its sequence's last key: right for causal
-    queries, wrong for a non-causal query's window or ALiBi distance."""
+    """Mode 2 has the varlen kernel (the fork calls it with the 16-bit values), so non-causal
+    layers keep their window and ALiBi, as in mode 1."""
     s = h.spec(kv_cache_dtype="int8_k", attn_type=AttentionType.ENCODER_ONLY, **changes)
-    reasons = IluvatarBackend.unsupported_reasons(s)
-    assert [r.field for r in reasons] == [feature]
-    assert "single-query paged kernel" in reasons[0]
-    with pytest.raises(UnsupportedConfigurationError):
-        IluvatarBackend(s, "cpu", emulate=True)
+    assert IluvatarBackend.unsupported_reasons(s) == []
+    st = h.step([(3, 9), (5, 5)], s, padding=2)
+    out, calls, _ = _run(st)
+    assert PAGED_MIX not in _names(calls)
+    pre = h.only(calls, VARLEN_INT8)
+    assert pre.kwargs["causal"] is False and pre.kwargs["v_scale"] is None
+    _assert_matches_quantized_reference(st, out)
 
 
 # --- both modes ----------------------------------------------------------------------------------

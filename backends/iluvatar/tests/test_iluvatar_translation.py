@@ -16,7 +16,8 @@ from attnhub.backend import AttentionMetadata
 from attnhub.errors import InvalidInputError
 from attnhub.spec import AttentionType
 
-#: two decodes, a multi-token decode, then a chunked prefill and a fresh prefill
+#: two decodes, then a multi-token decode, a chunked prefill and a fresh prefill (the decode
+#: threshold is 1, the fork's: the multi-token decode goes with the prefills)
 MIXED = [(1, 40), (1, 9), (3, 30), (20, 50), (17, 17)]
 
 
@@ -35,13 +36,18 @@ def test_a_mixed_step_is_one_write_one_decode_call_and_one_prefill_call() -> Non
     assert (out[st.batch.num_actual_tokens :] == 0).all()
 
 
-def test_one_token_decodes_pass_q_as_batch_by_one_without_query_offsets() -> None:
-    st = h.step([(1, 40), (1, 9), (1, 33)])
+def test_decodes_pass_q_as_tokens_by_one_with_query_offsets_as_the_fork() -> None:
+    st = h.step([(1, 40), (1, 9), (1, 33)], padding=2)
     out, calls = h.calls_of(st)
     assert VARLEN not in _names(calls)
     dec = h.only(calls, KVCACHE)
-    assert dec.args[0].shape == (3, 1, 4, 64)
-    assert "cu_query_lens" not in dec.kwargs and "max_query_len" not in dec.kwargs
+    assert dec.args == ()  # every argument by keyword, as the fork passes them
+    assert dec.kwargs["q"].shape == (3, 1, 4, 64)
+    assert dec.kwargs["k_cache"] is st.cache.key and dec.kwargs["v_cache"] is st.cache.value
+    assert dec.kwargs["cu_query_lens"].tolist() == [0, 1, 2, 3]
+    assert dec.kwargs["cu_query_lens"].dtype == torch.int32
+    assert dec.kwargs["max_query_len"] == 1
+    assert dec.kwargs["use_cuda_graph"] is False and dec.kwargs["sinks"] is None
     assert dec.kwargs["cache_seqlens"].tolist() == [40, 9, 33]
     assert dec.kwargs["cache_seqlens"].dtype == torch.int32
     assert dec.kwargs["max_context_len"] == 40
@@ -50,14 +56,14 @@ def test_one_token_decodes_pass_q_as_batch_by_one_without_query_offsets() -> Non
     h.assert_matches_reference(st, out)
 
 
-def test_multi_token_decodes_pass_q_packed_with_cumulative_query_lens() -> None:
+def test_multi_token_decodes_go_to_the_varlen_call_past_the_forks_threshold() -> None:
     st = h.step([(1, 40), (3, 9), (2, 33)])
     out, calls = h.calls_of(st)
-    dec = h.only(calls, KVCACHE)
-    assert dec.args[0].shape == (6, 4, 64)
-    assert dec.kwargs["cu_query_lens"].tolist() == [0, 1, 4, 6]
-    assert dec.kwargs["cu_query_lens"].dtype == torch.int32
-    assert dec.kwargs["max_query_len"] == 3
+    dec, pre = h.only(calls, KVCACHE), h.only(calls, VARLEN)
+    assert dec.kwargs["q"].shape == (1, 1, 4, 64)
+    assert dec.kwargs["cu_query_lens"].tolist() == [0, 1]
+    assert pre.kwargs["cu_seqlens_q"].tolist() == [0, 3, 5]
+    assert pre.kwargs["cu_seqlens_k"].tolist() == [0, 9, 42]
     h.assert_matches_reference(st, out)
 
 
@@ -65,17 +71,18 @@ def test_prefill_offsets_are_rebased_to_zero_after_the_decodes() -> None:
     st = h.step(MIXED)
     out, calls = h.calls_of(st)
     dec, pre = h.only(calls, KVCACHE), h.only(calls, VARLEN)
-    assert dec.kwargs["cache_seqlens"].tolist() == [40, 9, 30]
-    assert dec.kwargs["block_table"].tolist() == st.batch.block_table[:3].tolist()
-    assert pre.args[0].shape[0] == 37  # rows 5.. of the step
-    assert pre.kwargs["cu_seqlens_q"].tolist() == [0, 20, 37]
-    assert pre.kwargs["cu_seqlens_k"].tolist() == [0, 50, 67]  # cumulative, paged cache
+    assert dec.kwargs["cache_seqlens"].tolist() == [40, 9]
+    assert dec.kwargs["block_table"].tolist() == st.batch.block_table[:2].tolist()
+    assert pre.args == ()  # every argument by keyword, as the fork passes them
+    assert pre.kwargs["q"].shape[0] == 40  # rows 2.. of the step
+    assert pre.kwargs["cu_seqlens_q"].tolist() == [0, 3, 23, 40]
+    assert pre.kwargs["cu_seqlens_k"].tolist() == [0, 30, 80, 97]  # cumulative, paged cache
     assert (pre.kwargs["max_seqlen_q"], pre.kwargs["max_seqlen_k"]) == (20, 50)
-    assert pre.kwargs["block_table"].tolist() == st.batch.block_table[3:].tolist()
+    assert pre.kwargs["block_table"].tolist() == st.batch.block_table[2:].tolist()
     assert pre.kwargs["block_table"].dtype == torch.int32
     assert pre.kwargs["causal"] is True and pre.kwargs["sqrt_alibi"] is False
     # both calls write into the forward's output buffer, each at its own rows
-    assert pre.kwargs["out"].data_ptr() == out[5:].data_ptr()
+    assert pre.kwargs["out"].data_ptr() == out[2:].data_ptr()
     assert dec.kwargs["out"].data_ptr() == out.data_ptr()
 
 
@@ -120,6 +127,14 @@ def test_softcap_scale_and_alibi_slopes_reach_both_calls() -> None:
     h.assert_matches_reference(st, out)
 
 
+def test_sinks_reach_both_calls_as_the_forks_sinks_keyword() -> None:
+    st = h.step(MIXED, h.spec(use_sinks=True, sliding_window=9), padding=2)
+    out, calls = h.calls_of(st)
+    for c in (h.only(calls, KVCACHE), h.only(calls, VARLEN)):
+        assert torch.equal(c.kwargs["sinks"], st.sinks)
+    h.assert_matches_reference(st, out)
+
+
 @pytest.mark.parametrize(
     "attn_type", [AttentionType.ENCODER_ONLY, AttentionType.ENCODER, AttentionType.ENCODER_DECODER]
 )
@@ -158,7 +173,8 @@ def test_the_write_gets_the_hnd_planes_and_the_real_tokens_slots() -> None:
     st = h.step(MIXED, padding=3)
     _, calls = h.calls_of(st)
     w = h.only(calls, WRITE)
-    key, value, key_cache, value_cache, slots, kv_dtype = w.args
+    key, value, key_cache, value_cache, slots, kv_dtype, k_scale, v_scale = w.args
+    assert (k_scale, v_scale) == (1.0, 1.0)  # as the fork's vllm._custom_ops passes them
     assert value.shape == key.shape
     assert key_cache is st.cache.key and value_cache is st.cache.value
     assert st.cache.layout == "HND" and key_cache.shape[1:3] == (2, 16)
@@ -239,7 +255,7 @@ def _shared_prefix_table(requests: list[tuple[int, int]], shared_blocks: int) ->
 CASCADE = [(1, 40), (2, 50), (9, 45)]
 
 
-def test_cascade_is_a_prefix_call_a_suffix_call_and_a_base_2_merge() -> None:
+def test_cascade_is_a_prefix_call_a_suffix_call_and_ixformers_merge() -> None:
     st = h.step(CASCADE, table=_shared_prefix_table(CASCADE, 2))
     out, calls = h.calls_of(st, common_prefix_len=32)
     assert _names(calls) == [WRITE, VARLEN, VARLEN, MERGE]
@@ -252,6 +268,9 @@ def test_cascade_is_a_prefix_call_a_suffix_call_and_a_base_2_merge() -> None:
     assert suffix.kwargs["cu_seqlens_k"].tolist() == [0, 8, 26, 39]  # seq_len - 32
     assert suffix.kwargs["block_table"].tolist() == st.batch.block_table[:, 2:].tolist()
     assert suffix.kwargs["causal"] is True and suffix.kwargs["return_softmax_lse"] is True
+    merge = h.only(calls, MERGE)  # the fork's form: five positional arguments, output last
+    assert merge.kwargs == {} and len(merge.args) == 5
+    assert merge.args[4].data_ptr() == out.data_ptr()
     h.assert_matches_reference(st, out)
 
 
@@ -264,7 +283,9 @@ def test_a_prefix_that_ends_inside_a_block_is_rounded_down_to_whole_blocks() -> 
 
 
 @pytest.mark.parametrize(
-    "changes", [dict(sliding_window=20), dict(use_alibi=True)], ids=["window", "alibi"]
+    "changes",
+    [dict(sliding_window=20), dict(use_alibi=True), dict(use_sinks=True)],
+    ids=["window", "alibi", "sinks"],
 )
 def test_position_dependent_scores_take_the_regular_path_under_a_shared_prefix(
     changes: dict[str, object],
