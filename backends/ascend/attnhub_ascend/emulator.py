@@ -19,7 +19,7 @@ the docs and never calls ``attnhub.reference`` (the conformance suite compares t
 Emulated ops (the names ``torch_npu`` exposes):
   npu_fused_infer_attention_score     (+ ``.out``)  "FIA": TND layout, paged or packed K/V
   npu_fused_infer_attention_score_v2  (+ ``.out``)  FIA v2: the same plus ``learnable_sink``
-  npu_fusion_attention                              training FA: TND, packed K/V (encoder)
+  npu_fusion_attention                              training FA: TND (packed K/V) or BSND
   npu_scatter_pa_kv_cache                           A2/A3 KV-cache write, cache_mode "Norm"
   _npu_reshape_and_cache                            ATB KV-cache write, int32 slots (310P)
   _npu_fused_infer_attention_score(_v2)_get_max_workspace   a FIA workspace for the largest
@@ -52,7 +52,10 @@ Conventions, as the docs state them (``[inferred]`` marks our reading where they
     ``softmax_lse_flag`` / ``return_softmax_lse``, else a [1] zero tensor (the wheel's docs;
     vendor-ops.md says "an empty tensor").
   - npu_fusion_attention: without ``atten_mask``, sparse_mode / pre_tockens / next_tockens have
-    no effect (full attention); varlen rows that see no key are rejected.
+    no effect (full attention); varlen rows that see no key are rejected. sparse_mode 0 with a
+    full bool/uint8 mask (varlen: [maxSq, maxSkv]) reads its top-left corner per request,
+    within the pre/next band (anchored bottom-right [inferred]). ``sink`` (float32
+    [head_num]) joins each row's softmax as one more logit.
 """
 
 from __future__ import annotations
@@ -1153,22 +1156,30 @@ def _npu_fusion_attention(
         raise NotEmulatedError(f"{op}: dropout (keep_prob={keep_prob}) is not emulated")
     if input_layout not in ("BSH", "SBH", "BSND", "BNSD", "TND"):
         raise _fail(op, f"input_layout={input_layout!r} is not one of BSH, SBH, BSND, BNSD, TND")
-    if input_layout != "TND":
+    if input_layout not in ("TND", "BSND"):
         raise NotEmulatedError(f"{op}: input_layout={input_layout!r} is valid but not emulated")
     if not isinstance(query, torch.Tensor):
         raise _fail(op, f"query must be a Tensor, got {type(query).__name__}")
     dev = query.device
+    varlen = input_layout == "TND"
+    dims = 3 if varlen else 4
     for name, t in (("query", query), ("key", key), ("value", value)):
-        _check_tensor(op, name, t, 3, dev)
+        _check_tensor(op, name, t, dims, dev)
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32) or t.dtype != query.dtype:
             raise _fail(
                 op,
                 f"query, key, value must share one of float16/bfloat16/float32, "
                 f"got {query.dtype}, {key.dtype}, {value.dtype}",
             )
+    if not varlen:  # BSND: (B, S, N, D), one batch per request, every S the same
+        if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
+            raise _fail(op, "query, key and value must share their batch size B")
+        batch, q_s, kv_s = query.shape[0], query.shape[1], key.shape[1]
+        bsnd = (batch, q_s)
+        query, key, value = (t.reshape(-1, *t.shape[2:]) for t in (query, key, value))
     total, num_heads, head_dim = query.shape
     if num_heads != head_num:
-        raise _fail(op, f"head_num={head_num} but the TND query has {num_heads} heads")
+        raise _fail(op, f"head_num={head_num} but the query has {num_heads} heads")
     if (
         key.shape[:2] != value.shape[:2]
         or key.shape[2] != head_dim
@@ -1192,24 +1203,28 @@ def _npu_fusion_attention(
             raise _fail(op, f"sink must be float32, got {sink.dtype}")
         if sink.device != dev:
             raise _fail(op, f"sink is on {sink.device}, query on {dev}")
-    if softmax_layout not in ("", "TND"):
-        raise _fail(op, f"softmax_layout={softmax_layout!r} (TND takes '' or 'TND')")
-    q_ends = _int_list(op, "actual_seq_qlen", actual_seq_qlen, required=True)
-    kv_ends = _int_list(op, "actual_seq_kvlen", actual_seq_kvlen, required=True)
-    assert q_ends is not None and kv_ends is not None
-    if len(q_ends) != len(kv_ends):
-        raise _fail(
-            op, f"actual_seq_qlen has {len(q_ends)} entries, actual_seq_kvlen {len(kv_ends)}"
-        )
-    if not 1 <= len(q_ends) <= FA_VARLEN_MAX_BATCH:
-        raise _fail(op, f"varlen batch of {len(q_ends)}: 1..{FA_VARLEN_MAX_BATCH} supported")
-    for name, rows in (("query", total), ("key", key.shape[0])):
-        if not 1 <= rows <= FA_VARLEN_MAX_T:
-            raise _fail(op, f"varlen {name} T = {rows}: 1..{FA_VARLEN_MAX_T} (1M) supported")
-    q_lens = _cumulative(op, "actual_seq_qlen", q_ends, total, trailing_zeros=True)
-    kv_lens = _cumulative(op, "actual_seq_kvlen", kv_ends, key.shape[0], trailing_zeros=True)
+    if softmax_layout not in ("", "TND") or (softmax_layout and not varlen):
+        raise _fail(op, f"softmax_layout={softmax_layout!r} ('' or, with TND, 'TND')")
+    if varlen:
+        q_ends = _int_list(op, "actual_seq_qlen", actual_seq_qlen, required=True)
+        kv_ends = _int_list(op, "actual_seq_kvlen", actual_seq_kvlen, required=True)
+        assert q_ends is not None and kv_ends is not None
+        if len(q_ends) != len(kv_ends):
+            raise _fail(
+                op, f"actual_seq_qlen has {len(q_ends)} entries, actual_seq_kvlen {len(kv_ends)}"
+            )
+        if not 1 <= len(q_ends) <= FA_VARLEN_MAX_BATCH:
+            raise _fail(op, f"varlen batch of {len(q_ends)}: 1..{FA_VARLEN_MAX_BATCH} supported")
+        for name, rows in (("query", total), ("key", key.shape[0])):
+            if not 1 <= rows <= FA_VARLEN_MAX_T:
+                raise _fail(op, f"varlen {name} T = {rows}: 1..{FA_VARLEN_MAX_T} (1M) supported")
+        q_lens = _cumulative(op, "actual_seq_qlen", q_ends, total, trailing_zeros=True)
+        kv_lens = _cumulative(op, "actual_seq_kvlen", kv_ends, key.shape[0], trailing_zeros=True)
+    else:
+        q_lens, kv_lens = [q_s] * batch, [kv_s] * batch
     if sparse_mode not in range(9):
         raise _fail(op, f"sparse_mode={sparse_mode} is not one of 0..8")
+    full: torch.Tensor | None = None  # sparse_mode 0 with a mask: [B or 1, Sq, Skv] bool
     if atten_mask is None:
         sparse_mode = 0  # no mask: sparse_mode / pre / next have no effect
     elif sparse_mode in (2, 3, 4):
@@ -1217,21 +1232,99 @@ def _npu_fusion_attention(
         _check_compressed_mask(
             op, atten_mask, sparse_mode, dev, FA_MASK_DTYPES, ((MASK_SIZE, MASK_SIZE),)
         )
+    elif sparse_mode == 0:
+        full = _full_mask(op, atten_mask, q_lens, kv_lens, varlen, dev)
     else:
         raise NotEmulatedError(f"{op}: sparse_mode={sparse_mode} with a mask is not emulated")
     if sparse_mode == 4 and pre_tockens + next_tockens < 0:
         raise _fail(op, "band: pre_tockens and next_tockens must overlap")
 
-    masks = []
-    for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
-        visible = _visible(q_len, kv_len, sparse_mode, pre_tockens, next_tockens)
-        if q_len and (kv_len == 0 or (visible is not None and not visible.any(dim=1).all())):
+    masks: list[torch.Tensor | None] = []
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        visible: torch.Tensor | None
+        if full is not None:
+            # defaultMask: the mask's top-left [q_len, kv_len] corner, within the band of
+            # pre_tockens / next_tockens, which "需保证atten_mask与pre_tockens、next_tockens的范围
+            # 一致" [doc]. The band is anchored bottom-right as sparse_mode 4's ("参数起点为右
+            # 下角") [inferred for mode 0: it makes an Ascend vLLM backend's chunked-prefill
+            # call (a bottom-right causal mask with pre_tockens=kv_len, next_tockens=0)
+            # consistent, as the doc requires; with q_len = kv_len both anchors agree].
+            band = _visible(q_len, kv_len, 4, pre_tockens, next_tockens)
+            assert band is not None
+            visible = ~full[b if full.shape[0] > 1 else 0, :q_len, :kv_len].cpu() & band
+        else:
+            visible = _visible(q_len, kv_len, sparse_mode, pre_tockens, next_tockens)
+        empty = q_len and (kv_len == 0 or (visible is not None and not visible.any(dim=1).all()))
+        if empty and varlen:
             # "atten_mask中不能存在某一行全1的场景" (varlen) [doc]
             raise _fail(op, "varlen: a query row sees no key (fully masked rows are unsupported)")
         masks.append(visible)
-    return _fusion_attention_math(
-        query, key, value, scale, q_lens, kv_lens, masks, softmax_layout, seed, offset, sink
+    # outside varlen a fully masked row is corrected only with inner_precise 2 ("使能无效行计
+    # 算"); otherwise the doc promises nothing: NaN
+    correct = varlen or inner_precise == 2
+    out = _fusion_attention_math(
+        query,
+        key,
+        value,
+        scale,
+        q_lens,
+        kv_lens,
+        masks,
+        softmax_layout,
+        seed,
+        offset,
+        sink,
+        correct,
     )
+    if varlen:
+        return out
+    b_, s_ = bsnd
+    result, row_max, row_sum = out[0], out[1], out[2]
+    stats = [
+        t.view(num_heads, b_, s_, 8).permute(1, 0, 2, 3).contiguous() for t in (row_max, row_sum)
+    ]
+    return (result.view(b_, s_, *result.shape[1:]), stats[0], stats[1], *out[3:])
+
+
+def _full_mask(
+    op: str,
+    mask: object,
+    q_lens: list[int],
+    kv_lens: list[int],
+    varlen: bool,
+    device: torch.device,
+) -> torch.Tensor:  # [B or 1, Sq, Skv] bool, True = masked
+    """sparse_mode 0's full mask: bool / uint8; varlen "只支持SS格式，SS分别是maxSq和maxSkv"; else
+    BNSS, B1SS, 11SS or SS [doc], and the 3-D (1 or B, Sq, Skv) an Ascend vLLM backend passes
+    (``causal_mask.unsqueeze(0)``) [callers]. A mask per head (BNSS with N > 1) is not
+    emulated."""
+    if not isinstance(mask, torch.Tensor):
+        raise _fail(op, f"atten_mask must be a Tensor, got {type(mask).__name__}")
+    if mask.dtype not in FA_MASK_DTYPES:
+        raise _fail(op, f"atten_mask must be bool or uint8, got {mask.dtype}")
+    if mask.device != device:
+        raise _fail(op, f"atten_mask is on {mask.device}, query on {device}")
+    max_q, max_kv = max(q_lens, default=0), max(kv_lens, default=0)
+    if varlen:
+        if tuple(mask.shape) != (max_q, max_kv):
+            raise _fail(
+                op,
+                f"varlen takes atten_mask as SS = [maxSq={max_q}, maxSkv={max_kv}], got "
+                f"{list(mask.shape)}",
+            )
+        return mask.bool()[None]
+    batch = len(q_lens)
+    shape = tuple(mask.shape)
+    if mask.dim() == 4 and shape[1] != 1:
+        raise NotEmulatedError(f"{op}: a mask per head (BNSS) is not emulated")
+    m = mask.reshape(-1, *shape[-2:]) if mask.dim() >= 3 else mask[None]
+    if m.shape[0] not in (1, batch) or tuple(m.shape[1:]) != (max_q, max_kv):
+        raise _fail(
+            op,
+            f"atten_mask must be BNSS, B1SS, 11SS or SS over [Sq={max_q}, Skv={max_kv}], got "
+            f"{list(shape)}",
+        )
+    return m.bool()
 
 
 def _fusion_attention_null(
@@ -1246,6 +1339,7 @@ def _fusion_attention_null(
     seed: int,
     offset: int,
     sink: torch.Tensor | None = None,
+    correct_empty: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     total, num_heads, _ = query.shape
     dev = query.device
@@ -1274,6 +1368,7 @@ def _fusion_attention_math(
     seed: int,
     offset: int,
     sink: torch.Tensor | None = None,
+    correct_empty: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """npu_fusion_attention's math, every argument checked (``masks``: each request's
     visibility, None: every key)."""
@@ -1294,6 +1389,7 @@ def _fusion_attention_math(
             scale,
             visible,
             sink,
+            correct_empty,
         )
         out[qs : qs + q_len] = o.to(query.dtype)
         # softmax_max / softmax_sum: sum = exp(lse - max) with max the row's largest score

@@ -465,7 +465,7 @@ def graph_task_update_begin(stream: Stream, handle: _TaskGroupHandle) -> None:
     if stream is handle.graph.capture_stream:
         raise NpuGraphError(
             "graph_task_update_begin on the graph's capture stream: the update stream must "
-            "differ from it (\"图更新阶段的流同图捕获阶段的流必须不同\") [doc]"
+            'differ from it ("图更新阶段的流同图捕获阶段的流必须不同") [doc]'
         )
     last = handle.graph.last_replay
     blocked = _blocked
