@@ -147,9 +147,13 @@ class AscendAttentionMetadata(AttentionMetadata):
     #: True: non-causal attention over packed K/V (npu_fusion_attention); False: the fused
     #: paged call (FIA).
     packed: bool = False
-    #: Packed path reading the cache (context or cross-attention): the cache slot of every key,
-    #: request after request. None: the keys are this step's new ones.
+    #: Packed path: the cache slot of every key, request after request. Read where the keys
+    #: are not all this step's (context, cross-attention), or where forward is given no keys
+    #: (key=value=None after write_kv: the step's keys are read back from the cache).
     kv_slots: torch.Tensor | None = None  # [sum(seq_lens)] int64, device
+    #: Packed path: every key is one of this step's new ones (no context, not cross-attention),
+    #: so a forward given key/value attends over them directly, without the gather.
+    keys_in_step: bool = False
     sparse: SparseArgs = field(default_factory=lambda: SparseArgs(3, INT_MAX, INT_MAX, True))
     #: TND ``actual_seq_lengths`` / ``actual_seq_qlen``: cumulative query ends, one per request
     #: (including the window padding rows of decode requests, see ``query_rows``).
@@ -255,6 +259,11 @@ class AscendGraph:
 
     def __init__(self) -> None:
         self.tasks: list[GraphTask] = []
+        #: One FIA workspace per backend (spec) for this captured graph (one per capture size,
+        #: as vllm-ascend keeps ``graph_params.workspaces[runtime_shape]``), sized by the
+        #: max-workspace query at capture and passed at capture and in every update. Held here:
+        #: the graph's tasks read it at every replay.
+        self.workspaces: dict[Any, Any] = {}
 
 
 class AscendBackend(AttentionBackend):
@@ -342,17 +351,9 @@ class AscendBackend(AttentionBackend):
                     value=spec.head_size,
                 )
             )
-        if spec.use_sinks:
-            if not spec.causal:
-                reasons.append(
-                    Refusal(
-                        "sinks are supported for decoder attention only (learnable_sink of "
-                        "npu_fused_infer_attention_score_v2; the encoder path, "
-                        "npu_fusion_attention, documents no sink semantics)",
-                        field="sinks",
-                        value=spec.attn_type,
-                    )
-                )
+        # Sinks of a non-causal attention type go to npu_fusion_attention's float32 `sink`
+        # alone (CANN >= 8.5) [doc]: no limit of FIA v2's learnable_sink applies to them.
+        if spec.use_sinks and spec.causal:
             if spec.dtype != torch.bfloat16:
                 reasons.append(
                     Refusal(
@@ -554,11 +555,10 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                 kernel_tokens=n,
                 query_ends=query_ends,
                 kv_lengths=tuple(np.cumsum(seq_lens).tolist()),  # cumulative KV ends
-                kv_slots=(
-                    self._kv_slots(batch, seq_lens)
-                    if cross or bool(_OR(facts.context_lens))
-                    else None
-                ),
+                # planned for every non-causal step: forward(q, None, None, ...) after
+                # write_kv reads even a step without context back from the cache
+                kv_slots=self._kv_slots(batch, seq_lens),
+                keys_in_step=not cross and not bool(_OR(facts.context_lens)),
             )
         if B > MAX_FIA_BATCH:
             raise UnsupportedConfigurationError(
@@ -716,6 +716,10 @@ class AscendAttentionImpl(AttentionImpl):
         # bfloat16 models take sinks (unsupported_reasons): there the sink's rounding is the
         # model dtype's own, as in a plain bfloat16 computation.
         self.learnable_sink = None if self.sinks is None else self.sinks.to(torch.bfloat16)
+        # npu_fusion_attention's `sink` (non-causal steps: an encoder type, or a decoder
+        # layer's step with causal=False) is float32 [head_num] [doc, CANN >= 8.5]: the sinks
+        # as given, never dropped.
+        self.fa_sink = None if self.sinks is None else self.sinks.float().contiguous()
         # softmax_lse of the .out overloads is a reserved output without the LSE flag; a
         # one-element float32 tensor is accepted there [inferred; the docs' example passes one].
         self._lse = torch.empty(1, dtype=torch.float32, device=backend.device)
@@ -732,14 +736,7 @@ class AscendAttentionImpl(AttentionImpl):
         meta: AttentionMetadata,
         output: torch.Tensor | None,
     ) -> torch.Tensor:
-        out = super().check_forward(query, key, value, cache, meta, output)  # + check_step
-        assert isinstance(meta, AscendAttentionMetadata)
-        if key is None and meta.packed and meta.kv_slots is None:
-            raise InvalidInputError(
-                "this non-causal step attends over its own new keys (npu_fusion_attention, "
-                "no cached context): key and value must be given"
-            )
-        return out
+        return super().check_forward(query, key, value, cache, meta, output)  # + check_step
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, AscendAttentionMetadata):
@@ -866,10 +863,10 @@ class AscendAttentionImpl(AttentionImpl):
         if n == 0:
             return
         if meta.packed:
-            if meta.kv_slots is None:  # no context: the keys are this step's
-                assert key is not None and value is not None  # check_forward
-                k, v = key[:n], value[:n]
+            if meta.keys_in_step and key is not None and value is not None:
+                k, v = key[:n], value[:n]  # no context: the keys are this step's
             else:  # one gather per layer of every request's keys from the cache
+                assert meta.kv_slots is not None
                 k = _flat(cache.key).index_select(0, meta.kv_slots)
                 v = _flat(cache.value).index_select(0, meta.kv_slots)
             self._attend_packed(query[:n], k, v, meta, out[:n])
@@ -975,25 +972,41 @@ class AscendAttentionImpl(AttentionImpl):
         shared["out"] = [target, self._lse]
         if self.learnable_sink is None:
             op, lists = ops_.npu_fused_infer_attention_score.out, _FIA_LISTS
+            max_workspace = ops_._npu_fused_infer_attention_score_get_max_workspace
         else:
             op, lists = ops_.npu_fused_infer_attention_score_v2.out, _FIA_V2_LISTS
+            max_workspace = ops_._npu_fused_infer_attention_score_v2_get_max_workspace
             shared["learnable_sink"] = self.learnable_sink
         args = (q, key_cache, value_cache)
+        step_lists = {lists[0]: meta.query_ends, lists[1]: meta.kv_lengths}
         npu = self.backend.graph_api
         if not npu.is_current_stream_capturing():
-            op(*args, **shared, **{lists[0]: meta.query_ends, lists[1]: meta.kv_lengths})
+            op(*args, **shared, **step_lists)  # the warm-up run: a workspace of its own
             return
-        # Captured: the lists are host values the task bakes in. Record the call in a task
-        # group, after a wait on an ExternalEvent that each step's update records
-        # (update_graph_params), as vllm-ascend's full-graph FIA path does [callers].
+        # Captured: the lists are host values the task bakes in, and so is the workspace the
+        # task runs in. One workspace per captured graph (and spec), sized once by the
+        # max-workspace query for the largest lengths this graph's shapes allow (the block
+        # table's capacity), kept alive by the graph's metadata and passed to the capture and
+        # to every update, as vllm-ascend's wrapper does [callers]. workspace=None would size
+        # the capture's for its own lengths and make each update allocate one freed when the
+        # update returns (op-plugin's .out) while the replay still reads it.
+        assert meta.graph is not None
+        workspace = meta.graph.workspaces.get(self.backend)
+        if workspace is None:
+            query_kwargs = {k: v for k, v in shared.items() if k not in ("out", "workspace")}
+            workspace = max_workspace(*args, **query_kwargs, **step_lists)
+            meta.graph.workspaces[self.backend] = workspace
+        shared["workspace"] = workspace
+        # Record the call in a task group, after a wait on an ExternalEvent that each step's
+        # update records (update_graph_params), as vllm-ascend's full-graph FIA path does
+        # [callers].
         stream = npu.current_stream()
         event = npu.ExternalEvent()
         event.wait(stream)
         event.reset(stream)
         npu.graph_task_group_begin(stream)
-        op(*args, **shared, **{lists[0]: meta.query_ends, lists[1]: meta.kv_lengths})
+        op(*args, **shared, **step_lists)
         handle = npu.graph_task_group_end(stream)
-        assert meta.graph is not None
         meta.graph.tasks.append(GraphTask(handle, event, op, args, shared, lists))
 
     def _attend_packed(
@@ -1008,6 +1021,8 @@ class AscendAttentionImpl(AttentionImpl):
         # TND + sparse_mode 0 + no mask was reported to skip the softmax on one CANN stack
         # (vllm-ascend#13699); vllm-ascend's pooling path uses npu_fusion_attention too.
         spec, sparse = self.spec, meta.sparse
+        # `sink` only with sinks: older torch_npu (before 7.3.0) has no such parameter
+        extra = {} if self.fa_sink is None else {"sink": self.fa_sink}
         result = self.backend.ops.npu_fusion_attention(
             query.contiguous(),
             key.contiguous(),
@@ -1021,6 +1036,7 @@ class AscendAttentionImpl(AttentionImpl):
             actual_seq_qlen=meta.query_ends,  # cumulative (TND)
             actual_seq_kvlen=meta.kv_lengths,  # cumulative (packed K/V)
             sparse_mode=sparse.sparse_mode,
+            **extra,
         )
         out.copy_(result[0])
 

@@ -19,9 +19,11 @@ the docs and never calls ``attnhub.reference`` (the conformance suite compares t
 Emulated ops (the names ``torch_npu`` exposes):
   npu_fused_infer_attention_score     (+ ``.out``)  "FIA": TND layout, paged or packed K/V
   npu_fused_infer_attention_score_v2  (+ ``.out``)  FIA v2: the same plus ``learnable_sink``
-  npu_fusion_attention                              training FA: TND, packed K/V (encoder)
+  npu_fusion_attention                              training FA: TND (packed K/V) or BSND
   npu_scatter_pa_kv_cache                           A2/A3 KV-cache write, cache_mode "Norm"
   _npu_reshape_and_cache                            ATB KV-cache write, int32 slots (310P)
+  _npu_fused_infer_attention_score(_v2)_get_max_workspace   a FIA workspace for the largest
+                                                    lengths (graph capture; sizes: a model)
 
 Conventions, as the docs state them (``[inferred]`` marks our reading where they are silent):
   - TND: query [T, N, D]; ``actual_seq_lengths`` / ``actual_seq_qlen`` are **cumulative** query
@@ -50,7 +52,10 @@ Conventions, as the docs state them (``[inferred]`` marks our reading where they
     ``softmax_lse_flag`` / ``return_softmax_lse``, else a [1] zero tensor (the wheel's docs;
     vendor-ops.md says "an empty tensor").
   - npu_fusion_attention: without ``atten_mask``, sparse_mode / pre_tockens / next_tockens have
-    no effect (full attention); varlen rows that see no key are rejected.
+    no effect (full attention); varlen rows that see no key are rejected. sparse_mode 0 with a
+    full bool/uint8 mask (varlen: [maxSq, maxSkv]) reads its top-left corner per request,
+    within the pre/next band (anchored bottom-right [inferred]). ``sink`` (float32
+    [head_num]) joins each row's softmax as one more logit.
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ __all__ = [
     "NotEmulatedError",
     "NpuOpError",
     "OpPacket",
+    "_npu_fused_infer_attention_score_get_max_workspace",
+    "_npu_fused_infer_attention_score_v2_get_max_workspace",
     "_npu_reshape_and_cache",
     "call_counts",
     "compressed_causal_mask",
@@ -206,13 +213,23 @@ def _not_emulated(op: str, **params: object) -> None:
 
 
 def _int_list(op: str, name: str, values: object, required: bool) -> list[int] | None:
-    """A ``SymInt[]?`` argument: None, a list/tuple of Python ints, or a 1-D integer host
-    tensor, as the binding takes it (vllm-ascend passes its CPU ``seq_lens`` tensor as
-    ``actual_seq_kvlen``; the binding reads each element as an int)."""
+    """A ``SymInt[]?`` argument: None, a list/tuple of ints (Python or numpy), a 1-D integer
+    numpy array, or a 1-D integer host tensor, as the binding takes it (vllm-ascend passes its
+    CPU ``seq_lens`` tensor as ``actual_seq_kvlen`` and a numpy array in its DCP graph update;
+    the binding reads each element as an int)."""
     if values is None:
         if required:
             raise _fail(op, f"{name} is required with input_layout='TND'")
         return None
+    if isinstance(values, np.ndarray):
+        # vllm-ascend's DCP update passes np.concatenate(...) of its per-rank lengths [callers]
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise _fail(
+                op,
+                f"{name} as a numpy array must be 1-D and of an integer dtype, got "
+                f"{values.dtype} {list(values.shape)}",
+            )
+        values = values.tolist()
     if isinstance(values, torch.Tensor):
         if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
             raise _fail(
@@ -234,19 +251,29 @@ def _int_list(op: str, name: str, values: object, required: bool) -> list[int] |
         )
     out = []
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, int):
+        # numpy integers are ints to the binding (they implement __index__) [callers: vllm-ascend
+        # and sglang pass lists and arrays built with numpy]
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
             raise _fail(op, f"{name}[{i}] = {v!r} is not an int")
-        out.append(v)
+        out.append(int(v))
     return out
 
 
 def _cumulative(
-    op: str, name: str, ends: list[int], total: int, trailing_zeros: bool = False
+    op: str,
+    name: str,
+    ends: list[int],
+    total: int,
+    trailing_zeros: bool = False,
+    rows_past_end: bool = False,
 ) -> list[int]:
     """Per-request lengths from cumulative ends; the last end must be ``total`` (the T of the
     packed tensor). A per-request list passed where ends belong fails here. With
     ``trailing_zeros`` (npu_fusion_attention's TND), trailing 0 entries are batches that take no
-    part in the computation ("尾部传入对应个数个0", e.g. ``[2, 5, 9, 0, 0]``): length 0."""
+    part in the computation ("尾部传入对应个数个0", e.g. ``[2, 5, 9, 0, 0]``): length 0. With
+    ``rows_past_end`` (FIA's query) the last end may stop short of ``total``: the rows past it
+    belong to no request (vllm-ascend's DCP graph update pads its query ends by repeating the
+    last one over a query of the capture size [callers])."""
     skipped = 0
     if trailing_zeros:
         while skipped < len(ends) - 1 and ends[len(ends) - 1 - skipped] == 0:
@@ -263,7 +290,7 @@ def _cumulative(
             )
         lengths.append(end - prev)
         prev = end
-    if prev != total:
+    if prev != total and not (rows_past_end and prev < total):
         raise _fail(
             op,
             f"{name}[-1] = {prev} must equal the packed T = {total} (cumulative ends; a "
@@ -486,7 +513,7 @@ def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (qu
 
     q_ends = _int_list(op, "actual_seq_lengths", c.actual_seq_lengths, required=True)
     assert q_ends is not None
-    q_lens = _cumulative(op, "actual_seq_lengths", q_ends, total)
+    q_lens = _cumulative(op, "actual_seq_lengths", q_ends, total, rows_past_end=True)
     batch = len(q_lens)
     if batch > FIA_TND_MAX_BATCH:
         raise _fail(
@@ -604,6 +631,10 @@ def _fia_math(
         out[start : start + q_len] = o.to(q.dtype)
         lse[start : start + q_len, :, 0] = l_
         start += q_len
+    # Rows past the last query end belong to no request: the doc promises nothing for them, so
+    # they come out NaN (a caller must not read them) [inferred].
+    out[start:] = math.nan
+    lse[start:] = math.nan
     return out, lse
 
 
@@ -837,9 +868,11 @@ def _fia_v1(
 def _fia_v1_out(
     *args: Any, workspace: torch.Tensor | None = None, out: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "npu_fused_infer_attention_score.out"
     result, lse = _fia_v1(*args, **{**kwargs, "softmax_lse_flag": True})
+    _check_workspace(op, workspace, _V1_SIG, args, kwargs, _FIA_LISTS, "num_heads", result)
     want = bool(kwargs.get("softmax_lse_flag", False))
-    return _write_out("npu_fused_infer_attention_score.out", out, result, lse, want)
+    return _write_out(op, out, result, lse, want)
 
 
 def _fia_v2(
@@ -942,9 +975,123 @@ def _fia_v2(
 def _fia_v2_out(
     *args: Any, workspace: torch.Tensor | None = None, out: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "npu_fused_infer_attention_score_v2.out"
     result, lse = _fia_v2(*args, **{**kwargs, "return_softmax_lse": True})
+    _check_workspace(op, workspace, _V2_SIG, args, kwargs, _FIA_V2_LISTS, "num_query_heads", result)
     want = bool(kwargs.get("return_softmax_lse", False))
-    return _write_out("npu_fused_infer_attention_score_v2.out", out, result, lse, want)
+    return _write_out(op, out, result, lse, want)
+
+
+# --- workspaces ----------------------------------------------------------------------------------
+#
+# ``.out`` with ``workspace=None`` sizes and allocates a workspace for this very call
+# (op-plugin: EXEC_NPU_NO_FORMAT_CHECK_CMD); with a workspace it runs in that memory, its size
+# ``numel * element_size`` (EXEC_UPDATE_NPU_NO_FORMAT_CHECK_CMD), never checking it against what
+# the call needs: a smaller one is overrun on the device. The ``_get_max_workspace`` ops return a
+# workspace (a 1-D tensor of the query's dtype) for the largest lengths the call's shapes allow
+# [source: op-plugin FusedInferAttentionScoreKernelNpuOpApi.cpp / update_op_api_common.h].
+# How many bytes a call needs is CANN's secret: the emulator uses its own model, one 64-byte
+# partial result per query head, request and 128 keys plus one per request and head [inferred:
+# a model, not the vendor's figures], which grows with the KV lengths as a split-KV kernel's
+# does. A workspace sized for short lengths is then too small for longer ones, as on the device.
+
+_WORKSPACE_UNIT = 64  # bytes per (request, head, 128-key split) [inferred model]
+_FIA_LISTS = ("actual_seq_lengths", "actual_seq_lengths_kv")
+_FIA_V2_LISTS = ("actual_seq_qlen", "actual_seq_kvlen")
+
+
+def _workspace_bytes(num_heads: int, kv_lens: Sequence[int]) -> int:
+    splits = sum(1 + (max(int(n), 0) + 127) // 128 for n in kv_lens)
+    return _WORKSPACE_UNIT * num_heads * splits
+
+
+def _fia_call_kv_lens(kw: dict[str, Any], lists: tuple[str, str], op: str) -> list[int]:
+    """Per-request KV lengths of a checked FIA call (paged: as given; packed: from the ends)."""
+    kv = _int_list(op, lists[1], kw.get(lists[1]), required=True) or []
+    if kw.get("block_table") is not None:
+        return kv
+    return [end - start for start, end in zip([0, *kv[:-1]], kv, strict=True)]
+
+
+def _check_workspace(
+    op: str,
+    workspace: object,
+    sig: inspect.Signature,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    lists: tuple[str, str],
+    heads_name: str,
+    result: torch.Tensor,
+) -> None:
+    if workspace is None:
+        return  # sized and allocated for this call (see above)
+    if not isinstance(workspace, torch.Tensor):
+        raise _fail(op, f"workspace must be a Tensor or None, got {type(workspace).__name__}")
+    if workspace.device != result.device:
+        raise _fail(op, f"workspace is on {workspace.device}, query on {result.device}")
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    kw = bound.arguments
+    need = _workspace_bytes(int(kw[heads_name]), _fia_call_kv_lens(kw, lists, op))
+    have = workspace.numel() * workspace.element_size()
+    if have < need:
+        raise _fail(
+            op,
+            f"workspace of {have} bytes, this call needs {need} (its KV lengths are longer than "
+            "those the workspace was sized for: size it with _get_max_workspace for the largest "
+            "lengths) [the emulator's workspace model]",
+        )
+
+
+def _max_workspace(
+    op: str,
+    sig: inspect.Signature,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    lists: tuple[str, str],
+    heads_name: str,
+) -> torch.Tensor:
+    """A workspace for the largest KV lengths these shapes allow: every request of the lists'
+    batch at the block table's capacity (paged) or at the packed key count."""
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    kw = bound.arguments
+    query, key = kw["query"], kw["key"]
+    if not isinstance(query, torch.Tensor) or not isinstance(key, torch.Tensor):
+        raise _fail(op, "query and key must be Tensors")
+    q_ends = _int_list(op, lists[0], kw.get(lists[0]), required=True) or []
+    table = kw.get("block_table")
+    if isinstance(table, torch.Tensor):
+        if table.dim() != 2:
+            raise _fail(op, f"block_table must be 2-D, got {list(table.shape)}")
+        capacity = table.shape[1] * int(kw["block_size"])
+    else:
+        capacity = key.shape[0]
+    need = _workspace_bytes(int(kw[heads_name]), [capacity] * len(q_ends))
+    elems = -(-need // query.element_size())
+    return torch.empty(elems, dtype=query.dtype, device=query.device)
+
+
+def _fia_v1_max_workspace(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return _max_workspace(
+        "_npu_fused_infer_attention_score_get_max_workspace",
+        _V1_SIG,
+        args,
+        kwargs,
+        _FIA_LISTS,
+        "num_heads",
+    )
+
+
+def _fia_v2_max_workspace(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return _max_workspace(
+        "_npu_fused_infer_attention_score_v2_get_max_workspace",
+        _V2_SIG,
+        args,
+        kwargs,
+        _FIA_V2_LISTS,
+        "num_query_heads",
+    )
 
 
 def _out_signature(default: Callable[..., Any]) -> inspect.Signature:
@@ -958,8 +1105,17 @@ def _out_signature(default: Callable[..., Any]) -> inspect.Signature:
     return sig.replace(parameters=[*sig.parameters.values(), *extra])
 
 
+_V1_SIG = inspect.signature(_fia_v1)
+_V2_SIG = inspect.signature(_fia_v2)
 _fia_v1_out.__signature__ = _out_signature(_fia_v1)  # type: ignore[attr-defined]
 _fia_v2_out.__signature__ = _out_signature(_fia_v2)  # type: ignore[attr-defined]
+# the max-workspace queries take exactly the default overload's arguments [schema]
+_fia_v1_max_workspace.__signature__ = _V1_SIG.replace(  # type: ignore[attr-defined]
+    return_annotation="torch.Tensor"
+)
+_fia_v2_max_workspace.__signature__ = _V2_SIG.replace(  # type: ignore[attr-defined]
+    return_annotation="torch.Tensor"
+)
 
 
 # --- npu_fusion_attention (training FA; TND with packed K/V) -------------------------------------
@@ -995,29 +1151,35 @@ def _npu_fusion_attention(
     numels). Every argument is positional-or-keyword, and ``tockens`` is the vendor's spelling.
     With atten_mask None, sparse_mode / pre_tockens / next_tockens have no effect (full)."""
     op = "npu_fusion_attention"
-    _not_emulated(
-        op, pse=pse, padding_mask=padding_mask, prefix=prefix, sink=sink, dropout_mask=dropout_mask
-    )
+    _not_emulated(op, pse=pse, padding_mask=padding_mask, prefix=prefix, dropout_mask=dropout_mask)
     if keep_prob != 1.0:
         raise NotEmulatedError(f"{op}: dropout (keep_prob={keep_prob}) is not emulated")
     if input_layout not in ("BSH", "SBH", "BSND", "BNSD", "TND"):
         raise _fail(op, f"input_layout={input_layout!r} is not one of BSH, SBH, BSND, BNSD, TND")
-    if input_layout != "TND":
+    if input_layout not in ("TND", "BSND"):
         raise NotEmulatedError(f"{op}: input_layout={input_layout!r} is valid but not emulated")
     if not isinstance(query, torch.Tensor):
         raise _fail(op, f"query must be a Tensor, got {type(query).__name__}")
     dev = query.device
+    varlen = input_layout == "TND"
+    dims = 3 if varlen else 4
     for name, t in (("query", query), ("key", key), ("value", value)):
-        _check_tensor(op, name, t, 3, dev)
+        _check_tensor(op, name, t, dims, dev)
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32) or t.dtype != query.dtype:
             raise _fail(
                 op,
                 f"query, key, value must share one of float16/bfloat16/float32, "
                 f"got {query.dtype}, {key.dtype}, {value.dtype}",
             )
+    if not varlen:  # BSND: (B, S, N, D), one batch per request, every S the same
+        if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
+            raise _fail(op, "query, key and value must share their batch size B")
+        batch, q_s, kv_s = query.shape[0], query.shape[1], key.shape[1]
+        bsnd = (batch, q_s)
+        query, key, value = (t.reshape(-1, *t.shape[2:]) for t in (query, key, value))
     total, num_heads, head_dim = query.shape
     if num_heads != head_num:
-        raise _fail(op, f"head_num={head_num} but the TND query has {num_heads} heads")
+        raise _fail(op, f"head_num={head_num} but the query has {num_heads} heads")
     if (
         key.shape[:2] != value.shape[:2]
         or key.shape[2] != head_dim
@@ -1032,24 +1194,37 @@ def _npu_fusion_attention(
         )
     if num_heads > 256 or not 1 <= head_dim <= 768:
         raise _fail(op, f"N={num_heads} (1..256) or D={head_dim} (1..768) out of range")
-    if softmax_layout not in ("", "TND"):
-        raise _fail(op, f"softmax_layout={softmax_layout!r} (TND takes '' or 'TND')")
-    q_ends = _int_list(op, "actual_seq_qlen", actual_seq_qlen, required=True)
-    kv_ends = _int_list(op, "actual_seq_kvlen", actual_seq_kvlen, required=True)
-    assert q_ends is not None and kv_ends is not None
-    if len(q_ends) != len(kv_ends):
-        raise _fail(
-            op, f"actual_seq_qlen has {len(q_ends)} entries, actual_seq_kvlen {len(kv_ends)}"
-        )
-    if not 1 <= len(q_ends) <= FA_VARLEN_MAX_BATCH:
-        raise _fail(op, f"varlen batch of {len(q_ends)}: 1..{FA_VARLEN_MAX_BATCH} supported")
-    for name, rows in (("query", total), ("key", key.shape[0])):
-        if not 1 <= rows <= FA_VARLEN_MAX_T:
-            raise _fail(op, f"varlen {name} T = {rows}: 1..{FA_VARLEN_MAX_T} (1M) supported")
-    q_lens = _cumulative(op, "actual_seq_qlen", q_ends, total, trailing_zeros=True)
-    kv_lens = _cumulative(op, "actual_seq_kvlen", kv_ends, key.shape[0], trailing_zeros=True)
+    if sink is not None:
+        # "每个注意力头的偏置。shape为[head_num]，数据类型仅支持float32" (CANN 8.5.0+); the doc's
+        # reference appends it as one more logit per row and drops its column [doc]
+        if not isinstance(sink, torch.Tensor) or tuple(sink.shape) != (head_num,):
+            raise _fail(op, f"sink must be a Tensor of shape [head_num={head_num}]")
+        if sink.dtype != torch.float32:
+            raise _fail(op, f"sink must be float32, got {sink.dtype}")
+        if sink.device != dev:
+            raise _fail(op, f"sink is on {sink.device}, query on {dev}")
+    if softmax_layout not in ("", "TND") or (softmax_layout and not varlen):
+        raise _fail(op, f"softmax_layout={softmax_layout!r} ('' or, with TND, 'TND')")
+    if varlen:
+        q_ends = _int_list(op, "actual_seq_qlen", actual_seq_qlen, required=True)
+        kv_ends = _int_list(op, "actual_seq_kvlen", actual_seq_kvlen, required=True)
+        assert q_ends is not None and kv_ends is not None
+        if len(q_ends) != len(kv_ends):
+            raise _fail(
+                op, f"actual_seq_qlen has {len(q_ends)} entries, actual_seq_kvlen {len(kv_ends)}"
+            )
+        if not 1 <= len(q_ends) <= FA_VARLEN_MAX_BATCH:
+            raise _fail(op, f"varlen batch of {len(q_ends)}: 1..{FA_VARLEN_MAX_BATCH} supported")
+        for name, rows in (("query", total), ("key", key.shape[0])):
+            if not 1 <= rows <= FA_VARLEN_MAX_T:
+                raise _fail(op, f"varlen {name} T = {rows}: 1..{FA_VARLEN_MAX_T} (1M) supported")
+        q_lens = _cumulative(op, "actual_seq_qlen", q_ends, total, trailing_zeros=True)
+        kv_lens = _cumulative(op, "actual_seq_kvlen", kv_ends, key.shape[0], trailing_zeros=True)
+    else:
+        q_lens, kv_lens = [q_s] * batch, [kv_s] * batch
     if sparse_mode not in range(9):
         raise _fail(op, f"sparse_mode={sparse_mode} is not one of 0..8")
+    full: torch.Tensor | None = None  # sparse_mode 0 with a mask: [B or 1, Sq, Skv] bool
     if atten_mask is None:
         sparse_mode = 0  # no mask: sparse_mode / pre / next have no effect
     elif sparse_mode in (2, 3, 4):
@@ -1057,21 +1232,99 @@ def _npu_fusion_attention(
         _check_compressed_mask(
             op, atten_mask, sparse_mode, dev, FA_MASK_DTYPES, ((MASK_SIZE, MASK_SIZE),)
         )
+    elif sparse_mode == 0:
+        full = _full_mask(op, atten_mask, q_lens, kv_lens, varlen, dev)
     else:
         raise NotEmulatedError(f"{op}: sparse_mode={sparse_mode} with a mask is not emulated")
     if sparse_mode == 4 and pre_tockens + next_tockens < 0:
         raise _fail(op, "band: pre_tockens and next_tockens must overlap")
 
-    masks = []
-    for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
-        visible = _visible(q_len, kv_len, sparse_mode, pre_tockens, next_tockens)
-        if q_len and (kv_len == 0 or (visible is not None and not visible.any(dim=1).all())):
+    masks: list[torch.Tensor | None] = []
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        visible: torch.Tensor | None
+        if full is not None:
+            # defaultMask: the mask's top-left [q_len, kv_len] corner, within the band of
+            # pre_tockens / next_tockens, which "需保证atten_mask与pre_tockens、next_tockens的范围
+            # 一致" [doc]. The band is anchored bottom-right as sparse_mode 4's ("参数起点为右
+            # 下角") [inferred for mode 0: it makes an Ascend vLLM backend's chunked-prefill
+            # call (a bottom-right causal mask with pre_tockens=kv_len, next_tockens=0)
+            # consistent, as the doc requires; with q_len = kv_len both anchors agree].
+            band = _visible(q_len, kv_len, 4, pre_tockens, next_tockens)
+            assert band is not None
+            visible = ~full[b if full.shape[0] > 1 else 0, :q_len, :kv_len].cpu() & band
+        else:
+            visible = _visible(q_len, kv_len, sparse_mode, pre_tockens, next_tockens)
+        empty = q_len and (kv_len == 0 or (visible is not None and not visible.any(dim=1).all()))
+        if empty and varlen:
             # "atten_mask中不能存在某一行全1的场景" (varlen) [doc]
             raise _fail(op, "varlen: a query row sees no key (fully masked rows are unsupported)")
         masks.append(visible)
-    return _fusion_attention_math(
-        query, key, value, scale, q_lens, kv_lens, masks, softmax_layout, seed, offset
+    # outside varlen a fully masked row is corrected only with inner_precise 2 ("使能无效行计
+    # 算"); otherwise the doc promises nothing: NaN
+    correct = varlen or inner_precise == 2
+    out = _fusion_attention_math(
+        query,
+        key,
+        value,
+        scale,
+        q_lens,
+        kv_lens,
+        masks,
+        softmax_layout,
+        seed,
+        offset,
+        sink,
+        correct,
     )
+    if varlen:
+        return out
+    b_, s_ = bsnd
+    result, row_max, row_sum = out[0], out[1], out[2]
+    stats = [
+        t.view(num_heads, b_, s_, 8).permute(1, 0, 2, 3).contiguous() for t in (row_max, row_sum)
+    ]
+    return (result.view(b_, s_, *result.shape[1:]), stats[0], stats[1], *out[3:])
+
+
+def _full_mask(
+    op: str,
+    mask: object,
+    q_lens: list[int],
+    kv_lens: list[int],
+    varlen: bool,
+    device: torch.device,
+) -> torch.Tensor:  # [B or 1, Sq, Skv] bool, True = masked
+    """sparse_mode 0's full mask: bool / uint8; varlen "只支持SS格式，SS分别是maxSq和maxSkv"; else
+    BNSS, B1SS, 11SS or SS [doc], and the 3-D (1 or B, Sq, Skv) an Ascend vLLM backend passes
+    (``causal_mask.unsqueeze(0)``) [callers]. A mask per head (BNSS with N > 1) is not
+    emulated."""
+    if not isinstance(mask, torch.Tensor):
+        raise _fail(op, f"atten_mask must be a Tensor, got {type(mask).__name__}")
+    if mask.dtype not in FA_MASK_DTYPES:
+        raise _fail(op, f"atten_mask must be bool or uint8, got {mask.dtype}")
+    if mask.device != device:
+        raise _fail(op, f"atten_mask is on {mask.device}, query on {device}")
+    max_q, max_kv = max(q_lens, default=0), max(kv_lens, default=0)
+    if varlen:
+        if tuple(mask.shape) != (max_q, max_kv):
+            raise _fail(
+                op,
+                f"varlen takes atten_mask as SS = [maxSq={max_q}, maxSkv={max_kv}], got "
+                f"{list(mask.shape)}",
+            )
+        return mask.bool()[None]
+    batch = len(q_lens)
+    shape = tuple(mask.shape)
+    if mask.dim() == 4 and shape[1] != 1:
+        raise NotEmulatedError(f"{op}: a mask per head (BNSS) is not emulated")
+    m = mask.reshape(-1, *shape[-2:]) if mask.dim() >= 3 else mask[None]
+    if m.shape[0] not in (1, batch) or tuple(m.shape[1:]) != (max_q, max_kv):
+        raise _fail(
+            op,
+            f"atten_mask must be BNSS, B1SS, 11SS or SS over [Sq={max_q}, Skv={max_kv}], got "
+            f"{list(shape)}",
+        )
+    return m.bool()
 
 
 def _fusion_attention_null(
@@ -1085,6 +1338,8 @@ def _fusion_attention_null(
     softmax_layout: str,
     seed: int,
     offset: int,
+    sink: torch.Tensor | None = None,
+    correct_empty: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     total, num_heads, _ = query.shape
     dev = query.device
@@ -1112,6 +1367,8 @@ def _fusion_attention_math(
     softmax_layout: str,
     seed: int,
     offset: int,
+    sink: torch.Tensor | None = None,
+    correct_empty: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """npu_fusion_attention's math, every argument checked (``masks``: each request's
     visibility, None: every key)."""
@@ -1131,7 +1388,8 @@ def _fusion_attention_math(
             value[ks : ks + kv_len],
             scale,
             visible,
-            None,
+            sink,
+            correct_empty,
         )
         out[qs : qs + q_len] = o.to(query.dtype)
         # softmax_max / softmax_sum: sum = exp(lse - max) with max the row's largest score
@@ -1320,6 +1578,12 @@ npu_fused_infer_attention_score_v2 = OpPacket(
 npu_fusion_attention = OpPacket("npu_fusion_attention", _npu_fusion_attention)
 _npu_reshape_and_cache = OpPacket("_npu_reshape_and_cache", _reshape_and_cache)
 npu_scatter_pa_kv_cache = OpPacket("npu_scatter_pa_kv_cache", _scatter_pa_kv_cache)
+_npu_fused_infer_attention_score_get_max_workspace = OpPacket(
+    "_npu_fused_infer_attention_score_get_max_workspace", _fia_v1_max_workspace
+)
+_npu_fused_infer_attention_score_v2_get_max_workspace = OpPacket(
+    "_npu_fused_infer_attention_score_v2_get_max_workspace", _fia_v2_max_workspace
+)
 
 #: Every emulated op, by the name ``torch_npu`` exposes it under.
 OPS: dict[str, OpPacket] = {
@@ -1330,5 +1594,7 @@ OPS: dict[str, OpPacket] = {
         npu_fusion_attention,
         _npu_reshape_and_cache,
         npu_scatter_pa_kv_cache,
+        _npu_fused_infer_attention_score_get_max_workspace,
+        _npu_fused_infer_attention_score_v2_get_max_workspace,
     )
 }

@@ -30,7 +30,9 @@ by ``tests/test_ascend_contract.py``); behaviour follows those sources and vllm-
 
 from __future__ import annotations
 
+import functools
 import itertools
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -101,6 +103,7 @@ class Stream:
 
     def synchronize(self) -> None:
         host_syncs["Stream.synchronize"] += 1
+        _refuse_behind_blocked(self, "Stream.synchronize")
         _host_seen[self.id] = self.clock
 
     def query(self) -> bool:
@@ -154,6 +157,7 @@ def stream(stream: Stream | None) -> StreamContext:
 def synchronize(device: Any = None) -> None:
     """The host waits for every stream (what the seed does before every replay)."""
     host_syncs["synchronize"] += 1
+    _refuse_behind_blocked(None, "synchronize")
     for s in Stream._all:
         _host_seen[s.id] = s.clock
 
@@ -167,6 +171,7 @@ class Event:
     def record(self, stream: Stream | None = None) -> None:
         stream = stream if stream is not None else current_stream()
         _refuse_in_capture(stream, "Event.record")
+        _refuse_behind_blocked(stream, "Event.record")
         self._at = (stream.id, stream.clock)
 
     def wait(self, stream: Stream | None = None) -> None:
@@ -196,6 +201,9 @@ class ExternalEvent:
         stream = stream if stream is not None else current_stream()
         _refuse_in_capture(stream, "ExternalEvent.record")
         self.recorded = True
+        blocked = _blocked
+        if blocked is not None and blocked.event is self:  # the blocked replay goes on
+            _run(blocked, blocked.at)
 
     def wait(self, stream: Stream | None = None) -> None:
         stream = stream if stream is not None else current_stream()
@@ -214,6 +222,7 @@ class ExternalEvent:
                 "on the device the stream would wait forever (was the graph's task update "
                 "skipped?)"
             )
+        self.recorded = False  # "该接口会自动复位Event": a wait resets the event itself [doc]
 
     def _reset(self) -> None:
         self.recorded = False
@@ -260,6 +269,7 @@ def is_current_stream_capturing() -> bool:
 class NPUGraph:
     def __init__(self) -> None:
         self.tape: Tape | None = None
+        self.capture_stream: Stream | None = None
         self._recording: Any = None
         self.last_replay: tuple[Stream, int] | None = None
         self.replays = 0
@@ -273,12 +283,14 @@ class NPUGraph:
         s = current_stream()
         if s is _default_stream:
             raise NpuGraphError("capture on the default stream is not allowed")
+        _refuse_behind_blocked(None, "a capture")
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
             raise NpuGraphError(
                 f"capture_error_mode {capture_error_mode!r} is not one of "
                 "'global', 'thread_local', 'relaxed'"
             )
         self.tape = Tape()
+        self.capture_stream = s
         self._recording = self.tape.recording()
         self._recording.__enter__()
         _capture = _Capture(self, s)
@@ -300,10 +312,12 @@ class NPUGraph:
         if _capture is not None:
             raise NpuGraphError("replay during a capture")
         s = current_stream()
+        _refuse_behind_blocked(s, "a replay")
+        before = self.last_replay
         s.clock += 1
         self.last_replay = (s, s.clock)
         self.replays += 1
-        self.tape.replay()
+        _run(_Replay(self, s, before), 0)
 
     def reset(self) -> None:
         self.tape = None
@@ -351,6 +365,65 @@ class graph:
             _current.pop()
 
 
+class _Replay:
+    """A replay on the device: it runs its tasks in order and stops at a captured wait on an
+    ExternalEvent nothing has recorded (the stream blocks there), going on when it is."""
+
+    def __init__(self, graph: NPUGraph, stream: Stream, before: tuple[Stream, int] | None):
+        self.graph, self.stream, self.before = graph, stream, before
+        self.at = 0  # the next entry to run
+        self.event: ExternalEvent | None = None  # what it is blocked on
+
+
+#: The replay blocked on an ExternalEvent, if any (one at a time: anything else launched behind
+#: it would wait too, see _refuse_behind_blocked).
+_blocked: _Replay | None = None
+
+
+def _run(replay: _Replay, start: int) -> None:
+    """Run ``replay``'s entries from ``start`` until the end or a wait nothing recorded."""
+    global _blocked
+    tape = replay.graph.tape
+    assert tape is not None
+    entries = tape.entries
+    for i in range(start, len(entries)):
+        entry = entries[i]
+        event = getattr(entry.fn, "__self__", None)
+        if isinstance(event, ExternalEvent) and entry.fn.__name__ == "_wait" and not event.recorded:
+            replay.at, replay.event = i, event
+            _blocked = replay
+            return
+        if _update is not None and _update.handle.graph is replay.graph:
+            h = _update.handle
+            if h.start <= i < h.end:
+                raise NpuGraphError(
+                    "a replay ran a task while its update was still open (its ExternalEvent was "
+                    "recorded before graph_task_update_end): on the device it could run the "
+                    "half-updated task"
+                )
+        entry.run()
+    replay.at, replay.event = len(entries), None
+    if _blocked is replay:
+        _blocked = None
+
+
+def _refuse_behind_blocked(stream: Stream | None, what: str) -> None:
+    """Work that would wait behind a blocked replay: the emulator runs work at once and cannot
+    queue it, so it raises where the device would wait (for ever, unless a record comes). The
+    blocked replay is then dropped (reported once), so that the process can go on."""
+    global _blocked
+    blocked = _blocked
+    if blocked is None or (stream is not None and stream is not blocked.stream):
+        return
+    assert blocked.event is not None
+    _blocked = None
+    raise NpuGraphError(
+        f"{what} behind a replay that waits on ExternalEvent {blocked.event.id}, which nothing "
+        "recorded since its last reset: on the device it would wait forever (was the graph's "
+        "task update skipped?)"
+    )
+
+
 def graph_task_group_begin(stream: Stream) -> None:
     cap = _capturing_on(stream, "graph_task_group_begin")
     if cap.group_start is not None:
@@ -389,7 +462,24 @@ def graph_task_update_begin(stream: Stream, handle: _TaskGroupHandle) -> None:
             "graph_task_update_begin(stream, ...) with another stream current: the updated "
             "op would be launched elsewhere (use `with torch.npu.stream(stream):`)"
         )
+    if stream is handle.graph.capture_stream:
+        raise NpuGraphError(
+            "graph_task_update_begin on the graph's capture stream: the update stream must "
+            'differ from it ("图更新阶段的流同图捕获阶段的流必须不同") [doc]'
+        )
     last = handle.graph.last_replay
+    blocked = _blocked
+    if blocked is not None and blocked.graph is handle.graph:
+        if handle.start < blocked.at:
+            raise NpuGraphError(
+                "a task update of a task the replay in flight has already passed (it is "
+                "blocked on a later ExternalEvent): on the device the update could rewrite the "
+                "task while that replay runs it"
+            )
+        # the task runs after the blocked wait, which a record after this update releases
+        # (vllm-ascend's order: replay, then update and record); the update must still come
+        # after the replay before it
+        last = blocked.before
     if last is not None and not stream.ordered_after(*last):
         replayed_on = last[0]
         raise NpuGraphError(
@@ -416,35 +506,7 @@ def graph_task_update_end(stream: Stream) -> None:
     tape = h.graph.tape
     assert tape is not None
     for i, (name, fn, args, kwargs) in enumerate(upd.calls):
-        old = tape.entries[h.start + i]
-        _check_same_tensors(name, old, args, kwargs)
         tape.replace(h.start + i, name, fn, args, kwargs)
-
-
-def _check_same_tensors(name: str, old: TapeEntry, args: tuple[Any, ...], kwargs: dict) -> None:
-    """An update changes host values; the tensors (addresses, shapes) stay the task's own."""
-    import torch
-
-    def tensors(x: Any) -> list[torch.Tensor]:
-        if isinstance(x, torch.Tensor):
-            return [x]
-        if isinstance(x, (list, tuple)):
-            return [t for v in x for t in tensors(v)]
-        if isinstance(x, dict):
-            return [t for v in x.values() for t in tensors(v)]
-        return []
-
-    before = tensors((old.args, old.kwargs))
-    after = tensors((args, kwargs))
-    same = len(before) == len(after) and all(
-        a.data_ptr() == b.data_ptr() and a.shape == b.shape
-        for a, b in zip(before, after, strict=True)
-    )
-    if not same:
-        raise NpuGraphError(
-            f"a task update of {name} with other tensors than the captured task's (an update "
-            "may change host-side arguments only)"
-        )
 
 
 def _capturing_on(stream: Stream, what: str) -> _Capture:
@@ -474,14 +536,69 @@ def _dispatch(
 ) -> Any:
     """Every emulated torch_npu op call: replaces a task in an update, is recorded as a task
     in a capture, else runs."""
+    if name.endswith("_get_max_workspace"):
+        # a host-side size query and an allocation: no task, nothing the graph holds
+        if _capture is not None:
+            assert _capture.graph.tape is not None
+            with _capture.graph.tape.paused():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     if _update is not None and current_stream() is _update.stream:
+        fn, kwargs = _task_workspace(name, fn, kwargs, updating=True)
         _update.calls.append((name, fn, args, dict(kwargs)))
         return None
     if _capture is not None and current_stream() is _capture.stream:
         assert _capture.graph.tape is not None
+        fn, kwargs = _task_workspace(name, fn, kwargs, updating=False)
         _, result = _capture.graph.tape.call(name, fn, args, kwargs)
         return result
     return fn(*args, **kwargs)
+
+
+def _task_workspace(
+    name: str, fn: Callable[..., Any], kwargs: dict[str, Any], *, updating: bool
+) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """A captured or updated task reads its workspace when the graph replays, not at the call.
+    The task holds it weakly: a workspace the caller let go of is freed memory at replay, which
+    raises here. An update's ``workspace=None`` makes the op size and allocate one for the
+    launch and free it right after (op-plugin's EXEC_NPU_NO_FORMAT_CHECK_CMD), so every later
+    replay would read freed memory: raises at replay. A capture's ``workspace=None`` is
+    allocated from the graph's pool, stream-ordered with the replay: kept."""
+    if not name.endswith(".out") or "workspace" not in kwargs:
+        return fn, kwargs
+    ws = kwargs["workspace"]
+    if ws is None:
+        if not updating:
+            return fn, kwargs
+        marker: Any = _temporary_workspace
+    else:
+        import torch
+
+        if not isinstance(ws, torch.Tensor):
+            return fn, kwargs  # the op refuses it
+        marker = weakref.ref(ws)
+    return functools.partial(_with_workspace, fn, name), {**kwargs, "workspace": marker}
+
+
+def _temporary_workspace() -> None:
+    """Marks a task whose workspace was allocated for its update's launch only."""
+
+
+def _with_workspace(fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Any:
+    ws = kwargs["workspace"]
+    if ws is _temporary_workspace:
+        raise NpuGraphError(
+            f"{name}: the task's workspace was allocated for its update (workspace=None) and "
+            "freed when the update returned; the replay would read freed memory (pass a "
+            "workspace kept for the graph's life, sized with _get_max_workspace)"
+        )
+    tensor = ws()
+    if tensor is None:
+        raise NpuGraphError(
+            f"{name}: the task's workspace was freed (nothing holds it any more); the replay "
+            "would read freed memory (keep one workspace per captured graph alive)"
+        )
+    return fn(*args, **{**kwargs, "workspace": tensor})
 
 
 emulator.graph_dispatch = _dispatch

@@ -43,9 +43,11 @@ def step(
     *,
     padding: int = 0,
     seed: int = 0,
+    causal: bool | None = None,
 ) -> Step:
     """A step over random context already in the cache (filled in place, not written through
-    write_kv), with ``padding`` slot -1 rows after the real tokens."""
+    write_kv), with ``padding`` slot -1 rows after the real tokens; ``causal`` (default: the
+    spec's) makes e.g. a decoder layer's step non-causal."""
     s = s or spec()
     b = backend(s)
     g = testing.generator(seed)
@@ -56,7 +58,7 @@ def step(
         s.block_size,
         testing.num_blocks_for(seq_lens, s.block_size, spare=2),
         seed=g,
-        causal=s.causal,
+        causal=s.causal if causal is None else causal,
         num_tokens=sum(query_lens) + padding,
     )
     cache = b.allocate_kv_cache(num_blocks)

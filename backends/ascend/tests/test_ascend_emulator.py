@@ -551,3 +551,83 @@ def test_null_kernels_skip_the_math_and_return_outputs_of_the_right_shapes() -> 
     assert not kc.any() and not vc.any()  # the writes wrote nothing
     assert ops.calls == 4 and ops.seconds > 0
     assert torch.isfinite(_fia(a)).all()  # outside: the math again
+
+
+# --- workspaces, sinks, full masks, numpy lists ----------------------------------------------
+
+
+def _fia_out(kw: dict[str, Any], workspace: torch.Tensor | None) -> torch.Tensor:
+    out = torch.full_like(kw["query"], 7.0)
+    FIA.out(**kw, workspace=workspace, out=[out, torch.empty(1)])
+    return out
+
+
+def test_a_max_workspace_fits_every_length_up_to_the_block_tables_capacity() -> None:
+    short = _paged([1, 1], [3, 5])
+    workspace = emulator._npu_fused_infer_attention_score_get_max_workspace(**short)
+    full = {**short, "actual_seq_lengths_kv": [BS, BS]}  # every request at the capacity
+    assert torch.isfinite(_fia_out(full, workspace)).all()
+
+
+def test_a_workspace_smaller_than_the_call_needs_is_refused_before_any_write() -> None:
+    kw = _paged([1, 1], [300, 5])
+    need = emulator._workspace_bytes(4, [300, 5])
+    too_small = torch.empty(need - 1, dtype=torch.uint8)
+    out = torch.full_like(kw["query"], 7.0)
+    with pytest.raises(NpuOpError, match="workspace of"):
+        FIA.out(**kw, workspace=too_small, out=[out, torch.empty(1)])
+    assert (out == 7.0).all()
+    assert torch.isfinite(_fia_out(kw, torch.empty(need, dtype=torch.uint8))).all()
+
+
+def test_length_lists_may_be_numpy_arrays_and_numpy_ints_but_not_floats() -> None:
+    import numpy as np
+
+    kw = _paged([1, 2], [5, 9])
+    want = _fia_out(kw, None)
+    as_numpy = {
+        **kw,
+        "actual_seq_lengths": [np.int64(1), np.int64(3)],
+        "actual_seq_lengths_kv": np.array([5, 9], dtype=np.int32),
+    }
+    assert torch.equal(_fia_out(as_numpy, None), want)
+    with pytest.raises(NpuOpError, match="integer dtype"):
+        _fia_out({**kw, "actual_seq_lengths_kv": np.array([5.0, 9.0])}, None)
+
+
+def _packed(q_lens: list[int], dtype: torch.dtype = torch.float16) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    t = sum(q_lens)
+    ends = torch.cumsum(torch.tensor(q_lens), 0).tolist()
+    return dict(
+        query=torch.randn(t, 4, 64, generator=g).to(dtype),
+        key=torch.randn(t, 2, 64, generator=g).to(dtype),
+        value=torch.randn(t, 2, 64, generator=g).to(dtype),
+        head_num=4,
+        input_layout="TND",
+        scale=0.125,
+        actual_seq_qlen=ends,
+        actual_seq_kvlen=ends,
+    )
+
+
+def test_npu_fusion_attentions_sink_is_float32_per_head() -> None:
+    kw = _packed([3, 2])
+    with pytest.raises(NpuOpError, match="float32"):
+        FA(**kw, sink=torch.zeros(4, dtype=torch.bfloat16))
+    with pytest.raises(NpuOpError, match="head_num=4"):
+        FA(**kw, sink=torch.zeros(2))
+    plain = FA(**kw)[0].float()
+    very_negative = FA(**kw, sink=torch.full((4,), -1e4))[0].float()
+    assert torch.allclose(plain, very_negative)  # a sink of weight 0 changes nothing
+    assert not torch.allclose(plain, FA(**kw, sink=torch.full((4,), 3.0))[0].float())
+
+
+def test_a_full_mask_in_varlen_must_be_max_sq_by_max_skv() -> None:
+    kw = _packed([3, 5])
+    mask = torch.ones(5, 5, dtype=torch.bool).triu_(1)
+    FA(**kw, atten_mask=mask, sparse_mode=0, next_tockens=0)
+    with pytest.raises(NpuOpError, match="maxSq=5, maxSkv=5"):
+        FA(**kw, atten_mask=torch.ones(6, 6, dtype=torch.bool).triu_(1), sparse_mode=0)
+    with pytest.raises(NpuOpError, match="bool or uint8"):
+        FA(**kw, atten_mask=mask.to(torch.int8), sparse_mode=0)

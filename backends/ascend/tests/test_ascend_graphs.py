@@ -9,20 +9,24 @@ while the runner's event ordering needs no host synchronization per step.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import ascend_helpers as h
+import numpy as np
 import pytest
 import torch
-from attnhub_ascend import AscendBackend, npu_graph
+from attnhub_ascend import AscendBackend, emulator, npu_graph
 from attnhub_ascend.backend import RESHAPE_AND_CACHE, SCATTER_PA_KV_CACHE
+from attnhub_ascend.emulator import NpuOpError
 from attnhub_ascend.npu_graph import NpuGraphError
 
 from attnhub import AttentionSpec, BatchMetadata, GraphSupport, reference, testing
 from attnhub.errors import UnsupportedConfigurationError
 from attnhub.graphs import GraphRunner, NPUGraphAdaptor
+from attnhub.graphs.padding import pad_batch
 
 BS = 128
 NUM_BLOCKS = 24
@@ -220,23 +224,183 @@ def test_the_emulated_graph_api_refuses_what_the_device_refuses() -> None:
         npu.graph_task_update_begin(s, object())  # type: ignore[arg-type]
 
 
-def test_a_task_update_may_change_host_values_only() -> None:
-    spec = h.spec(dtype=torch.float16)
-    model = Model(spec)
+def test_a_task_update_may_pass_other_tensors_as_vllm_ascends_updates_do() -> None:
+    # vllm-ascend's updates pass a workspace fetched per update and lengths made per step
+    # (torch.cat-padded tensors, numpy arrays): the emulation refused any tensor but the
+    # captured task's ("host-side arguments only")
+    model = Model()
     runner = model.runner()
     table = _table(2)
-    runner.run(_decode([10, 20], table), *_qkv(spec, 2, seed=0))
-    meta = next(iter(runner.graphs.values())).meta
-    task = meta.graph.tasks[0]
-    other = torch.empty_like(task.args[0])
-    stream = runner.adaptor.update_stream
-    with runner.adaptor.updating():
-        npu_graph.graph_task_update_begin(stream, task.handle)
-        task.op(
-            other,
-            *task.args[1:],
-            **task.kwargs,
-            **dict(zip(task.list_names, ((1, 2), (10, 20)), strict=True)),
-        )
-        with pytest.raises(NpuGraphError, match="host-side arguments only"):
+    runner.run(_decode([10, 20], table), *_qkv(model.spec, 2, seed=0))
+    entry = next(iter(runner.graphs.values()))
+    grown = _decode([11, 21], table)
+    q, k, v = _qkv(model.spec, 2, seed=1)
+
+    def callers_update(graph_meta: Any, batch: BatchMetadata, stream: Any) -> None:
+        kv = torch.cat([batch.seq_lens_cpu, torch.zeros(0, dtype=batch.seq_lens_cpu.dtype)])
+        for task in graph_meta.graph.tasks:
+            fresh = torch.empty_like(task.kwargs["workspace"])  # a workspace of this update
+            npu_graph.graph_task_update_begin(stream, task.handle)
+            kwargs = {**task.kwargs, "workspace": fresh}
+            q_name, kv_name = task.list_names
+            ends = np.asarray(batch.query_start_loc_cpu[1:].numpy())
+            task.op(*task.args, **kwargs, **{q_name: ends, kv_name: kv})
             npu_graph.graph_task_update_end(stream)
+            task.event.record(stream)
+            keep.append(fresh)  # held until the replay, as the caller's weak refs assume
+
+    keep: list[torch.Tensor] = []
+    runner.builder.update_graph_params = callers_update  # type: ignore[method-assign]
+    model.check(runner.run(grown, q, k, v).clone(), grown, q, "caller-style update")
+    assert entry.meta.graph.tasks
+
+
+def _fia_out_calls(calls: list[Any]) -> list[Any]:
+    return [c for c in calls if c.name == "npu_fused_infer_attention_score.out"]
+
+
+def test_the_capture_and_every_update_run_fia_in_one_workspace_per_graph() -> None:
+    # vllm-ascend sizes one workspace per capture size with the max-workspace query and passes
+    # it to the capture and every update; attnhub passed workspace=None
+    model = Model()
+    runner = model.runner()
+    table = _table(3)
+    with emulator.record_calls() as calls:
+        for i, seqs in enumerate(([100, 250, 7], [101, 251, 8], [102, 252, 9])):
+            runner.run(_decode(seqs, table), *_qkv(model.spec, 3, seed=i))
+        runner.run(_decode([5, 6, 7, 8, 9], _table(5)), *_qkv(model.spec, 5, seed=9))
+    metas = [e.meta for e in runner.graphs.values()]
+    workspaces = [m.graph.workspaces[model.backend] for m in metas]
+    assert len(workspaces) == 2 and workspaces[0] is not workspaces[1]  # one per capture size
+    fia = _fia_out_calls(calls)
+    warmups = [c for c in fia if c.kwargs["workspace"] is None]
+    assert len(warmups) == 2 * 2  # each capture's eager warm-up run, two layers
+    used = [c.kwargs["workspace"] for c in fia if c.kwargs["workspace"] is not None]
+    # capture + 3 updates of the first graph, capture + 1 update of the second, two layers
+    assert len(used) == 2 * (4 + 2)
+    assert all(any(w is ws for ws in workspaces) for w in used)
+    maxed = [c for c in calls if c.name == "_npu_fused_infer_attention_score_get_max_workspace"]
+    assert len(maxed) == 2  # sized once per captured graph, at its capture
+
+
+def test_a_task_update_without_a_workspace_is_refused_at_replay() -> None:
+    # .out with workspace=None allocates one for the update's launch and frees it when the
+    # update returns: the replay would read freed memory (what attnhub's updates did)
+    model = Model()
+    runner = model.runner()
+    table = _table(2)
+    runner.run(_decode([10, 20], table), *_qkv(model.spec, 2, seed=0))
+
+    def update_without_workspace(graph_meta: Any, batch: BatchMetadata, stream: Any) -> None:
+        for task in graph_meta.graph.tasks:
+            npu_graph.graph_task_update_begin(stream, task.handle)
+            q_name, kv_name = task.list_names
+            lists = {
+                q_name: tuple(batch.query_start_loc_cpu[1:].tolist()),
+                kv_name: tuple(batch.seq_lens_cpu.tolist()),
+            }
+            task.op(*task.args, **{**task.kwargs, "workspace": None}, **lists)
+            npu_graph.graph_task_update_end(stream)
+            task.event.record(stream)
+
+    runner.builder.update_graph_params = update_without_workspace  # type: ignore[method-assign]
+    with pytest.raises(NpuGraphError, match="freed when the update returned"):
+        runner.run(_decode([11, 21], table), *_qkv(model.spec, 2, seed=1))
+
+
+def test_a_workspace_nothing_holds_any_more_is_refused_at_replay() -> None:
+    # the tasks hold their workspace weakly, as a device graph holds an address: memory the
+    # caller let go of may be reused before the replay reads it
+    model = Model()
+    runner = model.runner()
+    table = _table(2)
+    runner.run(_decode([10, 20], table), *_qkv(model.spec, 2, seed=0))
+    entry = next(iter(runner.graphs.values()))
+    entry.meta.graph.workspaces.clear()
+    for task in entry.meta.graph.tasks:
+        del task.kwargs["workspace"]
+    gc.collect()
+    stream = runner.adaptor.update_stream
+    with pytest.raises(NpuGraphError, match="workspace was freed"):
+        with npu_graph.stream(stream):
+            for task in entry.meta.graph.tasks:  # the order without the updates
+                task.event.record(stream)
+        entry.graph.graph.replay()
+
+
+def test_a_workspace_sized_for_the_captured_lengths_is_too_small_for_longer_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # sized by the ordinary query for the capture's own lengths, not by the max query
+    def for_these_lengths(*args: Any, **kwargs: Any) -> torch.Tensor:
+        need = emulator._workspace_bytes(kwargs["num_heads"], kwargs["actual_seq_lengths_kv"])
+        return torch.empty(need, dtype=torch.uint8)
+
+    monkeypatch.setattr(
+        emulator, "_npu_fused_infer_attention_score_get_max_workspace", for_these_lengths
+    )
+    model = Model()
+    runner = model.runner()
+    table = _table(2)
+    runner.run(_decode([10, 20], table), *_qkv(model.spec, 2, seed=0))
+    runner.run(_decode([11, 21], table), *_qkv(model.spec, 2, seed=1))  # the same splits
+    with pytest.raises(NpuOpError, match=r"workspace of \d+ bytes, this call needs"):
+        runner.run(_decode([300, 400], table), *_qkv(model.spec, 2, seed=2))
+
+
+class WrapperOrderRunner(GraphRunner):
+    """vllm-ascend's ACLGraphWrapper order: synchronize, replay (each FIA task waits on its
+    event), then update the tasks and record their events (update_attn_params)."""
+
+    def run(self, batch: BatchMetadata, *inputs: torch.Tensor) -> Any:
+        desc = self.descriptor(batch)
+        assert not isinstance(desc, str)
+        padded = pad_batch(batch, desc, self.width)
+        step_batch = self.batch_buffers.load(padded, causal=batch.causal)
+        static = self.input_buffers.load(inputs, padded.num_real_tokens, desc.num_tokens)
+        entry = self.graphs.get(desc)
+        if entry is None:  # the capture as the runner makes it, with its first update
+            del static
+            return super().run(batch, *inputs)
+        npu = self.adaptor.npu
+        npu.synchronize()
+        entry.graph.graph.replay()
+        stream = self.adaptor.update_stream
+        with npu.stream(stream):
+            self.builder.update_graph_params(entry.meta, step_batch, stream)
+        return entry.graph.output[: padded.num_real_tokens]
+
+
+def test_vllm_ascends_order_replay_then_update_is_accepted() -> None:
+    # the replay's captured waits hold each FIA task until the update after it records the
+    # event; the emulation raised "nothing recorded" at the replay instead
+    model = Model()
+    runner = WrapperOrderRunner(
+        model.backend,
+        model.step,
+        capture_sizes=[4],
+        max_blocks_per_req=4,
+        kv_caches=model.caches,
+    )
+    table = _table(3)
+    for i, seqs in enumerate(([100, 250, 7], [101, 251, 8], [102, 252, 9])):
+        batch = _decode(seqs, table)
+        q, k, v = _qkv(model.spec, 3, seed=i)
+        model.check(runner.run(batch, q, k, v).clone(), batch, q, f"step {i}")
+
+
+def test_an_update_of_a_task_the_blocked_replay_already_ran_is_refused() -> None:
+    model = Model()
+    runner = model.runner()
+    table = _table(2)
+    runner.run(_decode([10, 20], table), *_qkv(model.spec, 2, seed=0))
+    entry = next(iter(runner.graphs.values()))
+    first, second = entry.meta.graph.tasks
+    npu_graph.synchronize()
+    entry.graph.graph.replay()  # blocked at the first layer's wait
+    stream = runner.adaptor.update_stream
+    with npu_graph.stream(stream):
+        first.event.record(stream)  # released without its update: runs the first task
+        with pytest.raises(NpuGraphError, match="already passed"):
+            npu_graph.graph_task_update_begin(stream, first.handle)
+        second.event.record(stream)

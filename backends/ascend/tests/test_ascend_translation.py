@@ -379,13 +379,56 @@ def test_cross_attention_reads_the_encoder_keys_from_the_cache() -> None:
     h.assert_matches_reference(st, out)
 
 
-def test_forward_without_keys_is_refused_for_non_causal_attention() -> None:
-    st = h.step([(5, 5)], h.spec(attn_type=AttentionType.ENCODER_ONLY))
+@pytest.mark.parametrize(
+    ("spec_changes", "causal"),
+    [(dict(attn_type=AttentionType.ENCODER_ONLY), None), (dict(), False)],
+    ids=["encoder_only", "decoder step with causal=False"],
+)
+def test_forward_without_keys_after_write_kv_reads_a_non_causal_steps_keys_from_the_cache(
+    spec_changes: dict[str, object], causal: bool | None
+) -> None:
+    # issue 23, item 6: this call was refused ("key and value must be given"); torch computes it
+    st = h.step([(5, 5), (3, 3)], h.spec(**spec_changes), causal=causal)
     meta = st.backend.metadata_builder().build(st.batch)
-    before = st.cache.clone()
-    with pytest.raises(InvalidInputError, match="key and value must be given"):
-        st.backend.impl().forward(st.query, None, None, st.cache, meta)
-    assert st.cache.equal(before)
+    impl = st.backend.impl()
+    impl.write_kv(st.key, st.value, st.cache, meta=meta)
+    with emulator.record_calls() as calls:
+        out = impl.forward(st.query, None, None, st.cache, meta)
+    assert [c.name for c in calls] == [FA]  # the keys gathered back, no second write
+    assert _only(calls, FA).args[1].shape[0] == 8
+    h.assert_matches_reference(st, out)
+
+
+@pytest.mark.parametrize(
+    ("spec_changes", "causal", "requests"),
+    [
+        (dict(use_sinks=True), False, [(4, 4)]),  # issue 23, item 1's step
+        (dict(use_sinks=True), False, [(3, 9), (1, 130), (5, 5)]),  # with context
+        (dict(use_sinks=True, attn_type=AttentionType.ENCODER_ONLY), None, [(5, 5), (2, 2)]),
+        (
+            dict(use_sinks=True, attn_type=AttentionType.ENCODER_ONLY, dtype=torch.float16),
+            None,
+            [(5, 5)],
+        ),
+    ],
+    ids=["decoder non-causal", "decoder non-causal with context", "encoder_only", "fp16 encoder"],
+)
+def test_sinks_of_a_non_causal_step_reach_npu_fusion_attention(
+    spec_changes: dict[str, object], causal: bool | None, requests: list[tuple[int, int]]
+) -> None:
+    # issue 23, item 1: the sink was dropped on non-causal steps (error 0.99 vs the reference)
+    st = h.step(requests, h.spec(**spec_changes), causal=causal)
+    with emulator.record_calls() as calls:
+        out = h.forward(st)
+    sink = _only(calls, FA).kwargs["sink"]
+    assert sink.dtype == torch.float32 and torch.equal(sink, st.sinks)
+    h.assert_matches_reference(st, out)
+
+
+def test_npu_fusion_attention_gets_no_sink_argument_without_sinks() -> None:
+    # older torch_npu (before 7.3.0) has no `sink` parameter: it is passed only with sinks
+    _, calls = _calls(h.step([(5, 5)], h.spec(attn_type=AttentionType.ENCODER_ONLY)))
+    assert "sink" not in _only(calls, FA).kwargs
 
 
 def test_pre_tokens_default_is_unbounded_without_a_window() -> None:

@@ -1,0 +1,353 @@
+"""Every call form of the Ascend callers that reaches an op attnhub emulates, replayed against the
+emulator (and its graph API) in the caller's exact form: its keywords, its positional
+arguments, its value kinds (lists, numpy arrays, padded lists), its order of graph calls.
+
+The evidence (``shared/callers/``, each a vendor file flattened to one line):
+  - ``vllm-ascend-aclgraph-wrapper.txt`` ("the wrapper"): vllm-ascend's ACL graph wrapper and
+    its per-step parameter updates: ``_update_attn_fia_params`` (FIA ``.out`` with
+    ``workspace=graph_params.workspaces.get(runtime_shape)``, sparse_mode 3),
+    ``update_attn_dcp_pcp_params`` (FIA ``.out``, numpy KV lengths padded with zeros, query
+    ends padded by repeating the last), ``update_mla_attn_params`` (FIA ``.out`` with
+    ``query_rope``/``key_rope``), and ``ACLGraphWrapper.__call__``'s order: ``synchronize``,
+    ``replay``, then the updates, each ending with ``event.record(update_stream)``;
+  - ``ascend-vllm-attention-backend.txt`` ("the backend"): an Ascend vLLM backend's
+    ``npu_fusion_attention`` calls (TND prefill with a full bool mask, sparse_mode 0; BSND
+    chunked prefill per request with a 3-D mask);
+  - ``infinicore-ascend-op-cache-attn-pr.txt`` (InfiniCore): ATB ``ReshapeAndCache`` takes int32
+    slots ("ATB ReshapeAndCacheParam requires int32 slot_mapping"; its int64 path casts first).
+
+Not replayed, as attnhub emulates none of these ops: ``npu_incre_flash_attention`` (the
+backend's decode), ``_npu_paged_attention`` / ``_npu_paged_attention_get_workspace`` and
+``torch_npu.atb.npu_multi_head_latent_attention`` (the wrapper's PA and MLA-DCP updates). The
+MLA FIA form reaches FIA with ``query_rope``: valid, and refused as not emulated (never as a
+vendor error). Each replay is checked against ``attnhub.reference``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from attnhub_ascend import emulator, npu_graph
+from attnhub_ascend.emulator import NotEmulatedError, NpuOpError
+
+from attnhub import reference, testing
+
+FIA_OUT = emulator.npu_fused_infer_attention_score.out
+MAX_WS = emulator._npu_fused_infer_attention_score_get_max_workspace
+INT_MAX = 2147483647
+H, KV_H, D, BS = 4, 2, 64, 128
+SCALE = D**-0.5
+
+#: The keywords of each FIA call, exactly as the wrapper passes them.
+WRAPPER_FIA_UPDATE = {
+    "query", "key", "value", "block_table", "atten_mask", "input_layout", "block_size",
+    "actual_seq_lengths", "actual_seq_lengths_kv", "num_key_value_heads", "num_heads", "scale",
+    "sparse_mode", "workspace", "out",
+}  # fmt: skip
+WRAPPER_DCP_UPDATE = {
+    "num_heads", "num_key_value_heads", "input_layout", "atten_mask", "scale", "antiquant_mode",
+    "antiquant_scale", "softmax_lse_flag", "block_table", "block_size", "actual_seq_lengths_kv",
+    "actual_seq_lengths", "workspace", "out",
+}  # fmt: skip
+BACKEND_FA_PREFILL = {
+    "head_num", "input_layout", "scale", "sparse_mode", "atten_mask", "pre_tockens",
+    "next_tockens", "actual_seq_qlen", "actual_seq_kvlen",
+}  # fmt: skip
+BACKEND_FA_CHUNK = {
+    "head_num", "input_layout", "scale", "sparse_mode", "atten_mask", "pre_tockens",
+    "next_tockens",
+}  # fmt: skip
+
+
+class Paged:
+    """A paged cache of random keys/values, (nb, bs, KV_H*D) views as vllm-ascend passes them."""
+
+    def __init__(self, num_blocks: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+        g = testing.generator(seed)
+        self.key = torch.randn(num_blocks, BS, KV_H, D, generator=g).to(dtype)
+        self.value = torch.randn(num_blocks, BS, KV_H, D, generator=g).to(dtype)
+        self.key_view = self.key.view(num_blocks, BS, -1)
+        self.value_view = self.value.view(num_blocks, BS, -1)
+
+    def keys(self, table_row: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(n)
+        slots = table_row.long()[pos // BS] * BS + pos % BS
+        return (
+            self.key.view(-1, KV_H, D)[slots],
+            self.value.view(-1, KV_H, D)[slots],
+        )
+
+
+def _want(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    out, _ = reference.attention(q, k, v, scale=SCALE, causal=causal)
+    return out
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    err = (got.double() - want).abs().max().item()
+    assert err < 2e-2, f"{what}: max error {err}"
+
+
+def _keywords(calls: list[Any], name: str) -> list[set[str]]:
+    return [set(c.kwargs) for c in calls if c.name == name]
+
+
+# --- the wrapper: FIA updates and their order ----------------------------------------------------
+
+
+def test_the_wrappers_fia_update_in_its_order_replay_then_update() -> None:
+    """``_update_attn_fia_params`` after ``synchronize(); replay()``, with the capture made as
+    vllm-ascend's full-graph FIA path makes it (wait, reset, task group, one max workspace per
+    runtime shape)."""
+    npu = npu_graph
+    cache = Paged(8)
+    runtime_shape = 3  # three one-token requests
+    block_tables = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    attn_mask = emulator.compressed_causal_mask()
+    query = torch.randn(runtime_shape, H, D, generator=testing.generator(1)).bfloat16()
+    attn_output = torch.empty_like(query)
+    softmax_lse = torch.empty(1, dtype=query.dtype)  # vllm-ascend's reserved LSE
+    workspaces: dict[int, torch.Tensor] = {}
+    common: dict[str, Any] = dict(
+        block_table=block_tables,
+        atten_mask=attn_mask,
+        input_layout="TND",
+        block_size=BS,
+        num_key_value_heads=KV_H,
+        num_heads=H,
+        scale=SCALE,
+        sparse_mode=3,
+    )
+    capture_lists = dict(actual_seq_lengths=[1, 2, 3], actual_seq_lengths_kv=[5, 6, 7])
+    g = npu.NPUGraph()
+    event = npu.ExternalEvent()
+    with npu.graph(g, pool=npu.graph_pool_handle()):
+        stream = npu.current_stream()
+        event.wait(stream)
+        event.reset(stream)
+        workspaces[runtime_shape] = MAX_WS(
+            query, cache.key_view, cache.value_view, **common, **capture_lists
+        )
+        npu.graph_task_group_begin(stream)
+        FIA_OUT(
+            query,
+            cache.key_view,
+            cache.value_view,
+            **common,
+            **capture_lists,
+            workspace=workspaces[runtime_shape],
+            out=[attn_output, softmax_lse],
+        )
+        handle = npu.graph_task_group_end(stream)
+    update_stream = npu.Stream()
+    for step, seq_lens in enumerate(([10, 200, 7], [11, 201, 8], [130, 250, 9])):
+        query_start_loc = [1, 2, 3]
+        with emulator.record_calls() as calls:
+            npu.synchronize()
+            g.replay()  # blocks on the event until the update below records it
+            with npu.stream(update_stream):
+                npu.graph_task_update_begin(update_stream, handle)
+                FIA_OUT(
+                    query=query,
+                    key=cache.key_view,
+                    value=cache.value_view,
+                    block_table=block_tables,
+                    atten_mask=attn_mask,
+                    input_layout="TND",
+                    block_size=BS,
+                    actual_seq_lengths=query_start_loc,
+                    actual_seq_lengths_kv=seq_lens,
+                    num_key_value_heads=KV_H,
+                    num_heads=H,
+                    scale=SCALE,
+                    sparse_mode=3,
+                    workspace=workspaces.get(runtime_shape),
+                    out=[attn_output, softmax_lse],
+                )
+                npu.graph_task_update_end(update_stream)
+                event.record(update_stream)
+        assert _keywords(calls, "npu_fused_infer_attention_score.out")[0] == WRAPPER_FIA_UPDATE
+        for b, n in enumerate(seq_lens):
+            k, v = cache.keys(block_tables[b], n)
+            _close(attn_output[b : b + 1], _want(query[b : b + 1], k, v, True), f"step {step}")
+
+
+def test_the_wrappers_dcp_update_numpy_kv_lengths_and_repeated_query_ends() -> None:
+    """``update_attn_dcp_pcp_params``: KV lengths a numpy array padded with zeros, query ends
+    padded by repeating the last over a query of the runtime shape, no mask (sparse_mode 0),
+    the LSE flag set."""
+    cache = Paged(8)
+    runtime_shape, num_decodes = 4, 2
+    q_nope = torch.randn(runtime_shape, H, D, generator=testing.generator(2)).bfloat16()
+    block_table = torch.tensor([[0, 1], [2, 3], [0, 0], [0, 0]], dtype=torch.int32)
+    actual_seq_lengths_kv = np.array([9, 140], dtype=np.int32)
+    pad_length = runtime_shape - len(actual_seq_lengths_kv)
+    pad_tensor = np.zeros(pad_length, dtype=actual_seq_lengths_kv.dtype)
+    actual_seq_lengths_kv = np.concatenate([actual_seq_lengths_kv, pad_tensor])
+    actual_seq_lengths_q = [1, 2][:num_decodes]
+    actual_seq_lengths_q = actual_seq_lengths_q + [actual_seq_lengths_q[-1]] * (
+        runtime_shape - len(actual_seq_lengths_q)
+    )
+    attn_out = torch.empty_like(q_nope)
+    attn_lse = torch.empty((runtime_shape, H, 1), dtype=torch.float)
+    kwargs: dict[str, Any] = dict(
+        num_heads=H,
+        num_key_value_heads=KV_H,
+        input_layout="TND",
+        atten_mask=None,
+        scale=SCALE,
+        antiquant_mode=0,
+        antiquant_scale=None,
+        softmax_lse_flag=True,
+        block_table=block_table,
+        block_size=BS,
+        actual_seq_lengths_kv=actual_seq_lengths_kv,
+        actual_seq_lengths=actual_seq_lengths_q,
+    )
+    workspace = MAX_WS(q_nope, cache.key_view, cache.value_view, **kwargs)
+    with emulator.record_calls() as calls:
+        FIA_OUT(
+            q_nope,
+            cache.key_view,
+            cache.value_view,
+            num_heads=H,
+            num_key_value_heads=KV_H,
+            input_layout="TND",
+            atten_mask=None,
+            scale=SCALE,
+            antiquant_mode=0,
+            antiquant_scale=None,
+            softmax_lse_flag=True,
+            block_table=block_table,
+            block_size=BS,
+            actual_seq_lengths_kv=actual_seq_lengths_kv,
+            actual_seq_lengths=actual_seq_lengths_q,
+            workspace=workspace,
+            out=[attn_out, attn_lse],
+        )
+    assert _keywords(calls, "npu_fused_infer_attention_score.out")[0] == WRAPPER_DCP_UPDATE
+    for b in range(num_decodes):
+        k, v = cache.keys(block_table[b], int(actual_seq_lengths_kv[b]))
+        want, lse = reference.attention(q_nope[b : b + 1], k, v, scale=SCALE, causal=False)
+        _close(attn_out[b : b + 1], want, f"decode {b}")
+        assert torch.allclose(attn_lse[b, :, 0].double(), lse[:, 0], atol=1e-3)
+    # the rows past the last query end belong to no request: nothing a caller may read
+    assert attn_out[num_decodes:].isnan().all()
+
+
+def test_the_wrappers_mla_update_is_valid_but_not_emulated() -> None:
+    # update_mla_attn_params: q_nope, k_nope, k_nope with query_rope / key_rope (MLA)
+    cache = Paged(2)
+    q = torch.randn(2, H, D).bfloat16()
+    with pytest.raises(NotEmulatedError, match="query_rope"):
+        FIA_OUT(
+            q,
+            cache.key_view,
+            cache.key_view,
+            query_rope=torch.randn(2, H, 64).bfloat16(),
+            key_rope=torch.randn(2, BS, 64).bfloat16(),
+            num_heads=H,
+            num_key_value_heads=KV_H,
+            input_layout="TND",
+            atten_mask=None,
+            sparse_mode=0,
+            scale=SCALE,
+            antiquant_mode=0,
+            antiquant_scale=None,
+            block_table=torch.zeros(2, 1, dtype=torch.int32),
+            block_size=BS,
+            actual_seq_lengths_kv=[3, 4],
+            actual_seq_lengths=[1, 2],
+            workspace=None,
+            out=[torch.empty_like(q), torch.empty(1)],
+        )
+
+
+# --- an Ascend vLLM backend's npu_fusion_attention calls -----------------------------------------
+
+
+def test_the_backends_prefill_without_cache_tnd_with_a_full_bool_mask() -> None:
+    """``_forward_prefill_no_cache``: TND, sparse_mode=0, atten_mask = ones(max_seq, max_seq)
+    .triu_(1) (bool), pre_tockens=2147483647, next_tockens=0, cumulative lengths."""
+    g = testing.generator(3)
+    seq_lens = [5, 9, 2]
+    num_tokens = sum(seq_lens)
+    query = torch.randn(num_tokens + 2, H, D, generator=g).half()  # 2 padding rows after
+    key = torch.randn(num_tokens + 2, KV_H, D, generator=g).half()
+    value = torch.randn(num_tokens + 2, KV_H, D, generator=g).half()
+    max_seq = max(seq_lens)
+    attn_mask = torch.ones(max_seq, max_seq, dtype=torch.bool).triu_(diagonal=1)
+    cum_seq_len = np.cumsum(seq_lens).tolist()
+    with emulator.record_calls() as calls:
+        attn_out = emulator.npu_fusion_attention(
+            query[:num_tokens],
+            key[:num_tokens],
+            value[:num_tokens],
+            head_num=H,
+            input_layout="TND",
+            scale=SCALE,
+            sparse_mode=0,
+            atten_mask=attn_mask,
+            pre_tockens=2147483647,
+            next_tockens=0,
+            actual_seq_qlen=cum_seq_len,
+            actual_seq_kvlen=cum_seq_len,
+        )
+    assert _keywords(calls, "npu_fusion_attention")[0] == BACKEND_FA_PREFILL
+    start = 0
+    for n in seq_lens:
+        rows = slice(start, start + n)
+        _close(attn_out[0][rows], _want(query[rows], key[rows], value[rows], True), f"len {n}")
+        start += n
+
+
+@pytest.mark.parametrize("context", [True, False], ids=["gathered context", "no context"])
+def test_the_backends_chunked_prefill_bsnd_with_a_3d_mask(context: bool) -> None:
+    """``_forward_chunked_prefill``, per request: BSND (``unsqueeze(0)``), sparse_mode=0,
+    atten_mask = ``ones(q_len, kv_len).triu_(kv_len - q_len + 1).unsqueeze(0)`` (3-D bool),
+    pre_tockens = kv_len (q_len without context), next_tockens=0."""
+    g = testing.generator(4)
+    q_len, kv_len = (3, 140) if context else (6, 6)
+    q = torch.randn(q_len, H, D, generator=g).bfloat16()
+    gathered_k = torch.randn(kv_len, KV_H, D, generator=g).bfloat16()
+    gathered_v = torch.randn(kv_len, KV_H, D, generator=g).bfloat16()
+    causal_mask = torch.ones(q_len, kv_len, dtype=torch.bool).triu_(diagonal=kv_len - q_len + 1)
+    with emulator.record_calls() as calls:
+        attn_out = emulator.npu_fusion_attention(
+            q.unsqueeze(0),
+            gathered_k.unsqueeze(0),
+            gathered_v.unsqueeze(0),
+            head_num=H,
+            input_layout="BSND",
+            scale=SCALE,
+            sparse_mode=0,
+            atten_mask=causal_mask.unsqueeze(0),
+            pre_tockens=kv_len,
+            next_tockens=0,
+        )
+    assert _keywords(calls, "npu_fusion_attention")[0] == BACKEND_FA_CHUNK
+    assert attn_out[0].shape == (1, q_len, H, D)
+    _close(attn_out[0].squeeze(0), _want(q, gathered_k, gathered_v, True), "chunk")
+
+
+# --- InfiniCore: ATB ReshapeAndCache -------------------------------------------------------------
+
+
+def test_reshape_and_cache_takes_the_int32_slots_infinicore_casts_to() -> None:
+    # "ATB ReshapeAndCacheParam requires int32 slot_mapping": int64 is cast on the stream first
+    cache = Paged(2, dtype=torch.float16)
+    key = torch.randn(3, KV_H, D).half()
+    value = torch.randn(3, KV_H, D).half()
+    slots = torch.tensor([5, -1, 130], dtype=torch.int64)
+    before = cache.key.clone()
+    with pytest.raises(NpuOpError, match="int32"):
+        emulator._npu_reshape_and_cache(key, value, cache.key, cache.value, slots)
+    assert torch.equal(cache.key, before)
+    emulator._npu_reshape_and_cache(key, value, cache.key, cache.value, slots.to(torch.int32))
+    flat = cache.key.view(-1, KV_H, D)
+    assert torch.equal(flat[5], key[0]) and torch.equal(flat[130], key[2])
+    assert math.isfinite(float(cache.value.float().sum()))
