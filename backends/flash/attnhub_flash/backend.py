@@ -317,16 +317,8 @@ class FlashBackend(AttentionBackend):
             ]
         if spec.kv_cache_dtype == FP8_KV and FP8_KV in cls.capabilities.kv_cache_dtypes:
             reasons += _fp8_refusals(cls.provider, spec)
-        if cls.provider == "vllm-fa3" and spec.use_sinks and spec.num_heads > S_AUX_MAX_HEADS:
-            reasons.append(
-                Refusal(
-                    f"use_sinks with num_heads {spec.num_heads} is not supported (provider "
-                    f"vllm-fa3: the fork's FA3 takes s_aux sinks with at most {S_AUX_MAX_HEADS} "
-                    "query heads: 'We only support query heads <= 64 with S aux')",
-                    field="num_heads",
-                    value=spec.num_heads,
-                )
-            )
+        if cls.provider == "vllm-fa3" and spec.use_sinks:
+            reasons += _s_aux_refusals(spec)
         if cls.provider == "fa4" and not any(r.field == "head_size" for r in reasons):
             reasons += _fa4_refusals(spec, ops.fa4_arch())
         return reasons
@@ -369,6 +361,37 @@ class FlashBackend(AttentionBackend):
         self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
     ) -> FlashAttentionImpl:
         return FlashAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+def _s_aux_refusals(spec: AttentionSpec) -> list[Refusal]:
+    """The fork's FA3 with s_aux sinks [source: the fork's hopper/flash_api.cpp]: at most 64
+    query heads, and the sinks in bf16 only. vLLM passes the layer's sinks in the model's dtype
+    (gpt-oss makes them under the model's default dtype), so only bf16 models run sinks there;
+    an fp16 model's sinks would lose precision beyond fp16's tolerance in the conversion, so
+    attnhub refuses that pairing rather than round them."""
+    reasons = []
+    if spec.num_heads > S_AUX_MAX_HEADS:
+        reasons.append(
+            Refusal(
+                f"use_sinks with num_heads {spec.num_heads} is not supported (provider "
+                f"vllm-fa3: the fork's FA3 takes s_aux sinks with at most {S_AUX_MAX_HEADS} "
+                "query heads: 'We only support query heads <= 64 with S aux')",
+                field="num_heads",
+                value=spec.num_heads,
+            )
+        )
+    if spec.dtype != torch.bfloat16:
+        reasons.append(
+            Refusal(
+                f"use_sinks with dtype {spec.dtype} is not supported (provider vllm-fa3: the "
+                "fork's FA3 reads s_aux in bf16 only, 'We only support bf16 dtype for S aux.', "
+                "and bf16 sink logits err beyond a float16 model's tolerance)",
+                field="dtype",
+                value=spec.dtype,
+                supported=frozenset({torch.bfloat16}),
+            )
+        )
+    return reasons
 
 
 def fa4_tile_n(arch: int, head_size: int, *, causal: bool, local: bool) -> int:
@@ -1065,8 +1088,8 @@ def merge_attn_states(
 ) -> None:
     """Two partial attentions over disjoint keys as one (vLLM's ``merge_attn_states``):
     m = max(l1, l2); w_i = exp(l_i - m); out = (w1 o1 + w2 o2) / (w1 + w2). A non-finite LSE
-    is an empty part (+inf for FA2/FA3 and vLLM's fork, -inf for FA4): weight 0; both empty
-    give 0. Device ops only: no host read."""
+    is an empty part (+inf for FA2 and the fork's FA2, -inf for FA3, the fork's FA3 and FA4):
+    weight 0; both empty give 0. Device ops only: no host read."""
     l1, l2 = lse1.t().unsqueeze(-1), lse2.t().unsqueeze(-1)  # [n, H, 1]
     ok1, ok2 = torch.isfinite(l1), torch.isfinite(l2)
     zero = torch.zeros_like(l1)

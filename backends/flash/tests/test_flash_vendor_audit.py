@@ -172,6 +172,15 @@ def test_vllm_fa3_refuses_sinks_with_more_than_64_query_heads() -> None:
     assert not FlashFA4Backend.unsupported_reasons(h.spec("fa4", num_heads=72, use_sinks=True))
 
 
+def test_vllm_fa3_runs_sinks_with_bf16_models_only() -> None:
+    # s_aux is read in bf16 only; vLLM passes sinks in the model's dtype
+    fp16 = h.spec("vllm-fa3", dtype=torch.float16, use_sinks=True)
+    reasons = FlashVllmFA3Backend.unsupported_reasons(fp16)
+    assert any("bf16 dtype for S aux" in r and r.field == "dtype" for r in reasons), reasons
+    assert not FlashVllmFA3Backend.unsupported_reasons(dataclasses.replace(fp16, use_sinks=False))
+    assert not FlashVllmFA3Backend.unsupported_reasons(h.spec("vllm-fa3", use_sinks=True))
+
+
 def test_the_forks_fa3_takes_s_aux_as_its_flash_api_checks_it() -> None:
     sinks = torch.tensor([0.5, -1.0])
     _, lse = _fork([1], [5], fa_version=3, s_aux=sinks.bfloat16())
