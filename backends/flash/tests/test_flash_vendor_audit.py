@@ -398,3 +398,28 @@ def test_length_tensors_are_checked_with_is_contiguous() -> None:
             cache_seqlens=two,
             **{**call, "page_table": table2, "cu_seqlens_q": _cu([2, 2])},
         )
+
+
+@pytest.mark.parametrize("provider", h.PROVIDERS)
+@pytest.mark.parametrize("name", ["query_start_loc", "seq_lens", "block_table", "slot_mapping"])
+def test_strided_integer_metadata_reaches_no_kernel_and_no_write_is_half_done(
+    provider: str, name: str
+) -> None:
+    st = h.step([(3, 40), (1, 9), (2, 2)], provider, padding=1)
+    value = getattr(st.batch, name)
+    if value.dim() == 1:
+        strided = _strided(value)
+    else:  # every other column of a wider table
+        strided = torch.full((value.shape[0], 2 * value.shape[1]), -7, dtype=value.dtype)[:, ::2]
+        strided.copy_(value)
+    assert torch.equal(strided, value) and not strided.is_contiguous()
+    st.batch = dataclasses.replace(st.batch, **{name: strided})
+    before = (st.cache.key.clone(), st.cache.value.clone())
+    try:
+        out = h.forward(st)
+    except FlashOpError as exc:  # an untyped refusal, and where it came
+        changed = not (
+            torch.equal(before[0], st.cache.key) and torch.equal(before[1], st.cache.value)
+        )
+        pytest.fail(f"{name}: {exc} (cache changed: {changed})")
+    h.assert_matches_reference(st, out)
