@@ -64,6 +64,18 @@ class Source:
     max_why: str | None = None
 
 
+#: The functions the backend calls in each module: a module that imports without them is not
+#: the provider (flash-attn-4 installs ``flash_attn/cute`` under a namespace ``flash_attn``
+#: without FA2's functions).
+FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "vllm.vllm_flash_attn": ("flash_attn_varlen_func",),
+    "vllm._custom_ops": ("reshape_and_cache_flash",),
+    "flash_attn": ("flash_attn_varlen_func", "flash_attn_with_kvcache"),
+    "flash_attn_interface": ("flash_attn_with_kvcache",),
+    "flash_attn.cute": ("flash_attn_varlen_func",),
+}
+
+
 SOURCES: dict[str, Source] = {
     "vllm": Source("vllm.vllm_flash_attn", "vllm._custom_ops", "vllm", 8, None),
     # vLLM's _is_fa3_supported: "FA3 is only supported on devices with compute capability 9.x"
@@ -165,7 +177,10 @@ def unavailable_reason(provider: str, device: torch.device | str, emulate: bool)
             if module is None:
                 continue
             found, error = _import(module)
-            if found is None:
+            missing = [f for f in FUNCTIONS[module] if found is not None and not hasattr(found, f)]
+            if missing:
+                error = f"it has no {', '.join(missing)} (another package's {module}?)"
+            if found is None or missing:
                 return (
                     f"provider {provider!r}: {module} is not importable (pip install "
                     f"{src.distribution}): {error}; set {ENV} to another provider, or on a "

@@ -80,14 +80,12 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
     the compute capability the test sets (``gpu(major, minor)``), and the vLLM fork's
     ``fa_version_unsupported_reason`` is the test's ``gpu.probe``."""
     state: dict[str, Any] = {"capability": (9, 0)}
-    fork = types.SimpleNamespace()
     modules = {
-        "vllm.vllm_flash_attn": fork,
-        "vllm._custom_ops": types.SimpleNamespace(),
-        "flash_attn": types.SimpleNamespace(),
-        "flash_attn_interface": types.SimpleNamespace(),
-        "flash_attn.cute": types.SimpleNamespace(),
+        module: types.SimpleNamespace(**dict.fromkeys(functions, print))
+        for module, functions in ops.FUNCTIONS.items()
     }
+    fork = modules["vllm.vllm_flash_attn"]
+    fork.fa_version_unsupported_reason = lambda fa_version: None
     monkeypatch.setattr(ops, "_import", lambda module: (modules[module], None))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: state["capability"])
@@ -101,6 +99,14 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 # --- 12: vllm-fa3's availability asks vLLM 0.32's one-argument probe --------------------------
+
+
+def test_a_module_without_the_providers_functions_is_not_the_provider(gpu: Any) -> None:
+    # flash-attn-4 alone: flash_attn is a namespace package holding only cute/
+    del ops._import("flash_attn")[0].flash_attn_varlen_func
+    why = h.BACKENDS["fa2"].availability("cuda:0")
+    assert why is not None and "no flash_attn_varlen_func" in why and "flash-attn" in why
+    assert h.BACKENDS["fa4"].availability("cuda:0") is None
 
 
 def test_vllm_fa3_availability_calls_vllm_032s_one_argument_probe(gpu: Any) -> None:
