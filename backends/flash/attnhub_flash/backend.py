@@ -43,7 +43,7 @@ from attnhub.backend import (
 )
 from attnhub.batch import BatchMetadata, as_contiguous
 from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
-from attnhub.errors import InvalidInputError
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kv_cache import PagedKVCache
 from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import AttentionSpec, AttentionType
@@ -59,6 +59,11 @@ CascadePolicy = Literal["auto", "always", "never"]
 #: FA3's ``num_splits``: 0 = the kernel's own split-KV heuristic, what vLLM passes outside full
 #: CUDA graphs (it must be the same in get_scheduler_metadata and the attention call).
 NUM_SPLITS = 0
+#: Upstream FA2's paged block sizes: "Paged KV cache block size must be divisible by 256"
+FA2_PAGE_MULTIPLE = 256
+#: vLLM's fork, FA3 with s_aux: "We only support query heads <= 64 with S aux", and
+#: "We only support bf16 dtype for S aux." [source: the fork's hopper/flash_api.cpp]
+S_AUX_MAX_HEADS = 64
 HALF = frozenset({torch.float16, torch.bfloat16})
 ALL_TYPES = frozenset(AttentionType)
 FP8_KV = "fp8_e4m3"
@@ -122,8 +127,9 @@ CAPABILITIES: dict[str, Capabilities] = {
         sinks=False,
         priority={"cuda": 80},
     ),
-    # vLLM's fork with fa_version=3 (Hopper): s_aux sinks; no ALiBi [schema: the wrapper
-    # asserts alibi_slopes is None on FA3].
+    # vLLM's fork with fa_version=3 (Hopper): s_aux sinks, bf16, contiguous, at most 64 query
+    # heads [source: the fork's hopper/flash_api.cpp] (FlashBackend.unsupported_reasons);
+    # no ALiBi [schema: the wrapper asserts alibi_slopes is None on FA3].
     "vllm-fa3": _caps(
         max_head_size=256,
         head_size_multiple=8,
@@ -133,8 +139,10 @@ CAPABILITIES: dict[str, Capabilities] = {
         priority={"cuda": 85},
         **FA3_FP8,
     ),
-    # Upstream FA2: "page_block_size must be a multiple of 256" [doc]; head sizes up to 256,
-    # multiples of 8 (others are padded by the Python wrapper, which would copy the cache).
+    # Upstream FA2: "Paged KV cache block size must be divisible by 256" [source:
+    # flash_api.cpp]: any multiple of 256 is taken (FlashFA2Backend.unsupported_reasons);
+    # block_sizes lists the ones the conformance suite tries. Head sizes up to 256, multiples
+    # of 8 (others are padded by the Python wrapper, which would copy the cache).
     "fa2": _caps(
         max_head_size=256,
         head_size_multiple=8,
@@ -153,10 +161,13 @@ CAPABILITIES: dict[str, Capabilities] = {
         priority={"cuda": 90},
         **FA3_FP8,
     ),
-    # FA4: _validate_head_dims on SM100: 8..128 (multiples of 8 for 16-bit dtypes) or 256
-    # [schema]; any page size, 128 the TMA fast path [schema]; learnable_sink [schema].
+    # FA4: _validate_head_dims: SM90 8..256, SM100/110 8..128 or 256, multiples of 8 for
+    # 16-bit dtypes [source]: the union here, each GPU's own rule and the paged-KV head-dim
+    # rule in _fa4_refusals; any page size for head sizes that are multiples of 16, 128 the
+    # TMA fast path [schema]; learnable_sink [schema].
     "fa4": _caps(
-        head_sizes=frozenset([*range(8, 129, 8), 256]),
+        max_head_size=256,
+        head_size_multiple=8,
         alibi=False,
         sinks=True,
         priority={"cuda": 95},
@@ -191,7 +202,8 @@ _WHY: dict[str, dict[str, str]] = {
     },
     "fa4": {
         "alibi": "FA4 has no ALiBi (score_mod could express it; not done)",
-        "head_size": "FA4 on SM100 takes 8..128 in multiples of 8, or 256",
+        "head_size": "FA4 takes head sizes in multiples of 8 up to 256 (SM90), 8..128 or 256 "
+        "(SM100/110)",
         "kv_cache_dtype": "FA4's fp8 path is not used yet",
     },
 }
@@ -297,8 +309,18 @@ class FlashBackend(AttentionBackend):
             r.because(f"provider {cls.provider}: {why[r.field]}") if r.field in why else r
             for r in super().unsupported_reasons(spec)
         ]
+        if cls.provider == "fa2":  # any multiple of 256 [source]; block_sizes: the suite's
+            reasons = [
+                r
+                for r in reasons
+                if not (r.field == "block_size" and spec.block_size % FA2_PAGE_MULTIPLE == 0)
+            ]
         if spec.kv_cache_dtype == FP8_KV and FP8_KV in cls.capabilities.kv_cache_dtypes:
             reasons += _fp8_refusals(cls.provider, spec)
+        if cls.provider == "vllm-fa3" and spec.use_sinks:
+            reasons += _s_aux_refusals(spec)
+        if cls.provider == "fa4" and not any(r.field == "head_size" for r in reasons):
+            reasons += _fa4_refusals(spec, ops.fa4_arch())
         return reasons
 
     def __init__(
@@ -307,6 +329,26 @@ class FlashBackend(AttentionBackend):
         super().__init__(spec, device, emulate=emulate)
         #: The provider's modules (or the emulator's namespaces), resolved once per instance.
         self.ops = ops.resolve(self.provider, self.device, emulate)
+        if not self.ops.emulated:
+            self._check_native_gpu()
+
+    def _check_native_gpu(self) -> None:
+        """What the spec needs of this very GPU beyond the provider's own range: FA3's fp8
+        kernels exist only on 9.x ('FlashAttention on Ampere/Ada cards only supports fp16 and
+        bf16 data type' [source: hopper/flash_api.cpp]); FA4's rules per architecture read the
+        device (``unsupported_reasons`` read the current one)."""
+        major, minor = torch.cuda.get_device_capability(self.device)
+        reasons: list[str] = []
+        if self.spec.kv_cache_dtype == FP8_KV and major < 9:
+            reasons.append(
+                f"kv_cache_dtype {FP8_KV!r} needs compute capability 9.x (provider "
+                f"{self.provider}: FA3's fp8 kernels run on Hopper only); this GPU is "
+                f"{major}.{minor}"
+            )
+        if self.provider == "fa4":
+            reasons += _fa4_refusals(self.spec, ops.fa4_arch(self.device))
+        if reasons:
+            raise UnsupportedConfigurationError(self.name, reasons)
 
     def __repr__(self) -> str:
         mode = ", emulated" if self.emulated else ""
@@ -319,6 +361,92 @@ class FlashBackend(AttentionBackend):
         self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
     ) -> FlashAttentionImpl:
         return FlashAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+def _s_aux_refusals(spec: AttentionSpec) -> list[Refusal]:
+    """The fork's FA3 with s_aux sinks [source: the fork's hopper/flash_api.cpp]: at most 64
+    query heads, and the sinks in bf16 only. vLLM passes the layer's sinks in the model's dtype
+    (gpt-oss makes them under the model's default dtype), so only bf16 models run sinks there;
+    an fp16 model's sinks would lose precision beyond fp16's tolerance in the conversion, so
+    attnhub refuses that pairing rather than round them."""
+    reasons = []
+    if spec.num_heads > S_AUX_MAX_HEADS:
+        reasons.append(
+            Refusal(
+                f"use_sinks with num_heads {spec.num_heads} is not supported (provider "
+                f"vllm-fa3: the fork's FA3 takes s_aux sinks with at most {S_AUX_MAX_HEADS} "
+                "query heads: 'We only support query heads <= 64 with S aux')",
+                field="num_heads",
+                value=spec.num_heads,
+            )
+        )
+    if spec.dtype != torch.bfloat16:
+        reasons.append(
+            Refusal(
+                f"use_sinks with dtype {spec.dtype} is not supported (provider vllm-fa3: the "
+                "fork's FA3 reads s_aux in bf16 only, 'We only support bf16 dtype for S aux.', "
+                "and bf16 sink logits err beyond a float16 model's tolerance)",
+                field="dtype",
+                value=spec.dtype,
+                supported=frozenset({torch.bfloat16}),
+            )
+        )
+    return reasons
+
+
+def fa4_tile_n(arch: int, head_size: int, *, causal: bool, local: bool) -> int:
+    """The key tile (``tile_n``) FA4's forward picks for a head size (head_dim_v the same) on
+    ``arch`` [source: flash-attn-4 4.0.0b36 interface.py: ``FwdConfig(128, 128)`` by default
+    (SM100/110), ``_tile_size_fwd_sm90`` on SM90]: a paged cache whose page size is not this
+    tile is read without TMA, which FA4 refuses for head sizes that are not multiples of 16
+    ("Paged KV does not support irregular head dim", flash_fwd_sm90.py / flash_fwd_sm100.py).
+    ``local``: a window after ``_resolve_causal_local_window`` (causal alone is not local)."""
+    if arch // 10 != 9:
+        return 128
+    if head_size <= 64 or 96 < head_size <= 128:
+        return 128
+    if head_size <= 96:
+        return 128 if causal or local else 144
+    if head_size <= 192:
+        return 96 if local else 112
+    return 64 if local else 80
+
+
+def _fa4_refusals(spec: AttentionSpec, arch: int) -> list[Refusal]:
+    """What FA4 refuses of ``spec`` on ``arch`` beyond the declared union of head sizes:
+    ``_validate_head_dims`` per architecture, and paged KV with a head size that is not a
+    multiple of 16 unless the page size is FA4's key tile [source]. A step may be causal or
+    not (encoder types, ``causal=False`` steps, a cascade's prefix call), so where the tile
+    depends on it (SM90, head sizes 65..96 without a window) such head sizes are refused."""
+    hs, bs = spec.head_size, spec.block_size
+    name = f"SM{arch}"
+    if arch // 10 in (10, 11) and 128 < hs < 256:
+        return [
+            Refusal(
+                f"head_size {hs} is not supported on {name} (provider fa4: "
+                "_validate_head_dims: 8..128 in multiples of 8, or 256, on SM100/SM110)",
+                field="head_size",
+                value=hs,
+            )
+        ]
+    if hs % 16 == 0:
+        return []
+    local = spec.has_window
+    tiles = {fa4_tile_n(arch, hs, causal=c, local=local) for c in (True, False)}
+    if tiles == {bs}:
+        return []
+    want = " or ".join(str(t) for t in sorted(tiles))
+    return [
+        Refusal(
+            f"block_size {bs} with head_size {hs} is not supported on {name} (provider fa4: "
+            "paged KV with a head size that is not a multiple of 16 needs the page size to be "
+            f"FA4's key tile, here {want}{' depending on causality' if len(tiles) > 1 else ''}: "
+            "'Paged KV does not support irregular head dim')",
+            field="block_size",
+            value=bs,
+            supported=frozenset(tiles) if len(tiles) == 1 else None,
+        )
+    ]
 
 
 def _fp8_refusals(provider: str, spec: AttentionSpec) -> list[Refusal]:
@@ -441,9 +569,11 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             if blocks and causal and self._wants_cascade(batch, blocks * batch.block_size):
                 fields.update(self._cascade(batch, main, blocks))
         if self.backend.ops.cache_ops is not None:  # vLLM's fork
-            # reshape_and_cache_flash skips slot < 0 itself [schema]; int64 as vLLM passes it
-            slots = batch.slot_mapping
-            fields["slot_mapping"] = slots if slots.dtype == torch.int64 else slots.long()
+            # reshape_and_cache_flash skips slot < 0 itself [schema]; int64 as vLLM passes it,
+            # and dense: the kernel reads slot_mapping[i] through a raw pointer, with no
+            # stride check, so a strided view would write other slots [source:
+            # csrc/cache_kernels.cu]
+            fields["slot_mapping"] = as_contiguous(batch.slot_mapping, torch.int64)
         else:
             host = batch.host_slot_mapping()[:n].long()
             rows = torch.nonzero(host >= 0).flatten()
@@ -612,6 +742,13 @@ class FlashAttentionImpl(AttentionImpl):
         #: fp8: the descales last made (key scale, value scale, batch size, the descales),
         #: reused while the cache's scale tensors and the batch size are the same
         self._descales_made: tuple[Any, Any, int, dict[str, torch.Tensor]] | None = None
+        #: The sinks as the provider's kernel takes them, made once per layer: the fork's FA3
+        #: reads s_aux as bf16, contiguous ("We only support bf16 dtype for S aux."
+        #: [source: the fork's hopper/flash_api.cpp]); FA4's learnable_sink takes fp16, bf16
+        #: or fp32 and gets the layer's own.
+        self.kernel_sinks = self.sinks
+        if self.sinks is not None and backend.provider == "vllm-fa3":
+            self.kernel_sinks = self.sinks.to(torch.bfloat16).contiguous()
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, FlashAttentionMetadata) or meta.provider != self.backend.provider:
@@ -656,8 +793,8 @@ class FlashAttentionImpl(AttentionImpl):
         self.check_planes(cache)  # write_kv without a step: not checked by check_step
         if slot_mapping.shape[0] == 0:
             return
-        if self.backend.ops.cache_ops is not None:
-            self._reshape_and_cache(key, value, cache, slot_mapping.to(torch.int64))
+        if self.backend.ops.cache_ops is not None:  # dense int64, as plan makes it
+            self._reshape_and_cache(key, value, cache, as_contiguous(slot_mapping, torch.int64))
             return
         # write_kv without a step: the base class has checked these slots on the host already
         host = slot_mapping.cpu().long()
@@ -764,13 +901,14 @@ class FlashAttentionImpl(AttentionImpl):
         """One attention call of this provider over the paged cache. Writes ``out`` where
         the provider takes it (vLLM's fork); the result is returned either way."""
         provider = self.backend.provider
+        kernel_sinks = self.kernel_sinks if sinks else None
         if provider in ("vllm", "vllm-fa3"):
-            return self._vllm(q, cache, args, out, lse, self.sinks if sinks else None)
+            return self._vllm(q, cache, args, out, lse, kernel_sinks)
         if provider == "fa2":
             return self._fa2(q, cache, args, lse)
         if provider == "fa3":
             return self._fa3(q, cache, args, lse)
-        return self._fa4(q, cache, args, lse, self.sinks if sinks else None)
+        return self._fa4(q, cache, args, lse, kernel_sinks)
 
     def _descales(self, cache: PagedKVCache, a: KernelArgs) -> dict[str, torch.Tensor]:
         """fp8 calls: FA3's ``q/k/v_descale``, float32 (batch, num_kv_heads): the per-tensor
@@ -804,7 +942,7 @@ class FlashAttentionImpl(AttentionImpl):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # vLLM's fork: positional order differs from upstream, so keywords only [schema];
         # block_table needs seqused_k [schema]; out= written in place. fa_version=3 takes the
-        # sinks as s_aux, float32 (H,) [inferred: vLLM passes the layer's sinks as they are].
+        # sinks as s_aux, bf16 (H,) contiguous [source: the fork's flash_api.cpp].
         # The arguments every layer passes alike are made once per step (_vllm_step_kwargs);
         # the layer's own (ALiBi slopes, sinks, fp8 descales) are added here.
         step = a.step_kwargs.get(self.backend)
@@ -950,8 +1088,8 @@ def merge_attn_states(
 ) -> None:
     """Two partial attentions over disjoint keys as one (vLLM's ``merge_attn_states``):
     m = max(l1, l2); w_i = exp(l_i - m); out = (w1 o1 + w2 o2) / (w1 + w2). A non-finite LSE
-    is an empty part (+inf for FA2/FA3 and vLLM's fork, -inf for FA4): weight 0; both empty
-    give 0. Device ops only: no host read."""
+    is an empty part (+inf for FA2 and the fork's FA2, -inf for FA3, the fork's FA3 and FA4):
+    weight 0; both empty give 0. Device ops only: no host read."""
     l1, l2 = lse1.t().unsqueeze(-1), lse2.t().unsqueeze(-1)  # [n, H, 1]
     ok1, ok2 = torch.isfinite(l1), torch.isfinite(l2)
     zero = torch.zeros_like(l1)

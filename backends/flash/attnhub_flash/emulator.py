@@ -21,15 +21,22 @@ reading where they are silent; docs/backends/flash.md lists every one):
   - softcap after scaling (``cap * tanh(s / cap)``), then the ALiBi bias
     ``-slope * |i + Sk - Sq - j|`` [doc; their order inferred], then the mask.
   - a row that sees no key: output 0 [doc: "If the row of the mask is all zero, the output will
-    be zero"]; LSE +inf (FA2/FA3/vLLM) [inferred from flash-attn's tests], -inf for FA4 [schema:
-    ``lse.fill_(float("-inf"))`` for empty sequences]. LSE is the natural log, float32,
+    be zero"]; LSE +inf on FA2 and vLLM's ``fa_version=2``, -inf on FA3 (hopper, and vLLM's
+    ``fa_version=3``) and FA4 [source: FA2 flash_api.cpp / softmax.h, hopper softmax.h and
+    epilogue_fwd.hpp; FA4 ``lse.fill_(float("-inf"))``]. The fork's FA3 adds ``s_aux`` in
+    ``finalize_aux`` (a key-less row gets the sink alone) but stores a sequence without keys
+    by ``store_zero``, without the sink [source]. LSE is the natural log, float32,
     (nheads, total_q) for varlen calls and (batch, nheads, seqlen_q) for padded-batch queries.
   - FA4 ``learnable_sink``: one logit per query head joins the softmax denominator, unscaled,
     with no value [schema: ``apply_learnable_sink``].
   - paged K/V (NHD): (num_blocks, page_size, nheads_k, headdim), block table int32
     (batch, max_blocks); rules per provider on ``page_size`` (vLLM's fork: multiple of 16
-    [callers]; FA2: multiple of 256 [doc]; FA3: arbitrary [doc]; FA4: arbitrary, 128 fast
-    [schema]).
+    [callers]; FA2: multiple of 256 [source]; FA3: arbitrary [doc]; FA4: arbitrary for head
+    sizes that are multiples of 16, else its key tile only, per architecture [source]).
+  - FA4 models the architecture FA4 itself selects by (``FLASH_ATTENTION_ARCH``, else the GPU,
+    else SM100: ``attnhub_flash.ops.fa4_arch``).
+  - length tensors and slot mappings are checked with ``is_contiguous()`` (``CHECK_CONTIGUOUS``),
+    data tensors and tables with ``stride(-1) == 1``, as the library checks each.
 
 It is strict: a call the library rejects (wrong dtype, layout, a missing or doubled length
 argument, a block table that is not int32) raises :class:`FlashOpError`; a valid call that uses
@@ -51,6 +58,7 @@ from typing import Any, Optional, Union
 import torch
 
 from attnhub import emulation
+from attnhub_flash.ops import fa4_arch
 
 #: These functions stand in for the GPU: a host read made inside them is a read on the device,
 #: which attnhub's host-sync guard (the conformance suite's) allows.
@@ -116,14 +124,23 @@ def _not_emulated(op: str, **params: object) -> None:
             )
 
 
-def _tensor(op: str, name: str, t: object, dims: int, device: torch.device) -> torch.Tensor:
+def _tensor(
+    op: str, name: str, t: object, dims: int, device: torch.device, *, contiguous: bool = False
+) -> torch.Tensor:
+    """A tensor argument: its rank, device and layout. The layout check is the library's:
+    ``TORCH_CHECK(x.stride(-1) == 1)`` for data tensors, or with ``contiguous``
+    ``CHECK_CONTIGUOUS(x)`` (``x.is_contiguous()``, true for any tensor of at most one
+    element whatever its strides) for lengths and slots [source: flash_api.cpp]."""
     if not isinstance(t, torch.Tensor):
         raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
     if t.dim() != dims:
         raise _fail(op, f"{name} must be {dims}-D, got shape {list(t.shape)}")
     if t.device != device:
         raise _fail(op, f"{name} is on {t.device}, q on {device}")
-    if t.numel() and t.stride(-1) != 1:
+    if contiguous:
+        if not t.is_contiguous():
+            raise _fail(op, f"{name} must be contiguous, got strides {list(t.stride())}")
+    elif t.numel() and t.stride(-1) != 1:
         raise _fail(op, f"{name} must have contiguous last dimension")
     return t
 
@@ -131,8 +148,9 @@ def _tensor(op: str, name: str, t: object, dims: int, device: torch.device) -> t
 def _int32(
     op: str, name: str, t: object, shape: tuple[int, ...], device: torch.device
 ) -> list[int]:
-    """An int32 length tensor of ``shape``, read (on the 'device': this module is device code)."""
-    t = _tensor(op, name, t, len(shape), device)
+    """An int32 length tensor of ``shape`` (``CHECK_CONTIGUOUS``), read (on the 'device': this
+    module is device code)."""
+    t = _tensor(op, name, t, len(shape), device, contiguous=True)
     if t.dtype != torch.int32:
         raise _fail(op, f"{name} must have dtype int32, got {t.dtype}")
     if tuple(t.shape) != shape:
@@ -148,7 +166,13 @@ class _Rules:
     head_ok: Callable[[int], bool]
     head_rule: str
     page_multiple: int
+    #: the LSE of a row that sees no key: +inf on FA2 (``softmax_lse.fill_(infinity)`` and
+    #: ``Split ? -INFINITY : INFINITY`` in softmax.h), -inf on FA3 (hopper ``softmax.h``
+    #: ``finalize``, ``epilogue_fwd.hpp`` ``store_zero``) and FA4 [source]
     empty_lse: float
+    #: FA3 (hopper): a sequence with no key tile (seqlen_k = 0) is stored as zeros with LSE
+    #: -inf by ``store_zero``, without the sink (s_aux joins only in ``finalize_aux``) [source]
+    empty_sequence_drops_sink: bool = False
 
 
 def _check_qkv(
@@ -519,7 +543,7 @@ def _varlen_math(
             window=window,
             softcap=softcap,
             slopes=None if slopes is None else slopes[b],
-            sink=sink,
+            sink=None if kv_len == 0 and rules.empty_sequence_drops_sink else sink,
             empty_lse=rules.empty_lse,
             descale=None if descale is None else descale[b],
         )
@@ -578,13 +602,23 @@ def _paged_call(
 
 # --- vLLM's fork: vllm.vllm_flash_attn ---------------------------------------------------------
 
-_VLLM_RULES = _Rules(
+_VLLM_RULES = _Rules(  # fa_version=2: the fork's FA2 kernels
     "vllm_flash_attn",
     lambda d: d % 8 == 0 and d <= 256,
     "head sizes that are multiples of 8 up to 256",
     16,
     math.inf,
 )
+_VLLM_FA3_RULES = _Rules(  # fa_version=3: the fork's hopper kernels
+    "vllm_flash_attn (FA3)",
+    _VLLM_RULES.head_ok,
+    _VLLM_RULES.head_rule,
+    16,
+    -math.inf,
+    empty_sequence_drops_sink=True,
+)
+#: The fork's FA3 with s_aux [source: the fork's hopper/flash_api.cpp mha_fwd]
+_S_AUX_MAX_HEADS = 64
 
 
 def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
@@ -613,14 +647,23 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     k_descale=None,
     v_descale=None,
     num_splits: int = 0,
+    output_scale=None,
     fa_version: int = 2,
     s_aux=None,
     cp_world_size=1,
     cp_rank=0,
     cp_tot_seqused_k=None,
+    mask_mod=None,
+    block_sparse_tensors=None,
+    aux_tensors=None,
+    aux_tensor_leading_dims=None,
+    dynamic_causal=None,
 ):
-    """vLLM's ``flash_attn_varlen_func``: paged with ``block_table`` + ``seqused_k``, packed with
-    ``cu_seqlens_k``; writes ``out`` when given; ``(out, lse)`` with ``return_softmax_lse``."""
+    """vLLM's ``flash_attn_varlen_func`` as vLLM 0.32 ships it
+    (``vllm/vllm_flash_attn/flash_attn_interface.py``; the standalone fork lacks
+    ``output_scale`` and the FA4-only arguments after ``cp_tot_seqused_k``, so callers pass
+    keywords): paged with ``block_table`` + ``seqused_k``, packed with ``cu_seqlens_k``; writes
+    ``out`` when given; ``(out, lse)`` with ``return_softmax_lse``."""
     op = "vllm_flash_attn.flash_attn_varlen_func"
     # the wrapper's own asserts, in its order [schema]
     if cu_seqlens_k is None and seqused_k is None:
@@ -629,8 +672,17 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         raise AssertionError("cu_seqlens_k and seqused_k cannot be provided at the same time")
     if block_table is not None and seqused_k is None:
         raise AssertionError("seqused_k must be provided if block_table is provided")
+    if output_scale is not None and fa_version != 4:
+        raise AssertionError(
+            f"Fused FP8 output (output_scale) is only supported by FA4, got fa_version={fa_version}"
+        )
+    if fa_version == 4:  # vLLM 0.32 routes it to its bundled FA4 (flash_attn.cute)
+        raise NotEmulatedError(f"{op}: fa_version=4 is valid but not emulated (not used here)")
     if fa_version not in (2, 3):
         raise ValueError(f"Unsupported FA version: {fa_version}")
+    for name, value in (("mask_mod", mask_mod), ("aux_tensors", aux_tensors)):
+        if value is not None:
+            raise NotImplementedError(f"FA{fa_version} does not support {name}")
     if fa_version == 2:
         if (
             scheduler_metadata is not None
@@ -646,6 +698,8 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         if num_splits > 1:
             raise NotImplementedError("FA2 does not support num_splits > 1")
         scheduler_metadata = None  # the FA2 kernel is not passed it [schema]
+        # s_aux, mask_mod and aux_tensors refused above; the other FA4-only arguments are
+        # not passed to the FA2 kernel [schema]
     elif alibi_slopes is not None:
         raise AssertionError("Alibi is not supported in FA3")
     _not_emulated(
@@ -655,9 +709,13 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         return_attn_probs=return_attn_probs,
         cp_tot_seqused_k=cp_tot_seqused_k,
         cp_world_size=None if cp_world_size == 1 else cp_world_size,
+        block_sparse_tensors=block_sparse_tensors,
+        aux_tensor_leading_dims=aux_tensor_leading_dims,
+        dynamic_causal=dynamic_causal,
     )
+    rules = _VLLM_FA3_RULES if fa_version == 3 else _VLLM_RULES
     paged = block_table is not None
-    q, k, v = _check_qkv(op, _VLLM_RULES, q, k, v, paged=paged, fp8=fa_version == 3)
+    q, k, v = _check_qkv(op, rules, q, k, v, paged=paged, fp8=fa_version == 3)
     dev = q.device
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise _fail(op, "cu_seqlens_q must be a Tensor")
@@ -690,10 +748,18 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
             )
             _check_metadata(op, scheduler_metadata, size, dev)
     sink = None
-    if s_aux is not None:
-        sink = _tensor(op, "s_aux", s_aux, 1, dev)
-        if tuple(sink.shape) != (q.shape[1],):
-            raise _fail(op, f"s_aux must have shape (nheads,), got {list(sink.shape)}")
+    if s_aux is not None:  # FA3 only (refused on FA2 above) [source: hopper/flash_api.cpp]
+        if q.shape[1] > _S_AUX_MAX_HEADS:
+            raise _fail(op, "We only support query heads <= 64 with S aux")
+        if not isinstance(s_aux, torch.Tensor):
+            raise _fail(op, f"s_aux must be a Tensor, got {type(s_aux).__name__}")
+        if s_aux.dtype != torch.bfloat16:
+            raise _fail(op, f"We only support bf16 dtype for S aux. (got {s_aux.dtype})")
+        if s_aux.device != dev:
+            raise _fail(op, f"s_aux is on {s_aux.device}, q on {dev}")
+        if tuple(s_aux.shape) != (q.shape[1],):
+            raise _fail(op, f"s_aux must have shape (num_heads), got {list(s_aux.shape)}")
+        sink = _tensor(op, "s_aux", s_aux, 1, dev, contiguous=True)
     out_t = _out(op, out, q)
     args: dict[str, Any] = dict(
         scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
@@ -705,9 +771,9 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         descale=_descales(op, q, batch, k.shape[-2], q_descale, k_descale, v_descale),
     )
     if paged:
-        res, lse = _paged_call(op, _VLLM_RULES, q, k, v, q_starts, kv_lens, block_table, **args)
+        res, lse = _paged_call(op, rules, q, k, v, q_starts, kv_lens, block_table, **args)
     else:
-        res, lse = _varlen(op, _VLLM_RULES, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
+        res, lse = _varlen(op, rules, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
     if out_t is None:
         out_t = res.to(_out_dtype(q))
     else:
@@ -871,7 +937,10 @@ def reshape_and_cache_flash(  # vllm._custom_ops
     _tensor(op, "value", value, 3, dev)
     kc = _tensor(op, "key_cache", key_cache, 4, dev)
     vc = _tensor(op, "value_cache", value_cache, 4, dev)
-    slots = _tensor(op, "slot_mapping", slot_mapping, 1, dev)
+    # the kernel reads slot_mapping[i] through a raw pointer, with no stride check [source:
+    # csrc/cache_kernels.cu]: a strided view would write other slots, so the emulator refuses
+    # it rather than emulate that [inferred]; one element is contiguous at any stride
+    slots = _tensor(op, "slot_mapping", slot_mapping, 1, dev, contiguous=True)
     if slots.dtype != torch.int64:
         raise _fail(op, f"slot_mapping must be int64, got {slots.dtype}")
     fp8 = kv_cache_dtype in ("fp8", "fp8_e4m3")
@@ -984,8 +1053,8 @@ def fa2_flash_attn_varlen_func(
 ):
     """FA2 ``flash_attn_varlen_func``: with ``block_table``, K/V are the paged cache and
     ``cu_seqlens_k`` holds the cumulative KV lengths [inferred: flash_api.cpp reads seqlen_k
-    from cu_seqlens_k for paged varlen]. Returns ``out``; ``(out, lse, None)`` with
-    ``return_attn_probs`` (S_dmask is only returned with dropout)."""
+    from cu_seqlens_k for paged varlen]. Returns ``out``; ``(out, lse, S_dmask)`` with
+    ``return_attn_probs``, S_dmask an empty tensor without dropout [source]."""
     op = "flash_attn.flash_attn_varlen_func"
     _not_emulated(op, dropout_p=dropout_p or None)
     paged = block_table is not None
@@ -1012,7 +1081,11 @@ def fa2_flash_attn_varlen_func(
     else:
         res, lse = _varlen(op, _FA2_RULES, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
     out = res.to(q.dtype)
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    # S_dmask without dropout: ``p = torch::empty({0}, opts)`` (q's dtype) [source:
+    # flash_api.cpp mha_varlen_fwd], returned as it is by the Python wrapper
+    return out, lse, torch.empty(0, dtype=q.dtype, device=q.device)
 
 
 def _padded_batch_call(
@@ -1114,7 +1187,8 @@ _FA3_RULES = _Rules(
     lambda d: d % 8 == 0 and d <= 256,
     "head sizes that are multiples of 8 up to 256",
     1,  # "page_block_size can be arbitrary" [doc]
-    math.inf,
+    -math.inf,  # hopper softmax.h finalize / epilogue store_zero [source]
+    empty_sequence_drops_sink=True,  # no sinks in 2.8.3's interface: never reached
 )
 
 
@@ -1225,13 +1299,55 @@ def _fa3_rest() -> tuple[torch.Tensor, torch.Tensor]:
 
 # --- FA4: flash_attn.cute ----------------------------------------------------------------------
 
-_FA4_RULES = _Rules(
-    "flash_attn.cute (FA4)",
-    lambda d: (8 <= d <= 128 and d % 8 == 0) or d == 256,
-    "8..128 in multiples of 8, or 256 (SM100; _validate_head_dims)",
-    1,  # any page size; 128 is the TMA fast path [schema]
-    -math.inf,  # empty rows: lse.fill_(-inf) [schema]
-)
+
+def _fa4_rules(arch: int) -> _Rules:
+    """FA4's rules on ``arch`` (``_validate_head_dims``, 16-bit dtypes: alignment 8) [source:
+    flash-attn-4 4.0.0b36 interface.py]."""
+    if arch // 10 == 9:
+        return _Rules(
+            "flash_attn.cute (FA4, SM90)",
+            lambda d: 8 <= d <= 256 and d % 8 == 0,
+            "8..256 in multiples of 8 on SM90 (_validate_head_dims)",
+            1,  # any page size; the key tile is the TMA path [schema]
+            -math.inf,  # empty rows: lse.fill_(-inf) [schema]
+        )
+    return _Rules(
+        "flash_attn.cute (FA4)",
+        lambda d: (8 <= d <= 128 and d % 8 == 0) or d == 256,
+        f"8..128 in multiples of 8, or 256 on SM{arch} (_validate_head_dims)",
+        1,
+        -math.inf,
+    )
+
+
+def _fa4_tile_n(arch: int, head_dim: int, *, causal: bool, local: bool) -> int:
+    """FA4's key tile: ``FwdConfig(128, 128)`` (SM100/110, SM120 head <= 64), SM120 head > 64
+    64, SM90 ``_tile_size_fwd_sm90`` (head_dim_v = head_dim) [source]."""
+    if arch // 10 == 12:
+        return 128 if head_dim <= 64 else 64
+    if arch // 10 != 9:
+        return 128
+    if head_dim <= 64 or 96 < head_dim <= 128:
+        return 128
+    if head_dim <= 96:
+        return 128 if causal or local else 144
+    if head_dim <= 192:
+        return 96 if local else 112
+    return 64 if local else 80
+
+
+def _fa4_causal_local(causal: bool, window: tuple[Any, Any]) -> tuple[bool, bool]:
+    """``_resolve_causal_local_window`` (no mask_mod): (causal, local) [source]."""
+    left, right = window
+    if left is not None and right is not None and left < 0 and right < 0:
+        left = right = None
+    if causal:
+        right = 0
+    if left is not None or right is not None:
+        if left is None and right == 0:
+            return True, False
+        return False, True
+    return causal, False
 
 
 def fa4_flash_attn_varlen_func(
@@ -1295,8 +1411,18 @@ def fa4_flash_attn_varlen_func(
         raise AssertionError("page_table is not supported with cu_seqlens_k")
     if cu_seqlens_k is None and seqused_k is None:
         raise NotEmulatedError(f"{op}: K/V without cu_seqlens_k or seqused_k is not emulated")
-    q, k, v = _check_qkv(op, _FA4_RULES, q, k, v, paged=paged)
+    arch = fa4_arch()
+    rules = _fa4_rules(arch)
+    if paged and arch // 10 == 12:
+        raise AssertionError("Paged KV not supported on SM 12.0 in this PR")
+    q, k, v = _check_qkv(op, rules, q, k, v, paged=paged)
     dev = q.device
+    if paged and q.shape[-1] % 16:  # the kernel pads head dims to 16 [source]
+        pair: Any = (None, None) if window_size is None else tuple(window_size)
+        causal_, local = _fa4_causal_local(bool(causal), pair)
+        tile_n = _fa4_tile_n(arch, q.shape[-1], causal=causal_, local=local)
+        if k.shape[1] != tile_n:  # a non-TMA paged read ("paged_kv_non_tma")
+            raise AssertionError("Paged KV does not support irregular head dim")
     batch = cu_seqlens_q.shape[0] - 1
     q_starts = _int32(op, "cu_seqlens_q", cu_seqlens_q, (batch + 1,), dev)
     q_lens = _cumulative(op, "cu_seqlens_q", q_starts, q.shape[0])
@@ -1328,9 +1454,9 @@ def fa4_flash_attn_varlen_func(
         sink=sink,
     )
     if paged:
-        res, lse = _paged_call(op, _FA4_RULES, q, k, v, q_starts, kv_lens, page_table, **args)
+        res, lse = _paged_call(op, rules, q, k, v, q_starts, kv_lens, page_table, **args)
     else:
-        res, lse = _varlen(op, _FA4_RULES, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
+        res, lse = _varlen(op, rules, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
     return res.to(q.dtype), (lse if return_lse else None)
 
 

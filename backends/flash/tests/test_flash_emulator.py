@@ -18,6 +18,9 @@ from attnhub_flash.emulator import FlashOpError, NotEmulatedError
 from attnhub import emulation
 
 H, HK, D = 2, 1, 8
+#: FA4 reads a paged cache of head size 8 (not a multiple of 16) only at its key tile's page
+#: size, 128 on SM100 ("Paged KV does not support irregular head dim")
+FA4_PAGE = 128
 
 
 def _cache(kv_lens: list[int], page: int, *, dtype: torch.dtype = torch.float16) -> dict[str, Any]:
@@ -82,7 +85,7 @@ def test_fully_masked_rows_give_zero_output_and_plus_infinite_lse() -> None:
 
 
 def test_fa4_reports_empty_rows_with_minus_infinite_lse() -> None:
-    c = _cache([2], 16)
+    c = _cache([2], FA4_PAGE)
     out, lse = emulator.FA4.flash_attn_varlen_func(
         _zero_q([5]),
         c["k"],
@@ -145,7 +148,7 @@ def test_fa3_returns_more_than_out_and_lse_with_the_lse_as_its_interface_does() 
 
 
 def test_a_sink_joins_the_denominator_without_a_value() -> None:
-    c = _cache([4], 16)
+    c = _cache([4], FA4_PAGE)
     sink = torch.tensor([0.0, math.log(4.0)])  # head 1: a sink weighing as much as 4 keys
     out, lse = emulator.FA4.flash_attn_varlen_func(
         _zero_q([1]),
@@ -471,13 +474,14 @@ def test_null_kernels_skip_the_math_and_return_outputs_of_the_right_shapes() -> 
             block_table=c["block_table"],
             return_softmax_lse=True,
         )
+        c4 = _cache([7], FA4_PAGE)
         out4, _ = emulator.FA4.flash_attn_varlen_func(
             _zero_q([3]),
-            c["k"],
-            c["v"],
+            c4["k"],
+            c4["v"],
             cu_seqlens_q=_cu([3]),
             seqused_k=torch.tensor([7], dtype=torch.int32),
-            page_table=c["block_table"][:1],
+            page_table=c4["block_table"],
         )
     assert out.shape == (3, H, D) and out.dtype == torch.float16 and lse.shape == (H, 3)
     assert out2.shape == (2, 1, H, D) and lse2.shape == (2, H, 1)

@@ -213,7 +213,10 @@ def test_vllm_fa3_passes_sinks_as_s_aux_with_fa_version_3() -> None:
     out, calls = _calls(st)
     c = _only(calls, VLLM)
     assert c.kwargs["fa_version"] == 3 and c.kwargs["alibi_slopes"] is None
-    assert st.sinks is not None and torch.equal(c.kwargs["s_aux"], st.sinks)
+    # as the fork's FA3 takes them: bf16, contiguous [source: hopper/flash_api.cpp]
+    s_aux = c.kwargs["s_aux"]
+    assert s_aux.dtype == torch.bfloat16 and s_aux.is_contiguous()
+    assert st.sinks is not None and torch.equal(s_aux, st.sinks.to(torch.bfloat16))
     h.assert_matches_reference(st, out)
 
 
