@@ -31,6 +31,7 @@ from attnhub.spec import AttentionSpec
 
 if TYPE_CHECKING:
     from attnhub.graphs.adaptor import GraphAdaptor
+    from attnhub.quant import LayerClipCounter
 
 
 def device_type(device: torch.device | str) -> str:
@@ -303,6 +304,10 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
 class AttentionImpl(abc.ABC):
     """One layer's attention: write the new keys/values, then attend over the cache."""
 
+    #: Opt-in diagnostic (``attnhub.quant.ClipCounter.watch``): counts, on the device, the
+    #: values this layer writes that its cache's static scales clip. None: not counted.
+    clip_counter: LayerClipCounter | None = None
+
     def __init__(
         self,
         backend: AttentionBackend,
@@ -366,6 +371,8 @@ class AttentionImpl(abc.ABC):
             and self._usual_kv(key, value, meta)
         ):  # the usual call: every shared check in one pass (see _usual_call)
             self.check_step(cache, meta)
+            if self.clip_counter is not None:
+                self._count_clipped(key, value, meta.batch.slot_mapping, cache)
             self.store_step_kv(key, value, cache, meta)
             return
         dev = self.backend.device
@@ -386,6 +393,8 @@ class AttentionImpl(abc.ABC):
                 )
             validation.check_kv(self.spec, key, value, dev, meta.batch.num_tokens)
             self._check_extents(meta, cache)
+            if self.clip_counter is not None:
+                self._count_clipped(key, value, meta.batch.slot_mapping, cache)
             self.store_step_kv(key, value, cache, meta)
             return
         if slot_mapping is None:
@@ -397,6 +406,8 @@ class AttentionImpl(abc.ABC):
         validation.check_slot_values(slot_mapping, cache)
         if not slot_mapping.is_contiguous():  # kernels read slots through a raw pointer
             slot_mapping = slot_mapping.contiguous()
+        if self.clip_counter is not None:
+            self._count_clipped(key, value, slot_mapping, cache)
         self.store_kv(key, value, cache, slot_mapping)
 
     def forward(
@@ -416,12 +427,22 @@ class AttentionImpl(abc.ABC):
         out = self.check_forward(query, key, value, cache, meta, output)
         if key is not None:
             assert value is not None
+            if self.clip_counter is not None:
+                self._count_clipped(key, value, meta.batch.slot_mapping, cache)
             self.store_step_kv(key, value, cache, meta)
         n = meta.batch.num_actual_tokens
         if out.shape[0] > n:
             out[n:].zero_()
         self.attend(query, key, value, cache, meta, out)
         return out
+
+    def _count_clipped(
+        self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, cache: PagedKVCache
+    ) -> None:
+        """The opt-in clipping count of a write that was checked (device ops only)."""
+        assert self.clip_counter is not None
+        n = slots.shape[0]
+        self.clip_counter.add(key[:n], value[:n], slots, cache)
 
     def _check_cache(self, cache: PagedKVCache) -> None:
         """check_cache, remembered for the last cache seen (and the very tensors it held): a
