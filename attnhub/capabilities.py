@@ -351,7 +351,11 @@ class Capabilities:
                 if k in self.query_quantization
             },
             "quantization_accuracy": {
-                k: {"max_abs_error": b.max_abs_error, "min_cosine": b.min_cosine}
+                k: {
+                    "max_abs_error": b.max_abs_error,
+                    "min_cosine": b.min_cosine,
+                    "condition": b.condition,
+                }
                 for k, b in self.quantization_accuracy.items()
             },
             "probability_quantization": {
