@@ -951,6 +951,14 @@ GENERATORS: dict[str, Callable[[Target, Scope], list[Case]]] = {
         t,
         s,
     ),
+    "threads": lambda t, s: simple_cases(
+        "threads",
+        "threads",
+        "two threads driving their own caches through one backend, builder and impl compute "
+        "what one thread does",
+        t,
+        s,
+    ),
 }
 
 
