@@ -372,7 +372,7 @@ class AttentionImpl(abc.ABC):
         ):  # the usual call: every shared check in one pass (see _usual_call)
             self.check_step(cache, meta)
             if self.clip_counter is not None:
-                self._count_clipped(key, value, meta.batch.slot_mapping, cache)
+                self.count_clipped(key, value, meta.batch.slot_mapping, cache)
             self.store_step_kv(key, value, cache, meta)
             return
         dev = self.backend.device
@@ -394,7 +394,7 @@ class AttentionImpl(abc.ABC):
             validation.check_kv(self.spec, key, value, dev, meta.batch.num_tokens)
             self._check_extents(meta, cache)
             if self.clip_counter is not None:
-                self._count_clipped(key, value, meta.batch.slot_mapping, cache)
+                self.count_clipped(key, value, meta.batch.slot_mapping, cache)
             self.store_step_kv(key, value, cache, meta)
             return
         if slot_mapping is None:
@@ -407,7 +407,7 @@ class AttentionImpl(abc.ABC):
         if not slot_mapping.is_contiguous():  # kernels read slots through a raw pointer
             slot_mapping = slot_mapping.contiguous()
         if self.clip_counter is not None:
-            self._count_clipped(key, value, slot_mapping, cache)
+            self.count_clipped(key, value, slot_mapping, cache)
         self.store_kv(key, value, cache, slot_mapping)
 
     def forward(
@@ -428,7 +428,7 @@ class AttentionImpl(abc.ABC):
         if key is not None:
             assert value is not None
             if self.clip_counter is not None:
-                self._count_clipped(key, value, meta.batch.slot_mapping, cache)
+                self.count_clipped(key, value, meta.batch.slot_mapping, cache)
             self.store_step_kv(key, value, cache, meta)
         n = meta.batch.num_actual_tokens
         if out.shape[0] > n:
@@ -436,11 +436,14 @@ class AttentionImpl(abc.ABC):
         self.attend(query, key, value, cache, meta, out)
         return out
 
-    def _count_clipped(
+    def count_clipped(
         self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, cache: PagedKVCache
     ) -> None:
-        """The opt-in clipping count of a write that was checked (device ops only)."""
-        assert self.clip_counter is not None
+        """Count, with the opt-in ``clip_counter`` (when set), the values of a checked write
+        that the cache's static scales clip (device ops only). ``forward`` and ``write_kv``
+        call it; a backend whose ``forward`` fuses the write calls it before the fused call."""
+        if self.clip_counter is None:
+            return
         n = slots.shape[0]
         self.clip_counter.add(key[:n], value[:n], slots, cache)
 

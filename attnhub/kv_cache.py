@@ -226,6 +226,16 @@ class PagedKVCache:
                     f"block_mapping[{i}] {name} block {int(m[i, col])} is outside the cache "
                     f"({limit} blocks)"
                 )
+        dst = m[:, 1].tolist()
+        if len(set(dst)) != len(dst):  # which copy lands would be up to the device
+            seen: dict[int, int] = {}
+            for j, block in enumerate(dst):
+                if block in seen:
+                    raise InvalidInputError(
+                        f"block_mapping[{seen[block]}] and block_mapping[{j}] both copy to dst "
+                        f"block {block}"
+                    )
+                seen[block] = j
         return m
 
     def copy_blocks(self, block_mapping: torch.Tensor | Sequence[Sequence[int]]) -> None:

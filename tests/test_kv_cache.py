@@ -192,6 +192,11 @@ BAD_MAPPINGS = [
     pytest.param([[0, "a"]], "[[0, 'a']] is not [n, 2]", id="a_string_id"),
     pytest.param({(0, 1)}, "is not [n, 2]", id="a_set"),
     pytest.param(torch.zeros(1, 2, dtype=torch.int64, device="meta"), "meta tensor", id="meta"),
+    pytest.param(
+        [[0, 3], [1, 2], [4, 3]],
+        "[0] and block_mapping[2] both copy to dst block 3",
+        id="dst_twice",
+    ),
 ]
 
 
