@@ -254,6 +254,7 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
         :meth:`update_graph_params`. Default: ``build(batch)`` (right only for a backend
         whose ``plan`` keeps no per-step value outside the batch's tensors)."""
         self._check_graph_level(batch)
+        validation.check_dense(batch, "a captured graph reads the batch's own tensors")
         return self.build(batch)
 
     def _check_graph_level(self, batch: BatchMetadata) -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from attnhub import AttentionSpec, BatchMetadata
+from attnhub.backend import AttentionMetadataBuilder
 from attnhub.errors import InvalidInputError
 from attnhub.testing import fill_cache_random, generator, make_batch, random_qkv
 from attnhub.torch_backend import TorchBackend
@@ -147,6 +148,10 @@ def test_a_graph_capture_of_a_strided_batch_is_refused_with_the_tensor_named() -
     builder = TorchBackend(SPEC).metadata_builder()
     with pytest.raises(InvalidInputError, match=r"batch.slot_mapping is a strided view"):
         builder.build_for_graph_capture(strided)
+    # the base class's capture (build on the runner's buffers) refuses it too: a dense copy
+    # made by build would be what the graph reads on every replay
+    with pytest.raises(InvalidInputError, match=r"batch.slot_mapping is a strided view"):
+        AttentionMetadataBuilder.build_for_graph_capture(builder, strided)
 
 
 # --- common_prefix_len ----------------------------------------------------------------------------
