@@ -493,7 +493,10 @@ class AttentionImpl(abc.ABC):
         if extents is None:
             return
         owner, mine = extents.owner, self.backend
-        if owner is mine or owner is self._owner_ok:
+        if owner is self._owner_ok:
+            return
+        if owner is mine:  # back to its own backend's steps: the one-pass check again
+            self._owner_ok = mine
             return
         if not isinstance(owner, AttentionBackend):
             raise InvalidInputError(

@@ -84,6 +84,9 @@ def test_metadata_of_an_equal_spec_from_another_instance_is_accepted_and_the_sam
         assert torch.equal(got, expected)
     assert impl._usual_step(cache, twin_meta)
     assert cache.equal(other_cache)
+    own_meta = backend.metadata_builder().build(batch)
+    impl.forward(q, k, v, cache, own_meta)  # its own backend's steps again: one pass again
+    assert impl._usual_step(cache, own_meta)
 
 
 def test_metadata_of_another_backend_kind_with_the_same_spec_is_refused() -> None:
