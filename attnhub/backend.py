@@ -368,7 +368,11 @@ class AttentionImpl(abc.ABC):
         if (
             meta is not None
             and self._usual_step(cache, meta)
-            and (slot_mapping is None or slot_mapping is meta.batch.slot_mapping)
+            and (
+                slot_mapping is None
+                or slot_mapping is meta.batch.slot_mapping
+                or slot_mapping is meta.extents.given_slot_mapping  # type: ignore[union-attr]
+            )
             and self._usual_kv(key, value, meta)
         ):  # the usual call: every shared check in one pass (see _usual_call)
             self.check_step(cache, meta)
