@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from attnhub_cpu import CpuBackend, ops
+from attnhub_cpu import CpuBackend, layouts, ops
 from attnhub_cpu.backend import is_kernel_storage
 
 import attnhub
@@ -80,8 +80,8 @@ def test_the_kernels_store_keys_transposed_which_the_cache_views_as_hnd() -> Non
     assert cache.layout == "HND" and tuple(cache.key.shape) == (3, 2, 32, 64)
     assert cache.key.transpose(2, 3).is_contiguous() and cache.value.is_contiguous()
     if backend.features.arch == "x86":  # vec / vec16: probed through the op itself
-        assert backend.isa in ("vec", "vec16") and backend.isa_note is None
-        assert ops.stores_transposed_keys(backend.isa, torch.float32, 32, 64)
+        assert backend.isa == "vec" and backend.kv_packing is None
+        assert ops.layout_written("vec", torch.float32, 32, 64) == layouts.TRANSPOSED
 
 
 def test_a_cache_of_other_strides_gives_the_same_bits() -> None:
@@ -226,21 +226,24 @@ def test_where_bf16_is_refused_the_kernel_truncates_its_float32_result(kernels: 
         CpuBackend(spec(dtype=torch.bfloat16))
 
 
-def test_a_path_whose_blocks_attnhub_cannot_view_falls_back_to_vec_and_says_so(
+def test_the_direct_comparison_times_the_isa_vllm_picks_on_this_machine() -> None:
+    """bench's direct side runs vLLM's own pick (``ops.kernel_isa`` on the detected CPU), and
+    the backend's forward gives its bits (the bench checks it): smoke run of the small cases."""
+    from attnhub_cpu import bench
+
+    rows = bench.run(bench.quick_cases(), repeats=1)
+    for case, row in zip(bench.quick_cases(), rows, strict=True):
+        want = ops.kernel_isa(ops.detect(), case.dtype, case.block_size, case.head_size)
+        assert row.isa == want and row.backend_ms > 0 and row.direct_ms > 0
+
+
+def test_a_backend_off_vllms_isa_cannot_be_timed_as_if_it_were_on_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Where vLLM's pick (AMX for bf16) keeps blocks in a layout the probe does not recognize,
-    x86 runs the vec path instead: here "amx", which this build may lack (the probe's write
-    then fails), or which packs its own way."""
-    if ops.detect().arch != "x86":
-        pytest.skip("the vec fallback is x86's")
-    monkeypatch.setattr(ops, "kernel_isa", lambda *args: "amx")
-    ops.stores_transposed_keys.cache_clear()
-    try:
-        if ops.stores_transposed_keys("amx", torch.float32, 32, 64):
-            pytest.skip("this CPU's AMX path stores blocks as vec does")
-        backend = CpuBackend(spec())
-    finally:
-        ops.stores_transposed_keys.cache_clear()
-    assert backend.isa == "vec"
-    assert backend.isa_note is not None and "'amx' path" in backend.isa_note
+    """Were vLLM to pick another path than the backend runs, the comparison says so instead of
+    timing the backend's path on both sides."""
+    from attnhub_cpu import bench
+
+    monkeypatch.setattr(bench, "vllm_isa", lambda *args: "vec16")
+    with pytest.raises(AssertionError, match="the backend runs 'vec', vLLM 'vec16'"):
+        bench.run_case(bench.quick_cases()[0], repeats=1)
