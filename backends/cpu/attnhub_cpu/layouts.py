@@ -65,18 +65,15 @@ AMX_PACKING = AmxPacking()
 
 
 def storage_of(
-    layout: str, logical_key: torch.Tensor, logical_value: torch.Tensor
-) -> tuple[
-    torch.Tensor, torch.Tensor
-]:  # key, value: [blocks, kv heads, block_size * head_size] as the kernels store them
-    """The kernels' storage of logical HND planes under ``layout``, flattened per (block, kv
-    head): what ``cpu_attn_reshape_and_cache`` on a path of that layout writes."""
-    b, h, n, d = logical_key.shape
+    layout: str, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' storage of logical HND planes ``key`` / ``value`` under ``layout``,
+    flattened per (block, kv head) to ``[blocks, kv heads, block_size * head_size]``: what
+    ``cpu_attn_reshape_and_cache`` on a path of that layout writes."""
+    b, h, n, d = key.shape
     if layout == TRANSPOSED:
-        key = logical_key.transpose(2, 3).reshape(b, h, n * d)
-        return key, logical_value.reshape(b, h, n * d)
-    key = torch.empty_like(logical_key)
-    value = torch.empty_like(logical_value)
-    AMX_PACKING.pack(logical_key, "key", key)
-    AMX_PACKING.pack(logical_value, "value", value)
-    return key.reshape(b, h, n * d), value.reshape(b, h, n * d)
+        return key.transpose(2, 3).reshape(b, h, n * d), value.reshape(b, h, n * d)
+    packed_key, packed_value = torch.empty_like(key), torch.empty_like(value)
+    AMX_PACKING.pack(key, "key", packed_key)
+    AMX_PACKING.pack(value, "value", packed_value)
+    return packed_key.reshape(b, h, n * d), packed_value.reshape(b, h, n * d)
