@@ -14,6 +14,7 @@ from attnhub_flash import (
     backend_class,
     emulator,
     ops,
+    providers,
 )
 
 import attnhub
@@ -72,7 +73,7 @@ def test_a_bad_provider_name_fails_the_plugin_with_its_reason_and_spares_the_oth
 
 
 def test_without_any_provider_installed_the_default_is_vllms_fork() -> None:
-    if any(ops.module_exists(s.attention) for s in ops.SOURCES.values()):
+    if any(ops.module_exists(p.source.attention) for p in providers.PROVIDERS.values()):
         pytest.skip("a FlashAttention provider is installed here")
     assert backend_class() is FlashVllmBackend
 
@@ -86,7 +87,7 @@ def test_cpu_needs_emulation_and_says_how() -> None:
 
 @pytest.mark.parametrize("provider", h.PROVIDERS)
 def test_cuda_without_the_provider_is_unavailable_with_the_import_error(provider: str) -> None:
-    module = ops.SOURCES[provider].attention
+    module = providers.PROVIDERS[provider].source.attention
     if ops._import(module)[0] is not None:
         pytest.skip(f"{module} imports here")
     why = h.BACKENDS[provider].availability("cuda:0", emulate=True)
