@@ -44,7 +44,7 @@ CascadePolicy = Literal["auto", "always", "never"]
 class FlashAttentionMetadata(AttentionMetadata):
     """One step, planned: every argument of the kernels, ready to pass."""
 
-    provider: str = "vllm"
+    provider: str = providers.DEFAULT
     num_actual_tokens: int = 0
     main: KernelArgs | None = None  # the one call of a step (None: no tokens)
     #: Cascade: the shared prefix as one non-causal call of every query token over the

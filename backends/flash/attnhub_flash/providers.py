@@ -28,6 +28,7 @@ docs/backends/flash.md.
 
 from __future__ import annotations
 
+import abc
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -135,17 +136,17 @@ class KernelArgs:
     )
 
 
-Result = tuple[torch.Tensor, torch.Tensor | None]
+Result = tuple[torch.Tensor, torch.Tensor | None]  # [n, H, D], LSE [H, n] float32 or None
 
 
 @dataclass(frozen=True)
 class _Slots:
     """What vLLM's KV write reads of a step's metadata, for a write without a step."""
 
-    slot_mapping: torch.Tensor  # [n] int64, dense  # [n, H, D], LSE [H, n] float32 or None
+    slot_mapping: torch.Tensor  # [n] int64, dense
 
 
-class Provider:
+class Provider(abc.ABC):
     """One FlashAttention provider: the attributes say where its functions live, what its
     kernels take and why they refuse the rest; the methods are the hooks the backend calls,
     each overridden where a provider's kernels differ. The base class is what most share: the
@@ -271,6 +272,7 @@ class Provider:
         dev = impl.backend.device
         scatter(key, value, cache, rows.to(dev), host[rows].to(dev))
 
+    @abc.abstractmethod
     def call(
         self,
         impl: FlashAttentionImpl,
@@ -283,7 +285,6 @@ class Provider:
     ) -> Result:
         """One attention call of this provider over the paged cache. Writes ``out`` where the
         provider takes it; the result is returned either way."""
-        raise NotImplementedError
 
 
 class VllmProvider(Provider):

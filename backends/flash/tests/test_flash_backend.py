@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+
 import flash_helpers as h
 import pytest
 import torch
@@ -165,6 +168,35 @@ def test_each_provider_refuses_what_its_kernels_lack_and_says_which_provider(
     assert any(reason in r and f"provider {provider}" in r for r in reasons), reasons
     with pytest.raises(UnsupportedConfigurationError):
         cls(spec, "cpu", emulate=True)
+
+
+@pytest.mark.parametrize("provider", h.PROVIDERS)
+def test_each_backend_class_is_its_provider_object(provider: str) -> None:
+    cls = h.BACKENDS[provider]
+    assert cls.kernels is providers.PROVIDERS[provider] and cls.kernels.name == provider
+    assert cls.capabilities is cls.kernels.capabilities is CAPABILITIES[provider]
+
+
+@pytest.mark.parametrize("module", ["attnhub_flash.backend", "attnhub_flash.ops"])
+def test_the_backend_and_the_resolution_name_no_provider(module: str) -> None:
+    """What differs per provider lives in its object (providers.py): no code here compares,
+    looks up or passes a provider's name (docstrings aside)."""
+    tree = ast.parse(inspect.getsource(__import__(module, fromlist=["_"])))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    named = [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and node.value in providers.PROVIDERS
+        and id(node) not in docstrings
+    ]
+    assert named == []
 
 
 def test_capabilities_differ_per_provider_where_the_kernels_do() -> None:
