@@ -15,7 +15,14 @@ from typing import Any
 import flash_helpers as h
 import pytest
 import torch
-from attnhub_flash import FlashFA3Backend, FlashFA4Backend, FlashVllmFA3Backend, emulator, ops
+from attnhub_flash import (
+    FlashFA3Backend,
+    FlashFA4Backend,
+    FlashVllmFA3Backend,
+    emulator,
+    ops,
+    providers,
+)
 from attnhub_flash.emulator import FlashOpError
 
 from attnhub.errors import UnsupportedConfigurationError
@@ -157,14 +164,14 @@ def test_the_install_probe_imports_nothing_and_survives_a_package_that_raises(
     assert ops.module_exists("flash_attn.cute") and ops.module_exists("flash_attn_interface")
     assert not ops.module_exists("flash_attn.missing")
     assert "flash_attn" not in sys.modules and "flash_attn_interface" not in sys.modules
-    assert ops.chosen_provider() == "fa4"  # the first of PREFERENCE installed
+    assert providers.chosen_provider() == "fa4"  # the first of PREFERENCE installed
 
     def broken(name: str, package: str | None = None) -> None:
         raise RuntimeError("a finder that breaks")
 
     monkeypatch.setattr(ops.importlib.util, "find_spec", broken)
     assert not ops.module_exists("flash_attn.cute")
-    assert ops.chosen_provider() == ops.DEFAULT
+    assert providers.chosen_provider() == providers.DEFAULT
 
 
 # --- 13: s_aux to the fork's FA3 is bf16, contiguous, at most 64 query heads -------------------
