@@ -44,7 +44,8 @@ DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16"
 BENCH_THREADS = 1
 
 
-def _positive(text: str) -> int:
+def thread_count(text: str) -> int:
+    """``--threads``' argument: a positive integer (``attnhub bench``, ``attnhub conformance``)."""
     try:
         n = int(text)
     except ValueError:
@@ -69,6 +70,10 @@ def _console(*, stderr: bool = False) -> Console:
     return Console(highlight=False, stderr=stderr)
 
 
+#: The widest a table printed outside a terminal may grow (columns of text).
+WIDEST = 100_000
+
+
 def print_table(console: Console, table: Any) -> None:
     """Print a rich ``table`` whole: on a terminal, laid out for its width (cells wrap, never
     cut); elsewhere (CI logs, pipes, ``| tee``) at the width its content needs, however wide,
@@ -85,10 +90,6 @@ def print_table(console: Console, table: Any) -> None:
         console.print(table)
     finally:
         console.width = width
-
-
-#: The widest a table printed outside a terminal may grow (columns of text).
-WIDEST = 100_000
 
 
 class Steps:
@@ -800,7 +801,7 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
     )
     p.add_argument(
         "--threads",
-        type=_positive,
+        type=thread_count,
         default=BENCH_THREADS,
         metavar="N",
         help=f"torch intra-op threads (default: {BENCH_THREADS}, as every figure in the docs was "

@@ -222,12 +222,14 @@ class Matrix:
         """(backend, reason, how many tests) of every skip, refusals proved aside, except
         those of backends that did not run at all (their one reason is said apart)."""
         counts: dict[tuple[str, str], int] = {}
-        for r in self.results.values():
+        for nodeid, r in self.results.items():
             if r.outcome != "skipped" or r.not_supported:
                 continue
             if r.status in ("unavailable", "failed to load"):
                 continue
-            key = (r.backend, r.reason or "no reason given")
+            why = r.reason or "no reason given"
+            case = nodeid.rsplit("[", 1)[-1].rstrip("]")  # a reason naming its case: grouped
+            key = (r.backend, why.removeprefix(f"{case}: "))
             counts[key] = counts.get(key, 0) + 1
         return [(b, why, n) for (b, why), n in sorted(counts.items())]
 

@@ -28,12 +28,15 @@ import io
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+from attnhub.cli import thread_count
 
 PLUGIN = "attnhub_conformance.plugin"
 #: plugin.EXIT_BACKEND_CANNOT_RUN, restated: importing the plugin module before pytest loads it
@@ -63,16 +66,6 @@ def in_cli_terms(text: str) -> str:
 
     text = in_terms_of(text, "cli")
     return re.sub(r"--attnhub-[a-z-]+", lambda m: CLI_OPTIONS.get(m[0], m[0]), text)
-
-
-def _threads(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text}: use a positive number of threads")
-    return n
 
 
 def _report_path(path: str) -> str:
@@ -154,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--threads",
-        type=_threads,
+        type=thread_count,
         default=DEFAULT_THREADS,
         metavar="N",
         help=f"torch intra-op threads (default: {DEFAULT_THREADS}: the suite's tensors are small, "
@@ -387,7 +380,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_pytest(ns: argparse.Namespace, plugin: Progress) -> int | pytest.ExitCode:
     """pytest.main on ``ns.threads`` intra-op threads, hypothesis's files in a temporary
-    directory (unless HYPOTHESIS_STORAGE_DIRECTORY names one); both restored after."""
+    directory (unless HYPOTHESIS_STORAGE_DIRECTORY names one); both restored after. Where
+    torch is not imported yet, OMP_NUM_THREADS (unless set) sizes its thread pools from the
+    start, as a run under ``OMP_NUM_THREADS=N`` would."""
+    own_omp = "torch" not in sys.modules and "OMP_NUM_THREADS" not in os.environ
+    if own_omp:
+        os.environ["OMP_NUM_THREADS"] = str(ns.threads)
     import torch
 
     threads = torch.get_num_threads()
@@ -399,6 +397,8 @@ def _run_pytest(ns: argparse.Namespace, plugin: Progress) -> int | pytest.ExitCo
         return pytest.main(pytest_args(ns), plugins=[plugin])
     finally:
         torch.set_num_threads(threads)
+        if own_omp:
+            os.environ.pop("OMP_NUM_THREADS", None)
         if own_storage:
             shutil.rmtree(os.environ.pop("HYPOTHESIS_STORAGE_DIRECTORY"), ignore_errors=True)
 
