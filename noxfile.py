@@ -318,6 +318,8 @@ def _wheelhouse_commands() -> tuple[list[str], list[str]]:
     line (comments dropped), run as ``python -m pip ...`` from the repo root."""
     found: dict[str, list[str]] = {}
     for line in INSTALL_DOC.read_text().splitlines():
+        if not line.startswith(("pip wheel ", "pip install ")):
+            continue  # prose, other commands
         words = shlex.split(line.split("#")[0])
         if words[:2] == ["pip", "wheel"]:
             found.setdefault("wheel", words)
