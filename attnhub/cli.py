@@ -23,6 +23,7 @@ import difflib
 import importlib.metadata as md
 import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -349,14 +350,6 @@ def cmd_select(args: argparse.Namespace) -> int:
 # --- commands from other distributions (entry-point group attnhub.cli) --------------------
 COMMAND_GROUP = "attnhub.cli"
 BUILTIN_COMMANDS = ("list", "select", "bench")
-#: Commands attnhub's own distributions add, and how to install each (not on PyPI yet).
-KNOWN_COMMANDS = {
-    "conformance": (
-        "attnhub-conformance",
-        "pip install -e ./conformance from attnhub's checkout, or attnhub-conformance from a "
-        "wheelhouse (docs/install.md)",
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -417,12 +410,33 @@ def _run_plugin(command: PluginCommand, argv: list[str]) -> int:
     return 0 if code is None else int(code)
 
 
+def _extra_named(name: str) -> list[str]:
+    """The attnhub distributions attnhub's extra ``name`` pulls (empty: no such extra, or one
+    of third-party tools): a command of attnhub's own family is installed by the extra of its
+    name (``attnhub[NAME]``)."""
+    try:
+        meta = md.metadata("attnhub")
+    except md.PackageNotFoundError:
+        return []
+    if name not in (meta.get_all("Provides-Extra") or []):
+        return []
+    # e.g. 'attnhub-ascend; extra == "ascend"' (core metadata; no packaging dependency here)
+    marker = re.compile(
+        r"""^\s*([A-Za-z0-9][A-Za-z0-9._-]*).*;\s*extra\s*==\s*["']"""
+        + re.escape(name)
+        + r"""["']\s*$"""
+    )
+    found = [m[1] for line in meta.get_all("Requires-Dist") or [] if (m := marker.match(line))]
+    return found if found and all(n.startswith("attnhub-") for n in found) else []
+
+
 def _unknown_command(name: str, plugins: dict[str, PluginCommand]) -> int:
-    if name in KNOWN_COMMANDS:
-        distribution, how = KNOWN_COMMANDS[name]
+    distributions = _extra_named(name)
+    if distributions:
         _error(
-            f"command {name!r} comes from the distribution {distribution}, which is not "
-            f"installed: {how}"
+            f"command {name!r} comes from {', '.join(distributions)} (attnhub's extra "
+            f"[{name}]), which is not installed; it is not on PyPI yet: install it from "
+            "attnhub's checkout or a wheelhouse (docs/install.md)"
         )
         return 2
     known = [*BUILTIN_COMMANDS, *sorted(plugins)]

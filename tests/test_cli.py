@@ -344,4 +344,5 @@ def test_a_missing_conformance_command_names_its_distribution(capsys, monkeypatc
     monkeypatch.setattr(cli, "plugin_commands", lambda only=None: {})
     assert main(["conformance"]) == 2
     err = capsys.readouterr().err
-    assert "attnhub-conformance" in err and "pip install -e ./conformance" in err
+    assert "comes from attnhub-conformance (attnhub's extra [conformance])" in err
+    assert "docs/install.md" in err
