@@ -75,10 +75,11 @@ class Machine:
         free = self.cores - self.torch_threads
         if load[0] <= max(free, 0) + 0.5:
             return None
+        fewer = ", or with fewer --threads" if self.torch_threads > 1 else ""
         return (
             f"the machine is loaded: 1-minute load average {load[0]:.2f} on {self.cores} cores, "
             f"{self.torch_threads} of them for this run's torch threads; absolute times drift "
-            "and ratios too (rerun on a quiet machine, or with fewer --threads)"
+            f"and ratios too (rerun on a quiet machine{fewer})"
         )
 
 
