@@ -420,7 +420,7 @@ def _extra_named(name: str) -> list[str]:
         return []
     if name not in (meta.get_all("Provides-Extra") or []):
         return []
-    # e.g. 'attnhub-ascend; extra == "ascend"' (core metadata; no packaging dependency here)
+    # e.g. 'attnhub-NAME; extra == "NAME"' (core metadata; no packaging dependency here)
     marker = re.compile(
         r"""^\s*([A-Za-z0-9][A-Za-z0-9._-]*).*;\s*extra\s*==\s*["']"""
         + re.escape(name)
