@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from attnhub.backend import device_type
+from attnhub.emulation import emulate_hint
 from attnhub.errors import BackendUnavailableError, InvalidInputError
 
 if TYPE_CHECKING:
@@ -46,7 +47,9 @@ ENV = "ATTNHUB_FLASH_PROVIDER"
 
 NATIVE_DEVICE = "cuda"
 EMULATED_DEVICE = "cpu"
-EMULATE_HINT = "pass emulate=True (--attnhub-emulate) to run through the CPU emulator"
+#: How to ask for the emulator, in the API's terms: ``attnhub`` commands and the conformance
+#: suite show it in theirs (attnhub.emulation.in_terms_of).
+EMULATE_HINT = emulate_hint()
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,14 @@ from typing import Any
 import torch
 
 from attnhub.backend import device_type
+from attnhub.emulation import emulate_hint
 from attnhub.errors import BackendUnavailableError
 
 NATIVE_DEVICE = "cuda"
 EMULATED_DEVICE = "cpu"
-EMULATE_HINT = "pass emulate=True (--attnhub-emulate) to run through the CPU emulator"
+#: How to ask for the emulator, in the API's terms: ``attnhub`` commands and the conformance
+#: suite show it in theirs (attnhub.emulation.in_terms_of).
+EMULATE_HINT = emulate_hint()
 #: The ixformer modules the backend calls into.
 MODULES = ("ixformer.contrib.vllm_flash_attn", "ixformer.inference.functions")
 
