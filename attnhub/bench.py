@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from attnhub.batch import BatchMetadata
-from attnhub.errors import AttnhubError
+from attnhub.errors import AttnhubError, BenchUnavailableError, ToolError
 from attnhub.registry import get_backend, select_backend
 from attnhub.spec import AttentionSpec
 
@@ -463,8 +463,8 @@ def bench_backends(device: str = "cpu", emulate: bool = False) -> tuple[list[str
 BENCH_GROUP = "attnhub.bench"
 
 
-class BenchUnavailable(Exception):
-    """A direct comparison cannot run here; the message says why."""
+#: The old name of :class:`attnhub.errors.BenchUnavailableError` (an ``AttnhubError``).
+BenchUnavailable = BenchUnavailableError
 
 
 @dataclass
@@ -499,7 +499,7 @@ def direct_comparisons(
             continue
         try:
             got = list(ep.load()(quick=quick, repeats=repeats))
-        except BenchUnavailable as exc:
+        except BenchUnavailableError as exc:
             skipped.append(Skipped(f"{ep.name} direct", str(exc)))
             continue
         except Exception as exc:  # a broken plugin is reported, never a crash of the run
@@ -667,7 +667,7 @@ def _pyplot() -> ModuleType:  # matplotlib.pyplot
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise RuntimeError(f"plotting needs matplotlib ({exc}): {PLOT_EXTRA}") from exc
+        raise ToolError(f"plotting needs matplotlib ({exc}): {PLOT_EXTRA}") from exc
     return plt
 
 
@@ -1025,7 +1025,7 @@ class _Recording:
         seen = self._log.get(self._path)
         if seen is not None and seen[0] == "call":
             if _kind(seen[1]) != _kind(how):
-                raise RuntimeError(
+                raise ToolError(
                     f"op {'.'.join(self._path)} returned different kinds of result in one "
                     f"step: {_kind(seen[1])} and {_kind(how)}; it cannot be replaced by one no-op"
                 )

@@ -187,6 +187,15 @@ def test_a_refused_configuration_is_skipped_with_the_backends_reason() -> None:
         assert (s.backend, s.case, s.dtype) == ("torch", "odd heads", "float32") and s.reason
 
 
+def test_bench_unavailable_is_an_attnhub_error() -> None:
+    """Every error the tools raise is an attnhub error (issue 25): the old name stays."""
+    from attnhub.errors import AttnhubError, BenchUnavailableError, ToolError
+
+    assert bench.BenchUnavailable is BenchUnavailableError
+    assert issubclass(BenchUnavailableError, ToolError)
+    assert issubclass(ToolError, AttnhubError)
+
+
 def _comparison(*, quick: bool, repeats: int) -> list[bench.DirectComparison]:
     return [bench.DirectComparison("fake", "c", "float32", 2.0, 1.9, 0.95, note=f"{quick}")]
 
