@@ -22,10 +22,17 @@ TOOL_MODULES = (
 )
 
 RUN = """
-import sys, torch
+import importlib.util, sys, torch
 import attnhub
 attnhub.list_backends()  # every installed plugin loaded, its hooks called
-spec = attnhub.AttentionSpec(num_heads=4, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.float32
+# the tool plugins' modules, as discovery loads them where installed
+for name in ("attnhub_conformance.attnhub_plugin", "attnhub_vllm.plugin", "attnhub_cpu.plugin"):
+    if importlib.util.find_spec(name.partition(".")[0]) is not None:
+        plugin = __import__(name, fromlist=["_"])
+        for hook in ("attnhub_commands", "attnhub_bench_comparisons", "attnhub_host_comparisons"):
+            getattr(plugin, hook, list)()
+spec = attnhub.AttentionSpec(
+    num_heads=4, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.float32
 )
 be = attnhub.select_backend(spec, "cpu", prefer="torch")
 cache = be.allocate_kv_cache(4)
