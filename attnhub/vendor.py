@@ -48,9 +48,9 @@ class VendorLibrary:
 
     backend: str  # the backend's name, as BackendUnavailableError reports it
     native_device: str  # the device type the vendor's library runs on ("npu", "cuda")
-    #: the sentence's subject for a CPU without emulation: "Ascend kernels run on device 'npu'"
+    #: the sentence's subject for a CPU without emulation: "X kernels run on device 'cuda'"
     kernels: str
-    #: the native case in the sentence for another device: "'npu'", "'cuda' with ixformer"
+    #: the native case in the sentence for another device: "'cuda'", "'cuda' with <library>"
     native: str
     #: on the native device: None when the library is importable and the device visible, else
     #: why not (a sentence); imports nothing twice (``import_once``)

@@ -45,9 +45,9 @@ from attnhub.backend import (
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.kit import FixedShapeWrite, StepExtents, flat_slots, read_slots
 from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec, AttentionType
-from attnhub.validation import StepExtents
 from attnhub_ascend import ops
 
 INT_MAX = 2147483647  # the kernels' default for pre_tokens / next_tokens: unbounded
@@ -402,7 +402,7 @@ class AscendBackend(AttentionBackend):
 
     def graph_adaptor(self) -> Any:
         """attnhub's NPUGraphAdaptor over this backend's graph API."""
-        from attnhub.graphs import NPUGraphAdaptor
+        from attnhub.kit import NPUGraphAdaptor
 
         return NPUGraphAdaptor(self.graph_api)
 
@@ -805,22 +805,20 @@ class AscendAttentionImpl(AttentionImpl):
         padding) are not known at capture. _npu_reshape_and_cache skips them itself;
         npu_scatter_pa_kv_cache takes no -1, so each such row is redirected to the step's first
         written row (same slot, same value: duplicates of one value), and a step that writes
-        nothing rewrites slot 0 with what it holds. Device ops only: the graph captures them."""
+        nothing rewrites slot 0 with what it holds (the kit's FixedShapeWrite). Device ops
+        only: the graph captures them."""
         T = slot_mapping.shape[0]
         if self.backend.kv_write_op == RESHAPE_AND_CACHE:
             self._write(key[:T], value[:T], cache, slot_mapping.to(torch.int32).contiguous())
             return
-        slots = slot_mapping.long()
-        valid = slots >= 0
-        any_valid = valid.any()
-        first = torch.argmax(valid.to(torch.int32))
-        rows = torch.where(valid, torch.arange(T, device=slots.device), first)
-        dst = torch.where(any_valid, slots.index_select(0, rows), 0)
-        k = torch.where(any_valid, key.index_select(0, rows), _flat(cache.key).index_select(0, dst))
-        v = torch.where(
-            any_valid, value.index_select(0, rows), _flat(cache.value).index_select(0, dst)
+        write = FixedShapeWrite.of(slot_mapping)
+        k, v = (
+            write.pick(
+                src.index_select(0, write.rows), read_slots(plane, flat_slots(plane), write.slots)
+            )
+            for src, plane in ((key, cache.key), (value, cache.value))
         )
-        self._write(k, v, cache, dst.to(torch.int32))
+        self._write(k, v, cache, write.slots.to(torch.int32))
 
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor

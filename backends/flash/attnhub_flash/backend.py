@@ -41,11 +41,11 @@ from attnhub.backend import (
     AttentionMetadata,
     AttentionMetadataBuilder,
 )
-from attnhub.batch import BatchMetadata, as_contiguous
+from attnhub.batch import BatchMetadata
 from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.kit import as_contiguous, indexable, quantize_fp8
 from attnhub.kv_cache import PagedKVCache
-from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_flash import ops
 
