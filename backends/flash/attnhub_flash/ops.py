@@ -22,18 +22,20 @@ submodules on disk below it. ``find_spec("flash_attn.cute")`` itself would impor
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import inspect
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
-from attnhub.errors import InvalidInputError
-from attnhub.kit import EMULATE_HINT, VendorLibrary, device_type, import_once
+from attnhub.errors import BackendUnavailableError, InvalidInputError
+from attnhub.kit import device_type
 
 PROVIDERS = ("vllm", "vllm-fa3", "fa2", "fa3", "fa4")
 #: Best first when several are importable: FA4 and FA3 are the newer kernels; vLLM's fork ships
@@ -44,6 +46,8 @@ ENV = "ATTNHUB_FLASH_PROVIDER"
 DEFAULT = "vllm"
 
 NATIVE_DEVICE = "cuda"
+EMULATED_DEVICE = "cpu"
+EMULATE_HINT = "pass emulate=True (--attnhub-emulate) to run through the CPU emulator"
 
 
 @dataclass(frozen=True)
@@ -154,46 +158,63 @@ def chosen_provider() -> str:
     return DEFAULT
 
 
+@functools.cache
+def _import(module: str) -> tuple[ModuleType | None, str | None]:
+    """Import once per process: (module, None) or (None, why it failed); any exception counts
+    as "not importable" (a CUDA build that does not load), never as a crash."""
+    try:
+        return importlib.import_module(module), None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
 def unavailable_reason(provider: str, device: torch.device | str, emulate: bool) -> str | None:
     """None when ``provider`` can run on ``device``; otherwise why not (a sentence)."""
-    return library(provider).unavailable_reason(device, emulate)
-
-
-def _probe(provider: str, device: torch.device | str) -> str | None:
-    """On a CUDA device: None when ``provider``'s modules import with the functions the backend
-    calls and the GPU's compute capability is one the provider runs on."""
     src = SOURCES[provider]
-    for module in (src.attention, src.cache_ops):
-        if module is None:
-            continue
-        found, error = import_once(module)
-        missing = [f for f in FUNCTIONS[module] if found is not None and not hasattr(found, f)]
-        if missing:
-            error = f"it has no {', '.join(missing)} (another package's {module}?)"
-        if found is None or missing:
+    dt = device_type(device)
+    if dt == NATIVE_DEVICE:
+        for module in (src.attention, src.cache_ops):
+            if module is None:
+                continue
+            found, error = _import(module)
+            missing = [f for f in FUNCTIONS[module] if found is not None and not hasattr(found, f)]
+            if missing:
+                error = f"it has no {', '.join(missing)} (another package's {module}?)"
+            if found is None or missing:
+                return (
+                    f"provider {provider!r}: {module} is not importable (pip install "
+                    f"{src.distribution}): {error}; set {ENV} to another provider, or on a "
+                    f"machine without an NVIDIA GPU use device 'cpu' and {EMULATE_HINT}"
+                )
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible (torch.cuda.is_available() is False)"
+        try:
+            major, minor = torch.cuda.get_device_capability(torch.device(device))
+        except Exception as exc:
+            return f"the compute capability of {device} cannot be read: {type(exc).__name__}: {exc}"
+        if major < src.min_major or (src.max_major is not None and major > src.max_major):
+            top = "" if src.max_major is None else f" to {src.max_major}.x ({src.max_why})"
             return (
-                f"provider {provider!r}: {module} is not importable (pip install "
-                f"{src.distribution}): {error}; set {ENV} to another provider, or on a "
-                f"machine without an NVIDIA GPU use device 'cpu' and {EMULATE_HINT}"
+                f"provider {provider!r} runs on compute capability {src.min_major}.x{top}; "
+                f"this GPU is {major}.{minor}"
             )
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible (torch.cuda.is_available() is False)"
-    try:
-        major, minor = torch.cuda.get_device_capability(torch.device(device))
-    except Exception as exc:
-        return f"the compute capability of {device} cannot be read: {type(exc).__name__}: {exc}"
-    if major < src.min_major or (src.max_major is not None and major > src.max_major):
-        top = "" if src.max_major is None else f" to {src.max_major}.x ({src.max_why})"
+        if provider == "vllm-fa3":
+            fork, _ = _import(src.attention)
+            why = fork_fa3_unsupported_reason(fork, torch.device(device))
+            if why:
+                return f"provider 'vllm-fa3': {why}"
+        return None
+    if dt == EMULATED_DEVICE:
+        if emulate:
+            return None
         return (
-            f"provider {provider!r} runs on compute capability {src.min_major}.x{top}; "
-            f"this GPU is {major}.{minor}"
+            "FlashAttention kernels run on device 'cuda'; on 'cpu' the backend runs only "
+            f"through its emulator: {EMULATE_HINT}"
         )
-    if provider == "vllm-fa3":
-        fork, _ = import_once(src.attention)
-        why = fork_fa3_unsupported_reason(fork, torch.device(device))
-        if why:
-            return f"provider 'vllm-fa3': {why}"
-    return None
+    return (
+        f"device type {dt!r} is not supported (native: 'cuda'; 'cpu' with emulate=True, "
+        "through the CPU emulator)"
+    )
 
 
 def fork_fa3_unsupported_reason(fork: Any, device: torch.device) -> str | None:
@@ -251,14 +272,17 @@ class ProviderOps:
     emulated: bool
 
 
-def _native(provider: str) -> ProviderOps:
+def resolve(provider: str, device: torch.device | str, emulate: bool) -> ProviderOps:
+    """The real modules natively, else the emulator's namespaces. Call after
+    ``unavailable_reason`` returned None; resolved once per backend instance."""
+    why = unavailable_reason(provider, device, emulate)
+    if why is not None:
+        raise BackendUnavailableError("flash", str(device), why)
     src = SOURCES[provider]
-    attention, _ = import_once(src.attention)
-    cache_ops = None if src.cache_ops is None else import_once(src.cache_ops)[0]
-    return ProviderOps(provider, attention, cache_ops, emulated=False)
-
-
-def _emulated(provider: str) -> ProviderOps:
+    if device_type(device) == NATIVE_DEVICE:
+        attention, _ = _import(src.attention)
+        cache_ops = None if src.cache_ops is None else _import(src.cache_ops)[0]
+        return ProviderOps(provider, attention, cache_ops, emulated=False)
     from attnhub_flash import emulator
 
     namespaces = {
@@ -272,27 +296,5 @@ def _emulated(provider: str) -> ProviderOps:
     return ProviderOps(provider, emulated_attention, emulated_cache_ops, emulated=True)
 
 
-@functools.cache
-def library(provider: str) -> VendorLibrary:
-    """``provider``'s functions: its modules natively, else the emulator's namespaces (the
-    device dispatch and its sentences are the kit's)."""
-    return VendorLibrary(
-        backend="flash",
-        native_device=NATIVE_DEVICE,
-        kernels="FlashAttention kernels run on device 'cuda'",
-        native="'cuda'",
-        probe=functools.partial(_probe, provider),
-        load=functools.partial(_native, provider),
-        emulator=functools.partial(_emulated, provider),
-    )
-
-
-def resolve(provider: str, device: torch.device | str, emulate: bool) -> ProviderOps:
-    """The real modules natively, else the emulator's namespaces; resolved once per backend
-    instance. Raises BackendUnavailableError with the reason where neither can run."""
-    ops: ProviderOps = library(provider).namespace(device, emulate)
-    return ops
-
-
 def is_emulated(device: torch.device | str) -> bool:
-    return library(DEFAULT).is_emulated(device)
+    return device_type(device) == EMULATED_DEVICE
