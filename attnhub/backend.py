@@ -26,7 +26,7 @@ from attnhub.errors import (
     InvalidInputError,
     UnsupportedConfigurationError,
 )
-from attnhub.kv_cache import PagedKVCache
+from attnhub.kv_cache import BlockPacking, PagedKVCache
 from attnhub.spec import AttentionSpec
 
 if TYPE_CHECKING:
@@ -119,6 +119,11 @@ class AttentionBackend(abc.ABC):
     def __repr__(self) -> str:
         mode = ", emulated" if self.emulated else ""
         return f"<{type(self).__name__} {self.name!r} on {self.device}{mode}>"
+
+    #: How this backend's kernels pack each block of its own caches, where no strided view shows
+    #: a block as tokens x channels (``PagedKVCache.packing``); None: they do not. A cache
+    #: packed otherwise is refused; an unpacked one is the backend's to accept or refuse.
+    kv_packing: BlockPacking | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
         """A zeroed cache for ``num_blocks`` blocks in this backend's layout and format."""
@@ -475,6 +480,7 @@ class AttentionImpl(abc.ABC):
             cache,
             self.backend.device,
             strided=caps.strided_kv_cache,
+            packing=self.backend.kv_packing,
         )
         self._checked_cache = (*planes, cache.num_slots, cache.num_blocks)
 

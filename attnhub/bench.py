@@ -48,6 +48,8 @@ class Machine:
     cores: int  # usable by this process
     torch_threads: int
     torch_version: str
+    #: the OS's 1, 5 and 15 minute load averages when the run began (None: not known here)
+    load_average: tuple[float, float, float] | None = None
 
     def describe(self) -> str:
         """One line for a table caption: ``AMD EPYC, avx2 (no avx512f, ...), 2 cores, ...``."""
@@ -56,9 +58,28 @@ class Machine:
         isa = ", ".join(have) or "none of " + "/".join(ISA_FLAGS)
         if have and lack:
             isa += f" (no {', '.join(lack)})"
+        load = "" if self.load_average is None else f", load average {self.load_average[0]:.2f}"
         return (
             f"{self.cpu}, {isa}, {self.cores} cores, {self.torch_threads} torch threads, "
-            f"torch {self.torch_version}"
+            f"torch {self.torch_version}{load}"
+        )
+
+    def load_problem(self, load: tuple[float, float, float] | None = None) -> str | None:
+        """Why figures timed now may not hold because other processes are busy (None: the
+        machine looks quiet enough): the 1-minute load average (``load``, else the one at the
+        start) above the cores this run's torch threads leave free. Other work on the same
+        cores makes spinning threads wait and timings swing."""
+        load = load or self.load_average
+        if load is None:
+            return None
+        free = self.cores - self.torch_threads
+        if load[0] <= max(free, 0) + 0.5:
+            return None
+        fewer = ", or with fewer --threads" if self.torch_threads > 1 else ""
+        return (
+            f"the machine is loaded: 1-minute load average {load[0]:.2f} on {self.cores} cores, "
+            f"{self.torch_threads} of them for this run's torch threads; absolute times drift "
+            f"and ratios too (rerun on a quiet machine{fewer})"
         )
 
 
@@ -77,8 +98,17 @@ def _cpuinfo() -> tuple[str | None, set[str]]:
     )
 
 
+def load_average() -> tuple[float, float, float] | None:
+    """The OS's 1, 5 and 15 minute load averages (None where the OS does not tell)."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except (AttributeError, OSError):
+        return None
+    return (round(one, 2), round(five, 2), round(fifteen, 2))
+
+
 def machine() -> Machine:
-    """The machine this process runs on, as far as the OS tells."""
+    """The machine this process runs on, as far as the OS tells (load average: now)."""
     model, flags = _cpuinfo()
     try:
         cores = len(os.sched_getaffinity(0))
@@ -91,6 +121,7 @@ def machine() -> Machine:
         cores=cores,
         torch_threads=torch.get_num_threads(),
         torch_version=torch.__version__,
+        load_average=load_average(),
     )
 
 
@@ -121,6 +152,7 @@ class BenchResult:
     kind: str = "decode"  # "decode" | "prefill"
     kv_bytes: int = 0  # K and V bytes the step reads (see kv_bytes)
     flops: int = 0  # the attention's useful FLOPs (see attention_flops)
+    spread: float = 0.0  # of backend_ms's timed runs (see spread)
 
     @property
     def gbps(self) -> float:
@@ -152,7 +184,20 @@ def default_cases(quick: bool = False) -> list[BenchCase]:
     return cases
 
 
-def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+#: A figure whose timed runs spread wider than this (see ``spread``) is reported as unstable.
+UNSTABLE_SPREAD = 0.25
+
+
+def spread(times: Iterable[float]) -> float:
+    """How far a figure's timed runs disagree: (slowest - fastest) / median (0 for one run).
+    On a quiet machine a few percent; far more where other processes take the cores."""
+    ts = sorted(times)
+    median = statistics.median(ts)
+    return (ts[-1] - ts[0]) / median if len(ts) > 1 and median > 0 else 0.0
+
+
+def _timed_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> tuple[float, float]:
+    """(median ms, spread) of ``repeats`` timed calls of ``fn`` after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -160,7 +205,11 @@ def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, spread(times)
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    return _timed_ms(fn, repeats, warmup)[0]
 
 
 def _kv_and_plan(case: BenchCase, be: Any, device: str) -> tuple[Any, ...]:
@@ -196,8 +245,10 @@ def _spec(case: BenchCase) -> AttentionSpec:
     )
 
 
-def _time_backend(case: BenchCase, be: Any, device: str, repeats: int) -> tuple[float, float]:
-    """(forward ms, build us) of one backend class on ``case``."""
+def _time_backend(
+    case: BenchCase, be: Any, device: str, repeats: int
+) -> tuple[float, float, float]:
+    """(forward ms, build us, forward's spread) of one backend class on ``case``."""
     cache, batch, q, k, v = _kv_and_plan(case, be, device)
     impl = be.impl()
     builder = be.metadata_builder()
@@ -206,13 +257,19 @@ def _time_backend(case: BenchCase, be: Any, device: str, repeats: int) -> tuple[
     for _ in range(n_build):
         meta = builder.build(batch)
     build_us = (time.perf_counter() - t0) / n_build * 1e6
-    return _median_ms(lambda: impl.forward(q, k, v, cache, meta), repeats), build_us
+    ms, spread_ = _timed_ms(lambda: impl.forward(q, k, v, cache, meta), repeats)
+    return ms, build_us, spread_
 
 
 def dense_ms(case: BenchCase, *, device: str = "cpu", repeats: int = 7) -> float:
     """Dense SDPA on the case's shapes with contiguous, unpaged K/V, median ms: GQA folded into
     the query rows for decode, K/V heads expanded for causal prefill (the fastest dense forms
     measured here)."""
+    return _dense_timed(case, device=device, repeats=repeats)[0]
+
+
+def _dense_timed(case: BenchCase, *, device: str, repeats: int) -> tuple[float, float]:
+    """``dense_ms`` and its spread."""
     gen = torch.Generator().manual_seed(1)
     H, Hkv, D = case.num_heads, case.num_kv_heads, case.head_size
     B, L = case.num_reqs, case.seq_len
@@ -233,7 +290,7 @@ def dense_ms(case: BenchCase, *, device: str = "cpu", repeats: int = 7) -> float
         def dense() -> object:
             return F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
 
-    return _median_ms(dense, repeats)
+    return _timed_ms(dense, repeats)
 
 
 def run_case(
@@ -248,7 +305,7 @@ def run_case(
     """One backend (the selected one unless named) on ``case``, and dense SDPA (unless its
     time, ``dense``, was measured already in this run)."""
     be = select_backend(_spec(case), device, prefer=backend, emulate=emulate)
-    backend_ms, build_us = _time_backend(case, be, device, repeats)
+    backend_ms, build_us, spread_ = _time_backend(case, be, device, repeats)
     d_ms = dense_ms(case, device=device, repeats=repeats) if dense is None else dense
     return BenchResult(
         case=case.name,
@@ -262,6 +319,7 @@ def run_case(
         kind=case.kind,
         kv_bytes=kv_bytes(case),
         flops=attention_flops(case),
+        spread=spread_,
     )
 
 
@@ -305,6 +363,8 @@ class Ceilings:
     #: dtype -> its own matmul as measured (n = ``matmul_n``, or 512 where that dtype takes a
     #: slow path: bf16 without AVX512-BF16 / AMX runs ~100x under float32 here)
     matmul_own_gflops: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: each figure's spread (see ``spread``): "copy", and "matmul <dtype>" per dtype timed
+    spreads: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def measure_ceilings(
@@ -321,13 +381,18 @@ def measure_ceilings(
     nbytes = (32 if quick else 256) << 20
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    copy_s = _median_ms(lambda: dst.copy_(src), repeats) / 1e3
+    copy_ms, copy_spread = _timed_ms(lambda: dst.copy_(src), repeats)
+    copy_s = copy_ms / 1e3
     n = 256 if quick else 2048
+    spreads = {"copy": copy_spread}
 
     def mm_gflops(dtype: torch.dtype, size: int, reps: int) -> float:
         a = torch.randn(size, size).to(device, dtype)
         b = torch.randn(size, size).to(device, dtype)
-        return 2 * size**3 / (_median_ms(lambda: torch.mm(a, b), reps, warmup=1) / 1e3) / 1e9
+        ms, spreads[f"matmul {str(dtype).removeprefix('torch.')}"] = _timed_ms(
+            lambda: torch.mm(a, b), reps, warmup=1
+        )
+        return 2 * size**3 / (ms / 1e3) / 1e9
 
     fp32 = mm_gflops(torch.float32, n, repeats)
     own: dict[str, float] = {}
@@ -345,6 +410,7 @@ def measure_ceilings(
         matmul_gflops={dt: max(v, fp32) for dt, v in own.items()},
         matmul_n=n,
         matmul_own_gflops=own,
+        spreads=spreads,
     )
 
 
@@ -483,11 +549,11 @@ def run_all(
     for case in cases:
         dname = str(case.dtype).removeprefix("torch.")
         progress(f"{case.name} {dname}: {DENSE}")
-        d_ms = dense_ms(case, device=device, repeats=repeats)
+        d_ms, d_spread = _dense_timed(case, device=device, repeats=repeats)
         results.append(
             BenchResult(
                 case.name, DENSE, dname, d_ms, d_ms, 1.0, None, 0.0, case.kind,
-                kv_bytes(case), attention_flops(case),
+                kv_bytes(case), attention_flops(case), d_spread,
             )
         )  # fmt: skip
         for name in backends:
@@ -514,11 +580,50 @@ def run_all(
     return Run(results, ceilings, rows, skipped)
 
 
+def unstable_figures(run: Run, threshold: float = UNSTABLE_SPREAD) -> list[str]:
+    """The figures of ``run`` whose timed runs spread more than ``threshold`` (see
+    ``spread``), each named with its spread."""
+    found = [
+        f"{name} ({value:.0%})" for name, value in run.ceilings.spreads.items() if value > threshold
+    ]
+    found += [
+        f"{r.case} {r.dtype} {r.backend} ({r.spread:.0%})"
+        for r in run.results
+        if r.spread > threshold
+    ]
+    return found
+
+
+def run_warnings(where: Machine, run: Run | None = None) -> list[str]:
+    """Why this run's figures may not hold: the machine was loaded when it began or ended
+    (``Machine.load_problem``), or figures spread beyond ``UNSTABLE_SPREAD``."""
+    found = []
+    start = where.load_problem()
+    end = load_average()
+    # at the end the average counts this run's own threads too
+    at_end = None if end is None else (end[0] - where.torch_threads, end[1], end[2])
+    late = None if at_end is None else where.load_problem(at_end)
+    if start is not None:
+        found.append(f"when the run began, {start}")
+    elif late is not None:
+        found.append(f"by the end of the run (its own threads discounted), {late}")
+    if run is not None:
+        bad = unstable_figures(run)
+        if bad:
+            found.append(
+                f"{len(bad)} figure(s) spread more than {UNSTABLE_SPREAD:.0%} across their timed "
+                f"runs (slowest - fastest, over the median): {', '.join(bad)}; other work on the "
+                "cores or changing clocks: do not trust their ratios"
+            )
+    return found
+
+
 def report(
     results: list[BenchResult] | list[HostOverhead],
     where: Machine,
     run: Run | None = None,
     host: list[HostOverhead] | None = None,
+    warnings: list[str] | None = None,
 ) -> dict[str, object]:
     """The JSON a run writes: the machine it ran on, then every result (and, for a kernel run,
     the measured ceilings, the achieved GB/s and GFLOP/s, the direct comparisons, the skips;
@@ -537,6 +642,8 @@ def report(
         doc["skipped"] = [asdict(s) for s in run.skipped]
     if host is not None:
         doc["host"] = [asdict(r) for r in host]
+    if warnings is not None:
+        doc["warnings"] = warnings
     return doc
 
 

@@ -23,11 +23,12 @@ import difflib
 import importlib.metadata as md
 import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -38,12 +39,58 @@ if TYPE_CHECKING:
     from attnhub.spec import AttentionSpec
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")  # torch dtypes the CLI takes by name
+#: Short names the CLI takes too (the conformance matrix's row names: "dtype: fp16").
+DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+#: ``attnhub bench``'s intra-op threads unless ``--threads`` says otherwise.
+BENCH_THREADS = 1
+
+
+def thread_count(text: str) -> int:
+    """``--threads``' argument: a positive integer (``attnhub bench``, ``attnhub conformance``)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: use a positive number of threads")
+    return n
+
+
+def _dtype_name(text: str) -> str:
+    """A dtype the CLI takes: float32 / float16 / bfloat16, or fp32 / fp16 / half / bf16."""
+    name = DTYPE_ALIASES.get(text.lower(), text.lower())
+    if name not in DTYPE_NAMES:
+        known = ", ".join([*DTYPE_NAMES, *DTYPE_ALIASES])
+        raise argparse.ArgumentTypeError(f"{text!r} is not a dtype this command takes ({known})")
+    return name
 
 
 def _console(*, stderr: bool = False) -> Console:
     from rich.console import Console
 
     return Console(highlight=False, stderr=stderr)
+
+
+#: The widest a table printed outside a terminal may grow (columns of text).
+WIDEST = 100_000
+
+
+def print_table(console: Console, table: Any) -> None:
+    """Print a rich ``table`` whole: on a terminal, laid out for its width (cells wrap, never
+    cut); elsewhere (CI logs, pipes, ``| tee``) at the width its content needs, however wide,
+    where rich would otherwise cut every table at 80 columns."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    from rich.measure import Measurement
+
+    needed = Measurement.get(console, console.options.update(width=WIDEST), table).maximum
+    width = console.width
+    console.width = max(width, needed)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
 
 
 class Steps:
@@ -80,6 +127,7 @@ class Steps:
 
 # --- attnhub list ----------------------------------------------------------------------------
 def cmd_list(args: argparse.Namespace) -> int:
+    from attnhub.emulation import in_terms_of
     from attnhub.registry import list_backends
 
     rows = []
@@ -98,7 +146,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             elif info.backend is not None and info.availability(dev, emulate=True) is None:
                 availability[dev] = "emulated"
             else:
-                availability[dev] = f"no: {native}"
+                availability[dev] = f"no: {in_terms_of(native, 'cli')}"
         rows.append((info, availability))
     if args.json:
         print(
@@ -239,6 +287,7 @@ def cmd_select(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
+    from attnhub.emulation import in_terms_of
     from attnhub.errors import (
         AttnhubError,
         BackendUnavailableError,
@@ -271,7 +320,7 @@ def cmd_select(args: argparse.Namespace) -> int:
                 headline = exc.message
             else:
                 headline = str(exc).splitlines()[0].rstrip(":")
-            console.print(f"[red]no backend:[/red] {escape(headline)}")
+            console.print(f"[red]no backend:[/red] {escape(in_terms_of(headline, 'cli'))}")
     if chosen is not None:
         mode = " (emulated)" if chosen.emulated else ""
         console.print(f"selected: [bold]{chosen.name}[/bold]{mode} on {args.device}")
@@ -291,7 +340,7 @@ def cmd_select(args: argparse.Namespace) -> int:
         if chosen is not None and cls.name == chosen.name:
             verdict = "[green]selected[/green]"
         elif reasons:
-            verdict = escape("; ".join(reasons))
+            verdict = escape(in_terms_of("; ".join(reasons), "cli"))
         elif prefer is not None:
             verdict = "usable (not chosen: another backend was asked for)"
         else:
@@ -299,7 +348,7 @@ def cmd_select(args: argparse.Namespace) -> int:
         table.add_row(cls.name, verdict)
     for info in failed:
         table.add_row(info.name, escape(f"plugin failed to load: {info.error}"))
-    console.print(table)
+    print_table(console, table)
     return 0 if chosen is not None else 2
 
 
@@ -366,7 +415,35 @@ def _run_plugin(command: PluginCommand, argv: list[str]) -> int:
     return 0 if code is None else int(code)
 
 
+def _extra_named(name: str) -> list[str]:
+    """The attnhub distributions attnhub's extra ``name`` pulls (empty: no such extra, or one
+    of third-party tools): a command of attnhub's own family is installed by the extra of its
+    name (``attnhub[NAME]``)."""
+    try:
+        meta = md.metadata("attnhub")
+    except md.PackageNotFoundError:
+        return []
+    if name not in (meta.get_all("Provides-Extra") or []):
+        return []
+    # e.g. 'attnhub-NAME; extra == "NAME"' (core metadata; no packaging dependency here)
+    marker = re.compile(
+        r"""^\s*([A-Za-z0-9][A-Za-z0-9._-]*).*;\s*extra\s*==\s*["']"""
+        + re.escape(name)
+        + r"""["']\s*$"""
+    )
+    found = [m[1] for line in meta.get_all("Requires-Dist") or [] if (m := marker.match(line))]
+    return found if found and all(n.startswith("attnhub-") for n in found) else []
+
+
 def _unknown_command(name: str, plugins: dict[str, PluginCommand]) -> int:
+    distributions = _extra_named(name)
+    if distributions:
+        _error(
+            f"command {name!r} comes from {', '.join(distributions)} (attnhub's extra "
+            f"[{name}]), which is not installed; it is not on PyPI yet: install it from "
+            "attnhub's checkout or a wheelhouse (docs/install.md)"
+        )
+        return 2
     known = [*BUILTIN_COMMANDS, *sorted(plugins)]
     close = difflib.get_close_matches(name, known, n=1)
     _error(
@@ -399,13 +476,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from attnhub import bench
 
     console = _console()
-    torch.set_num_threads(args.threads or torch.get_num_threads())
+    torch.set_num_threads(args.threads)
     where = bench.machine()
+    if where.load_problem() is not None:  # said now, not only after minutes of timing
+        _warn(f"{where.load_problem()}")
     if args.host:
         rows = _bench_host(args, console)
         console.print(f"machine: {where.describe()}", soft_wrap=True)
+        said = _print_warnings(bench.run_warnings(where), console)
         if args.json:
-            _write_json(args.json, bench.report(rows, where), console)
+            _write_json(args.json, bench.report(rows, where, warnings=said), console)
         if args.plot:
             bench.plot_host(rows, args.plot, where)
             console.print(f"wrote {args.plot}")
@@ -413,12 +493,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     run = _bench_kernels(args, console)
     host = _bench_host(args, console) if args.all else None
     console.print(f"machine: {where.describe()}", soft_wrap=True)
+    said = _print_warnings(bench.run_warnings(where, run), console)
     if args.json:
-        _write_json(args.json, bench.report(run.results, where, run, host=host), console)
+        doc = bench.report(run.results, where, run, host=host, warnings=said)
+        _write_json(args.json, doc, console)
     if args.plot:
         bench.plot(run, args.plot, where, host=host)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _warn(message: str) -> None:
+    _console(stderr=True).print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
+
+
+def _print_warnings(found: list[str], console: Console) -> list[str]:
+    """Print the run's warnings under its figures (stdout: they travel with them)."""
+    for message in found:
+        console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
+    return found
 
 
 def _write_json(path: str, doc: dict[str, object], console: Console) -> None:
@@ -452,11 +545,16 @@ def _bench_kernels(args: argparse.Namespace, console: Console) -> Run:
             progress=steps.step,
         )
     ceil = run.ceilings
+
+    def spread(figure: str) -> str:
+        value = ceil.spreads.get(figure)
+        return "" if value is None else f" (spread {value:.0%})"
+
     console.print(
-        f"measured ceilings: copy {ceil.copy_gbps:.1f} GB/s (read + write of "
+        f"measured ceilings: copy {ceil.copy_gbps:.1f} GB/s{spread('copy')} (read + write of "
         f"{ceil.copy_bytes >> 20} MiB); compute: matmul {ceil.matmul_n}^3 "
         + ", ".join(
-            f"{dt} {v:.1f} GFLOP/s"
+            f"{dt} {v:.1f} GFLOP/s{spread(f'matmul {dt}')}"
             + (
                 f" (its own matmul {ceil.matmul_own_gflops[dt]:.1f}: float32's is the ceiling)"
                 if ceil.matmul_own_gflops.get(dt, v) < v
@@ -472,6 +570,7 @@ def _bench_kernels(args: argparse.Namespace, console: Console) -> Run:
         "dtype",
         "backend",
         "ms",
+        "spread",
         "vs dense",
         "target",
         "achieved",
@@ -493,13 +592,14 @@ def _bench_kernels(args: argparse.Namespace, console: Console) -> Run:
             r.dtype,
             r.backend,
             f"{r.backend_ms:.1f}",
+            f"[red]{r.spread:.0%}[/red]" if r.spread > bench.UNSTABLE_SPREAD else f"{r.spread:.0%}",
             f"{r.ratio:.2f}x",
             ("-" if r.target is None else f"<= {r.target:.2f}x") + mark,
             achieved,
             of,
             "-" if r.backend == bench.DENSE else f"{r.build_us:.0f}",
         )
-    console.print(table)
+    print_table(console, table)
     if run.direct:
         direct = Table(title="backend forward vs the same vendor kernels called directly")
         for col in ("backend", "case", "dtype", "forward ms", "direct ms", "speed", "goal", "note"):
@@ -516,7 +616,7 @@ def _bench_kernels(args: argparse.Namespace, console: Console) -> Run:
                 f">= {d.goal:.2f}x{mark}",
                 d.note.split(":")[0],
             )
-        console.print(direct)
+        print_table(console, direct)
         for note in dict.fromkeys(d.note for d in run.direct if ":" in d.note):
             console.print(f"note: {note}", soft_wrap=True)
     for sk in run.skipped:
@@ -592,7 +692,7 @@ def _bench_host(args: argparse.Namespace, console: Console) -> list[HostOverhead
             f"{r.op_checks_us:.1f}" if r.op_checks_us else "-",
             "-" if r.forward_full_us is None else f"{r.forward_full_us:.0f}",
         )
-    console.print(table)
+    print_table(console, table)
     for name, why in refused.items():
         console.print(f"skipped {name}: {why}", soft_wrap=True)
     if vllm_why is not None:
@@ -628,6 +728,9 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
         help="which backend a spec gets on a device, and why",
         description="The backend attnhub.select_backend returns for one attention layer's spec, "
         "and why each other backend was not chosen.",
+        epilog="Exit status: 0 a backend was selected (named on the first line); 2 none was (no "
+        "backend serves the spec on the device, or the one asked for with --prefer or "
+        "ATTNHUB_BACKEND cannot: the table gives every reason), or the arguments were wrong.",
     )
     p.add_argument("--heads", type=int, required=True, metavar="N", help="query heads")
     p.add_argument(
@@ -635,7 +738,11 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
     )
     p.add_argument("--head-size", type=int, required=True, metavar="D", help="head size")
     p.add_argument(
-        "--dtype", choices=DTYPE_NAMES, default="bfloat16", help="model dtype (default: bfloat16)"
+        "--dtype",
+        type=_dtype_name,
+        default="bfloat16",
+        metavar="DTYPE",
+        help="model dtype: float32, float16 or bfloat16 (or fp32, fp16, bf16; default: bfloat16)",
     )
     p.add_argument(
         "--block-size", type=int, default=16, metavar="N", help="KV-cache block size (default: 16)"
@@ -713,10 +820,11 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
     )
     p.add_argument(
         "--threads",
-        type=int,
-        default=None,
+        type=thread_count,
+        default=BENCH_THREADS,
         metavar="N",
-        help="torch intra-op threads (default: torch's own choice)",
+        help=f"torch intra-op threads (default: {BENCH_THREADS}, as every figure in the docs was "
+        "taken; more suit large shapes on an otherwise idle machine only)",
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write results to this JSON file")
     p.add_argument(
@@ -759,7 +867,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AttnhubError as exc:
         from rich.markup import escape
 
-        _console(stderr=True).print(f"[red]error:[/red] {escape(str(exc))}")
+        from attnhub.emulation import in_terms_of
+
+        message = in_terms_of(str(exc), "cli")
+        _console(stderr=True).print(f"[red]error:[/red] {escape(message)}")
         return 2
 
 

@@ -135,6 +135,34 @@ def timed(fn: Callable[P, R]) -> Callable[P, R]:
     return op
 
 
+# --- how to ask for an emulator, in each tool's terms -----------------------------------------
+
+#: How each audience asks for a vendor backend's CPU emulator: Python callers (``api``), the
+#: ``attnhub`` commands (``cli``) and pytest runs of the conformance suite (``pytest``).
+EMULATE_HOW = {
+    "api": "pass emulate=True (or set ATTNHUB_EMULATE=1)",
+    "cli": "pass --emulate (or set ATTNHUB_EMULATE=1)",
+    "pytest": "pass --attnhub-emulate",
+}
+
+
+def emulate_hint(audience: str = "api") -> str:
+    """The hint a backend's availability reason ends with when its emulator would run: in the
+    API's terms by default (what ``availability`` returns); :func:`in_terms_of` rewrites it for
+    the tool that shows the reason."""
+    return f"{EMULATE_HOW[audience]} to run through the CPU emulator"
+
+
+def in_terms_of(text: str, audience: str) -> str:
+    """``text`` (a reason, an error message) with any audience's :func:`emulate_hint` replaced
+    by ``audience``'s: ``attnhub select`` says ``--emulate``, pytest ``--attnhub-emulate``."""
+    wanted = emulate_hint(audience)
+    for other in EMULATE_HOW:
+        if other != audience:
+            text = text.replace(emulate_hint(other), wanted)
+    return text
+
+
 # --- the ops' entry: counted, recorded, bound -----------------------------------------------------
 
 

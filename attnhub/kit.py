@@ -9,6 +9,7 @@ notice; tests/test_kit.py fails when a backend or integration in this repository
   emulation         emulation (OpLog, kernel, null_kernels, preallocated, skip, timed)
   graph capture     Tape, TapeEntry (the op tape of a captured step), NPUGraphAdaptor
   step facts        StepExtents (what build checked), same_view, as_contiguous
+  cache layout      BlockPacking (a kernel's element order inside an HND block)
   dtypes            MODEL_DTYPES, indexable, quantize_fp8, QueryQuantization
   bench plugins     BenchUnavailable, DirectComparison, machine (imported on first use)
 
@@ -25,6 +26,7 @@ from attnhub.backend import device_type
 from attnhub.batch import as_contiguous
 from attnhub.graphs import NPUGraphAdaptor
 from attnhub.graphs.tape import Tape, TapeEntry
+from attnhub.kv_cache import BlockPacking
 from attnhub.kv_write import FixedShapeWrite, flat_slots, read_slots, write_slots
 from attnhub.lse import merge_attn_states
 from attnhub.quant import QueryQuantization, indexable, quantize_fp8
@@ -51,6 +53,7 @@ __all__ = [
     "EMULATE_HINT",
     "MODEL_DTYPES",
     "BenchUnavailable",
+    "BlockPacking",
     "DirectComparison",
     "FixedShapeWrite",
     "NPUGraphAdaptor",

@@ -8,11 +8,17 @@ Token position p of a request lives at slot ``block * block_size + offset``.
 Scale planes of quantized caches follow ``attnhub.spec.KV_CACHE_DTYPES``:
   "tensor":  a float32 scalar;  "slot": NHD [num_blocks, block_size, num_kv_heads] or
   HND [num_blocks, num_kv_heads, block_size];  "channel": [num_kv_heads, head_size].
+
+Packed blocks: a backend whose kernels order the elements inside a (block, kv head) in a way no
+strided view can show as ``[block_size, head_size]`` (vLLM's AMX kernels interleave tokens and
+channels in tile rows) gives its cache a ``packing``: the planes are then that storage, shaped
+HND, and ``unpacked()`` / ``edit()`` read and write the logical K/V through the packing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -65,20 +71,44 @@ def _scale_plane(
     raise InvalidInputError(f"unknown scale kind {kind!r}")
 
 
+class BlockPacking:
+    """How a backend's kernels order the elements of one (block, kv head) of an HND cache, where
+    no strided view shows them as ``[block_size, head_size]``. A subclass implements the two
+    permutations; instances compare equal when they pack alike (a frozen dataclass does)."""
+
+    name: str = "packed"
+
+    def unpack(self, storage: torch.Tensor, which: str) -> torch.Tensor:
+        """The logical plane ``[num_blocks, num_kv_heads, block_size, head_size]`` (a new
+        tensor) of ``storage``, the packed ``which`` ("key" or "value") plane."""
+        raise NotImplementedError
+
+    def pack(self, logical: torch.Tensor, which: str, out: torch.Tensor) -> None:
+        """Write the logical plane ``logical`` into the packed ``which`` plane ``out``."""
+        raise NotImplementedError
+
+
 @dataclass
 class PagedKVCache:
-    key: torch.Tensor  # NHD or HND, see module docstring
+    key: torch.Tensor  # NHD or HND, see module docstring (packed: the kernels' storage)
     value: torch.Tensor
     block_size: int
     layout: str = "NHD"
     kv_cache_dtype: str = "auto"
     key_scale: torch.Tensor | None = None
     value_scale: torch.Tensor | None = None
+    #: None: ``key``/``value`` are the logical planes (views in any strides). Else how the
+    #: kernels pack each (block, kv head) of HND planes: read through ``unpacked()``.
+    packing: BlockPacking | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", _kv_cache_dtype(self.kv_cache_dtype))
         if self.layout not in LAYOUTS:
             raise InvalidInputError(f"layout = {self.layout!r} is not one of {LAYOUTS}")
+        if self.packing is not None and self.layout != "HND":
+            raise InvalidInputError(
+                f"packed blocks ({self.packing.name}) are HND storage, got layout {self.layout!r}"
+            )
         if self.key.dim() != 4 or self.key.shape != self.value.shape:
             raise InvalidInputError(
                 f"key and value caches must be 4-D and alike, got {tuple(self.key.shape)} "
@@ -175,10 +205,43 @@ class PagedKVCache:
         return out
 
     def key_nhd(self) -> torch.Tensor:  # [num_blocks, block_size, num_kv_heads, head_size] view
+        self._refuse_packed("key_nhd")
         return self.key if self.layout == "NHD" else self.key.transpose(1, 2)
 
     def value_nhd(self) -> torch.Tensor:
+        self._refuse_packed("value_nhd")
         return self.value if self.layout == "NHD" else self.value.transpose(1, 2)
+
+    def _refuse_packed(self, what: str) -> None:
+        if self.packing is not None:
+            raise InvalidInputError(
+                f"{what}(): this cache's blocks are packed ({self.packing.name}), no view shows "
+                "them as tokens x channels: read through cache.unpacked(), write through "
+                "cache.edit()"
+            )
+
+    # --- packed blocks ---------------------------------------------------------------------
+    def unpacked(self) -> PagedKVCache:
+        """This cache with logical K/V planes: itself when not packed, else a copy in plain HND
+        (the scale planes shared). Read through it; write through :meth:`edit`."""
+        if self.packing is None:
+            return self
+        return replace(
+            self,
+            key=self.packing.unpack(self.key, "key"),
+            value=self.packing.unpack(self.value, "value"),
+            packing=None,
+        )
+
+    @contextlib.contextmanager
+    def edit(self) -> Iterator[PagedKVCache]:
+        """A cache with logical K/V planes whose changes land in this one: itself when not
+        packed, else :meth:`unpacked`, packed back into this cache's planes on exit."""
+        plain = self.unpacked()
+        yield plain
+        if self.packing is not None:
+            self.packing.pack(plain.key, "key", self.key)
+            self.packing.pack(plain.value, "value", self.value)
 
     def slot_scale_nhd(self, which: str) -> torch.Tensor | None:
         """A "slot" scale plane as [num_blocks, block_size, num_kv_heads], else None."""
@@ -272,6 +335,11 @@ class PagedKVCache:
                 f"{tuple(self.key.shape[1:])} vs {dst.layout}/{dst.kv_cache_dtype}/"
                 f"{dst.key.dtype}/{tuple(dst.key.shape[1:])}"
             )
+        if self.packing != dst.packing:
+            raise InvalidInputError(
+                "swap_blocks needs caches whose blocks are packed alike: "
+                f"{_packing_name(self)} vs {_packing_name(dst)}"
+            )
         dst_planes = dst.planes()
         for name, plane in self.planes().items():
             other = dst_planes.get(name)
@@ -339,8 +407,13 @@ class PagedKVCache:
             )
 
         return (
-            same(self.key, other.key)
+            self.packing == other.packing
+            and same(self.key, other.key)
             and same(self.value, other.value)
             and same(self.key_scale, other.key_scale)
             and same(self.value_scale, other.value_scale)
         )
+
+
+def _packing_name(cache: PagedKVCache) -> str:
+    return "not packed" if cache.packing is None else f"packed {cache.packing.name}"

@@ -147,6 +147,7 @@ def read_sequence(
     cache: PagedKVCache, block_table_row: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:  # key, value: [seq_len, num_kv_heads, head_size] f64
     """The keys and values of positions 0..seq_len-1 as the cache holds them, dequantized."""
+    cache = cache.unpacked()
     bs = cache.block_size
     pos = torch.arange(seq_len)
     blocks = block_table_row.to("cpu").long()[pos // bs]
@@ -184,6 +185,7 @@ def paged_attention(
     """What a backend's forward must return for ``batch``, reading keys from ``cache``
     (``compute_dtype``: see the module docstring; ``probabilities``: see :func:`attention`)."""
     _check_inputs(query, cache, batch, spec)
+    cache = cache.unpacked()  # packed blocks: read once, not per request
     qsl = batch.query_start_loc_cpu.tolist()
     outs, lses = [], []
     for r in range(batch.num_reqs):  # one request at a time, nothing shared between them
@@ -240,6 +242,13 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [n <= num_tokens]; -1 = padding
 ) -> None:
     """Write token by token what a cache must hold after a KV write (padding skipped)."""
+    with cache.edit() as plain:  # a packed cache: its logical planes, packed back after
+        _write_kv(plain, key, value, slot_mapping)
+
+
+def _write_kv(
+    cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     fmt = KV_CACHE_DTYPES[cache.kv_cache_dtype]
     key_nhd, value_nhd = cache.key_nhd(), cache.value_nhd()
     bs = cache.block_size

@@ -231,6 +231,12 @@ def fill_cache_random(
     context that ``attnhub.reference`` reads back as stored, and, in slots a step must not
     touch, stale data a backend must ignore.
     """
+    with cache.edit() as plain:  # packed blocks: the logical planes, packed back after
+        _fill_random(plain, g, fp8_scales)
+    set_static_scales(cache, g, fp8_scales=fp8_scales)
+
+
+def _fill_random(cache: PagedKVCache, g: torch.Generator, fp8_scales: tuple[float, float]) -> None:
     fmt = KV_CACHE_DTYPES[cache.kv_cache_dtype]
     for name, plane in cache.planes().items():  # key, value, then any per-slot scale planes
         x: torch.Tensor
@@ -244,7 +250,6 @@ def fill_cache_random(
                 x = quantize_fp8(x, fp8_scales[0 if name == "key" else 1], plane.dtype)
             x = x.to(plane.dtype)
         plane.copy_(x.to(plane.device))
-    set_static_scales(cache, g, fp8_scales=fp8_scales)
 
 
 def set_static_scales(
@@ -271,6 +276,11 @@ def poison_unused_slots(cache: PagedKVCache, batch: BatchMetadata) -> None:
     unused = torch.ones(cache.num_slots, dtype=torch.bool)
     unused[used_slots(batch)] = False
     unused = unused.view(cache.num_blocks, cache.block_size).to(cache.device)
+    with cache.edit() as plain:  # packed blocks: the logical planes, packed back after
+        _poison(plain, unused)
+
+
+def _poison(cache: PagedKVCache, unused: torch.Tensor) -> None:
     for name in cache.planes():
         if name in ("key", "value"):
             plane = cache.key_nhd() if name == "key" else cache.value_nhd()
@@ -640,6 +650,7 @@ def accuracy_mismatch(
 
 
 def _slot_bytes(cache: PagedKVCache, name: str) -> torch.Tensor:  # [num_slots, bytes] uint8
+    cache = cache.unpacked()
     if name in ("key", "value"):
         plane = cache.key_nhd() if name == "key" else cache.value_nhd()
     else:
@@ -698,6 +709,7 @@ def cache_differences(
     quantization step. Engine-owned scales must not change.
     """
     problems: list[str] = []
+    actual, expected = actual.unpacked(), expected.unpacked()  # packed blocks: compared logically
     fmt = KV_CACHE_DTYPES[expected.kv_cache_dtype]
     is_written = torch.zeros(actual.num_slots, dtype=torch.bool)
     w = written.to("cpu").long()

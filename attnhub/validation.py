@@ -17,7 +17,7 @@ import torch
 
 from attnhub.batch import BatchMetadata
 from attnhub.errors import InvalidInputError
-from attnhub.kv_cache import PagedKVCache
+from attnhub.kv_cache import BlockPacking, PagedKVCache
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
 
 
@@ -92,13 +92,22 @@ def check_cache(
     device: torch.device,
     *,
     strided: bool = True,
+    packing: BlockPacking | None = None,
 ) -> None:
     """The cache has this spec's geometry, storage dtypes, layout and scale planes; with
-    ``strided=False`` (a backend whose kernels need it) each K/V plane is contiguous."""
+    ``strided=False`` (a backend whose kernels need it) each K/V plane is contiguous; its blocks
+    are not packed, or packed as ``packing`` (the backend's own, ``AttentionBackend.kv_packing``)
+    says."""
     if not isinstance(cache, PagedKVCache):
         raise InvalidInputError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
     if cache.layout != layout:
         raise InvalidInputError(f"cache layout is {cache.layout!r}, this backend uses {layout!r}")
+    if cache.packing is not None and cache.packing != packing:
+        theirs = "are not packed" if packing is None else f"are packed {packing.name}"
+        raise InvalidInputError(
+            f"cache blocks are packed {cache.packing.name}, this backend's kernels' blocks "
+            f"{theirs} (allocate with backend.allocate_kv_cache)"
+        )
     if cache.kv_cache_dtype != spec.kv_cache_dtype:
         raise InvalidInputError(
             f"cache kv_cache_dtype is {cache.kv_cache_dtype!r}, the spec says "

@@ -19,16 +19,14 @@ from typing import Any
 import torch
 
 from attnhub.backend import device_type
+from attnhub.emulation import emulate_hint
 from attnhub.errors import BackendUnavailableError
 
 #: The device an emulated backend runs on.
 EMULATED_DEVICE = "cpu"
-#: How to ask for the emulator, in every tool's terms (this text reaches ``attnhub list`` /
-#: ``select``, the conformance suite and ``select_backend``'s errors alike).
-EMULATE_HINT = (
-    "ask for emulation (emulate=True, ATTNHUB_EMULATE=1 or --emulate) to run through the CPU "
-    "emulator"
-)
+#: How to ask for the emulator, in the API's terms: ``attnhub`` commands and the conformance
+#: suite show it in theirs (attnhub.emulation.in_terms_of).
+EMULATE_HINT = emulate_hint()
 
 
 @functools.cache

@@ -18,6 +18,13 @@ from attnhub.cli import main
 from attnhub.errors import UnsupportedConfigurationError
 
 
+@pytest.fixture(autouse=True)
+def steady_load_average(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OS's load average moves between two reads: these tests compare the machine a run
+    recorded with ``bench.machine()`` read again."""
+    monkeypatch.setattr(bench, "load_average", lambda: (0.5, 0.5, 0.5))
+
+
 def test_quick_cases_report_a_ratio_to_dense_sdpa_measured_in_the_same_run():
     for case in bench.default_cases(quick=True):
         result = bench.run_case(case, backend="torch", repeats=1)
@@ -40,7 +47,7 @@ def test_host_overhead_mode_writes_json(tmp_path):
     assert [r["step"] for r in rows] == list(bench.HOST_STEPS)
     assert [r["num_reqs"] for r in rows] == [1, 32, 256, 16]
     assert all(r["build_us"] > 0 and r["forward_us"] > 0 and r["null_kernels"] for r in rows)
-    assert doc["machine"] == dataclasses.asdict(bench.machine())
+    assert doc["machine"] == json.loads(json.dumps(dataclasses.asdict(bench.machine())))
 
 
 def test_quick_run_records_the_machine_in_its_json_and_table(tmp_path, capsys):
@@ -458,3 +465,12 @@ def test_compare_host_alternates_two_trees_and_tabulates_medians(monkeypatch) ->
     row = table.splitlines()[2]
     assert row.startswith("| flash (emulated) | decode x1 | 10.0 (10.0-10.0) | 20.0 (20.0-20.0)")
     assert "30.0 (30.0-30.0) (null) | 14.0 (14.0-14.0) |" in row  # the older tree's null figure
+
+
+def test_a_loaded_machine_is_named_as_such_and_a_quiet_one_is_not():
+    where = dataclasses.replace(bench.machine(), cores=2, torch_threads=1)
+    assert where.load_problem((0.9, 0.0, 0.0)) is None
+    problem = where.load_problem((3.0, 0.0, 0.0))
+    assert problem is not None and "load average 3.00 on 2 cores" in problem
+    assert dataclasses.replace(where, load_average=None).load_problem() is None
+    assert "load average 0.50" in where.describe()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from attnhub import Capabilities, bench, registry
+from attnhub import Capabilities, bench, cli, registry
 from attnhub.cli import build_parser, main, sizes
+from attnhub.emulation import emulate_hint, in_terms_of
 from attnhub.torch_backend import TorchBackend
 
 
@@ -152,7 +154,29 @@ def test_bench_plot_without_matplotlib_stops_before_benchmarking(tmp_path, capsy
     assert not (tmp_path / "r.png").exists()
 
 
-def test_bench_prints_a_line_per_case_outside_a_terminal(capsys, monkeypatch):
+@pytest.fixture
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OS reports an idle machine (bench warns on a loaded one)."""
+    monkeypatch.setattr(bench, "load_average", lambda: (0.0, 0.0, 0.0))
+
+
+@pytest.fixture
+def fake_backend_runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """bench.run_case answers at once (2 ms, spread ``spread`` of the last dict appended)."""
+    runs: list[dict[str, object]] = [{"spread": 0.0, "backend": "torch"}]
+
+    def fake_run(case: bench.BenchCase, **kwargs: object) -> bench.BenchResult:
+        last = runs[-1]
+        return bench.BenchResult(
+            case.name, str(last["backend"]), "float32", 2.0, 1.0, 2.0, None, 5.0,
+            spread=float(last["spread"]),  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_case", fake_run)
+    return runs
+
+
+def test_bench_prints_a_line_per_case_outside_a_terminal(capsys, monkeypatch, quiet_machine):
     monkeypatch.setenv("COLUMNS", "200")
 
     def fake_run(case: bench.BenchCase, **kwargs: object) -> bench.BenchResult:
@@ -169,3 +193,156 @@ def test_bench_prints_a_line_per_case_outside_a_terminal(capsys, monkeypatch):
         "bench [5/5] prefill 1x256 float32: torch",
     ]
     assert "decode 8x256" in captured.out  # the table, on stdout
+
+
+def test_bench_and_conformance_run_on_one_thread_unless_told(monkeypatch):
+    assert subcommand("bench").parse_args([]).threads == 1
+    assert subcommand("bench").parse_args(["--threads", "2"]).threads == 2
+    with pytest.raises(SystemExit):
+        subcommand("bench").parse_args(["--threads", "0"])
+
+
+def test_bench_warns_when_the_machine_is_loaded(capsys, monkeypatch, fake_backend_runs, tmp_path):
+    monkeypatch.setattr(bench, "load_average", lambda: (7.5, 3.0, 1.0))
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    out_json = tmp_path / "r.json"
+    args = ["bench", "--quick", "--repeats", "1", "--backend", "torch", "--json", str(out_json)]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    said = "the machine is loaded: 1-minute load average 7.50 on 2 cores"
+    assert said in captured.err  # before timing
+    assert said in captured.out  # and beside the figures
+    assert "load average 7.50" in captured.out  # the machine line
+    warnings = json.loads(out_json.read_text())["warnings"]
+    assert any(said in w for w in warnings)
+
+
+def test_bench_is_silent_about_load_on_a_quiet_machine(capsys, quiet_machine, fake_backend_runs):
+    assert main(["bench", "--quick", "--repeats", "1", "--backend", "torch"]) == 0
+    captured = capsys.readouterr()
+    assert "warning" not in captured.out + captured.err
+
+
+def test_bench_reports_each_figures_spread_and_names_unstable_ones(
+    capsys, monkeypatch, quiet_machine, fake_backend_runs, tmp_path
+):
+    monkeypatch.setenv("COLUMNS", "250")
+    fake_backend_runs.append({"spread": 0.6, "backend": "torch"})
+    out_json = tmp_path / "r.json"
+    args = ["bench", "--quick", "--repeats", "1", "--backend", "torch", "--json", str(out_json)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "spread" in out.splitlines()[2] or any("spread" in ln for ln in out.splitlines())
+    assert "60%" in out  # the backend rows' spread column
+    assert "2 figure(s) spread more than 25%" in " ".join(out.split())
+    assert "decode 8x256 float32 torch (60%)" in out
+    doc = json.loads(out_json.read_text())
+    assert {r["spread"] for r in doc["results"] if r["backend"] == "torch"} == {0.6}
+    assert set(doc["ceilings"]["spreads"]) >= {"copy", "matmul float32"}
+
+
+def test_spread_is_the_range_over_the_median():
+    assert bench.spread([1.0, 1.1, 1.5]) == pytest.approx(0.5 / 1.1)
+    assert bench.spread([2.0]) == 0.0
+
+
+def test_bench_tables_are_not_cut_outside_a_terminal(
+    capsys, monkeypatch, quiet_machine, fake_backend_runs
+):
+    monkeypatch.setenv("COLUMNS", "80")
+    fake_backend_runs.append({"spread": 0.0, "backend": "a-backend-with-a-rather-long-name"})
+    assert main(["bench", "--quick", "--repeats", "1", "--backend", "torch"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert "a-backend-with-a-rather-long-name" in out
+    assert "of measured ceiling" in out and "achieved" in out
+
+
+# --- the emulation hint, in each tool's terms ------------------------------------------------
+class HintedVendorBackend(VendorBackend):
+    """Unavailable on the CPU unless emulated, saying so with the shared hint."""
+
+    name = "hinted-vendor-cli-test"
+
+    @classmethod
+    def availability(cls, device: torch.device | str, emulate: bool = False) -> str | None:
+        return None if emulate else f"no vendor device here: {emulate_hint()}"
+
+
+def test_emulate_hint_is_spelt_for_each_audience():
+    assert "emulate=True" in emulate_hint() and "ATTNHUB_EMULATE=1" in emulate_hint()
+    assert "--emulate" in emulate_hint("cli") and "emulate=True" not in emulate_hint("cli")
+    assert "--attnhub-emulate" in emulate_hint("pytest")
+    text = f"x: {emulate_hint()}"
+    assert in_terms_of(text, "cli") == f"x: {emulate_hint('cli')}"
+    assert in_terms_of(in_terms_of(text, "pytest"), "api") == text
+
+
+def test_select_and_list_give_the_commands_emulate_flag(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    registry.register_backend(HintedVendorBackend)
+    try:
+        assert main([*SELECT, "--prefer", HintedVendorBackend.name]) == 2
+        assert main(["list"]) == 0
+    finally:
+        registry.default_registry().unregister(HintedVendorBackend.name)
+    out = capsys.readouterr().out
+    assert out.count(emulate_hint("cli")) >= 2
+    assert "emulate=True" not in out
+
+
+def test_no_installed_backend_tells_command_line_users_a_pytest_flag(capsys, monkeypatch):
+    """Every discovered backend that runs on the CPU only emulated: ``attnhub select`` names
+    the flag select takes (flash and iluvatar once said --attnhub-emulate, pytest's)."""
+    import attnhub
+
+    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.delenv("ATTNHUB_EMULATE", raising=False)
+    names = [
+        info.name
+        for info in attnhub.list_backends()
+        if info.backend is not None
+        and info.availability("cpu", emulate=False) is not None
+        and info.availability("cpu", emulate=True) is None
+    ]
+    for name in names:
+        main([*SELECT, "--dtype", "bfloat16", "--prefer", name])
+        out = capsys.readouterr().out
+        assert "--attnhub-" not in out, (name, out)
+
+
+# --- smaller things a newcomer meets ---------------------------------------------------------
+@pytest.mark.parametrize(
+    ("given", "meant"),
+    [("fp16", "float16"), ("bf16", "bfloat16"), ("fp32", "float32"), ("float16", "float16")],
+)
+def test_select_takes_short_dtype_names(given, meant):
+    assert (
+        subcommand("select")
+        .parse_args(["--heads", "8", "--head-size", "64", "--dtype", given])
+        .dtype
+        == meant
+    )
+
+
+def test_select_refuses_an_unknown_dtype_naming_the_known_ones(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*SELECT[:-2], "--dtype", "int4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "'int4' is not a dtype" in err and "fp16" in err and "bfloat16" in err
+
+
+def test_select_help_documents_its_exit_status(capsys):
+    with pytest.raises(SystemExit):
+        main(["select", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Exit status: 0 a backend was selected" in out and "2 none was" in out
+
+
+def test_a_missing_conformance_command_names_its_distribution(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "plugin_commands", lambda only=None: {})
+    assert main(["conformance"]) == 2
+    err = capsys.readouterr().err
+    assert "comes from attnhub-conformance (attnhub's extra [conformance])" in err
+    assert "docs/install.md" in err

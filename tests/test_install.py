@@ -71,10 +71,29 @@ def test_install_doc_installs_every_third_party_dependency_before_the_wheelhouse
     lines = [
         line
         for line in INSTALL_DOC.read_text().splitlines()
-        if line.startswith("pip install ") and line.rstrip().endswith("# third-party dependencies")
+        if line.startswith("pip install ") and "# third-party dependencies" in line
     ]
-    assert len(lines) == 1, lines
-    words = shlex.split(lines[0].split("#")[0])[2:]
-    assert {canonicalize_name(Requirement(word).name) for word in words} == (
-        third_party_requirement_names()
-    )
+    assert lines
+    named = set()
+    for line in lines:
+        words = shlex.split(line.split("#")[0])[2:]
+        requirements = [
+            word
+            for i, word in enumerate(words)
+            if not word.startswith("-") and not words[i - 1].startswith("--index-url")
+        ]
+        named |= {canonicalize_name(Requirement(word).name) for word in requirements}
+    assert named == third_party_requirement_names()
+
+
+def test_install_doc_takes_torch_from_the_cpu_index_where_it_installs_torch():
+    """PyPI's torch is the CUDA build (several GB): every line of the install page that installs
+    torch for a CPU machine names PyTorch's CPU index."""
+    lines = [
+        line
+        for line in INSTALL_DOC.read_text().splitlines()
+        if re.match(r"(uv )?pip install .*\btorch==", line)
+    ]
+    assert lines
+    for line in lines:
+        assert "--index-url https://download.pytorch.org/whl/cpu" in line, line

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import pytest
 import torch
 
 from attnhub import PagedKVCache
 from attnhub.errors import InvalidInputError
-from attnhub.testing import fill_cache_random, generator
+from attnhub.kv_cache import BlockPacking
+from attnhub.spec import AttentionSpec
+from attnhub.testing import cache_after_write, cache_differences, fill_cache_random, generator
+from attnhub.validation import check_cache
 
 NB, BS, HKV, D = 6, 4, 2, 8
 
@@ -362,3 +367,105 @@ def test_empty_like_does_not_alias_the_original() -> None:
     e.key.fill_(1)
     assert not c.equal(e)
     assert not (c.key == 1).all()
+
+
+# --- packed blocks ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reversed(BlockPacking):
+    """A toy packing: each (block, kv head) stores its elements in reverse order (keys) or
+    channel-major (values): no strided view shows the first as tokens x channels."""
+
+    name: str = "reversed"
+
+    def unpack(self, storage: torch.Tensor, which: str) -> torch.Tensor:
+        b, h, n, d = storage.shape
+        if which == "key":
+            return storage.reshape(b, h, n * d).flip(-1).reshape(b, h, n, d)
+        return storage.reshape(b, h, d, n).transpose(2, 3).contiguous()
+
+    def pack(self, logical: torch.Tensor, which: str, out: torch.Tensor) -> None:
+        b, h, n, d = out.shape
+        if which == "key":
+            out.copy_(logical.reshape(b, h, n * d).flip(-1).reshape(b, h, n, d))
+        else:
+            out.view(b, h, d, n).copy_(logical.transpose(2, 3))
+
+
+def packed(seed: int = 0) -> tuple[PagedKVCache, PagedKVCache]:
+    """A packed cache and the plain HND cache of its logical contents."""
+    plain = filled(layout="HND", seed=seed)
+    key, value = torch.empty_like(plain.key), torch.empty_like(plain.value)
+    Reversed().pack(plain.key, "key", key)
+    Reversed().pack(plain.value, "value", value)
+    return PagedKVCache(key, value, BS, "HND", packing=Reversed()), plain
+
+
+def test_a_packed_cache_reads_its_logical_planes_through_unpacked() -> None:
+    cache, plain = packed()
+    logical = cache.unpacked()
+    assert logical.packing is None and plain.unpacked() is plain
+    assert torch.equal(logical.key, plain.key) and torch.equal(logical.value, plain.value)
+    assert not torch.equal(cache.key, plain.key)  # the storage is not the logical plane
+
+
+def test_a_packed_cache_refuses_views_that_would_misread_it() -> None:
+    cache, _ = packed()
+    for view in (cache.key_nhd, cache.value_nhd):
+        with pytest.raises(InvalidInputError, match=r"packed \(reversed\)"):
+            view()
+    with pytest.raises(InvalidInputError, match="HND"):
+        PagedKVCache(cache.key, cache.value, BS, "NHD", packing=Reversed())
+
+
+def test_edit_writes_logical_changes_into_the_packed_storage() -> None:
+    cache, plain = packed()
+    with cache.edit() as logical:
+        logical.key[2, 1, 3] = 5.0
+    plain.key[2, 1, 3] = 5.0
+    assert torch.equal(cache.unpacked().key, plain.key)
+    assert torch.equal(cache.unpacked().value, plain.value)
+
+
+def test_the_test_helpers_and_the_reference_read_and_write_packed_caches_logically() -> None:
+    cache, plain = packed()
+    g = generator(4)
+    k, v = torch.randn(3, HKV, D, generator=g), torch.randn(3, HKV, D, generator=g)
+    slots = torch.tensor([5, -1, 17])
+    want, got = cache_after_write(plain, k, v, slots), cache_after_write(cache, k, v, slots)
+    assert got.packing == Reversed()
+    assert torch.equal(got.unpacked().key, want.key)
+    assert cache_differences(got, want.unpacked(), slots) == []
+    changed = cache_differences(got, cache, slots)  # against the cache before: written slots
+    assert changed and not any("must not write" in c for c in changed)
+    with cache.edit() as logical:
+        logical.value[0, 0, 0, 0] += 1  # slot 0: not written
+    problems = cache_differences(cache, got, slots)
+    assert "value changed in slots this call must not write: 0 (block 0" in " ".join(problems)
+
+
+def test_block_copies_and_swaps_move_packed_blocks_whole() -> None:
+    cache, plain = packed()
+    cache.copy_blocks([[1, 4]])
+    plain.copy_blocks([[1, 4]])
+    assert torch.equal(cache.unpacked().key, plain.key)
+    host = cache.empty_like(num_blocks=2)
+    assert host.packing == Reversed()
+    cache.swap_blocks(host, [[3, 0]])
+    assert torch.equal(host.unpacked().value[0], plain.value[3])
+    with pytest.raises(InvalidInputError, match="packed alike: packed reversed vs not packed"):
+        cache.swap_blocks(alloc(layout="HND"), [[0, 0]])
+    assert not cache.equal(replace(cache, packing=None))
+
+
+def test_a_cache_packed_otherwise_than_the_backends_blocks_is_refused() -> None:
+    cache, _ = packed()
+    spec = AttentionSpec(
+        num_heads=HKV, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16, block_size=BS
+    )
+    device = torch.device("cpu")
+    with pytest.raises(InvalidInputError, match="packed reversed, this backend's kernels' blocks"):
+        check_cache(spec, "HND", cache, device)
+    check_cache(spec, "HND", cache, device, packing=Reversed())
+    check_cache(spec, "HND", cache.unpacked(), device, packing=Reversed())  # plain: the backend's

@@ -324,6 +324,8 @@ class Case:
     skip: str | None = None  # skip with this reason instead of running
     not_supported: bool = False  # a pass proves a refusal: the matrix says "not supported"
     scope: Scope = QUICK
+    #: skipped because the check does not apply here (not a refusal): "not applicable"
+    not_applicable: bool = False
 
     @property
     def id(self) -> str:
@@ -352,6 +354,7 @@ class Cases:
         name: str | None = None,
         skip: str | None = None,
         not_supported: bool = False,
+        not_applicable: bool = False,
     ) -> None:
         if name is None:
             assert config is not None and shape is not None
@@ -373,6 +376,7 @@ class Cases:
             skip,
             not_supported,
             self.scope,
+            not_applicable,
         )
 
     def list(self) -> list[Case]:
@@ -745,8 +749,9 @@ def host_sync_cases(target: Target, scope: Scope) -> list[Case]:
             row,
             "the backend runs on the CPU only, where nothing syncs",
             name="host_sync",
-            skip="the backend declares the CPU as its only device: there is no device to sync",
-            not_supported=True,
+            skip="not applicable here: the backend declares the CPU as its only device, so "
+            "there is no device to sync",
+            not_applicable=True,
         )
         return out.list()
     level = ax.caps.graph_capture

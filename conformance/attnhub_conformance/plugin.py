@@ -314,6 +314,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                     "rows": list(case.rows),
                     "status": t.status,
                     "not_supported": case.not_supported,
+                    "not_applicable": case.not_applicable,
                     "reason": t.load_error or t.unavailable,
                     # a failure that says "this backend cannot run here", not a wrong result
                     "cannot_run": case.kind == "availability" and t.cannot_run is not None,

@@ -19,13 +19,24 @@ from typing import Any
 from attnhub_conformance.cases import SHAPE_ORDER
 from attnhub_conformance.targets import Target
 
-STATES = ("fail", "pass", "emulated", "not supported", "unavailable", "skipped", "-")
+STATES = (
+    "fail",
+    "pass",
+    "emulated",
+    "not supported",
+    "not applicable",
+    "unavailable",
+    "skipped",
+    "-",
+)
 #: What each state of a cell means (the reports print it under the matrix).
 LEGEND = {
     "pass": "every test of the row passed (natively)",
     "emulated": "every test of the row passed, through the backend's CPU emulator",
     "fail": "at least one test of the row failed (the failing cases are listed)",
     "not supported": "the backend does not declare the feature and refused it with a reason",
+    "not applicable": "the check does not apply to the backend here, e.g. no host sync per layer "
+    "for a backend that runs on the CPU only: there is no device to sync (the reason is given)",
     "unavailable": "the backend cannot run on this device (the reason is given)",
     "skipped": "the row's tests were skipped for another reason",
     "-": "nothing of the row ran for this backend (filtered out, or not applicable)",
@@ -36,6 +47,7 @@ STYLES = {
     "emulated": "cyan",
     "fail": "bold red",
     "not supported": "yellow",
+    "not applicable": "dim",
     "unavailable": "magenta",
     "skipped": "dim",
     "-": "dim",
@@ -92,6 +104,7 @@ class Result:
     status: str  # the backend's: native, emulated, unavailable, failed to load
     outcome: str = "passed"  # passed, failed, skipped
     not_supported: bool = False
+    not_applicable: bool = False
     reason: str | None = None
 
 
@@ -100,6 +113,7 @@ class Cell:
     passed: int = 0
     failed: int = 0
     not_supported: int = 0
+    not_applicable: int = 0
     skipped: int = 0
     emulated: bool = False
     unavailable: bool = False
@@ -114,6 +128,8 @@ class Cell:
             return "emulated" if self.emulated else "pass"
         if self.not_supported:
             return "not supported"
+        if self.not_applicable:
+            return "not applicable"
         if self.unavailable:
             return "unavailable"
         if self.skipped:
@@ -132,6 +148,7 @@ class Cell:
             "passed": self.passed,
             "failed": self.failed,
             "not_supported": self.not_supported,
+            "not_applicable": self.not_applicable,
             "skipped": self.skipped,
             "failures": self.failures,
             "reasons": sorted(set(self.reasons)),
@@ -154,6 +171,7 @@ class Matrix:
                 facts["backend"], list(facts["rows"]), facts["status"], reason=facts.get("reason")
             )
         r.not_supported = bool(facts.get("not_supported"))
+        r.not_applicable = bool(facts.get("not_applicable"))
         if outcome == "failed":
             r.outcome, r.reason = "failed", reason
         elif outcome == "skipped" and r.outcome != "failed":
@@ -178,6 +196,8 @@ class Matrix:
                     c.failures.append(nodeid)
                 elif r.not_supported:
                     c.not_supported += 1
+                elif r.not_applicable and r.outcome == "skipped":
+                    c.not_applicable += 1
                 elif r.outcome == "skipped":
                     c.skipped += 1
                     c.unavailable = r.status in ("unavailable", "failed to load")
@@ -197,6 +217,21 @@ class Matrix:
     @property
     def failed(self) -> bool:
         return any(r.outcome == "failed" for r in self.results.values())
+
+    def skip_reasons(self) -> list[tuple[str, str, int]]:
+        """(backend, reason, how many tests) of every skip, refusals proved aside, except
+        those of backends that did not run at all (their one reason is said apart)."""
+        counts: dict[tuple[str, str], int] = {}
+        for nodeid, r in self.results.items():
+            if r.outcome != "skipped" or r.not_supported:
+                continue
+            if r.status in ("unavailable", "failed to load"):
+                continue
+            why = r.reason or "no reason given"
+            case = nodeid.rsplit("[", 1)[-1].rstrip("]")  # a reason naming its case: grouped
+            key = (r.backend, why.removeprefix(f"{case}: "))
+            counts[key] = counts.get(key, 0) + 1
+        return [(b, why, n) for (b, why), n in sorted(counts.items())]
 
 
 def _tolerances(targets: list[Target]) -> list[tuple[str, str, float, float]]:
@@ -219,6 +254,21 @@ def _columns(matrix: Matrix, targets: list[Target]) -> list[tuple[str, str]]:
     return [(n, status.get(n, "native")) for n in names]
 
 
+def _detail(status: str, target: Target | None) -> str:
+    """What a column's header adds to the backend's name: how it ran (unless natively) and
+    which provider served the name, where a backend has several (flash)."""
+    parts = [] if status == "native" else [status]
+    if target is not None and target.provider is not None:
+        parts.append(f"provider {target.provider}")
+    return ", ".join(parts)
+
+
+def _headers(matrix: Matrix, targets: list[Target]) -> list[tuple[str, str, str]]:
+    """(backend, status, detail) per column (see ``_detail``)."""
+    by_name = {t.name: t for t in targets}
+    return [(n, s, _detail(s, by_name.get(n))) for n, s in _columns(matrix, targets)]
+
+
 def as_json(matrix: Matrix, targets: list[Target]) -> dict[str, Any]:
     import attnhub
 
@@ -237,6 +287,7 @@ def as_json(matrix: Matrix, targets: list[Target]) -> dict[str, Any]:
             }
         backends[name] = {
             "status": status,
+            "provider": None if t is None else t.provider,
             "reason": None if t is None else (t.load_error or t.unavailable),
             "distribution": None if t is None else t.distribution,
             "version": None if t is None else t.version,
@@ -255,6 +306,9 @@ def as_json(matrix: Matrix, targets: list[Target]) -> dict[str, Any]:
             row: {name: matrix.cell(cells, row, name, status).as_dict() for name, status in cols}
             for row in matrix.rows
         },
+        "skip_reasons": [
+            {"backend": b, "reason": why, "tests": n} for b, why, n in matrix.skip_reasons()
+        ],
         "failed": matrix.failed,
     }
 
@@ -267,8 +321,9 @@ def _table(matrix: Matrix, targets: list[Target]):  # type: ignore[no-untyped-de
     cols = _columns(matrix, targets)
     table = Table()
     table.add_column("feature", no_wrap=True)
-    for name, status in cols:
-        table.add_column(name if status == "native" else f"{name}\n({status})", no_wrap=True)
+    for name, _, detail in _headers(matrix, targets):
+        # on a terminal narrower than the matrix, cells wrap (print_table: never cut)
+        table.add_column(f"{name}\n({detail})" if detail else name, overflow="fold")
     section = None
     for row in matrix.rows:
         this = row_key(row)[0]
@@ -316,15 +371,22 @@ def print_matrix(
     """
     from rich.markup import escape
 
+    from attnhub.cli import print_table
+
     console.print(
         f"[bold]attnhub conformance[/] ({matrix.scope} scope, device {matrix.device})",
         soft_wrap=True,
     )
-    console.print(_table(matrix, targets))
+    print_table(console, _table(matrix, targets))
     for t in targets:
         if t.load_error or t.unavailable:
             why = say(t.load_error or t.unavailable or "")
             console.print(f"[magenta]{t.name}[/]: {t.status}: {escape(why)}", soft_wrap=True)
+    skips = matrix.skip_reasons()
+    if skips:
+        console.print("[dim]skipped[/] (backend: reason, tests):", soft_wrap=True)
+        for backend, why, n in skips:
+            console.print(f"  {backend}: {escape(say(why))} ({n})", soft_wrap=True)
     failed = [
         (row, name, c)
         for (row, name), c in sorted(matrix.cells().items(), key=lambda kv: row_key(kv[0][0]))
@@ -345,6 +407,10 @@ def case_name(nodeid: str) -> str:
     return nodeid.rsplit("::", 1)[-1]
 
 
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
 def as_markdown(matrix: Matrix, targets: list[Target]) -> str:
     cells = matrix.cells()
     cols = _columns(matrix, targets)
@@ -352,7 +418,7 @@ def as_markdown(matrix: Matrix, targets: list[Target]) -> str:
         f"# attnhub conformance ({matrix.scope} scope, device `{matrix.device}`)",
         "",
         "| feature | "
-        + " | ".join(name if status == "native" else f"{name} ({status})" for name, status in cols)
+        + " | ".join(f"{n} ({d})" if d else n for n, _, d in _headers(matrix, targets))
         + " |",
         "|---|" + "---|" * len(cols),
     ]
@@ -370,6 +436,10 @@ def as_markdown(matrix: Matrix, targets: list[Target]) -> str:
     failures = sorted({n for c in cells.values() for n in c.failures})
     if notes:
         lines += ["", *notes]
+    skips = matrix.skip_reasons()
+    if skips:
+        lines += ["", "## Skipped", "", "| backend | reason | tests |", "|---|---|---|"]
+        lines += [f"| {b} | {_md_cell(why)} | {n} |" for b, why, n in skips]
     lines += ["", "## Legend", "", *(f"- **{s}**: {m}" for s, m in LEGEND.items())]
     lines += [f"- {COUNTS}"]
     tolerances = _tolerances([t for t in targets if t.name in dict(cols)])
@@ -395,6 +465,7 @@ def as_html(matrix: Matrix, targets: list[Target]) -> str:
         "emulated": "#c5e9f7",
         "fail": "#f7c5c5",
         "not supported": "#f7efc5",
+        "not applicable": "#f4f4f4",
         "unavailable": "#e9c5f7",
         "skipped": "#eeeeee",
         "-": "#ffffff",
@@ -403,8 +474,8 @@ def as_html(matrix: Matrix, targets: list[Target]) -> str:
     cols = _columns(matrix, targets)
     esc = html.escape
     head = "".join(
-        f"<th>{esc(n)}" + ("" if s == "native" else f"<br><small>{esc(s)}</small>") + "</th>"
-        for n, s in cols
+        f"<th>{esc(n)}" + (f"<br><small>{esc(d)}</small>" if d else "") + "</th>"
+        for n, _, d in _headers(matrix, targets)
     )
     body = []
     for row in matrix.rows:
@@ -437,6 +508,16 @@ def as_html(matrix: Matrix, targets: list[Target]) -> str:
         if tolerances
         else ""
     )
+    skips = matrix.skip_reasons()
+    skip_html = (
+        "<h2>Skipped</h2><table><tr><th>backend</th><th>reason</th><th>tests</th></tr>"
+        + "".join(
+            f"<tr><td>{esc(b)}</td><td>{esc(why)}</td><td>{n}</td></tr>" for b, why, n in skips
+        )
+        + "</table>"
+        if skips
+        else ""
+    )
     failures = sorted({n for c in cells.values() for n in c.failures})
     fail_html = (
         "<h2>Failing cases</h2><ul>"
@@ -452,7 +533,7 @@ def as_html(matrix: Matrix, targets: list[Target]) -> str:
         "table{border-collapse:collapse}td,th{border:1px solid #999;padding:2px 8px;"
         "text-align:left}</style></head><body>"
         f"<h1>{title}</h1><table><tr><th>feature</th>{head}</tr>{''.join(body)}</table>"
-        f"{legend}{tol_html}{fail_html}</body></html>\n"
+        f"{skip_html}{legend}{tol_html}{fail_html}</body></html>\n"
     )
 
 

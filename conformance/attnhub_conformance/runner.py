@@ -1,7 +1,7 @@
 """``attnhub conformance``: run the suite in-process with a progress bar, then print the matrix.
 
     attnhub conformance [--backend NAME ...] [--emulate/--no-emulate] [--quick|--full]
-                        [--report PATH ...] [--device DEV] [--allow-unavailable]
+                        [--report PATH ...] [--device DEV] [--allow-unavailable] [--threads N]
 
 By default every discovered backend runs: natively where it can, through its CPU emulator where
 its hardware is absent (``--no-emulate`` reports those as unavailable instead). A backend named
@@ -9,9 +9,15 @@ with ``--backend`` that cannot run fails the run (exit status 6 when nothing els
 does a default run in which no backend can run; ``--allow-unavailable`` reports them as
 unavailable instead. pytest's own output is kept off the terminal; failures are listed with
 their test ids and the first lines of their messages, and the return code is non-zero when
-anything failed. Progress goes to stderr: a bar on a terminal, else a line per test module.
+anything failed. Progress goes to stderr: a bar on a terminal, else a line as each case group
+(one test function on one backend) starts, with the counts so far and the elapsed time.
 Messages name this command's options, not the pytest plugin's (``--report``, not
 ``--attnhub-report``).
+
+The suite's tensors are small: torch runs them on ``--threads`` intra-op threads, 1 by default.
+More threads gain nothing at these sizes and, where another process shares the cores, spinning
+OpenMP threads make a run several times slower. Hypothesis keeps its files in a temporary
+directory (``HYPOTHESIS_STORAGE_DIRECTORY`` when set), not in the working directory.
 """
 
 from __future__ import annotations
@@ -21,17 +27,24 @@ import importlib.metadata as md
 import io
 import os
 import re
+import shutil
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from attnhub.cli import thread_count
+
 PLUGIN = "attnhub_conformance.plugin"
 #: plugin.EXIT_BACKEND_CANNOT_RUN, restated: importing the plugin module before pytest loads it
 #: would keep pytest from rewriting its asserts.
 EXIT_BACKEND_CANNOT_RUN = 6
 REPORT_SUFFIXES = (".json", ".md", ".markdown", ".html", ".htm")
+#: Intra-op threads unless ``--threads`` says otherwise (see the module's docstring).
+DEFAULT_THREADS = 1
 #: The pytest plugin's options as this command spells them.
 CLI_OPTIONS = {
     "--attnhub-backend": "--backend",
@@ -46,8 +59,12 @@ CLI_OPTIONS = {
 
 
 def in_cli_terms(text: str) -> str:
-    """``text`` (a reason, an error) with the plugin's option names replaced by this command's:
-    what comes through ``attnhub conformance`` names the options its user can type."""
+    """``text`` (a reason, an error) with the plugin's option names replaced by this command's
+    and the API's emulation hint by the command's: what comes through ``attnhub conformance``
+    names the options its user can type."""
+    from attnhub.emulation import in_terms_of
+
+    text = in_terms_of(text, "cli")
     return re.sub(r"--attnhub-[a-z-]+", lambda m: CLI_OPTIONS.get(m[0], m[0]), text)
 
 
@@ -128,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="EXPR",
         help="only run tests matching the pytest -k expression",
     )
+    p.add_argument(
+        "--threads",
+        type=thread_count,
+        default=DEFAULT_THREADS,
+        metavar="N",
+        help=f"torch intra-op threads (default: {DEFAULT_THREADS}: the suite's tensors are small, "
+        "and more threads only slow a run down where other processes share the cores)",
+    )
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     p.add_argument(
         "-v",
@@ -181,8 +206,9 @@ class Progress:
 
     On a terminal, a rich bar, redrawn from pytest hooks only (never from a thread), at moments
     when pytest is not capturing output; elsewhere (CI logs, pipes) one line when the tests are
-    collected and one as each test module starts. pytest's terminal reporter writes into a
-    buffer instead of the terminal unless ``verbose``.
+    collected, one as each case group starts (a test function on one backend: how many tests it
+    holds, the counts so far, the elapsed time) and one when the run ends. pytest's terminal
+    reporter writes into a buffer instead of the terminal unless ``verbose``.
     """
 
     def __init__(self, console: Any, verbose: bool) -> None:
@@ -193,7 +219,9 @@ class Progress:
         self.task: Any = None
         self.lines = False  # one line per test module instead of a bar
         self.total = self.done = 0
-        self.module: str | None = None
+        self.group: tuple[str, str] | None = None  # (module::function, backend) now running
+        self.groups: dict[str, tuple[str, str]] = {}  # node id -> its case group
+        self.group_sizes: dict[tuple[str, str], int] = {}
         self.started = time.monotonic()
         self.counts = {"passed": 0, "failed": 0, "skipped": 0}
         self.failures: list[tuple[str, str]] = []
@@ -222,6 +250,10 @@ class Progress:
         self.total = len(session.items)
         if not self.console.is_terminal:
             self.lines = True
+            for item in session.items:
+                group = _case_group(item)
+                self.groups[item.nodeid] = group
+                self.group_sizes[group] = self.group_sizes.get(group, 0) + 1
             targets = ", ".join(f"{t.name} ({t.status})" for t in self.state.targets)
             self._line(f"{self.total} tests; backends: {targets or 'none'}")
             return
@@ -250,15 +282,19 @@ class Progress:
             soft_wrap=True,
         )
 
+    def _so_far(self) -> str:
+        c = self.counts
+        return f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
+
     def pytest_runtest_logstart(self, nodeid: str) -> None:
-        module = nodeid.split("::", 1)[0]
-        if self.lines and module != self.module:
-            self.module = module
-            c = self.counts
-            self._line(
-                f"{module.rsplit('/', 1)[-1]}; so far {c['passed']} passed, {c['failed']} failed, "
-                f"{c['skipped']} skipped"
-            )
+        group = self.groups.get(nodeid)
+        if self.lines and group is not None and group != self.group:
+            self.group = group
+            function, backend = group
+            n = self.group_sizes[group]
+            on = f" on {backend}" if backend else ""
+            tests = "test" if n == 1 else "tests"
+            self._line(f"{function}{on}: {n} {tests}; so far {self._so_far()}")
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.failed:
@@ -282,6 +318,19 @@ class Progress:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+        if self.lines:
+            self._line(f"done: {self._so_far()}")
+
+
+def _case_group(item: pytest.Item) -> tuple[str, str]:
+    """(``module.py::test_function``, backend) of a collected test: its progress group."""
+    from attnhub_conformance.plugin import PROPERTY
+
+    module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    function = getattr(item, "originalname", None) or item.name
+    facts = next((f for key, f in item.user_properties if key == PROPERTY), None)
+    backend = facts.get("backend", "") if isinstance(facts, dict) else ""
+    return f"{module}::{function}", str(backend)
 
 
 def _first_lines(text: str, n: int = 6) -> str:
@@ -298,9 +347,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ns = build_parser().parse_args(argv)
     console = Console(stderr=True, highlight=False)
-    out = Console(highlight=False)
+    out = Console(highlight=False, soft_wrap=not console.is_terminal)
     plugin = Progress(console, ns.verbose)
-    code = pytest.main(pytest_args(ns), plugins=[plugin])
+    code = _run_pytest(ns, plugin)
     state = plugin.state
     if state is not None and state.has_results:
         from attnhub_conformance.report import print_matrix
@@ -327,6 +376,31 @@ def main(argv: list[str] | None = None) -> int:
                 soft_wrap=True,
             )
     return int(code)
+
+
+def _run_pytest(ns: argparse.Namespace, plugin: Progress) -> int | pytest.ExitCode:
+    """pytest.main on ``ns.threads`` intra-op threads, hypothesis's files in a temporary
+    directory (unless HYPOTHESIS_STORAGE_DIRECTORY names one); both restored after. Where
+    torch is not imported yet, OMP_NUM_THREADS (unless set) sizes its thread pools from the
+    start, as a run under ``OMP_NUM_THREADS=N`` would."""
+    own_omp = "torch" not in sys.modules and "OMP_NUM_THREADS" not in os.environ
+    if own_omp:
+        os.environ["OMP_NUM_THREADS"] = str(ns.threads)
+    import torch
+
+    threads = torch.get_num_threads()
+    own_storage = "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ
+    if own_storage:
+        os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = tempfile.mkdtemp(prefix="attnhub-hypothesis-")
+    torch.set_num_threads(ns.threads)
+    try:
+        return pytest.main(pytest_args(ns), plugins=[plugin])
+    finally:
+        torch.set_num_threads(threads)
+        if own_omp:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        if own_storage:
+            shutil.rmtree(os.environ.pop("HYPOTHESIS_STORAGE_DIRECTORY"), ignore_errors=True)
 
 
 def command() -> tuple[str, Callable[[list[str]], int]]:

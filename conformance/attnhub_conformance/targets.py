@@ -20,6 +20,7 @@ import torch
 
 import attnhub
 from attnhub import AttentionBackend, AttentionSpec, Capabilities
+from attnhub.emulation import in_terms_of
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class Target:
     emulated: bool = False  # runs through a CPU emulator of the vendor library
     distribution: str | None = None
     version: str | None = None
+    #: Which implementation serves the name, where a backend class has several and says which
+    #: (a ``provider`` class attribute: flash's FA2, FA3, vLLM's fork...); None otherwise.
+    provider: str | None = None
     #: Why the run fails if this backend cannot run (None: it is then reported as unavailable).
     required: str | None = None
 
@@ -121,11 +125,13 @@ def resolve_targets(
             backend=info.backend,
             distribution=info.distribution,
             version=info.version,
+            provider=_provider(info.backend),
         )
         if info.backend is None:
             targets.append(replace(common, load_error=info.error or "unknown error"))
             continue
         why = info.availability(device, emulate) or device_problem
+        why = None if why is None else in_terms_of(why, "pytest")  # the hint in pytest's terms
         if why is not None:
             targets.append(replace(common, unavailable=why))
             continue
@@ -145,6 +151,11 @@ def resolve_targets(
         nothing = "no discovered backend can run there, so the run would test nothing"
         return [replace(t, required=nothing) for t in targets]
     return targets
+
+
+def _provider(backend: type[AttentionBackend] | None) -> str | None:
+    provider = getattr(backend, "provider", None)
+    return provider if isinstance(provider, str) else None
 
 
 def _device_problem(device: str) -> str | None:

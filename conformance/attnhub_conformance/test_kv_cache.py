@@ -63,7 +63,10 @@ def strided_slots(batch: BatchMetadata) -> dict[str, Any]:
 def strided_copy(cache: PagedKVCache) -> PagedKVCache:
     """The same cache with K/V planes that are strided views: one tensor holding each slot's
     key and value side by side in the last dim (how vLLM allocates a layer's cache); planes of
-    different dtypes get a double-width buffer each. Scale planes are shared."""
+    different dtypes get a double-width buffer each. Scale planes are shared. A cache whose
+    blocks are packed is copied as its logical K/V (strided views of packed storage would be
+    neither)."""
+    cache = cache.unpacked()
     d = cache.key.shape[-1]
     if cache.key.dtype == cache.value.dtype:
         both = torch.empty((*cache.key.shape[:-1], 2 * d), dtype=cache.key.dtype)

@@ -89,3 +89,62 @@ def test_markdown_and_html_carry_counts_a_legend_and_the_tolerances(matrix: Matr
     assert "<td>torch</td><td>bfloat16</td><td>0.02</td><td>0.02</td>" in html
     tolerances = as_json(m, targets)["backends"]["torch"]["tolerances"]
     assert tolerances["float16"] == {"atol": 0.003, "rtol": 0.003}
+
+
+def test_a_check_that_does_not_apply_is_not_applicable_not_refused() -> None:
+    m = Matrix("quick", "cpu")
+    why = "not applicable here: the backend declares the CPU as its only device"
+    m.record(
+        "a::t[c-1]", "setup", "skipped", {**facts("c", ["no host sync per layer"]),
+                                          "not_applicable": True}, why
+    )  # fmt: skip
+    cell = m.cells()[("no host sync per layer", "c")]
+    assert cell.state == "not applicable" and cell.state != "not supported"
+    assert "not applicable" in LEGEND
+    assert m.skip_reasons() == [("c", why, 1)]
+
+
+def test_skip_reasons_reach_every_report(tmp_path) -> None:
+    m = Matrix("quick", "cpu")
+    for i in range(2):
+        m.record(f"a::t[x-{i}]", "setup", "skipped", facts("x", ["kv cache: fp8"]), "no bound | x")
+    m.record("a::t[x-9]", "call", "passed", facts("x", ["batch: decode"]), None)
+    for case in ("x-graphs-a", "x-graphs-b"):  # a reason that names its case groups without it
+        m.record(f"a::g[{case}]", "call", "skipped", facts("x", ["graphs"]), f"{case}: no update")
+    assert ("x", "no update", 2) in m.skip_reasons()
+    text = render_text(m, [], width=80)
+    assert "x: no bound | x (2)" in text
+    assert "| x | no bound \\| x | 2 |" in as_markdown(m, [])
+    assert "<td>no bound | x</td><td>2</td>" in as_html(m, [])
+    skips = as_json(m, [])["skip_reasons"]
+    assert {"backend": "x", "reason": "no bound | x", "tests": 2} in skips
+
+
+def test_the_matrix_names_the_provider_that_ran() -> None:
+    class ProviderBackend(TorchBackend):
+        name = "providers"
+        provider = "fa2"
+
+    m = Matrix("quick", "cpu")
+    m.record("a::t[p-1]", "call", "passed", facts("providers", ["batch: decode"], "emulated"), None)
+    targets = [
+        Target("providers", "cpu", emulate=True, backend=ProviderBackend, emulated=True,
+               provider="fa2")
+    ]  # fmt: skip
+    assert "providers (emulated, provider fa2)" in as_markdown(m, targets)
+    assert "emulated, provider fa2" in as_html(m, targets)
+    assert as_json(m, targets)["backends"]["providers"]["provider"] == "fa2"
+    assert "provider fa2" in render_text(m, targets, width=80)
+
+
+def test_the_matrix_is_not_cut_outside_a_terminal() -> None:
+    m = Matrix("quick", "cpu")
+    names = [f"a-backend-with-a-long-name-{i}" for i in range(5)]
+    for name in names:
+        for i in range(28):
+            m.record(f"a::t[{name}-{i}]", "call", "passed", facts(name, ["batch: decode"],
+                                                                  "emulated"), None)  # fmt: skip
+    text = render_text(m, [], width=80)
+    assert "…" not in text
+    assert all(name in text for name in names)
+    assert text.count("emulated 28/28") == 5

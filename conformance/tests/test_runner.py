@@ -4,6 +4,7 @@ returns non-zero on any failure."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -96,14 +97,46 @@ def test_reasons_and_errors_name_the_commands_options_not_the_plugins() -> None:
     assert in_cli_terms("--attnhub-unknown stays") == "--attnhub-unknown stays"
 
 
-def test_progress_outside_a_terminal_is_a_line_per_test_module(tmp_path: Path) -> None:
+def test_progress_outside_a_terminal_is_a_line_per_case_group(tmp_path: Path) -> None:
     proc = run_cli(["--backend", "torch", "-k", "usable or test_output_buffer"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("conformance [")]
     assert "tests; backends: torch (native)" in lines[0]
-    assert any("test_availability.py; so far" in ln for ln in lines)
-    assert any("test_outputs.py; so far" in ln for ln in lines)
+    assert re.search(
+        r"test_availability\.py::test_backend_is_usable on torch: 1 test; so far 0 passed, "
+        r"0 failed, 0 skipped \(\d+ s\)$",
+        lines[1],
+    ), lines
+    group = next(ln for ln in lines if "test_outputs.py::test_output_buffer" in ln)
+    assert re.search(r" on torch: \d+ tests; so far 1 passed", group), group
+    assert re.search(r"done: \d+ passed, 0 failed, 0 skipped \(\d+ s\)$", lines[-1]), lines
     assert "conformance [" not in proc.stdout  # the matrix alone on stdout
+
+
+def test_the_suite_runs_on_the_threads_asked_for_and_leaves_no_hypothesis_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    from attnhub_conformance import runner
+
+    seen: list[tuple[int, str | None]] = []
+
+    def fake_main(args: list[str], plugins: list[object]) -> int:
+        seen.append((torch.get_num_threads(), os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY")))
+        return 0
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY", raising=False)
+    monkeypatch.setattr(runner.pytest, "main", fake_main)
+    before = torch.get_num_threads()
+    runner_main(["--threads", "3"])
+    runner_main([])
+    assert [threads for threads, _ in seen] == [3, runner.DEFAULT_THREADS]
+    assert all(storage and not storage.startswith(str(tmp_path)) for _, storage in seen)
+    assert not any(Path(storage).exists() for _, storage in seen if storage)
+    assert torch.get_num_threads() == before
+    assert "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ
+    assert not (tmp_path / ".hypothesis").exists()
 
 
 def test_the_commands_hypothesis_seed_reaches_the_plugin() -> None:

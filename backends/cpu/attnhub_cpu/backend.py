@@ -6,15 +6,22 @@ and window the kernel takes. Per layer, the impl makes one KV write
 (``cpu_attn_reshape_and_cache``) and one attention call (``cpu_attention_with_kv_cache``) for the
 whole batch: no loop over requests, no host work.
 
-The kernels keep a block in a layout of their own: per (block, kv head), vec and vec16 store the
-keys transposed (``[head_size, block_size]``) and the values as rows (``[block_size,
-head_size]``). ``allocate_kv_cache`` gives exactly that storage as an attnhub HND cache (the key
-plane is a transposed view), so the kernels read and write the cache in place and every attnhub
-tool (the reference, the suite, block copies) reads it through the views;
-``kv_cache_from_pages`` lays the same storage out in an engine's memory (vLLM's pages, as its
-own CPU backend keeps them). A cache in any other strides (K|V side by side per slot) is
-accepted too (``strided_kv_cache``): the write goes through indexing and the attention first
-copies the step's blocks into kernel storage (one gather of the K/V the step reads, per layer).
+The ISA path is the one vLLM's ``CPU_ATTN`` picks for the spec on this CPU (``ops.kernel_isa``,
+vLLM's ``_get_attn_isa`` rule for rule): ``amx`` for bf16 with blocks in multiples of 32 on AMX
+CPUs, ``vec`` / ``vec16`` on other x86 CPUs. Never another one: where attnhub cannot read the
+path's block layout, the constructor refuses with the reason.
+
+The kernels keep a block in a layout of their own (``attnhub_cpu.layouts``, probed on the op):
+per (block, kv head), vec and vec16 store the keys transposed (``[head_size, block_size]``) and
+the values as rows (``[block_size, head_size]``), which an attnhub HND cache views as it is (the
+key plane a transposed view); amx packs both in AMX tiles, which no strided view shows as tokens
+x channels: its caches carry ``packing`` (``layouts.AMX_PACKING``), and every attnhub tool (the
+reference, the suite) reads them through ``cache.unpacked()``. Either way ``allocate_kv_cache``
+gives exactly the kernels' storage, read and written in place, and ``kv_cache_from_pages`` lays
+it out in an engine's memory (vLLM's pages, as its own CPU backend keeps them). A cache in any
+other strides (K|V side by side per slot, not packed) is accepted too (``strided_kv_cache``):
+the write goes through indexing and the attention first copies (packs, on amx) the step's
+blocks into kernel storage (one gather of the K/V the step reads, per layer).
 """
 
 from __future__ import annotations
@@ -34,9 +41,10 @@ from attnhub.backend import (
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.kit import BlockPacking
 from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec, AttentionType
-from attnhub_cpu import ops
+from attnhub_cpu import layouts, ops
 
 #: vLLM's CPUAttentionBackend.get_supported_head_sizes (0.32.0).
 HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
@@ -182,48 +190,56 @@ class CpuBackend(AttentionBackend):
         super().__init__(spec, device, emulate=emulate)
         self.ops = ops.kernels()
         hs, bs = spec.head_size, spec.block_size
-        isa = ops.kernel_isa(self.features, spec.dtype, bs, hs)
-        #: Why vLLM's own choice of ISA was not taken (None: it was).
-        self.isa_note: str | None = None
-        if not ops.stores_transposed_keys(isa, spec.dtype, bs, hs):
-            # An interior attnhub cannot view (AMX may pack its tiles so): on x86, run the vec
-            # path, whose storage attnhub's HND cache can be, rather than copy every layer.
-            fallback = "vec" if bs % 32 == 0 else "vec16"
-            why = f"vLLM's {isa!r} path keeps a block in a layout attnhub's HND cache cannot view"
-            if self.features.arch != "x86" or not ops.stores_transposed_keys(
-                fallback, spec.dtype, bs, hs
-            ):
-                raise UnsupportedConfigurationError(self.name, [why])
-            self.isa_note = f"{why}; running {fallback!r}"
-            isa = fallback
-        self.isa = isa
+        #: The ISA path vLLM's CPU_ATTN runs this spec on, on this CPU (never another one).
+        self.isa = ops.kernel_isa(self.features, spec.dtype, bs, hs)
+        #: How that path's KV write lays a block out (attnhub_cpu.layouts), probed on the op.
+        layout = ops.layout_written(self.isa, spec.dtype, bs, hs)
+        expected = layouts.EXPECTED.get(self.isa, layout)
+        if layout is None or layout != expected:
+            found = "a layout attnhub does not know" if layout is None else f"the {layout} one"
+            raise UnsupportedConfigurationError(
+                self.name,
+                [
+                    f"vLLM runs {str(spec.dtype).removeprefix('torch.')}, block {bs}, head "
+                    f"{hs} on its {self.isa!r} path on this CPU ({self.features.name}), whose "
+                    f"KV write lays a block out in {found}"
+                    + (f", not the {expected} one attnhub reads" if expected else "")
+                    + ": attnhub's cpu backend runs no other path than vLLM's"
+                ],
+            )
+        self.block_layout = layout
+        self.kv_packing = layouts.AMX_PACKING if layout == layouts.AMX else None
 
     def new_planes(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed key and value planes in the kernels' storage, as HND views
-        ``[num_blocks, num_kv_heads, block_size, head_size]`` (the key plane transposed)."""
+        """Zeroed key and value planes in the kernels' storage, shaped HND ``[num_blocks,
+        num_kv_heads, block_size, head_size]``: the key plane a transposed view (vec, vec16),
+        or both planes AMX-packed storage (read through ``layouts.AMX_PACKING``)."""
         s = self.spec
-        shape = (num_blocks, s.num_kv_heads, s.head_size, s.block_size)
-        key = torch.zeros(shape, dtype=s.dtype, device=self.device).transpose(2, 3)
-        value = torch.zeros(
-            (num_blocks, s.num_kv_heads, s.block_size, s.head_size),
-            dtype=s.dtype,
-            device=self.device,
-        )
-        return key, value
+        shape = (num_blocks, s.num_kv_heads, s.block_size, s.head_size)
+        value = torch.zeros(shape, dtype=s.dtype, device=self.device)
+        if self.kv_packing is not None:
+            return torch.zeros(shape, dtype=s.dtype, device=self.device), value
+        transposed = (num_blocks, s.num_kv_heads, s.head_size, s.block_size)
+        return torch.zeros(transposed, dtype=s.dtype, device=self.device).transpose(2, 3), value
 
     def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
         """A zeroed cache whose planes are the kernels' own storage (read and written in
-        place); ``cache.key`` reads as HND, its memory is ``[blocks, kv heads, D, block]``."""
+        place): HND views (vec, vec16: ``cache.key``'s memory is ``[blocks, kv heads, D,
+        block]``), or AMX-packed planes (``cache.packing``; read through ``unpacked()``)."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise InvalidInputError(f"num_blocks = {num_blocks!r} must be a positive int")
         key, value = self.new_planes(num_blocks)
-        return PagedKVCache(key, value, self.spec.block_size, "HND", self.spec.kv_cache_dtype)
+        s = self.spec
+        return PagedKVCache(
+            key, value, s.block_size, "HND", s.kv_cache_dtype, packing=self.kv_packing
+        )
 
     def kv_cache_from_pages(self, pages: torch.Tensor) -> PagedKVCache:
         """The kernels' storage inside an engine's pages, in place: per (block, kv head) the
-        keys transposed (``[head_size, block_size]``) then the values (``[block_size,
-        head_size]``), the layout vLLM's own CPU backend keeps in its per-layer tensor
-        (``[blocks, kv heads, 2 * block_size, head_size]``, chunked in two). Read as HND."""
+        keys (``[head_size, block_size]`` on vec/vec16, AMX tiles on amx) then the values
+        (``[block_size, head_size]``, or AMX tiles), the layout vLLM's own CPU backend keeps in
+        its per-layer tensor (``[blocks, kv heads, 2 * block_size, head_size]``, chunked in
+        two). Read as HND (packed on amx: through ``unpacked()``)."""
         s = self.spec
         h, n, d = s.num_kv_heads, s.block_size, s.head_size
         page = 2 * h * n * d
@@ -243,9 +259,11 @@ class CpuBackend(AttentionBackend):
         if pages.shape[0] > 1 and abs(pages.stride(0)) < page:
             raise InvalidInputError(f"pages' rows overlap: stride {pages.stride()}, page {page}")
         b, row, base = pages.shape[0], pages.stride(0), pages.storage_offset()
-        key = pages.as_strided((b, h, n, d), (row, 2 * n * d, 1, n), base)
-        value = pages.as_strided((b, h, n, d), (row, 2 * n * d, d, 1), base + n * d)
-        return PagedKVCache(key, value, n, "HND", s.kv_cache_dtype)
+        rows = (row, 2 * n * d, d, 1)  # a block's tokens x channels, dense, per kv head
+        key_strides = rows if self.kv_packing is not None else (row, 2 * n * d, 1, n)
+        key = pages.as_strided((b, h, n, d), key_strides, base)
+        value = pages.as_strided((b, h, n, d), rows, base + n * d)
+        return PagedKVCache(key, value, n, "HND", s.kv_cache_dtype, packing=self.kv_packing)
 
     def metadata_builder(self) -> CpuMetadataBuilder:
         return CpuMetadataBuilder(self)
@@ -256,12 +274,17 @@ class CpuBackend(AttentionBackend):
         return CpuAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
-def is_kernel_storage(cache: PagedKVCache) -> bool:
-    """Whether ``cache``'s planes are laid out as the kernels store a block: per (block, kv
-    head) keys ``[head_size, block_size]`` and values ``[block_size, head_size]``, dense (block
-    and head strides may be anything: the kernels read those two)."""
+def is_kernel_storage(cache: PagedKVCache, packing: BlockPacking | None = None) -> bool:
+    """Whether ``cache``'s planes are laid out as the kernels store a block (block and head
+    strides may be anything: the kernels read those two): with ``packing`` None (vec, vec16),
+    per (block, kv head) keys ``[head_size, block_size]`` and values ``[block_size,
+    head_size]``, dense; else (amx) packed so, each (block, kv head) dense."""
     k, v = cache.key, cache.value
     bs, d = cache.block_size, k.shape[-1]
+    if cache.packing != packing:
+        return False
+    if packing is not None:
+        return k.stride()[2:] == (d, 1) and v.stride()[2:] == (d, 1)
     return k.stride()[2:] == (1, bs) and v.stride()[2:] == (d, 1)
 
 
@@ -386,7 +409,13 @@ class CpuAttentionImpl(AttentionImpl):
         last = self._storage
         if last is not None and last[0] is cache.key and last[1] is cache.value:
             return last[2]
-        verdict = is_kernel_storage(cache)
+        verdict = is_kernel_storage(cache, self.backend.kv_packing)
+        if not verdict and cache.packing is not None:  # validated: packed as the kernels pack
+            raise InvalidInputError(
+                f"cache blocks packed {cache.packing.name} must be dense per (block, kv head) "
+                f"(the kernels' storage), got strides {cache.key.stride()} / "
+                f"{cache.value.stride()}"
+            )
         self._storage = (cache.key, cache.value, verdict)
         return verdict
 
@@ -447,8 +476,13 @@ class CpuAttentionImpl(AttentionImpl):
         else:
             plan = meta.repack
             key_cache, value_cache = self.backend.new_planes(plan.blocks.numel())
-            key_cache.copy_(cache.key[plan.blocks])
-            value_cache.copy_(cache.value[plan.blocks])
+            packing = self.backend.kv_packing
+            if packing is None:
+                key_cache.copy_(cache.key[plan.blocks])
+                value_cache.copy_(cache.value[plan.blocks])
+            else:
+                packing.pack(cache.key[plan.blocks], "key", key_cache)
+                packing.pack(cache.value[plan.blocks], "value", value_cache)
             block_table = plan.block_table
         # The kernel reads the query through its token and head strides (an engine's query
         # is a column slice of its fused QKV rows: no copy) with dense channels (it checks

@@ -1,10 +1,15 @@
 """The ``cpu`` backend's ``forward`` against the same vLLM kernels called directly, on the same
 tensors: what attnhub's layer costs around the vendor's kernels (goal: >= 0.95x their speed).
 
-Both sides write the step's K/V (``cpu_attn_reshape_and_cache``) and attend
-(``cpu_attention_with_kv_cache``) into the same cache with the same scheduler plan, built once
-outside the timing as an engine builds it once per step; the direct side is exactly vLLM's
-``CPUAttentionBackendImpl`` per-layer calls, without its Python around them. Calls alternate
+The direct side runs the ISA path vLLM's ``CPU_ATTN`` picks on this machine
+(``ops.kernel_isa``: vLLM's ``_get_attn_isa`` on this CPU's features), chosen here from vLLM's
+rule, not read from the backend: on an AMX CPU, bf16 with blocks of 128 is timed on ``amx``.
+The backend runs that same path or refuses (never another one): a refusal is reported as the
+row's error, never timed as a different kernel. Both sides write the step's K/V
+(``cpu_attn_reshape_and_cache``) and attend (``cpu_attention_with_kv_cache``) into the same
+cache (the path's own storage) with a scheduler plan each, built once outside the timing as an
+engine builds it once per step; the direct side is exactly vLLM's ``CPUAttentionBackendImpl``
+per-layer calls, without its Python around them. Calls alternate
 (backend, direct, backend, ...) so drift on a shared machine hits both alike; each side's median
 is reported, and the speed is the median of the pairs' ratios. ``attnhub bench`` runs
 :func:`direct_comparisons` (entry point ``cpu`` in group ``attnhub.bench``);
@@ -25,7 +30,12 @@ from attnhub.batch import BatchMetadata
 from attnhub.errors import UnsupportedConfigurationError
 from attnhub.kit import BenchUnavailable, DirectComparison
 from attnhub.spec import AttentionSpec
+from attnhub_cpu import ops
 from attnhub_cpu.backend import CpuAttentionMetadata, CpuBackend, dtype_reason
+
+#: The ISA path vLLM's CPU_ATTN runs a case on: vLLM's rule (``ops.kernel_isa``), the direct
+#: side's own choice (the backend makes its choice apart, and must agree).
+vllm_isa = ops.kernel_isa
 
 
 @dataclass(frozen=True)
@@ -106,8 +116,12 @@ def run_case(case: KernelCase, *, repeats: int = 9) -> KernelRatio:
     backend, note = _backend(spec)
     blocks_per_req = -(-case.seq_len // bs)
     num_blocks = case.num_reqs * blocks_per_req + 1
+    #: what vLLM's CPU_ATTN runs this case on, on this machine (its rule, not the backend's)
+    isa = vllm_isa(CpuBackend.features, case.dtype, bs, D)
+    if backend.isa != isa:  # the backend runs vLLM's path or refuses: a broken promise
+        raise AssertionError(f"{case.name}: the backend runs {backend.isa!r}, vLLM {isa!r}")
     cache = backend.allocate_kv_cache(num_blocks)
-    for plane in (cache.key, cache.value):
+    for plane in (cache.key, cache.value):  # random K/V: any packing of it is random too
         plane.copy_(torch.randn(plane.shape, generator=gen).to(plane.dtype))
     table = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(case.num_reqs, -1)
     q_len = 1 if case.kind == "decode" else case.seq_len
@@ -120,19 +134,22 @@ def run_case(case: KernelCase, *, repeats: int = 9) -> KernelRatio:
     meta = backend.metadata_builder().build(batch)
     assert isinstance(meta, CpuAttentionMetadata)
     out_backend, out_direct = torch.empty_like(q), torch.empty_like(q)
-    ops, isa, scale = backend.ops, backend.isa, float(spec.scale)
+    kernels, scale = backend.ops, float(spec.scale)
+    plan = kernels.get_scheduler_metadata(  # vLLM's builder's call, on vLLM's path
+        case.num_reqs, H, Hkv, D, batch.seq_lens, case.dtype, batch.query_start_loc, True, -1,
+        isa, True, None, "auto",
+    )  # fmt: skip
 
     def through_backend() -> object:
         return impl.forward(q, k, v, cache, meta, output=out_backend)
 
     def direct() -> None:  # vLLM's per-layer calls (do_kv_cache_update, then forward)
-        ops.cpu_attn_reshape_and_cache(
+        kernels.cpu_attn_reshape_and_cache(
             k, v, cache.key, cache.value, batch.slot_mapping, isa, 1.0, 1.0, "auto"
         )
-        ops.cpu_attention_with_kv_cache(
+        kernels.cpu_attention_with_kv_cache(
             q, cache.key, cache.value, out_direct, batch.query_start_loc, batch.seq_lens,
-            scale, meta.causal, None, -1, meta.block_table, 0.0, meta.scheduler_metadata,
-            None, None, 1.0, 1.0, "auto",
+            scale, True, None, -1, batch.block_table, 0.0, plan, None, None, 1.0, 1.0, "auto",
         )  # fmt: skip
 
     times: dict[Callable[[], object], list[float]] = {through_backend: [], direct: []}

@@ -26,7 +26,7 @@ import importlib.util
 import os
 import platform
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -44,6 +44,7 @@ class CpuFeatures:
     avx512: bool = False
     avx512_bf16: bool = False
     amx: bool = False  # AMX tiles (bf16 matrix units), usable after torch.cpu._init_amx()
+    rvv: bool = False  # RISC-V vectors of a VLEN vLLM's RVV path supports (zvl128b / zvl256b)
 
     @property
     def name(self) -> str:
@@ -91,34 +92,70 @@ def _arch(machine: str) -> str:  # vLLM's Platform.get_cpu_architecture
     return "other"
 
 
-@functools.cache
-def detect() -> CpuFeatures:
-    """This CPU's features, probed once per process."""
-    arch = _arch(platform.machine())
+class CpuProbe(Protocol):
+    """What vLLM asks of ``torch.cpu`` about x86 extensions (``torch.cpu`` itself by default;
+    tests pass a stand-in to decide for machines they do not run on)."""
+
+    def _is_avx512_supported(self) -> bool: ...
+    def _is_avx512_bf16_supported(self) -> bool: ...
+    def _is_amx_tile_supported(self) -> bool: ...
+
+
+def features_of(machine: str, probe: CpuProbe, cpuinfo: str = "") -> CpuFeatures:
+    """The features of a CPU of architecture ``machine`` (``platform.machine()``) as ``probe``
+    reports them; ``cpuinfo`` (/proc/cpuinfo) for RISC-V's vector length, as vLLM reads it."""
+    arch = _arch(machine)
+    if arch == "riscv":
+        return CpuFeatures(arch, rvv=any(f"zvl{n}b" in cpuinfo for n in (128, 256)))
     if arch != "x86":
         return CpuFeatures(arch)
-    cpu = torch.cpu
     return CpuFeatures(
         arch,
-        avx512=bool(cpu._is_avx512_supported()),
-        avx512_bf16=bool(cpu._is_avx512_bf16_supported()),
-        amx=bool(cpu._is_amx_tile_supported()),
+        avx512=bool(probe._is_avx512_supported()),
+        avx512_bf16=bool(probe._is_avx512_bf16_supported()),
+        amx=bool(probe._is_amx_tile_supported()),
     )
 
 
-def kernel_isa(features: CpuFeatures, dtype: torch.dtype, block_size: int, head_size: int) -> str:
-    """The ``isa`` argument vLLM passes for a layer (``_get_attn_isa`` in
-    vllm/v1/attention/backends/cpu_attn.py, without fp8): "vec16" for head sizes that are a
-    multiple of 16 but not 32 or for blocks not a multiple of 32, "amx" for bf16 where AMX is,
-    "neon" on ARM, "vec" otherwise (the RISC-V, s390x and POWER paths are named by vLLM too)."""
+@functools.cache
+def detect() -> CpuFeatures:
+    """This CPU's features, probed once per process."""
+    machine = platform.machine()
+    cpuinfo = ""
+    if _arch(machine) == "riscv" and os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpuinfo = f.read()
+    return features_of(machine, cast(CpuProbe, torch.cpu), cpuinfo)
+
+
+def kernel_isa(
+    features: CpuFeatures,
+    dtype: torch.dtype,
+    block_size: int,
+    head_size: int,
+    kv_cache_dtype: str = "auto",
+) -> str:
+    """The ``isa`` vLLM's ``CPU_ATTN`` runs a layer on, on a CPU with ``features``:
+    ``_get_attn_isa`` in vllm/v1/attention/backends/cpu_attn.py (0.32.0), rule for rule.
+    "vec16" for head sizes that are a multiple of 16 but not 32; "amx" for bfloat16 with blocks
+    in multiples of 32 where AMX is; "neon" on ARM; for blocks in multiples of 32 "rvv" (RISC-V
+    with vectors), "vxe" (s390x), "vsx" (POWER), else "vec"; "vec16" otherwise. Raises
+    ValueError with vLLM's sentence where vLLM refuses an fp8 cache."""
+    fp8 = kv_cache_dtype.startswith("fp8")
     if head_size % 32 and head_size % 16 == 0:
+        if fp8:
+            raise ValueError("FP8 KV cache requires head_size divisible by 32 on CPU.")
         return "vec16"
+    if fp8 and not (features.arch == "x86" and (features.amx or features.avx512)):
+        raise ValueError("FP8 KV cache on CPU requires x86 with AVX-512 or AMX.")
     if features.amx and dtype == torch.bfloat16 and block_size % 32 == 0:
         return "amx"
     if features.arch == "arm":
         return "neon"
     if block_size % 32 == 0:
-        return {"riscv": "rvv", "s390x": "vxe", "powerpc": "vsx"}.get(features.arch, "vec")
+        if features.arch == "riscv" and features.rvv:
+            return "rvv"
+        return {"s390x": "vxe", "powerpc": "vsx"}.get(features.arch, "vec")
     return "vec16"
 
 
@@ -164,22 +201,31 @@ def kernels() -> Any:
 
 
 @functools.cache
-def stores_transposed_keys(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> bool:
-    """Whether ``cpu_attn_reshape_and_cache`` on ``isa`` stores a block as vec/vec16 do: per
-    (block, kv head) the keys transposed, ``[head_size, block_size]``, and the values as rows,
-    ``[block_size, head_size]``. Then an attnhub HND cache can *be* the kernels' storage (the
-    key plane a transposed view). Probed by writing a known block through the op itself, so a
-    path whose interior differs (AMX packs its tiles its own way) is found, not assumed."""
+def layout_written(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> str | None:
+    """Which layout of ``attnhub_cpu.layouts`` ``cpu_attn_reshape_and_cache`` on ``isa`` writes
+    a block in (``TRANSPOSED`` or ``AMX``), or None: one attnhub does not know, or a path this
+    build lacks. Probed by writing a known block through the op itself, so a layout is found,
+    never assumed (the write is plain stores on every path: it runs on any CPU the build
+    loads on, AMX's included)."""
+    from attnhub_cpu import layouts
+
     ops = kernels()
     bs, d = block_size, head_size
     ids = torch.arange(bs * d, dtype=torch.float32).reshape(bs, 1, d)  # exact in bf16 to 256
-    ids = (ids % 251).to(dtype)
+    key = (ids % 251).to(dtype)
+    value = ((ids + 101) % 251).to(dtype)  # unlike the keys: a swap of the two is seen
     k_cache = torch.zeros((1, 1, bs, d), dtype=dtype)
     v_cache = torch.zeros((1, 1, bs, d), dtype=dtype)
     slots = torch.arange(bs, dtype=torch.int64)
     try:
-        ops.cpu_attn_reshape_and_cache(ids, ids, k_cache, v_cache, slots, isa, 1.0, 1.0, "auto")
+        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa, 1.0, 1.0, "auto")
     except RuntimeError:  # a path this build does not have
-        return False
-    keys_t = ids[:, 0, :].t().contiguous().reshape(bs, d)  # [d, bs] laid out as the op's rows
-    return bool(torch.equal(k_cache[0, 0], keys_t) and torch.equal(v_cache[0, 0], ids[:, 0, :]))
+        return None
+    logical = (key.transpose(0, 1)[None], value.transpose(0, 1)[None])  # [1, 1, bs, d]
+    for layout in (layouts.TRANSPOSED, layouts.AMX):
+        want_k, want_v = layouts.storage_of(layout, *logical)
+        if torch.equal(k_cache.reshape(want_k.shape), want_k) and torch.equal(
+            v_cache.reshape(want_v.shape), want_v
+        ):
+            return layout
+    return None

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 from attnhub_cpu import CpuBackend, ops
-from attnhub_cpu.backend import capabilities_for, dtype_reason, kv_cache_reason
+from attnhub_cpu.backend import HEAD_SIZES, capabilities_for, dtype_reason, kv_cache_reason
 
 import attnhub
 from attnhub.errors import BackendUnavailableError, UnsupportedConfigurationError
@@ -64,25 +64,120 @@ def test_fp8_refusal_says_what_the_isa_lacks() -> None:
     assert kv_cache_reason(CpuBackend.features) in reasons[0]
 
 
+#: The three x86 machine kinds CI meets, as the probe reports them.
+MACHINES = {"AVX2": AVX2, "AVX-512": AVX512_BF16, "AMX": AMX}
+
+
 @pytest.mark.parametrize(
-    ("features", "dtype", "block_size", "head_size", "isa"),
+    ("machine", "dtype", "block_size", "head_size", "isa"),
     [
-        (AVX2, torch.float32, 32, 128, "vec"),
-        (AVX2, torch.bfloat16, 128, 128, "vec"),
-        (AVX2, torch.float32, 16, 128, "vec16"),
-        (AVX2, torch.float32, 32, 80, "vec16"),
-        (AMX, torch.bfloat16, 32, 128, "amx"),
-        (AMX, torch.bfloat16, 16, 128, "vec16"),
-        (AMX, torch.float32, 32, 128, "vec"),
-        (AMX, torch.bfloat16, 32, 112, "vec16"),
-        (ARM, torch.bfloat16, 16, 128, "neon"),
-        (ops.CpuFeatures("powerpc"), torch.float32, 32, 64, "vsx"),
+        (machine, dtype, bs, hs, isa)
+        for machine, bf16_128 in (("AVX2", "vec"), ("AVX-512", "vec"), ("AMX", "amx"))
+        for dtype, bs, hs, isa in (
+            (torch.bfloat16, 128, 128, bf16_128),  # the engine tests' bf16 block 128
+            (torch.bfloat16, 32, 64, bf16_128),
+            (torch.float32, 32, 128, "vec"),
+            (torch.float16, 128, 64, "vec"),
+            (torch.bfloat16, 16, 128, "vec16"),  # blocks not a multiple of 32
+            (torch.bfloat16, 128, 80, "vec16"),  # head sizes a multiple of 16, not of 32
+            (torch.float32, 48, 64, "vec16"),
+        )
     ],
 )
-def test_the_isa_is_the_one_vllm_picks(
-    features: ops.CpuFeatures, dtype: torch.dtype, block_size: int, head_size: int, isa: str
+def test_the_isa_is_the_one_vllm_picks_on_each_machine_kind(
+    machine: str, dtype: torch.dtype, block_size: int, head_size: int, isa: str
 ) -> None:
-    assert ops.kernel_isa(features, dtype, block_size, head_size) == isa
+    assert ops.kernel_isa(MACHINES[machine], dtype, block_size, head_size) == isa
+
+
+@pytest.mark.parametrize(
+    ("features", "block_size", "isa"),
+    [
+        (ARM, 16, "neon"),
+        (ops.CpuFeatures("powerpc"), 32, "vsx"),
+        (ops.CpuFeatures("s390x"), 64, "vxe"),
+        (ops.CpuFeatures("riscv", rvv=True), 32, "rvv"),
+        (ops.CpuFeatures("riscv"), 32, "vec"),  # no supported vector length: vLLM's vec
+        (ops.CpuFeatures("powerpc"), 16, "vec16"),
+    ],
+)
+def test_the_isa_of_other_architectures(
+    features: ops.CpuFeatures, block_size: int, isa: str
+) -> None:
+    assert ops.kernel_isa(features, torch.bfloat16, block_size, 64) == isa
+
+
+def test_fp8_isa_refusals_are_vllms() -> None:
+    with pytest.raises(ValueError, match="requires x86 with AVX-512 or AMX"):
+        ops.kernel_isa(AVX2, torch.bfloat16, 128, 64, "fp8_e4m3")
+    with pytest.raises(ValueError, match="head_size divisible by 32"):
+        ops.kernel_isa(AMX, torch.bfloat16, 128, 80, "fp8")
+    assert ops.kernel_isa(AMX, torch.bfloat16, 128, 64, "fp8") == "amx"
+    assert ops.kernel_isa(AVX512, torch.bfloat16, 128, 64, "fp8") == "vec"
+
+
+class Probe:
+    """A stand-in for ``torch.cpu``'s extension probes: a machine kind this CPU is not."""
+
+    def __init__(self, avx512: bool, avx512_bf16: bool, amx: bool) -> None:
+        self.flags = (avx512, avx512_bf16, amx)
+
+    def _is_avx512_supported(self) -> bool:
+        return self.flags[0]
+
+    def _is_avx512_bf16_supported(self) -> bool:
+        return self.flags[1]
+
+    def _is_amx_tile_supported(self) -> bool:
+        return self.flags[2]
+
+
+PROBES = {
+    "AVX2": Probe(False, False, False),
+    "AVX-512": Probe(True, True, False),
+    "AMX": Probe(True, True, True),
+}
+
+
+@pytest.mark.parametrize("machine", list(PROBES))
+def test_features_come_from_the_probe(machine: str) -> None:
+    assert ops.features_of("x86_64", PROBES[machine]) == MACHINES[machine]
+    assert ops.features_of("aarch64", PROBES[machine]) == ARM
+    rvv = ops.features_of("riscv64", PROBES[machine], "isa : rv64imafdcv_zvl128b")
+    assert rvv == ops.CpuFeatures("riscv", rvv=True)
+
+
+@pytest.mark.parametrize("machine", list(PROBES))
+def test_the_isa_rule_is_vllms_own_on_each_machine_kind(
+    machine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's ``_get_attn_isa`` itself, with ``torch.cpu`` answering as each machine kind:
+    attnhub's rule picks the same path for every dtype, block size, head size and cache dtype
+    vLLM's CPU_ATTN takes (and refuses the same fp8 cases). Skipped where vLLM is absent."""
+    cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
+    from vllm.platforms import current_platform
+
+    if ops.detect().arch != "x86":
+        pytest.skip("vLLM reads the architecture from the machine: the x86 kinds need x86")
+    assert str(current_platform.get_cpu_architecture()).endswith("X86")
+    probe = PROBES[machine]
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, getattr(probe, name))
+    features = ops.features_of("x86_64", torch.cpu)
+    assert features == MACHINES[machine]
+    heads = sorted(HEAD_SIZES)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for block_size in (16, 32, 48, 64, 128):
+            for head_size in heads:
+                for kv_cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+                    args = (dtype, block_size, head_size, kv_cache_dtype)
+                    try:
+                        theirs: str = cpu_attn._get_attn_isa(*args)
+                    except NotImplementedError as exc:
+                        with pytest.raises(ValueError, match=str(exc).rstrip(".")):
+                            ops.kernel_isa(features, *args)
+                        continue
+                    assert ops.kernel_isa(features, *args) == theirs, args
 
 
 def test_the_kernel_build_is_the_one_vllm_loads() -> None:

@@ -4,13 +4,17 @@ kept in the kernels' own layout, one kernel call per layer. Skipped where vllm-c
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from typing import Any
 
 import pytest
 import torch
-from attnhub_cpu import CpuBackend, ops
-from attnhub_cpu.backend import is_kernel_storage
+from attnhub_cpu import CpuBackend, layouts, ops
+from attnhub_cpu.backend import capabilities_for, is_kernel_storage
 
 import attnhub
 from attnhub import PagedKVCache, testing
@@ -80,8 +84,8 @@ def test_the_kernels_store_keys_transposed_which_the_cache_views_as_hnd() -> Non
     assert cache.layout == "HND" and tuple(cache.key.shape) == (3, 2, 32, 64)
     assert cache.key.transpose(2, 3).is_contiguous() and cache.value.is_contiguous()
     if backend.features.arch == "x86":  # vec / vec16: probed through the op itself
-        assert backend.isa in ("vec", "vec16") and backend.isa_note is None
-        assert ops.stores_transposed_keys(backend.isa, torch.float32, 32, 64)
+        assert backend.isa == "vec" and backend.kv_packing is None
+        assert ops.layout_written("vec", torch.float32, 32, 64) == layouts.TRANSPOSED
 
 
 def test_a_cache_of_other_strides_gives_the_same_bits() -> None:
@@ -195,52 +199,86 @@ def test_write_kv_takes_int32_slots() -> None:
     assert testing.cache_differences(cache, expected, batch.slot_mapping) == []
 
 
-def test_where_bf16_is_refused_the_kernel_truncates_its_float32_result(kernels: Any) -> None:
-    """The reason bf16 is refused on CPUs without AVX512-BF16, checked on the kernels: the bf16
-    output is the float32 kernel's result on the same values with the low 16 bits dropped."""
-    features = ops.detect()
-    if features.bf16_rounds_to_nearest:
-        pytest.skip(f"{features.name}: bf16 is declared here (rounded to nearest)")
-    outs = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        s = spec(dtype=dtype)
-        g = testing.generator(7)
-        batch, num_blocks = testing.make_batch([1, 1], [90, 33], 32, seed=g)
-        key = torch.randn(num_blocks, 2, 64, 32, generator=g).to(torch.bfloat16).to(dtype)
-        value = torch.randn(num_blocks, 2, 32, 64, generator=g).to(torch.bfloat16).to(dtype)
-        q = torch.randn(2, 8, 64, generator=g).to(torch.bfloat16).to(dtype)
-        out = torch.zeros_like(q)
-        meta = kernels.get_scheduler_metadata(
-            2, 8, 2, 64, batch.seq_lens, dtype, batch.query_start_loc, True, -1, "vec", True,
-            None, "auto",
-        )  # fmt: skip
-        kernels.cpu_attention_with_kv_cache(
-            q, key.transpose(2, 3), value, out, batch.query_start_loc, batch.seq_lens, s.scale,
-            True, None, -1, batch.block_table, 0.0, meta, None, None, 1.0, 1.0, "auto",
-        )  # fmt: skip
-        outs[dtype] = out
-    truncated = (outs[torch.float32].view(torch.int32) & ~0xFFFF).view(torch.float32)
-    assert torch.equal(outs[torch.bfloat16], truncated.to(torch.bfloat16))
-    assert not torch.equal(outs[torch.bfloat16], outs[torch.float32].to(torch.bfloat16))
-    with pytest.raises(attnhub.errors.UnsupportedConfigurationError, match="toward zero"):
-        CpuBackend(spec(dtype=torch.bfloat16))
+#: Run in a process of its own (a kernel build is loaded once per process): vLLM's AVX2 build,
+#: which every x86 CPU vLLM supports runs, computes one decode step in float32 and in bfloat16
+#: on the same bf16-exact values; prints whether the bf16 output is the float32 one truncated
+#: (low 16 bits dropped) and whether it differs from the float32 one rounded to nearest.
+TRUNCATION_SCRIPT = """
+import importlib.util, json, os, sys
+import torch
+origin = importlib.util.find_spec("vllm").origin
+torch.ops.load_library(os.path.join(os.path.dirname(origin), "_C_AVX2.abi3.so"))
+C = torch.ops._C
+g = torch.Generator().manual_seed(7)
+qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+seq_lens = torch.tensor([90, 33], dtype=torch.int32)
+table = torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int32)
+key = torch.randn(6, 2, 64, 32, generator=g).to(torch.bfloat16)
+value = torch.randn(6, 2, 32, 64, generator=g).to(torch.bfloat16)
+q = torch.randn(2, 8, 64, generator=g).to(torch.bfloat16)
+outs = {}
+for dtype in (torch.float32, torch.bfloat16):
+    out = torch.zeros(2, 8, 64, dtype=dtype)
+    plan = C.get_scheduler_metadata(
+        2, 8, 2, 64, seq_lens, dtype, qsl, True, -1, "vec", True, None, "auto")
+    C.cpu_attention_with_kv_cache(
+        q.to(dtype), key.to(dtype).transpose(2, 3), value.to(dtype), out, qsl, seq_lens,
+        0.125, True, None, -1, table, 0.0, plan, None, None, 1.0, 1.0, "auto")
+    outs[dtype] = out
+f32, b16 = outs[torch.float32], outs[torch.bfloat16]
+truncated = (f32.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+print(json.dumps({"truncated": bool(torch.equal(b16, truncated)),
+                  "rounded": bool(torch.equal(b16, f32.to(torch.bfloat16)))}))
+"""
 
 
-def test_a_path_whose_blocks_attnhub_cannot_view_falls_back_to_vec_and_says_so(
+def test_where_bf16_is_refused_the_kernel_truncates_its_float32_result() -> None:
+    """The reason bf16 is refused on CPUs without AVX512-BF16, checked on the kernels vLLM runs
+    there (its AVX2 build, loaded in a process of its own: it runs on every x86 CPU, so this
+    runs on AVX2, AVX-512 and AMX machines alike): the bf16 output is the float32 kernel's
+    result on the same values with the low 16 bits dropped, not rounded to nearest."""
+    if ops.detect().arch != "x86":
+        pytest.skip("vLLM's AVX2 build is x86's")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", TRUNCATION_SCRIPT], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "truncated": True,
+        "rounded": False,
+    }
+    avx2 = type(
+        "Avx2CpuBackend",
+        (CpuBackend,),
+        {
+            "features": ops.CpuFeatures("x86"),
+            "capabilities": capabilities_for(ops.CpuFeatures("x86")),
+        },
+    )
+    reasons = avx2.unsupported_reasons(spec(dtype=torch.bfloat16))
+    assert [r.field for r in reasons] == ["dtype"] and "toward zero" in reasons[0]
+
+
+def test_the_direct_comparison_times_the_isa_vllm_picks_on_this_machine() -> None:
+    """bench's direct side runs vLLM's own pick (``ops.kernel_isa`` on the detected CPU), and
+    the backend's forward gives its bits (the bench checks it): smoke run of the small cases."""
+    from attnhub_cpu import bench
+
+    rows = bench.run(bench.quick_cases(), repeats=1)
+    for case, row in zip(bench.quick_cases(), rows, strict=True):
+        want = ops.kernel_isa(ops.detect(), case.dtype, case.block_size, case.head_size)
+        assert row.isa == want and row.backend_ms > 0 and row.direct_ms > 0
+
+
+def test_a_backend_off_vllms_isa_cannot_be_timed_as_if_it_were_on_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Where vLLM's pick (AMX for bf16) keeps blocks in a layout the probe does not recognize,
-    x86 runs the vec path instead: here "amx", which this build may lack (the probe's write
-    then fails), or which packs its own way."""
-    if ops.detect().arch != "x86":
-        pytest.skip("the vec fallback is x86's")
-    monkeypatch.setattr(ops, "kernel_isa", lambda *args: "amx")
-    ops.stores_transposed_keys.cache_clear()
-    try:
-        if ops.stores_transposed_keys("amx", torch.float32, 32, 64):
-            pytest.skip("this CPU's AMX path stores blocks as vec does")
-        backend = CpuBackend(spec())
-    finally:
-        ops.stores_transposed_keys.cache_clear()
-    assert backend.isa == "vec"
-    assert backend.isa_note is not None and "'amx' path" in backend.isa_note
+    """Were vLLM to pick another path than the backend runs, the comparison says so instead of
+    timing the backend's path on both sides."""
+    from attnhub_cpu import bench
+
+    monkeypatch.setattr(bench, "vllm_isa", lambda *args: "vec16")
+    with pytest.raises(AssertionError, match="the backend runs 'vec', vLLM 'vec16'"):
+        bench.run_case(bench.quick_cases()[0], repeats=1)

@@ -1496,6 +1496,14 @@ FA4 = _namespace(
     "flash_attn.cute",
     flash_attn_varlen_func=_renamed(fa4_flash_attn_varlen_func, "flash_attn_varlen_func"),
 )
+#: The namespaces by the module each stands in for (what ``ops.resolve`` hands out on ``cpu``).
+MODULES: dict[str, SimpleNamespace] = {
+    "vllm.vllm_flash_attn": VLLM,
+    "vllm._custom_ops": VLLM_CACHE_OPS,
+    "flash_attn": FA2,
+    "flash_attn_interface": FA3,
+    "flash_attn.cute": FA4,
+}
 
 #: Every emulated function, by its vendor path: what the contract test checks.
 FUNCTIONS: dict[str, Callable[..., Any]] = {

@@ -1,5 +1,7 @@
-"""Where the backend's functions come from: one of four FlashAttention providers, natively on an
-NVIDIA GPU, or its CPU emulator when emulation is asked for.
+"""Where a provider's functions come from: its modules, natively on an NVIDIA GPU, or the CPU
+emulator's stand-ins for them when emulation is asked for. Provider-neutral: each provider
+(``providers.py``) names its modules in a ``Source``; this module probes, imports and resolves
+them, and says why a provider cannot run where it cannot.
 
   provider  module                  functions the backend calls
   vllm      vllm.vllm_flash_attn    flash_attn_varlen_func (fa_version=2); KV write:
@@ -9,45 +11,37 @@ NVIDIA GPU, or its CPU emulator when emulation is asked for.
   fa3       flash_attn_interface    flash_attn_with_kvcache (page_table, varlen q)
   fa4       flash_attn.cute         flash_attn_varlen_func (page_table + seqused_k)
 
-Which provider the ``flash`` backend uses is decided once, at discovery: ``ATTNHUB_FLASH_PROVIDER``
-(``vllm``, ``vllm-fa3``, ``fa2``, ``fa3``, ``fa4``) when set, else the first installed of
-``PREFERENCE``, else ``vllm`` (what engines ship; on a machine without any, the emulated default).
-"Installed" is probed without importing anything (``module_exists``): the top-level package is
-found with ``importlib.util.find_spec`` (which imports nothing for a top-level name) and the
-submodules on disk below it. ``find_spec("flash_attn.cute")`` itself would import ``flash_attn``
-(whose ``__init__`` loads its CUDA extension) and ``find_spec("vllm.vllm_flash_attn")`` all of
-``vllm``'s package ``__init__``; a probe that raises anything counts as "not installed".
+Which provider the ``flash`` backend uses is decided once, at discovery
+(``providers.chosen_provider``): ``ATTNHUB_FLASH_PROVIDER`` when set, else the first installed
+of ``providers.PREFERENCE``, else ``vllm``. "Installed" is probed without importing anything
+(``module_exists``): the top-level package is found with ``importlib.util.find_spec`` (which
+imports nothing for a top-level name) and the submodules on disk below it.
+``find_spec("flash_attn.cute")`` itself would import ``flash_attn`` (whose ``__init__`` loads
+its CUDA extension) and ``find_spec("vllm.vllm_flash_attn")`` all of ``vllm``'s package
+``__init__``; a probe that raises anything counts as "not installed".
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import importlib.util
 import inspect
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from attnhub.errors import BackendUnavailableError, InvalidInputError
-from attnhub.kit import device_type
+from attnhub.errors import InvalidInputError
+from attnhub.kit import EMULATE_HINT, EMULATED_DEVICE, VendorLibrary, device_type, import_once
 
-PROVIDERS = ("vllm", "vllm-fa3", "fa2", "fa3", "fa4")
-#: Best first when several are importable: FA4 and FA3 are the newer kernels; vLLM's fork ships
-#: with engines; upstream FA2 last. ``vllm-fa3`` only when named: whether vLLM's build holds
-#: its FA3 kernels is known only by importing it.
-PREFERENCE = ("fa4", "fa3", "vllm", "fa2")
+if TYPE_CHECKING:
+    from attnhub_flash.providers import Provider
+
 ENV = "ATTNHUB_FLASH_PROVIDER"
-DEFAULT = "vllm"
 
 NATIVE_DEVICE = "cuda"
-EMULATED_DEVICE = "cpu"
-EMULATE_HINT = "pass emulate=True (--attnhub-emulate) to run through the CPU emulator"
 
 
 @dataclass(frozen=True)
@@ -73,43 +67,6 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
     "flash_attn": ("flash_attn_varlen_func", "flash_attn_with_kvcache"),
     "flash_attn_interface": ("flash_attn_with_kvcache",),
     "flash_attn.cute": ("flash_attn_varlen_func",),
-}
-
-
-SOURCES: dict[str, Source] = {
-    "vllm": Source("vllm.vllm_flash_attn", "vllm._custom_ops", "vllm", 8, None),
-    # vLLM's _is_fa3_supported: "FA3 is only supported on devices with compute capability 9.x"
-    "vllm-fa3": Source(
-        "vllm.vllm_flash_attn",
-        "vllm._custom_ops",
-        "vllm",
-        9,
-        9,
-        "vLLM: 'FA3 is only supported on devices with compute capability 9.x'",
-    ),
-    "fa2": Source("flash_attn", None, "flash-attn", 8, None),
-    # hopper/ builds as the top-level module flash_attn_interface [doc: hopper/README]; it
-    # builds sm80 kernels too and runs fp16/bf16 on sm8x ("FlashAttention only supports Ampere
-    # GPUs or newer"; fp8 only on 9.x) [source: hopper/flash_api.cpp mha_fwd, hopper/setup.py
-    # FLASH_ATTENTION_DISABLE_SM80]; its sm90 kernels are built for sm_90a only
-    "fa3": Source(
-        "flash_attn_interface",
-        None,
-        "flash-attn (hopper/ build)",
-        8,
-        9,
-        "its kernels are built for sm80 and sm_90a only",
-    ),
-    # SM 12.x: "Paged KV not supported on SM 12.0" [source: flash-attn-4 4.0.0b36
-    # interface.py, the SM120 branch of _flash_attn_fwd]; every attnhub call is paged
-    "fa4": Source(
-        "flash_attn.cute",
-        None,
-        "flash-attn-4",
-        9,
-        11,
-        "FA4 asserts 'Paged KV not supported on SM 12.0' and every call here is paged",
-    ),
 }
 
 
@@ -143,78 +100,42 @@ def module_exists(module: str) -> bool:
         return False
 
 
-def chosen_provider() -> str:
-    """The provider the ``flash`` backend serves with (env, else best importable, else vllm)."""
-    name = os.environ.get(ENV, "").strip().lower()
-    if name:
-        if name not in PROVIDERS:
-            raise InvalidInputError(
-                f"{ENV}={name!r} is not a FlashAttention provider (one of {', '.join(PROVIDERS)})"
-            )
-        return name
-    for candidate in PREFERENCE:
-        if module_exists(SOURCES[candidate].attention):
-            return candidate
-    return DEFAULT
-
-
-@functools.cache
-def _import(module: str) -> tuple[ModuleType | None, str | None]:
-    """Import once per process: (module, None) or (None, why it failed); any exception counts
-    as "not importable" (a CUDA build that does not load), never as a crash."""
-    try:
-        return importlib.import_module(module), None
-    except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-
-
-def unavailable_reason(provider: str, device: torch.device | str, emulate: bool) -> str | None:
+def unavailable_reason(provider: Provider, device: torch.device | str, emulate: bool) -> str | None:
     """None when ``provider`` can run on ``device``; otherwise why not (a sentence)."""
-    src = SOURCES[provider]
-    dt = device_type(device)
-    if dt == NATIVE_DEVICE:
-        for module in (src.attention, src.cache_ops):
-            if module is None:
-                continue
-            found, error = _import(module)
-            missing = [f for f in FUNCTIONS[module] if found is not None and not hasattr(found, f)]
-            if missing:
-                error = f"it has no {', '.join(missing)} (another package's {module}?)"
-            if found is None or missing:
-                return (
-                    f"provider {provider!r}: {module} is not importable (pip install "
-                    f"{src.distribution}): {error}; set {ENV} to another provider, or on a "
-                    f"machine without an NVIDIA GPU use device 'cpu' and {EMULATE_HINT}"
-                )
-        if not torch.cuda.is_available():
-            return "no CUDA device is visible (torch.cuda.is_available() is False)"
-        try:
-            major, minor = torch.cuda.get_device_capability(torch.device(device))
-        except Exception as exc:
-            return f"the compute capability of {device} cannot be read: {type(exc).__name__}: {exc}"
-        if major < src.min_major or (src.max_major is not None and major > src.max_major):
-            top = "" if src.max_major is None else f" to {src.max_major}.x ({src.max_why})"
+    return library(provider).unavailable_reason(device, emulate)
+
+
+def _probe(provider: Provider, device: torch.device | str) -> str | None:
+    """On ``cuda``: the provider's modules must import with the functions the backend calls,
+    the GPU be in its range of compute capabilities, and the provider's own probe
+    (``native_reason``) pass."""
+    src, name = provider.source, provider.name
+    for module in (src.attention, src.cache_ops):
+        if module is None:
+            continue
+        found, error = import_once(module)
+        missing = [f for f in FUNCTIONS[module] if found is not None and not hasattr(found, f)]
+        if missing:
+            error = f"it has no {', '.join(missing)} (another package's {module}?)"
+        if found is None or missing:
             return (
-                f"provider {provider!r} runs on compute capability {src.min_major}.x{top}; "
-                f"this GPU is {major}.{minor}"
+                f"provider {name!r}: {module} is not importable (pip install "
+                f"{src.distribution}): {error}; set {ENV} to another provider, or on a "
+                f"machine without an NVIDIA GPU use device 'cpu' and {EMULATE_HINT}"
             )
-        if provider == "vllm-fa3":
-            fork, _ = _import(src.attention)
-            why = fork_fa3_unsupported_reason(fork, torch.device(device))
-            if why:
-                return f"provider 'vllm-fa3': {why}"
-        return None
-    if dt == EMULATED_DEVICE:
-        if emulate:
-            return None
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (torch.cuda.is_available() is False)"
+    try:
+        major, minor = torch.cuda.get_device_capability(torch.device(device))
+    except Exception as exc:
+        return f"the compute capability of {device} cannot be read: {type(exc).__name__}: {exc}"
+    if major < src.min_major or (src.max_major is not None and major > src.max_major):
+        top = "" if src.max_major is None else f" to {src.max_major}.x ({src.max_why})"
         return (
-            "FlashAttention kernels run on device 'cuda'; on 'cpu' the backend runs only "
-            f"through its emulator: {EMULATE_HINT}"
+            f"provider {name!r} runs on compute capability {src.min_major}.x{top}; "
+            f"this GPU is {major}.{minor}"
         )
-    return (
-        f"device type {dt!r} is not supported (native: 'cuda'; 'cpu' with emulate=True, "
-        "through the CPU emulator)"
-    )
+    return provider.native_reason(torch.device(device))
 
 
 def fork_fa3_unsupported_reason(fork: Any, device: torch.device) -> str | None:
@@ -272,29 +193,39 @@ class ProviderOps:
     emulated: bool
 
 
-def resolve(provider: str, device: torch.device | str, emulate: bool) -> ProviderOps:
-    """The real modules natively, else the emulator's namespaces. Call after
-    ``unavailable_reason`` returned None; resolved once per backend instance."""
-    why = unavailable_reason(provider, device, emulate)
-    if why is not None:
-        raise BackendUnavailableError("flash", str(device), why)
-    src = SOURCES[provider]
-    if device_type(device) == NATIVE_DEVICE:
-        attention, _ = _import(src.attention)
-        cache_ops = None if src.cache_ops is None else _import(src.cache_ops)[0]
-        return ProviderOps(provider, attention, cache_ops, emulated=False)
-    from attnhub_flash import emulator
+def _modules(provider: Provider, native: bool) -> ProviderOps:
+    """The provider's modules natively, else the emulator's stand-ins for the same modules
+    (``emulator.MODULES``)."""
+    src = provider.source
+    if native:
+        modules: Any = {m: import_once(m)[0] for m in (src.attention, src.cache_ops) if m}
+    else:
+        from attnhub_flash.emulator import MODULES as modules
+    cache_ops = None if src.cache_ops is None else modules[src.cache_ops]
+    return ProviderOps(provider.name, modules[src.attention], cache_ops, emulated=not native)
 
-    namespaces = {
-        "vllm": (emulator.VLLM, emulator.VLLM_CACHE_OPS),
-        "vllm-fa3": (emulator.VLLM, emulator.VLLM_CACHE_OPS),
-        "fa2": (emulator.FA2, None),
-        "fa3": (emulator.FA3, None),
-        "fa4": (emulator.FA4, None),
-    }
-    emulated_attention, emulated_cache_ops = namespaces[provider]
-    return ProviderOps(provider, emulated_attention, emulated_cache_ops, emulated=True)
+
+def library(provider: Provider) -> VendorLibrary:
+    """``provider``'s functions, natively or emulated (the device dispatch and its sentences
+    are the kit's)."""
+    return VendorLibrary(
+        backend="flash",
+        native_device=NATIVE_DEVICE,
+        kernels="FlashAttention kernels run on device 'cuda'",
+        native="'cuda'",
+        probe=lambda device: _probe(provider, device),
+        load=lambda: _modules(provider, native=True),
+        emulator=lambda: _modules(provider, native=False),
+    )
+
+
+def resolve(provider: Provider, device: torch.device | str, emulate: bool) -> ProviderOps:
+    """The provider's functions on ``device``; resolved once per backend instance. Raises
+    BackendUnavailableError with the reason where they cannot run."""
+    ops: ProviderOps = library(provider).namespace(device, emulate)
+    return ops
 
 
 def is_emulated(device: torch.device | str) -> bool:
+    """Whether ``device`` runs the emulator (the same for every provider)."""
     return device_type(device) == EMULATED_DEVICE

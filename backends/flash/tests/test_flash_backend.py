@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+
 import flash_helpers as h
 import pytest
 import torch
@@ -14,6 +17,7 @@ from attnhub_flash import (
     backend_class,
     emulator,
     ops,
+    providers,
 )
 
 import attnhub
@@ -72,7 +76,7 @@ def test_a_bad_provider_name_fails_the_plugin_with_its_reason_and_spares_the_oth
 
 
 def test_without_any_provider_installed_the_default_is_vllms_fork() -> None:
-    if any(ops.module_exists(s.attention) for s in ops.SOURCES.values()):
+    if any(ops.module_exists(p.source.attention) for p in providers.PROVIDERS.values()):
         pytest.skip("a FlashAttention provider is installed here")
     assert backend_class() is FlashVllmBackend
 
@@ -86,8 +90,8 @@ def test_cpu_needs_emulation_and_says_how() -> None:
 
 @pytest.mark.parametrize("provider", h.PROVIDERS)
 def test_cuda_without_the_provider_is_unavailable_with_the_import_error(provider: str) -> None:
-    module = ops.SOURCES[provider].attention
-    if ops._import(module)[0] is not None:
+    module = providers.PROVIDERS[provider].source.attention
+    if ops.import_once(module)[0] is not None:
         pytest.skip(f"{module} imports here")
     why = h.BACKENDS[provider].availability("cuda:0", emulate=True)
     assert why is not None and f"{module} is not importable" in why and ops.ENV in why
@@ -164,6 +168,35 @@ def test_each_provider_refuses_what_its_kernels_lack_and_says_which_provider(
     assert any(reason in r and f"provider {provider}" in r for r in reasons), reasons
     with pytest.raises(UnsupportedConfigurationError):
         cls(spec, "cpu", emulate=True)
+
+
+@pytest.mark.parametrize("provider", h.PROVIDERS)
+def test_each_backend_class_is_its_provider_object(provider: str) -> None:
+    cls = h.BACKENDS[provider]
+    assert cls.kernels is providers.PROVIDERS[provider] and cls.kernels.name == provider
+    assert cls.capabilities is cls.kernels.capabilities is CAPABILITIES[provider]
+
+
+@pytest.mark.parametrize("module", ["attnhub_flash.backend", "attnhub_flash.ops"])
+def test_the_backend_and_the_resolution_name_no_provider(module: str) -> None:
+    """What differs per provider lives in its object (providers.py): no code here compares,
+    looks up or passes a provider's name (docstrings aside)."""
+    tree = ast.parse(inspect.getsource(__import__(module, fromlist=["_"])))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    named = [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and node.value in providers.PROVIDERS
+        and id(node) not in docstrings
+    ]
+    assert named == []
 
 
 def test_capabilities_differ_per_provider_where_the_kernels_do() -> None:

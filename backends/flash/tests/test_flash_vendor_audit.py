@@ -15,7 +15,14 @@ from typing import Any
 import flash_helpers as h
 import pytest
 import torch
-from attnhub_flash import FlashFA3Backend, FlashFA4Backend, FlashVllmFA3Backend, emulator, ops
+from attnhub_flash import (
+    FlashFA3Backend,
+    FlashFA4Backend,
+    FlashVllmFA3Backend,
+    emulator,
+    ops,
+    providers,
+)
 from attnhub_flash.emulator import FlashOpError
 
 from attnhub.errors import UnsupportedConfigurationError
@@ -86,7 +93,7 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
     }
     fork = modules["vllm.vllm_flash_attn"]
     fork.fa_version_unsupported_reason = lambda fa_version: None
-    monkeypatch.setattr(ops, "_import", lambda module: (modules[module], None))
+    monkeypatch.setattr(ops, "import_once", lambda module: (modules[module], None))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: state["capability"])
     monkeypatch.delenv("FLASH_ATTENTION_ARCH", raising=False)
@@ -103,7 +110,7 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_a_module_without_the_providers_functions_is_not_the_provider(gpu: Any) -> None:
     # flash-attn-4 alone: flash_attn is a namespace package holding only cute/
-    del ops._import("flash_attn")[0].flash_attn_varlen_func
+    del ops.import_once("flash_attn")[0].flash_attn_varlen_func
     why = h.BACKENDS["fa2"].availability("cuda:0")
     assert why is not None and "no flash_attn_varlen_func" in why and "flash-attn" in why
     assert h.BACKENDS["fa4"].availability("cuda:0") is None
@@ -157,14 +164,14 @@ def test_the_install_probe_imports_nothing_and_survives_a_package_that_raises(
     assert ops.module_exists("flash_attn.cute") and ops.module_exists("flash_attn_interface")
     assert not ops.module_exists("flash_attn.missing")
     assert "flash_attn" not in sys.modules and "flash_attn_interface" not in sys.modules
-    assert ops.chosen_provider() == "fa4"  # the first of PREFERENCE installed
+    assert providers.chosen_provider() == "fa4"  # the first of PREFERENCE installed
 
     def broken(name: str, package: str | None = None) -> None:
         raise RuntimeError("a finder that breaks")
 
     monkeypatch.setattr(ops.importlib.util, "find_spec", broken)
     assert not ops.module_exists("flash_attn.cute")
-    assert ops.chosen_provider() == ops.DEFAULT
+    assert providers.chosen_provider() == providers.DEFAULT
 
 
 # --- 13: s_aux to the fork's FA3 is bf16, contiguous, at most 64 query heads -------------------

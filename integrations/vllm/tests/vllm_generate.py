@@ -234,6 +234,13 @@ def main() -> int:
         help='JSON for additional_config["attnhub"]: choose the attnhub backend in vLLM\'s '
         "config instead of ATTNHUB_BACKEND (attention is then routed with ATTNHUB_VLLM=1)",
     )
+    ap.add_argument(
+        "--logprobs",
+        type=int,
+        default=5,
+        help="logprobs recorded per step: the N most likely tokens and the chosen one; -1: "
+        "every token of the vocabulary (a token's logprob however unlikely the run finds it)",
+    )
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=6)
@@ -301,6 +308,7 @@ def main() -> int:
         enable_prefix_caching=False,
         seed=0,
         kv_cache_memory_bytes=64 << 20,  # a small cache: no GBs of page faults at start
+        max_logprobs=max(args.logprobs, 20) if args.logprobs >= 0 else -1,
         additional_config=additional_config,
     )
     start_s = time.perf_counter() - t0
@@ -310,7 +318,11 @@ def main() -> int:
     for times in (kv_update_us, kv_update_cpu_us, kv_update_kernel_cpu_us):
         times.clear()
     params = SamplingParams(
-        temperature=0.0, max_tokens=args.max_tokens, detokenize=False, logprobs=5, ignore_eos=True
+        temperature=0.0,
+        max_tokens=args.max_tokens,
+        detokenize=False,
+        logprobs=args.logprobs,
+        ignore_eos=True,
     )
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params)
@@ -321,7 +333,8 @@ def main() -> int:
         "block_size": args.block_size,
         "kv_cache_dtype": args.kv_cache_dtype,
         "token_ids": [list(o.outputs[0].token_ids) for o in outs],
-        # per prompt, per step: {token id: logprob} of the top 5 (and the sampled token)
+        # per prompt, per step: {token id: logprob} of the top --logprobs (and the sampled
+        # token); with --logprobs -1, of every token
         "logprobs": [
             [{int(t): v.logprob for t, v in lp.items()} for lp in o.outputs[0].logprobs]
             for o in outs

@@ -1,0 +1,65 @@
+"""The cpu backend as on a CPU with AMX, on any CPU vLLM's ``_C`` build loads on: its features
+injected (``AmxCpuBackend``), and vLLM's amx attention (AMX tile instructions, SIGILL without
+them) replaced by ``AmxAttentionStandIn`` where the CPU has no AMX. Imported by the tests and
+by ``amx_suite_plugin`` (the conformance suite on the amx path); registers nothing itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from attnhub_cpu import CpuBackend, layouts, ops
+from attnhub_cpu.backend import capabilities_for
+
+import attnhub
+
+AMX = ops.CpuFeatures("x86", avx512=True, avx512_bf16=True, amx=True)
+
+
+class AmxCpuBackend(CpuBackend):
+    """``CpuBackend`` with an AMX CPU's features: vLLM's ISA choice, capabilities and block
+    layouts as on such a CPU; the amx attention through the stand-in unless this CPU has AMX."""
+
+    features = AMX
+    capabilities = capabilities_for(AMX)
+
+    def __init__(
+        self, spec: attnhub.AttentionSpec, device: torch.device | str = "cpu", **kw: Any
+    ) -> None:
+        super().__init__(spec, device, **kw)
+        if self.isa == "amx" and not ops.detect().amx:
+            self.ops = AmxAttentionStandIn(self.ops)
+
+
+class AmxAttentionStandIn:
+    """vLLM's op namespace, with the amx attention (AMX tile instructions: SIGILL on CPUs
+    without them) run as unpack-then-vec: the blocks the kernel would read, AMX-packed, are
+    unpacked and re-laid as vec storage, then vLLM's vec kernel attends with a vec plan. Every
+    other op, the amx KV write included, is vLLM's own."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def get_scheduler_metadata(self, *args: Any) -> Any:
+        self.calls.append(f"get_scheduler_metadata:{args[9]}")
+        return ("plan", args)  # the amx plan's arguments, made into a vec plan at attention
+
+    def cpu_attention_with_kv_cache(self, *args: Any) -> None:
+        q, key_cache, value_cache, out, qsl, seq_lens, scale, causal = args[:8]
+        _, plan_args = args[12]
+        assert plan_args[9] == "amx", plan_args  # the plan the backend made is amx's
+        self.calls.append("cpu_attention_with_kv_cache:amx")
+        assert key_cache.stride()[2:] == (key_cache.shape[3], 1)  # dense packed blocks
+        key = layouts.AMX_PACKING.unpack(key_cache, "key")
+        value = layouts.AMX_PACKING.unpack(value_cache, "value")
+        key = key.transpose(2, 3).contiguous().transpose(2, 3)  # vec storage: keys transposed
+        plan = self.inner.get_scheduler_metadata(*plan_args[:9], "vec", *plan_args[10:])
+        self.inner.cpu_attention_with_kv_cache(
+            q, key, value.contiguous(), out, qsl, seq_lens, scale, causal, *args[8:12], plan,
+            *args[13:],
+        )  # fmt: skip

@@ -1,0 +1,939 @@
+"""The five FlashAttention providers, one object each: where its functions live, what its
+kernels take and why they refuse the rest, the arguments it needs planned once per step, the
+KV write and the attention call. The backend (``backend.py``) never names a provider: its
+builder asks the provider for a call's arguments and the write's plan, its impl for the write
+and the call; ``ops.py`` resolves the provider's modules (or the emulator's stand-ins for them).
+
+  provider  object    attention (every attention type: the keys are in the paged NHD cache)
+  vllm      VLLM      flash_attn_varlen_func(block_table=, seqused_k=, out=, fa_version=2),
+                      keywords only
+  vllm-fa3  VLLM_FA3  the same with fa_version=3, s_aux= (sinks) and scheduler_metadata= (FA3's
+                      tile schedule, planned once per step by get_scheduler_metadata, as vLLM
+                      does)
+  fa2       FA2       flash_attn_varlen_func(block_table=, cu_seqlens_k=cumulative KV lengths);
+                      decode-only steps: flash_attn_with_kvcache(q (B, 1, H, D), cache_seqlens=)
+  fa3       FA3       flash_attn_with_kvcache(page_table=, cache_seqlens=, cu_seqlens_q=,
+                      max_seqlen_q=); decode-only steps: the same without cu_seqlens_q,
+                      q (B, 1, H, D)
+  fa4       FA4       flash_attn_varlen_func(page_table=, seqused_k=, window_size=(None, None)
+                      when off, learnable_sink=)
+  KV write  vllm and vllm-fa3: reshape_and_cache_flash (slot < 0 skipped by the op); the others
+            (the base class): one index_copy_ of the rows with a slot, planned once per step
+
+Each provider is a subclass of ``Provider`` that sets its class attributes and overrides the
+hooks where its kernels differ, and one instance of it (``VLLM`` ... ``FA4``; ``PROVIDERS`` by
+name). Every ``[inferred]`` vendor semantic relied on is marked where it is used and listed in
+docs/backends/flash.md.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from attnhub.batch import BatchMetadata
+from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
+from attnhub.errors import InvalidInputError
+from attnhub.kit import as_contiguous, flat_slots, indexable, quantize_fp8, write_slots
+from attnhub.kv_cache import PagedKVCache
+from attnhub.spec import AttentionSpec, AttentionType
+from attnhub_flash import ops
+
+if TYPE_CHECKING:
+    from attnhub_flash.backend import FlashAttentionImpl, FlashAttentionMetadata, FlashBackend
+
+TOLERANCES = {
+    # The kernels accumulate in float32 over fp16/bf16 operands and round once (as the
+    # emulator does); the suite's caps.
+    torch.float16: Tolerance(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
+}
+#: FA3's ``num_splits``: 0 = the kernel's own split-KV heuristic, what vLLM passes outside full
+#: CUDA graphs (it must be the same in get_scheduler_metadata and the attention call).
+NUM_SPLITS = 0
+#: Upstream FA2's paged block sizes: "Paged KV cache block size must be divisible by 256"
+FA2_PAGE_MULTIPLE = 256
+#: vLLM's fork, FA3 with s_aux: "We only support query heads <= 64 with S aux", and
+#: "We only support bf16 dtype for S aux." [source: the fork's hopper/flash_api.cpp]
+S_AUX_MAX_HEADS = 64
+HALF = frozenset({torch.float16, torch.bfloat16})
+ALL_TYPES = frozenset(AttentionType)
+FP8_KV = "fp8_e4m3"
+#: FA3's fp8 path (vLLM's fork with fa_version=3, and upstream hopper): q, k and v all fp8
+#: e4m3 with float32 descales; the query quantized with a static scale as vLLM does
+#: (``ops.scaled_fp8_quant(query, layer._q_scale)``, 1.0 unless the checkpoint sets one); the
+#: softmax probabilities rounded to e4m3 before ``P @ V`` (hopper/softmax.h ``Max_offset``).
+#: The accuracy bound is what the emulated kernels measure on the suite's standard cases
+#: (worst over head sizes 64-256, block sizes, GQA, windows, softcap, sinks), rounded up:
+#: docs/backends/flash.md.
+FA3_FP8 = dict(
+    kv_cache_dtypes=frozenset({"auto", FP8_KV}),
+    query_quantization={FP8_KV: "fp8_static"},
+    probability_quantization={FP8_KV: "fp8_e4m3"},
+    quantization_accuracy={FP8_KV: AccuracyBound(max_abs_error=0.3, min_cosine=0.995)},
+)
+_NO_DESCALES: dict[str, Any] = {}  # a model-dtype cache: no fp8 descales
+_COMMON_WHY = {"dtype": "FlashAttention kernels take float16 and bfloat16"}
+
+
+def _caps(**fields: Any) -> Capabilities:
+    base: dict[str, Any] = dict(
+        devices=frozenset({"cuda", "cpu"}),  # cpu: through the emulator only (emulate=True)
+        dtypes=HALF,
+        kv_cache_dtypes=frozenset({"auto"}),
+        kv_cache_layout="NHD",
+        # K/V planes may be strided views (vLLM's per-layer tensor holds a slot's key and
+        # value side by side) with a contiguous last dim: flash-attn checks only
+        # `k.stride(-1) == 1` and addresses paged blocks, rows and heads through the planes'
+        # own strides [source: flash_api.cpp]; reshape_and_cache_flash indexes both planes
+        # with key_cache's strides (so VllmProvider.check_planes refuses planes whose strides
+        # differ) and the scatter writes through (block, offset) indices.
+        strided_kv_cache=True,
+        attn_types=ALL_TYPES,
+        sliding_window=True,
+        softcap=True,
+        multi_token_decode=True,
+        chunked_prefill=True,
+        # common_prefix_len: a prefix call, a suffix call and an LSE merge (vLLM's cascade)
+        cascade=True,
+        # max_seqlen_q / max_seqlen_k are host ints of the step: a captured graph would bake
+        # them in; graph support is left for a later increment.
+        graph_capture=GraphSupport.NEVER,
+        tolerances=TOLERANCES,
+    )
+    base.update(fields)
+    return Capabilities(**base)
+
+
+@dataclass(frozen=True)
+class KernelArgs:
+    """The length and table arguments of one attention call over the paged cache."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32, device: cumulative query lengths
+    max_query_len: int
+    seq_lens: torch.Tensor  # [B] int32, device: keys per sequence (seqused_k, cache_seqlens)
+    cu_seqlens_k: torch.Tensor | None  # [B + 1] int32, device: cumulative keys (FA2 only)
+    max_seq_len: int
+    block_table: torch.Tensor  # [B, blocks] int32, contiguous, device
+    causal: bool
+    #: Every sequence has one query token and the tokens are exactly the sequences: FA2 and
+    #: FA3 take their padded-batch decode path (q viewed as (B, 1, H, D)).
+    decode_only: bool = False
+    #: vllm-fa3: FA3's tile schedule for this call, planned once per step by the fork's
+    #: get_scheduler_metadata (as vLLM's builder does) instead of by every layer's call.
+    scheduler_metadata: torch.Tensor | None = None
+    #: The call's keyword arguments that are the same for every layer of a backend (this
+    #: call's lengths and table, the spec's scale, window and softcap), made by the first
+    #: layer that calls with them and reused by the others (keyed by the backend). Not an
+    #: argument: every copy (``dataclasses.replace``) starts empty.
+    step_kwargs: dict[Any, dict[str, Any]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+
+Result = tuple[torch.Tensor, torch.Tensor | None]  # [n, H, D], LSE [H, n] float32 or None
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """What vLLM's KV write reads of a step's metadata, for a write without a step."""
+
+    slot_mapping: torch.Tensor  # [n] int64, dense
+
+
+class Provider(abc.ABC):
+    """One FlashAttention provider: the attributes say where its functions live, what its
+    kernels take and why they refuse the rest; the methods are the hooks the backend calls,
+    each overridden where a provider's kernels differ. The base class is what most share: the
+    KV write as one scatter planned once per step, a window spelled ``(left, right)`` with -1
+    for no bound, sinks as the layer gives them."""
+
+    name: ClassVar[str]
+    #: Where its functions live (``ops.resolve`` imports them, or takes the emulator's).
+    source: ClassVar[ops.Source]
+    #: What its kernels take (the backend class's ``capabilities``).
+    capabilities: ClassVar[Capabilities]
+    #: Why its kernels refuse what ``capabilities`` refuses, per refused field.
+    why: ClassVar[Mapping[str, str]]
+
+    def __repr__(self) -> str:
+        return f"<FlashAttention provider {self.name!r}>"
+
+    # --- availability and refusals (once, at setup) ---------------------------------------
+    def native_reason(self, device: torch.device) -> str | None:
+        """Why this provider cannot run on ``device`` beyond its modules and its range of
+        compute capabilities (None: it can). Asked by ``ops.unavailable_reason``."""
+        return None
+
+    def refusals(self, spec: AttentionSpec, declared: list[Refusal]) -> list[Refusal]:
+        """``declared`` (what ``capabilities`` refuses of ``spec``), each with the provider's
+        reason, and what its kernels refuse beyond the declaration."""
+        why = {**_COMMON_WHY, **self.why}
+        reasons = [
+            r.because(f"provider {self.name}: {why[r.field]}") if r.field in why else r
+            for r in declared
+        ]
+        if spec.kv_cache_dtype == FP8_KV and FP8_KV in self.capabilities.kv_cache_dtypes:
+            reasons += _fp8_refusals(self.name, spec)
+        return reasons
+
+    def device_refusals(self, spec: AttentionSpec, device: torch.device) -> list[str]:
+        """What ``spec`` needs of this very GPU beyond the provider's range (a native backend,
+        at construction): FA3's fp8 kernels exist only on 9.x ('FlashAttention on Ampere/Ada
+        cards only supports fp16 and bf16 data type' [source: hopper/flash_api.cpp])."""
+        major, minor = torch.cuda.get_device_capability(device)
+        if spec.kv_cache_dtype == FP8_KV and major < 9:
+            return [
+                f"kv_cache_dtype {FP8_KV!r} needs compute capability 9.x (provider "
+                f"{self.name}: FA3's fp8 kernels run on Hopper only); this GPU is "
+                f"{major}.{minor}"
+            ]
+        return []
+
+    def check_planes(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """What the kernels need of the K/V planes beyond attnhub's shared cache checks (which
+        accept strided planes): a contiguous last dim (flash-attn's
+        ``TORCH_CHECK(k.stride(-1) == 1)``). O(1); raises InvalidInputError."""
+        for name, plane in (("key", key), ("value", value)):
+            if plane.stride(-1) != 1:
+                raise InvalidInputError(
+                    f"cache.{name} must have a contiguous last dimension (FlashAttention "
+                    f"kernels check stride(-1) == 1), got strides {list(plane.stride())}"
+                )
+
+    # --- per step (the builder) -----------------------------------------------------------
+    def kernel_args(
+        self,
+        backend: FlashBackend,
+        query_start_loc: torch.Tensor,  # [B + 1] int32, device
+        max_query_len: int,
+        seq_lens: torch.Tensor,  # [B] int32, device
+        seq_lens_cpu: torch.Tensor,  # [B] int, host
+        max_seq_len: int,
+        block_table: torch.Tensor,  # [B, blocks] int32, contiguous, device
+        causal: bool,
+        decode_only: bool = False,
+    ) -> KernelArgs:
+        """The arguments of one attention call, made once per step for every layer."""
+        return KernelArgs(
+            query_start_loc=query_start_loc,
+            max_query_len=max_query_len,
+            seq_lens=seq_lens,
+            cu_seqlens_k=None,
+            max_seq_len=max_seq_len,
+            block_table=block_table,
+            causal=causal,
+            decode_only=decode_only,
+        )
+
+    def plan_write(self, batch: BatchMetadata, device: torch.device) -> dict[str, Any]:
+        """The KV write's plan, metadata fields: the rows that have a slot, and their slots."""
+        host = batch.host_slot_mapping()[: batch.num_actual_tokens].long()
+        rows = torch.nonzero(host >= 0).flatten()
+        return {"write_rows": rows.to(device), "write_slots": host[rows].to(device)}
+
+    # --- per layer (the impl) -------------------------------------------------------------
+    def window(self, spec: AttentionSpec) -> tuple[Any, Any]:
+        """The spec's window as the kernels spell it: (left, right), -1 = unbounded."""
+        return spec.window
+
+    def layer_sinks(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
+        """A layer's sinks as the kernels take them, made once per layer."""
+        return sinks
+
+    def write_step(
+        self,
+        impl: FlashAttentionImpl,
+        key: torch.Tensor,  # [>= n, num_kv_heads, head_size]
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        meta: FlashAttentionMetadata,
+    ) -> None:
+        """A step's KV write, as ``plan_write`` planned it."""
+        assert meta.write_rows is not None and meta.write_slots is not None
+        scatter(key, value, cache, meta.write_rows, meta.write_slots)
+
+    def write(
+        self,
+        impl: FlashAttentionImpl,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,  # [n] int32/int64, -1 = padding; checked on the host
+    ) -> None:
+        """A KV write without a step (``write_kv`` with a slot mapping)."""
+        host = slot_mapping.cpu().long()
+        rows = torch.nonzero(host >= 0).flatten()
+        dev = impl.backend.device
+        scatter(key, value, cache, rows.to(dev), host[rows].to(dev))
+
+    @abc.abstractmethod
+    def call(
+        self,
+        impl: FlashAttentionImpl,
+        q: torch.Tensor,  # [n, num_heads, head_size]
+        cache: PagedKVCache,
+        a: KernelArgs,
+        out: torch.Tensor | None,
+        lse: bool,
+        sinks: torch.Tensor | None,  # the layer's (layer_sinks), None: no sink in this call
+    ) -> Result:
+        """One attention call of this provider over the paged cache. Writes ``out`` where the
+        provider takes it; the result is returned either way."""
+
+
+class VllmProvider(Provider):
+    """vLLM's fork of flash-attention with its FA2 kernels, and vLLM's KV write."""
+
+    name = "vllm"
+    source = ops.Source("vllm.vllm_flash_attn", "vllm._custom_ops", "vllm", 8, None)
+    # get_supported_head_sizes "multiple of 8 up to 256", MultipleOf(16) block sizes
+    # [callers]; ALiBi on FA2 only [schema: the wrapper asserts it away on FA3]; s_aux sinks
+    # need fa_version=3 (provider vllm-fa3).
+    capabilities = _caps(
+        max_head_size=256,
+        head_size_multiple=8,
+        block_size_multiple=16,
+        alibi=True,
+        sinks=False,
+        priority={"cuda": 80},
+    )
+    why: ClassVar[Mapping[str, str]] = {
+        "block_size": "vLLM's flash-attention fork takes paged blocks in multiples of 16",
+        "head_size": "vLLM's flash-attention fork takes head sizes in multiples of 8 up to 256",
+        "sinks": "vLLM's fork takes s_aux sinks only with fa_version=3, not used here yet",
+        "kv_cache_dtype": "fp8 caches need fa_version=3: provider vllm-fa3",
+    }
+    fa_version: ClassVar[int] = 2
+
+    def check_planes(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Also equal strides: ``reshape_and_cache_flash`` addresses both planes with
+        ``key_cache``'s strides."""
+        super().check_planes(key, value)
+        if key.stride() != value.stride():
+            raise InvalidInputError(
+                f"cache.key strides {list(key.stride())} and cache.value strides "
+                f"{list(value.stride())} differ: vLLM's reshape_and_cache_flash addresses both "
+                "planes with the key plane's strides"
+            )
+
+    def plan_write(self, batch: BatchMetadata, device: torch.device) -> dict[str, Any]:
+        # reshape_and_cache_flash skips slot < 0 itself [schema]; int64 as vLLM passes it, and
+        # dense: the kernel reads slot_mapping[i] through a raw pointer, with no stride check,
+        # so a strided view would write other slots [source: csrc/cache_kernels.cu]
+        return {"slot_mapping": as_contiguous(batch.slot_mapping, torch.int64)}
+
+    def write_step(
+        self,
+        impl: FlashAttentionImpl,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        meta: FlashAttentionMetadata | _Slots,
+    ) -> None:
+        # writes slot_mapping.size(0) tokens (key may be longer: padding), slot < 0 skipped
+        # [schema]; the slots dense int64, as plan_write makes them
+        cache_ops = impl.backend.ops.cache_ops
+        assert cache_ops is not None
+        fp8 = impl.fp8
+        k_scale, v_scale = (cache.key_scale, cache.value_scale) if fp8 else impl.unit_scales
+        cache_ops.reshape_and_cache_flash(
+            _dense_rows(key),
+            _dense_rows(value),
+            cache.key,
+            cache.value,
+            meta.slot_mapping,
+            "fp8" if fp8 else "auto",  # fp8: stores fp8(x / scale) with the cache's scales
+            k_scale,
+            v_scale,
+        )
+
+    def write(
+        self,
+        impl: FlashAttentionImpl,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        self.write_step(impl, key, value, cache, _Slots(as_contiguous(slot_mapping, torch.int64)))
+
+    def call(
+        self,
+        impl: FlashAttentionImpl,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        a: KernelArgs,
+        out: torch.Tensor | None,
+        lse: bool,
+        sinks: torch.Tensor | None,
+    ) -> Result:
+        # vLLM's fork: positional order differs from upstream, so keywords only [schema];
+        # block_table needs seqused_k [schema]; out= written in place. fa_version=3 takes the
+        # sinks as s_aux, bf16 (H,) contiguous [source: the fork's flash_api.cpp].
+        # The arguments every layer passes alike are made once per step (step_kwargs); the
+        # layer's own (ALiBi slopes, sinks, fp8 descales) are added here.
+        backend = impl.backend
+        step = a.step_kwargs.get(backend)
+        if step is None:
+            step = a.step_kwargs[backend] = self.step_kwargs(impl, a)
+        result = backend.ops.attention.flash_attn_varlen_func(
+            q=q,
+            k=cache.key,
+            v=cache.value,
+            out=out,
+            alibi_slopes=impl.alibi_slopes,
+            return_softmax_lse=lse,
+            s_aux=sinks,
+            **step,
+            **(impl.descales(cache, a) if impl.fp8 else _NO_DESCALES),
+        )
+        return result if lse else (result, None)
+
+    def step_kwargs(self, impl: FlashAttentionImpl, a: KernelArgs) -> dict[str, Any]:
+        """The fork's keyword arguments of one call that do not depend on the layer."""
+        return dict(
+            cu_seqlens_q=a.query_start_loc,
+            max_seqlen_q=a.max_query_len,
+            seqused_k=a.seq_lens,
+            max_seqlen_k=a.max_seq_len,
+            softmax_scale=impl.spec.scale,
+            causal=a.causal,
+            window_size=impl.window,
+            block_table=a.block_table,
+            softcap=impl.softcap,
+            scheduler_metadata=a.scheduler_metadata,  # vllm-fa3: planned once per step
+            num_splits=NUM_SPLITS,
+            fa_version=self.fa_version,
+        )
+
+
+class VllmFA3Provider(VllmProvider):
+    """vLLM's fork with ``fa_version=3`` (Hopper): sinks as ``s_aux``, fp8 caches, FA3's tile
+    schedule planned once per step."""
+
+    name = "vllm-fa3"
+    # vLLM's _is_fa3_supported: "FA3 is only supported on devices with compute capability 9.x"
+    source = ops.Source(
+        "vllm.vllm_flash_attn",
+        "vllm._custom_ops",
+        "vllm",
+        9,
+        9,
+        "vLLM: 'FA3 is only supported on devices with compute capability 9.x'",
+    )
+    # s_aux sinks, bf16, contiguous, at most 64 query heads [source: the fork's
+    # hopper/flash_api.cpp] (refusals); no ALiBi [schema: the wrapper asserts alibi_slopes is
+    # None on FA3].
+    capabilities = _caps(
+        max_head_size=256,
+        head_size_multiple=8,
+        block_size_multiple=16,
+        alibi=False,
+        sinks=True,
+        priority={"cuda": 85},
+        **FA3_FP8,
+    )
+    why: ClassVar[Mapping[str, str]] = {
+        "block_size": "vLLM's flash-attention fork takes paged blocks in multiples of 16",
+        "head_size": "vLLM's flash-attention fork takes head sizes in multiples of 8 up to 256",
+        "alibi": "vLLM's fork has no ALiBi with fa_version=3",
+        "kv_cache_dtype": "FA3 takes fp8 e4m3 caches only",
+    }
+    fa_version = 3
+
+    def native_reason(self, device: torch.device) -> str | None:
+        fork, _ = ops.import_once(self.source.attention)
+        why = ops.fork_fa3_unsupported_reason(fork, device)
+        return f"provider 'vllm-fa3': {why}" if why else None
+
+    def refusals(self, spec: AttentionSpec, declared: list[Refusal]) -> list[Refusal]:
+        reasons = super().refusals(spec, declared)
+        return reasons + _s_aux_refusals(spec) if spec.use_sinks else reasons
+
+    def kernel_args(
+        self,
+        backend: FlashBackend,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        max_seq_len: int,
+        block_table: torch.Tensor,
+        causal: bool,
+        decode_only: bool = False,
+    ) -> KernelArgs:
+        """Also FA3's schedule for the call (vLLM's
+        ``FlashAttentionMetadataBuilder._get_scheduler_metadata``): a device op, no host read.
+        ``num_splits=0``: the kernel's heuristic (vLLM fixes it only for full CUDA graphs,
+        which this backend does not capture)."""
+        spec = backend.spec
+        schedule = backend.ops.attention.get_scheduler_metadata(
+            batch_size=int(block_table.shape[0]),
+            max_seqlen_q=max_query_len,
+            max_seqlen_k=max_seq_len,
+            num_heads_q=spec.num_heads,
+            num_heads_kv=spec.num_kv_heads,
+            headdim=spec.head_size,
+            cache_seqlens=seq_lens,
+            qkv_dtype=torch.float8_e4m3fn if spec.kv_cache_dtype == FP8_KV else spec.dtype,
+            cu_seqlens_q=query_start_loc,
+            page_size=spec.block_size,
+            causal=causal,
+            window_size=spec.window,
+            has_softcap=bool(spec.logits_soft_cap),
+            num_splits=NUM_SPLITS,
+        )
+        return KernelArgs(
+            query_start_loc=query_start_loc,
+            max_query_len=max_query_len,
+            seq_lens=seq_lens,
+            cu_seqlens_k=None,
+            max_seq_len=max_seq_len,
+            block_table=block_table,
+            causal=causal,
+            decode_only=decode_only,
+            scheduler_metadata=schedule,
+        )
+
+    def layer_sinks(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
+        # s_aux in bf16, contiguous: "We only support bf16 dtype for S aux." [source: the
+        # fork's hopper/flash_api.cpp]
+        return None if sinks is None else sinks.to(torch.bfloat16).contiguous()
+
+
+class FA2Provider(Provider):
+    """Upstream flash-attn 2."""
+
+    name = "fa2"
+    source = ops.Source("flash_attn", None, "flash-attn", 8, None)
+    # "Paged KV cache block size must be divisible by 256" [source: flash_api.cpp]: any
+    # multiple of 256 is taken (refusals); block_sizes lists the ones the conformance suite
+    # tries. Head sizes up to 256, multiples of 8 (others are padded by the Python wrapper,
+    # which would copy the cache).
+    capabilities = _caps(
+        max_head_size=256,
+        head_size_multiple=8,
+        block_sizes=frozenset({256, 512}),
+        block_size_multiple=FA2_PAGE_MULTIPLE,
+        alibi=True,
+        sinks=False,
+        priority={"cuda": 70},
+    )
+    why: ClassVar[Mapping[str, str]] = {
+        "block_size": "upstream FA2's paged KV needs page_block_size a multiple of 256",
+        "head_size": "FA2 takes head sizes up to 256 (multiples of 8 without copying the cache)",
+        "sinks": "FA2 has no attention sinks",
+        "kv_cache_dtype": "FA2 has no fp8 or int8 KV cache",
+    }
+
+    def refusals(self, spec: AttentionSpec, declared: list[Refusal]) -> list[Refusal]:
+        # any multiple of 256 [source]; block_sizes: the suite's
+        return [
+            r
+            for r in super().refusals(spec, declared)
+            if not (r.field == "block_size" and spec.block_size % FA2_PAGE_MULTIPLE == 0)
+        ]
+
+    def kernel_args(
+        self,
+        backend: FlashBackend,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        max_seq_len: int,
+        block_table: torch.Tensor,
+        causal: bool,
+        decode_only: bool = False,
+    ) -> KernelArgs:
+        """Also the cumulative KV lengths: FA2's paged varlen reads them from cu_seqlens_k
+        [inferred]."""
+        cu = torch.zeros(seq_lens_cpu.numel() + 1, dtype=torch.int32)
+        torch.cumsum(seq_lens_cpu.to(torch.int32), 0, out=cu[1:])
+        return KernelArgs(
+            query_start_loc=query_start_loc,
+            max_query_len=max_query_len,
+            seq_lens=seq_lens,
+            cu_seqlens_k=cu.to(backend.device),
+            max_seq_len=max_seq_len,
+            block_table=block_table,
+            causal=causal,
+            decode_only=decode_only,
+        )
+
+    def call(
+        self,
+        impl: FlashAttentionImpl,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        a: KernelArgs,
+        out: torch.Tensor | None,
+        lse: bool,
+        sinks: torch.Tensor | None,
+    ) -> Result:
+        fa = impl.backend.ops.attention
+        if a.decode_only and not lse:  # the decode kernel (split-KV): q as (B, 1, H, D)
+            result = fa.flash_attn_with_kvcache(
+                q.unsqueeze(1),
+                cache.key,
+                cache.value,
+                cache_seqlens=a.seq_lens,
+                block_table=a.block_table,
+                softmax_scale=impl.spec.scale,
+                causal=a.causal,
+                window_size=impl.window,
+                softcap=impl.softcap,
+                alibi_slopes=impl.alibi_slopes,
+            )
+            return result.squeeze(1), None
+        result = fa.flash_attn_varlen_func(
+            q,
+            cache.key,
+            cache.value,
+            a.query_start_loc,
+            a.cu_seqlens_k,
+            a.max_query_len,
+            a.max_seq_len,
+            softmax_scale=impl.spec.scale,
+            causal=a.causal,
+            window_size=impl.window,
+            softcap=impl.softcap,
+            alibi_slopes=impl.alibi_slopes,
+            return_attn_probs=lse,  # (out, softmax_lse, S_dmask): the only way to the LSE
+            block_table=a.block_table,
+        )
+        return (result[0], result[1]) if lse else (result, None)
+
+
+class FA3Provider(Provider):
+    """Upstream flash-attn 3 (``hopper/``)."""
+
+    name = "fa3"
+    # hopper/ builds as the top-level module flash_attn_interface [doc: hopper/README]; it
+    # builds sm80 kernels too and runs fp16/bf16 on sm8x ("FlashAttention only supports Ampere
+    # GPUs or newer"; fp8 only on 9.x) [source: hopper/flash_api.cpp mha_fwd, hopper/setup.py
+    # FLASH_ATTENTION_DISABLE_SM80]; its sm90 kernels are built for sm_90a only
+    source = ops.Source(
+        "flash_attn_interface",
+        None,
+        "flash-attn (hopper/ build)",
+        8,
+        9,
+        "its kernels are built for sm80 and sm_90a only",
+    )
+    # "page_block_size can be arbitrary" [doc]; no ALiBi; no sinks in 2.8.3.
+    capabilities = _caps(
+        max_head_size=256,
+        head_size_multiple=8,
+        alibi=False,
+        sinks=False,
+        priority={"cuda": 90},
+        **FA3_FP8,
+    )
+    why: ClassVar[Mapping[str, str]] = {
+        "alibi": "FA3 has no ALiBi",
+        "sinks": "FA3 2.8.3 has no attention sinks",
+        "head_size": "FA3 takes head sizes in multiples of 8 up to 256",
+        "kv_cache_dtype": "FA3 takes fp8 e4m3 caches only",
+    }
+
+    def call(
+        self,
+        impl: FlashAttentionImpl,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        a: KernelArgs,
+        out: torch.Tensor | None,
+        lse: bool,
+        sinks: torch.Tensor | None,
+    ) -> Result:
+        shared: dict[str, Any] = dict(
+            cache_seqlens=a.seq_lens,
+            page_table=a.block_table,
+            softmax_scale=impl.spec.scale,
+            causal=a.causal,
+            window_size=impl.window,
+            softcap=impl.softcap,
+            return_softmax_lse=lse,
+            **impl.descales(cache, a),
+        )
+        fa = impl.backend.ops.attention
+        if a.decode_only and not lse:
+            result = fa.flash_attn_with_kvcache(q.unsqueeze(1), cache.key, cache.value, **shared)
+            return result.squeeze(1), None
+        # varlen q through cu_seqlens_q / max_seqlen_q [schema; shapes inferred]
+        result = fa.flash_attn_with_kvcache(
+            q,
+            cache.key,
+            cache.value,
+            cu_seqlens_q=a.query_start_loc,
+            max_seqlen_q=a.max_query_len,
+            **shared,
+        )
+        # with the LSE: (out, softmax_lse, *rest), rest the split-KV accumulators [schema]
+        return (result[0], result[1]) if lse else (result, None)
+
+
+class FA4Provider(Provider):
+    """flash-attn-4 (``flash_attn.cute``)."""
+
+    name = "fa4"
+    # SM 12.x: "Paged KV not supported on SM 12.0" [source: flash-attn-4 4.0.0b36
+    # interface.py, the SM120 branch of _flash_attn_fwd]; every attnhub call is paged
+    source = ops.Source(
+        "flash_attn.cute",
+        None,
+        "flash-attn-4",
+        9,
+        11,
+        "FA4 asserts 'Paged KV not supported on SM 12.0' and every call here is paged",
+    )
+    # _validate_head_dims: SM90 8..256, SM100/110 8..128 or 256, multiples of 8 for 16-bit
+    # dtypes [source]: the union here, each GPU's own rule and the paged-KV head-dim rule in
+    # _fa4_refusals; any page size for head sizes that are multiples of 16, 128 the TMA fast
+    # path [schema]; learnable_sink [schema].
+    capabilities = _caps(
+        max_head_size=256,
+        head_size_multiple=8,
+        alibi=False,
+        sinks=True,
+        priority={"cuda": 95},
+    )
+    why: ClassVar[Mapping[str, str]] = {
+        "alibi": "FA4 has no ALiBi (score_mod could express it; not done)",
+        "head_size": "FA4 takes head sizes in multiples of 8 up to 256 (SM90), 8..128 or 256 "
+        "(SM100/110)",
+        "kv_cache_dtype": "FA4's fp8 path is not used yet",
+    }
+
+    def refusals(self, spec: AttentionSpec, declared: list[Refusal]) -> list[Refusal]:
+        """Also what FA4 refuses on the architecture it selects its kernels by
+        (``ops.fa4_arch``: ``FLASH_ATTENTION_ARCH``, else the current GPU, else SM100)."""
+        reasons = super().refusals(spec, declared)
+        if any(r.field == "head_size" for r in reasons):
+            return reasons
+        return reasons + _fa4_refusals(spec, ops.fa4_arch())
+
+    def device_refusals(self, spec: AttentionSpec, device: torch.device) -> list[str]:
+        return [*super().device_refusals(spec, device), *_fa4_refusals(spec, ops.fa4_arch(device))]
+
+    def window(self, spec: AttentionSpec) -> tuple[Any, Any]:
+        # FA4 spells "no bound" None, and (None, None) when there is no window [schema]
+        left, right = spec.window
+        return (None if left < 0 else left, None if right < 0 else right)
+
+    def call(
+        self,
+        impl: FlashAttentionImpl,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        a: KernelArgs,
+        out: torch.Tensor | None,
+        lse: bool,
+        sinks: torch.Tensor | None,
+    ) -> Result:
+        # every argument after v by keyword [schema]; returns (out, lse) [schema]; FA4's
+        # learnable_sink takes fp16, bf16 or fp32 and gets the layer's own
+        result, lse_t = impl.backend.ops.attention.flash_attn_varlen_func(
+            q,
+            cache.key,
+            cache.value,
+            cu_seqlens_q=a.query_start_loc,
+            max_seqlen_q=a.max_query_len,
+            seqused_k=a.seq_lens,
+            max_seqlen_k=a.max_seq_len,
+            page_table=a.block_table,
+            softmax_scale=impl.spec.scale,
+            causal=a.causal,
+            window_size=impl.window,
+            learnable_sink=sinks,
+            softcap=impl.softcap,
+            return_lse=lse,
+        )
+        return result, lse_t
+
+
+# --- what a provider refuses beyond one Capabilities field -----------------------------------
+
+
+def _s_aux_refusals(spec: AttentionSpec) -> list[Refusal]:
+    """The fork's FA3 with s_aux sinks [source: the fork's hopper/flash_api.cpp]: at most 64
+    query heads, and the sinks in bf16 only. vLLM passes the layer's sinks in the model's dtype
+    (gpt-oss makes them under the model's default dtype), so only bf16 models run sinks there;
+    an fp16 model's sinks would lose precision beyond fp16's tolerance in the conversion, so
+    attnhub refuses that pairing rather than round them."""
+    reasons = []
+    if spec.num_heads > S_AUX_MAX_HEADS:
+        reasons.append(
+            Refusal(
+                f"use_sinks with num_heads {spec.num_heads} is not supported (provider "
+                f"vllm-fa3: the fork's FA3 takes s_aux sinks with at most {S_AUX_MAX_HEADS} "
+                "query heads: 'We only support query heads <= 64 with S aux')",
+                field="num_heads",
+                value=spec.num_heads,
+            )
+        )
+    if spec.dtype != torch.bfloat16:
+        reasons.append(
+            Refusal(
+                f"use_sinks with dtype {spec.dtype} is not supported (provider vllm-fa3: the "
+                "fork's FA3 reads s_aux in bf16 only, 'We only support bf16 dtype for S aux.', "
+                "and bf16 sink logits err beyond a float16 model's tolerance)",
+                field="dtype",
+                value=spec.dtype,
+                supported=frozenset({torch.bfloat16}),
+            )
+        )
+    return reasons
+
+
+def fa4_tile_n(arch: int, head_size: int, *, causal: bool, local: bool) -> int:
+    """The key tile (``tile_n``) FA4's forward picks for a head size (head_dim_v the same) on
+    ``arch`` [source: flash-attn-4 4.0.0b36 interface.py: ``FwdConfig(128, 128)`` by default
+    (SM100/110), ``_tile_size_fwd_sm90`` on SM90]: a paged cache whose page size is not this
+    tile is read without TMA, which FA4 refuses for head sizes that are not multiples of 16
+    ("Paged KV does not support irregular head dim", flash_fwd_sm90.py / flash_fwd_sm100.py).
+    ``local``: a window after ``_resolve_causal_local_window`` (causal alone is not local)."""
+    if arch // 10 != 9:
+        return 128
+    if head_size <= 64 or 96 < head_size <= 128:
+        return 128
+    if head_size <= 96:
+        return 128 if causal or local else 144
+    if head_size <= 192:
+        return 96 if local else 112
+    return 64 if local else 80
+
+
+def _fa4_refusals(spec: AttentionSpec, arch: int) -> list[Refusal]:
+    """What FA4 refuses of ``spec`` on ``arch`` beyond the declared union of head sizes:
+    ``_validate_head_dims`` per architecture, and paged KV with a head size that is not a
+    multiple of 16 unless the page size is FA4's key tile [source]. A step may be causal or
+    not (encoder types, ``causal=False`` steps, a cascade's prefix call), so where the tile
+    depends on it (SM90, head sizes 65..96 without a window) such head sizes are refused."""
+    hs, bs = spec.head_size, spec.block_size
+    name = f"SM{arch}"
+    if arch // 10 in (10, 11) and 128 < hs < 256:
+        return [
+            Refusal(
+                f"head_size {hs} is not supported on {name} (provider fa4: "
+                "_validate_head_dims: 8..128 in multiples of 8, or 256, on SM100/SM110)",
+                field="head_size",
+                value=hs,
+            )
+        ]
+    if hs % 16 == 0:
+        return []
+    local = spec.has_window
+    tiles = {fa4_tile_n(arch, hs, causal=c, local=local) for c in (True, False)}
+    if tiles == {bs}:
+        return []
+    want = " or ".join(str(t) for t in sorted(tiles))
+    return [
+        Refusal(
+            f"block_size {bs} with head_size {hs} is not supported on {name} (provider fa4: "
+            "paged KV with a head size that is not a multiple of 16 needs the page size to be "
+            f"FA4's key tile, here {want}{' depending on causality' if len(tiles) > 1 else ''}: "
+            "'Paged KV does not support irregular head dim')",
+            field="block_size",
+            value=bs,
+            supported=frozenset(tiles) if len(tiles) == 1 else None,
+        )
+    ]
+
+
+def _fp8_refusals(provider: str, spec: AttentionSpec) -> list[Refusal]:
+    """What FA3's fp8 kernels refuse beyond the declaration [source: hopper/flash_api.cpp]."""
+    reasons = []
+    if spec.dtype != torch.bfloat16:
+        reasons.append(
+            Refusal(
+                f"kv_cache_dtype {FP8_KV!r} with dtype {spec.dtype} is not supported (provider "
+                f"{provider}: FA3's fp8 kernels write bfloat16 outputs only: 'For FP8 input, "
+                "output must have dtype BF16')",
+                field="kv_cache_dtype",
+                value=spec.kv_cache_dtype,
+            )
+        )
+    if spec.head_size % 16:
+        reasons.append(
+            Refusal(
+                f"head_size {spec.head_size} is not a multiple of 16 (provider {provider}: "
+                "FA3 aligns fp8 head sizes to 16)",
+                field="head_size",
+                value=spec.head_size,
+            )
+        )
+    return reasons
+
+
+# --- the KV writes ----------------------------------------------------------------------------
+
+
+def scatter(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    rows: torch.Tensor,  # [m] int64
+    slots: torch.Tensor,  # [m] int64
+) -> None:
+    """Rows ``rows`` of key and value into ``slots`` of the cache, one ``index_copy_`` per
+    plane (padding never written); fp8 planes get ``fp8(x / scale)``."""
+    if rows.numel() == 0:
+        return
+    planes = ((cache.key, key, cache.key_scale), (cache.value, value, cache.value_scale))
+    for plane, src, scale in planes:
+        new = src.index_select(0, rows)
+        # fp8: stored fp8(x / scale), as bytes (no fp8 indexing kernels on CPU)
+        new = indexable(quantize_fp8(new, scale, plane.dtype) if scale is not None else new)
+        dst = indexable(plane)
+        write_slots(dst, flat_slots(dst), slots, new.to(dst.dtype))  # one index_copy_ where
+        # blocks and offsets merge into slots, else (block, offset) indices (the kit's)
+
+
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [n, H, D] with each row's heads dense, as reshape_and_cache_flash reads a token
+    (``H * D`` consecutive elements from ``t.stride(0)``): a copy only when they are not."""
+    if t.is_contiguous() or (t.stride(-1) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])):
+        return t
+    return t.contiguous()
+
+
+# --- the providers, and which one serves ``flash`` -------------------------------------------
+
+VLLM = VllmProvider()
+VLLM_FA3 = VllmFA3Provider()
+FA2 = FA2Provider()
+FA3 = FA3Provider()
+FA4 = FA4Provider()
+PROVIDERS: dict[str, Provider] = {p.name: p for p in (VLLM, VLLM_FA3, FA2, FA3, FA4)}
+#: Best first when several are importable: FA4 and FA3 are the newer kernels; vLLM's fork ships
+#: with engines; upstream FA2 last. ``vllm-fa3`` only when named: whether vLLM's build holds
+#: its FA3 kernels is known only by importing it.
+PREFERENCE = ("fa4", "fa3", "vllm", "fa2")
+#: What engines ship; on a machine without any provider, the emulated default.
+DEFAULT = VLLM.name
+
+
+def chosen_provider() -> str:
+    """The provider the ``flash`` backend serves with: ``ATTNHUB_FLASH_PROVIDER`` when set,
+    else the first of ``PREFERENCE`` installed (``ops.module_exists``, which imports nothing),
+    else ``DEFAULT``."""
+    name = os.environ.get(ops.ENV, "").strip().lower()
+    if name:
+        if name not in PROVIDERS:
+            raise InvalidInputError(
+                f"{ops.ENV}={name!r} is not a FlashAttention provider (one of "
+                f"{', '.join(PROVIDERS)})"
+            )
+        return name
+    for candidate in PREFERENCE:
+        if ops.module_exists(PROVIDERS[candidate].source.attention):
+            return candidate
+    return DEFAULT
