@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from attnhub.batch import BatchMetadata
-from attnhub.bench import BenchUnavailable, DirectComparison
 from attnhub.errors import UnsupportedConfigurationError
+from attnhub.kit import BenchUnavailable, DirectComparison
 from attnhub.spec import AttentionSpec
 from attnhub_cpu import ops
 from attnhub_cpu.backend import CpuAttentionMetadata, CpuBackend, dtype_reason
@@ -211,7 +211,7 @@ def direct_comparisons(*, quick: bool = False, repeats: int = 9) -> list[DirectC
 
 
 def main() -> None:
-    from attnhub.bench import machine
+    from attnhub.kit import machine
 
     print(machine().describe())
     for r in run():
