@@ -17,7 +17,10 @@ __version__ = "0.1.0"
 # The names below are imported on first use (PEP 562), so ``import attnhub`` does not import
 # torch: ``attnhub --help`` answers at once. ``attnhub.X`` and ``from attnhub import X`` work as
 # if everything were imported here; the TYPE_CHECKING block tells type checkers and readers
-# where each name lives.
+# where each name lives (tests/test_package.py holds it equal to ``_HOMES``, the table the
+# imports at run time read). ``__all__`` is built from that table, which ruff does not read, so
+# it counts the block's names as unused:
+# ruff: noqa: F401
 if TYPE_CHECKING:
     from attnhub import errors, reference
     from attnhub.backend import (
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
         Tolerance,
     )
     from attnhub.graphs import BatchDescriptor, CaptureSizes, GraphRunner
-    from attnhub.hookspecs import hookimpl
+    from attnhub.hookspecs import BenchComparison, Command, HostComparison, hookimpl
     from attnhub.kv_cache import PagedKVCache
     from attnhub.registry import (
         BackendInfo,
@@ -79,7 +82,7 @@ _HOMES = {
         "Tolerance",
     ),
     "attnhub.graphs": ("BatchDescriptor", "CaptureSizes", "GraphRunner"),
-    "attnhub.hookspecs": ("hookimpl",),
+    "attnhub.hookspecs": ("hookimpl", "Command", "BenchComparison", "HostComparison"),
     "attnhub.kv_cache": ("PagedKVCache",),
     "attnhub.registry": (
         "BackendInfo",
@@ -91,6 +94,10 @@ _HOMES = {
     "attnhub.spec": ("KV_CACHE_DTYPES", "AttentionSpec", "AttentionType"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
+
+#: Every public name, written once: the names of ``_HOMES``, the two public submodules and the
+#: version (``from attnhub import *`` and ``dir(attnhub)`` read it).
+__all__ = ["__version__", "errors", "reference", *_HOME]
 
 
 def __getattr__(name: str) -> Any:
@@ -112,39 +119,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-__all__ = [
-    "FEATURES",
-    "KV_CACHE_DTYPES",
-    "AccuracyBound",
-    "AttentionBackend",
-    "AttentionImpl",
-    "AttentionMetadata",
-    "AttentionMetadataBuilder",
-    "AttentionSpec",
-    "AttentionType",
-    "BackendInfo",
-    "BatchDescriptor",
-    "BatchMetadata",
-    "BatchReorder",
-    "Capabilities",
-    "CaptureSizes",
-    "DecodePrefillSplit",
-    "GraphRunner",
-    "GraphSupport",
-    "PagedKVCache",
-    "Refusal",
-    "Tolerance",
-    "__version__",
-    "errors",
-    "get_backend",
-    "hookimpl",
-    "list_backends",
-    "make_local_attention_virtual_batches",
-    "reference",
-    "register_backend",
-    "reorder_decodes_first",
-    "select_backend",
-    "split_decodes_and_prefills",
-]

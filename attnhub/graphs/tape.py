@@ -177,10 +177,6 @@ class Tape:
         finally:
             self._mode = None
 
-    @property
-    def is_recording(self) -> bool:
-        return self._mode is not None
-
     def call(
         self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[int, Any]:

@@ -25,6 +25,7 @@ from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Tolerance
 from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import PagedKVCache
+from attnhub.kv_write import flat_slots, write_slots
 from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub.torch_backend import kernels
@@ -233,11 +234,9 @@ class TorchAttentionImpl(AttentionImpl):
         targets = []
         for dst, scale in ((cache.key, cache.key_scale), (cache.value, cache.value_scale)):
             raw = indexable(dst)  # fp8: copy the bytes
-            try:
-                flat: torch.Tensor | None = raw.view(-1, *raw.shape[2:])
-            except RuntimeError:
-                flat = None
-            targets.append(_WriteTarget(flat=flat, plane=raw, scale=scale, dtype=dst.dtype))
+            targets.append(
+                _WriteTarget(flat=flat_slots(raw), plane=raw, scale=scale, dtype=dst.dtype)
+            )
         self._targets = (cache.key, cache.value, targets)
         return targets
 
@@ -249,12 +248,7 @@ class TorchAttentionImpl(AttentionImpl):
             src = src[:n] if write.rows is None else src[write.rows]
             if target.scale is not None:  # fp8: stored as fp8(x / scale)
                 src = quantize_fp8(src, target.scale, target.dtype)
-            src = indexable(src)
-            if target.flat is not None:  # one index_copy_ into [num_slots, Hkv, D]
-                target.flat.index_copy_(0, write.slots, src)
-            else:
-                bs = target.plane.shape[1]
-                target.plane.index_put_((write.slots // bs, write.slots % bs), src)
+            write_slots(target.plane, target.flat, write.slots, indexable(src))
 
     def attend(
         self,

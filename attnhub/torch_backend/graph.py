@@ -7,9 +7,10 @@ this path instead, where the shapes depend only on the descriptor (``R`` request
 tokens each, ``W`` blocks per request: the persistent block table's width) and every per-step
 value is read on the device from the persistent buffers:
 
-- KV write: padding rows (slot -1) cannot be left out without a data-dependent shape, so each
-  is redirected to the step's first written row (same slot, same value: duplicate writes of one
-  value, whatever their order); a step that writes nothing rewrites slot 0 with its own bytes.
+- KV write (``attnhub.kv_write.FixedShapeWrite``): padding rows (slot -1) cannot be left out
+  without a data-dependent shape, so each is redirected to the step's first written row (same
+  slot, same value: duplicate writes of one value, whatever their order); a step that writes
+  nothing rewrites slot 0 with its own bytes.
 - attention: each request gathers all ``W`` blocks of its table row (entries past its own
   blocks, which may hold anything, read block 0), keys past ``seq_len`` are zeroed and masked,
   and the visibility (causal, window) and ALiBi distances come from ``seq_lens`` on the device;
@@ -27,6 +28,7 @@ import torch
 
 from attnhub.batch import BatchMetadata
 from attnhub.kv_cache import PagedKVCache
+from attnhub.kv_write import FixedShapeWrite, read_slots, write_slots
 from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import AttentionSpec
 from attnhub.torch_backend import kernels
@@ -56,26 +58,13 @@ def graph_write(
     slot_mapping: torch.Tensor,  # [T] int, -1 = padding (device: the persistent buffer)
     targets: Sequence[Any],  # the impl's _WriteTarget per plane
 ) -> None:
-    T = slot_mapping.shape[0]
-    slots = slot_mapping.long()
-    valid = slots >= 0
-    any_valid = valid.any()
-    first = torch.argmax(valid.to(torch.int32))  # the first written row (0 when none)
-    rows = torch.where(valid, torch.arange(T, device=slots.device), first)
-    dst = torch.where(any_valid, slots.index_select(0, rows), 0)
+    write = FixedShapeWrite.of(slot_mapping)
     for src, target in zip((key, value), targets, strict=True):
-        x = src[:T].index_select(0, rows)
+        x = src.index_select(0, write.rows)
         if target.scale is not None:  # fp8: stored as fp8(x / scale)
             x = quantize_fp8(x, target.scale, target.dtype)
-        x = indexable(x)
-        if target.flat is not None:
-            keep = target.flat.index_select(0, dst)
-            target.flat.index_copy_(0, dst, torch.where(any_valid, x, keep))
-        else:
-            bs = target.plane.shape[1]
-            where = (dst // bs, dst % bs)
-            keep = target.plane[where]
-            target.plane.index_put_(where, torch.where(any_valid, x, keep))
+        held = read_slots(target.plane, target.flat, write.slots)
+        write_slots(target.plane, target.flat, write.slots, write.pick(indexable(x), held))
 
 
 def graph_attend(

@@ -155,27 +155,6 @@ def _spans(
     return spans
 
 
-def plan_step(
-    spec: AttentionSpec,
-    batch: BatchMetadata,
-    *,
-    decode_threshold: int,
-    gather_budget_tokens: int,
-    eager: bool,
-    device: torch.device,
-    step: StepExtents | None = None,
-) -> StepPlan:
-    """One step's plan (see :class:`Planner`, which a builder keeps to plan every step)."""
-    planner = Planner(
-        spec,
-        decode_threshold=decode_threshold,
-        gather_budget_tokens=gather_budget_tokens,
-        eager=eager,
-        device=device,
-    )
-    return planner.plan(batch, step)
-
-
 #: A ragged decode chunk waiting for the batched pass: (index, first query row, first request,
 #: end request, blocks per request, keys per request, padding rows, shortest sequence).
 _Ragged = tuple[int, int, int, int, int, int, int, int]

@@ -3,7 +3,6 @@
 from attnhub_ascend.backend import (
     AscendAttentionImpl,
     AscendAttentionMetadata,
-    AscendAttentionState,
     AscendBackend,
     AscendMetadataBuilder,
 )
@@ -13,7 +12,6 @@ __version__ = "0.1.0"
 __all__ = [
     "AscendAttentionImpl",
     "AscendAttentionMetadata",
-    "AscendAttentionState",
     "AscendBackend",
     "AscendMetadataBuilder",
     "__version__",

@@ -28,8 +28,6 @@ docs/backends/ascend.md.
 
 from __future__ import annotations
 
-import enum
-import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -45,9 +43,9 @@ from attnhub.backend import (
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.kit import FixedShapeWrite, StepExtents, flat_slots, read_slots
 from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec, AttentionType
-from attnhub.validation import StepExtents
 from attnhub_ascend import ops
 
 INT_MAX = 2147483647  # the kernels' default for pre_tokens / next_tokens: unbounded
@@ -76,21 +74,6 @@ HEAD_SIZE_SOURCES = {
     256: "[callers] vllm-ascend's e2e accuracy runs gemma-3-4b-it (head_dim 256) and Gemma4's "
     "sliding layers through this TND FIA call",
 }
-
-
-class AscendAttentionState(enum.Enum):
-    """What kind of step a batch is (vllm-ascend's ``AscendAttentionState``).
-
-    Decided once per step by the builder from host lengths. Every state is served by the same
-    single fused call; the state only decides what the builder prepares (e.g. the window
-    padding of decode rows) and tells engines and tests what the step was.
-    """
-
-    PREFILL_NO_CACHE = "prefill_no_cache"  # every request starts at position 0
-    PREFILL_CACHE_HIT = "prefill_cache_hit"  # prefills only, some over a cached prefix
-    DECODE_ONLY = "decode_only"  # every request has one new token over cached context
-    MULTI_TOKEN_DECODE = "multi_token_decode"  # decodes of up to reorder_batch_threshold tokens
-    CHUNKED_PREFILL = "chunked_prefill"  # anything mixed: decodes with (chunked) prefills
 
 
 _MASKS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -141,8 +124,6 @@ class SparseArgs:
 class AscendAttentionMetadata(AttentionMetadata):
     """One step, planned: every host-side argument of the kernels, ready to pass."""
 
-    #: The builder's reorder_batch_threshold, which ``state`` counts decodes by.
-    reorder_batch_threshold: int = 16
     num_actual_tokens: int = 0
     #: True: non-causal attention over packed K/V (npu_fusion_attention); False: the fused
     #: paged call (FIA).
@@ -177,63 +158,12 @@ class AscendAttentionMetadata(AttentionMetadata):
     #: Set by build_for_graph_capture: the FIA task groups forward captured (one per layer).
     graph: AscendGraph | None = None
 
-    @functools.cached_property
-    def state(self) -> AscendAttentionState:
-        """What kind of step this is, decided on first read (no layer needs it: the fused call
-        is the same for every state) from the lengths build's checks read (``extents``), or
-        from the batch's host lengths where there are none."""
-        facts = self.extents
-        if facts is not None and facts.context_lens is not None and facts.query_lens is not None:
-            return _state(facts, self.batch.max_query_len, self.reorder_batch_threshold)
-        return state_of(
-            self.batch.query_lens_cpu, self.batch.seq_lens_cpu, self.reorder_batch_threshold
-        )
-
     #: FIA's keyword arguments for this step, made by the first layer that attends with it and
     #: reused by every other layer of the same backend (keyed by the backend: its spec gives
     #: the layer-wide ones). Not an argument: every copy (``dataclasses.replace``) starts empty.
     fia_kwargs: dict[Any, dict[str, Any]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-
-
-def state_of(q_lens: torch.Tensor, seq_lens: torch.Tensor, threshold: int) -> AscendAttentionState:
-    """A step's state from its host lengths: requests with query_len <= ``threshold`` over
-    cached context count as (multi-token) decodes."""
-    context = seq_lens - q_lens
-    if not bool((context > 0).any()):
-        return AscendAttentionState.PREFILL_NO_CACHE
-    if bool((q_lens == 1).all()):
-        return AscendAttentionState.DECODE_ONLY
-    small = q_lens <= threshold
-    if bool(small.all()):
-        return AscendAttentionState.MULTI_TOKEN_DECODE
-    if not bool((small & (context > 0)).any()):
-        return AscendAttentionState.PREFILL_CACHE_HIT
-    return AscendAttentionState.CHUNKED_PREFILL
-
-
-def _state(step: StepExtents, max_q: int, threshold: int) -> AscendAttentionState:
-    """``state_of`` from what build's checks read (numpy): their extremes first (no array
-    operation on most steps), ufunc reductions called directly where those do not decide."""
-    assert step.context_lens is not None and step.query_lens is not None
-    min_context = step.min_context_len
-    if max_q == 1 and min_context > 0:
-        return AscendAttentionState.DECODE_ONLY
-    context = step.context_lens
-    if min_context == 0 and not _OR(context):
-        return AscendAttentionState.PREFILL_NO_CACHE
-    if max_q == 1:
-        return AscendAttentionState.DECODE_ONLY
-    if max_q <= threshold:
-        return AscendAttentionState.MULTI_TOKEN_DECODE
-    if step.min_query_len > threshold:  # no small request at all
-        return AscendAttentionState.PREFILL_CACHE_HIT
-    if min_context > 0:  # the smallest request is small and has context
-        return AscendAttentionState.CHUNKED_PREFILL
-    if not _OR(np.less_equal(step.query_lens, threshold) & np.greater(context, 0)):
-        return AscendAttentionState.PREFILL_CACHE_HIT
-    return AscendAttentionState.CHUNKED_PREFILL
 
 
 class GraphTask:
@@ -402,7 +332,7 @@ class AscendBackend(AttentionBackend):
 
     def graph_adaptor(self) -> Any:
         """attnhub's NPUGraphAdaptor over this backend's graph API."""
-        from attnhub.graphs import NPUGraphAdaptor
+        from attnhub.kit import NPUGraphAdaptor
 
         return NPUGraphAdaptor(self.graph_api)
 
@@ -516,7 +446,6 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         n = batch.num_actual_tokens
         B = batch.num_reqs
         facts = self._facts(batch)
-        threshold = self.reorder_batch_threshold
         causal = spec.causal and batch.causal
         sparse = self.sparse_causal if causal else self.sparse_full
         mask = None
@@ -526,7 +455,6 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         common: dict[str, Any] = dict(  # what every kind of step's metadata holds
             batch=batch,
             common_prefix_len=common_prefix_len,
-            reorder_batch_threshold=threshold,
             num_actual_tokens=n,
             sparse=sparse,
             atten_mask=mask,
@@ -655,10 +583,6 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         req_d = torch.from_numpy(req).to(dev)
         block_d = torch.from_numpy(pos // bs).to(dev)
         return batch.block_table[req_d, block_d].long() * bs + torch.from_numpy(pos % bs).to(dev)
-
-    def state_of(self, q_lens: torch.Tensor, seq_lens: torch.Tensor) -> AscendAttentionState:
-        """The state of a step of these host lengths (``AscendAttentionMetadata.state``)."""
-        return state_of(q_lens, seq_lens, self.reorder_batch_threshold)
 
     def _window_decode_rows(self, batch: BatchMetadata, facts: StepExtents) -> dict[str, Any]:
         """Give every windowed one-token request a leading padding row: the metadata fields
@@ -805,22 +729,20 @@ class AscendAttentionImpl(AttentionImpl):
         padding) are not known at capture. _npu_reshape_and_cache skips them itself;
         npu_scatter_pa_kv_cache takes no -1, so each such row is redirected to the step's first
         written row (same slot, same value: duplicates of one value), and a step that writes
-        nothing rewrites slot 0 with what it holds. Device ops only: the graph captures them."""
+        nothing rewrites slot 0 with what it holds (the kit's FixedShapeWrite). Device ops
+        only: the graph captures them."""
         T = slot_mapping.shape[0]
         if self.backend.kv_write_op == RESHAPE_AND_CACHE:
             self._write(key[:T], value[:T], cache, slot_mapping.to(torch.int32).contiguous())
             return
-        slots = slot_mapping.long()
-        valid = slots >= 0
-        any_valid = valid.any()
-        first = torch.argmax(valid.to(torch.int32))
-        rows = torch.where(valid, torch.arange(T, device=slots.device), first)
-        dst = torch.where(any_valid, slots.index_select(0, rows), 0)
-        k = torch.where(any_valid, key.index_select(0, rows), _flat(cache.key).index_select(0, dst))
-        v = torch.where(
-            any_valid, value.index_select(0, rows), _flat(cache.value).index_select(0, dst)
+        write = FixedShapeWrite.of(slot_mapping)
+        k, v = (
+            write.pick(
+                src.index_select(0, write.rows), read_slots(plane, flat_slots(plane), write.slots)
+            )
+            for src, plane in ((key, cache.key), (value, cache.value))
         )
-        self._write(k, v, cache, dst.to(torch.int32))
+        self._write(k, v, cache, write.slots.to(torch.int32))
 
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor

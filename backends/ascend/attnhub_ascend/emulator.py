@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnhub import emulation
+from attnhub.kit import emulation
 
 #: These ops stand in for the NPU: a host read made inside them is a read on the device, which
 #: attnhub's host-sync guard (the conformance suite's) allows.

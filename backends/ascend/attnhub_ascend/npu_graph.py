@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from attnhub.graphs.tape import Tape, TapeEntry
+from attnhub.kit import Tape, TapeEntry
 from attnhub_ascend import emulator
 from attnhub_ascend.emulator import NotEmulatedError, NpuOpError
 

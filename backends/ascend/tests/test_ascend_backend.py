@@ -30,7 +30,7 @@ def test_cpu_needs_emulation_and_says_how() -> None:
 
 
 def test_npu_without_torch_npu_is_unavailable_with_the_import_error() -> None:
-    if ops._import_torch_npu()[0] is not None:
+    if ops.import_once("torch_npu")[0] is not None:
         pytest.skip("torch_npu imports here")
     why = AscendBackend.availability("npu:0", emulate=True)
     assert why is not None and why.startswith("torch_npu is not importable (needs the CANN")

@@ -6,13 +6,12 @@ are made once per step."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any
 
 import ascend_helpers as h
 import pytest
 import torch
-from attnhub_ascend import AscendAttentionState, AscendBackend, emulator
+from attnhub_ascend import AscendBackend, emulator
 from attnhub_ascend.backend import RESHAPE_AND_CACHE, AscendAttentionImpl
 
 from attnhub import testing
@@ -161,7 +160,7 @@ def test_the_plan_from_builds_facts_is_the_plan_from_the_batch(
     assert builder.step is None  # taken by plan: a plan without build reads the batch
     again = builder.plan(st.batch, 0)
     assert _fields(meta) == _fields(again)
-    assert again.extents is None and meta.state is again.state  # from build's facts / torch
+    assert again.extents is None
     # and the step's lists are the batch's own
     assert list(meta.query_ends) == st.batch.query_start_loc_cpu[1:].tolist()
     assert list(meta.kv_lengths) == st.batch.seq_lens_cpu.tolist()
@@ -190,24 +189,6 @@ def test_fia_arguments_are_made_once_per_step_and_never_copied() -> None:
     with emulator.record_calls() as calls:
         layers[0].forward(st.query, st.key, st.value, st.cache, other)
     assert [c.kwargs["actual_seq_lengths_kv"] for c in calls if c.name == FIA] == [other.kv_lengths]
-
-
-KINDS = [(1, 1), (1, 9), (3, 3), (3, 300), (16, 16), (16, 40), (17, 17), (17, 100), (130, 300)]
-
-
-def test_the_state_from_builds_facts_is_state_of_the_lengths() -> None:
-    """_state decides from the extremes build found where they suffice; state_of (torch, every
-    request) is the definition. Every batch of one to three of these kinds of request."""
-    seen = set()
-    for size in (1, 2, 3):
-        for requests in itertools.combinations_with_replacement(KINDS, size):
-            st = h.step(list(requests))
-            builder = st.backend.metadata_builder()
-            meta = builder.build(st.batch)
-            want = builder.state_of(st.batch.query_lens_cpu, st.batch.seq_lens_cpu)
-            assert meta.state is want, requests
-            seen.add(want)
-    assert len(seen) == 5  # every state was reached
 
 
 @pytest.mark.parametrize(
@@ -288,4 +269,3 @@ def test_a_graph_capture_plans_its_own_batch_not_the_last_builds() -> None:
     capture = h.step([(1, 300), (1, 9), (1, 129)]).batch
     meta = builder.build_for_graph_capture(capture)
     assert meta.query_ends == (1, 2, 3) and meta.kv_lengths == (300, 9, 129)
-    assert meta.state is AscendAttentionState.DECODE_ONLY

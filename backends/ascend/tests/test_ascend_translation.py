@@ -6,7 +6,7 @@ from __future__ import annotations
 import ascend_helpers as h
 import pytest
 import torch
-from attnhub_ascend import AscendAttentionState, AscendBackend, emulator
+from attnhub_ascend import AscendBackend, emulator
 from attnhub_ascend.backend import (
     INT_MAX,
     RESHAPE_AND_CACHE,
@@ -315,26 +315,6 @@ def test_the_cache_is_read_per_call_never_remembered() -> None:
     st.cache = fresh
     out = impl.forward(st.query, st.key, st.value, fresh, meta)
     h.assert_matches_reference(st, out)
-
-
-# --- the step's state ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("requests", "state"),
-    [
-        ([(5, 5), (130, 130)], AscendAttentionState.PREFILL_NO_CACHE),
-        ([(1, 9), (1, 300)], AscendAttentionState.DECODE_ONLY),
-        ([(1, 9), (3, 300)], AscendAttentionState.MULTI_TOKEN_DECODE),
-        ([(40, 90), (30, 30)], AscendAttentionState.PREFILL_CACHE_HIT),
-        (MIXED, AscendAttentionState.CHUNKED_PREFILL),
-    ],
-)
-def test_the_builder_names_the_steps_state(
-    requests: list[tuple[int, int]], state: AscendAttentionState
-) -> None:
-    st = h.step(requests)
-    assert st.backend.metadata_builder().build(st.batch).state is state
 
 
 # --- no host reads in forward --------------------------------------------------------------------

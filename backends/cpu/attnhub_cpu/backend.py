@@ -41,7 +41,8 @@ from attnhub.backend import (
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
-from attnhub.kv_cache import BlockPacking, PagedKVCache
+from attnhub.kit import BlockPacking
+from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_cpu import layouts, ops
 

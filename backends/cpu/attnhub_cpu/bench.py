@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from attnhub.batch import BatchMetadata
-from attnhub.bench import DirectComparison
 from attnhub.errors import BenchUnavailableError, ToolError, UnsupportedConfigurationError
+from attnhub.kit import DirectComparison
 from attnhub.spec import AttentionSpec
 from attnhub_cpu import ops
 from attnhub_cpu.backend import CpuAttentionMetadata, CpuBackend, dtype_reason
@@ -212,7 +212,7 @@ def direct_comparisons(*, quick: bool = False, repeats: int = 9) -> list[DirectC
 
 
 def main() -> None:
-    from attnhub.bench import machine
+    from attnhub.kit import machine
 
     print(machine().describe())
     for r in run():

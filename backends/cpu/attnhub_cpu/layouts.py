@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnhub.kv_cache import BlockPacking
+from attnhub.kit import BlockPacking
 
 #: The ISA paths whose blocks attnhub's HND cache views as they are (keys transposed).
 TRANSPOSED = "transposed"

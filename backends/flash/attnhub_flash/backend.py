@@ -28,11 +28,11 @@ from attnhub.backend import (
     AttentionMetadata,
     AttentionMetadataBuilder,
 )
-from attnhub.batch import BatchMetadata, as_contiguous
+from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, Refusal
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.kit import as_contiguous, merge_attn_states, quantize_fp8
 from attnhub.kv_cache import PagedKVCache
-from attnhub.quant import quantize_fp8
 from attnhub.spec import AttentionSpec
 from attnhub_flash import ops, providers
 from attnhub_flash.providers import FP8_KV, KernelArgs, Provider
@@ -411,7 +411,7 @@ class FlashAttentionImpl(AttentionImpl):
         o1, lse1 = call(self, q, cache, meta.prefix, None, True, None)
         o2, lse2 = call(self, q, cache, meta.suffix, None, True, self.kernel_sinks)
         assert lse1 is not None and lse2 is not None
-        merge_attn_states(out, o1, lse1, o2, lse2)
+        out.copy_(merge_attn_states(o1, lse1, o2, lse2)[0])  # the kit's LSE merge
 
     def descales(self, cache: PagedKVCache, a: KernelArgs) -> dict[str, torch.Tensor]:
         """fp8 calls: FA3's ``q/k/v_descale``, float32 (batch, num_kv_heads): the per-tensor
@@ -433,26 +433,3 @@ class FlashAttentionImpl(AttentionImpl):
         }
         self._descales_made = (k_scale, v_scale, batch, descales)
         return descales
-
-
-def merge_attn_states(
-    out: torch.Tensor,  # [n, H, D], written
-    o1: torch.Tensor,  # [n, H, D]
-    lse1: torch.Tensor,  # [H, n] float32, natural log
-    o2: torch.Tensor,
-    lse2: torch.Tensor,
-) -> None:
-    """Two partial attentions over disjoint keys as one (vLLM's ``merge_attn_states``):
-    m = max(l1, l2); w_i = exp(l_i - m); out = (w1 o1 + w2 o2) / (w1 + w2). A non-finite LSE
-    is an empty part (+inf for FA2 and the fork's FA2, -inf for FA3, the fork's FA3 and FA4):
-    weight 0; both empty give 0. Device ops only: no host read."""
-    l1, l2 = lse1.t().unsqueeze(-1), lse2.t().unsqueeze(-1)  # [n, H, 1]
-    ok1, ok2 = torch.isfinite(l1), torch.isfinite(l2)
-    zero = torch.zeros_like(l1)
-    l1, l2 = torch.where(ok1, l1, zero), torch.where(ok2, l2, zero)
-    m = torch.maximum(torch.where(ok1, l1, l2), torch.where(ok2, l2, l1))
-    w1 = torch.where(ok1, torch.exp(l1 - m), zero)
-    w2 = torch.where(ok2, torch.exp(l2 - m), zero)
-    total = w1 + w2
-    merged = (w1 * o1.float() + w2 * o2.float()) / torch.where(total > 0, total, 1.0)
-    out.copy_(merged)

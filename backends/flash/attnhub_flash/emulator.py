@@ -57,7 +57,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from attnhub import emulation
+from attnhub.kit import emulation
 from attnhub_flash.ops import fa4_arch
 
 #: These functions stand in for the GPU: a host read made inside them is a read on the device,

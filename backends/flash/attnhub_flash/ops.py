@@ -23,22 +23,18 @@ its CUDA extension) and ``find_spec("vllm.vllm_flash_attn")`` all of ``vllm``'s 
 
 from __future__ import annotations
 
-import functools
-import importlib
 import importlib.util
 import inspect
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from attnhub.backend import device_type
-from attnhub.emulation import emulate_hint
-from attnhub.errors import BackendUnavailableError, InvalidInputError
+from attnhub.errors import InvalidInputError
+from attnhub.kit import EMULATE_HINT, EMULATED_DEVICE, VendorLibrary, device_type, import_once
 
 if TYPE_CHECKING:
     from attnhub_flash.providers import Provider
@@ -46,10 +42,6 @@ if TYPE_CHECKING:
 ENV = "ATTNHUB_FLASH_PROVIDER"
 
 NATIVE_DEVICE = "cuda"
-EMULATED_DEVICE = "cpu"
-#: How to ask for the emulator, in the API's terms: ``attnhub`` commands and the conformance
-#: suite show it in theirs (attnhub.emulation.in_terms_of).
-EMULATE_HINT = emulate_hint()
 
 
 @dataclass(frozen=True)
@@ -108,60 +100,42 @@ def module_exists(module: str) -> bool:
         return False
 
 
-@functools.cache
-def _import(module: str) -> tuple[ModuleType | None, str | None]:
-    """Import once per process: (module, None) or (None, why it failed); any exception counts
-    as "not importable" (a CUDA build that does not load), never as a crash."""
-    try:
-        return importlib.import_module(module), None
-    except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-
-
 def unavailable_reason(provider: Provider, device: torch.device | str, emulate: bool) -> str | None:
-    """None when ``provider`` can run on ``device``; otherwise why not (a sentence): on
-    ``cuda`` its modules must import with the functions the backend calls, the GPU be in its
-    range of compute capabilities, and the provider's own probe (``native_reason``) pass."""
+    """None when ``provider`` can run on ``device``; otherwise why not (a sentence)."""
+    return library(provider).unavailable_reason(device, emulate)
+
+
+def _probe(provider: Provider, device: torch.device | str) -> str | None:
+    """On ``cuda``: the provider's modules must import with the functions the backend calls,
+    the GPU be in its range of compute capabilities, and the provider's own probe
+    (``native_reason``) pass."""
     src, name = provider.source, provider.name
-    dt = device_type(device)
-    if dt == NATIVE_DEVICE:
-        for module in (src.attention, src.cache_ops):
-            if module is None:
-                continue
-            found, error = _import(module)
-            missing = [f for f in FUNCTIONS[module] if found is not None and not hasattr(found, f)]
-            if missing:
-                error = f"it has no {', '.join(missing)} (another package's {module}?)"
-            if found is None or missing:
-                return (
-                    f"provider {name!r}: {module} is not importable (pip install "
-                    f"{src.distribution}): {error}; set {ENV} to another provider, or on a "
-                    f"machine without an NVIDIA GPU use device 'cpu' and {EMULATE_HINT}"
-                )
-        if not torch.cuda.is_available():
-            return "no CUDA device is visible (torch.cuda.is_available() is False)"
-        try:
-            major, minor = torch.cuda.get_device_capability(torch.device(device))
-        except Exception as exc:
-            return f"the compute capability of {device} cannot be read: {type(exc).__name__}: {exc}"
-        if major < src.min_major or (src.max_major is not None and major > src.max_major):
-            top = "" if src.max_major is None else f" to {src.max_major}.x ({src.max_why})"
+    for module in (src.attention, src.cache_ops):
+        if module is None:
+            continue
+        found, error = import_once(module)
+        missing = [f for f in FUNCTIONS[module] if found is not None and not hasattr(found, f)]
+        if missing:
+            error = f"it has no {', '.join(missing)} (another package's {module}?)"
+        if found is None or missing:
             return (
-                f"provider {name!r} runs on compute capability {src.min_major}.x{top}; "
-                f"this GPU is {major}.{minor}"
+                f"provider {name!r}: {module} is not importable (pip install "
+                f"{src.distribution}): {error}; set {ENV} to another provider, or on a "
+                f"machine without an NVIDIA GPU use device 'cpu' and {EMULATE_HINT}"
             )
-        return provider.native_reason(torch.device(device))
-    if dt == EMULATED_DEVICE:
-        if emulate:
-            return None
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (torch.cuda.is_available() is False)"
+    try:
+        major, minor = torch.cuda.get_device_capability(torch.device(device))
+    except Exception as exc:
+        return f"the compute capability of {device} cannot be read: {type(exc).__name__}: {exc}"
+    if major < src.min_major or (src.max_major is not None and major > src.max_major):
+        top = "" if src.max_major is None else f" to {src.max_major}.x ({src.max_why})"
         return (
-            "FlashAttention kernels run on device 'cuda'; on 'cpu' the backend runs only "
-            f"through its emulator: {EMULATE_HINT}"
+            f"provider {name!r} runs on compute capability {src.min_major}.x{top}; "
+            f"this GPU is {major}.{minor}"
         )
-    return (
-        f"device type {dt!r} is not supported (native: 'cuda'; 'cpu' with emulate=True, "
-        "through the CPU emulator)"
-    )
+    return provider.native_reason(torch.device(device))
 
 
 def fork_fa3_unsupported_reason(fork: Any, device: torch.device) -> str | None:
@@ -219,22 +193,39 @@ class ProviderOps:
     emulated: bool
 
 
-def resolve(provider: Provider, device: torch.device | str, emulate: bool) -> ProviderOps:
+def _modules(provider: Provider, native: bool) -> ProviderOps:
     """The provider's modules natively, else the emulator's stand-ins for the same modules
-    (``emulator.MODULES``). Call after ``unavailable_reason`` returned None; resolved once per
-    backend instance."""
-    why = unavailable_reason(provider, device, emulate)
-    if why is not None:
-        raise BackendUnavailableError("flash", str(device), why)
+    (``emulator.MODULES``)."""
     src = provider.source
-    native = device_type(device) == NATIVE_DEVICE
     if native:
-        modules: Any = {m: _import(m)[0] for m in (src.attention, src.cache_ops) if m}
+        modules: Any = {m: import_once(m)[0] for m in (src.attention, src.cache_ops) if m}
     else:
         from attnhub_flash.emulator import MODULES as modules
     cache_ops = None if src.cache_ops is None else modules[src.cache_ops]
     return ProviderOps(provider.name, modules[src.attention], cache_ops, emulated=not native)
 
 
+def library(provider: Provider) -> VendorLibrary:
+    """``provider``'s functions, natively or emulated (the device dispatch and its sentences
+    are the kit's)."""
+    return VendorLibrary(
+        backend="flash",
+        native_device=NATIVE_DEVICE,
+        kernels="FlashAttention kernels run on device 'cuda'",
+        native="'cuda'",
+        probe=lambda device: _probe(provider, device),
+        load=lambda: _modules(provider, native=True),
+        emulator=lambda: _modules(provider, native=False),
+    )
+
+
+def resolve(provider: Provider, device: torch.device | str, emulate: bool) -> ProviderOps:
+    """The provider's functions on ``device``; resolved once per backend instance. Raises
+    BackendUnavailableError with the reason where they cannot run."""
+    ops: ProviderOps = library(provider).namespace(device, emulate)
+    return ops
+
+
 def is_emulated(device: torch.device | str) -> bool:
+    """Whether ``device`` runs the emulator (the same for every provider)."""
     return device_type(device) == EMULATED_DEVICE

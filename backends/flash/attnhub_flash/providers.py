@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from attnhub.batch import BatchMetadata, as_contiguous
+from attnhub.batch import BatchMetadata
 from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError
+from attnhub.kit import as_contiguous, flat_slots, indexable, quantize_fp8, write_slots
 from attnhub.kv_cache import PagedKVCache
-from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_flash import ops
 
@@ -452,7 +452,7 @@ class VllmFA3Provider(VllmProvider):
     fa_version = 3
 
     def native_reason(self, device: torch.device) -> str | None:
-        fork, _ = ops._import(self.source.attention)
+        fork, _ = ops.import_once(self.source.attention)
         why = ops.fork_fa3_unsupported_reason(fork, device)
         return f"provider 'vllm-fa3': {why}" if why else None
 
@@ -897,13 +897,8 @@ def scatter(
         # fp8: stored fp8(x / scale), as bytes (no fp8 indexing kernels on CPU)
         new = indexable(quantize_fp8(new, scale, plane.dtype) if scale is not None else new)
         dst = indexable(plane)
-        new = new.to(dst.dtype)
-        page = plane.shape[1]
-        if plane.stride(0) == page * plane.stride(1):  # blocks and rows merge into slots
-            flat = dst.view(-1, *plane.shape[2:])  # [num_slots, num_kv_heads, head_size]
-            flat.index_copy_(0, slots, new)
-        else:  # strided blocks (e.g. padded between blocks): (block, offset) indices
-            dst.index_put_((slots // page, slots % page), new)
+        write_slots(dst, flat_slots(dst), slots, new.to(dst.dtype))  # one index_copy_ where
+        # blocks and offsets merge into slots, else (block, offset) indices (the kit's)
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:

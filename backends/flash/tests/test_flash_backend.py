@@ -91,7 +91,7 @@ def test_cpu_needs_emulation_and_says_how() -> None:
 @pytest.mark.parametrize("provider", h.PROVIDERS)
 def test_cuda_without_the_provider_is_unavailable_with_the_import_error(provider: str) -> None:
     module = providers.PROVIDERS[provider].source.attention
-    if ops._import(module)[0] is not None:
+    if ops.import_once(module)[0] is not None:
         pytest.skip(f"{module} imports here")
     why = h.BACKENDS[provider].availability("cuda:0", emulate=True)
     assert why is not None and f"{module} is not importable" in why and ops.ENV in why

@@ -93,7 +93,7 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
     }
     fork = modules["vllm.vllm_flash_attn"]
     fork.fa_version_unsupported_reason = lambda fa_version: None
-    monkeypatch.setattr(ops, "_import", lambda module: (modules[module], None))
+    monkeypatch.setattr(ops, "import_once", lambda module: (modules[module], None))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: state["capability"])
     monkeypatch.delenv("FLASH_ATTENTION_ARCH", raising=False)
@@ -110,7 +110,7 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_a_module_without_the_providers_functions_is_not_the_provider(gpu: Any) -> None:
     # flash-attn-4 alone: flash_attn is a namespace package holding only cute/
-    del ops._import("flash_attn")[0].flash_attn_varlen_func
+    del ops.import_once("flash_attn")[0].flash_attn_varlen_func
     why = h.BACKENDS["fa2"].availability("cuda:0")
     assert why is not None and "no flash_attn_varlen_func" in why and "flash-attn" in why
     assert h.BACKENDS["fa4"].availability("cuda:0") is None

@@ -38,11 +38,11 @@ from attnhub.backend import (
     AttentionMetadata,
     AttentionMetadataBuilder,
 )
-from attnhub.batch import BatchMetadata, as_contiguous
+from attnhub.batch import BatchMetadata
 from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.kit import QueryQuantization, as_contiguous
 from attnhub.kv_cache import PagedKVCache
-from attnhub.quant import QueryQuantization
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_iluvatar import ops
 

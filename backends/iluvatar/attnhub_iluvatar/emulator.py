@@ -68,7 +68,8 @@ from typing import Any
 
 import torch
 
-from attnhub import emulation
+from attnhub.kit import emulation
+from attnhub.kit import merge_attn_states as kit_merge_attn_states
 
 #: These ops stand in for the GPU: a host read made inside them is a read on the device, which
 #: attnhub's host-sync guard (the conformance suite's) allows.
@@ -796,7 +797,7 @@ def merge_attn_states(
 
 
 def _merge_null(
-    a: torch.Tensor, prefix_lse: torch.Tensor, b: torch.Tensor, suffix_lse: torch.Tensor
+    a: torch.Tensor, a_lse: torch.Tensor, b: torch.Tensor, b_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:  # merged [T, H, D] float32, lse [H, T]
     t, h, d = a.shape
     return (
@@ -805,21 +806,9 @@ def _merge_null(
     )
 
 
-@emulation.kernel(null=_merge_null)
-def _merge_math(
-    a: torch.Tensor, prefix_lse: torch.Tensor, b: torch.Tensor, suffix_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:  # merged [T, H, D] float32, lse [H, T]
-    """``merge_attn_states``' math, every argument checked by it."""
-    la = prefix_lse.masked_fill(torch.isposinf(prefix_lse), -math.inf)
-    lb = suffix_lse.masked_fill(torch.isposinf(suffix_lse), -math.inf)
-    m = torch.maximum(la, lb)
-    both_empty = torch.isneginf(m)
-    m = m.masked_fill(both_empty, 0.0)
-    wa, wb = torch.exp(la - m), torch.exp(lb - m)  # natural log: weights are exp(lse)
-    denom = (wa + wb).masked_fill(both_empty, 1.0)
-    merged = (wa.t()[..., None] * a.float() + wb.t()[..., None] * b.float()) / denom.t()[..., None]
-    lse = (m + torch.log(denom)).masked_fill(both_empty, math.inf)
-    return merged, lse
+#: ``merge_attn_states``' math (the kit's: natural log, an infinite LSE is an empty part),
+#: every argument checked by the op.
+_merge_math = emulation.kernel(null=_merge_null)(kit_merge_attn_states)
 
 
 # --- int8 modes ----------------------------------------------------------------------------------

@@ -329,8 +329,14 @@ def test_the_namespace_has_the_attribute_paths_of_ixformer() -> None:
 
 
 def test_the_emulator_never_uses_attnhubs_reference() -> None:
-    # The one attnhub module it may use is attnhub.emulation (the null-kernel switch: no math).
-    source = inspect.getsource(emulator).replace("from attnhub import emulation\n", "", 1)
+    # The attnhub names it may use: the kit's emulation (the null-kernel switch: no math) and
+    # the kit's LSE merge (merge_attn_states' math, shared with backends; not the reference's).
+    source = inspect.getsource(emulator)
+    for line in (
+        "from attnhub.kit import emulation\n",
+        "from attnhub.kit import merge_attn_states as kit_merge_attn_states\n",
+    ):
+        source = source.replace(line, "", 1)
     assert "import attnhub" not in source and "from attnhub" not in source
     assert emulator.__attnhub_device_code__ is True
 

@@ -43,7 +43,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 import attnhub
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
 from attnhub.errors import AttnhubError
-from attnhub.validation import same_view
+from attnhub.kit import same_view
 from attnhub_vllm.mapping import (
     KV_CACHE_DTYPES,
     AttnhubConfigurationError,

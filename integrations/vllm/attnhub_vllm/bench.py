@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from attnhub.batch import BatchMetadata
-from attnhub.bench import HostOverhead, host_step, per_call_us
+from attnhub.kit import HostOverhead, host_step, per_call_us
 from attnhub_vllm.plugin import VLLM_CPU  # the rows' label
 
 
