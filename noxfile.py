@@ -235,7 +235,16 @@ def contracts(session: nox.Session) -> None:
     once with ``pip download``, cached in $ATTNHUB_WHEEL_CACHE, default
     ~/.cache/attnhub/wheels)."""
     session.install(
-        TORCH, "-e", ".", "-e", "./backends/ascend", "-e", "./backends/flash", "pytest>=8"
+        TORCH,
+        "-e",
+        ".",
+        "-e",
+        "./conformance",  # attnhub_conformance.contracts: the artifact cache, the comparison
+        "-e",
+        "./backends/ascend",
+        "-e",
+        "./backends/flash",
+        "pytest>=8",
     )
     _install_pip(session)
     session.run(

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
         Tolerance,
     )
     from attnhub.graphs import BatchDescriptor, CaptureSizes, GraphRunner
-    from attnhub.hookspecs import hookimpl
+    from attnhub.hookspecs import BenchComparison, Command, HostComparison, hookimpl
     from attnhub.kv_cache import PagedKVCache
     from attnhub.registry import (
         BackendInfo,
@@ -82,7 +82,7 @@ _HOMES = {
         "Tolerance",
     ),
     "attnhub.graphs": ("BatchDescriptor", "CaptureSizes", "GraphRunner"),
-    "attnhub.hookspecs": ("hookimpl",),
+    "attnhub.hookspecs": ("hookimpl", "Command", "BenchComparison", "HostComparison"),
     "attnhub.kv_cache": ("PagedKVCache",),
     "attnhub.registry": (
         "BackendInfo",

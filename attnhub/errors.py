@@ -108,6 +108,16 @@ class ReservedBackendNameError(DuplicateBackendError):
     even with ``replace=True``."""
 
 
+class ToolError(AttnhubError):
+    """An attnhub tool (``attnhub bench``, a command or comparison a plugin adds) cannot do
+    what was asked; the message says why. Runtime calls never raise it."""
+
+
+class BenchUnavailableError(ToolError):
+    """A bench comparison cannot run here (its vendor library absent, ...); the message says
+    why. ``attnhub bench`` reports it as skipped, with that reason."""
+
+
 class PluginLoadWarning(UserWarning):
     """Selection ran while a backend plugin had failed to load (the plugin and its error are in
     the message): the backend it would have provided was not considered."""

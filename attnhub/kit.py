@@ -11,7 +11,8 @@ notice; tests/test_kit.py fails when a backend or integration in this repository
   step facts        StepExtents (what build checked), same_view, as_contiguous
   cache layout      BlockPacking (a kernel's element order inside an HND block)
   dtypes            MODEL_DTYPES, indexable, quantize_fp8, QueryQuantization
-  bench plugins     BenchUnavailable, DirectComparison, machine (imported on first use)
+  bench plugins     BenchUnavailable, DirectComparison, machine, HostOverhead, host_step,
+                    per_call_us (imported on first use)
 
 docs/writing-a-backend.md says what each is for.
 """
@@ -35,11 +36,25 @@ from attnhub.validation import StepExtents, same_view
 from attnhub.vendor import EMULATE_HINT, EMULATED_DEVICE, VendorLibrary, import_once
 
 if TYPE_CHECKING:
-    from attnhub.bench import BenchUnavailable, DirectComparison, machine
+    from attnhub.bench import (
+        BenchUnavailable,
+        DirectComparison,
+        HostOverhead,
+        host_step,
+        machine,
+        per_call_us,
+    )
 
 #: Tooling a backend's bench comparison plugin uses: imported on first use, so a backend that
 #: imports the kit does not load the benchmark harness.
-_BENCH = ("BenchUnavailable", "DirectComparison", "machine")
+_BENCH = (
+    "BenchUnavailable",
+    "DirectComparison",
+    "HostOverhead",
+    "host_step",
+    "machine",
+    "per_call_us",
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -56,6 +71,7 @@ __all__ = [
     "BlockPacking",
     "DirectComparison",
     "FixedShapeWrite",
+    "HostOverhead",
     "NPUGraphAdaptor",
     "QueryQuantization",
     "StepExtents",
@@ -66,10 +82,12 @@ __all__ = [
     "device_type",
     "emulation",
     "flat_slots",
+    "host_step",
     "import_once",
     "indexable",
     "machine",
     "merge_attn_states",
+    "per_call_us",
     "quantize_fp8",
     "read_slots",
     "same_view",

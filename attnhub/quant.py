@@ -150,22 +150,21 @@ class ProbabilityQuantization(str, enum.Enum):
     (:func:`round_probabilities`), and the suite bounds what the tiling can change with
     :func:`probability_error_bound`."""
 
-    #: FlashAttention-3's fp8 path: ``exp`` of the scores relative to the (running) row
-    #: maximum, times ``2**8`` (``Max_offset = 8``, so that the largest is 256 and small
-    #: probabilities stay out of e4m3's subnormals), rounded to fp8 e4m3 (round to nearest
-    #: even) before ``P @ V`` [source: hopper/softmax.h, flash_fwd_kernel_sm90.h].
+    #: ``exp`` of the scores relative to the (running) row maximum, times ``2**8`` (so that
+    #: the largest is 256 and small probabilities stay out of e4m3's subnormals), rounded to
+    #: fp8 e4m3 (round to nearest even) before ``P @ V``. Which kernels do this, and where
+    #: their sources say so, is each backend's to document (its capabilities declare it).
     FP8_E4M3 = "fp8_e4m3"
 
 
 #: Every probability scheme by name, with what it does in one line.
 PROBABILITY_QUANTIZATIONS: dict[str, str] = {
     ProbabilityQuantization.FP8_E4M3.value: (
-        "softmax probabilities scaled so the row maximum is 2**8, rounded to fp8 e4m3 before "
-        "P @ V (FlashAttention-3's fp8 path)"
+        "softmax probabilities scaled so the row maximum is 2**8, rounded to fp8 e4m3 before P @ V"
     ),
 }
 
-#: FP8_E4M3: the scaled maximum (2**Max_offset) and e4m3's unit roundoff (3 mantissa bits).
+#: FP8_E4M3: the scaled maximum (2**8) and e4m3's unit roundoff (3 mantissa bits).
 _FP8_PROB_MAX = 2.0**8
 _E4M3_UNIT_ROUNDOFF = 2.0**-4
 #: e4m3's largest absolute rounding error below its smallest normal 2**-6 (half the 2**-9

@@ -1,11 +1,18 @@
-"""Backend discovery (pluggy + entry points) and selection.
+"""Plugin discovery (pluggy + entry points) and backend selection.
 
-Every distribution with an entry point in group ``attnhub`` is loaded in isolation: a plugin that
-fails to import, implements a hook attnhub does not have, or whose hook raises or returns
-something that is not a list of backend classes, is recorded with its error (``list_backends()``,
-``attnhub list``, a :class:`~attnhub.errors.PluginLoadWarning` at selection) and never breaks the
-others. The core's own entry point (the built-in ``torch`` backend) loads first, so a plugin may
-call ``attnhub.get_backend("torch")`` at import, e.g. to subclass it.
+One plugin manager, one loader, one fault isolation: every distribution with an entry point in
+group ``attnhub`` is loaded in isolation, and its hooks (``attnhub.hookspecs``: backends, CLI
+commands, bench comparisons, host comparisons) are called once, all or none. A plugin that fails
+to import, implements a hook attnhub does not have, or whose hook raises or returns something
+else than the hook's list, is recorded with its error (``list_backends()``, ``attnhub list``,
+``attnhub --help``, a :class:`~attnhub.errors.PluginLoadWarning` at selection) and never breaks
+the others. The core's own entry point (the built-in ``torch`` backend) loads first, so a plugin
+may call ``attnhub.get_backend("torch")`` at import, e.g. to subclass it.
+
+The tools (``attnhub`` commands, ``attnhub bench``) also load the deprecated entry-point groups
+``attnhub.cli`` and ``attnhub.bench`` (``LEGACY_GROUPS``), each entry point wrapped as a plugin
+with the matching hook and loaded by the same loader; the runtime (``select_backend``) never
+loads them.
 """
 
 from __future__ import annotations
@@ -38,9 +45,21 @@ from attnhub.errors import (
     ReservedBackendNameError,
     UnsupportedConfigurationError,
 )
+from attnhub.hookspecs import BenchComparison, Command, HostComparison
 from attnhub.spec import AttentionSpec
 
 ENTRY_POINT_GROUP = "attnhub"
+#: Deprecated entry-point groups of the first releases, loaded for the tools only: the value
+#: of an ``attnhub.cli`` entry point returns ``(help, main)`` (a :class:`Command` named as the
+#: entry point), of an ``attnhub.bench`` one is a :class:`BenchComparison`'s ``run``.
+LEGACY_GROUPS = ("attnhub.cli", "attnhub.bench")
+#: What each tool hook returns a list of.
+TOOL_HOOKS: dict[str, type] = {
+    "attnhub_commands": Command,
+    "attnhub_bench_comparisons": BenchComparison,
+    "attnhub_host_comparisons": HostComparison,
+}
+_HOOK_NAMES = ("attnhub_backends", *TOOL_HOOKS)
 ENV_BACKEND = "ATTNHUB_BACKEND"
 ENV_EMULATE = "ATTNHUB_EMULATE"
 
@@ -59,6 +78,28 @@ _MACHINERY = (
     os.path.dirname(pluggy.__file__),
     __file__,
 )
+
+
+@dataclass(frozen=True)
+class PluginTool:
+    """A command or comparison a plugin provides (``item``: a :class:`Command`,
+    :class:`BenchComparison` or :class:`HostComparison`), and where it comes from."""
+
+    plugin: str  # entry-point name ("attnhub.cli:NAME" for a deprecated-group entry point)
+    distribution: str | None
+    version: str | None
+    item: Any
+
+    @property
+    def name(self) -> str:
+        return str(self.item.name)
+
+    @property
+    def source(self) -> str:
+        """``distribution version``, or the plugin's name where no distribution is known."""
+        if self.distribution is None:
+            return self.plugin
+        return f"{self.distribution} {self.version or ''}".strip()
 
 
 @dataclass(frozen=True)
@@ -101,6 +142,8 @@ class Registry:
         self._failures: list[BackendInfo] = []
         self._causes: dict[str, BaseException] = {}  # failed plugin -> its original exception
         self._builtin_plugins: set[str] = set()
+        self._tools: dict[str, list[PluginTool]] = {hook: [] for hook in TOOL_HOOKS}
+        self._legacy_loaded = False
         self.plugin_manager = pluggy.PluginManager(hookspecs.PROJECT)
         self.plugin_manager.add_hookspecs(hookspecs)
 
@@ -134,20 +177,36 @@ class Registry:
         self._failures = []
         self._causes = {}
         self._builtin_plugins = set()
+        self._tools = {hook: [] for hook in TOOL_HOOKS}
+        self._legacy_loaded = False
         for _, plugin in list(self.plugin_manager.list_name_plugin()):
             self.plugin_manager.unregister(plugin)
 
-    def _load(self, ep: Any) -> None:
-        """Import one entry point and register its backends, or record why not."""
+    def discover_tools(self) -> None:
+        """:meth:`discover`, then the deprecated groups ``LEGACY_GROUPS`` once (the tools'
+        discovery: commands and comparisons of plugins not yet on the hooks)."""
+        self.discover()
+        with self._lock:
+            if self._legacy_loaded:
+                return
+            self._legacy_loaded = True
+            for group in LEGACY_GROUPS:
+                for ep in sorted(md.entry_points(group=group), key=lambda e: e.name):
+                    self._load(ep, legacy=group)
+
+    def _load(self, ep: Any, legacy: str | None = None) -> None:
+        """Import one entry point and register its hooks, or record why not. ``legacy``: the
+        deprecated group it comes from, its value wrapped as a plugin (``_legacy_plugin``)."""
         dist = getattr(ep, "dist", None)
         dist_name = dist.metadata["Name"] if dist is not None else None
         version = dist.version if dist is not None else None
-        self._loading = ep.name
+        plugin = ep.name if legacy is None else f"{legacy}:{ep.name}"
+        self._loading = plugin
         try:
-            module = ep.load()
-            self._register_plugin(module, ep.name, dist_name, version, builtin=_is_builtin(ep))
+            module = ep.load() if legacy is None else _legacy_plugin(ep, legacy)
+            self._register_plugin(module, plugin, dist_name, version, builtin=_is_builtin(ep))
         except Exception as exc:
-            self._fail(ep.name, dist_name, version, exc)
+            self._fail(plugin, dist_name, version, exc)
 
     def _register_plugin(
         self,
@@ -158,10 +217,12 @@ class Registry:
         *,
         builtin: bool,
     ) -> None:
-        """Register ``module`` with pluggy, call its hook and add its backends: all or none."""
+        """Register ``module`` with pluggy, call its hooks and add their results: all or none."""
         self.plugin_manager.register(module, name=plugin)
         try:
-            classes = self._hook_result(module, plugin)
+            self._check_hooks(module, plugin)
+            classes = self._hook_result(plugin)
+            tools = {hook: self._tool_results(hook, plugin) for hook in TOOL_HOOKS}
             names: dict[str, type[AttentionBackend]] = {}
             for result in classes:
                 cls = _checked_backend_class(result, f"plugin {plugin!r}")
@@ -180,27 +241,55 @@ class Registry:
             raise
         for name, cls in names.items():
             self._infos[name] = BackendInfo(name, plugin, dist, version, cls)
+        for hook, items in tools.items():
+            self._tools[hook] += [PluginTool(plugin, dist, version, item) for item in items]
         if builtin:
             self._builtin_plugins.add(plugin)
 
-    def _hook_result(self, module: ModuleType, plugin: str) -> list[object]:
-        """What the plugin's own ``attnhub_backends()`` implementations return, concatenated."""
+    def _impls(self, hook: str, plugin: str) -> list[Any]:
+        return [
+            impl
+            for impl in getattr(self.plugin_manager.hook, hook).get_hookimpls()
+            if impl.plugin_name == plugin
+        ]
+
+    def _check_hooks(self, module: ModuleType, plugin: str) -> None:
+        """Raise unless the plugin implements attnhub's hooks only, and one at least."""
+        hooks = ", ".join(f"{h}()" for h in _HOOK_NAMES)
         try:
             self.plugin_manager.check_pending()
         except pluggy.PluginValidationError as exc:  # a misspelled hook name, most likely
+            raise BackendRegistrationError(f"{exc}: attnhub's hooks are {hooks}") from exc
+        if not any(self._impls(hook, plugin) for hook in _HOOK_NAMES):
             raise BackendRegistrationError(
-                f"{exc}: attnhub has one hook, attnhub_backends()"
-            ) from exc
-        impls = [
-            impl
-            for impl in self.plugin_manager.hook.attnhub_backends.get_hookimpls()
-            if impl.plugin_name == plugin
-        ]
-        if not impls:
-            raise BackendRegistrationError(
-                f"plugin {plugin!r} (module {module.__name__}) has no "
-                "@attnhub.hookimpl function named attnhub_backends"
+                f"plugin {plugin!r} (module {module.__name__}) has no @attnhub.hookimpl "
+                f"function named one of {hooks}"
             )
+
+    def _tool_results(self, hook: str, plugin: str) -> list[Any]:
+        """What the plugin's implementations of tool hook ``hook`` return, checked."""
+        kind = TOOL_HOOKS[hook]
+        found: list[Any] = []
+        for impl in self._impls(hook, plugin):
+            result = impl.function()
+            if not isinstance(result, list) or not all(isinstance(r, kind) for r in result):
+                raise BackendRegistrationError(
+                    f"plugin {plugin!r}: {hook}() returned {result!r}, not a list of "
+                    f"attnhub.hookspecs.{kind.__name__}"
+                )
+            for r in result:
+                if not isinstance(r.name, str) or not r.name or r.name.startswith("-"):
+                    raise BackendRegistrationError(
+                        f"plugin {plugin!r}: {hook}() returned a {kind.__name__} named "
+                        f"{r.name!r}, not a non-empty string"
+                    )
+            found += result
+        return found
+
+    def _hook_result(self, plugin: str) -> list[object]:
+        """What the plugin's own ``attnhub_backends()`` implementations return, concatenated
+        (none: the plugin adds tools only)."""
+        impls = self._impls("attnhub_backends", plugin)
         classes: list[object] = []
         for impl in impls:
             result = impl.function()
@@ -210,7 +299,7 @@ class Registry:
                     "not a list of backend classes"
                 )
             classes += result
-        if not classes:
+        if impls and not classes:
             raise BackendRegistrationError(
                 f"plugin {plugin!r}: attnhub_backends() returned no backend classes"
             )
@@ -270,6 +359,19 @@ class Registry:
             self._infos.pop(name, None)
 
     # --- queries ---------------------------------------------------------------------------
+    def tools(self, hook: str) -> list[PluginTool]:
+        """What every plugin's tool hook ``hook`` (a key of ``TOOL_HOOKS``) returned, in load
+        order, the deprecated groups included (:meth:`discover_tools`)."""
+        self.discover_tools()
+        with self._lock:
+            return list(self._tools[hook])
+
+    def failures(self) -> list[BackendInfo]:
+        """Every plugin that failed to load, the deprecated groups' included, in load order."""
+        self.discover_tools()
+        with self._lock:
+            return list(self._failures)
+
     def infos(self) -> list[BackendInfo]:
         """Every backend by name, then every plugin that failed to load, in load order."""
         self.discover()
@@ -360,6 +462,41 @@ class Registry:
             rows.append((emulated, -cls.capabilities.priority.get(dt, 0), cls.name, cls, reasons))
         rows.sort(key=lambda r: r[:3])
         return [(r[3], r[4]) for r in rows]
+
+
+def _legacy_plugin(ep: Any, group: str) -> ModuleType:
+    """An entry point of deprecated group ``group`` as a plugin module with the hook that
+    replaces the group (``attnhub.cli``: ``attnhub_commands``; ``attnhub.bench``:
+    ``attnhub_bench_comparisons``)."""
+    target = ep.load()
+    module = ModuleType(f"{ep.value} (entry-point group {group!r}, deprecated)")
+    if group == "attnhub.cli":
+        made = target()
+        if not (
+            isinstance(made, tuple)
+            and len(made) == 2
+            and isinstance(made[0], str)
+            and callable(made[1])
+        ):
+            raise BackendRegistrationError(
+                f"{ep.value} returned {made!r}, expected (help: str, main: callable)"
+            )
+        command = Command(ep.name, made[0], made[1])
+
+        def attnhub_commands() -> list[Command]:
+            return [command]
+
+        module.attnhub_commands = hookspecs.hookimpl(attnhub_commands)  # type: ignore[attr-defined]
+    else:
+        comparison = BenchComparison(ep.name, target)
+
+        def attnhub_bench_comparisons() -> list[BenchComparison]:
+            return [comparison]
+
+        module.attnhub_bench_comparisons = hookspecs.hookimpl(  # type: ignore[attr-defined]
+            attnhub_bench_comparisons
+        )
+    return module
 
 
 def _load_order(ep: Any) -> tuple[bool, str]:

@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import types
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from attnhub import bench
+from attnhub import bench, registry
 from attnhub.cli import main
-from attnhub.errors import UnsupportedConfigurationError
+from attnhub.errors import ToolError, UnsupportedConfigurationError
 
 
 @pytest.fixture(autouse=True)
@@ -102,8 +103,8 @@ def test_host_overhead_of_an_emulated_backend_runs_its_ops_with_null_kernels() -
 def test_host_plot_draws_the_curve_over_batch_size(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     rows = [
-        bench.HostOverhead(name, f"decode x{n}", n, 10.0 * n**0.1, 5.0, 4.0, True)
-        for name in ("torch", bench.VLLM_CPU)
+        bench.HostOverhead(name, f"decode x{n}", n, 10.0 * n**0.1, 5.0, 4.0, True, external=ext)
+        for name, ext in (("torch", False), ("another engine", True))
         for n in (1, 32, 256)
     ]
     path = tmp_path / "host.png"
@@ -187,6 +188,15 @@ def test_a_refused_configuration_is_skipped_with_the_backends_reason() -> None:
         assert (s.backend, s.case, s.dtype) == ("torch", "odd heads", "float32") and s.reason
 
 
+def test_bench_unavailable_is_an_attnhub_error() -> None:
+    """Every error the tools raise is an attnhub error (issue 25): the old name stays."""
+    from attnhub.errors import AttnhubError, BenchUnavailableError, ToolError
+
+    assert bench.BenchUnavailable is BenchUnavailableError
+    assert issubclass(BenchUnavailableError, ToolError)
+    assert issubclass(ToolError, AttnhubError)
+
+
 def _comparison(*, quick: bool, repeats: int) -> list[bench.DirectComparison]:
     return [bench.DirectComparison("fake", "c", "float32", 2.0, 1.9, 0.95, note=f"{quick}")]
 
@@ -203,29 +213,46 @@ def _wrong_rows(*, quick: bool, repeats: int) -> list[object]:
     return [("c", 1.0)]
 
 
-def test_direct_comparisons_come_from_the_entry_point_group_and_say_why_one_did_not_run(
-    monkeypatch,
-) -> None:
-    import importlib.metadata as md
-
-    eps = [
-        md.EntryPoint(name, f"{__name__}:{fn}", bench.BENCH_GROUP)
-        for name, fn in (
-            ("a", "_comparison"),
-            ("b", "_unavailable"),
-            ("c", "_broken"),
-            ("d", "_wrong_rows"),
-        )
-    ]
-    monkeypatch.setattr(md, "entry_points", lambda group: eps if group == bench.BENCH_GROUP else [])
-    rows, skipped = bench.direct_comparisons(quick=True, repeats=1)
+def _assert_reported(rows, skipped) -> None:
     assert [(r.source, r.note, r.meets_goal) for r in rows] == [("fake", "True", True)]
     reasons = {s.backend: s.reason for s in skipped}
     assert reasons["b direct"] == "the fake library is not installed"
     assert reasons["c direct"] == "failed: ValueError: bad"
     assert reasons["d direct"].startswith("returned ('c', 1.0)")
+
+
+FAKES = (("a", _comparison), ("b", _unavailable), ("c", _broken), ("d", _wrong_rows))
+
+
+def test_direct_comparisons_come_from_the_hook_and_say_why_one_did_not_run(monkeypatch) -> None:
+    from attnhub.hookspecs import BenchComparison, hookimpl
+
+    module = types.ModuleType("fake_bench_plugin")
+    module.attnhub_bench_comparisons = hookimpl(  # type: ignore[attr-defined]
+        lambda: [BenchComparison(name, fn) for name, fn in FAKES]
+    )
+    monkeypatch.setattr(registry.md, "entry_points", lambda group: [])  # the fake plugin only
+    reg = registry.Registry()
+    reg._register_plugin(module, "fake", None, None, builtin=False)
+    monkeypatch.setattr(registry, "_REGISTRY", reg)
+    rows, skipped = bench.direct_comparisons(quick=True, repeats=1)
+    _assert_reported(rows, skipped)
     rows, skipped = bench.direct_comparisons(quick=True, repeats=1, only="b")
     assert rows == [] and [s.backend for s in skipped] == ["b direct"]
+
+
+def test_the_deprecated_entry_point_group_still_adds_comparisons(monkeypatch) -> None:
+    import importlib.metadata as md
+
+    eps = [
+        md.EntryPoint(name, f"{__name__}:{fn.__name__}", bench.BENCH_GROUP) for name, fn in FAKES
+    ]
+    monkeypatch.setattr(  # the deprecated group's entry points only
+        registry.md, "entry_points", lambda group: eps if group == bench.BENCH_GROUP else []
+    )
+    monkeypatch.setattr(registry, "_REGISTRY", registry.Registry())
+    rows, skipped = bench.direct_comparisons(quick=True, repeats=1)
+    _assert_reported(rows, skipped)
 
 
 def test_the_cpu_backends_comparison_runs_or_says_why_not() -> None:
@@ -268,7 +295,7 @@ def test_one_run_reports_kernels_direct_comparisons_and_host_overhead(tmp_path) 
     assert {"ceilings", "direct", "skipped"} <= set(doc)
     ours = [r for r in doc["host"] if r["backend"] == "torch"]  # (and vLLM's, where installed)
     assert [r["step"] for r in ours] == list(bench.HOST_STEPS)
-    assert {r["backend"] for r in doc["host"]} <= {"torch", bench.VLLM_CPU}
+    assert {r["backend"] for r in doc["host"] if not r["external"]} == {"torch"}
     assert all(r["build_us"] > 0 for r in ours)
     assert png.exists() == ("--plot" in argv)
 
@@ -371,7 +398,7 @@ def test_an_op_returning_different_kinds_in_one_step_is_refused() -> None:
 
     rec = bench._Recording(SimpleNamespace(either=either), (), {})
     rec.either(torch.ones(1), False)
-    with pytest.raises(RuntimeError, match="either returned different kinds"):
+    with pytest.raises(ToolError, match="either returned different kinds"):
         rec.either(torch.ones(1), True)
 
 
@@ -393,7 +420,7 @@ def test_a_vendor_backends_wrapper_is_timed_with_no_emulated_op_running(
     bs = bench.host_block_size(backend)  # iluvatar: 64, its largest kernel block size
     spec = AttentionSpec(**{**bench.HOST_SPEC, "block_size": bs})  # type: ignore[arg-type]
     be: Any = select_backend(spec, "cpu", prefer=backend, emulate=True)
-    s = bench._host_step("mixed x16", "cpu", bs)
+    s = bench.host_step("mixed x16", "cpu", bs)
     cache = be.allocate_kv_cache(s.num_blocks)
     batch = BatchMetadata.from_lengths(s.query_lens, s.seq_lens, s.table, bs, "cpu")
     impl, meta = be.impl(), be.metadata_builder().build(batch)
@@ -474,3 +501,15 @@ def test_a_loaded_machine_is_named_as_such_and_a_quiet_one_is_not():
     assert problem is not None and "load average 3.00 on 2 cores" in problem
     assert dataclasses.replace(where, load_average=None).load_problem() is None
     assert "load average 0.50" in where.describe()
+
+
+def test_the_op_namespace_is_a_declared_hook_of_the_backend_protocol() -> None:
+    """``noop_ops`` replaces ``AttentionBackend.ops``, a declared attribute (None: no vendor
+    namespace, as the built-in backend); asked of such a backend it says so, typed."""
+    from attnhub import AttentionBackend, AttentionSpec, select_backend
+
+    assert "ops" in vars(AttentionBackend) and AttentionBackend.ops is None
+    spec = AttentionSpec(num_heads=2, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    be = select_backend(spec, "cpu", prefer="torch")
+    with pytest.raises(ToolError, match="declares no op namespace"), bench.noop_ops(be, []):
+        pass

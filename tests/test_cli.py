@@ -69,10 +69,13 @@ def subcommand(name: str) -> argparse.ArgumentParser:
 
 
 # --- attnhub --help ------------------------------------------------------------------------------
-def test_help_does_not_import_torch():
+@pytest.mark.parametrize("command", ["list", "select", "bench"])
+def test_a_built_in_commands_help_imports_no_torch(command):
+    """A built-in command's own arguments load no plugin (``attnhub --help`` does: it lists
+    every plugin's commands and every broken plugin)."""
     code = (
         "import sys\nfrom attnhub.cli import main\n"
-        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        f"try:\n    main([{command!r}, '--help'])\nexcept SystemExit:\n    pass\n"
         "print('torch' in sys.modules)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -341,7 +344,7 @@ def test_select_help_documents_its_exit_status(capsys):
 
 
 def test_a_missing_conformance_command_names_its_distribution(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "plugin_commands", lambda only=None: {})
+    monkeypatch.setattr(cli, "plugin_commands", lambda: {})
     assert main(["conformance"]) == 2
     err = capsys.readouterr().err
     assert "comes from attnhub-conformance (attnhub's extra [conformance])" in err

@@ -1,25 +1,61 @@
-"""Commands other distributions add to ``attnhub`` (entry-point group ``attnhub.cli``), and the
-dependency direction: the core never names the conformance suite, which adds its command this
-way."""
+"""Commands plugins add to ``attnhub`` (hook ``attnhub_commands``, found by the one plugin
+discovery), the deprecated entry-point group ``attnhub.cli`` loaded the same way, one report of
+broken plugins, and the dependency direction: the core never names the conformance suite, which
+adds its command this way."""
 
 from __future__ import annotations
 
+import json
+import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import attnhub
+from attnhub import registry
 from attnhub.cli import main
 
 CORE = Path(attnhub.__file__).resolve().parent
 
-FAKE_COMMANDS = """
-def command():
-    return "say hello (a test command)", main
+FAKE_PLUGIN = """
+import attnhub
+from attnhub.hookspecs import Command
 
 def main(argv):
     print("hello", *argv)
     return 3
+
+@attnhub.hookimpl
+def attnhub_commands():
+    return [Command("hello", "say hello (a test command)", main)]
+"""
+
+FAKE_LIST = """
+import attnhub
+from attnhub.hookspecs import Command
+
+@attnhub.hookimpl
+def attnhub_commands():
+    return [Command("list", "a built-in's name", lambda argv: 0)]
+"""
+
+FAKE_NOT_A_LIST = """
+import attnhub
+
+@attnhub.hookimpl
+def attnhub_commands():
+    return ("hello", print)
+"""
+
+LEGACY = """
+def command():
+    return "say hi (an old-style command)", main
+
+def main(argv):
+    print("hi", *argv)
+    return 4
 
 def not_a_pair():
     return main
@@ -27,20 +63,38 @@ def not_a_pair():
 
 
 @pytest.fixture
-def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """``installed({"hello": "fake_commands:command"})``: a distribution with these entry points
-    in group ``attnhub.cli`` is importable (on sys.path) for this test."""
+def installed(tmp_path: Path) -> Iterator[object]:
+    """``installed({"hello": "fake_hello"}, attnhub_cli={...})``: a distribution with these
+    entry points in group ``attnhub`` (and ``attnhub.cli``) is installed for this test, the
+    default registry rediscovered (and again, without it, afterwards)."""
+    modules = {
+        "fake_hello": FAKE_PLUGIN,
+        "fake_list": FAKE_LIST,
+        "fake_not_a_list": FAKE_NOT_A_LIST,
+        "fake_legacy": LEGACY,
+    }
 
-    def install(entry_points: dict[str, str]) -> None:
-        (tmp_path / "fake_commands.py").write_text(FAKE_COMMANDS)
+    def install(entry_points: dict[str, str], attnhub_cli: dict[str, str] | None = None) -> None:
+        for name, text in modules.items():
+            (tmp_path / f"{name}.py").write_text(text)
         info = tmp_path / "fake_commands-1.2.dist-info"
         info.mkdir()
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-commands\nVersion: 1.2\n")
-        lines = [f"{name} = {value}" for name, value in entry_points.items()]
-        (info / "entry_points.txt").write_text("[attnhub.cli]\n" + "\n".join(lines) + "\n")
-        monkeypatch.syspath_prepend(str(tmp_path))
+        text = "[attnhub]\n" + "".join(f"{n} = {v}\n" for n, v in entry_points.items())
+        if attnhub_cli:
+            text += "[attnhub.cli]\n" + "".join(f"{n} = {v}\n" for n, v in attnhub_cli.items())
+        (info / "entry_points.txt").write_text(text)
+        sys.path.insert(0, str(tmp_path))
+        registry.default_registry().discover(force=True)
 
-    return install
+    yield install
+    if str(tmp_path) in sys.path:
+        sys.path.remove(str(tmp_path))
+    for name in modules:
+        sys.modules.pop(name, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        registry.default_registry().discover(force=True)
 
 
 def test_core_source_never_names_the_conformance_suite():
@@ -57,14 +111,14 @@ def test_core_source_never_names_the_conformance_suite():
     assert offenders == []
 
 
-def test_an_installed_command_runs_with_the_arguments_after_its_name(installed, capsys):
-    installed({"hello": "fake_commands:command"})
+def test_a_plugins_command_runs_with_the_arguments_after_its_name(installed, capsys):
+    installed({"hello": "fake_hello"})
     assert main(["hello", "a", "--b"]) == 3
     assert capsys.readouterr().out == "hello a --b\n"
 
 
-def test_installed_commands_are_listed_in_help_with_their_distribution(installed, capsys):
-    installed({"hello": "fake_commands:command"})
+def test_plugin_commands_are_listed_in_help_with_their_distribution(installed, capsys):
+    installed({"hello": "fake_hello"})
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
@@ -72,44 +126,79 @@ def test_installed_commands_are_listed_in_help_with_their_distribution(installed
     assert "hello say hello (a test command) [fake-commands 1.2]" in out
 
 
-def test_a_command_that_fails_to_load_is_reported_in_one_line(installed, capsys):
-    installed({"broken": "no_such_module_here:command", "hello": "fake_commands:command"})
+def test_a_broken_plugin_is_reported_once_by_help_list_and_its_command(
+    installed, capsys, monkeypatch
+):
+    """One discovery, one fault isolation, one report: the plugin that fails to import is
+    named with its error by ``--help`` and ``list``, and running it says so in one line; the
+    other commands, built-in and installed, still work."""
+    monkeypatch.setenv("COLUMNS", "200")  # argparse wraps help at hyphens
+    installed({"broken": "no_such_module_here", "hello": "fake_hello"})
     assert main(["broken", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "'broken'" in err[0] and "fake-commands 1.2" in err[0]
     assert "ModuleNotFoundError" in err[0] and "no_such_module_here" in err[0]
-    # the other commands, built-in and installed, still work
     assert main(["hello"]) == 3
+    capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "broken failed to load: no_such_module_here:command: ModuleNotFoundError" in out
+    assert "Plugins that failed to load: broken [fake-commands 1.2]" in out
+    assert "ModuleNotFoundError" in out and "hello say hello" in out
+    assert main(["list", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert "no_such_module_here" in rows["broken"]["error"] and rows["torch"]["error"] is None
 
 
-def test_a_command_that_breaks_the_contract_is_reported(installed, capsys):
-    installed({"odd": "fake_commands:not_a_pair"})
+def test_a_hook_that_breaks_the_contract_is_a_broken_plugin(installed, capsys):
+    installed({"odd": "fake_not_a_list"})
     assert main(["odd"]) == 2
     err = capsys.readouterr().err
-    assert "'odd'" in err and "expected (help: str, main: callable)" in err
+    assert "'odd'" in err and "attnhub_commands() returned ('hello'" in err
+    assert "not a list of attnhub.hookspecs.Command" in err
 
 
-def test_a_built_in_command_never_loads_installed_ones(installed, capsys):
-    installed({"broken": "no_such_module_here:command"})
-    assert main(["list", "--json"]) == 0
-    assert "no_such_module_here" not in capsys.readouterr().err
+def test_a_built_in_command_runs_whatever_a_plugin_does(installed, capsys):
+    installed({"broken": "no_such_module_here"})
+    assert main(["select", "--heads", "2", "--head-size", "16", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("selected: torch") and "no_such_module_here" in out
 
 
-def test_an_installed_command_cannot_replace_a_built_in_one(installed, capsys, monkeypatch):
+def test_a_plugin_command_cannot_replace_a_built_in_one(installed, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # argparse wraps help at hyphens
-    installed({"list": "fake_commands:command"})
+    installed({"fakelist": "fake_list"})
     assert main(["list", "--json"]) == 0
-    assert "hello" not in capsys.readouterr().out
+    assert "a built-in's name" not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "Ignored: 'list' from fake-commands 1.2 (a built-in command's name)" in out
+
+
+def test_the_deprecated_entry_point_group_still_adds_commands(installed, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # argparse wraps help at hyphens
+    installed({}, attnhub_cli={"hi": "fake_legacy:command", "odd": "fake_legacy:not_a_pair"})
+    assert main(["hi", "there"]) == 4
+    assert capsys.readouterr().out == "hi there\n"
+    assert main(["odd"]) == 2
+    err = capsys.readouterr().err
+    assert "'odd'" in err and "expected (help: str, main: callable)" in err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "hi say hi (an old-style command) [fake-commands 1.2]" in out
+    assert "odd [fake-commands 1.2]" in out  # broken: reported with the others
+
+
+def test_the_runtime_never_loads_the_deprecated_groups(installed):
+    installed({}, attnhub_cli={"hi": "fake_legacy:command"})
+    reg = registry.default_registry()
+    reg.infos()
+    assert "fake_legacy" not in sys.modules
+    assert [t.name for t in reg.tools("attnhub_commands") if t.plugin.endswith(":hi")] == ["hi"]
 
 
 def test_an_unknown_command_names_the_known_ones_and_where_others_come_from(capsys):
@@ -117,4 +206,4 @@ def test_an_unknown_command_names_the_known_ones_and_where_others_come_from(caps
     err = capsys.readouterr().err
     assert "unknown command 'lst' (known: list, select, bench" in err
     assert "did you mean 'list'?" in err
-    assert "'attnhub.cli'" in err
+    assert "hook attnhub_commands" in err

@@ -9,7 +9,11 @@ from pathlib import Path
 import attnhub
 
 CORE = Path(attnhub.__file__).parent
-VENDOR_WORDS = re.compile(r"\b(ascend|iluvatar|ixformer|torch_npu|corex|cann)\b|\bnpu_\w+")
+VENDOR_WORDS = re.compile(
+    r"\b(ascend|iluvatar|ixformer|torch_npu|corex|cann)\b|\bnpu_\w+"
+    # a vendor kernel's internals (FlashAttention's sources, its constants) belong to its backend
+    r"|\b(flashattention(-\d)?|flash_attn\w*|hopper|fa[234]|sm_?90|max_offset)\b"
+)
 HISTORY_WORDS = (r"\bissue", r"\bsession \d", r"\bTODO\b")
 
 

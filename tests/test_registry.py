@@ -740,3 +740,46 @@ def test_plugin_hooks_run_once_at_discovery(
         reg.select(SPEC, "cpu")
         infos(reg)
     assert calls == [1]
+
+
+# --- tool hooks: one discovery for backends, commands and comparisons ------------------------
+
+
+def _tool_plugin(name: str, **hooks: Callable[[], object]) -> types.ModuleType:
+    module = types.ModuleType(name)
+    for hook, fn in hooks.items():
+        setattr(module, hook, hookimpl(fn))
+    return module
+
+
+def test_a_plugin_may_add_tools_only_and_they_load_with_the_backends(
+    with_torch: Callable[..., registry.Registry],
+) -> None:
+    from attnhub.hookspecs import BenchComparison, Command
+
+    command = Command("hello", "say hello", lambda argv: 0)
+    comparison = BenchComparison("mine", lambda *, quick, repeats: [])
+    module = _tool_plugin(
+        "tools_only",
+        attnhub_commands=lambda: [command],
+        attnhub_bench_comparisons=lambda: [comparison],
+    )
+    reg = with_torch(FakeEntryPoint("tools", lambda: module))
+    reg.discover()  # the runtime's discovery calls every hook once: the tools are known
+    assert [t.item for t in reg._tools["attnhub_commands"]] == [command]
+    assert {i.name for i in reg.infos()} == {"torch"}  # no backend, no failure
+    assert [(t.plugin, t.source) for t in reg._tools["attnhub_bench_comparisons"]] == [
+        ("tools", "tools")
+    ]
+
+
+def test_a_plugin_with_no_hook_or_a_bad_tool_result_is_reported_broken(
+    with_torch: Callable[..., registry.Registry],
+) -> None:
+    empty = types.ModuleType("no_hooks")
+    odd = _tool_plugin("odd_tools", attnhub_commands=lambda: ["hello"])
+    reg = with_torch(FakeEntryPoint("empty", lambda: empty))
+    assert_reported_broken(reg, "empty", "no @attnhub.hookimpl", "attnhub_commands()")
+    reg = with_torch(FakeEntryPoint("odd", lambda: odd))
+    assert_reported_broken(reg, "odd", "attnhub_commands() returned ['hello']", "Command")
+    assert reg._tools["attnhub_commands"] == []  # all or none

@@ -31,7 +31,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -401,12 +400,6 @@ def _run_pytest(ns: argparse.Namespace, plugin: Progress) -> int | pytest.ExitCo
             os.environ.pop("OMP_NUM_THREADS", None)
         if own_storage:
             shutil.rmtree(os.environ.pop("HYPOTHESIS_STORAGE_DIRECTORY"), ignore_errors=True)
-
-
-def command() -> tuple[str, Callable[[list[str]], int]]:
-    """``attnhub conformance``: the entry point (group ``attnhub.cli``) that adds this command to
-    attnhub's CLI; returns its one-line help and its ``main``."""
-    return "run the conformance suite; print the features x backends matrix", main
 
 
 if __name__ == "__main__":  # python -m attnhub_conformance.runner

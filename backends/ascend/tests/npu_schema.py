@@ -17,8 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnhub import contracts
-from attnhub.contracts import NO_DEFAULT, Param
+from attnhub_conformance import contracts
+from attnhub_conformance.contracts import NO_DEFAULT, Param
 
 WHEEL_REQUIREMENT = "torch-npu==2.10.0.post4"
 WHEEL_GLOB = "torch_npu-2.10.0.post4-*.whl"

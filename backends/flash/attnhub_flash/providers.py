@@ -67,7 +67,11 @@ FP8_KV = "fp8_e4m3"
 #: FA3's fp8 path (vLLM's fork with fa_version=3, and upstream hopper): q, k and v all fp8
 #: e4m3 with float32 descales; the query quantized with a static scale as vLLM does
 #: (``ops.scaled_fp8_quant(query, layer._q_scale)``, 1.0 unless the checkpoint sets one); the
-#: softmax probabilities rounded to e4m3 before ``P @ V`` (hopper/softmax.h ``Max_offset``).
+#: softmax probabilities rounded to e4m3 before ``P @ V``: ``exp`` of the scores relative to
+#: the running row maximum times ``2**8`` (``Max_offset = 8``), rounded to e4m3, the row sum
+#: unrounded [source: hopper/softmax.h, flash_fwd_kernel_sm90.h], which is the core's scheme
+#: ``attnhub.quant.ProbabilityQuantization.FP8_E4M3`` (the core states the math; this backend,
+#: which kernels do it).
 #: The accuracy bound is what the emulated kernels measure on the suite's standard cases
 #: (worst over head sizes 64-256, block sizes, GQA, windows, softcap, sinks), rounded up:
 #: docs/backends/flash.md.

@@ -21,8 +21,8 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from attnhub import contracts
-from attnhub.contracts import NO_DEFAULT, Param, VendorArtifact
+from attnhub_conformance import contracts
+from attnhub_conformance.contracts import NO_DEFAULT, Param, VendorArtifact
 
 #: An emulator function's parameters, comparable with the published ones.
 from_signature = contracts.params_of

@@ -17,9 +17,8 @@ from pathlib import Path
 import flash_schema
 import pytest
 import torch
+from attnhub_conformance.contracts import NO_DEFAULT
 from attnhub_flash import emulator, ops
-
-from attnhub.contracts import NO_DEFAULT
 
 pytestmark = pytest.mark.contract
 

@@ -3,13 +3,22 @@
 Active when ``ATTNHUB_BACKEND`` names an attnhub backend, or when ``ATTNHUB_VLLM=1`` (attnhub
 then picks the best available backend). ``ATTNHUB_VLLM=0`` turns it off. vLLM runs general
 plugins in every process it starts, so the choice follows the environment.
+
+Also attnhub's plugin (entry-point group ``attnhub``): ``attnhub bench --host`` times vLLM's
+CPU backend beside attnhub's (``attnhub_vllm.bench``; hook ``attnhub_host_comparisons``).
+Importing this module imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
+from attnhub.hookspecs import HostComparison, hookimpl
 from attnhub_vllm import BACKEND_CLASS_PATH
+
+#: ``attnhub_vllm.bench.VLLM_CPU``, without importing torch here.
+VLLM_CPU = "vllm CPU_ATTN"
 
 
 def enabled() -> bool:
@@ -29,3 +38,20 @@ def register() -> None:
     # CUSTOM, but honours an override of it.
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS_PATH)
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CLASS_PATH)
+
+
+def _unavailable(device: str) -> str | None:
+    from attnhub_vllm.bench import vllm_cpu_unavailable
+
+    return vllm_cpu_unavailable(device)
+
+
+def _host_overhead(step: str) -> Any:
+    from attnhub_vllm.bench import vllm_host_overhead
+
+    return vllm_host_overhead(step)
+
+
+@hookimpl
+def attnhub_host_comparisons() -> list[HostComparison]:
+    return [HostComparison(VLLM_CPU, _unavailable, _host_overhead)]

@@ -1,4 +1,4 @@
-"""attnhub.contracts: what every vendor backend's contract test shares (artifact cache,
+"""attnhub_conformance.contracts: what every vendor backend's contract test shares (artifact cache,
 parameter comparison)."""
 
 from __future__ import annotations
@@ -6,9 +6,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
-
-from attnhub import contracts
-from attnhub.contracts import NO_DEFAULT, Param
+from attnhub_conformance import contracts
+from attnhub_conformance.contracts import NO_DEFAULT, Param
 
 
 def emulated(q, k, scale=1.0, *, softcap=0.0, out=None, **kwargs):

@@ -13,6 +13,10 @@ contract test reads that artifact, cached once, and compares parameters with the
 
 How a vendor's own format is parsed (a YAML of schema strings, a Python module read with
 ``ast``) stays with that backend's tests.
+
+This is test tooling, not runtime: it shells out to ``pip``, so it lives in the conformance
+distribution (every backend's ``test`` extra installs it), never in the core ``attnhub``, whose
+import loads no pip machinery.
 """
 
 from __future__ import annotations
