@@ -48,6 +48,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -676,16 +677,24 @@ def _describe(spec: AttentionSpec) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m attnhub_conformance.soak",
-        description="Soak attnhub backends with random engine steps against a shadow model.",
+        description="Soak attnhub backends with random engine steps against a shadow model, "
+        "and fuzz their API boundary; print the figures. Exit status 1 if anything was wrong.",
     )
     parser.add_argument("--backend", action="append", default=[], help="backend name (repeatable)")
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=1000, help="soak steps per backend")
+    parser.add_argument("--fuzz-examples", type=int, default=0, help="fuzz examples per backend")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--emulate", action="store_true", help="vendor backends through emulators")
-    parser.add_argument("--label", default=None, help="name of the backend in the figures")
-    parser.add_argument("--json", default=None, help="append the report to this JSON-lines file")
+    parser.add_argument("--label", default=None, help="the backend's name in the figures")
+    parser.add_argument("--json", default=None, help="append the reports to this JSON-lines file")
+    parser.add_argument(
+        "--table", default=None, metavar="JSONL", help="print the fault table of a JSON-lines file"
+    )
     args = parser.parse_args(argv)
+    if args.table:
+        print(fault_table(args.table))
+        return 0
     names = args.backend or [i.name for i in attnhub.list_backends() if i.backend is not None]
     failed = False
     for name in names:
@@ -696,17 +705,67 @@ def main(argv: Sequence[str] | None = None) -> int:
             failed = True
             continue
         backend = cls(default_spec(cls), args.device, emulate=args.emulate)
-        report = run(backend, args.steps, args.seed)
-        if args.label:
-            report.backend = args.label
-        print(report.summary(), flush=True)
-        if not report.ok:
-            print(report.failures(), flush=True)
-            failed = True
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(asdict(report)) + "\n")
+        reports: list[Any] = []
+        if args.steps:
+            reports.append(run(backend, args.steps, args.seed))
+        if args.fuzz_examples:
+            from attnhub_conformance import fuzz  # hypothesis: only where the fuzz runs
+
+            reports.append(fuzz.run(backend, args.fuzz_examples, args.seed))
+        for report in reports:
+            if args.label:
+                report.backend = args.label
+            print(report.summary(), flush=True)
+            if not report.ok:
+                print(report.failures(), flush=True)
+                failed = True
+            if args.json:
+                with open(args.json, "a") as f:
+                    kind = "soak" if isinstance(report, SoakReport) else "fuzz"
+                    f.write(json.dumps({"kind": kind, **asdict(report)}) + "\n")
     return 1 if failed else 0
+
+
+def fault_table(path: str) -> str:
+    """Markdown tables of the soak and fuzz reports in a JSON-lines file (``--json``)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    soaks = [r for r in rows if r["kind"] == "soak"]
+    fuzzes = [r for r in rows if r["kind"] == "fuzz"]
+    out = [
+        "| backend | spec | steps | tokens | requests | preemptions (recompute / swap) | "
+        "copy-on-write | cascade steps | drafts rejected | divergences | corruptions | "
+        "typed / untyped errors | memory growth after warm-up (RSS / tensors) | seconds |",
+        "|" + "---|" * 14,
+    ]
+    for r in soaks:
+        out.append(
+            f"| {r['backend']} | {r['spec']} | {r['steps']} | {r['tokens']} | "
+            f"{r['requests_finished']} | {r['preempted_recompute']} / {r['preempted_swap']} | "
+            f"{r['copy_on_write']} | {r['cascade_steps']} | {r['rejected_drafts']} | "
+            f"{r['divergences']} | {r['corruptions']} | {r['typed_errors']} / "
+            f"{r['untyped_errors']} | {r['rss_growth_mib']:+.1f} MiB / "
+            f"{r['tensor_growth_mib']:+.2f} MiB | {r['seconds']:.0f} |"
+        )
+    if fuzzes:
+        targets = list(fuzzes[0]["examples"])
+        out += [
+            "",
+            "| backend | examples | " + " | ".join(targets) + " | accepted | typed errors | "
+            "untyped errors | cache corruptions | wrong results | known defects tripped |",
+            "|" + "---|" * (len(targets) + 8),
+        ]
+        for r in fuzzes:
+            known = ", ".join(sorted({v.split(":")[0] for v in r["known_seen"].values()}))
+            out.append(
+                f"| {r['backend']} | {sum(r['examples'].values())} | "
+                + " | ".join(str(r["examples"][t]) for t in targets)
+                + f" | {r['accepted']} | {r['typed_errors']} | {r['untyped_errors']} | "
+                f"{r['corruptions']} | {r['wrong_results']} | {r['known']}"
+                + (f" ({known})" if known else "")
+                + " |"
+            )
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
