@@ -453,7 +453,9 @@ class _Fuzzer:
         )
         batch = b
         if how in ("outside", "below_padding"):
-            i = data.draw(st.integers(0, b.num_tokens - 1))
+            # the last real token or a padding row: earlier tokens stay valid, so a backend
+            # that writes before it checks changes the cache
+            i = data.draw(st.integers(max(b.num_actual_tokens - 1, 0), b.num_tokens - 1))
             n_slots = base.cache.num_slots
             slots[i] = (
                 data.draw(st.integers(n_slots, n_slots + 1000))
