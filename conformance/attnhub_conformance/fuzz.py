@@ -68,7 +68,7 @@ TARGETS = (
 #: now: a defect being fixed on another branch. A label is ``backend.name``, with the flash
 #: provider appended (``flash-fa3``); the pattern is an ``fnmatch`` pattern ("*": any).
 _D2 = "issue 23 defect 2: metadata built for another spec is accepted"
-_D3 = "issue 23 defect 3: flash refuses a strided slot_mapping with an untyped FlashOpError"
+_D3 = "issue 23 defect 3: flash refuses strided integer batch tensors with an untyped FlashOpError"
 _D4 = "issue 23 defect 4: iluvatar reads request 0's prefix for an inconsistent common_prefix_len"
 _D5 = (
     "issue 23 defect 5: FA3/FA4 emulators refuse a one-element strided seq_lens, after the KV write"
@@ -83,13 +83,20 @@ KNOWN_DEFECTS: dict[tuple[str, str], str] = {
         ("*", f"foreign_meta/{v}"): _D2
         for v in ("block_size", "block_size_half", "head_size", "kv_heads")
     },
-    ("flash-*", "write_kv/strided"): _D3,
-    ("flash-*", "strides/slot_mapping"): _D3,
-    ("flash-*", "slot_mapping/strided"): _D3,
+    **{
+        ("flash-*", v): _D3
+        for v in (
+            "write_kv/strided",
+            "slot_mapping/strided",
+            "strides/slot_mapping",
+            "strides/seq_lens",
+            "strides/query_start_loc",
+            "strides/block_table",
+        )
+    },
     ("iluvatar", "common_prefix/inconsistent"): _D4,
     **{
-        (p, f"strides/{t}/one_request"): _D5
-        for p in ("flash-fa3", "flash-fa4")
+        ("flash-*", f"strides/{t}/one_request"): _D5  # every provider's emulator, as FA3/FA4's
         for t in ("seq_lens", "query_start_loc")
     },
     **{
