@@ -4,6 +4,7 @@ same seed."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import mutants
 import pytest
@@ -174,3 +175,18 @@ def test_the_default_spec_is_one_the_backend_serves() -> None:
         assert spec.kv_cache_dtype == "auto"
     restricted = soak.default_spec(mutants.RestrictedBackend)
     assert replace(restricted, head_size=128) == restricted
+
+
+def test_the_command_prints_the_figures_and_the_fault_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    figures = tmp_path / "figures.jsonl"
+    argv = ["--backend", "torch", "--steps", "20", "--fuzz-examples", "13", "--seed", "2"]
+    assert soak.main([*argv, "--json", str(figures), "--label", "torch-x"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("soak torch-x [bfloat16 h64 8/2 heads bs16] seed 2: ")
+    assert "\nfuzz torch-x seed 2: 13 examples (lengths 1, " in printed
+    table = soak.fault_table(str(figures))
+    soak_row, fuzz_row = (line for line in table.splitlines() if line.startswith("| torch-x |"))
+    assert 15 <= int(soak_row.split(" | ")[2]) <= 20  # steps run: one with nothing to do is not
+    assert fuzz_row.split(" | ")[1] == "13"
