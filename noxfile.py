@@ -227,7 +227,8 @@ def conformance(session: nox.Session) -> None:
 
 
 #: The long soak (``nox -s soak``): engine steps and API-fuzz examples per conformance target.
-#: About 20 minutes in all on 2 cores (docs/reliability.md has the figures of one run).
+#: About 25 minutes in all on a shared 2-core machine (docs/reliability.md: the figures of one
+#: run, and each target's time).
 SOAK_STEPS = 10_000
 SOAK_FUZZ_EXAMPLES = 1_300
 

@@ -44,6 +44,7 @@ from hypothesis import strategies as st
 from attnhub import AttentionBackend, BatchMetadata, PagedKVCache, testing
 from attnhub.errors import AttnhubError
 from attnhub.spec import AttentionSpec
+from attnhub_conformance.soak import backend_label
 
 __all__ = ["KNOWN_DEFECTS", "TARGETS", "FuzzReport", "backend_label", "run"]
 
@@ -162,12 +163,6 @@ def known_defect(label: str, variant: str) -> str | None:
         if known_variant == variant and fnmatch.fnmatchcase(label, pattern):
             return why
     return None
-
-
-def backend_label(backend: AttentionBackend) -> str:
-    """``backend.name``, and its provider where the class names one (``flash-fa3``)."""
-    provider = getattr(type(backend), "provider", None)
-    return f"{backend.name}-{provider}" if isinstance(provider, str) else backend.name
 
 
 # --- a valid step ------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from attnhub import AttentionBackend, AttentionSpec, BatchMetadata, PagedKVCache
 from attnhub.errors import AttnhubError
 from attnhub.reference import attention
 
-__all__ = ["SoakReport", "default_spec", "main", "run"]
+__all__ = ["SoakReport", "backend_label", "default_spec", "fault_table", "main", "run"]
 
 
 @dataclass
@@ -632,7 +632,7 @@ def run(
     mean_tokens = (1 + bs / 2 + 2 * bs + 2.5) / 3 + GENERATED / 2
     demand = max_running * (mean_tokens / bs + 1)
     num_blocks = num_blocks or max(longest + 2, int(0.85 * demand))
-    report = SoakReport(backend.name, _describe(spec), seed)
+    report = SoakReport(backend_label(backend), _describe(spec), seed)
     engine = _Engine(
         backend,
         report,
@@ -662,6 +662,12 @@ def run(
         report.tensor_growth_mib = _tensor_mib() - tensors0
     report.seconds = time.perf_counter() - started
     return report
+
+
+def backend_label(backend: AttentionBackend) -> str:
+    """``backend.name``, and its provider where the class names one (``flash-fa3``)."""
+    provider = getattr(type(backend), "provider", None)
+    return f"{backend.name}-{provider}" if isinstance(provider, str) else backend.name
 
 
 def _describe(spec: AttentionSpec) -> str:
