@@ -12,6 +12,7 @@ call before anything is written, allocating caches and outputs.
 from __future__ import annotations
 
 import abc
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -30,6 +31,7 @@ from attnhub.spec import AttentionSpec
 
 if TYPE_CHECKING:
     from attnhub.graphs.adaptor import GraphAdaptor
+    from attnhub.quant import LayerClipCounter
 
 
 def device_type(device: torch.device | str) -> str:
@@ -167,6 +169,10 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
         #: The step ``build`` is planning: its extents and the host facts read while checking
         #: it (query and sequence lengths as numpy, their extremes), set before ``plan``.
         self.step: validation.StepExtents | None = None
+        #: ``build`` plans one step at a time: ``step`` and whatever scratch a backend's
+        #: ``plan`` keeps on its builder belong to the step being planned, even where threads
+        #: share the builder (the checks before it run unlocked).
+        self._planning = threading.Lock()
 
     @property
     def graph_support(self) -> GraphSupport:
@@ -174,7 +180,14 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
 
     def build(self, batch: BatchMetadata, *, common_prefix_len: int = 0) -> M:
         """Validate the batch and plan the step, on host data only (the batch's host copies):
-        no device-to-host sync. Every value check of the step runs here, once for all layers."""
+        no device-to-host sync. Every value check of the step runs here, once for all layers.
+
+        An integer tensor of the batch that is a strided view (e.g. every other entry of an
+        engine's buffer) is made dense here, once for every layer: the metadata's batch holds
+        the dense copy, so no kernel ever reads one through a raw pointer with the wrong
+        stride."""
+        given = batch
+        batch = validation.dense_batch(batch)
         extents = validation.check_step(self.spec, batch, self.backend.device)
         self._check_batch_kinds(batch)
         if common_prefix_len:
@@ -186,14 +199,13 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
                         "supported"
                     ],
                 )
-            if common_prefix_len < 0 or (
-                batch.num_reqs and common_prefix_len > int(batch.context_lens_cpu.min())
-            ):
-                raise InvalidInputError(
-                    f"common_prefix_len = {common_prefix_len} must be in 0..the shortest context"
-                )
-        self.step = extents  # what was read of the batch, for plan to reuse
-        meta = self.plan(batch, common_prefix_len)
+            validation.check_common_prefix(batch, common_prefix_len, extents)
+        extents.owner = self.backend
+        if batch is not given:
+            extents.given_slot_mapping = given.slot_mapping
+        with self._planning:
+            self.step = extents  # what was read of the batch, for plan to reuse
+            meta = self.plan(batch, common_prefix_len)
         object.__setattr__(meta, "extents", extents)  # the last touch: frozen from here on
         return meta
 
@@ -242,6 +254,7 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
         :meth:`update_graph_params`. Default: ``build(batch)`` (right only for a backend
         whose ``plan`` keeps no per-step value outside the batch's tensors)."""
         self._check_graph_level(batch)
+        validation.check_dense(batch, "a captured graph reads the batch's own tensors")
         return self.build(batch)
 
     def _check_graph_level(self, batch: BatchMetadata) -> None:
@@ -269,9 +282,11 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
         a captured graph (the graph runner calls it on each padded batch). Returns the step's
         extents, to compare with every KV cache the graph writes or reads."""
         validation.check_batch_for_spec(self.spec, batch, self.backend.device)
+        validation.check_dense(batch, "a captured graph reads the batch's own tensors")
         extents = validation.step_extents(batch)
         self._check_batch_kinds(batch)
         self._check_graph_level(batch)
+        extents.owner = self.backend
         return extents
 
     def update_graph_params(self, graph_meta: M, batch: BatchMetadata, stream: Any) -> None:
@@ -290,6 +305,10 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
 class AttentionImpl(abc.ABC):
     """One layer's attention: write the new keys/values, then attend over the cache."""
 
+    #: Opt-in diagnostic (``attnhub.quant.ClipCounter.watch``): counts, on the device, the
+    #: values this layer writes that its cache's static scales clip. None: not counted.
+    clip_counter: LayerClipCounter | None = None
+
     def __init__(
         self,
         backend: AttentionBackend,
@@ -301,8 +320,13 @@ class AttentionImpl(abc.ABC):
         self.spec = spec = backend.spec
         self.alibi_slopes = self._per_head("alibi_slopes", alibi_slopes, spec.use_alibi)
         self.sinks = self._per_head("sinks", sinks, spec.use_sinks)
-        self._checked_cache: tuple[object, ...] | None = None
-        self._cache_sizes: tuple[int, int] | None = None  # (num_slots, num_blocks) of that cache
+        #: The cache the checks accepted last: (cache, key, value, key_scale, value_scale,
+        #: num_slots, num_blocks), one tuple so that threads sharing this impl each read a
+        #: cache's planes and sizes together.
+        self._checked_cache: tuple[Any, ...] | None = None
+        #: The backend whose builders' metadata this layer accepts without comparing specs:
+        #: its own, or the last other one found to be of the same kind, spec and device.
+        self._owner_ok: object = backend
 
     def _per_head(
         self, name: str, t: torch.Tensor | None, declared: bool
@@ -344,10 +368,16 @@ class AttentionImpl(abc.ABC):
         if (
             meta is not None
             and self._usual_step(cache, meta)
-            and (slot_mapping is None or slot_mapping is meta.batch.slot_mapping)
+            and (
+                slot_mapping is None
+                or slot_mapping is meta.batch.slot_mapping
+                or slot_mapping is meta.extents.given_slot_mapping  # type: ignore[union-attr]
+            )
             and self._usual_kv(key, value, meta)
         ):  # the usual call: every shared check in one pass (see _usual_call)
             self.check_step(cache, meta)
+            if self.clip_counter is not None:
+                self.count_clipped(key, value, meta.batch.slot_mapping, cache)
             self.store_step_kv(key, value, cache, meta)
             return
         dev = self.backend.device
@@ -355,8 +385,12 @@ class AttentionImpl(abc.ABC):
         if meta is not None:
             self._check_meta(meta)
             self.check_step(cache, meta)
-            if slot_mapping is not None and not validation.same_view(
-                slot_mapping, meta.batch.slot_mapping
+            self._check_owner(meta)
+            given = None if meta.extents is None else meta.extents.given_slot_mapping
+            if (
+                slot_mapping is not None
+                and not validation.same_view(slot_mapping, meta.batch.slot_mapping)
+                and (given is None or not validation.same_view(slot_mapping, given))
             ):
                 raise InvalidInputError(
                     "slot_mapping is not meta.batch.slot_mapping: with meta=, leave slot_mapping "
@@ -364,6 +398,8 @@ class AttentionImpl(abc.ABC):
                 )
             validation.check_kv(self.spec, key, value, dev, meta.batch.num_tokens)
             self._check_extents(meta, cache)
+            if self.clip_counter is not None:
+                self.count_clipped(key, value, meta.batch.slot_mapping, cache)
             self.store_step_kv(key, value, cache, meta)
             return
         if slot_mapping is None:
@@ -373,6 +409,10 @@ class AttentionImpl(abc.ABC):
         )
         validation.check_kv(self.spec, key, value, dev, slot_mapping.shape[0])
         validation.check_slot_values(slot_mapping, cache)
+        if not slot_mapping.is_contiguous():  # kernels read slots through a raw pointer
+            slot_mapping = slot_mapping.contiguous()
+        if self.clip_counter is not None:
+            self.count_clipped(key, value, slot_mapping, cache)
         self.store_kv(key, value, cache, slot_mapping)
 
     def forward(
@@ -392,12 +432,25 @@ class AttentionImpl(abc.ABC):
         out = self.check_forward(query, key, value, cache, meta, output)
         if key is not None:
             assert value is not None
+            if self.clip_counter is not None:
+                self.count_clipped(key, value, meta.batch.slot_mapping, cache)
             self.store_step_kv(key, value, cache, meta)
         n = meta.batch.num_actual_tokens
         if out.shape[0] > n:
             out[n:].zero_()
         self.attend(query, key, value, cache, meta, out)
         return out
+
+    def count_clipped(
+        self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, cache: PagedKVCache
+    ) -> None:
+        """Count, with the opt-in ``clip_counter`` (when set), the values of a checked write
+        that the cache's static scales clip (device ops only). ``forward`` and ``write_kv``
+        call it; a backend whose ``forward`` fuses the write calls it before the fused call."""
+        if self.clip_counter is None:
+            return
+        n = slots.shape[0]
+        self.clip_counter.add(key[:n], value[:n], slots, cache)
 
     def _check_cache(self, cache: PagedKVCache) -> None:
         """check_cache, remembered for the last cache seen (and the very tensors it held): a
@@ -423,8 +476,7 @@ class AttentionImpl(abc.ABC):
             self.backend.device,
             strided=caps.strided_kv_cache,
         )
-        self._checked_cache = planes
-        self._cache_sizes = (cache.num_slots, cache.num_blocks)
+        self._checked_cache = (*planes, cache.num_slots, cache.num_blocks)
 
     @staticmethod
     def _check_meta(meta: object) -> None:
@@ -434,6 +486,44 @@ class AttentionImpl(abc.ABC):
                 f"got {type(meta).__name__}"
             )
 
+    def _check_owner(self, meta: AttentionMetadata) -> None:
+        """``meta`` was built for this layer: by a builder of this backend, or of another
+        instance of its class with an equal spec on the same device. Metadata of another spec
+        (another block size: slots and blocks of another geometry; another head size, window
+        or scale: a plan for other kernels) would write K/V to the wrong blocks. O(1) after
+        the first call: the accepted backend is remembered. (Metadata without extents is
+        named by :meth:`_check_extents`.)"""
+        extents = meta.extents
+        if extents is None:
+            return
+        owner, mine = extents.owner, self.backend
+        if owner is self._owner_ok:
+            return
+        if owner is mine:  # back to its own backend's steps: the one-pass check again
+            self._owner_ok = mine
+            return
+        if not isinstance(owner, AttentionBackend):
+            raise InvalidInputError(
+                f"meta ({type(meta).__name__}) was not made by metadata_builder().build(batch) "
+                "(its extents name no backend)"
+            )
+        if type(owner) is not type(mine):
+            raise InvalidInputError(
+                f"meta was built by the {owner.name!r} backend ({type(owner).__name__}); this "
+                f"layer's is {mine.name!r} ({type(mine).__name__})"
+            )
+        if owner.spec != mine.spec:
+            raise InvalidInputError(
+                "meta was built for another spec than this layer's: "
+                + validation.spec_differences(owner.spec, mine.spec)
+                + " (build each layer's steps with a builder of its own spec)"
+            )
+        if not validation.same_device(owner.device, mine.device):
+            raise InvalidInputError(
+                f"meta was built for {owner.device}; this layer runs on {mine.device}"
+            )
+        self._owner_ok = owner
+
     def _check_extents(self, meta: AttentionMetadata, cache: PagedKVCache) -> None:
         """The step's slots and blocks (found by ``build``) fit this cache: O(1), two integer
         comparisons with the sizes remembered when the cache was checked."""
@@ -442,13 +532,12 @@ class AttentionImpl(abc.ABC):
             raise InvalidInputError(
                 f"meta ({type(meta).__name__}) was not made by metadata_builder().build(batch)"
             )
-        sizes = self._cache_sizes
+        last = self._checked_cache
         if (
-            sizes is None
-            or self._checked_cache is None
-            or self._checked_cache[0] is not cache
-            or extents.max_slot >= sizes[0]
-            or extents.max_block >= sizes[1]
+            last is None
+            or last[0] is not cache
+            or extents.max_slot >= last[5]
+            or extents.max_block >= last[6]
         ):
             validation.check_extents(extents, meta.batch, cache)  # names what does not fit
 
@@ -470,6 +559,7 @@ class AttentionImpl(abc.ABC):
         batch = meta.batch
         self._check_cache(cache)
         self.check_step(cache, meta)
+        self._check_owner(meta)
         q = validation.check_tensor(
             "query", query, (None, spec.num_heads, spec.head_size), spec.dtype, dev
         )
@@ -497,12 +587,12 @@ class AttentionImpl(abc.ABC):
     # name what is wrong. tests/test_usual_call.py holds both paths to the same outcomes.
 
     def _usual_step(self, cache: object, meta: object) -> bool:
-        """An AttentionMetadata made by build, whose extents fit the cache the checks
-        accepted last (the same cache object and planes)."""
-        last, sizes = self._checked_cache, self._cache_sizes
+        """An AttentionMetadata made by build for this layer (its backend, or one accepted
+        before), whose extents fit the cache the checks accepted last (the same cache object
+        and planes)."""
+        last = self._checked_cache
         if not (
             last is not None
-            and sizes is not None
             and last[0] is cache
             and isinstance(cache, PagedKVCache)
             and last[1] is cache.key
@@ -513,7 +603,12 @@ class AttentionImpl(abc.ABC):
         ):
             return False
         extents = meta.extents
-        return extents is not None and extents.max_slot < sizes[0] and extents.max_block < sizes[1]
+        return (
+            extents is not None
+            and extents.owner is self._owner_ok
+            and extents.max_slot < last[5]
+            and extents.max_block < last[6]
+        )
 
     def _usual_call(
         self,

@@ -79,15 +79,28 @@ class Tolerance:
     rtol: float
 
 
+#: When a declared :class:`AccuracyBound` holds (its default ``condition``).
+STATIC_SCALES_COVER = (
+    "every static scale covers the values it quantizes (|x| <= scale * the format's largest "
+    "stored value: 448 for fp8 e4m3, 127 for int8), as scales from "
+    "attnhub.quant.calibrate_kv_scales do; a value beyond it is clipped and the error grows "
+    "with the clipped part, unbounded (attnhub.quant.ClipCounter counts clipped values)"
+)
+
+
 @dataclass(frozen=True)
 class AccuracyBound:
     """How far a quantized KV cache (and the query quantization that goes with it) may take a
     backend's output from attention over the *unquantized* inputs, on the conformance suite's
     standard cases (N(0, 1) inputs): the largest absolute difference, and the smallest cosine
-    similarity of one token's output over all its heads, against the float64 reference."""
+    similarity of one token's output over all its heads, against the float64 reference.
+
+    The bound holds under ``condition``: by default, that the cache's static scales cover the
+    values (:data:`STATIC_SCALES_COVER`); docs/concepts.md shows what clipping costs."""
 
     max_abs_error: float
     min_cosine: float
+    condition: str = STATIC_SCALES_COVER
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.max_abs_error) and self.max_abs_error > 0):
@@ -97,6 +110,10 @@ class AccuracyBound:
         if not (0 < self.min_cosine <= 1):
             raise InvalidInputError(
                 f"AccuracyBound.min_cosine = {self.min_cosine!r} must be in (0, 1]"
+            )
+        if not isinstance(self.condition, str) or not self.condition.strip():
+            raise InvalidInputError(
+                f"AccuracyBound.condition = {self.condition!r} must say when the bound holds"
             )
 
 
@@ -334,7 +351,11 @@ class Capabilities:
                 if k in self.query_quantization
             },
             "quantization_accuracy": {
-                k: {"max_abs_error": b.max_abs_error, "min_cosine": b.min_cosine}
+                k: {
+                    "max_abs_error": b.max_abs_error,
+                    "min_cosine": b.min_cosine,
+                    "condition": b.condition,
+                }
                 for k, b in self.quantization_accuracy.items()
             },
             "probability_quantization": {

@@ -207,6 +207,11 @@ def capability_lines(caps: Capabilities) -> Iterator[tuple[str, str]]:
             )
             + " (max abs error/min cosine vs unquantized)",
         )
+        # each bound's condition up to its explanation (the whole: AccuracyBound.condition)
+        conditions = sorted(
+            {b.condition.split(" (")[0] for b in caps.quantization_accuracy.values()}
+        )
+        yield ("quant holds if", "; ".join(conditions))
 
 
 # --- attnhub select --------------------------------------------------------------------------

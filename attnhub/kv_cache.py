@@ -12,7 +12,7 @@ Scale planes of quantized caches follow ``attnhub.spec.KV_CACHE_DTYPES``:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,6 +22,12 @@ from attnhub.quant import indexable
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec, canonical_kv_cache_dtype
 
 LAYOUTS = ("NHD", "HND")
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut to one short line for an error message."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _kv_cache_dtype(name: str) -> str:
@@ -186,7 +192,23 @@ class PagedKVCache:
     def _check_mapping(
         self, block_mapping: torch.Tensor | Sequence[Sequence[int]], dst_blocks: int
     ) -> torch.Tensor:  # [n, 2] int64 (src, dst) on the host
-        m = torch.as_tensor(block_mapping)
+        if isinstance(block_mapping, torch.Tensor):
+            m = block_mapping
+            if m.device.type == "meta":
+                raise InvalidInputError("block_mapping is a meta tensor: it holds no block ids")
+        elif block_mapping is None or isinstance(block_mapping, (str, bytes, Mapping)):
+            raise InvalidInputError(
+                "block_mapping must be a tensor or a sequence of (src, dst) block pairs, got "
+                f"{type(block_mapping).__name__} {_short(block_mapping)}"
+            )
+        else:
+            try:
+                m = torch.as_tensor(block_mapping)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise InvalidInputError(
+                    f"block_mapping {_short(block_mapping)} is not [n, 2] (src, dst) block ids: "
+                    f"{exc}"
+                ) from None
         if m.numel() and (m.is_floating_point() or m.is_complex() or m.dtype == torch.bool):
             raise InvalidInputError(f"block_mapping must hold block ids, got dtype {m.dtype}")
         m = m.to("cpu", torch.int64)
@@ -204,12 +226,24 @@ class PagedKVCache:
                     f"block_mapping[{i}] {name} block {int(m[i, col])} is outside the cache "
                     f"({limit} blocks)"
                 )
+        dst = m[:, 1].tolist()
+        if len(set(dst)) != len(dst):  # which copy lands would be up to the device
+            seen: dict[int, int] = {}
+            for j, block in enumerate(dst):
+                if block in seen:
+                    raise InvalidInputError(
+                        f"block_mapping[{seen[block]}] and block_mapping[{j}] both copy to dst "
+                        f"block {block}"
+                    )
+                seen[block] = j
         return m
 
     def copy_blocks(self, block_mapping: torch.Tensor | Sequence[Sequence[int]]) -> None:
         """Copy whole blocks within this cache (copy-on-write of a shared prefix).
 
-        All sources are read before any destination is written.
+        The mapping is checked first (InvalidInputError naming what is wrong: not pairs of
+        block ids, or a block outside the cache); all sources are read before any destination
+        is written.
         """
         m = self._check_mapping(block_mapping, self.num_blocks)
         if not m.numel():
@@ -222,7 +256,13 @@ class PagedKVCache:
     def swap_blocks(
         self, dst: PagedKVCache, block_mapping: torch.Tensor | Sequence[Sequence[int]]
     ) -> None:
-        """Copy blocks ``self[src] -> dst[dst]``, e.g. between device and host caches."""
+        """Copy blocks ``self[src] -> dst[dst]``, e.g. between device and host caches.
+
+        Every argument is checked before any block moves (InvalidInputError naming it)."""
+        if not isinstance(dst, PagedKVCache):
+            raise InvalidInputError(
+                f"swap_blocks' dst must be a PagedKVCache, got {type(dst).__name__} {_short(dst)}"
+            )
         mine = (self.layout, self.kv_cache_dtype, self.key.dtype, self.value.dtype)
         theirs = (dst.layout, dst.kv_cache_dtype, dst.key.dtype, dst.value.dtype)
         if mine != theirs or dst.key.shape[1:] != self.key.shape[1:]:
@@ -232,10 +272,18 @@ class PagedKVCache:
                 f"{tuple(self.key.shape[1:])} vs {dst.layout}/{dst.kv_cache_dtype}/"
                 f"{dst.key.dtype}/{tuple(dst.key.shape[1:])}"
             )
+        dst_planes = dst.planes()
+        for name, plane in self.planes().items():
+            other = dst_planes.get(name)
+            if other is None or other.shape[1:] != plane.shape[1:] or other.dtype != plane.dtype:
+                got = "none" if other is None else f"{other.dtype} {tuple(other.shape[1:])}"
+                raise InvalidInputError(
+                    f"swap_blocks: dst.{name} per block is {got}, this cache's is "
+                    f"{plane.dtype} {tuple(plane.shape[1:])}"
+                )
         m = self._check_mapping(block_mapping, dst.num_blocks)
         if not m.numel():
             return
-        dst_planes = dst.planes()
         for name, plane in self.planes().items():
             moved = indexable(plane).index_select(0, m[:, 0].to(plane.device)).to(dst.device)
             indexable(dst_planes[name]).index_copy_(0, m[:, 1].to(dst.device), moved)

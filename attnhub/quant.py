@@ -13,7 +13,8 @@ so that the reference can be computed from the query the kernels actually use.
 from __future__ import annotations
 
 import enum
-from typing import TypeVar
+from collections.abc import Iterable
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -204,3 +205,193 @@ def probability_error_bound(
     normalized units. Multiplied into ``|V|`` (``P @ |V|``) it bounds the output's change."""
     probability_quantization(scheme)
     return _E4M3_UNIT_ROUNDOFF * p + p.clamp(max=_E4M3_SUBNORMAL_ERROR)
+
+
+# --- static scales: calibration and clipping ------------------------------------------------
+#
+# A quantized cache whose scale is static (fp8's per-tensor scales, int8's per-channel value
+# scale: set with the model like a weight) stores ``x / scale`` saturated at the format's
+# largest value: a value beyond ``scale * limit`` is clipped, and attention over it is off by
+# as much as the clipped part. A backend's declared accuracy bound (``AccuracyBound``) holds
+# where the static scales cover the values; dynamic scales (int8 keys: ``amax / 127`` per
+# written token) never clip.
+
+#: The largest stored magnitude of each quantized storage dtype (int8: 127, the symmetric
+#: range; -128 is stored only by rounding).
+STATIC_LIMITS: dict[torch.dtype, float] = {
+    torch.float8_e4m3fn: float(torch.finfo(torch.float8_e4m3fn).max),  # 448
+    torch.float8_e5m2: float(torch.finfo(torch.float8_e5m2).max),  # 57344
+    torch.int8: 127.0,
+}
+
+#: The planes of a KV-cache format whose scales are static (set by the engine), by kind.
+_STATIC_KINDS = ("tensor", "channel")
+
+
+def _format(kv_cache_dtype: str):  # type: ignore[no-untyped-def]  # -> attnhub.spec.KVCacheDType
+    from attnhub.spec import KV_CACHE_DTYPES, canonical_kv_cache_dtype
+
+    canonical = canonical_kv_cache_dtype(kv_cache_dtype)
+    if canonical is None:
+        raise UnknownNameError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is unknown; known: {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return KV_CACHE_DTYPES[canonical]
+
+
+def _samples(x: torch.Tensor | Iterable[torch.Tensor], name: str) -> list[torch.Tensor]:
+    items = [x] if isinstance(x, torch.Tensor) else list(x)
+    if not items:
+        raise InvalidInputError(f"{name}: no sample activations were given")
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
+            what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t)
+            raise InvalidInputError(
+                f"{name}[{i}] must be a float tensor [num_tokens, num_kv_heads, head_size], "
+                f"got {what}"
+            )
+        if t.shape[1:] != items[0].shape[1:]:
+            raise InvalidInputError(
+                f"{name}[{i}] has shape {tuple(t.shape)}, {name}[0] {tuple(items[0].shape)}"
+            )
+    return items
+
+
+def calibrate_kv_scales(
+    kv_cache_dtype: str,
+    keys: torch.Tensor | Iterable[torch.Tensor],  # [num_tokens, num_kv_heads, head_size] each
+    values: torch.Tensor | Iterable[torch.Tensor],
+    *,
+    margin: float = 1.0,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # (key_scale, value_scale), float32
+    """Static scales for a quantized cache from sample activations (one layer's keys and
+    values over calibration batches): for each plane whose scale is static, the scale that
+    makes the largest sample magnitude times ``margin`` the format's largest stored value
+    (``amax * margin / limit``, :data:`STATIC_LIMITS`), so that values like the samples are
+    never clipped. Per the format's scale kind: "tensor" a 0-d tensor, "channel"
+    ``[num_kv_heads, head_size]``; None for a plane whose scale is dynamic or absent. A channel
+    that is zero in every sample gets the scale that covers ``|x| <= margin``.
+
+    Copy them into the cache's planes (``cache.value_scale.copy_(value_scale)``) as an engine
+    loads a checkpoint's scales. ``margin > 1`` leaves headroom for activations larger than
+    the samples (at the cost of resolution: the step grows by the same factor)."""
+    fmt = _format(kv_cache_dtype)
+    if not (isinstance(margin, (int, float)) and not isinstance(margin, bool) and margin >= 1):
+        raise InvalidInputError(f"margin = {margin!r} must be a number >= 1")
+    out: list[torch.Tensor | None] = []
+    for name, samples, kind, dtype in (
+        ("keys", keys, fmt.key_scale, fmt.key_dtype),
+        ("values", values, fmt.value_scale, fmt.value_dtype),
+    ):
+        items = _samples(samples, name)
+        if kind not in _STATIC_KINDS or dtype is None:
+            out.append(None)
+            continue
+        dims: tuple[int, ...] = (0, 1, 2) if kind == "tensor" else (0,)
+        amax = torch.stack([t.detach().float().abs().amax(dim=dims) for t in items]).amax(0)
+        amax = torch.where(amax > 0, amax, torch.ones_like(amax)) * margin
+        out.append((amax / STATIC_LIMITS[dtype]).to(torch.float32))
+    return out[0], out[1]
+
+
+class ClipCount(NamedTuple):
+    """One layer's clipped values since counting began: how many values a static scale did
+    not cover (stored saturated) out of how many were written, per plane."""
+
+    key_clipped: int
+    key_written: int
+    value_clipped: int
+    value_written: int
+
+    @property
+    def clipped(self) -> int:
+        return self.key_clipped + self.value_clipped
+
+    @property
+    def fraction(self) -> float:
+        written = self.key_written + self.value_written
+        return self.clipped / written if written else 0.0
+
+
+class LayerClipCounter:
+    """Counts, on the device, the values one layer writes that its cache's static scales
+    clip. Opt in with ``impl.clip_counter = counter`` (or :meth:`ClipCounter.watch`); every
+    KV write of the layer then adds a few device ops (no host read, no sync: graph-safe);
+    :meth:`read` copies the totals to the host, when asked."""
+
+    def __init__(self) -> None:
+        #: [4] int64 on the cache's device: key clipped, key written, value clipped, value
+        #: written (None until the first write).
+        self.totals: torch.Tensor | None = None
+
+    def add(
+        self,
+        key: torch.Tensor,  # [n, num_kv_heads, head_size], the rows being written
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [n] int, -1 = not written
+        cache: Any,  # PagedKVCache
+    ) -> None:
+        fmt = _format(cache.kv_cache_dtype)
+        totals = self.totals
+        if totals is None or totals.device != key.device:
+            totals = self.totals = torch.zeros(4, dtype=torch.int64, device=key.device)
+        written = (slot_mapping >= 0)[:, None, None]  # [n, 1, 1]
+        planes = (
+            (0, key, fmt.key_scale, fmt.key_dtype, cache.key_scale),
+            (2, value, fmt.value_scale, fmt.value_dtype, cache.value_scale),
+        )
+        for at, x, kind, dtype, scale in planes:
+            if kind not in _STATIC_KINDS or dtype is None or scale is None:
+                continue
+            q = x.float() / scale
+            if dtype == torch.int8:  # stored clamp(round(x / scale), -128, 127)
+                r = torch.round(q)
+                clipped = (r > 127) | (r < -128)
+            else:  # stored fp8(clamp(x / scale, -max, max))
+                clipped = q.abs() > STATIC_LIMITS[dtype]
+            totals[at] += (clipped & written).sum()
+            totals[at + 1] += written.sum() * (x.shape[1] * x.shape[2])
+
+    def read(self) -> ClipCount:
+        """The totals, copied to the host (a device-to-host sync: call it when asked, not per
+        step)."""
+        if self.totals is None:
+            return ClipCount(0, 0, 0, 0)
+        k, kw, v, vw = (int(x) for x in self.totals.tolist())
+        return ClipCount(k, kw, v, vw)
+
+    def reset(self) -> None:
+        if self.totals is not None:
+            self.totals.zero_()
+
+
+class ClipCounter:
+    """Clipped-value counts of a model's layers, by name: an opt-in diagnostic for static
+    scales that do not cover the activations (a miscalibrated checkpoint), which would
+    otherwise lose accuracy without a sign. ::
+
+        counter = attnhub.quant.ClipCounter()
+        for name, impl in layers.items():
+            counter.watch(name, impl)
+        ...  # serve steps: counting stays on the device
+        counter.counts()  # {"layers.0": ClipCount(...), ...}: read here, when asked
+    """
+
+    def __init__(self) -> None:
+        self.layers: dict[str, LayerClipCounter] = {}
+
+    def watch(self, name: str, impl: Any) -> LayerClipCounter:
+        """Count the clipped values ``impl`` (an AttentionImpl) writes, as layer ``name``."""
+        if name in self.layers:
+            raise InvalidInputError(f"layer {name!r} is already watched")
+        layer = self.layers[name] = LayerClipCounter()
+        impl.clip_counter = layer
+        return layer
+
+    def counts(self) -> dict[str, ClipCount]:
+        """Every watched layer's totals (one host read per layer)."""
+        return {name: layer.read() for name, layer in self.layers.items()}
+
+    def reset(self) -> None:
+        for layer in self.layers.values():
+            layer.reset()

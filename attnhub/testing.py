@@ -785,6 +785,7 @@ def bad_layer_calls(
         "foreign meta": {**call, "meta": AttentionMetadata(batch=meta.batch)},
         "not a meta": {**call, "meta": object()},
         "meta without extents": {**call, "meta": replace(meta, extents=None)},
+        "meta of another spec": {**call, "meta": other.metadata_builder().build(meta.batch)},
         "query float16": {**call, "query": q.half()},
         "query heads": {**call, "query": q[:, :1]},
         "query head size": {**call, "query": q[..., : D // 2]},

@@ -9,7 +9,8 @@ a slot, every block a request reads is a block, and the largest of each is remem
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +25,19 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     if a.type != b.type:
         return False
     return a.index is None or b.index is None or a.index == b.index
+
+
+same_device = _same_device
+
+
+def spec_differences(built_for: AttentionSpec, mine: AttentionSpec) -> str:
+    """``"block_size 32 (this layer: 16), ..."``: the fields where two specs differ."""
+    parts = [
+        f"{f.name} {getattr(built_for, f.name)!r} (this layer: {getattr(mine, f.name)!r})"
+        for f in fields(built_for)
+        if getattr(built_for, f.name) != getattr(mine, f.name)
+    ]
+    return ", ".join(parts) or "equal fields, unequal specs"
 
 
 def same_view(a: object, b: torch.Tensor) -> bool:
@@ -183,6 +197,12 @@ class StepExtents:
     #: start offsets and [B, max_blocks] block table (None where step_extents made this alone).
     query_start_locs: np.ndarray | None = field(default=None, repr=False, compare=False)
     block_table: np.ndarray | None = field(default=None, repr=False, compare=False)
+    #: The backend whose builder made the step (set by ``build``; layers accept the step only
+    #: for a backend of its kind, spec and device: AttentionImpl._check_owner).
+    owner: object = field(default=None, repr=False, compare=False)
+    #: The slot mapping the engine gave, where ``build`` made a dense copy of a strided one
+    #: (``write_kv(slot_mapping=, meta=)`` accepts either).
+    given_slot_mapping: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
 def step_extents(batch: BatchMetadata) -> StepExtents:
@@ -396,3 +416,88 @@ def _structure_ok(batch: BatchMetadata, dev: torch.device) -> bool:
 
 
 _INT_DTYPES = (torch.int32, torch.int64)
+
+
+#: A batch's integer tensors that kernels may read, by field name (host copies included:
+#: some kernels take lengths from the host).
+_DENSE_FIELDS = (
+    "query_start_loc",
+    "query_start_loc_cpu",
+    "seq_lens",
+    "seq_lens_cpu",
+    "block_table",
+    "block_table_cpu",
+    "slot_mapping",
+    "slot_mapping_cpu",
+)
+
+
+def dense_batch(batch: BatchMetadata) -> BatchMetadata:
+    """``batch`` itself when every integer tensor of it is dense (the usual step: eight
+    ``is_contiguous`` calls, no op dispatched); else a copy of it whose strided ones are made
+    contiguous (a device copy, no sync). A kernel reads slots, tables and lengths through a raw
+    pointer: a strided view, e.g. every other entry of an engine's buffer, would have it read
+    the wrong entries (a write to the wrong slots). Anything that is not a batch of tensors is
+    returned as it is, for :func:`check_step` to name."""
+    try:
+        if (
+            batch.slot_mapping.is_contiguous()
+            and batch.block_table.is_contiguous()
+            and batch.query_start_loc.is_contiguous()
+            and batch.seq_lens.is_contiguous()
+            and batch.query_start_loc_cpu.is_contiguous()
+            and batch.seq_lens_cpu.is_contiguous()
+            and (batch.block_table_cpu is None or batch.block_table_cpu.is_contiguous())
+            and (batch.slot_mapping_cpu is None or batch.slot_mapping_cpu.is_contiguous())
+        ):
+            return batch
+    except AttributeError:  # not a BatchMetadata, or a field that is not a tensor
+        return batch
+    dense: dict[str, Any] = {}
+    for name in _DENSE_FIELDS:
+        t = getattr(batch, name)
+        if isinstance(t, torch.Tensor) and not t.is_contiguous():
+            dense[name] = t.contiguous()
+    return replace(batch, **dense)
+
+
+def check_dense(batch: BatchMetadata, why: str) -> None:
+    """Every integer tensor of ``batch`` is dense, else InvalidInputError naming it and its
+    strides (where a dense copy is not an option: ``why``)."""
+    for name in _DENSE_FIELDS:
+        t = getattr(batch, name)
+        if isinstance(t, torch.Tensor) and not t.is_contiguous():
+            raise InvalidInputError(
+                f"batch.{name} is a strided view (shape {tuple(t.shape)}, strides "
+                f"{t.stride()}): {why}, so it must be contiguous"
+            )
+
+
+def check_common_prefix(batch: BatchMetadata, common_prefix_len: object, step: StepExtents) -> None:
+    """``common_prefix_len`` is an int in 0..the shortest context, and its whole blocks are
+    the same blocks in every request's table: a cascade reads the shared prefix from the first
+    request's table for every request, so a table that differs there would have the others
+    attend over another request's keys. Host data only (the table as the step's checks read
+    it)."""
+    if isinstance(common_prefix_len, bool) or not isinstance(common_prefix_len, int):
+        raise InvalidInputError(f"common_prefix_len = {common_prefix_len!r} must be an int")
+    if common_prefix_len < 0 or (
+        batch.num_reqs and common_prefix_len > int(batch.context_lens_cpu.min())
+    ):
+        raise InvalidInputError(
+            f"common_prefix_len = {common_prefix_len} must be in 0..the shortest context"
+        )
+    blocks = common_prefix_len // batch.block_size
+    if not blocks or batch.num_reqs < 2:
+        return
+    table = step.block_table if step.block_table is not None else batch.host_block_table().numpy()
+    shared = table[:, :blocks]
+    differs = (shared != shared[:1]).any(axis=1)
+    if bool(differs.any()):
+        r = int(np.flatnonzero(differs)[0])
+        raise InvalidInputError(
+            f"common_prefix_len = {common_prefix_len} covers block_table[:, :{blocks}], but "
+            f"block_table[{r}, :{blocks}] = {table[r, :blocks].tolist()} differs from "
+            f"block_table[0, :{blocks}] = {table[0, :blocks].tolist()}: the requests do not "
+            "share that prefix"
+        )

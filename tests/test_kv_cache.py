@@ -185,6 +185,18 @@ BAD_MAPPINGS = [
     pytest.param([1, 2], "(2,)", id="flat"),
     pytest.param([[1.5, 2.0]], "torch.float32", id="float_ids"),
     pytest.param(torch.tensor([[True, False]]), "torch.bool", id="bool_ids"),
+    pytest.param(None, "got NoneType None", id="none"),
+    pytest.param("01", "got str '01'", id="a_string"),
+    pytest.param({0: 1}, "got dict {0: 1}", id="a_dict"),
+    pytest.param([[0, 1], [2]], "[[0, 1], [2]] is not [n, 2]", id="ragged_rows"),
+    pytest.param([[0, "a"]], "[[0, 'a']] is not [n, 2]", id="a_string_id"),
+    pytest.param({(0, 1)}, "is not [n, 2]", id="a_set"),
+    pytest.param(torch.zeros(1, 2, dtype=torch.int64, device="meta"), "meta tensor", id="meta"),
+    pytest.param(
+        [[0, 3], [1, 2], [4, 3]],
+        "[0] and block_mapping[2] both copy to dst block 3",
+        id="dst_twice",
+    ),
 ]
 
 
@@ -271,6 +283,46 @@ def test_swap_blocks_between_different_formats_raises_and_changes_nothing(other:
     src_before, dst_before = src.clone(), dst.clone()
     with pytest.raises(InvalidInputError, match="swap_blocks needs caches"):
         src.swap_blocks(dst, [[1, 1]])
+    assert src.equal(src_before) and dst.equal(dst_before)
+
+
+@pytest.mark.parametrize(
+    ("dst", "named"),
+    [
+        pytest.param(lambda c: None, "got NoneType None", id="none"),
+        pytest.param(lambda c: (c.key, c.value), "got tuple (tensor(", id="planes_as_a_tuple"),
+        pytest.param(lambda c: c.key, "got Tensor", id="a_tensor"),
+    ],
+)
+def test_swap_blocks_to_what_is_not_a_cache_raises_and_changes_nothing(
+    dst: object, named: str
+) -> None:
+    src = filled(seed=7)
+    before = src.clone()
+    with pytest.raises(InvalidInputError, match="swap_blocks' dst must be a PagedKVCache") as info:
+        src.swap_blocks(dst(src), [[0, 0]])  # type: ignore[operator]
+    assert named in str(info.value) and "\n" not in str(info.value)
+    assert src.equal(before)
+
+
+def test_swap_blocks_to_a_cache_without_a_scale_plane_raises_and_changes_nothing() -> None:
+    src, dst = filled("int8", seed=8), filled("int8", nb=3, seed=9)
+    dst.key_scale = None  # e.g. a host copy made without its per-slot key scales
+    src_before, dst_before = src.clone(), dst.clone()
+    with pytest.raises(InvalidInputError, match=r"dst\.key_scale per block is none"):
+        src.swap_blocks(dst, [[1, 1]])
+    assert src.equal(src_before) and dst.equal(dst_before)
+
+
+@pytest.mark.parametrize(("mapping", "named"), BAD_MAPPINGS)
+def test_swap_blocks_bad_mapping_of_any_kind_raises_and_changes_nothing(
+    mapping: object, named: str
+) -> None:
+    src, dst = filled(seed=10), filled(nb=NB, seed=11)
+    src_before, dst_before = src.clone(), dst.clone()
+    with pytest.raises(InvalidInputError) as info:
+        src.swap_blocks(dst, mapping)  # type: ignore[arg-type]
+    assert named in str(info.value)
     assert src.equal(src_before) and dst.equal(dst_before)
 
 

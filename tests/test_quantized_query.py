@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attnhub import AccuracyBound, Capabilities, testing
+from attnhub.capabilities import STATIC_SCALES_COVER
 from attnhub.cli import capability_lines
 from attnhub.errors import InvalidInputError, UnknownNameError
 from attnhub.quant import (
@@ -134,7 +135,7 @@ def test_declarations_show_in_the_summary_and_the_listing() -> None:
     summary = caps.summary()
     assert summary["query_quantization"] == {"int8": "int8_per_token_head"}
     assert summary["quantization_accuracy"] == {
-        "int8": {"max_abs_error": 0.05, "min_cosine": 0.999}
+        "int8": {"max_abs_error": 0.05, "min_cosine": 0.999, "condition": STATIC_SCALES_COVER}
     }
     lines = dict(capability_lines(caps))
     assert lines["query quantized"] == "int8: int8_per_token_head"

@@ -9,6 +9,7 @@ for ragged batches (see docs/backends/torch.md).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -95,8 +96,7 @@ class TorchBackend(AttentionBackend):
         self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
     ) -> None:
         super().__init__(spec, device, emulate=emulate)
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._views: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self._scratch = _Scratch()
 
     def metadata_builder(self) -> TorchMetadataBuilder:
         return TorchMetadataBuilder(self)
@@ -108,20 +108,31 @@ class TorchBackend(AttentionBackend):
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A reused scratch tensor of at least ``shape`` (grown, never shrunk; no page faults
-        per call). Shared by every layer of this backend instance."""
-        last = self._views.get(name)
+        per call). Shared by every layer of this backend instance that runs in the calling
+        thread: each thread has its own (steps planned in two threads at once, e.g. two models
+        served through one backend, never gather into one buffer)."""
+        scratch = self._scratch
+        last = scratch.views.get(name)
         if last is not None and last[0] == shape and last[1].dtype == dtype:
             return last[1]  # the step before asked for the same: no tensor op at all
         numel = 1
         for n in shape:
             numel *= n
-        buf = self._buffers.get(name)
+        buf = scratch.buffers.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, device=self.device)
-            self._buffers[name] = buf
+            scratch.buffers[name] = buf
         view = buf[:numel].view(shape)
-        self._views[name] = (shape, view)  # only the last: an old view would pin a grown-out buffer
+        scratch.views[name] = (shape, view)  # only the last: an old view would pin a grown-out one
         return view
+
+
+class _Scratch(threading.local):
+    """A backend's scratch tensors, per thread (``TorchBackend.buffer``)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.views: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
 
 
 class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):

@@ -581,9 +581,10 @@ class Planner:
 
     def _arange(self, n: int) -> np.ndarray:
         """0..n-1 (int64), a view of one array kept and grown as needed."""
-        if n > self._ar.shape[0]:
-            self._ar = np.arange(max(n, 2 * self._ar.shape[0]))
-        return self._ar[:n]
+        ar = self._ar  # read once: another thread may grow it meanwhile
+        if n > ar.shape[0]:
+            ar = self._ar = np.arange(max(n, 2 * ar.shape[0]))
+        return ar[:n]
 
     def _block_starts(self, width: int, bs: int) -> np.ndarray:
         """[1, width] the first key position of each block, made once per (width, block size)."""

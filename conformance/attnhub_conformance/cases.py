@@ -614,6 +614,19 @@ def kv_cache_cases(target: Target, scope: Scope) -> list[Case]:
                 entry=call,
                 name=f"{call}-{shape.name}-{config.id}",
             )
+    if base.attn_type is not AttentionType.ENCODER_DECODER:
+        shape = main_shape(base.attn_type)
+        for call in ("forward_strided_slots", "write_kv_strided_slots"):
+            how = "forward" if call.startswith("forward") else "write_kv"
+            out.add(
+                "kv cache writes",
+                f"{how} with a strided slot_mapping (every other entry of an engine's buffer) "
+                "writes exactly the new tokens' slots, as with a dense one",
+                config=base,
+                shape=shape,
+                entry=call,
+                name=f"{call}-{shape.name}-{base.id}",
+            )
     return out.list()
 
 
@@ -960,6 +973,14 @@ GENERATORS: dict[str, Callable[[Target, Scope], list[Case]]] = {
         "metadata_reuse",
         "metadata reuse",
         "metadata built once serves every layer, unchanged by forward",
+        t,
+        s,
+    ),
+    "threads": lambda t, s: simple_cases(
+        "threads",
+        "threads",
+        "two threads driving their own caches through one backend, builder and impl compute "
+        "what one thread does",
         t,
         s,
     ),

@@ -194,6 +194,71 @@ def _write_kv_step_other_slots(step: Step, layer: Layer) -> object:
     return None
 
 
+def _other_spec_config(target: Target, config: Config, field_name: str) -> Config | None:
+    """The config with ``field_name`` (block_size or head_size) changed to a value the
+    backend serves, or None."""
+    current = getattr(config, field_name)
+    if field_name == "block_size":
+        candidates = [current * 2, current * 4]
+    else:
+        candidates = [h for h in (64, 128, 256, 80, 96, 32, 192, 512) if h != current]
+    for value in candidates:
+        other = config.with_(**{field_name: value})
+        try:
+            if not target.capabilities.unsupported_reasons(other.spec()):
+                return other
+        except InvalidSpecError:
+            continue
+    return None
+
+
+def _meta_of_other_spec(field_name: str) -> Callable[[Step, Layer], object]:
+    def provoke(step: Step, layer: Layer) -> object:
+        other = _other_spec_config(step.target, step.config, field_name)
+        assert other is not None
+        backend = step.target.create(other.spec())
+        batch = step.batch
+        if field_name == "block_size":  # the same table read with larger blocks: still valid
+            batch = replace(batch, block_size=other.block_size)
+        meta = backend.metadata_builder().build(batch)
+        if step.plan.new_kv:  # the write alone first: it must be refused too
+            try:
+                layer.impl.write_kv(layer.key, layer.value, layer.cache, meta=meta)
+            except InvalidInputError:
+                pass
+            else:
+                raise AssertionError("write_kv(meta=) accepted metadata of another spec")
+        return _forward(step, layer, meta=meta)
+
+    return provoke
+
+
+def _no_other(field_name: str) -> Callable[[Target, Config], str | None]:
+    def why(target: Target, config: Config) -> str | None:
+        if _other_spec_config(target, config, field_name) is None:
+            return f"the backend serves no other {field_name} for this config"
+        return None
+
+    return why
+
+
+def _common_prefix_not_shared(step: Step, layer: Layer) -> object:
+    """Two requests whose first blocks differ, with common_prefix_len = one block."""
+    bs = step.spec.block_size
+    nb = step.num_blocks
+    assert nb >= 4, f"the step's cache has {nb} blocks"
+    batch = BatchMetadata.from_lengths(
+        [1, 1], [bs + 1, bs + 1], [[nb - 1, nb - 2], [nb - 3, nb - 4]], bs, device=step.device
+    )
+    return step.builder.build(batch, common_prefix_len=bs)
+
+
+def _swap_to_tensors(step: Step, layer: Layer) -> object:
+    c = layer.cache
+    c.swap_blocks((c.key, c.value), [[0, 0]])  # type: ignore[arg-type]
+    return None
+
+
 def _needs_new_kv(target: Target, config: Config) -> str | None:
     if config.attn_type is AttentionType.ENCODER_DECODER:
         return "cross-attention steps write no new keys"
@@ -360,6 +425,44 @@ INVALID_INPUTS: tuple[InvalidInput, ...] = (
         "common_prefix_len longer than the shortest context",
         _prefix_too_long,
         not_applicable=lambda t, c: None if t.capabilities.cascade else "cascade not declared",
+    ),
+    _e(
+        "meta_other_block_size",
+        "forward and write_kv(meta=) given metadata built for another block size",
+        _meta_of_other_spec("block_size"),
+        not_applicable=_no_other("block_size"),
+    ),
+    _e(
+        "meta_other_head_size",
+        "forward and write_kv(meta=) given metadata built for another head size",
+        _meta_of_other_spec("head_size"),
+        not_applicable=_no_other("head_size"),
+    ),
+    _e(
+        "common_prefix_not_shared",
+        "common_prefix_len of one block while the requests' first blocks differ",
+        _common_prefix_not_shared,
+        not_applicable=lambda t, c: None if t.capabilities.cascade else "cascade not declared",
+    ),
+    _e(
+        "copy_blocks_none",
+        "cache.copy_blocks(None)",
+        lambda s, la: la.cache.copy_blocks(None),  # type: ignore[arg-type]
+    ),
+    _e(
+        "copy_blocks_not_pairs",
+        "cache.copy_blocks with rows of one block id",
+        lambda s, la: la.cache.copy_blocks([[0, 1], [2]]),
+    ),
+    _e(
+        "swap_blocks_not_a_cache",
+        "cache.swap_blocks to a (key, value) tuple instead of a PagedKVCache",
+        _swap_to_tensors,
+    ),
+    _e(
+        "swap_blocks_none_mapping",
+        "cache.swap_blocks with block_mapping None",
+        lambda s, la: la.cache.swap_blocks(la.cache.empty_like(), None),  # type: ignore[arg-type]
     ),
     _e(
         "unsupported_spec",

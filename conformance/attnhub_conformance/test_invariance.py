@@ -3,10 +3,12 @@ on how many layers already used the step's metadata."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
-from attnhub import testing
+from attnhub import PagedKVCache, testing
 from attnhub_conformance import harness
 from attnhub_conformance.cases import Case
 
@@ -75,3 +77,55 @@ def test_metadata_built_once_serves_every_layer(case: Case) -> None:
         f"{case.id}: layer 0 run again with the same metadata after the other layers gives "
         "different bits: forward changed the metadata"
     )
+
+
+@pytest.mark.attnhub_cases("threads")
+def test_two_threads_through_one_builder_and_impl_compute_what_one_thread_does(
+    case: Case,
+) -> None:
+    """Thread 0 runs the step, thread 1 its first request alone (another shape to plan), each
+    into a cache of its own, several times, through the step's one builder and one impl: as
+    an engine serving two models through one backend would. Every output and cache must have
+    the bits the same calls give in one thread."""
+    step = harness.prepare(case)
+    layer = step.layers[0]
+    start = layer.cache.clone()
+    new_kv = step.plan.new_kv
+    alone = harness.sub_batch(step, layer, [0])
+    work = [
+        (step.batch, layer.query, layer.key, layer.value),
+        (alone[0], alone[1], alone[2], alone[3]),
+    ]
+
+    def run(i: int) -> list[tuple[torch.Tensor, PagedKVCache]]:
+        batch, q, k, v = work[i]
+        results: list[tuple[torch.Tensor, PagedKVCache]] = []
+        for _ in range(4):
+            cache = start.clone()
+            meta = step.builder.build(batch, common_prefix_len=0)
+            out = layer.impl.forward(q, k if new_kv else None, v if new_kv else None, cache, meta)
+            results.append((_bits(out).clone(), cache))
+        return results
+
+    expected = [run(0), run(1)]
+    got: list[list[tuple[torch.Tensor, PagedKVCache]]] = [[], []]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def thread(i: int) -> None:
+        try:
+            barrier.wait(timeout=60)
+            got[i] = run(i)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=thread, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, f"{case.id}: a thread raised {errors[0]!r}"
+    for i, (mine, want) in enumerate(zip(got, expected, strict=True)):
+        for (out, cache), (want_out, want_cache) in zip(mine, want, strict=True):
+            assert torch.equal(out, want_out), f"{case.id}: thread {i}'s output differs"
+            assert cache.equal(want_cache), f"{case.id}: thread {i}'s cache differs"

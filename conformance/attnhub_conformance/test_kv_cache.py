@@ -8,11 +8,12 @@ slots and within one quantization step inside them (rounding may legitimately di
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
 
-from attnhub import PagedKVCache, testing
+from attnhub import BatchMetadata, PagedKVCache, testing
 from attnhub.errors import InvalidInputError
 from attnhub_conformance import harness
 from attnhub_conformance.cases import Case
@@ -28,6 +29,12 @@ def test_writes_exactly_the_new_slots(case: Case) -> None:
         step.forward(layer)
     elif case.entry == "write_kv_step":  # the step's own slots, as planned by the builder
         layer.impl.write_kv(layer.key, layer.value, layer.cache, meta=step.build())
+    elif case.entry == "forward_strided_slots":  # a view of every other entry of a buffer
+        strided_batch = dataclasses.replace(step.batch, **strided_slots(step.batch))
+        step.forward(layer, meta=step.build(strided_batch))
+    elif case.entry == "write_kv_strided_slots":
+        slots = strided_slots(step.batch)["slot_mapping"][: step.n]
+        layer.impl.write_kv(layer.key, layer.value, layer.cache, slots)
     else:  # write_kv alone, with padding slots between real ones too
         slots = slots.clone()
         slots[torch.arange(0, step.n, 3, device=slots.device)] = -1
@@ -35,6 +42,22 @@ def test_writes_exactly_the_new_slots(case: Case) -> None:
     expected = testing.cache_after_write(before, layer.key, layer.value, slots)
     problems = testing.cache_differences(layer.cache, expected, slots)
     assert not problems, f"{case.id}: {case.entry} left the cache wrong: " + "; ".join(problems)
+
+
+def strided_slots(batch: BatchMetadata) -> dict[str, Any]:
+    """The batch's slot mapping (and its host copy, where it has one) as views of every other
+    entry of a buffer twice as long, whose other entries are slots the step must not write."""
+    out = {}
+    for name in ("slot_mapping", "slot_mapping_cpu"):
+        t = getattr(batch, name)
+        if t is None:
+            continue
+        buf = torch.zeros(2 * t.shape[0], dtype=t.dtype, device=t.device)
+        buf[0::2] = t
+        buf[1::2] = torch.where(t >= 0, (t + 1) % max(int(t.max()) + 1, 1), t)  # wrong slots
+        out[name] = buf[0::2]
+        assert not out[name].is_contiguous() or t.shape[0] < 2
+    return out
 
 
 def strided_copy(cache: PagedKVCache) -> PagedKVCache:

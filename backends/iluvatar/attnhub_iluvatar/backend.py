@@ -881,6 +881,8 @@ class IluvatarInt8AttentionImpl(IluvatarAttentionImpl):
         assert isinstance(meta, IluvatarAttentionMetadata) and meta.paged is not None
         assert value is not None
         n = meta.num_actual_tokens
+        if self.clip_counter is not None:  # as the base class's forward counts its writes
+            self.count_clipped(key, value, meta.batch.slot_mapping, cache)
         if out.shape[0] > n:
             out[n:].zero_()
         self._attend_paged(query, cache, meta.paged, out, save=(key[:n], value[:n]))
