@@ -1,5 +1,5 @@
 """Sessions: lint, typecheck, tests, conformance, contracts, wheelhouse, docs (the default run);
-bench, vllm (on request).
+bench, vllm, soak (on request).
 
 Every session that installs attnhub pins torch==2.13.0 (a CPU build is on this machine kind's
 package index; an unpinned torch would pull several GB of CUDA packages). Vendor libraries are
@@ -227,6 +227,46 @@ def conformance(session: nox.Session) -> None:
             failed.append(label)  # the other targets still run
     if failed:
         session.error(f"the conformance suite failed for {', '.join(failed)}")
+
+
+#: The long soak (``nox -s soak``): engine steps and API-fuzz examples per conformance target.
+#: About 25 minutes in all on a shared 2-core machine (docs/reliability.md: the figures of one
+#: run, and each target's time).
+SOAK_STEPS = 10_000
+SOAK_FUZZ_EXAMPLES = 1_300
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """The long soak and API fuzz of every conformance target (emulated without its hardware):
+    SOAK_STEPS random engine steps against the shadow model and SOAK_FUZZ_EXAMPLES spoiled
+    calls each, every figure printed, then the fault table (docs/reliability.md). The default
+    run holds a bounded one (``test_soak.py`` in the conformance session). Arguments go to
+    ``python -m attnhub_conformance.soak`` after the defaults: ``nox -s soak -- --steps 500``."""
+    backends = [d for d in DISTRIBUTION_DIRS if d.startswith("backends/")]
+    session.install(
+        TORCH, "-e", ".", "-e", "./conformance", *(a for d in backends for a in ("-e", f"./{d}"))
+    )
+    _single_threaded(session)
+    os.makedirs(RESULTS, exist_ok=True)
+    figures = os.path.join(RESULTS, "soak.jsonl")
+    if os.path.exists(figures):
+        os.remove(figures)
+    failed = []
+    for label, (backend, env) in CONFORMANCE_TARGETS.items():
+        try:
+            session.run(
+                *("python", "-m", "attnhub_conformance.soak", "--emulate"),
+                *("--backend", backend, "--label", label, "--json", figures),
+                *("--steps", str(SOAK_STEPS), "--fuzz-examples", str(SOAK_FUZZ_EXAMPLES)),
+                *session.posargs,
+                env=env,
+            )
+        except nox.command.CommandFailed:
+            failed.append(label)  # the other targets still run
+    session.run("python", "-m", "attnhub_conformance.soak", "--table", figures)
+    if failed:
+        session.error(f"the soak or the fuzz failed for {', '.join(failed)}")
 
 
 @nox.session

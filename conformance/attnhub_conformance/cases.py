@@ -927,7 +927,32 @@ def property_case(target: Target, scope: Scope) -> list[Case]:
     ]
 
 
+def soak_cases(kind: str, row: str, proves: str, target: Target, scope: Scope) -> list[Case]:
+    """One case per backend: the soak and the fuzz pick their own spec
+    (``attnhub_conformance.soak.default_spec``)."""
+    if Axes(target, scope).base is None:
+        return []
+    return [Case(target, kind, kind, (row,), proves, scope=scope)]
+
+
 GENERATORS: dict[str, Callable[[Target, Scope], list[Case]]] = {
+    "soak": lambda t, s: soak_cases(
+        "soak",
+        "soak (engine steps)",
+        "random engine steps (chunked prefill, multi-token decode with rejected drafts, "
+        "preemption by recompute and swap, copy-on-write, cascade, padding, poisoned free "
+        "blocks) match a shadow float64 model; the cache holds exactly what was written",
+        t,
+        s,
+    ),
+    "fuzz": lambda t, s: soak_cases(
+        "fuzz",
+        "API fuzz",
+        "spoiled calls raise typed errors only and leave caches byte-identical; accepted ones "
+        "are correct",
+        t,
+        s,
+    ),
     "outputs": output_cases,
     "kv_cache": kv_cache_cases,
     "invalid_inputs": invalid_input_cases,

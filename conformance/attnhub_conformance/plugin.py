@@ -40,6 +40,10 @@ _REPLACEABLE = (
 #: The property test's seed unless ``--attnhub-hypothesis-seed`` says otherwise: a run that
 #: passed (in CI, say) passes again, and a failure is the same failure on every rerun.
 DEFAULT_HYPOTHESIS_SEED = 0
+#: The soak's steps and the fuzz's examples per backend in a default run: a few seconds each
+#: per backend (``nox -s soak`` runs the long ones).
+DEFAULT_SOAK_STEPS = 300
+DEFAULT_FUZZ_EXAMPLES = 130
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -92,6 +96,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="examples per backend for the random-batch property test (default: 15)",
     )
     group.addoption(
+        "--attnhub-soak-steps",
+        type=int,
+        default=DEFAULT_SOAK_STEPS,
+        metavar="N",
+        help=f"engine steps of the soak per backend (default: {DEFAULT_SOAK_STEPS}; "
+        "nox -s soak runs 10000)",
+    )
+    group.addoption(
+        "--attnhub-fuzz-examples",
+        type=int,
+        default=DEFAULT_FUZZ_EXAMPLES,
+        metavar="N",
+        help=f"examples of the API fuzz per backend (default: {DEFAULT_FUZZ_EXAMPLES})",
+    )
+    group.addoption(
+        "--attnhub-soak-seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="seed of the soak and of the API fuzz (default 0: every run makes the same steps)",
+    )
+    group.addoption(
         "--attnhub-hypothesis-seed",
         default=str(DEFAULT_HYPOTHESIS_SEED),
         metavar="N|random",
@@ -115,6 +141,7 @@ class SuiteState:
         self._hypothesis_seed: int | None = None
         self._seeded: set[str] = set()  # node ids of the tests that asked for the seed
         self._seeded_failed = False  # one of them failed
+        self.figures: list[str] = []  # the soak's and the fuzz's summaries, for the terminal
 
     @property
     def hypothesis_seed_is_random(self) -> bool:
@@ -221,6 +248,10 @@ class SuiteState:
                 f"{self.hypothesis_seed}; --attnhub-hypothesis-seed {self.hypothesis_seed} "
                 "draws them again"
             )
+        if self.figures:
+            terminalreporter.write_sep("=", "attnhub soak and API fuzz")
+            for line in self.figures:
+                terminalreporter.write_line(line)
         if self.unsaid_cannot_run:
             terminalreporter.write_sep("=", "attnhub: backends this run had to test cannot run")
             for target in self.unsaid_cannot_run:
@@ -352,6 +383,19 @@ def attnhub_hypothesis_seed(request: pytest.FixtureRequest) -> int:
     state = state_of(request.config)
     state._seeded.add(request.node.nodeid)
     return state.hypothesis_seed
+
+
+@pytest.fixture
+def attnhub_soak_options(request: pytest.FixtureRequest) -> tuple[int, int, int]:
+    """(soak steps, fuzz examples, seed) of this session."""
+    get = request.config.getoption
+    return get("attnhub_soak_steps"), get("attnhub_fuzz_examples"), get("attnhub_soak_seed")
+
+
+@pytest.fixture
+def attnhub_figures(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """``attnhub_figures(line)``: a line the end of the run prints (the soak's figures)."""
+    return state_of(request.config).figures.append
 
 
 def _parse_seed(text: str) -> int:

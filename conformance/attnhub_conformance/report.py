@@ -73,6 +73,8 @@ SECTIONS = (
     "metadata reuse",
     "graph capture",
     "random batches",
+    "soak",
+    "API fuzz",
 )
 _ORDER_WITHIN = {
     "batch:": SHAPE_ORDER,
