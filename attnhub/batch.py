@@ -93,15 +93,9 @@ class BatchMetadata:
             table = torch.zeros((len(block_table), max(width, 1)), dtype=torch.int32)
             for r, row in enumerate(block_table):
                 table[r, : len(row)] = torch.as_tensor(list(row), dtype=torch.int32)
-        if table.dim() != 2 or table.shape[0] != q.numel():
-            raise InvalidInputError(
-                f"block_table must be [num_reqs={q.numel()}, max_blocks], "
-                f"got shape {tuple(table.shape)}"
-            )
         from attnhub import validation
 
-        if table.dtype not in validation.INT_DTYPES:
-            raise InvalidInputError(f"block_table must be int32 or int64, got {table.dtype}")
+        validation.GIVEN_TABLE.check(table, q.numel())
         table = table.to(torch.int32)
         validation.check_given_lengths(q.numpy(), s.numpy(), table.numpy(), block_size)
 

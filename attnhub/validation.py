@@ -434,6 +434,21 @@ def _with_requests(items: list[Rule | Let]) -> list[Rule | Let]:
     ]
 
 
+#: A batch's integer tensors (facts named as the fields) hold int32 or int64.
+INT_TENSOR = {
+    name: Rule(
+        f"{name}.dtype in INT_DTYPES", f"{name} must be int32 or int64, got {{{name}.dtype}}"
+    )
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+}
+#: The block table has a row per request (B of them).
+TABLE_SHAPE = Rule(
+    "block_table.ndim == 2 and block_table.shape[0] == B",
+    "block_table must be [num_reqs={B}, max_blocks], got shape {tuple(block_table.shape)}",
+)
+#: The table ``BatchMetadata.from_lengths`` is given, for B requests.
+GIVEN_TABLE = Rules("block_table, B", [TABLE_SHAPE, INT_TENSOR["block_table"]])
+
 #: A batch's kind, shapes, dtypes and devices, for a spec on ``device``: O(1), no value read.
 #: Facts (batch, spec, device).
 STRUCTURE: list[Rule | Let] = [
@@ -445,13 +460,13 @@ STRUCTURE: list[Rule | Let] = [
         "batch.block_size == spec.block_size",
         "batch block_size is {batch.block_size}, the spec says {spec.block_size}",
     ),
-    Let("dev", "batch.query_start_loc.device"),
+    *(Let(name, f"batch.{name}") for name in INT_TENSOR),
+    Let("dev", "query_start_loc.device"),
     Rule(
         "dev == device or same_device(dev, device)",
-        "batch tensors are on {batch.device}, expected {device}",
+        "batch tensors are on {dev}, expected {device}",
     ),
     Let("B", "batch.num_reqs"),
-    Let("ints", "INT_DTYPES"),
     Rule(
         "batch.query_start_loc_cpu.shape == (B + 1,)",
         "query_start_loc must have num_reqs + 1 = {B + 1} entries, got shape "
@@ -461,43 +476,30 @@ STRUCTURE: list[Rule | Let] = [
         "batch.seq_lens_cpu.shape == (B,)",
         "seq_lens must have num_reqs = {B} entries, got shape {tuple(batch.seq_lens_cpu.shape)}",
     ),
+    *INT_TENSOR.values(),
     *(
         Rule(
-            f"batch.{name}.dtype in ints",
-            f"{name} must be int32 or int64, got {{batch.{name}.dtype}}",
-        )
-        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
-    ),
-    *(
-        Rule(
-            f"batch.{name}.dtype in ints and batch.{name}.is_cpu",
+            f"batch.{name}.dtype in INT_DTYPES and batch.{name}.is_cpu",
             f"{name} must be an int32 or int64 host (cpu) tensor, got "
             f"{{batch.{name}.dtype}} on {{batch.{name}.device}}",
         )
         for name in ("query_start_loc_cpu", "seq_lens_cpu")
     ),
     *(
-        Rule(
-            f"batch.{name}.device == dev",
-            f"{name} is on {{batch.{name}.device}}, query_start_loc on {{dev}}",
-        )
+        Rule(f"{name}.device == dev", f"{name} is on {{{name}.device}}, query_start_loc on {{dev}}")
         for name in ("seq_lens", "block_table", "slot_mapping")
     ),
     *(
         Rule(
-            f"batch.{name}_cpu is None or (batch.{name}_cpu.shape == batch.{name}.shape "
-            f"and batch.{name}_cpu.is_cpu and batch.{name}_cpu.dtype in ints)",
+            f"batch.{name}_cpu is None or (batch.{name}_cpu.shape == {name}.shape "
+            f"and batch.{name}_cpu.is_cpu and batch.{name}_cpu.dtype in INT_DTYPES)",
             f"{name}_cpu must be an int32 or int64 host copy of {name} (shape "
-            f"{{tuple(batch.{name}.shape)}}), got {{batch.{name}_cpu.dtype}} "
+            f"{{tuple({name}.shape)}}), got {{batch.{name}_cpu.dtype}} "
             f"{{tuple(batch.{name}_cpu.shape)}} on {{batch.{name}_cpu.device}}",
         )
         for name in ("block_table", "slot_mapping")
     ),
-    Rule(
-        "batch.block_table.ndim == 2 and batch.block_table.shape[0] == B",
-        "block_table must be [num_reqs={B}, max_blocks], got shape "
-        "{tuple(batch.block_table.shape)}",
-    ),
+    TABLE_SHAPE,
     Rule(
         "B or batch.num_actual_tokens == 0",
         "num_actual_tokens = {batch.num_actual_tokens} but the batch has no request",
@@ -520,7 +522,7 @@ LENGTHS: list[Rule | Let] = _with_requests(
         Let("lo_c", "int(_MIN(seq)) - hi_q if uniform else int(_MIN(ctx))"),
         Let("hi_s", "int(_MAX(seq))"),
         Let("block_size", "batch.block_size"),
-        Let("width", "batch.block_table.shape[1]"),
+        Let("width", "block_table.shape[1]"),
         Rule("int(qsl[0]) == 0", "query_start_loc[0] = {int(qsl[0])} must be 0"),
         Rule(
             "lo_q >= 1",
@@ -534,9 +536,8 @@ LENGTHS: list[Rule | Let] = _with_requests(
             "num_actual_tokens = {batch.num_actual_tokens} but query_start_loc[-1] = {total}",
         ),
         Rule(
-            "batch.slot_mapping.ndim == 1 and batch.slot_mapping.shape[0] >= total",
-            "slot_mapping has shape {tuple(batch.slot_mapping.shape)}, needs at least {total} "
-            "entries",
+            "slot_mapping.ndim == 1 and slot_mapping.shape[0] >= total",
+            "slot_mapping has shape {tuple(slot_mapping.shape)}, needs at least {total} entries",
         ),
         TABLE_WIDE_ENOUGH,
         Rule(
