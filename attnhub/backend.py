@@ -55,7 +55,8 @@ class AttentionMetadata:
     Frozen: made once per step by ``build``, then only read by every layer (FlashInfer's
     plan / run). Backends subclass it (``@dataclass(frozen=True)`` too) with their planned
     fields. ``extents`` are the step's largest slot and block, found by ``build`` on host data,
-    so that layers check them against their cache in O(1).
+    so that layers check them against their cache in O(1) (-1 each where the builder's
+    ``checks`` are structural: nothing read, nothing bounded).
     """
 
     batch: BatchMetadata
