@@ -325,6 +325,139 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
         return None
 
 
+# --- the rules of a layer call (facts: the impl and the call's arguments) --------------------
+
+_NAMES = {
+    "AttentionMetadata": AttentionMetadata,
+    "validation": validation,
+    "kv_passes": validation.KV.passes,  # one name to look up, on every call
+}
+
+#: The call's metadata is a step's (its kind; the backend's own checks, ``check_step``).
+META_KIND = Rule(
+    "isinstance(meta, AttentionMetadata)",
+    "meta must be what this backend's metadata_builder().build(batch) returns, "
+    "got {type(meta).__name__}",
+)
+#: The cache the impl's checks accepted last: (cache, key, value, key_scale, value_scale,
+#: num_slots, num_blocks), read once per call.
+LAST = Let("last", "self._checked_cache")
+#: The cache is the one the checks accepted last, the very planes (else it is checked in full
+#: and remembered: ``_accept_cache``).
+CACHE_REMEMBERED = Rule(
+    "last is not None and last[0] is cache and last[1] is cache.key and last[2] is cache.value "
+    "and last[3] is cache.key_scale and last[4] is cache.value_scale",
+    otherwise="self._accept_cache(cache)",
+)
+BACKEND_CHECKS = Rule("self.check_step(cache, meta) or True")  # raises its own errors
+#: What the rules below read of the impl and the step.
+FACTS = [
+    Let("spec", "self.spec"),
+    Let("device", "self.backend.device"),
+    Let("extents", "meta.extents"),
+]
+#: Built by a builder of this layer's backend, or of one accepted before (``_check_owner``).
+OWNER = Rule(
+    "extents is None or extents.owner is self._owner_ok", otherwise="self._check_owner(meta)"
+)
+#: The step's extents fit the cache: two integer comparisons with the sizes remembered.
+EXTENTS_FIT = Rule(
+    "extents is not None and last is not None and last[0] is cache "
+    "and extents.max_slot < last[5] and extents.max_block < last[6]",
+    otherwise="self._check_extents(meta, cache)",
+)
+#: The step's new keys and values (``validation.KV_RULES``).
+STEP_KV = Rule(
+    "kv_passes(spec, key, value, device, meta.batch.num_tokens)",
+    otherwise="validation.KV.explain(spec, key, value, device, meta.batch.num_tokens)",
+)
+
+
+def _where_given(name: str, items: list[Rule | Let]) -> list[Rule | Let]:
+    """``items`` for an argument that may be None (a rule holds, a fact is None, where it is)."""
+    return [
+        Let(r.name, f"None if {name} is None else ({r.value})")
+        if isinstance(r, Let)
+        else Rule(f"{name} is None or ({r.holds})", r.says, r.at, r.otherwise)
+        for r in items
+    ]
+
+
+_STEP_CALL = validation.Rules(
+    "self, cache, meta", [LAST, META_KIND, CACHE_REMEMBERED, *FACTS, OWNER, EXTENTS_FIT], _NAMES
+)
+_FORWARD = validation.Rules(
+    "self, query, key, value, cache, meta, output",
+    [
+        LAST,
+        META_KIND,
+        CACHE_REMEMBERED,
+        BACKEND_CHECKS,
+        *FACTS,
+        OWNER,
+        *validation.tensor_rules(
+            "query", "query", [None, "spec.num_heads", "spec.head_size"], "spec.dtype", "device"
+        ),
+        Rule(
+            "query_shape[0] >= meta.batch.num_actual_tokens",
+            "query has {query_shape[0]} tokens, the batch has {meta.batch.num_actual_tokens}",
+        ),
+        Rule(
+            "(key is None) == (value is None)", "key and value must both be given or both be None"
+        ),
+        *_where_given("key", [STEP_KV]),
+        *_where_given(
+            "output",
+            validation.tensor_rules(
+                "output", "output", [], "spec.dtype", "device", like="query_shape"
+            ),
+        ),
+        EXTENTS_FIT,
+    ],
+    _NAMES,
+)
+_WRITE_STEP = validation.Rules(
+    "self, key, value, cache, slot_mapping, meta",
+    [
+        LAST,
+        CACHE_REMEMBERED,
+        META_KIND,
+        BACKEND_CHECKS,
+        *FACTS,
+        OWNER,
+        Rule(
+            "slot_mapping is None or slot_mapping is meta.batch.slot_mapping "
+            "or (extents is not None and slot_mapping is extents.given_slot_mapping) "
+            "or same_view(slot_mapping, meta.batch.slot_mapping) "
+            "or (extents is not None and extents.given_slot_mapping is not None "
+            "and same_view(slot_mapping, extents.given_slot_mapping))",
+            "slot_mapping is not meta.batch.slot_mapping: with meta=, leave slot_mapping out "
+            "(or pass the step's own)",
+        ),
+        STEP_KV,
+        EXTENTS_FIT,
+    ],
+    _NAMES,
+)
+_WRITE_OWN = validation.Rules(
+    "self, key, value, cache, slot_mapping",
+    [
+        LAST,
+        CACHE_REMEMBERED,
+        Rule("slot_mapping is not None", "write_kv needs slot_mapping or meta="),
+        *FACTS[:2],
+        *validation.tensor_rules(
+            "slot_mapping", "slot_mapping", [None], "validation.INT_DTYPES", "device"
+        ),
+        Rule(
+            "kv_passes(spec, key, value, device, slot_mapping_shape[0])",
+            otherwise="validation.KV.explain(spec, key, value, device, slot_mapping_shape[0])",
+        ),
+    ],
+    _NAMES,
+)
+
+
 class AttentionImpl(abc.ABC):
     """One layer's attention: write the new keys/values, then attend over the cache."""
 
@@ -390,14 +523,12 @@ class AttentionImpl(abc.ABC):
         """
         if meta is not None:
             if not self._usual_write(key, value, cache, slot_mapping, meta):
-                _WRITE_STEP.explain(
-                    self, self._checked_cache, key, value, cache, slot_mapping, meta
-                )
+                _WRITE_STEP.explain(self, key, value, cache, slot_mapping, meta)
             if self.clip_counter is not None:
                 self.count_clipped(key, value, meta.batch.slot_mapping, cache)
             self.store_step_kv(key, value, cache, meta)
             return
-        _WRITE_OWN.check(self, self._checked_cache, key, value, cache, slot_mapping)
+        _WRITE_OWN.check(self, key, value, cache, slot_mapping)
         assert slot_mapping is not None
         validation.check_slot_values(slot_mapping, cache)
         if not slot_mapping.is_contiguous():  # kernels read slots through a raw pointer
@@ -520,7 +651,7 @@ class AttentionImpl(abc.ABC):
         """Validate a forward call completely (nothing written yet); return the output buffer:
         the rules of :data:`_FORWARD`, in one pass where they hold."""
         if not self._usual_call(query, key, value, cache, meta, output):
-            _FORWARD.explain(self, self._checked_cache, query, key, value, cache, meta, output)
+            _FORWARD.explain(self, query, key, value, cache, meta, output)
         return torch.empty_like(query) if output is None else output
 
     # --- the rules, read in one pass ----------------------------------------------------------
@@ -530,28 +661,12 @@ class AttentionImpl(abc.ABC):
     # by one to name it (``Rules.explain``). tests/test_usual_call.py holds both readings to
     # the same outcomes.
 
-    def _usual_step(self, cache: object, meta: object) -> bool:
-        """A step's metadata made by build for this layer, fitting the cache the checks
-        accepted last (the rules of every call with a step)."""
-        return _STEP_CALL.passes(self, self._checked_cache, cache, meta)
-
-    def _usual_call(
-        self,
-        query: object,
-        key: object,
-        value: object,
-        cache: object,
-        meta: object,
-        output: object,
-    ) -> bool:
-        """Every rule of ``check_forward`` holds."""
-        return _FORWARD.passes(self, self._checked_cache, query, key, value, cache, meta, output)
-
-    def _usual_write(
-        self, key: object, value: object, cache: object, slot_mapping: object, meta: object
-    ) -> bool:
-        """Every rule of ``write_kv(meta=)`` holds."""
-        return _WRITE_STEP.passes(self, self._checked_cache, key, value, cache, slot_mapping, meta)
+    #: Whether every rule of a call with a step's metadata holds (its kind, cache, owner,
+    #: extents), of ``check_forward``, and of ``write_kv(meta=)``: the tables' compiled
+    #: functions themselves, bound as methods (no call in between).
+    _usual_step = _STEP_CALL.passes
+    _usual_call = _FORWARD.passes
+    _usual_write = _WRITE_STEP.passes
 
     def _usual_kv(self, key: object, value: object, meta: AttentionMetadata) -> bool:
         """``validation.KV_RULES`` for the step's new keys and values."""
@@ -599,130 +714,3 @@ class AttentionImpl(abc.ABC):
         ``key``/``value`` are this step's new tokens (already in the cache), or None; a backend
         may use them where that is cheaper than reading the cache back.
         """
-
-
-# --- the rules of a layer call (facts: the impl, the cache it accepted last, the arguments) ---
-
-_NAMES = {
-    "AttentionMetadata": AttentionMetadata,
-    "validation": validation,
-    "kv_passes": validation.KV.passes,  # one name to look up, on every call
-}
-
-#: The call's metadata is a step's (its kind; the backend's own checks, ``check_step``).
-META_KIND = Rule(
-    "isinstance(meta, AttentionMetadata)",
-    "meta must be what this backend's metadata_builder().build(batch) returns, "
-    "got {type(meta).__name__}",
-)
-#: The cache is the one the checks accepted last, the very planes (else it is checked in full
-#: and remembered: ``_accept_cache``).
-CACHE_REMEMBERED = Rule(
-    "last is not None and last[0] is cache and last[1] is cache.key and last[2] is cache.value "
-    "and last[3] is cache.key_scale and last[4] is cache.value_scale",
-    otherwise="self._accept_cache(cache)",
-)
-BACKEND_CHECKS = Rule("self.check_step(cache, meta) or True")  # raises its own errors
-#: What the rules below read of the impl and the step.
-FACTS = [
-    Let("spec", "self.spec"),
-    Let("device", "self.backend.device"),
-    Let("extents", "meta.extents"),
-]
-#: Built by a builder of this layer's backend, or of one accepted before (``_check_owner``).
-OWNER = Rule(
-    "extents is None or extents.owner is self._owner_ok", otherwise="self._check_owner(meta)"
-)
-#: The step's extents fit the cache: two integer comparisons with the sizes remembered.
-EXTENTS_FIT = Rule(
-    "extents is not None and last is not None and last[0] is cache "
-    "and extents.max_slot < last[5] and extents.max_block < last[6]",
-    otherwise="self._check_extents(meta, cache)",
-)
-#: The step's new keys and values (``validation.KV_RULES``).
-STEP_KV = Rule(
-    "kv_passes(spec, key, value, device, meta.batch.num_tokens)",
-    otherwise="validation.KV.explain(spec, key, value, device, meta.batch.num_tokens)",
-)
-
-
-def _where_given(name: str, items: list[Rule | Let]) -> list[Rule | Let]:
-    """``items`` for an argument that may be None (a rule holds, a fact is None, where it is)."""
-    return [
-        Let(r.name, f"None if {name} is None else ({r.value})")
-        if isinstance(r, Let)
-        else Rule(f"{name} is None or ({r.holds})", r.says, r.at, r.otherwise)
-        for r in items
-    ]
-
-
-_STEP_CALL = validation.Rules(
-    "self, last, cache, meta", [META_KIND, CACHE_REMEMBERED, *FACTS, OWNER, EXTENTS_FIT], _NAMES
-)
-_FORWARD = validation.Rules(
-    "self, last, query, key, value, cache, meta, output",
-    [
-        META_KIND,
-        CACHE_REMEMBERED,
-        BACKEND_CHECKS,
-        *FACTS,
-        OWNER,
-        *validation.tensor_rules(
-            "query", "query", [None, "spec.num_heads", "spec.head_size"], "spec.dtype", "device"
-        ),
-        Rule(
-            "query_shape[0] >= meta.batch.num_actual_tokens",
-            "query has {query_shape[0]} tokens, the batch has {meta.batch.num_actual_tokens}",
-        ),
-        Rule(
-            "(key is None) == (value is None)", "key and value must both be given or both be None"
-        ),
-        *_where_given("key", [STEP_KV]),
-        *_where_given(
-            "output",
-            validation.tensor_rules(
-                "output", "output", [], "spec.dtype", "device", like="query_shape"
-            ),
-        ),
-        EXTENTS_FIT,
-    ],
-    _NAMES,
-)
-_WRITE_STEP = validation.Rules(
-    "self, last, key, value, cache, slot_mapping, meta",
-    [
-        CACHE_REMEMBERED,
-        META_KIND,
-        BACKEND_CHECKS,
-        *FACTS,
-        OWNER,
-        Rule(
-            "slot_mapping is None or slot_mapping is meta.batch.slot_mapping "
-            "or (extents is not None and slot_mapping is extents.given_slot_mapping) "
-            "or same_view(slot_mapping, meta.batch.slot_mapping) "
-            "or (extents is not None and extents.given_slot_mapping is not None "
-            "and same_view(slot_mapping, extents.given_slot_mapping))",
-            "slot_mapping is not meta.batch.slot_mapping: with meta=, leave slot_mapping out "
-            "(or pass the step's own)",
-        ),
-        STEP_KV,
-        EXTENTS_FIT,
-    ],
-    _NAMES,
-)
-_WRITE_OWN = validation.Rules(
-    "self, last, key, value, cache, slot_mapping",
-    [
-        CACHE_REMEMBERED,
-        Rule("slot_mapping is not None", "write_kv needs slot_mapping or meta="),
-        *FACTS[:2],
-        *validation.tensor_rules(
-            "slot_mapping", "slot_mapping", [None], "validation.INT_DTYPES", "device"
-        ),
-        Rule(
-            "kv_passes(spec, key, value, device, slot_mapping_shape[0])",
-            otherwise="validation.KV.explain(spec, key, value, device, slot_mapping_shape[0])",
-        ),
-    ],
-    _NAMES,
-)
