@@ -28,6 +28,7 @@ from attnhub.errors import (
 )
 from attnhub.kv_cache import BlockPacking, PagedKVCache
 from attnhub.spec import AttentionSpec
+from attnhub.validation import Let, Rule
 
 if TYPE_CHECKING:
     from attnhub.graphs.adaptor import GraphAdaptor
@@ -54,7 +55,8 @@ class AttentionMetadata:
     Frozen: made once per step by ``build``, then only read by every layer (FlashInfer's
     plan / run). Backends subclass it (``@dataclass(frozen=True)`` too) with their planned
     fields. ``extents`` are the step's largest slot and block, found by ``build`` on host data,
-    so that layers check them against their cache in O(1).
+    so that layers check them against their cache in O(1) (-1 each where the builder's
+    ``checks`` are structural: nothing read, nothing bounded).
     """
 
     batch: BatchMetadata
@@ -182,10 +184,30 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
         #: The step ``build`` is planning: its extents and the host facts read while checking
         #: it (query and sequence lengths as numpy, their extremes), set before ``plan``.
         self.step: validation.StepExtents | None = None
+        self._checks = "full"
         #: ``build`` plans one step at a time: ``step`` and whatever scratch a backend's
         #: ``plan`` keeps on its builder belong to the step being planned, even where threads
         #: share the builder (the checks before it run unlocked).
         self._planning = threading.Lock()
+
+    @property
+    def checks(self) -> str:
+        """What ``build`` checks of a step. ``"full"`` (the default): everything, its values
+        included (every slot -1 or distinct, every block a request reads not negative, lengths
+        consistent; O(tokens + blocks) on host data, once per step), so that each layer only
+        compares the step's extents with its cache. ``"structural"``: the batch's kind, shapes,
+        dtypes and devices only (O(1) per step, no value read), for an engine that builds each
+        step itself and trusts its own slots, tables and lengths: the trade-off vLLM's and
+        FlashInfer's own builders make. A wrong value then reaches the kernels unchecked (an
+        out-of-range slot may write outside the cache); layer calls still check their own
+        arguments in full."""
+        return self._checks
+
+    @checks.setter
+    def checks(self, value: str) -> None:
+        if value not in ("full", "structural"):
+            raise InvalidInputError(f"checks = {value!r} must be 'full' or 'structural'")
+        self._checks = value
 
     @property
     def graph_support(self) -> GraphSupport:
@@ -201,7 +223,9 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
         stride."""
         given = batch
         batch = validation.dense_batch(batch)
-        extents = validation.check_step(self.spec, batch, self.backend.device)
+        extents = validation.check_step(
+            self.spec, batch, self.backend.device, values=self._checks == "full"
+        )
         self._check_batch_kinds(batch)
         if common_prefix_len:
             if not self.backend.capabilities.cascade:
@@ -294,9 +318,8 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
         """Every check ``build`` makes of a step, without planning it: for a step that replays
         a captured graph (the graph runner calls it on each padded batch). Returns the step's
         extents, to compare with every KV cache the graph writes or reads."""
-        validation.check_batch_for_spec(self.spec, batch, self.backend.device)
+        extents = validation.check_step(self.spec, batch, self.backend.device)
         validation.check_dense(batch, "a captured graph reads the batch's own tensors")
-        extents = validation.step_extents(batch)
         self._check_batch_kinds(batch)
         self._check_graph_level(batch)
         extents.owner = self.backend
@@ -313,6 +336,139 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
         including the one right after capture. Default: nothing to refresh (a backend whose
         captured kernels read every per-step value from device tensors)."""
         return None
+
+
+# --- the rules of a layer call (facts: the impl and the call's arguments) --------------------
+
+_NAMES = {
+    "AttentionMetadata": AttentionMetadata,
+    "validation": validation,
+    "kv_passes": validation.KV.passes,  # one name to look up, on every call
+}
+
+#: The call's metadata is a step's (its kind; the backend's own checks, ``check_step``).
+META_KIND = Rule(
+    "isinstance(meta, AttentionMetadata)",
+    "meta must be what this backend's metadata_builder().build(batch) returns, "
+    "got {type(meta).__name__}",
+)
+#: The cache the impl's checks accepted last: (cache, key, value, key_scale, value_scale,
+#: num_slots, num_blocks), read once per call.
+LAST = Let("last", "self._checked_cache")
+#: The cache is the one the checks accepted last, the very planes (else it is checked in full
+#: and remembered: ``_accept_cache``).
+CACHE_REMEMBERED = Rule(
+    "last is not None and last[0] is cache and last[1] is cache.key and last[2] is cache.value "
+    "and last[3] is cache.key_scale and last[4] is cache.value_scale",
+    otherwise="self._accept_cache(cache)",
+)
+BACKEND_CHECKS = Rule("self.check_step(cache, meta) or True")  # raises its own errors
+#: What the rules below read of the impl and the step.
+FACTS = [
+    Let("spec", "self.spec"),
+    Let("device", "self.backend.device"),
+    Let("extents", "meta.extents"),
+]
+#: Built by a builder of this layer's backend, or of one accepted before (``_check_owner``).
+OWNER = Rule(
+    "extents is None or extents.owner is self._owner_ok", otherwise="self._check_owner(meta)"
+)
+#: The step's extents fit the cache: two integer comparisons with the sizes remembered.
+EXTENTS_FIT = Rule(
+    "extents is not None and last is not None and last[0] is cache "
+    "and extents.max_slot < last[5] and extents.max_block < last[6]",
+    otherwise="self._check_extents(meta, cache)",
+)
+#: The step's new keys and values (``validation.KV_RULES``).
+STEP_KV = Rule(
+    "kv_passes(spec, key, value, device, meta.batch.num_tokens)",
+    otherwise="validation.KV.explain(spec, key, value, device, meta.batch.num_tokens)",
+)
+
+
+def _where_given(name: str, items: list[Rule | Let]) -> list[Rule | Let]:
+    """``items`` for an argument that may be None (a rule holds, a fact is None, where it is)."""
+    return [
+        Let(r.name, f"None if {name} is None else ({r.value})")
+        if isinstance(r, Let)
+        else Rule(f"{name} is None or ({r.holds})", r.says, r.at, r.otherwise)
+        for r in items
+    ]
+
+
+_STEP_CALL = validation.Rules(
+    "self, cache, meta", [LAST, META_KIND, CACHE_REMEMBERED, *FACTS, OWNER, EXTENTS_FIT], _NAMES
+)
+_FORWARD = validation.Rules(
+    "self, query, key, value, cache, meta, output",
+    [
+        LAST,
+        META_KIND,
+        CACHE_REMEMBERED,
+        BACKEND_CHECKS,
+        *FACTS,
+        OWNER,
+        *validation.tensor_rules(
+            "query", "query", [None, "spec.num_heads", "spec.head_size"], "spec.dtype", "device"
+        ),
+        Rule(
+            "query_shape[0] >= meta.batch.num_actual_tokens",
+            "query has {query_shape[0]} tokens, the batch has {meta.batch.num_actual_tokens}",
+        ),
+        Rule(
+            "(key is None) == (value is None)", "key and value must both be given or both be None"
+        ),
+        *_where_given("key", [STEP_KV]),
+        *_where_given(
+            "output",
+            validation.tensor_rules(
+                "output", "output", [], "spec.dtype", "device", like="query_shape"
+            ),
+        ),
+        EXTENTS_FIT,
+    ],
+    _NAMES,
+)
+_WRITE_STEP = validation.Rules(
+    "self, key, value, cache, slot_mapping, meta",
+    [
+        LAST,
+        CACHE_REMEMBERED,
+        META_KIND,
+        BACKEND_CHECKS,
+        *FACTS,
+        OWNER,
+        Rule(
+            "slot_mapping is None or slot_mapping is meta.batch.slot_mapping "
+            "or (extents is not None and slot_mapping is extents.given_slot_mapping) "
+            "or same_view(slot_mapping, meta.batch.slot_mapping) "
+            "or (extents is not None and extents.given_slot_mapping is not None "
+            "and same_view(slot_mapping, extents.given_slot_mapping))",
+            "slot_mapping is not meta.batch.slot_mapping: with meta=, leave slot_mapping out "
+            "(or pass the step's own)",
+        ),
+        STEP_KV,
+        EXTENTS_FIT,
+    ],
+    _NAMES,
+)
+_WRITE_OWN = validation.Rules(
+    "self, key, value, cache, slot_mapping",
+    [
+        LAST,
+        CACHE_REMEMBERED,
+        Rule("slot_mapping is not None", "write_kv needs slot_mapping or meta="),
+        *FACTS[:2],
+        *validation.tensor_rules(
+            "slot_mapping", "slot_mapping", [None], "validation.INT_DTYPES", "device"
+        ),
+        Rule(
+            "kv_passes(spec, key, value, device, slot_mapping_shape[0])",
+            otherwise="validation.KV.explain(spec, key, value, device, slot_mapping_shape[0])",
+        ),
+    ],
+    _NAMES,
+)
 
 
 class AttentionImpl(abc.ABC):
@@ -378,49 +534,15 @@ class AttentionImpl(abc.ABC):
         cache (O(1), no device-to-host sync), as ``forward`` does. Without it, every call checks
         its own slot values on the host (a copy to the host where they live on an accelerator).
         """
-        if (
-            meta is not None
-            and self._usual_step(cache, meta)
-            and (
-                slot_mapping is None
-                or slot_mapping is meta.batch.slot_mapping
-                or slot_mapping is meta.extents.given_slot_mapping  # type: ignore[union-attr]
-            )
-            and self._usual_kv(key, value, meta)
-        ):  # the usual call: every shared check in one pass (see _usual_call)
-            self.check_step(cache, meta)
-            if self.clip_counter is not None:
-                self.count_clipped(key, value, meta.batch.slot_mapping, cache)
-            self.store_step_kv(key, value, cache, meta)
-            return
-        dev = self.backend.device
-        self._check_cache(cache)
         if meta is not None:
-            self._check_meta(meta)
-            self.check_step(cache, meta)
-            self._check_owner(meta)
-            given = None if meta.extents is None else meta.extents.given_slot_mapping
-            if (
-                slot_mapping is not None
-                and not validation.same_view(slot_mapping, meta.batch.slot_mapping)
-                and (given is None or not validation.same_view(slot_mapping, given))
-            ):
-                raise InvalidInputError(
-                    "slot_mapping is not meta.batch.slot_mapping: with meta=, leave slot_mapping "
-                    "out (or pass the step's own)"
-                )
-            validation.check_kv(self.spec, key, value, dev, meta.batch.num_tokens)
-            self._check_extents(meta, cache)
+            if not self._usual_write(key, value, cache, slot_mapping, meta):
+                _WRITE_STEP.explain(self, key, value, cache, slot_mapping, meta)
             if self.clip_counter is not None:
                 self.count_clipped(key, value, meta.batch.slot_mapping, cache)
             self.store_step_kv(key, value, cache, meta)
             return
-        if slot_mapping is None:
-            raise InvalidInputError("write_kv needs slot_mapping or meta=")
-        validation.check_tensor(
-            "slot_mapping", slot_mapping, (None,), (torch.int32, torch.int64), dev
-        )
-        validation.check_kv(self.spec, key, value, dev, slot_mapping.shape[0])
+        _WRITE_OWN.check(self, key, value, cache, slot_mapping)
+        assert slot_mapping is not None
         validation.check_slot_values(slot_mapping, cache)
         if not slot_mapping.is_contiguous():  # kernels read slots through a raw pointer
             slot_mapping = slot_mapping.contiguous()
@@ -465,22 +587,12 @@ class AttentionImpl(abc.ABC):
         n = slots.shape[0]
         self.clip_counter.add(key[:n], value[:n], slots, cache)
 
-    def _check_cache(self, cache: PagedKVCache) -> None:
-        """check_cache, remembered for the last cache seen (and the very tensors it held): a
-        model calls every layer with its own cache, step after step."""
-        last = self._checked_cache
-        if (
-            last is not None
-            and last[0] is cache
-            and last[1] is cache.key
-            and last[2] is cache.value
-            and last[3] is cache.key_scale
-            and last[4] is cache.value_scale
-        ):
-            return
+    def _accept_cache(self, cache: object) -> None:
+        """check_cache, then remember the cache (and the very tensors it held) with its sizes:
+        a model calls every layer with its own cache, step after step (the rules compare the
+        next call's cache with this, :data:`CACHE_REMEMBERED`)."""
         if not isinstance(cache, PagedKVCache):
             raise InvalidInputError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
-        planes = (cache, cache.key, cache.value, cache.key_scale, cache.value_scale)
         caps = self.backend.capabilities
         validation.check_cache(
             self.spec,
@@ -490,15 +602,8 @@ class AttentionImpl(abc.ABC):
             strided=caps.strided_kv_cache,
             packing=self.backend.kv_packing,
         )
+        planes = (cache, cache.key, cache.value, cache.key_scale, cache.value_scale)
         self._checked_cache = (*planes, cache.num_slots, cache.num_blocks)
-
-    @staticmethod
-    def _check_meta(meta: object) -> None:
-        if not isinstance(meta, AttentionMetadata):
-            raise InvalidInputError(
-                f"meta must be what this backend's metadata_builder().build(batch) returns, "
-                f"got {type(meta).__name__}"
-            )
 
     def _check_owner(self, meta: AttentionMetadata) -> None:
         """``meta`` was built for this layer: by a builder of this backend, or of another
@@ -539,21 +644,14 @@ class AttentionImpl(abc.ABC):
         self._owner_ok = owner
 
     def _check_extents(self, meta: AttentionMetadata, cache: PagedKVCache) -> None:
-        """The step's slots and blocks (found by ``build``) fit this cache: O(1), two integer
-        comparisons with the sizes remembered when the cache was checked."""
+        """The step's slots and blocks (found by ``build``) fit this cache (what
+        :data:`EXTENTS_FIT` does not find in O(1): it names what does not fit)."""
         extents = meta.extents
         if extents is None:
             raise InvalidInputError(
                 f"meta ({type(meta).__name__}) was not made by metadata_builder().build(batch)"
             )
-        last = self._checked_cache
-        if (
-            last is None
-            or last[0] is not cache
-            or extents.max_slot >= last[5]
-            or extents.max_block >= last[6]
-        ):
-            validation.check_extents(extents, meta.batch, cache)  # names what does not fit
+        validation.check_extents(extents, meta.batch, cache)
 
     def check_forward(
         self,
@@ -564,122 +662,30 @@ class AttentionImpl(abc.ABC):
         meta: AttentionMetadata,
         output: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Validate a forward call completely (nothing written yet); return the output buffer."""
-        if self._usual_call(query, key, value, cache, meta, output):
-            self.check_step(cache, meta)
-            return torch.empty_like(query) if output is None else output
-        spec, dev = self.spec, self.backend.device
-        self._check_meta(meta)
-        batch = meta.batch
-        self._check_cache(cache)
-        self.check_step(cache, meta)
-        self._check_owner(meta)
-        q = validation.check_tensor(
-            "query", query, (None, spec.num_heads, spec.head_size), spec.dtype, dev
-        )
-        if q.shape[0] < batch.num_actual_tokens:
-            raise InvalidInputError(
-                f"query has {q.shape[0]} tokens, the batch has {batch.num_actual_tokens}"
-            )
-        if (key is None) != (value is None):
-            raise InvalidInputError("key and value must both be given or both be None")
-        if key is not None:
-            validation.check_kv(spec, key, value, dev, batch.num_tokens)
-        if output is None:
-            output = torch.empty_like(q)
-        else:
-            validation.check_tensor("output", output, tuple(q.shape), spec.dtype, dev)
-        self._check_extents(meta, cache)
-        return output
+        """Validate a forward call completely (nothing written yet); return the output buffer:
+        the rules of :data:`_FORWARD`, in one pass where they hold."""
+        if not self._usual_call(query, key, value, cache, meta, output):
+            _FORWARD.explain(self, query, key, value, cache, meta, output)
+        return torch.empty_like(query) if output is None else output
 
-    # --- the usual call, checked in one pass --------------------------------------------------
+    # --- the rules, read in one pass ----------------------------------------------------------
     # A model calls every layer with its own cache, step after step, with tensors of the spec's
-    # shapes: these test every condition of the shared checks above in one expression each (no
-    # function per tensor, no error text), against the cache the checks accepted last (the very
-    # planes) and the sizes they remembered. They raise nothing: where a condition does not
-    # hold, or holds only in another spelling (an equivalent device), the checks above run and
-    # name what is wrong. tests/test_usual_call.py holds both paths to the same outcomes.
+    # shapes: these read every rule of a call in one compiled expression (no function per
+    # tensor, no error text). Where one does not hold, the calls above read the same rules one
+    # by one to name it (``Rules.explain``). tests/test_usual_call.py holds both readings to
+    # the same outcomes.
 
-    def _usual_step(self, cache: object, meta: object) -> bool:
-        """An AttentionMetadata made by build for this layer (its backend, or one accepted
-        before), whose extents fit the cache the checks accepted last (the same cache object
-        and planes)."""
-        last = self._checked_cache
-        if not (
-            last is not None
-            and last[0] is cache
-            and isinstance(cache, PagedKVCache)
-            and last[1] is cache.key
-            and last[2] is cache.value
-            and last[3] is cache.key_scale
-            and last[4] is cache.value_scale
-            and isinstance(meta, AttentionMetadata)
-        ):
-            return False
-        extents = meta.extents
-        return (
-            extents is not None
-            and extents.owner is self._owner_ok
-            and extents.max_slot < last[5]
-            and extents.max_block < last[6]
-        )
-
-    def _usual_call(
-        self,
-        query: object,
-        key: object,
-        value: object,
-        cache: object,
-        meta: object,
-        output: object,
-    ) -> bool:
-        """Every shared check of ``check_forward`` holds (``check_step`` apart)."""
-        if not self._usual_step(cache, meta):
-            return False
-        assert isinstance(meta, AttentionMetadata)
-        spec, dev = self.spec, self.backend.device
-        if not (
-            isinstance(query, torch.Tensor) and query.dtype is spec.dtype and query.device == dev
-        ):
-            return False
-        qs = query.shape
-        if not (
-            len(qs) == 3
-            and qs[1] == spec.num_heads
-            and qs[2] == spec.head_size
-            and qs[0] >= meta.batch.num_actual_tokens
-        ):
-            return False
-        if output is not None and not (
-            isinstance(output, torch.Tensor)
-            and output.shape == qs
-            and output.dtype is spec.dtype
-            and output.device == dev
-        ):
-            return False
-        if key is None:
-            return value is None
-        return self._usual_kv(key, value, meta)
+    #: Whether every rule of a call with a step's metadata holds (its kind, cache, owner,
+    #: extents), of ``check_forward``, and of ``write_kv(meta=)``: the tables' compiled
+    #: functions themselves, bound as methods (no call in between).
+    _usual_step = _STEP_CALL.passes
+    _usual_call = _FORWARD.passes
+    _usual_write = _WRITE_STEP.passes
 
     def _usual_kv(self, key: object, value: object, meta: AttentionMetadata) -> bool:
-        """``validation.check_kv``'s conditions for the step's new keys and values."""
-        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
-            return False
-        spec, dev = self.spec, self.backend.device
-        ks, vs = key.shape, value.shape
-        return (
-            len(ks) == 3
-            and len(vs) == 3
-            and ks[1] == spec.num_kv_heads
-            and vs[1] == spec.num_kv_heads
-            and ks[2] == spec.head_size
-            and vs[2] == spec.head_size
-            and ks[0] == vs[0]
-            and ks[0] >= meta.batch.num_tokens
-            and key.dtype is spec.dtype
-            and value.dtype is spec.dtype
-            and key.device == dev
-            and value.device == dev
+        """``validation.KV_RULES`` for the step's new keys and values."""
+        return validation.KV.passes(
+            self.spec, key, value, self.backend.device, meta.batch.num_tokens
         )
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:

@@ -20,8 +20,6 @@ import torch
 
 from attnhub.errors import InvalidInputError
 
-_INT_DTYPES = (torch.int32, torch.int64)
-
 
 def _as_host_int_tensor(values: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
     t = torch.as_tensor(values)
@@ -95,17 +93,11 @@ class BatchMetadata:
             table = torch.zeros((len(block_table), max(width, 1)), dtype=torch.int32)
             for r, row in enumerate(block_table):
                 table[r, : len(row)] = torch.as_tensor(list(row), dtype=torch.int32)
-        if table.dim() != 2 or table.shape[0] != q.numel():
-            raise InvalidInputError(
-                f"block_table must be [num_reqs={q.numel()}, max_blocks], "
-                f"got shape {tuple(table.shape)}"
-            )
-        if table.dtype not in _INT_DTYPES:
-            raise InvalidInputError(f"block_table must be int32 or int64, got {table.dtype}")
+        from attnhub import validation
+
+        validation.GIVEN_TABLE.check(table, q.numel())
         table = table.to(torch.int32)
-        _check_lengths(q, s)
-        _check_table_width(s, table.shape[1], block_size)
-        _check_table_not_negative(s, table, block_size)
+        validation.check_given_lengths(q.numpy(), s.numpy(), table.numpy(), block_size)
 
         qsl = torch.zeros(q.numel() + 1, dtype=torch.int32)
         torch.cumsum(q, 0, out=qsl[1:])
@@ -183,144 +175,11 @@ class BatchMetadata:
         return t
 
     def validate(self) -> None:
-        """Check internal consistency using host copies only. Raises InvalidInputError."""
-        qsl = self.query_start_loc_cpu
-        if qsl.dim() != 1 or qsl.numel() != self.num_reqs + 1:
-            raise InvalidInputError(
-                f"query_start_loc must have num_reqs + 1 = {self.num_reqs + 1} entries, "
-                f"got shape {tuple(qsl.shape)}"
-            )
-        if self.seq_lens_cpu.shape != (self.num_reqs,):
-            raise InvalidInputError(
-                f"seq_lens must have num_reqs = {self.num_reqs} entries, "
-                f"got shape {tuple(self.seq_lens_cpu.shape)}"
-            )
-        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
-            t = getattr(self, name)
-            if t.dtype not in _INT_DTYPES:
-                raise InvalidInputError(f"{name} must be int32 or int64, got {t.dtype}")
-        for name in ("query_start_loc_cpu", "seq_lens_cpu"):
-            t = getattr(self, name)
-            if t.dtype not in _INT_DTYPES or t.device.type != "cpu":
-                raise InvalidInputError(
-                    f"{name} must be an int32 or int64 host (cpu) tensor, got {t.dtype} on "
-                    f"{t.device}"
-                )
-        for name in ("seq_lens", "block_table", "slot_mapping"):
-            if getattr(self, name).device != self.device:
-                raise InvalidInputError(
-                    f"{name} is on {getattr(self, name).device}, query_start_loc on {self.device}"
-                )
-        for name in ("block_table", "slot_mapping"):
-            copy = getattr(self, name + "_cpu")
-            if copy is None:
-                continue
-            t = getattr(self, name)
-            if copy.shape != t.shape or copy.device.type != "cpu" or copy.dtype not in _INT_DTYPES:
-                raise InvalidInputError(
-                    f"{name}_cpu must be an int32 or int64 host copy of {name} (shape "
-                    f"{tuple(t.shape)}), got {copy.dtype} {tuple(copy.shape)} on {copy.device}"
-                )
-        bt = self.block_table
-        if bt.dim() != 2 or bt.shape[0] != self.num_reqs:
-            raise InvalidInputError(
-                f"block_table must be [num_reqs={self.num_reqs}, max_blocks], "
-                f"got shape {tuple(bt.shape)}"
-            )
-        if not self.num_reqs:
-            if self.num_actual_tokens != 0:
-                raise InvalidInputError(
-                    f"num_actual_tokens = {self.num_actual_tokens} but the batch has no request"
-                )
-            return
-        # Every value check at once, in numpy on the host copies (a step is paid per engine
-        # step: a handful of numpy reductions cost ~1 us each, torch ops ~3-5 us); the detailed
-        # checks below run only to name what is wrong.
-        qsl_np = qsl.numpy()
-        seq_np = self.seq_lens_cpu.numpy()
-        steps_np = qsl_np[1:] - qsl_np[:-1]
-        first, total = int(qsl_np[0]), int(qsl_np[-1])
-        min_step, max_q = int(steps_np.min()), int(steps_np.max())
-        max_s = int(seq_np.max())
-        min_ctx = int((seq_np - steps_np).min())
-        max_width = -(-max_s // self.block_size)  # blocks of the longest sequence
-        if (
-            first == 0
-            and min_step >= 1
-            and min_ctx >= 0
-            and max_width <= bt.shape[1]
-            and (max_q, max_s, total)
-            == (self.max_query_len, self.max_seq_len, self.num_actual_tokens)
-            and self.slot_mapping.dim() == 1
-            and self.slot_mapping.shape[0] >= total
-        ):
-            return
-        seq = self.seq_lens_cpu
-        steps = qsl[1:] - qsl[:-1]
-        if first != 0:
-            raise InvalidInputError(f"query_start_loc[0] = {first} must be 0")
-        bad = (steps < 1).nonzero()
-        if bad.numel():
-            i = int(bad[0, 0])
-            raise InvalidInputError(
-                f"query_start_loc is not strictly increasing: query_start_loc[{i}] = "
-                f"{int(qsl[i])}, query_start_loc[{i + 1}] = {int(qsl[i + 1])}"
-            )
-        _check_lengths(steps, seq)
-        if self.num_actual_tokens != total:
-            raise InvalidInputError(
-                f"num_actual_tokens = {self.num_actual_tokens} but query_start_loc[-1] = {total}"
-            )
-        if self.slot_mapping.dim() != 1 or self.slot_mapping.shape[0] < total:
-            raise InvalidInputError(
-                f"slot_mapping has shape {tuple(self.slot_mapping.shape)}, "
-                f"needs at least {total} entries"
-            )
-        _check_table_width(seq, bt.shape[1], self.block_size)
-        if self.max_query_len != max_q:
-            raise InvalidInputError(
-                f"max_query_len = {self.max_query_len} but the longest query is {max_q}"
-            )
-        raise InvalidInputError(
-            f"max_seq_len = {self.max_seq_len} but the longest sequence is {max_s}"
-        )
+        """Check internal consistency using host copies only (``attnhub.validation``'s rules
+        for a batch's structure and lengths). Raises InvalidInputError."""
+        from attnhub import validation
 
-
-def _check_lengths(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> None:
-    bad = (query_lens < 1).nonzero()
-    if bad.numel():
-        r = int(bad[0, 0])
-        raise InvalidInputError(f"query_lens[{r}] = {int(query_lens[r])} must be >= 1")
-    bad = (seq_lens < query_lens).nonzero()
-    if bad.numel():
-        r = int(bad[0, 0])
-        raise InvalidInputError(
-            f"seq_lens[{r}] = {int(seq_lens[r])} is less than query_lens[{r}] = "
-            f"{int(query_lens[r])}"
-        )
-
-
-def _check_table_not_negative(seq_lens: torch.Tensor, table: torch.Tensor, block_size: int) -> None:
-    """Blocks a request uses are >= 0 (a negative one would alias padding slot -1)."""
-    needed = (seq_lens + block_size - 1) // block_size
-    used = torch.arange(table.shape[1])[None, :] < needed[:, None]
-    bad = (used & (table < 0)).nonzero()
-    if bad.numel():
-        r, c = int(bad[0, 0]), int(bad[0, 1])
-        raise InvalidInputError(f"block_table[{r}, {c}] = {int(table[r, c])} is negative")
-
-
-def _check_table_width(seq_lens: torch.Tensor, width: int, block_size: int) -> None:
-    if not seq_lens.numel():
-        return
-    needed = (seq_lens + block_size - 1) // block_size
-    bad = (needed > width).nonzero()
-    if bad.numel():
-        r = int(bad[0, 0])
-        raise InvalidInputError(
-            f"block_table has {width} blocks per request, but request {r} has seq_len "
-            f"{int(seq_lens[r])} = {int(needed[r])} blocks of {block_size}"
-        )
+        validation.check_batch(self)
 
 
 def slot_mapping_from_positions(

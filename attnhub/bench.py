@@ -844,7 +844,7 @@ class HostOverhead:
     backend: str
     step: str  # a key of HOST_STEPS
     num_reqs: int
-    build_us: float  # per step
+    build_us: float  # per step, every check of the step (the builder's default)
     forward_us: float  # per layer, the wrapper (kernels out)
     write_kv_us: float  # per layer, write_kv(..., meta=) (the write itself out)
     null_kernels: bool  # the kernels were taken out (False: an emulator without null mode)
@@ -857,6 +857,9 @@ class HostOverhead:
     #: Another engine's own attention timed for comparison (a ``HostComparison`` plugin's row,
     #: e.g. vLLM's CPU backend): dashed in the figure.
     external: bool = False
+    #: build with structural checks only (``builder.checks = "structural"``: shapes, dtypes,
+    #: devices; no value read), as an engine that builds each step itself may ask.
+    build_structural_us: float | None = None
 
 
 def per_call_us(fn: Callable[[], object], calls: int, runs: int = 7, minus: Any = None) -> float:
@@ -946,6 +949,9 @@ def host_overhead(
     q, k = s.q, s.k
     out = torch.empty_like(q)  # the engine's output buffer, as vLLM's forward is given one
     build_us = per_call_us(lambda: builder.build(batch), 200)
+    structural = be.metadata_builder()
+    structural.checks = "structural"
+    build_structural_us = per_call_us(lambda: structural.build(batch), 200)
     label = be.name + (" (emulated)" if be.emulated else "")
     full_us: float | None = None
     if not be.emulated:
@@ -986,6 +992,7 @@ def host_overhead(
         step=name,
         num_reqs=len(s.query_lens),
         build_us=build_us,
+        build_structural_us=build_structural_us,
         forward_us=fwd_us,
         write_kv_us=kv_us,
         null_kernels=null,

@@ -667,6 +667,7 @@ def _bench_host(args: argparse.Namespace, console: Console) -> list[HostOverhead
         "backend",
         "step",
         "build",
+        "build (structural checks)",
         "forward wrapper",
         "write_kv(meta=)",
         "null kernels: forward / write_kv",
@@ -682,6 +683,7 @@ def _bench_host(args: argparse.Namespace, console: Console) -> list[HostOverhead
             r.backend,
             r.step,
             f"{r.build_us:.1f}",
+            "-" if r.build_structural_us is None else f"{r.build_structural_us:.1f}",
             f"{r.forward_noop_us:.1f}" if noop else f"{r.forward_us:.1f}",
             f"{r.write_kv_noop_us:.1f}" if noop else f"{r.write_kv_us:.1f}",
             (f"{r.forward_us:.1f} / {r.write_kv_us:.1f}" if noop else "-")

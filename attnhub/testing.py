@@ -770,14 +770,15 @@ def call_outcome(fn: Callable[[], object]) -> tuple[str, str]:
 
 
 def checked_in_full(impl: AttentionImpl, call: Callable[[], object]) -> object:
-    """``call`` with ``AttentionImpl``'s one-pass test of the usual layer call switched off on
-    this instance: every check runs one by one (``AttentionImpl._usual_call``)."""
-    impl._usual_call = lambda *args: False  # type: ignore[method-assign]
-    impl._usual_step = lambda *args: False  # type: ignore[method-assign]
+    """``call`` with ``AttentionImpl``'s one-pass reading of the rules switched off on this
+    instance: every rule is read one by one (``Rules.explain``; ``AttentionImpl._usual_call``)."""
+    impl._usual_call = lambda *args: False
+    impl._usual_step = lambda *args: False
+    impl._usual_write = lambda *args: False
     try:
         return call()
     finally:
-        del impl._usual_call, impl._usual_step
+        del impl._usual_call, impl._usual_step, impl._usual_write
 
 
 def bad_layer_calls(

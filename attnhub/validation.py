@@ -1,15 +1,22 @@
 """What a valid attention call is. Every check runs before anything is written, so a rejected
 call leaves the KV cache byte-identical. Errors are InvalidInputError naming the bad value.
 
-Per step, ``build`` reads the batch's host copies once (:func:`step_extents`): every slot is -1 or
+Per step, ``build`` reads the batch's host copies once (:func:`check_step`): every slot is -1 or
 a slot, every block a request reads is a block, and the largest of each is remembered. Per layer,
 ``forward`` and ``write_kv(meta=)`` compare those two numbers with the cache's size
 (:func:`check_extents`): O(1), no tensor read, so no device-to-host sync ever.
+
+Each rule is written once, as data (:class:`Rule`: a condition over the call's facts and the
+error naming the value that breaks it), in tables (:class:`Rules`) read two ways: one compiled
+pass over every condition for the usual call, and the same conditions one by one to word the
+first that fails.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
+from types import FunctionType
 from typing import Any
 
 import numpy as np
@@ -53,6 +60,169 @@ def same_view(a: object, b: torch.Tensor) -> bool:
     )
 
 
+# --- rules: each condition written once, read two ways ------------------------------------------
+#
+# A rule is a condition over a call's facts (a Python expression) and the error that names the
+# value breaking it. A table of rules is read two ways: ``passes`` joins every condition with
+# ``and`` into one compiled function (the cost of the usual call: no function per rule, no error
+# text), and ``explain`` evaluates the same expressions one by one, in the same order, to raise
+# the first failing rule's error. A rule may rely on the ones before it (an ``isinstance``
+# before an attribute). Where a condition fails, ``at`` (if given) finds the offending entry for
+# the message; a rule with ``otherwise`` instead runs a check that raises its own error or
+# accepts what the condition did not (another spelling of the same device, a cache that is
+# checked once and remembered).
+
+
+@dataclass(frozen=True)
+class Rule:
+    holds: str  # an expression over the table's facts, True when the rule holds
+    says: str = ""  # f-string body over the facts (and ``at``): the error naming the value
+    at: str = ""  # an expression locating the offending entry, evaluated only to word it
+    otherwise: str = ""  # an expression that raises its own error or accepts (instead of says)
+
+
+@dataclass(frozen=True)
+class Let:
+    """A fact derived on the way (``query.shape``, read once: each read of a tensor's shape
+    costs ~0.15 us), for the rules after it."""
+
+    name: str
+    value: str  # an expression over the facts before it
+
+
+def _first(mask: np.ndarray) -> Any:
+    """The index of the first True entry of ``mask`` (an int, or a tuple for a 2-D mask)."""
+    where = np.argwhere(mask)[0]
+    return int(where[0]) if where.size == 1 else tuple(int(x) for x in where)
+
+
+def _want(shape: tuple[int | None, ...]) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def _or(dtype: torch.dtype | tuple[torch.dtype, ...]) -> str:
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    return " or ".join(str(d) for d in dtypes)
+
+
+class Rules:
+    """A table of rules (and the facts derived between them) over the facts named in
+    ``facts`` ("batch, spec, device")."""
+
+    def __init__(
+        self,
+        facts: str,
+        items: Sequence[Rule | Let],
+        names: dict[str, Any] | None = None,
+        *,
+        returns: str = "True",
+    ) -> None:
+        self.items = tuple(items)
+        self.rules = tuple(r for r in self.items if isinstance(r, Rule))
+        self.facts = tuple(name.strip() for name in facts.split(","))
+        #: What the expressions may name beyond the facts: this module's globals, and
+        #: ``names`` (another module's classes, for its own tables).
+        self.env = globals() if names is None else {**globals(), **names}
+        lines = [f"def passes({facts}):"]
+        for item in self.items:
+            if isinstance(item, Let):
+                lines.append(f"    {item.name} = {item.value}")
+            else:
+                lines.append(f"    if not ({item.holds}):\n        return False")
+        lines.append(f"    return {returns}")
+        scratch: dict[str, Any] = {}
+        exec(compile("\n".join(lines) + "\n", f"<rules over {facts}>", "exec"), scratch)
+        #: ``returns`` (True by default: what the facts give where every rule holds), False
+        #: where one does not: one compiled function, no error text.
+        self.passes: Any = FunctionType(scratch["passes"].__code__, self.env, "passes")
+        self._returns = compile(returns, "<returns>", "eval")
+        self._compiled = [
+            (item.name, compile(item.value, "<let>", "eval"), None, None, None)
+            if isinstance(item, Let)
+            else (
+                "",
+                compile(item.holds, "<rule>", "eval"),
+                compile(item.at, "<rule>", "eval") if item.at else None,
+                compile("f" + repr(item.says), "<rule>", "eval") if item.says else None,
+                compile(item.otherwise, "<rule>", "eval") if item.otherwise else None,
+            )
+            for item in self.items
+        ]
+
+    def explain(self, *facts: object) -> Any:
+        """Raise the error of the first rule that does not hold (in order), else return what
+        ``passes`` returns."""
+        names: dict[str, Any] = dict(zip(self.facts, facts, strict=True))
+        env = self.env
+        for let, expr, at, says, otherwise in self._compiled:
+            if let:
+                value = eval(expr, env, names)
+                if "," in let:  # "lo, hi": a tuple of facts
+                    names.update(zip((n.strip() for n in let.split(",")), value, strict=True))
+                else:
+                    names[let] = value
+                continue
+            if eval(expr, env, names):
+                continue
+            if otherwise is not None:
+                eval(otherwise, env, names)
+                continue
+            if at is not None:
+                names["at"] = eval(at, env, names)
+            assert says is not None
+            raise InvalidInputError(eval(says, env, names))
+        return eval(self._returns, env, names)
+
+    def check(self, *facts: object) -> Any:
+        """What ``passes`` returns where every rule holds, else the first failure's error."""
+        return self.passes(*facts) or self.explain(*facts)
+
+
+def tensor_rules(
+    t: str,
+    label: str,
+    dims: Sequence[str | None],
+    dtype: str,
+    device: str,
+    *,
+    any_size: bool = False,
+    like: str = "",
+) -> list[Rule | Let]:
+    """A tensor argument's rules: ``t`` (its fact) is a tensor of shape ``dims`` (expressions;
+    None = any size; with ``any_size`` each may evaluate to None; or the shape ``like`` names,
+    one comparison), dtype ``dtype`` (an expression: one dtype or a tuple of them) on
+    ``device``. ``label`` names it in errors. Derives ``{t}_shape``."""
+    shape = f"{t}_shape"
+    sizes = [
+        f"(({d}) is None or {shape}[{i}] == {d})" if any_size else f"{shape}[{i}] == {d}"
+        for i, d in enumerate(dims)
+        if d is not None
+    ]
+    want = "(" + "".join(f"{'None' if d is None else d}, " for d in dims) + ")"
+    fits = " and ".join([f"len({shape}) == {len(dims)}", *sizes])
+    if like:
+        fits, want = f"{shape} == {like}", f"tuple({like})"
+    return [
+        Rule(
+            f"isinstance({t}, torch.Tensor)",
+            label + f" must be a torch.Tensor, got {{type({t}).__name__}}",
+        ),
+        Let(shape, f"{t}.shape"),
+        Rule(
+            fits,
+            label + f" has shape {{list({shape})}}, expected {{_want({want})}}",
+        ),
+        Rule(
+            f"{t}.dtype is {dtype} or (isinstance({dtype}, tuple) and {t}.dtype in {dtype})",
+            label + f" has dtype {{{t}.dtype}}, expected {{_or({dtype})}}",
+        ),
+        Rule(
+            f"{t}.device == {device} or same_device({t}.device, {device})",
+            label + f" is on {{{t}.device}}, expected {{{device}}}",
+        ),
+    ]
+
+
 def check_tensor(
     name: str,
     t: object,
@@ -60,29 +230,20 @@ def check_tensor(
     dtype: torch.dtype | tuple[torch.dtype, ...],
     device: torch.device,
 ) -> torch.Tensor:
-    """``t`` is a tensor of ``shape`` (None = any size), ``dtype`` and ``device``."""
-    if not isinstance(t, torch.Tensor):
-        raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    got = t.shape
-    # this runs several times per layer call: one tuple comparison in the usual case (a
-    # leading None, the token count, then fixed sizes)
-    if len(got) != len(shape):
-        wrong_shape = True
-    elif shape and shape[0] is None and None not in shape[1:]:
-        wrong_shape = got[1:] != shape[1:]
-    else:
-        wrong_shape = any(s is not None and s != n for s, n in zip(shape, got, strict=True))
-    if wrong_shape:
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise InvalidInputError(f"{name} has shape {list(got)}, expected {want}")
-    if t.dtype is not dtype and (not isinstance(dtype, tuple) or t.dtype not in dtype):
-        dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-        raise InvalidInputError(
-            f"{name} has dtype {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}"
-        )
-    if t.device != device and not _same_device(t.device, device):
-        raise InvalidInputError(f"{name} is on {t.device}, expected {device}")
+    """``t`` is a tensor of ``shape`` (None = any size), ``dtype`` and ``device``: the rules of
+    :func:`tensor_rules` for a shape known at the call."""
+    table = _TENSOR_TABLES.get(len(shape))
+    if table is None:
+        dims = [f"shape[{i}]" for i in range(len(shape))]
+        rules = tensor_rules("t", "{name}", dims, "dtype", "device", any_size=True)
+        table = _TENSOR_TABLES[len(shape)] = Rules("name, t, shape, dtype, device", rules)
+    if not table.passes(name, t, shape, dtype, device):
+        table.explain(name, t, shape, dtype, device)
+    assert isinstance(t, torch.Tensor)
     return t
+
+
+_TENSOR_TABLES: dict[int, Rules] = {}
 
 
 def check_cache(
@@ -145,34 +306,33 @@ def check_cache(
             )
 
 
+#: New keys and values: [n >= num_slots, num_kv_heads, head_size] in the model dtype, over
+#: the facts (spec, key, value, device, num_slots).
+KV_RULES = [
+    *tensor_rules(
+        "key", "key", [None, "spec.num_kv_heads", "spec.head_size"], "spec.dtype", "device"
+    ),
+    *tensor_rules(
+        "value", "value", [None, "spec.num_kv_heads", "spec.head_size"], "spec.dtype", "device"
+    ),
+    Rule(
+        "key_shape[0] == value_shape[0]",
+        "key has {key_shape[0]} tokens but value has {value_shape[0]}",
+    ),
+    Rule(
+        "key_shape[0] >= num_slots",
+        "key has {key_shape[0]} tokens but slot_mapping has {num_slots} entries",
+    ),
+]
+KV = Rules("spec, key, value, device, num_slots", KV_RULES)
+
+
 def check_kv(
     spec: AttentionSpec, key: object, value: object, device: torch.device, num_slots: int
 ) -> None:
     """New keys/values: [n >= num_slots, num_kv_heads, head_size] in the model dtype."""
-    shape = (None, spec.num_kv_heads, spec.head_size)
-    k = check_tensor("key", key, shape, spec.dtype, device)
-    v = check_tensor("value", value, shape, spec.dtype, device)
-    if k.shape[0] != v.shape[0]:
-        raise InvalidInputError(f"key has {k.shape[0]} tokens but value has {v.shape[0]}")
-    if k.shape[0] < num_slots:
-        raise InvalidInputError(
-            f"key has {k.shape[0]} tokens but slot_mapping has {num_slots} entries"
-        )
-
-
-def check_slot_values(slot_mapping: torch.Tensor, cache: PagedKVCache) -> None:
-    """Every slot is -1 (padding) or inside the cache: for ``write_kv`` given a slot mapping of
-    its own (not a step's). Reads values on the host (numpy: a torch reduction costs several
-    times more on tensors this small); a slot mapping on an accelerator is copied to the host
-    first, which is why engines write with ``write_kv(meta=)`` (checked once per step)."""
-    if not slot_mapping.numel():
-        return
-    host = slot_mapping.to("cpu").numpy()
-    if host.min() >= -1 and host.max() < cache.num_slots:
-        _check_distinct_slots(host if host.min() >= 0 else host[host >= 0], host)
-        return
-    i = int(np.flatnonzero((host < -1) | (host >= cache.num_slots))[0])
-    raise InvalidInputError(_slot_outside(i, int(host[i]), cache))
+    if not KV.passes(spec, key, value, device, num_slots):
+        KV.explain(spec, key, value, device, num_slots)
 
 
 def _slot_outside(i: int, slot: int, cache: PagedKVCache) -> str:
@@ -181,6 +341,313 @@ def _slot_outside(i: int, slot: int, cache: PagedKVCache) -> str:
         f"({cache.num_blocks} blocks x {cache.block_size} slots)"
         + ("; use -1 for padding" if slot < 0 else "")
     )
+
+
+def _duplicate(slots: np.ndarray) -> tuple[int, int, int]:
+    """Two tokens writing one slot: their rows and the slot (there is one)."""
+    written = slots[slots >= 0]
+    ordered = np.sort(written)
+    slot = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
+    i, j = (int(x) for x in np.flatnonzero(slots == slot)[:2])
+    return i, j, slot
+
+
+def _in_use(seq: np.ndarray, block_size: int, width: int) -> np.ndarray:  # [B, width] bool
+    """Which block-table entries the requests read (their first ceil(seq_len / block_size))."""
+    used = (seq.astype(np.int64) + block_size - 1) // block_size
+    return np.arange(width)[None, :] < used[:, None]
+
+
+# The step's slots, over the facts (slots, lo, hi, dup): the host slot mapping, its extremes,
+# whether two written entries are equal (:func:`_slot_facts`).
+SLOT_FACTS = Let("lo, hi, dup", "_slot_facts(slots)")
+SLOT_NOT_BELOW_PADDING = Rule(
+    "lo >= -1",
+    "slot_mapping[{at}] = {int(slots[at])} is not a slot; use -1 for padding",
+    at="_first(slots < -1)",
+)
+SLOTS_DISTINCT = Rule(
+    "not dup",
+    "slot_mapping[{at[0]}] and slot_mapping[{at[1]}] are both {at[2]}: two tokens of one step "
+    "would write the same cache slot (do two requests' blocks overlap?)",
+    at="_duplicate(slots)",
+)
+#: Every slot is -1 or inside ``cache``.
+SLOT_IN_CACHE = Rule(
+    "lo >= -1 and hi < cache.num_slots",
+    "{_slot_outside(at, int(slots[at]), cache)}",
+    at="_first((slots < -1) | (slots >= cache.num_slots))",
+)
+# The blocks a request reads (facts seq, block_size, table; top: the largest entry read as
+# unsigned, largest: the largest a table without a negative entry has: :func:`_block_facts`).
+BLOCK_FACTS = Let("top, largest", "_block_facts(table)")
+BLOCKS_NOT_NEGATIVE = Rule(
+    "top <= largest or not _OR(_in_use(seq, block_size, table.shape[1]) & (table < 0), None)",
+    "block_table[{at[0]}, {at[1]}] = {int(table[at])} is negative",
+    at="_first(_in_use(seq, block_size, table.shape[1]) & (table < 0))",
+)
+BLOCK_IN_CACHE = Rule(
+    "top < cache.num_blocks or not "
+    "_OR(_in_use(seq, block_size, table.shape[1]) & (table >= cache.num_blocks), None)",
+    "block_table[{at[0]}, {at[1]}] = {int(table[at])} is outside the cache "
+    "({cache.num_blocks} blocks)",
+    at="_first(_in_use(seq, block_size, table.shape[1]) & (table >= cache.num_blocks))",
+)
+# Lengths (facts qlens, seq, ctx = seq - qlens, lo_q, lo_c, hi_s: their extremes, block_size,
+# width: the block table's).
+QUERY_LENS_POSITIVE = Rule(
+    "lo_q >= 1", "query_lens[{at}] = {int(qlens[at])} must be >= 1", at="_first(qlens < 1)"
+)
+SEQ_COVERS_QUERY = Rule(
+    "lo_c >= 0",
+    "seq_lens[{at}] = {int(seq[at])} is less than query_lens[{at}] = {int(qlens[at])}",
+    at="_first(ctx < 0)",
+)
+TABLE_WIDE_ENOUGH = Rule(
+    "-(-hi_s // block_size) <= width",
+    "block_table has {width} blocks per request, but request {at} has seq_len {int(seq[at])} "
+    "= {-(-int(seq[at]) // block_size)} blocks of {block_size}",
+    at="_first(-(-seq // block_size) > width)",
+)
+
+#: What ``BatchMetadata.from_lengths`` is given (its lengths and table as numpy, a request or
+#: more).
+GIVEN_LENGTHS = Rules(
+    "qlens, seq, table, block_size",
+    [
+        Let("ctx", "seq - qlens"),
+        Let("lo_q", "int(_MIN(qlens))"),
+        Let("lo_c", "int(_MIN(ctx))"),
+        Let("hi_s", "int(_MAX(seq))"),
+        Let("width", "table.shape[1]"),
+        QUERY_LENS_POSITIVE,
+        SEQ_COVERS_QUERY,
+        TABLE_WIDE_ENOUGH,
+        BLOCK_FACTS,
+        BLOCKS_NOT_NEGATIVE,
+    ],
+)
+
+
+def _with_requests(items: list[Rule | Let]) -> list[Rule | Let]:
+    """``items`` for a batch that may have no request (a rule holds, a fact is None, there)."""
+    return [
+        Let(
+            r.name,
+            f"{'(None,) * ' + str(r.name.count(',') + 1) if ',' in r.name else 'None'} "
+            f"if not B else ({r.value})",
+        )
+        if isinstance(r, Let)
+        else Rule(f"not B or ({r.holds})", r.says, r.at, r.otherwise)
+        for r in items
+    ]
+
+
+#: A batch's integer tensors (facts named as the fields) hold int32 or int64.
+INT_TENSOR = {
+    name: Rule(
+        f"{name}.dtype in INT_DTYPES", f"{name} must be int32 or int64, got {{{name}.dtype}}"
+    )
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+}
+#: The block table has a row per request (B of them).
+TABLE_SHAPE = Rule(
+    "block_table.ndim == 2 and block_table.shape[0] == B",
+    "block_table must be [num_reqs={B}, max_blocks], got shape {tuple(block_table.shape)}",
+)
+#: The table ``BatchMetadata.from_lengths`` is given, for B requests.
+GIVEN_TABLE = Rules("block_table, B", [TABLE_SHAPE, INT_TENSOR["block_table"]])
+
+#: A batch's kind, shapes, dtypes and devices, for a spec on ``device``: O(1), no value read.
+#: Facts (batch, spec, device).
+STRUCTURE: list[Rule | Let] = [
+    Rule(
+        "isinstance(batch, BatchMetadata)",
+        "batch must be a BatchMetadata, got {type(batch).__name__}",
+    ),
+    Rule(
+        "batch.block_size == spec.block_size",
+        "batch block_size is {batch.block_size}, the spec says {spec.block_size}",
+    ),
+    *(Let(name, f"batch.{name}") for name in INT_TENSOR),
+    Let("dev", "query_start_loc.device"),
+    Rule(
+        "dev == device or same_device(dev, device)",
+        "batch tensors are on {dev}, expected {device}",
+    ),
+    Let("B", "batch.num_reqs"),
+    Rule(
+        "batch.query_start_loc_cpu.shape == (B + 1,)",
+        "query_start_loc must have num_reqs + 1 = {B + 1} entries, got shape "
+        "{tuple(batch.query_start_loc_cpu.shape)}",
+    ),
+    Rule(
+        "batch.seq_lens_cpu.shape == (B,)",
+        "seq_lens must have num_reqs = {B} entries, got shape {tuple(batch.seq_lens_cpu.shape)}",
+    ),
+    *INT_TENSOR.values(),
+    *(
+        Rule(
+            f"batch.{name}.dtype in INT_DTYPES and batch.{name}.is_cpu",
+            f"{name} must be an int32 or int64 host (cpu) tensor, got "
+            f"{{batch.{name}.dtype}} on {{batch.{name}.device}}",
+        )
+        for name in ("query_start_loc_cpu", "seq_lens_cpu")
+    ),
+    *(
+        Rule(f"{name}.device == dev", f"{name} is on {{{name}.device}}, query_start_loc on {{dev}}")
+        for name in ("seq_lens", "block_table", "slot_mapping")
+    ),
+    *(
+        Rule(
+            f"batch.{name}_cpu is None or (batch.{name}_cpu.shape == {name}.shape "
+            f"and batch.{name}_cpu.is_cpu and batch.{name}_cpu.dtype in INT_DTYPES)",
+            f"{name}_cpu must be an int32 or int64 host copy of {name} (shape "
+            f"{{tuple({name}.shape)}}), got {{batch.{name}_cpu.dtype}} "
+            f"{{tuple(batch.{name}_cpu.shape)}} on {{batch.{name}_cpu.device}}",
+        )
+        for name in ("block_table", "slot_mapping")
+    ),
+    TABLE_SHAPE,
+    Rule(
+        "B or batch.num_actual_tokens == 0",
+        "num_actual_tokens = {batch.num_actual_tokens} but the batch has no request",
+    ),
+]
+
+#: A step's lengths, on its host copies (after :data:`STRUCTURE`).
+LENGTHS: list[Rule | Let] = _with_requests(
+    [
+        Let("qsl", "batch.query_start_loc_cpu.numpy()"),
+        Let("seq", "batch.seq_lens_cpu.numpy()"),
+        Let("qlens", "qsl[1:] - qsl[:-1]"),
+        Let("ctx", "seq - qlens"),
+        Let("total", "int(qsl[-1])"),
+        Let("hi_q", "int(_MAX(qlens))"),
+        # the query lens sum to B times the longest: all equal (the usual decode step), so the
+        # shortest is the longest and the shortest context is the shortest sequence's
+        Let("uniform", "total - int(qsl[0]) == B * hi_q"),
+        Let("lo_q", "hi_q if uniform else int(_MIN(qlens))"),
+        Let("lo_c", "int(_MIN(seq)) - hi_q if uniform else int(_MIN(ctx))"),
+        Let("hi_s", "int(_MAX(seq))"),
+        Let("block_size", "batch.block_size"),
+        Let("width", "block_table.shape[1]"),
+        Rule("int(qsl[0]) == 0", "query_start_loc[0] = {int(qsl[0])} must be 0"),
+        Rule(
+            "lo_q >= 1",
+            "query_start_loc is not strictly increasing: query_start_loc[{at}] = "
+            "{int(qsl[at])}, query_start_loc[{at + 1}] = {int(qsl[at + 1])}",
+            at="_first(qlens < 1)",
+        ),
+        SEQ_COVERS_QUERY,
+        Rule(
+            "total == batch.num_actual_tokens",
+            "num_actual_tokens = {batch.num_actual_tokens} but query_start_loc[-1] = {total}",
+        ),
+        Rule(
+            "slot_mapping.ndim == 1 and slot_mapping.shape[0] >= total",
+            "slot_mapping has shape {tuple(slot_mapping.shape)}, needs at least {total} entries",
+        ),
+        TABLE_WIDE_ENOUGH,
+        Rule(
+            "hi_q == batch.max_query_len",
+            "max_query_len = {batch.max_query_len} but the longest query is {hi_q}",
+        ),
+        Rule(
+            "hi_s == batch.max_seq_len",
+            "max_seq_len = {batch.max_seq_len} but the longest sequence is {hi_s}",
+        ),
+    ]
+)
+
+#: A step's slots and blocks (after its lengths).
+VALUES: list[Rule | Let] = [
+    Let("slots", "batch.host_slot_mapping().numpy()"),
+    SLOT_FACTS,
+    SLOT_NOT_BELOW_PADDING,
+    SLOTS_DISTINCT,
+    *_with_requests(
+        [Let("table", "batch.host_block_table().numpy()"), BLOCK_FACTS, BLOCKS_NOT_NEGATIVE]
+    ),
+]
+
+#: ``BatchMetadata.validate``, and a batch for a spec: structure and lengths.
+BATCH = Rules("batch, spec, device", [*STRUCTURE, *LENGTHS])
+#: Every check of a step; returns its extents and what was read on the way.
+STEP = Rules(
+    "batch, spec, device",
+    [*STRUCTURE, *LENGTHS, *VALUES],
+    returns="StepExtents("
+    "max_slot=hi, "
+    "max_block=-1 if not B else top if top <= largest else int(_MAX(table, None)), "
+    "min_slot=lo, "
+    "query_lens=qlens, "
+    "seq_lens=seq, "
+    "context_lens=ctx, "
+    "min_query_len=lo_q or 0, "
+    "min_context_len=lo_c or 0, "
+    "query_start_locs=qsl, "
+    "block_table=table)",
+)
+#: A step's structure alone (``values=False``).
+STEP_STRUCTURE = Rules(
+    "batch, spec, device", STRUCTURE, returns="StepExtents(max_slot=-1, max_block=-1)"
+)
+#: A slot mapping given to ``write_kv`` without a step.
+GIVEN_SLOTS = Rules("slots, cache", [SLOT_FACTS, SLOT_IN_CACHE, SLOTS_DISTINCT])
+#: A checked step's extents in a cache: O(1) where they fit (the host data is read only to
+#: name what does not, or to find that a large block-table entry is one no request reads).
+EXTENTS = Rules(
+    "extents, batch, cache",
+    [
+        Rule(
+            "extents.max_slot < cache.num_slots",
+            otherwise="GIVEN_SLOTS.explain(batch.host_slot_mapping().numpy(), cache)",
+        ),
+        Rule(
+            "extents.max_block < cache.num_blocks",
+            otherwise="EXTENT_BLOCKS.explain(batch.seq_lens_cpu.numpy(), batch.block_size, "
+            "batch.host_block_table().numpy(), extents.max_block, cache)",
+        ),
+    ],
+)
+EXTENT_BLOCKS = Rules("seq, block_size, table, top, cache", [BLOCK_IN_CACHE])
+
+
+_MAX, _MIN, _OR = np.maximum.reduce, np.minimum.reduce, np.logical_or.reduce
+#: A signed table read as unsigned: its dtype, and the largest value without a negative entry.
+_UNSIGNED = {
+    np.dtype(np.int32): (np.uint32, int(np.iinfo(np.int32).max)),
+    np.dtype(np.int64): (np.uint64, int(np.iinfo(np.int64).max)),
+}
+
+
+def _slot_facts(slots: np.ndarray) -> tuple[int, int, bool]:
+    """(smallest, largest, whether two written entries are equal): one sort gives all three
+    (-1, -1 where there is no slot)."""
+    if slots.size == 1:
+        return int(slots[0]), int(slots[0]), False
+    if not slots.size:
+        return -1, -1, False
+    ordered = slots.copy()
+    ordered.sort()
+    lo, hi = int(ordered[0]), int(ordered[-1])
+    if lo < 0:
+        ordered = ordered[int(np.searchsorted(ordered, 0)) :]
+    # sorted: distinct where no two neighbours are equal (a difference is never below 0)
+    return lo, hi, ordered.size > 1 and int(_MIN(ordered[1:] - ordered[:-1])) == 0
+
+
+def _block_facts(table: np.ndarray) -> tuple[int, int]:
+    """(the largest entry read as unsigned, the largest a table without negative entries
+    has): one reduction bounds the table and tells whether an entry is negative."""
+    as_unsigned = _UNSIGNED.get(table.dtype)
+    if as_unsigned is None:  # (not a table a batch holds: int32 and int64 only)
+        table = table.astype(np.int64)
+        as_unsigned = _UNSIGNED[table.dtype]
+    unsigned, largest = as_unsigned
+    # (a 1-D reduction: axis=None costs ~2 us more on tables this small)
+    return int(_MAX(table.reshape(-1).view(unsigned))), largest
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~1.3 us more per step
@@ -193,17 +660,17 @@ class StepExtents:
     :func:`check_step` also keeps what it read on the way, for the builder's ``plan`` to reuse
     instead of reading the batch again (``AttentionMetadataBuilder.step``)."""
 
-    max_slot: int  # the largest slot written (-1: none)
-    max_block: int  # the largest block-table entry, read or not (-1: no request)
+    max_slot: int  # the largest slot written (-1: none, or not read: structural checks)
+    max_block: int  # the largest block-table entry, read or not (-1: no request, or not read)
     min_slot: int = -1  # the smallest slot_mapping entry (-1: padding, or no token)
-    #: Host facts of the step (None where step_extents made this alone).
+    #: Host facts of the step (None where they were not read: structural checks).
     query_lens: np.ndarray | None = field(default=None, repr=False, compare=False)  # [B]
     seq_lens: np.ndarray | None = field(default=None, repr=False, compare=False)  # [B]
     context_lens: np.ndarray | None = field(default=None, repr=False, compare=False)  # [B]
     min_query_len: int = 0
     min_context_len: int = 0
     #: The host copies as numpy, read once (``.numpy()`` costs ~1 us a call): [B + 1] query
-    #: start offsets and [B, max_blocks] block table (None where step_extents made this alone).
+    #: start offsets and [B, max_blocks] block table (None where not read).
     query_start_locs: np.ndarray | None = field(default=None, repr=False, compare=False)
     block_table: np.ndarray | None = field(default=None, repr=False, compare=False)
     #: The backend whose builder made the step (set by ``build``; layers accept the step only
@@ -214,217 +681,60 @@ class StepExtents:
     given_slot_mapping: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
-def step_extents(batch: BatchMetadata) -> StepExtents:
-    """Check the step's slot and block values that need no cache (slots >= -1 and distinct,
-    blocks read >= 0) and bound the largest of each, on the batch's host copies. A handful of
-    numpy reductions: no per-request work on the usual step."""
-    # ufunc.reduce directly: ndarray.max() adds a Python wrapper (~1 us each) on tiny arrays
-    slots = batch.host_slot_mapping().numpy()
-    max_slot = -1
-    if slots.size:
-        max_slot, lowest = int(_MAX(slots)), int(_MIN(slots))
-        if lowest < -1:
-            i = int(np.flatnonzero(slots < -1)[0])
-            raise InvalidInputError(
-                f"slot_mapping[{i}] = {int(slots[i])} is not a slot; use -1 for padding"
-            )
-        if slots.size > 1:
-            _check_distinct_slots(slots if lowest >= 0 else slots[slots >= 0], slots)
-    max_block = -1
-    if batch.num_reqs:
-        table = batch.host_block_table().numpy()  # [B, max_blocks]
-        max_block = int(_MAX(table, axis=None))
-        if int(_MIN(table, axis=None)) < 0:  # entries past a request's blocks may be anything
-            bad = np.argwhere(_in_use(batch, table.shape[1]) & (table < 0))
-            if bad.size:
-                r, c = int(bad[0, 0]), int(bad[0, 1])
-                raise InvalidInputError(f"block_table[{r}, {c}] = {int(table[r, c])} is negative")
-    return StepExtents(max_slot, max_block)
-
-
-_MAX, _MIN = np.maximum.reduce, np.minimum.reduce
-
-
-def _in_use(batch: BatchMetadata, width: int) -> np.ndarray:  # [B, width] bool
-    """Which block-table entries the requests read (their first ceil(seq_len / block_size))."""
-    bs = batch.block_size
-    used = (batch.seq_lens_cpu.numpy().astype(np.int64) + bs - 1) // bs
-    return np.arange(width)[None, :] < used[:, None]
-
-
-def _check_distinct_slots(written: np.ndarray, slots: np.ndarray) -> None:
-    """No two tokens of a step write the same slot (an engine bug: two requests' blocks
-    overlap, or a stale block table); one sort of the written slots, on the host."""
-    ordered = np.sort(written)
-    same = ordered[1:] == ordered[:-1]
-    if not np.logical_or.reduce(same):
-        return
-    slot = int(ordered[1:][same][0])
-    i, j = (int(x) for x in np.flatnonzero(slots == slot)[:2])
-    raise InvalidInputError(
-        f"slot_mapping[{i}] and slot_mapping[{j}] are both {slot}: two tokens of one step "
-        "would write the same cache slot (do two requests' blocks overlap?)"
-    )
+def check_slot_values(slot_mapping: torch.Tensor, cache: PagedKVCache) -> None:
+    """Every slot is -1 (padding) or inside the cache, and no two are equal: for ``write_kv``
+    given a slot mapping of its own (not a step's). Reads values on the host (numpy: a torch
+    reduction costs several times more on tensors this small); a slot mapping on an
+    accelerator is copied to the host first, which is why engines write with
+    ``write_kv(meta=)`` (checked once per step)."""
+    if slot_mapping.numel():
+        GIVEN_SLOTS.check(slot_mapping.to("cpu").numpy(), cache)
 
 
 def check_extents(extents: StepExtents, batch: BatchMetadata, cache: PagedKVCache) -> None:
     """The step's slots and blocks fit ``cache``: two integer comparisons. Only when a bound
     does not fit are the step's host copies read again (never device memory), to name the
     entry, or to find that the large block-table entry is one no request reads."""
-    if extents.max_slot >= cache.num_slots:
-        slots = batch.host_slot_mapping().numpy()
-        i = int(np.flatnonzero(slots >= cache.num_slots)[0])
-        raise InvalidInputError(_slot_outside(i, int(slots[i]), cache))
-    if extents.max_block >= cache.num_blocks:
-        table = batch.host_block_table().numpy()
-        bad = np.argwhere(_in_use(batch, table.shape[1]) & (table >= cache.num_blocks))
-        if bad.size:
-            r, c = int(bad[0, 0]), int(bad[0, 1])
-            raise InvalidInputError(
-                f"block_table[{r}, {c}] = {int(table[r, c])} is outside the cache "
-                f"({cache.num_blocks} blocks)"
-            )
+    EXTENTS.check(extents, batch, cache)
+
+
+def check_batch(batch: BatchMetadata) -> None:
+    """``BatchMetadata.validate``: the batch's own consistency (its structure and lengths,
+    :data:`BATCH`, for its own block size and device), on host copies only."""
+    BATCH.check(batch, batch, batch.device)
 
 
 def check_batch_for_spec(spec: AttentionSpec, batch: BatchMetadata, device: torch.device) -> None:
-    if not isinstance(batch, BatchMetadata):
-        raise InvalidInputError(f"batch must be a BatchMetadata, got {type(batch).__name__}")
-    if batch.block_size != spec.block_size:
-        raise InvalidInputError(
-            f"batch block_size is {batch.block_size}, the spec says {spec.block_size}"
-        )
-    if not _same_device(batch.device, device):
-        raise InvalidInputError(f"batch tensors are on {batch.device}, expected {device}")
-    batch.validate()
+    """The batch's structure and lengths (:data:`BATCH`), for ``spec`` on ``device``: every
+    check of a step but its slots and blocks (:func:`check_step` makes them all)."""
+    BATCH.check(batch, spec, device)
 
 
-_OR = np.logical_or.reduce
-#: A signed table read as unsigned: its dtype, and the largest value without a negative entry.
-_UNSIGNED = {
-    np.dtype(np.int32): (np.uint32, np.iinfo(np.int32).max),
-    np.dtype(np.int64): (np.uint64, np.iinfo(np.int64).max),
-}
+def check_step(
+    spec: AttentionSpec, batch: BatchMetadata, device: torch.device, *, values: bool = True
+) -> StepExtents:
+    """Every check of a step (:data:`STEP`: its structure, lengths, slots and blocks), once per
+    step, in as few host operations as the usual step allows (a step is paid on every engine
+    step: a numpy reduction costs ~1 us, a torch op 3-5 us). Returns its extents and what was
+    read on the way.
+
+    With ``values=False`` only the structure is checked (shapes, dtypes, devices: O(1), no
+    value read): the trade-off an engine that builds each step itself may make, as vLLM's and
+    FlashInfer's own builders do. Nothing then bounds the step's slots and blocks (extents -1:
+    layers compare nothing), so a wrong value reaches the kernels."""
+    table = STEP if values else STEP_STRUCTURE
+    return table.passes(batch, spec, device) or table.explain(batch, spec, device)
 
 
-def check_step(spec: AttentionSpec, batch: BatchMetadata, device: torch.device) -> StepExtents:
-    """Everything :func:`check_batch_for_spec` and :func:`step_extents` check, once per step,
-    in as few host operations as the usual step allows (a step is paid on every engine step:
-    a numpy reduction costs ~1 us, a torch op 3-5 us). Every condition is the same as theirs;
-    where one fails, they run to name what is wrong, with their errors."""
-    if not isinstance(batch, BatchMetadata) or batch.block_size != spec.block_size:
-        check_batch_for_spec(spec, batch, device)
-        raise AssertionError("unreachable: check_batch_for_spec accepted the batch")
-    dev = batch.query_start_loc.device
-    if (dev != device and not _same_device(dev, device)) or not _structure_ok(batch, dev):
-        check_batch_for_spec(spec, batch, device)
-        raise AssertionError("unreachable: check_batch_for_spec accepted the batch")
-    B = batch.num_reqs
-    if not B:
-        if batch.num_actual_tokens:
-            batch.validate()
-        return step_extents(batch)
-    # lengths: BatchMetadata.validate's value checks
-    qsl = batch.query_start_loc_cpu.numpy()
-    seq = batch.seq_lens_cpu.numpy()
-    qlens = qsl[1:] - qsl[:-1]
-    total = int(qsl[-1])
-    hi_q = int(_MAX(qlens))
-    ctx = seq - qlens
-    if total - int(qsl[0]) == B * hi_q:
-        # the query lens sum to B times the longest: all equal (the usual decode step), so
-        # the shortest is the longest and the shortest context is the shortest sequence's
-        lo_q, lo_s = hi_q, int(_MIN(seq))
-        lo_c = lo_s - hi_q
-    else:
-        lo_q, lo_c = int(_MIN(qlens)), int(_MIN(ctx))
-    hi_s = int(_MAX(seq))
-    slot_mapping = batch.slot_mapping
-    if not (
-        int(qsl[0]) == 0
-        and lo_q >= 1
-        and lo_c >= 0
-        and -(-hi_s // batch.block_size) <= batch.block_table.shape[1]
-        and hi_q == batch.max_query_len
-        and hi_s == batch.max_seq_len
-        and total == batch.num_actual_tokens
-        and slot_mapping.dim() == 1
-        and slot_mapping.shape[0] >= total
-    ):
-        batch.validate()
-        raise AssertionError("unreachable: BatchMetadata.validate accepted the batch")
-    # slots: >= -1 and distinct where written; one sort gives both ends
-    slots = batch.host_slot_mapping().numpy()
-    max_slot = min_slot = -1
-    if slots.size == 1:
-        max_slot = min_slot = int(slots[0])
-    elif slots.size:
-        ordered = slots.copy()
-        ordered.sort()
-        min_slot, max_slot = int(ordered[0]), int(ordered[-1])
-        if min_slot < 0:
-            ordered = ordered[int(np.searchsorted(ordered, 0)) :]
-        # sorted: distinct where no two neighbours are equal (a difference is never below 0)
-        if ordered.size > 1 and int(_MIN(ordered[1:] - ordered[:-1])) == 0:
-            step_extents(batch)  # names the two tokens
-            raise AssertionError("unreachable: step_extents accepted duplicate slots")
-    if min_slot < -1:
-        step_extents(batch)  # names the slot
-        raise AssertionError("unreachable: step_extents accepted a slot below -1")
-    # blocks: read as unsigned, one reduction bounds them and finds any negative entry
-    table = batch.host_block_table().numpy()  # [B, max_blocks]
-    unsigned, largest = _UNSIGNED.get(table.dtype, (None, -1))
-    # (a 1-D reduction: axis=None costs ~2 us more on tables this small)
-    top = int(_MAX(table.reshape(-1).view(unsigned))) if unsigned is not None else -1
-    if top > largest or unsigned is None:  # a negative entry (or another dtype)
-        extents = step_extents(batch)  # raises where a request reads it
-        top = extents.max_block
-    return StepExtents(
-        max_slot=max_slot,
-        max_block=top,
-        min_slot=min_slot,
-        query_lens=qlens,
-        seq_lens=seq,
-        context_lens=ctx,
-        min_query_len=lo_q,
-        min_context_len=lo_c,
-        query_start_locs=qsl,
-        block_table=table,
-    )
+def check_given_lengths(
+    qlens: np.ndarray, seq: np.ndarray, table: np.ndarray, block_size: int
+) -> None:
+    """``BatchMetadata.from_lengths``'s lengths and table (:data:`GIVEN_LENGTHS`)."""
+    if qlens.size:
+        GIVEN_LENGTHS.check(qlens, seq, table, block_size)
 
 
-def _structure_ok(batch: BatchMetadata, dev: torch.device) -> bool:
-    """BatchMetadata.validate's shape, dtype and device conditions, all at once."""
-    # (``is_cpu`` and whole-shape comparisons: ``t.device.type`` costs ~0.45 us, ``is_cpu``
-    # 0.06; this runs on every step)
-    ints = _INT_DTYPES
-    B = batch.num_reqs
-    qsl, seq = batch.query_start_loc_cpu, batch.seq_lens_cpu
-    table, slots = batch.block_table, batch.slot_mapping
-    if not (
-        qsl.shape == (B + 1,)
-        and seq.shape == (B,)
-        and batch.query_start_loc.dtype in ints
-        and batch.seq_lens.dtype in ints
-        and table.dtype in ints
-        and slots.dtype in ints
-        and qsl.dtype in ints
-        and seq.dtype in ints
-        and qsl.is_cpu
-        and seq.is_cpu
-        and batch.seq_lens.device == dev
-        and table.device == dev
-        and slots.device == dev
-        and table.ndim == 2
-        and table.shape[0] == B
-    ):
-        return False
-    for copy, t in ((batch.block_table_cpu, table), (batch.slot_mapping_cpu, slots)):
-        if copy is not None and not (copy.shape == t.shape and copy.is_cpu and copy.dtype in ints):
-            return False
-    return True
-
-
-_INT_DTYPES = (torch.int32, torch.int64)
+INT_DTYPES = (torch.int32, torch.int64)
 
 
 #: A batch's integer tensors that kernels may read, by field name (host copies included:

@@ -10,7 +10,8 @@ with the code imported by default, the order alternating per round, and prints p
 step and column the median over the rounds of each run's figure (us per call, CPU time of the
 thread; min-max in brackets), with the load average before and after.
 
-Columns: ``build``; the forward wrapper and ``write_kv(meta=)``, with a vendor backend's ops as
+Columns: ``build`` (full step checks, and structural checks only where the tree times it); the
+forward wrapper and ``write_kv(meta=)``, with a vendor backend's ops as
 no-ops where the tree's bench times that (``forward_noop_us``), else its null-kernel figure,
 marked ``(null)``: a tree older than that column gives only the latter, which does not compare
 with the former.
@@ -28,7 +29,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-COLUMNS = (("build", "build_us"), ("forward", "forward_us"), ("write_kv", "write_kv_us"))
+COLUMNS = (
+    ("build", "build_us"),
+    ("build structural", "build_structural_us"),
+    ("forward", "forward_us"),
+    ("write_kv", "write_kv_us"),
+)
 
 
 def tree_path(tree: Path) -> str:
@@ -46,7 +52,9 @@ def run_once(tree: Path | None, bench_args: list[str]) -> list[dict[str, Any]]:
         out = os.path.join(tmp, "host.json")
         code = "import sys; from attnhub.cli import main; sys.exit(main(sys.argv[1:]))"
         cmd = [sys.executable, "-c", code, "bench", "--host", "--threads", "1", "--json", out]
-        subprocess.run([*cmd, *bench_args], env=env, check=True, stdout=subprocess.DEVNULL)
+        # run outside any source tree: ``python -c`` puts its working directory first on
+        # sys.path, which would shadow TREE's code with the checkout it was started from
+        subprocess.run([*cmd, *bench_args], env=env, check=True, stdout=subprocess.DEVNULL, cwd=tmp)
         with open(out) as fh:
             rows: list[dict[str, Any]] = json.load(fh)["results"]
     return rows
@@ -57,7 +65,8 @@ def figure(row: dict[str, Any], field: str) -> tuple[float, bool]:
     noop = row.get(field.replace("_us", "_noop_us"))
     if noop is not None:
         return float(noop), False
-    return float(row[field]), field != "build_us" and row["backend"].endswith("(emulated)")
+    null = not field.startswith("build") and row["backend"].endswith("(emulated)")
+    return float(row[field]), null
 
 
 def compare(tree: Path, rounds: int, bench_args: list[str]) -> str:
@@ -82,6 +91,7 @@ def compare(tree: Path, rounds: int, bench_args: list[str]) -> str:
                     for run in runs[label]
                     for row in run
                     if (row["backend"], row["step"]) == (backend, step)
+                    and row.get(field) is not None  # a column an older tree lacks
                 ]
                 if not got:
                     cells.append("-")

@@ -453,10 +453,12 @@ def test_step_values_are_read_by_build_once_never_by_layers(
     from attnhub import validation
 
     calls: list[str] = []
-    for name in ("check_step", "step_extents", "check_slot_values"):
+    for name in ("check_step", "check_batch_for_spec", "check_slot_values"):
         original = getattr(validation, name)
         monkeypatch.setattr(
-            validation, name, lambda *a, _o=original, _n=name: (calls.append(_n), _o(*a))[1]
+            validation,
+            name,
+            lambda *a, _o=original, _n=name, **k: (calls.append(_n), _o(*a, **k))[1],
         )
     meta = ctx.builder.build(ctx.batch)
     layers = [ctx.impl for _ in range(3)]

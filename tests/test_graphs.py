@@ -21,7 +21,7 @@ from attnhub.graphs import (
     pad_batch,
 )
 from attnhub.torch_backend.backend import TorchBackend
-from attnhub.validation import check_batch_for_spec, step_extents
+from attnhub.validation import check_step
 
 BS = 16
 SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, block_size=BS, dtype=torch.float32)
@@ -81,8 +81,9 @@ def test_padding_adds_dummy_requests_that_every_step_check_accepts() -> None:
     backend = TorchBackend(SPEC, "cpu")
     runner = GraphRunner(backend, lambda *a: None, capture_sizes=[8], max_blocks_per_req=6)
     step_batch = runner.batch_buffers.load(padded)
-    check_batch_for_spec(SPEC, step_batch, torch.device("cpu"))
-    assert step_extents(step_batch).max_slot == int(batch.slot_mapping.max())
+    assert check_step(SPEC, step_batch, torch.device("cpu")).max_slot == int(
+        batch.slot_mapping.max()
+    )
     with pytest.raises(InvalidInputError, match=r"request 1 \(seq_len 40\) needs 3 blocks"):
         pad_batch(batch, desc, width=2)
 

@@ -51,6 +51,7 @@ from attnhub_vllm.mapping import (
     cache_pages,
     cache_planes,
     cache_views,
+    checks_from_additional_config,
     choice_from_additional_config,
     extra_kv_bytes,
     spec_from_vllm,
@@ -75,6 +76,18 @@ def configured_choice(config: VllmConfig | None) -> Choice:
         return None, False
     try:
         return choice_from_additional_config(config.additional_config)
+    except AttnhubConfigurationError as exc:
+        raise AttnhubConfigurationError(f"attnhub-vllm: {exc}") from None
+
+
+def configured_checks(config: VllmConfig | None) -> str:
+    """What the builders check of each step: ``additional_config={"attnhub": {"checks":
+    "structural"}}`` for shapes, dtypes and devices only; "full" (every value too) by
+    default."""
+    if config is None:
+        return "full"
+    try:
+        return checks_from_additional_config(config.additional_config)
     except AttnhubConfigurationError as exc:
         raise AttnhubConfigurationError(f"attnhub-vllm: {exc}") from None
 
@@ -254,6 +267,7 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         builders: dict[AttentionSpec, Any] = {}
         choice = configured_choice(vllm_config)
+        checks = configured_checks(vllm_config)
         for layer in layers.values():  # once at start, not per step
             impl = layer.impl
             if not isinstance(impl, AttnhubVllmImpl):
@@ -261,6 +275,7 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
             spec = impl.bind(self.block_size, device)  # raises with attnhub's reasons
             if spec not in builders:
                 builders[spec] = backend_for(spec, device, choice).metadata_builder()
+                builders[spec].checks = checks
             impl.meta_index = list(builders).index(spec)
         self._builders = list(builders.values())
         # vLLM's max_query_len / max_seq_len are exact unless speculative decoding makes

@@ -291,7 +291,10 @@ def extra_kv_bytes(cache: PagedKVCache, kv_cache: torch.Tensor) -> int:
 
 
 #: What ``additional_config={"attnhub": {...}}`` may hold, with the type of each value.
-CONFIG_KEYS = {"backend": str, "emulate": bool}
+CONFIG_KEYS = {"backend": str, "emulate": bool, "checks": str}
+#: What ``"checks"`` may say: what the builders check of each step vLLM builds (the attnhub
+#: builder's ``checks``); "full" by default.
+STEP_CHECKS = ("full", "structural")
 
 
 def choice_from_additional_config(additional_config: object) -> tuple[str | None, bool]:
@@ -317,3 +320,20 @@ def choice_from_additional_config(additional_config: object) -> tuple[str | None
                 f"additional_config['attnhub'][{key!r}] = {value!r} must be a {want.__name__}"
             )
     return section.get("backend"), bool(section.get("emulate", False))
+
+
+def checks_from_additional_config(additional_config: object) -> str:
+    """What the adapter's builders check of a step (``AttentionMetadataBuilder.checks``):
+    ``additional_config["attnhub"]["checks"]``, "full" (the default: every value of the step
+    too) or "structural" (shapes, dtypes and devices only, O(1) per step: vLLM builds every
+    step itself, the trade-off its own builders make). Raises AttnhubConfigurationError naming
+    a bad key or value."""
+    choice_from_additional_config(additional_config)  # the section's keys and types
+    section = additional_config.get("attnhub") if isinstance(additional_config, dict) else None
+    checks = "full" if section is None else section.get("checks", "full")
+    if checks not in STEP_CHECKS:
+        raise AttnhubConfigurationError(
+            f"additional_config['attnhub']['checks'] = {checks!r} must be one of "
+            f"{', '.join(repr(c) for c in STEP_CHECKS)}"
+        )
+    return str(checks)

@@ -13,6 +13,7 @@ from attnhub_vllm.mapping import (
     cache_pages,
     cache_planes,
     cache_views,
+    checks_from_additional_config,
     choice_from_additional_config,
     extra_kv_bytes,
     spec_from_vllm,
@@ -364,4 +365,19 @@ def test_backend_choice_from_vllm_additional_config() -> None:
     ):
         with pytest.raises(AttnhubConfigurationError, match=None) as info:
             choice_from_additional_config(bad)
+        assert named in str(info.value)
+
+
+def test_step_checks_from_vllm_additional_config() -> None:
+    """Full step checks unless the config asks for structural ones (an engine that builds each
+    step itself may), and nothing else."""
+    assert checks_from_additional_config({}) == "full"
+    assert checks_from_additional_config({"attnhub": {"backend": "torch"}}) == "full"
+    assert checks_from_additional_config({"attnhub": {"checks": "structural"}}) == "structural"
+    for bad, named in (
+        ({"attnhub": {"checks": "none"}}, "['checks'] = 'none' must be one of 'full'"),
+        ({"attnhub": {"checks": False}}, "['checks'] = False must be a str"),
+    ):
+        with pytest.raises(AttnhubConfigurationError) as info:
+            checks_from_additional_config(bad)
         assert named in str(info.value)
