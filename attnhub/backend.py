@@ -409,7 +409,12 @@ _FORWARD = validation.Rules(
         *FACTS,
         OWNER,
         *validation.tensor_rules(
-            "query", "query", [None, "spec.num_heads", "spec.head_size"], "spec.dtype", "device"
+            "query",
+            "query",
+            [None, "spec.num_heads", "spec.head_size"],
+            "spec.dtype",
+            "device",
+            dense_rows=True,
         ),
         Rule(
             "query_shape[0] >= meta.batch.num_actual_tokens",
@@ -422,7 +427,7 @@ _FORWARD = validation.Rules(
         *_where_given(
             "output",
             validation.tensor_rules(
-                "output", "output", [], "spec.dtype", "device", like="query_shape"
+                "output", "output", [], "spec.dtype", "device", like="query_shape", dense_rows=True
             ),
         ),
         EXTENTS_FIT,

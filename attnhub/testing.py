@@ -79,6 +79,7 @@ __all__ = [
     "seed_of",
     "set_static_scales",
     "shuffled_block_table",
+    "strided_last_dim",
     "token_origin",
     "used_slots",
 ]
@@ -781,6 +782,12 @@ def checked_in_full(impl: AttentionImpl, call: Callable[[], object]) -> object:
         del impl._usual_call, impl._usual_step, impl._usual_write
 
 
+def strided_last_dim(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a view whose last dimension has stride 2 (every other element of a
+    tensor twice as wide)."""
+    return torch.stack([t, t], dim=-1).flatten(-2)[..., ::2]
+
+
 def bad_layer_calls(
     backend: AttentionBackend, call: dict[str, Any]
 ) -> dict[str, dict[str, Any]]:  # name -> forward arguments
@@ -816,6 +823,10 @@ def bad_layer_calls(
         "output shape": {**call, "output": torch.empty_like(q)[: T - 1]},
         "output dtype": {**call, "output": torch.empty_like(q, dtype=torch.float16)},
         "output a list": {**call, "output": []},
+        "query last dimension strided": {**call, "query": strided_last_dim(q)},
+        "key last dimension strided": {**call, "key": strided_last_dim(k)},
+        "value last dimension strided": {**call, "value": strided_last_dim(v)},
+        "output last dimension strided": {**call, "output": strided_last_dim(torch.empty_like(q))},
         "cache too small": {**call, "cache": backend.allocate_kv_cache(2)},
         "cache of another geometry": {**call, "cache": other.allocate_kv_cache(40)},
         "cache not a cache": {**call, "cache": object()},

@@ -187,11 +187,15 @@ def tensor_rules(
     *,
     any_size: bool = False,
     like: str = "",
+    dense_rows: bool = False,
 ) -> list[Rule | Let]:
     """A tensor argument's rules: ``t`` (its fact) is a tensor of shape ``dims`` (expressions;
     None = any size; with ``any_size`` each may evaluate to None; or the shape ``like`` names,
     one comparison), dtype ``dtype`` (an expression: one dtype or a tuple of them) on
-    ``device``. ``label`` names it in errors. Derives ``{t}_shape``."""
+    ``device``; with ``dense_rows``, its last dimension is dense (stride 1), as every attention
+    kernel reads a head's vector (FlashAttention: "must have contiguous last dimension"): views
+    of a fused QKV projection are, and any other stride is refused before anything is written.
+    ``label`` names it in errors. Derives ``{t}_shape``."""
     shape = f"{t}_shape"
     sizes = [
         f"(({d}) is None or {shape}[{i}] == {d})" if any_size else f"{shape}[{i}] == {d}"
@@ -220,7 +224,19 @@ def tensor_rules(
             f"{t}.device == {device} or same_device({t}.device, {device})",
             label + f" is on {{{t}.device}}, expected {{{device}}}",
         ),
-    ]
+    ] + (
+        [
+            Rule(
+                f"{t}.stride(-1) == 1 or {shape}[-1] == 1",
+                label + f"'s last dimension is strided (strides {{{t}.stride()}}): each head's "
+                "vector must be dense (stride 1), as attention kernels read it; pass a view "
+                "whose last dimension is dense (a fused QKV projection's split is) or "
+                ".contiguous()",
+            )
+        ]
+        if dense_rows
+        else []
+    )
 
 
 def check_tensor(
@@ -310,10 +326,20 @@ def check_cache(
 #: the facts (spec, key, value, device, num_slots).
 KV_RULES = [
     *tensor_rules(
-        "key", "key", [None, "spec.num_kv_heads", "spec.head_size"], "spec.dtype", "device"
+        "key",
+        "key",
+        [None, "spec.num_kv_heads", "spec.head_size"],
+        "spec.dtype",
+        "device",
+        dense_rows=True,
     ),
     *tensor_rules(
-        "value", "value", [None, "spec.num_kv_heads", "spec.head_size"], "spec.dtype", "device"
+        "value",
+        "value",
+        [None, "spec.num_kv_heads", "spec.head_size"],
+        "spec.dtype",
+        "device",
+        dense_rows=True,
     ),
     Rule(
         "key_shape[0] == value_shape[0]",

@@ -14,7 +14,7 @@ from typing import cast
 
 import torch
 
-from attnhub import AttentionMetadata, BatchMetadata, PagedKVCache
+from attnhub import AttentionMetadata, BatchMetadata, PagedKVCache, testing
 from attnhub.errors import (
     AttnhubError,
     InvalidInputError,
@@ -331,6 +331,29 @@ INVALID_INPUTS: tuple[InvalidInput, ...] = (
         "fewer key/value rows than slot_mapping entries",
         lambda s, la: _forward(s, la, key=la.key[: s.n - 1], value=la.value[: s.n - 1]),
         not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "query_last_dim_strided",
+        "a query whose last dimension is strided (stride 2): refused before any write, never "
+        "handed to a kernel that reads each head's vector densely",
+        lambda s, la: _forward(s, la, query=testing.strided_last_dim(la.query)),
+    ),
+    _e(
+        "key_last_dim_strided",
+        "a key whose last dimension is strided (stride 2)",
+        lambda s, la: _forward(s, la, key=testing.strided_last_dim(la.key)),
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "value_last_dim_strided",
+        "a value whose last dimension is strided (stride 2)",
+        lambda s, la: _forward(s, la, value=testing.strided_last_dim(la.value)),
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "output_last_dim_strided",
+        "an output buffer whose last dimension is strided (stride 2)",
+        lambda s, la: _forward(s, la, output=testing.strided_last_dim(torch.empty_like(la.query))),
     ),
     _e(
         "query_device",

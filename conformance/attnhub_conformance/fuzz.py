@@ -68,16 +68,10 @@ TARGETS = (
 #: (backend label pattern, variant) -> why an example of that variant may go wrong there for
 #: now: a defect being fixed elsewhere. A label is ``backend.name``, with the flash provider
 #: appended (``flash-fa3``); the pattern is an ``fnmatch`` pattern ("*": any). Issue 23's
-#: defects 2, 3, 4, 5 and 8 were listed here until their fixes merged (docs/reliability.md).
-_STRIDED = (
-    "found by this fuzz (not in issue 23): a query/key/value/output whose last dimension is "
-    "strided reaches the vendor op, which raises its own untyped error"
-)
-KNOWN_DEFECTS: dict[tuple[str, str], str] = {
-    (pattern, variant): _STRIDED
-    for pattern in ("iluvatar", "flash-*")
-    for variant in ("strides/query", "strides/key", "strides/value", "output/strided")
-}
+#: defects 2, 3, 4, 5 and 8, and a query/key/value/output whose last dimension is strided (found
+#: by this fuzz: it reached the vendor ops, which raised their own untyped errors; now a core
+#: rule), were listed here until their fixes merged (docs/reliability.md).
+KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 
 
 @dataclass
