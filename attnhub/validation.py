@@ -193,8 +193,8 @@ def tensor_rules(
     None = any size; with ``any_size`` each may evaluate to None; or the shape ``like`` names,
     one comparison), dtype ``dtype`` (an expression: one dtype or a tuple of them) on
     ``device``; with ``dense_rows``, its last dimension is dense (stride 1), as every attention
-    kernel reads a head's vector (FlashAttention: "must have contiguous last dimension"): views
-    of a fused QKV projection are, and any other stride is refused before anything is written.
+    kernel reads a head's vector (vendor kernels check for it): views of a fused QKV projection
+    are, and any other stride is refused before anything is written.
     ``label`` names it in errors. Derives ``{t}_shape``."""
     shape = f"{t}_shape"
     sizes = [

@@ -189,9 +189,11 @@ def test_discovery_and_selection_from_many_threads_agree() -> None:
     results = _in_threads(8, work)
     assert all(r == results[0] for r in results)
     assert "torch" in results[0][0]
-    assert len(registry.plugin_manager.list_name_plugin()) == len(
-        {info.plugin for info in registry.infos() if info.backend is not None}
-    )
+    # every plugin registered once, however many threads raced to discover (tool-only plugins,
+    # such as the suite's command, register beside the backends' own)
+    names = [name for name, _ in registry.plugin_manager.list_name_plugin()]
+    assert len(names) == len(set(names))
+    assert {info.plugin for info in registry.infos() if info.backend is not None} <= set(names)
 
 
 def test_selection_from_many_threads_gives_each_its_own_instance() -> None:
