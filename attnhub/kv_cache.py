@@ -349,6 +349,20 @@ class PagedKVCache:
                     f"swap_blocks: dst.{name} per block is {got}, this cache's is "
                     f"{plane.dtype} {tuple(plane.shape[1:])}"
                 )
+        for name in ("key_scale", "value_scale"):  # static scales: not moved, so equal
+            mine_scale, their_scale = getattr(self, name), getattr(dst, name)
+            if name in dst_planes or (mine_scale is None and their_scale is None):
+                continue
+            if (
+                mine_scale is None
+                or their_scale is None
+                or not torch.equal(mine_scale.cpu(), their_scale.cpu())
+            ):
+                raise InvalidInputError(
+                    f"swap_blocks: dst.{name} is {_short(their_scale)}, this cache's is "
+                    f"{_short(mine_scale)}: the moved bytes would read back as other values "
+                    "under another static scale (make the swap space with cache.empty_like)"
+                )
         m = self._check_mapping(block_mapping, dst.num_blocks)
         if not m.numel():
             return

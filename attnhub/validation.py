@@ -206,7 +206,7 @@ def tensor_rules(
     fits = " and ".join([f"len({shape}) == {len(dims)}", *sizes])
     if like:
         fits, want = f"{shape} == {like}", f"tuple({like})"
-    return [
+    rules: list[Rule | Let] = [
         Rule(
             f"isinstance({t}, torch.Tensor)",
             label + f" must be a torch.Tensor, got {{type({t}).__name__}}",
@@ -224,8 +224,9 @@ def tensor_rules(
             f"{t}.device == {device} or same_device({t}.device, {device})",
             label + f" is on {{{t}.device}}, expected {{{device}}}",
         ),
-    ] + (
-        [
+    ]
+    if dense_rows:
+        rules.append(
             Rule(
                 f"{t}.stride(-1) == 1 or {shape}[-1] == 1",
                 label + f"'s last dimension is strided (strides {{{t}.stride()}}): each head's "
@@ -233,10 +234,8 @@ def tensor_rules(
                 "whose last dimension is dense (a fused QKV projection's split is) or "
                 ".contiguous()",
             )
-        ]
-        if dense_rows
-        else []
-    )
+        )
+    return rules
 
 
 def check_tensor(

@@ -224,6 +224,10 @@ def test_copy_blocks_bad_mapping_raises_and_leaves_cache_unchanged(
 def test_swap_blocks_moves_blocks_to_another_cache(kv: str) -> None:
     device_cache = filled(kv, seed=1)
     host = filled(kv, nb=3, seed=2)
+    for name in ("key_scale", "value_scale"):  # a swap space shares the static scales
+        scale = getattr(device_cache, name)
+        if name not in host.planes() and scale is not None:
+            getattr(host, name).copy_(scale)
     host_before, device_before = host.clone(), device_cache.clone()
     device_cache.swap_blocks(host, [[4, 0], [1, 2]])
     assert device_cache.equal(device_before)  # the source is only read
@@ -469,3 +473,19 @@ def test_a_cache_packed_otherwise_than_the_backends_blocks_is_refused() -> None:
         check_cache(spec, "HND", cache, device)
     check_cache(spec, "HND", cache, device, packing=Reversed())
     check_cache(spec, "HND", cache.unpacked(), device, packing=Reversed())  # plain: the backend's
+
+
+def test_swap_blocks_to_a_cache_of_another_static_scale_raises_and_changes_nothing() -> None:
+    """Static (per-tensor) scales are not moved with the blocks: swapping fp8 bytes stored under
+    one scale into a cache read under another would silently change every value."""
+    src, dst = filled("fp8_e4m3", seed=10), filled("fp8_e4m3", nb=3, seed=11)
+    assert src.key_scale is not None and dst.key_scale is not None
+    src.key_scale.fill_(0.5)
+    dst.key_scale.fill_(2.0)
+    src_before, dst_before = src.clone(), dst.clone()
+    with pytest.raises(InvalidInputError, match=r"dst\.key_scale is .*this cache's is"):
+        src.swap_blocks(dst, [[1, 1]])
+    assert src.equal(src_before) and dst.equal(dst_before)
+    dst.key_scale.fill_(0.5)
+    dst.value_scale = src.value_scale.clone() if src.value_scale is not None else None
+    src.swap_blocks(dst, [[1, 1]])  # equal static scales: the bytes mean the same values

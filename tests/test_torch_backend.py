@@ -842,3 +842,30 @@ def test_decode_steps_planned_as_each_chunk_alone_and_forward_bitwise_equal(
     got, expected = impl.forward(q, k, v, cache, meta), impl.forward(q, k, v, cache, alone)
     assert torch.equal(got, expected)
     assert not got.isnan().any()
+
+
+def test_structural_checks_plan_the_same_gather_as_full_checks() -> None:
+    """Under structural checks the step's lengths are not read by the checks: the plan reads
+    them itself, and must not take the unread extents' defaults for the shortest context (a
+    sliding window then gathered every block of the sequence instead of the window's)."""
+    spec = AttentionSpec(
+        num_heads=2,
+        num_kv_heads=1,
+        head_size=16,
+        dtype=torch.float32,
+        block_size=4,
+        sliding_window=8,
+    )
+    backend = TorchBackend(spec, "cpu")
+    batch = BatchMetadata.from_lengths(
+        query_lens=[2, 2],
+        seq_lens=[100, 100],
+        block_table=[list(range(25)), list(range(25, 50))],
+        block_size=4,
+    )
+    full = backend.metadata_builder().build(batch)
+    structural_builder = backend.metadata_builder()
+    structural_builder.checks = "structural"
+    structural = structural_builder.build(batch)
+    assert full.plan is not None and structural.plan is not None
+    assert structural.plan.max_gather_blocks == full.plan.max_gather_blocks

@@ -218,13 +218,17 @@ class Planner:
         if causal:
             right = 0
         extremes: tuple[int, int, int] | None  # shortest, longest query; longest sequence
-        if (
+        read = (  # the step's checks read its values (not so under structural checks)
             step is not None
             and step.query_lens is not None
             and step.seq_lens is not None
             and step.query_start_locs is not None
             and step.block_table is not None
-        ):  # what the step's checks read, as they read it
+        )
+        if read:  # what the step's checks read, as they read it
+            assert step is not None and step.seq_lens is not None
+            assert step.query_lens is not None and step.query_start_locs is not None
+            assert step.block_table is not None
             qlens, seqs = step.query_lens, step.seq_lens  # int32: positions stay below 2**31
             starts, table = step.query_start_locs, step.block_table
             extremes = (step.min_query_len, batch.max_query_len, batch.max_seq_len)
@@ -268,7 +272,7 @@ class Planner:
             C, Q = b - a, int(qlens[a])
             if C == 1:
                 shortest = longest
-            elif C == B and uniform and step is not None:
+            elif C == B and uniform and read and step is not None:
                 # the whole batch, one query length: its extremes are the step's (no reduction)
                 shortest = step.min_context_len + Q
             else:

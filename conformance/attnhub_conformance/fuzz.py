@@ -23,7 +23,7 @@ time. Each failure is described with its example number and the seed::
     report = fuzz.run(backend, examples=300, seed=0)
     print(report.summary()); assert report.ok, report.failures()
 
-Known defects (issue 23, being fixed elsewhere) are listed in :data:`KNOWN_DEFECTS`: an example
+Known defects (none today) would be listed in :data:`KNOWN_DEFECTS`: an example
 of exactly that kind on exactly that backend that goes wrong is counted as ``known`` (and
 named), not as a failure; anything else fails.
 """
@@ -555,8 +555,13 @@ class _Fuzzer:
             )
         )
         if which in ("query", "key", "value"):
-            spoiled: dict[str, Any] = {which: _strided(getattr(base, which))}
-            return self.forward_attempt(base, "strides", f"strides/{which}", **spoiled)
+            # rows strided as in a fused QKV projection's split (valid: must be computed), or the
+            # last dimension strided (a typed refusal before any write)
+            last = data.draw(st.booleans())
+            view = _strided(getattr(base, which)) if last else _row_strided(getattr(base, which))
+            variant = f"strides/{which}" + ("/last_dim" if last else "")
+            spoiled: dict[str, Any] = {which: view}
+            return self.forward_attempt(base, "strides", variant, **spoiled)
         b = base.batch
         changes: dict[str, Any] = {which: _strided(getattr(b, which))}
         if which in ("seq_lens", "query_start_loc"):
@@ -765,6 +770,16 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
     view = wide[..., ::2] if t.dim() else wide[::2]
     view.copy_(t if t.dim() else t.reshape(1))
     return view if t.dim() else view.reshape(())
+
+
+def _row_strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a view whose rows (first dimension) lie twice their width apart, the
+    rest dense: what splitting a fused ``[T, (H + 2 * Hkv) * D]`` QKV projection gives."""
+    width = t[0].numel() if t.shape[0] else 1
+    wide = torch.zeros((t.shape[0], 2 * width), dtype=t.dtype, device=t.device)
+    view = wide[:, :width].view(t.shape)
+    view.copy_(t)
+    return view
 
 
 def _plain(t: Any) -> torch.Tensor:

@@ -409,8 +409,9 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                 ["graph capture of a non-causal batch (npu_fusion_attention's packed path)"],
             )
         extents = self.check_graph_step(batch)
-        self.step = extents  # not the last build's: plan reads this batch's lengths itself
-        meta = self.plan(batch, 0)
+        with self._planning:  # build's lock: another thread's build must not swap the step
+            self.step = extents  # not the last build's: plan reads this batch's lengths itself
+            meta = self.plan(batch, 0)
         if meta.query_rows is not None or meta.block_table is not batch.block_table:
             raise UnsupportedConfigurationError(
                 self.backend.name,
@@ -650,17 +651,6 @@ class AscendAttentionImpl(AttentionImpl):
         self._storage_checked: torch.Tensor | None = None  # the key plane last checked
         #: (key plane, value plane, their (num_blocks, block_size, KV_N*D) views)
         self._paged_views: tuple[torch.Tensor, ...] | None = None
-
-    def check_forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        cache: PagedKVCache,
-        meta: AttentionMetadata,
-        output: torch.Tensor | None,
-    ) -> torch.Tensor:
-        return super().check_forward(query, key, value, cache, meta, output)  # + check_step
 
     def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, AscendAttentionMetadata):
