@@ -230,7 +230,7 @@ def conformance(session: nox.Session) -> None:
 
 
 #: The long soak (``nox -s soak``): engine steps and API-fuzz examples per conformance target.
-#: About 25 minutes in all on a shared 2-core machine (docs/reliability.md: the figures of one
+#: About 10 minutes in all on a 2-core machine (25 when other work shares it) (docs/reliability.md: the figures of one
 #: run, and each target's time).
 SOAK_STEPS = 10_000
 SOAK_FUZZ_EXAMPLES = 1_300
