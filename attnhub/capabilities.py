@@ -140,6 +140,13 @@ class Capabilities:
     #: key and value side by side, as vLLM allocates its per-layer cache); False: each plane
     #: must be contiguous (an engine then lays K and V out as two planes).
     strided_kv_cache: bool = True
+    #: Whether the kernels need finite values in the slots of a sequence's blocks that lie past
+    #: its length (the tail of its last block): kernels that compute on whole blocks and mask the
+    #: scores past ``seq_len`` multiply those slots' values by 0, and 0 x NaN is NaN. False:
+    #: stale NaN there never reaches the output. Engines that zero new caches and reuse freed
+    #: blocks of finite K/V meet the condition; a request that wrote non-finite K/V leaves them
+    #: in blocks another request may later get.
+    finite_stale_slots: bool = False
     attn_types: frozenset[AttentionType] = frozenset({AttentionType.DECODER})
     sliding_window: bool = False
     softcap: bool = False

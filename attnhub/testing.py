@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from attnhub.backend import AttentionBackend, AttentionImpl
 
 __all__ = [
+    "FINITE_POISON",
     "FP8_TEST_SCALES",
     "ROUNDING_FLOORS",
     "TOLERANCE_CAPS",
@@ -269,19 +270,26 @@ def set_static_scales(
             plane.copy_((torch.rand(plane.shape, generator=g) * 0.015 + 0.035).to(plane.device))
 
 
-def poison_unused_slots(cache: PagedKVCache, batch: BatchMetadata) -> None:
+#: The stale value ``poison_unused_slots(finite=True)`` writes in floating planes: finite in every
+#: model dtype, and far outside what attention inputs hold, so a slot read that should not be
+#: gives a visibly wrong output.
+FINITE_POISON = 1e3
+
+
+def poison_unused_slots(cache: PagedKVCache, batch: BatchMetadata, *, finite: bool = False) -> None:
     """Make every slot no sequence of ``batch`` covers (block 0, the tail of a partly used
     block, spare blocks) hold stale data a backend must never let through: NaN in floating
-    planes (fp8 included) and per-slot scales, -128 (outside the symmetric range) in int8
-    planes. Works for both layouts."""
+    planes (fp8 included) and per-slot scales (``finite``: :data:`FINITE_POISON`, for a backend
+    that declares ``finite_stale_slots``), -128 (outside the symmetric range) in int8 planes.
+    Works for both layouts."""
     unused = torch.ones(cache.num_slots, dtype=torch.bool)
     unused[used_slots(batch)] = False
     unused = unused.view(cache.num_blocks, cache.block_size).to(cache.device)
     with cache.edit() as plain:  # packed blocks: the logical planes, packed back after
-        _poison(plain, unused)
+        _poison(plain, unused, FINITE_POISON if finite else float("nan"))
 
 
-def _poison(cache: PagedKVCache, unused: torch.Tensor) -> None:
+def _poison(cache: PagedKVCache, unused: torch.Tensor, stale: float) -> None:
     for name in cache.planes():
         if name in ("key", "value"):
             plane = cache.key_nhd() if name == "key" else cache.value_nhd()
@@ -290,7 +298,7 @@ def _poison(cache: PagedKVCache, unused: torch.Tensor) -> None:
             assert scale is not None
             plane = scale
         # a view with [num_blocks, block_size] leading: writing through it changes the cache
-        bad = torch.tensor(float("nan") if plane.is_floating_point() else -128).to(plane.dtype)
+        bad = torch.tensor(stale if plane.is_floating_point() else -128).to(plane.dtype)
         if plane.element_size() == 1:  # fp8 / int8: write the bytes (no fp8 indexing kernels)
             plane, bad = plane.view(torch.uint8), bad.view(torch.uint8)
         plane[unused] = bad.to(plane.device)

@@ -237,7 +237,7 @@ class _Fuzzer:
         )
         cache = self.backend.allocate_kv_cache(num_blocks)
         testing.fill_cache_random(cache, g)
-        testing.poison_unused_slots(cache, batch)
+        testing.poison_unused_slots(cache, batch, finite=self.caps.finite_stale_slots)
         query, key, value = testing.random_qkv(spec, n + padding, g, device=self.dev)
         common = shared * bs if self.caps.cascade else 0
         return _Base(batch, cache, query, key, value, common, requests, g)

@@ -15,8 +15,8 @@ The engine is a small scheduler of the kind vLLM runs, over one layer's paged ca
   - steps whose requests share leading blocks go with ``common_prefix_len`` (cascade) where the
     backend declares cascade;
   - steps carry padding rows (slot -1) of finite garbage;
-  - every freed block is poisoned with NaN, so a backend that reads a block it was not given
-    returns NaN.
+  - every freed block is poisoned with NaN (a far-off finite value for a backend that declares
+    ``finite_stale_slots``), so a backend that reads a block it was not given returns garbage.
 
 The shadow model holds, per request, the keys and values of every position as the cache must
 store them (float64 of the spec's dtype). Every step's output is compared with
@@ -241,8 +241,11 @@ class _Engine:
         return k.double(), v.double()
 
     def _poison(self, cache: PagedKVCache, b: int) -> None:
-        cache.key_nhd()[b] = float("nan")
-        cache.value_nhd()[b] = float("nan")
+        # NaN, or a far-off finite value where the backend declares finite_stale_slots (its
+        # kernels mask the scores past seq_len but multiply the tail's values by 0)
+        stale = testing.FINITE_POISON if self.caps.finite_stale_slots else float("nan")
+        cache.key_nhd()[b] = stale
+        cache.value_nhd()[b] = stale
         self.report.poisoned_blocks += 1
 
     def _fail(self, what: str) -> None:

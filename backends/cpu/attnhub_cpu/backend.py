@@ -74,6 +74,9 @@ def capabilities_for(features: ops.CpuFeatures) -> Capabilities:
         kv_cache_layout="HND",
         # The backend's own caches are the kernels' storage; other strides go through a copy.
         strided_kv_cache=True,
+        # vLLM's kernels compute on whole blocks and mask past seq_len: NaN in a partly used
+        # block's tail leaks into the output (0 x NaN), as in vLLM's own CPU backend
+        finite_stale_slots=True,
         attn_types=frozenset(AttentionType),
         sliding_window=True,
         softcap=True,
