@@ -244,8 +244,9 @@ class _Engine:
         # NaN, or a far-off finite value where the backend declares finite_stale_slots (its
         # kernels mask the scores past seq_len but multiply the tail's values by 0)
         stale = testing.FINITE_POISON if self.caps.finite_stale_slots else float("nan")
-        cache.key_nhd()[b] = stale
-        cache.value_nhd()[b] = stale
+        with cache.edit() as plain:  # packed blocks: the logical planes, packed back after
+            plain.key_nhd()[b] = stale
+            plain.value_nhd()[b] = stale
         self.report.poisoned_blocks += 1
 
     def _fail(self, what: str) -> None:
@@ -541,10 +542,11 @@ class _Engine:
     def check_cache(self) -> None:
         """Every live request's cached positions hold exactly the shadow's keys and values
         (in the device cache, or in the swap space while swapped out)."""
+        plain = {id(c): c.unpacked() for c in (self.cache, self.swap)}  # packed: logical K/V
         for req in [*self.running, *self.waiting]:
             if not req.computed:
                 continue
-            cache = self.swap if req.swapped else self.cache
+            cache = plain[id(self.swap if req.swapped else self.cache)]
             pos = torch.arange(req.computed)
             blocks = torch.tensor(req.blocks, dtype=torch.long)[pos // self.bs]
             offsets = pos % self.bs

@@ -47,18 +47,22 @@ class AmxAttentionStandIn:
 
     def get_scheduler_metadata(self, *args: Any) -> Any:
         self.calls.append(f"get_scheduler_metadata:{args[9]}")
-        return ("plan", args)  # the amx plan's arguments, made into a vec plan at attention
+        # the amx plan's arguments and the vec plan made from them here, where the backend plans
+        # (its builder's thread, once per step): vLLM's planner reads the calling thread's
+        # OpenMP settings, so a plan made later in a layer's worker thread could split the work
+        # otherwise and round differently from the same step planned on another thread
+        vec = self.inner.get_scheduler_metadata(*args[:9], "vec", *args[10:])
+        return ("plan", args, vec)
 
     def cpu_attention_with_kv_cache(self, *args: Any) -> None:
         q, key_cache, value_cache, out, qsl, seq_lens, scale, causal = args[:8]
-        _, plan_args = args[12]
+        _, plan_args, plan = args[12]
         assert plan_args[9] == "amx", plan_args  # the plan the backend made is amx's
         self.calls.append("cpu_attention_with_kv_cache:amx")
         assert key_cache.stride()[2:] == (key_cache.shape[3], 1)  # dense packed blocks
         key = layouts.AMX_PACKING.unpack(key_cache, "key")
         value = layouts.AMX_PACKING.unpack(value_cache, "value")
         key = key.transpose(2, 3).contiguous().transpose(2, 3)  # vec storage: keys transposed
-        plan = self.inner.get_scheduler_metadata(*plan_args[:9], "vec", *plan_args[10:])
         self.inner.cpu_attention_with_kv_cache(
             q, key, value.contiguous(), out, qsl, seq_lens, scale, causal, *args[8:12], plan,
             *args[13:],

@@ -18,6 +18,7 @@ from attnhub_cpu.backend import capabilities_for, is_kernel_storage
 
 import attnhub
 from attnhub import PagedKVCache, testing
+from attnhub.errors import InvalidInputError, ToolError
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
@@ -126,7 +127,8 @@ def test_strided_query_and_output_give_the_same_bits() -> None:
     """vLLM hands a layer query/key/value split from one projection (rows strided): the kernel
     reads the query through its token and head strides, so it gets vLLM's very view (no
     copy), and writes output rows densely, so a strided output goes through a dense
-    temporary; a query whose channels are not dense (the kernel refuses it) is compacted."""
+    temporary; a query whose channels are not dense is refused by the core's layer checks
+    before anything is written (every backend's rule: attention kernels read dense vectors)."""
     s = spec()
     backend, batch, cache, q, k, v = mixed_step(s, "strided")
     meta = backend.metadata_builder().build(batch)
@@ -144,9 +146,10 @@ def test_strided_query_and_output_give_the_same_bits() -> None:
     query_passed = counting.args["cpu_attention_with_kv_cache"][0]
     assert query_passed.data_ptr() == qkv.data_ptr() and query_passed.shape[0] == n
     channels_strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # stride(2) == 8
-    out = impl.forward(channels_strided, k, v, start.clone(), meta)
-    assert torch.equal(out, dense)
-    assert counting.args["cpu_attention_with_kv_cache"][0].stride(2) == 1
+    target = start.clone()
+    with pytest.raises(InvalidInputError, match="query's last dimension is strided"):
+        impl.forward(channels_strided, k, v, target, meta)
+    assert target.equal(start)
 
 
 class Recording(Counting):
@@ -280,5 +283,5 @@ def test_a_backend_off_vllms_isa_cannot_be_timed_as_if_it_were_on_it(
     from attnhub_cpu import bench
 
     monkeypatch.setattr(bench, "vllm_isa", lambda *args: "vec16")
-    with pytest.raises(AssertionError, match="the backend runs 'vec', vLLM 'vec16'"):
+    with pytest.raises(ToolError, match="the backend runs 'vec', vLLM 'vec16'"):
         bench.run_case(bench.quick_cases()[0], repeats=1)
