@@ -25,6 +25,7 @@ import functools
 import importlib.util
 import os
 import platform
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -192,12 +193,46 @@ def unavailable_reason() -> str | None:
     return _load(features.library)
 
 
+#: Held by every call of vLLM's CPU attention kernel in this process (:class:`Kernels`).
+KERNEL_LOCK = threading.Lock()
+
+
+class Kernels:
+    """vLLM's op namespace (``torch.ops._C``), with its attention kernel called one call at a
+    time in the process.
+
+    vLLM's CPU attention works in one process-wide scratch buffer
+    (``cpu_utils::ScratchPadManager::get_scratchpad_manager()`` in vLLM's csrc/cpu/utils.hpp: a
+    singleton, no lock): vLLM calls it from one thread per worker process, but two threads
+    calling it at once, as two models served through one backend do, share that buffer and
+    corrupt each other's partial results (outputs that differ from the same call alone, in
+    about one run of the suite's two-thread case in eight here, before this lock). The KV write
+    and the planner use no scratch buffer and are called as they are."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._attend = inner.cpu_attention_with_kv_cache
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def cpu_attention_with_kv_cache(self, *args: Any) -> None:
+        with KERNEL_LOCK:
+            self._attend(*args)
+
+
 def kernels() -> Any:
-    """The op namespace (``torch.ops._C``). Call only after ``unavailable_reason`` is None."""
+    """The op namespace (:class:`Kernels` over ``torch.ops._C``). Call only after
+    ``unavailable_reason`` is None."""
     why = unavailable_reason()
     if why is not None:
         raise BackendUnavailableError("cpu", "cpu", why)
-    return torch.ops._C
+    return _kernels()
+
+
+@functools.cache
+def _kernels() -> Kernels:
+    return Kernels(torch.ops._C)
 
 
 @functools.cache
