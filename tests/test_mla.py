@@ -126,6 +126,79 @@ def test_fp8_cache_holds_fp8_planes_and_a_scalar_scale() -> None:
         replace(cache, scale=None)
 
 
+@pytest.mark.parametrize(
+    ("why", "build", "named"),
+    [
+        (
+            "unknown layout",
+            lambda: LatentKVCache(torch.zeros(NB, BS, L), torch.zeros(NB, BS, R), BS, layout="NHD"),
+            "layout = 'NHD' is not one of",
+        ),
+        (
+            "4-D rope plane",
+            lambda: LatentKVCache(torch.zeros(NB, BS, L), torch.zeros(NB, BS, 1, R), BS, "split"),
+            r"cache k_pe must be a 3-D tensor .* got \[5, 4, 1, 4\]",
+        ),
+        (
+            "block size not in dim 1",
+            lambda: LatentKVCache(torch.zeros(NB, BS, L), torch.zeros(NB, BS, R), 8, "split"),
+            "block_size = 8",
+        ),
+        (
+            "parts of two dtypes",
+            lambda: LatentKVCache(
+                torch.zeros(NB, BS, L), torch.zeros(NB, BS, R, dtype=torch.bfloat16), BS, "split"
+            ),
+            "must share dtype and device",
+        ),
+        (
+            "fp8 format over bf16 planes",
+            lambda: LatentKVCache(
+                torch.zeros(NB, BS, L, dtype=torch.bfloat16),
+                torch.zeros(NB, BS, R, dtype=torch.bfloat16),
+                BS,
+                "split",
+                "fp8",
+                torch.ones(()),
+            ),
+            "'fp8_e4m3' stores torch.float8_e4m3fn, the cache planes are torch.bfloat16",
+        ),
+        (
+            "auto format over int8 planes",
+            lambda: LatentKVCache(
+                torch.zeros(NB, BS, L, dtype=torch.int8),
+                torch.zeros(NB, BS, R, dtype=torch.int8),
+                BS,
+                "split",
+            ),
+            "the cache planes are torch.int8",
+        ),
+        (
+            "a scale for an unquantized cache",
+            lambda: LatentKVCache(
+                torch.zeros(NB, BS, L), torch.zeros(NB, BS, R), BS, "split", "auto", torch.ones(())
+            ),
+            "'auto' has no scale",
+        ),
+        (
+            "a joint plane with no rope part",
+            lambda: LatentKVCache.from_joint(torch.zeros(NB, BS, L), L),
+            "kv_lora_rank = 8 must leave a rope part in a plane 8 wide",
+        ),
+        (
+            "an int8 latent cache",
+            lambda: LatentKVCache.allocate(NB, BS, L, R, torch.float32, kv_cache_dtype="int8"),
+            "'int8' has no latent-cache form",
+        ),
+    ],
+)
+def test_a_cache_that_is_no_latent_cache_is_refused_naming_why(
+    why: str, build: object, named: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=named):
+        build()  # type: ignore[operator]
+
+
 def test_check_latent_cache_names_a_geometry_the_spec_does_not_have() -> None:
     cache = LatentKVCache.allocate(NB, BS, L, R + 1, torch.float32)
     with pytest.raises(InvalidInputError, match=r"\(8, 5\), the spec says \(8, 4\)"):
@@ -146,7 +219,7 @@ def test_write_matches_the_reference_write_byte_for_byte(
     if cache.scale is not None:
         cache.scale.fill_(0.05)
     expected = cache.clone()
-    kv_c, k_pe = latents(6, seed=7, dtype=dtype)
+    kv_c, k_pe = latents(7, seed=7, dtype=dtype)  # a row past the slot mapping is not written
     slots = torch.tensor([13, -1, 2, 19, -1, 4])
     write_latent_kv(s, cache, kv_c, k_pe, slots)
     reference.write_latent_kv(expected, kv_c, k_pe, slots)
