@@ -62,7 +62,7 @@ LATENT_LAYOUTS = ("joint", "split")
 #: The KV-cache formats a latent cache can hold (names of ``attnhub.spec.KV_CACHE_DTYPES``):
 #: the model dtype, or fp8 e4m3 with one per-tensor scale (vLLM's MLA caches). The int8 rows
 #: scale per kv head (a latent cache has none) or per value channel (the latent is no value
-#: until ``W_UV``), so they have no latent form.
+#: until ``W_UV``), so they have no latent form; no MLA kernel stores fp8 e5m2.
 LATENT_KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 

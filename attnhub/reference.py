@@ -14,6 +14,9 @@ Conventions, in the order they are applied to the scores of one request:
   6. out      softmax(s) @ v;  LSE = log(sum_j exp(s_j) [+ exp(sink)]), natural log
 A row that sees no key (and has no sink) gives output 0 and LSE +inf (flash-attn's convention).
 
+MLA (``attnhub.mla``): the absorbed and the expanded form over a latent cache, the same math
+through :func:`attention`, with the one scale both forms share (see the section at the end).
+
 ``compute_dtype`` (default float64) runs the same math as a plain implementation in that dtype
 would: operands, scores, probabilities and output rounded to it (softmax itself as torch does
 it). The conformance suite uses it to learn how far rounding alone takes a bf16 / fp16 / fp32
