@@ -34,7 +34,9 @@ def spec(**kw: object) -> MLASpec:
     return MLASpec(**fields)  # type: ignore[arg-type]
 
 
-def latents(n: int, seed: int = 0, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
+def latents(
+    n: int, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = generator(seed)
     return torch.randn(n, L, generator=g).to(dtype), torch.randn(n, R, generator=g).to(dtype)
 
