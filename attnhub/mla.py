@@ -54,6 +54,7 @@ __all__ = [
     "MLASpec",
     "check_latent_cache",
     "check_latent_kv",
+    "check_latent_slots",
     "write_latent_kv",
 ]
 
