@@ -14,6 +14,9 @@ Conventions, in the order they are applied to the scores of one request:
   6. out      softmax(s) @ v;  LSE = log(sum_j exp(s_j) [+ exp(sink)]), natural log
 A row that sees no key (and has no sink) gives output 0 and LSE +inf (flash-attn's convention).
 
+MLA (``attnhub.mla``): the absorbed and the expanded form over a latent cache, the same math
+through :func:`attention`, with the one scale both forms share (see the section at the end).
+
 ``compute_dtype`` (default float64) runs the same math as a plain implementation in that dtype
 would: operands, scores, probabilities and output rounded to it (softmax itself as torch does
 it). The conformance suite uses it to learn how far rounding alone takes a bf16 / fp16 / fp32
@@ -30,6 +33,7 @@ import torch
 from attnhub.batch import BatchMetadata
 from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import PagedKVCache
+from attnhub.mla import LatentKVCache, MLASpec
 from attnhub.quant import (
     dequantize_fp8,
     dequantize_int8,
@@ -41,17 +45,26 @@ from attnhub.quant import (
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
 
 __all__ = [
+    "absorb_query",
     "attention",
     "dequantize_fp8",
     "dequantize_int8",
+    "expand_latent",
     "int8_scale",
     "merge_attn_states",
+    "mla_absorbed",
+    "mla_expanded",
+    "mla_output",
     "paged_attention",
+    "paged_mla_absorbed",
+    "paged_mla_expanded",
     "quantize_fp8",
     "quantize_int8",
     "quantize_int8_dynamic",
+    "read_latent_sequence",
     "read_sequence",
     "write_kv",
+    "write_latent_kv",
 ]
 
 F64 = torch.float64
@@ -271,3 +284,234 @@ def _write_kv(
                 plane = cache.slot_scale_nhd(f"{which}_scale")
                 assert plane is not None
                 plane[b, o] = s[:, 0]
+
+
+# --- MLA (multi-head latent attention; attnhub.mla) -------------------------------------------
+#
+# Per token the cache holds a latent kv_c [kv_lora_rank] and a rotary key part k_pe [rope],
+# shared by every head. Weights as vLLM splits kv_b_proj: W_UK [kv_lora_rank, H, qk_nope],
+# W_UV [kv_lora_rank, H, v_head_dim]. The two forms below compute the same attention:
+#   expanded: keys [kv_c @ W_UK ; k_pe] and values kv_c @ W_UV per head (key head size
+#             qk_nope + rope, value head size v_head_dim);
+#   absorbed: queries [q_nope @ W_UK^T ; q_pe] (kv_lora_rank + rope), multi-query attention over
+#             keys [kv_c ; k_pe] and values kv_c; the latent output times W_UV is the expanded
+#             form's output, and the LSEs are equal.
+# Scale: both use the expanded form's (qk_nope + rope) ** -0.5 (spec.scale): the absorbed score
+# (q_nope W_UK^T) . kv_c + q_pe . k_pe is the same number as q_nope . (kv_c W_UK) + q_pe . k_pe,
+# so the absorbed form must not take (kv_lora_rank + rope) ** -0.5 from its wider head.
+
+
+def absorb_query(
+    q_nope: torch.Tensor,  # [num_tokens, num_heads, qk_nope_head_dim]
+    w_uk: torch.Tensor,  # [kv_lora_rank, num_heads, qk_nope_head_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads, kv_lora_rank] float64
+    """The no-rope query moved into latent space: ``ql_nope[t, h] = W_UK[:, h] @ q_nope[t, h]``."""
+    return torch.einsum("thp,lhp->thl", q_nope.to(F64), w_uk.to(F64))
+
+
+def mla_output(
+    out_latent: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank]
+    w_uv: torch.Tensor,  # [kv_lora_rank, num_heads, v_head_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim] float64
+    """The absorbed form's latent output per head, projected by ``W_UV``."""
+    return torch.einsum("thl,lhv->thv", out_latent.to(F64), w_uv.to(F64))
+
+
+def expand_latent(
+    kv_c: torch.Tensor,  # [seq_len, kv_lora_rank]
+    k_pe: torch.Tensor,  # [seq_len, qk_rope_head_dim]
+    w_uk: torch.Tensor,  # [kv_lora_rank, num_heads, qk_nope_head_dim]
+    w_uv: torch.Tensor,  # [kv_lora_rank, num_heads, v_head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:  # key [S, H, qk_nope + rope], value [S, H, v] f64
+    """Per-head keys ``[kv_c @ W_UK ; k_pe]`` (the rope part shared by every head) and values
+    ``kv_c @ W_UV``."""
+    kv_c, k_pe = kv_c.to(F64), k_pe.to(F64)
+    k_nope = torch.einsum("sl,lhp->shp", kv_c, w_uk.to(F64))
+    value = torch.einsum("sl,lhv->shv", kv_c, w_uv.to(F64))
+    rope = k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)
+    return torch.cat([k_nope, rope], dim=-1), value
+
+
+def mla_absorbed(
+    query: torch.Tensor,  # [query_len, num_heads, kv_lora_rank + rope]: [ql_nope ; q_pe]
+    kv_c: torch.Tensor,  # [seq_len, kv_lora_rank]: the whole sequence
+    k_pe: torch.Tensor,  # [seq_len, qk_rope_head_dim]
+    *,
+    scale: float,
+    causal: bool = True,
+    compute_dtype: torch.dtype = F64,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [q_len, H, kv_lora_rank], lse [H, q_len]
+    """The absorbed form of one request: every head attends over the one latent "kv head"
+    (keys ``[kv_c ; k_pe]``, values ``kv_c``); output in latent space (:func:`mla_output`
+    projects it). ``scale``: the expanded form's (see above)."""
+    key = torch.cat([kv_c.to(F64), k_pe.to(F64)], dim=-1)[:, None, :]  # [S, 1, L + R]
+    value = kv_c.to(F64)[:, None, :]  # [S, 1, L]
+    return attention(query, key, value, scale=scale, causal=causal, compute_dtype=compute_dtype)
+
+
+def mla_expanded(
+    query: torch.Tensor,  # [query_len, num_heads, qk_nope + rope]: [q_nope ; q_pe]
+    kv_c: torch.Tensor,  # [seq_len, kv_lora_rank]: the whole sequence
+    k_pe: torch.Tensor,  # [seq_len, qk_rope_head_dim]
+    w_uk: torch.Tensor,  # [kv_lora_rank, num_heads, qk_nope_head_dim]
+    w_uv: torch.Tensor,  # [kv_lora_rank, num_heads, v_head_dim]
+    *,
+    scale: float,
+    causal: bool = True,
+    compute_dtype: torch.dtype = F64,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [q_len, H, v_head_dim], lse [H, q_len]
+    """The expanded form of one request: ordinary multi-head attention over the keys and
+    values :func:`expand_latent` makes (value head size != key head size)."""
+    key, value = expand_latent(kv_c, k_pe, w_uk, w_uv)
+    return attention(query, key, value, scale=scale, causal=causal, compute_dtype=compute_dtype)
+
+
+def read_latent_sequence(
+    cache: LatentKVCache, block_table_row: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # kv_c [seq_len, kv_lora_rank], k_pe [seq_len, R] f64
+    """The latents of positions 0..seq_len-1 as the cache holds them, dequantized."""
+    bs = cache.block_size
+    pos = torch.arange(seq_len)
+    blocks = block_table_row.to("cpu").long()[pos // bs]
+    offsets = pos % bs
+    parts = []
+    for plane in (cache.kv_c, cache.k_pe):
+        raw = plane.to("cpu")[blocks, offsets].to(F64)  # [seq_len, width]
+        if cache.scale is not None:  # fp8: one per-tensor scale
+            raw = raw * cache.scale.to("cpu", F64)
+        parts.append(raw)
+    return parts[0], parts[1]
+
+
+def paged_mla_absorbed(
+    query: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank + rope]
+    cache: LatentKVCache,
+    batch: BatchMetadata,
+    spec: MLASpec,
+    *,
+    compute_dtype: torch.dtype = F64,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_actual_tokens, H, kv_lora_rank] f64, lse
+    """What an absorbed-form (decode) MLA kernel must return for ``batch``: the latent
+    output per head, reading the latents from ``cache``."""
+    _check_mla_inputs(
+        query, spec.latent_size, "kv_lora_rank + qk_rope_head_dim", cache, batch, spec
+    )
+    return _per_request(
+        query,
+        cache,
+        batch,
+        spec.num_heads,
+        spec.kv_lora_rank,
+        lambda q, kv_c, k_pe: mla_absorbed(
+            q, kv_c, k_pe, scale=spec.scale, causal=batch.causal, compute_dtype=compute_dtype
+        ),
+    )
+
+
+def paged_mla_expanded(
+    query: torch.Tensor,  # [num_tokens, num_heads, qk_nope + rope]
+    cache: LatentKVCache,
+    batch: BatchMetadata,
+    spec: MLASpec,
+    w_uk: torch.Tensor,  # [kv_lora_rank, num_heads, qk_nope_head_dim]
+    w_uv: torch.Tensor,  # [kv_lora_rank, num_heads, v_head_dim]
+    *,
+    compute_dtype: torch.dtype = F64,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_actual_tokens, H, v_head_dim] f64, lse
+    """What the expanded form (prefill) must return for ``batch``, every cached latent
+    expanded by ``W_UK`` / ``W_UV``."""
+    _check_mla_inputs(
+        query, spec.qk_head_dim, "qk_nope_head_dim + qk_rope_head_dim", cache, batch, spec
+    )
+    h = spec.num_heads
+    for name, w, width in (("w_uk", w_uk, spec.qk_nope_head_dim), ("w_uv", w_uv, spec.v_head_dim)):
+        want = (spec.kv_lora_rank, h, width)
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != want:
+            got = list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise InvalidInputError(f"{name} must be {list(want)}, got {got}")
+    w_uk, w_uv = w_uk.to("cpu"), w_uv.to("cpu")
+    return _per_request(
+        query,
+        cache,
+        batch,
+        h,
+        spec.v_head_dim,
+        lambda q, kv_c, k_pe: mla_expanded(
+            q,
+            kv_c,
+            k_pe,
+            w_uk,
+            w_uv,
+            scale=spec.scale,
+            causal=batch.causal,
+            compute_dtype=compute_dtype,
+        ),
+    )
+
+
+def _per_request(
+    query: torch.Tensor,
+    cache: LatentKVCache,
+    batch: BatchMetadata,
+    num_heads: int,
+    out_size: int,
+    one: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    qsl = batch.query_start_loc_cpu.tolist()
+    outs, lses = [], []
+    for r in range(batch.num_reqs):  # one request at a time, nothing shared between them
+        kv_c, k_pe = read_latent_sequence(cache, batch.block_table[r], int(batch.seq_lens_cpu[r]))
+        out, lse = one(query[qsl[r] : qsl[r + 1]].to("cpu"), kv_c, k_pe)
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        return torch.zeros(0, num_heads, out_size, dtype=F64), torch.zeros(num_heads, 0, dtype=F64)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _check_mla_inputs(
+    query: torch.Tensor,
+    head_size: int,
+    head_size_is: str,
+    cache: LatentKVCache,
+    batch: BatchMetadata,
+    spec: MLASpec,
+) -> None:
+    """The oracle refuses inputs that do not describe one MLA call (InvalidInputError)."""
+    want = (spec.num_heads, head_size)
+    if not isinstance(query, torch.Tensor) or query.dim() != 3 or tuple(query.shape[1:]) != want:
+        got = list(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise InvalidInputError(
+            f"query must be [num_tokens, {want[0]}, {want[1]}] ({head_size_is}), got {got}"
+        )
+    if query.shape[0] < batch.num_actual_tokens:
+        raise InvalidInputError(
+            f"query has {query.shape[0]} tokens, the batch has {batch.num_actual_tokens}"
+        )
+    geometry = (cache.block_size, cache.kv_lora_rank, cache.qk_rope_head_dim)
+    mine = (spec.block_size, spec.kv_lora_rank, spec.qk_rope_head_dim)
+    if geometry != mine or batch.block_size != spec.block_size:
+        raise InvalidInputError(
+            f"cache (block_size, kv_lora_rank, qk_rope_head_dim) = {geometry} and batch "
+            f"block_size {batch.block_size} do not match the spec's {mine}"
+        )
+
+
+def write_latent_kv(
+    cache: LatentKVCache,
+    kv_c: torch.Tensor,  # [num_tokens, kv_lora_rank]
+    k_pe: torch.Tensor,  # [num_tokens, qk_rope_head_dim]
+    slot_mapping: torch.Tensor,  # [n <= num_tokens]; -1 = padding
+) -> None:
+    """Write token by token what a latent cache must hold after a KV write (padding skipped;
+    fp8: ``fp8(x / scale)`` with the cache's one scale for both parts)."""
+    bs = cache.block_size
+    for t, slot in enumerate(slot_mapping.to("cpu").tolist()):
+        if slot < 0:  # padding token: never written
+            continue
+        b, o = divmod(slot, bs)
+        for src, dst in ((kv_c[t], cache.kv_c), (k_pe[t], cache.k_pe)):
+            if cache.scale is None:
+                dst[b, o] = src.to(dst.dtype)
+            else:
+                dst[b, o] = quantize_fp8(src, cache.scale, dst.dtype)
