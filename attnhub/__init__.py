@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from attnhub.graphs import BatchDescriptor, CaptureSizes, GraphRunner
     from attnhub.hookspecs import BenchComparison, Command, HostComparison, hookimpl
     from attnhub.kv_cache import PagedKVCache
+    from attnhub.mla import LatentKVCache, MLASpec
     from attnhub.registry import (
         BackendInfo,
         get_backend,
@@ -84,6 +85,7 @@ _HOMES = {
     "attnhub.graphs": ("BatchDescriptor", "CaptureSizes", "GraphRunner"),
     "attnhub.hookspecs": ("hookimpl", "Command", "BenchComparison", "HostComparison"),
     "attnhub.kv_cache": ("PagedKVCache",),
+    "attnhub.mla": ("LatentKVCache", "MLASpec"),
     "attnhub.registry": (
         "BackendInfo",
         "get_backend",
