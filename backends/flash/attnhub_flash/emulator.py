@@ -665,7 +665,93 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     keywords): paged with ``block_table`` + ``seqused_k``, packed with ``cu_seqlens_k``; writes
     ``out`` when given; ``(out, lse)`` with ``return_softmax_lse``."""
     op = "vllm_flash_attn.flash_attn_varlen_func"
-    # the wrapper's own asserts, in its order [schema]
+    _check_vllm_wrapper(
+        op,
+        fa_version=fa_version,
+        cu_seqlens_k=cu_seqlens_k,
+        seqused_k=seqused_k,
+        block_table=block_table,
+        output_scale=output_scale,
+        scheduler_metadata=scheduler_metadata,
+        descales=(q_descale, k_descale, v_descale),
+        s_aux=s_aux,
+        num_splits=num_splits,
+        alibi_slopes=alibi_slopes,
+        mask_mod=mask_mod,
+        aux_tensors=aux_tensors,
+    )
+    _not_emulated(
+        op,
+        q_v=q_v,
+        dropout_p=dropout_p or None,
+        return_attn_probs=return_attn_probs,
+        cp_tot_seqused_k=cp_tot_seqused_k,
+        cp_world_size=None if cp_world_size == 1 else cp_world_size,
+        block_sparse_tensors=block_sparse_tensors,
+        aux_tensor_leading_dims=aux_tensor_leading_dims,
+        dynamic_causal=dynamic_causal,
+    )
+    rules = _VLLM_FA3_RULES if fa_version == 3 else _VLLM_RULES
+    paged = block_table is not None
+    q, k, v = _check_qkv(op, rules, q, k, v, paged=paged, fp8=fa_version == 3)
+    q_starts, kv_starts, kv_lens = _vllm_lengths(
+        op, q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, paged=paged
+    )
+    batch = len(kv_lens)
+    if fa_version == 3:
+        _check_fa3_splits(
+            op,
+            num_splits,
+            scheduler_metadata,
+            q.device,
+            batch=batch,
+            max_seqlen_q=int(max_seqlen_q),
+            max_seqlen_k=int(max_seqlen_k),
+            headdim=q.shape[-1],
+            paged=paged,
+            causal=bool(causal),
+            window=(-1, -1) if window_size is None else tuple(window_size),
+        )
+    sink = None if s_aux is None else _s_aux(op, s_aux, q)
+    out_t = _out(op, out, q)
+    args: dict[str, Any] = dict(
+        scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
+        window=_window(op, window_size, bool(causal), none_is_unbounded=False),
+        softcap=_softcap(op, softcap),
+        slopes=_alibi(op, alibi_slopes, q.shape[1], batch, q.device),
+        sink=sink,
+        # FA2's kernel is not passed the descales [schema]; fp8 q only reaches FA3 (above)
+        descale=_descales(op, q, batch, k.shape[-2], q_descale, k_descale, v_descale),
+    )
+    if paged:
+        res, lse = _paged_call(op, rules, q, k, v, q_starts, kv_lens, block_table, **args)
+    else:
+        res, lse = _varlen(op, rules, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
+    if out_t is None:
+        out_t = res.to(_out_dtype(q))
+    else:
+        out_t.copy_(res)
+    return (out_t, lse) if return_softmax_lse else out_t
+
+
+def _check_vllm_wrapper(
+    op: str,
+    *,
+    fa_version: int,
+    cu_seqlens_k: object,
+    seqused_k: object,
+    block_table: object,
+    output_scale: object,
+    scheduler_metadata: object,
+    descales: tuple[object, object, object],
+    s_aux: object,
+    num_splits: int,
+    alibi_slopes: object,
+    mask_mod: object,
+    aux_tensors: object,
+) -> None:
+    """The fork's wrapper's own asserts, in its order [schema]: which K/V lengths it needs,
+    and what each FA version refuses."""
     if cu_seqlens_k is None and seqused_k is None:
         raise AssertionError("cu_seqlens_k or seqused_k must be provided")
     if cu_seqlens_k is not None and seqused_k is not None:
@@ -684,12 +770,8 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         if value is not None:
             raise NotImplementedError(f"FA{fa_version} does not support {name}")
     if fa_version == 2:
-        if (
-            scheduler_metadata is not None
-            and q_descale is not None
-            and k_descale is not None
-            and v_descale is not None
-        ):
+        # the FA2 kernel is not passed scheduler_metadata, nor the FA4-only arguments [schema]
+        if scheduler_metadata is not None and all(d is not None for d in descales):
             raise NotImplementedError(
                 "FA2 does not support scheduler_metadata, q_descale, k_descale, v_descale"
             )
@@ -697,25 +779,24 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
             raise NotImplementedError("FA2 does not support s_aux")
         if num_splits > 1:
             raise NotImplementedError("FA2 does not support num_splits > 1")
-        scheduler_metadata = None  # the FA2 kernel is not passed it [schema]
-        # s_aux, mask_mod and aux_tensors refused above; the other FA4-only arguments are
-        # not passed to the FA2 kernel [schema]
     elif alibi_slopes is not None:
         raise AssertionError("Alibi is not supported in FA3")
-    _not_emulated(
-        op,
-        q_v=q_v,
-        dropout_p=dropout_p or None,
-        return_attn_probs=return_attn_probs,
-        cp_tot_seqused_k=cp_tot_seqused_k,
-        cp_world_size=None if cp_world_size == 1 else cp_world_size,
-        block_sparse_tensors=block_sparse_tensors,
-        aux_tensor_leading_dims=aux_tensor_leading_dims,
-        dynamic_causal=dynamic_causal,
-    )
-    rules = _VLLM_FA3_RULES if fa_version == 3 else _VLLM_RULES
-    paged = block_table is not None
-    q, k, v = _check_qkv(op, rules, q, k, v, paged=paged, fp8=fa_version == 3)
+
+
+def _vllm_lengths(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    seqused_k: object,
+    max_seqlen_q: object,
+    max_seqlen_k: object,
+    *,
+    paged: bool,
+) -> tuple[list[int], list[int] | None, list[int]]:
+    """The query starts, the packed K/V starts (None when paged) and the K/V lengths, each
+    checked, and the max lengths checked against them."""
     dev = q.device
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise _fail(op, "cu_seqlens_q must be a Tensor")
@@ -732,53 +813,36 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         kv_lens = _cumulative(op, "cu_seqlens_k", kv_starts, k.shape[0])
     _max_covers(op, "max_seqlen_q", max_seqlen_q, q_lens)
     _max_covers(op, "max_seqlen_k", max_seqlen_k, kv_lens)
-    if fa_version == 3:
-        if num_splits > 256:
-            raise _fail(op, f"num_splits > 256 not supported (num_splits = {num_splits})")
-        if scheduler_metadata is not None:
-            size = _fa3_metadata_size(
-                batch=batch,
-                max_seqlen_q=int(max_seqlen_q),
-                max_seqlen_k=int(max_seqlen_k),
-                headdim=q.shape[-1],
-                paged=paged,
-                causal=bool(causal),
-                window=(-1, -1) if window_size is None else tuple(window_size),
-                num_splits=num_splits,
-            )
-            _check_metadata(op, scheduler_metadata, size, dev)
-    sink = None
-    if s_aux is not None:  # FA3 only (refused on FA2 above) [source: hopper/flash_api.cpp]
-        if q.shape[1] > _S_AUX_MAX_HEADS:
-            raise _fail(op, "We only support query heads <= 64 with S aux")
-        if not isinstance(s_aux, torch.Tensor):
-            raise _fail(op, f"s_aux must be a Tensor, got {type(s_aux).__name__}")
-        if s_aux.dtype != torch.bfloat16:
-            raise _fail(op, f"We only support bf16 dtype for S aux. (got {s_aux.dtype})")
-        if s_aux.device != dev:
-            raise _fail(op, f"s_aux is on {s_aux.device}, q on {dev}")
-        if tuple(s_aux.shape) != (q.shape[1],):
-            raise _fail(op, f"s_aux must have shape (num_heads), got {list(s_aux.shape)}")
-        sink = _tensor(op, "s_aux", s_aux, 1, dev, contiguous=True)
-    out_t = _out(op, out, q)
-    args: dict[str, Any] = dict(
-        scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
-        window=_window(op, window_size, bool(causal), none_is_unbounded=False),
-        softcap=_softcap(op, softcap),
-        slopes=_alibi(op, alibi_slopes, q.shape[1], batch, dev),
-        sink=sink,
-        # FA2's kernel is not passed the descales [schema]; fp8 q only reaches FA3 (above)
-        descale=_descales(op, q, batch, k.shape[-2], q_descale, k_descale, v_descale),
-    )
-    if paged:
-        res, lse = _paged_call(op, rules, q, k, v, q_starts, kv_lens, block_table, **args)
-    else:
-        res, lse = _varlen(op, rules, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
-    if out_t is None:
-        out_t = res.to(_out_dtype(q))
-    else:
-        out_t.copy_(res)
-    return (out_t, lse) if return_softmax_lse else out_t
+    return q_starts, kv_starts, kv_lens
+
+
+def _check_fa3_splits(
+    op: str, num_splits: int, scheduler_metadata: object, dev: torch.device, **shape: Any
+) -> None:
+    """FA3's split count, and ``scheduler_metadata`` (when given) sized for this call's
+    ``shape`` (the keywords of ``_fa3_metadata_size``)."""
+    if num_splits > 256:
+        raise _fail(op, f"num_splits > 256 not supported (num_splits = {num_splits})")
+    if scheduler_metadata is not None:
+        size = _fa3_metadata_size(**shape, num_splits=num_splits)
+        _check_metadata(op, scheduler_metadata, size, dev)
+
+
+def _s_aux(op: str, s_aux: object, q: torch.Tensor) -> torch.Tensor:
+    """FA3's sink logits, one per query head (refused on FA2 before this)
+    [source: hopper/flash_api.cpp]."""
+    dev = q.device
+    if q.shape[1] > _S_AUX_MAX_HEADS:
+        raise _fail(op, "We only support query heads <= 64 with S aux")
+    if not isinstance(s_aux, torch.Tensor):
+        raise _fail(op, f"s_aux must be a Tensor, got {type(s_aux).__name__}")
+    if s_aux.dtype != torch.bfloat16:
+        raise _fail(op, f"We only support bf16 dtype for S aux. (got {s_aux.dtype})")
+    if s_aux.device != dev:
+        raise _fail(op, f"s_aux is on {s_aux.device}, q on {dev}")
+    if tuple(s_aux.shape) != (q.shape[1],):
+        raise _fail(op, f"s_aux must have shape (num_heads), got {list(s_aux.shape)}")
+    return _tensor(op, "s_aux", s_aux, 1, dev, contiguous=True)
 
 
 #: vLLM's fork, FA3: batches up to this size get per-batch scheduling vectors [source]
