@@ -1471,15 +1471,3 @@ inference = SimpleNamespace(
         vllm_paged_attention_mix=vllm_paged_attention_mix,
     )
 )
-
-
-def op_names() -> Sequence[str]:
-    """Every emulated op's dotted path under ``ixformer``."""
-    return [
-        f"{mod}.{name}"
-        for mod, ns in (
-            ("contrib.vllm_flash_attn", contrib.vllm_flash_attn),
-            ("inference.functions", inference.functions),
-        )
-        for name in vars(ns)
-    ]
