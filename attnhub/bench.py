@@ -210,10 +210,6 @@ def _timed_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> tuple[
     return statistics.median(times) * 1e3, spread(times)
 
 
-def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    return _timed_ms(fn, repeats, warmup)[0]
-
-
 def _kv_and_plan(case: BenchCase, be: Any, device: str) -> tuple[Any, ...]:
     """A paged cache filled with random K/V (shuffled blocks), the step's batch and q, k, v."""
     gen = torch.Generator().manual_seed(0)

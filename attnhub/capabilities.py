@@ -254,50 +254,16 @@ class Capabilities:
                     supported=self.dtypes,
                 )
             )
-        hs = spec.head_size
-        if self.head_sizes is not None and hs not in self.head_sizes:
-            reasons.append(
-                Refusal(
-                    f"head_size {hs} is not one of {sorted(self.head_sizes)}",
-                    field="head_size",
-                    value=hs,
-                    supported=self.head_sizes,
-                )
-            )
-        if self.max_head_size is not None and hs > self.max_head_size:
-            reasons.append(
-                Refusal(
-                    f"head_size {hs} exceeds the maximum {self.max_head_size}",
-                    field="head_size",
-                    value=hs,
-                )
-            )
-        if hs % self.head_size_multiple:
-            reasons.append(
-                Refusal(
-                    f"head_size {hs} is not a multiple of {self.head_size_multiple}",
-                    field="head_size",
-                    value=hs,
-                )
-            )
-        bs = spec.block_size
-        if self.block_sizes is not None and bs not in self.block_sizes:
-            reasons.append(
-                Refusal(
-                    f"block_size {bs} is not one of {sorted(self.block_sizes)}",
-                    field="block_size",
-                    value=bs,
-                    supported=self.block_sizes,
-                )
-            )
-        if bs % self.block_size_multiple:
-            reasons.append(
-                Refusal(
-                    f"block_size {bs} is not a multiple of {self.block_size_multiple}",
-                    field="block_size",
-                    value=bs,
-                )
-            )
+        reasons += _size_refusals(
+            "head_size",
+            spec.head_size,
+            self.head_sizes,
+            self.head_size_multiple,
+            maximum=self.max_head_size,
+        )
+        reasons += _size_refusals(
+            "block_size", spec.block_size, self.block_sizes, self.block_size_multiple
+        )
         if spec.kv_cache_dtype not in self.kv_cache_dtypes:
             reasons.append(
                 Refusal(
@@ -371,3 +337,33 @@ class Capabilities:
                 if k in self.probability_quantization
             },
         }
+
+
+def _size_refusals(
+    name: str,
+    value: int,
+    allowed: frozenset[int] | None,
+    multiple: int,
+    maximum: int | None = None,
+) -> list[Refusal]:
+    """Why a size (head_size, block_size) is refused: not one of ``allowed``, above
+    ``maximum``, not a multiple of ``multiple`` (empty = accepted)."""
+    reasons = []
+    if allowed is not None and value not in allowed:
+        reasons.append(
+            Refusal(
+                f"{name} {value} is not one of {sorted(allowed)}",
+                field=name,
+                value=value,
+                supported=allowed,
+            )
+        )
+    if maximum is not None and value > maximum:
+        reasons.append(
+            Refusal(f"{name} {value} exceeds the maximum {maximum}", field=name, value=value)
+        )
+    if value % multiple:
+        reasons.append(
+            Refusal(f"{name} {value} is not a multiple of {multiple}", field=name, value=value)
+        )
+    return reasons

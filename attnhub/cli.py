@@ -35,10 +35,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress, TaskID
+    from rich.table import Table
 
-    from attnhub.bench import HostOverhead, Run
+    from attnhub.bench import Ceilings, HostOverhead, Run
     from attnhub.capabilities import Capabilities
     from attnhub.spec import AttentionSpec
+
+    Commands = argparse._SubParsersAction[argparse.ArgumentParser]  # the subcommand table
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")  # torch dtypes the CLI takes by name
 #: Short names the CLI takes too (the conformance matrix's row names: "dtype: fp16").
@@ -517,8 +520,6 @@ def _write_json(path: str, doc: dict[str, object], console: Console) -> None:
 def _bench_kernels(args: argparse.Namespace, console: Console) -> Run:
     """Every backend's forward vs dense SDPA and the measured ceilings, and the direct kernel
     comparisons: tables printed, the run returned."""
-    from rich.table import Table
-
     from attnhub import bench
 
     cases = bench.default_cases(quick=args.quick)
@@ -538,7 +539,20 @@ def _bench_kernels(args: argparse.Namespace, console: Console) -> Run:
             direct=direct,
             progress=steps.step,
         )
-    ceil = run.ceilings
+    _print_ceilings(run.ceilings, console)
+    print_table(console, _kernel_table(run, args.device))
+    if run.direct:
+        print_table(console, _direct_table(run))
+        for note in dict.fromkeys(d.note for d in run.direct if ":" in d.note):
+            console.print(f"note: {note}", soft_wrap=True)
+    for sk in run.skipped:
+        where_ = f" ({sk.case} {sk.dtype})" if sk.case else ""
+        console.print(f"skipped {sk.backend}{where_}: {sk.reason}", soft_wrap=True)
+    return run
+
+
+def _print_ceilings(ceil: Ceilings, console: Console) -> None:
+    """The run's measured copy bandwidth and matmul FLOP/s, each with its spread."""
 
     def spread(figure: str) -> str:
         value = ceil.spreads.get(figure)
@@ -558,7 +572,17 @@ def _bench_kernels(args: argparse.Namespace, console: Console) -> Run:
         ),
         soft_wrap=True,
     )
-    table = Table(title=f"attnhub bench on {args.device}: every backend vs dense SDPA and ceilings")
+
+
+def _kernel_table(run: Run, device: str) -> Table:
+    """One row per backend and case: its time vs dense SDPA and its target, and what it
+    achieved against the measured ceiling (copy for decode, matmul for prefill)."""
+    from rich.table import Table
+
+    from attnhub import bench
+
+    ceil = run.ceilings
+    table = Table(title=f"attnhub bench on {device}: every backend vs dense SDPA and ceilings")
     for col in (
         "case",
         "dtype",
@@ -593,30 +617,30 @@ def _bench_kernels(args: argparse.Namespace, console: Console) -> Run:
             of,
             "-" if r.backend == bench.DENSE else f"{r.build_us:.0f}",
         )
-    print_table(console, table)
-    if run.direct:
-        direct = Table(title="backend forward vs the same vendor kernels called directly")
-        for col in ("backend", "case", "dtype", "forward ms", "direct ms", "speed", "goal", "note"):
-            direct.add_column(col, justify="right" if "ms" in col or col == "speed" else "left")
-        for d in run.direct:
-            mark = " [green]ok[/green]" if d.meets_goal else " [red]missed[/red]"
-            direct.add_row(
-                d.source,
-                d.case,
-                d.dtype,
-                f"{d.backend_ms:.1f}",
-                f"{d.direct_ms:.1f}",
-                f"{d.speed:.3f}x",
-                f">= {d.goal:.2f}x{mark}",
-                d.note.split(":")[0],
-            )
-        print_table(console, direct)
-        for note in dict.fromkeys(d.note for d in run.direct if ":" in d.note):
-            console.print(f"note: {note}", soft_wrap=True)
-    for sk in run.skipped:
-        where_ = f" ({sk.case} {sk.dtype})" if sk.case else ""
-        console.print(f"skipped {sk.backend}{where_}: {sk.reason}", soft_wrap=True)
-    return run
+    return table
+
+
+def _direct_table(run: Run) -> Table:
+    """One row per direct comparison: a backend's forward vs its vendor kernels called
+    directly, against the comparison's goal."""
+    from rich.table import Table
+
+    direct = Table(title="backend forward vs the same vendor kernels called directly")
+    for col in ("backend", "case", "dtype", "forward ms", "direct ms", "speed", "goal", "note"):
+        direct.add_column(col, justify="right" if "ms" in col or col == "speed" else "left")
+    for d in run.direct:
+        mark = " [green]ok[/green]" if d.meets_goal else " [red]missed[/red]"
+        direct.add_row(
+            d.source,
+            d.case,
+            d.dtype,
+            f"{d.backend_ms:.1f}",
+            f"{d.direct_ms:.1f}",
+            f"{d.speed:.3f}x",
+            f">= {d.goal:.2f}x{mark}",
+            d.note.split(":")[0],
+        )
+    return direct
 
 
 def _bench_host(args: argparse.Namespace, console: Console) -> list[HostOverhead]:
@@ -711,7 +735,14 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
         "conformance suite adds 'conformance').",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_list_command(sub)
+    _add_select_command(sub)
+    _add_bench_command(sub)
+    _add_plugin_commands(parser, sub, plugins or {})
+    return parser
 
+
+def _add_list_command(sub: Commands) -> None:
     p = sub.add_parser("list", help="every discovered backend, its availability and capabilities")
     p.add_argument(
         "--device",
@@ -722,6 +753,8 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_list)
 
+
+def _add_select_command(sub: Commands) -> None:
     p = sub.add_parser(
         "select",
         help="which backend a spec gets on a device, and why",
@@ -781,6 +814,8 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
     )
     p.set_defaults(func=cmd_select)
 
+
+def _add_bench_command(sub: Commands) -> None:
     p = sub.add_parser(
         "bench",
         help="every backend vs dense SDPA and the machine's measured limits, in one run",
@@ -836,8 +871,14 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
     )
     p.set_defaults(func=cmd_bench)
 
+
+def _add_plugin_commands(
+    parser: argparse.ArgumentParser, sub: Commands, plugins: dict[str, PluginCommand]
+) -> None:
+    """List each plugin's command (its own ``main`` parses its arguments); name in the epilog
+    the ones ignored (a built-in's name) and the ones that failed to load."""
     ignored, broken = [], []
-    for command in (plugins or {}).values():
+    for command in plugins.values():
         if not command.loaded:
             broken.append(f"{command.name} [{command.source}]: {command.error}")
             continue
@@ -850,7 +891,6 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
         parser.epilog = f"{parser.epilog} Ignored: {'; '.join(ignored)}."
     if broken:  # one report of broken plugins (`attnhub list` shows the same, per plugin)
         parser.epilog = f"{parser.epilog} Plugins that failed to load: {'; '.join(broken)}."
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

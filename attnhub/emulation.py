@@ -60,11 +60,6 @@ _STATE = _State()
 _BUFFERS: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def null_kernels_active() -> bool:
-    """Whether emulated ops skip their math now (inside :func:`null_kernels`)."""
-    return _STATE.null
-
-
 @contextmanager
 def null_kernels() -> Iterator[OpTime]:
     """Run emulated ops without their math (checks only, preallocated outputs) and sum the time

@@ -32,18 +32,16 @@ def _op(x: torch.Tensor) -> torch.Tensor:
 
 def test_outside_null_mode_the_math_runs():
     assert torch.equal(_op(torch.ones(3)), torch.full((3,), 2.0))
-    assert not emulation.null_kernels_active()
 
 
 def test_inside_null_mode_checks_run_and_math_is_skipped():
     with emulation.null_kernels():
-        assert emulation.null_kernels_active()
         out = _op(torch.ones(3))
         assert out.shape == (3,) and out.dtype == torch.float32
         assert out is _op(torch.ones(3))  # preallocated once, handed out again
         with pytest.raises(ValueError, match="1-D"):
             _op(torch.ones(2, 2))
-    assert not emulation.null_kernels_active()
+    assert torch.equal(_op(torch.ones(3)), torch.full((3,), 2.0))  # the math is back after it
 
 
 def test_null_mode_sums_the_time_inside_ops():

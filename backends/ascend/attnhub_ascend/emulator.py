@@ -462,6 +462,17 @@ class _FiaCall:
 
 
 def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (query dtype), lse
+    """FIA v1 and v2: every argument checked, in the op's order, then the math."""
+    kv_heads = _check_fia_tensors(c)
+    q_lens, kv_list = _fia_lengths(c)
+    keys, kv_lens = _fia_keys(c, q_lens, kv_list, kv_heads)
+    _check_fia_sparse(c, q_lens)
+    return _fia_math(c, q_lens, kv_lens, keys, _fia_sink(c))
+
+
+def _check_fia_tensors(c: _FiaCall) -> int:
+    """The layout (TND), the query's dtype and its heads and head size, and the key/value
+    tensors against it; returns the number of K/V heads."""
     op = c.op
     if c.input_layout not in LAYOUTS:
         raise _fail(op, f"input_layout={c.input_layout!r} is not one of {', '.join(LAYOUTS)}")
@@ -478,7 +489,7 @@ def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (qu
         raise (NotEmulatedError if q.dtype == torch.int8 else NpuOpError)(
             f"{op}: query dtype {q.dtype} (supported: float16, bfloat16, int8; int8 not emulated)"
         )
-    total, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     if num_heads != c.num_heads:
         raise _fail(op, f"num_heads={c.num_heads} but the TND query has {num_heads} heads")
     kv_heads = c.num_key_value_heads or num_heads
@@ -510,7 +521,14 @@ def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (qu
         if t.shape != c.key.shape:
             raise _fail(op, f"key and value shapes differ: {list(c.key.shape)} vs {list(t.shape)}")
         _check_tensor(op, name, t, t.dim(), dev)
+    return kv_heads
 
+
+def _fia_lengths(c: _FiaCall) -> tuple[list[int], list[int]]:
+    """The query lengths (from the cumulative ``actual_seq_lengths``) and the raw
+    ``actual_seq_lengths_kv`` list, one entry per request."""
+    op = c.op
+    total = c.query.shape[0]
     q_ends = _int_list(op, "actual_seq_lengths", c.actual_seq_lengths, required=True)
     assert q_ends is not None
     q_lens = _cumulative(op, "actual_seq_lengths", q_ends, total, rows_past_end=True)
@@ -529,7 +547,15 @@ def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (qu
             f"actual_seq_lengths_kv has {len(kv_list)} entries, the batch has {batch} "
             "(len(actual_seq_lengths))",
         )
+    return q_lens, kv_list
 
+
+def _fia_keys(
+    c: _FiaCall, q_lens: list[int], kv_list: list[int], kv_heads: int
+) -> tuple[Callable[[int], tuple[torch.Tensor, torch.Tensor]], list[int]]:
+    """Request ``b``'s keys and values, paged (``block_table``: per-request K/V lengths) or
+    packed TND (cumulative K/V ends), and the K/V lengths."""
+    op, dev, head_dim = c.op, c.query.device, c.query.shape[2]
     keys: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
     if c.block_table is not None:  # paged K/V: per-sequence kv lengths
         keys, kv_lens = _paged_keys(c, q_lens, kv_list, kv_heads, head_dim)
@@ -546,6 +572,12 @@ def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (qu
             rows = slice(starts[b], starts[b] + kv_lens[b])
             return c.key[rows], c.value[rows]
 
+    return keys, kv_lens
+
+
+def _check_fia_sparse(c: _FiaCall, q_lens: list[int]) -> None:
+    """``sparse_mode`` with its mask and band, and ``inner_precise``."""
+    op, dev = c.op, c.query.device
     if c.sparse_mode not in c.sparse_modes:
         raise _fail(
             op,
@@ -569,19 +601,23 @@ def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (qu
     if c.sparse_mode == 4 and c.pre_tokens + c.next_tokens < 0:
         raise _fail(op, f"band: pre_tokens + next_tokens = {c.pre_tokens + c.next_tokens} < 0")
 
-    sink = None
-    if c.sink is not None:
-        sink = c.sink
-        if not isinstance(sink, torch.Tensor) or sink.shape != (num_heads,):
-            raise _fail(op, f"learnable_sink must be a Tensor of shape ({num_heads},)")
-        if sink.dtype != torch.bfloat16:
-            raise _fail(op, f"learnable_sink must be bfloat16, got {sink.dtype}")
-        if sink.device != dev:
-            raise _fail(op, f"learnable_sink is on {sink.device}, query on {dev}")
-        if head_dim > 128:
-            raise _fail(op, f"learnable_sink needs value D <= 128, got {head_dim}")
 
-    return _fia_math(c, q_lens, kv_lens, keys, sink)
+def _fia_sink(c: _FiaCall) -> torch.Tensor | None:
+    """v2's ``learnable_sink``: one bfloat16 logit per query head, value D <= 128."""
+    op, dev = c.op, c.query.device
+    num_heads, head_dim = c.query.shape[1], c.query.shape[2]
+    sink = c.sink
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor) or sink.shape != (num_heads,):
+        raise _fail(op, f"learnable_sink must be a Tensor of shape ({num_heads},)")
+    if sink.dtype != torch.bfloat16:
+        raise _fail(op, f"learnable_sink must be bfloat16, got {sink.dtype}")
+    if sink.device != dev:
+        raise _fail(op, f"learnable_sink is on {sink.device}, query on {dev}")
+    if head_dim > 128:
+        raise _fail(op, f"learnable_sink needs value D <= 128, got {head_dim}")
+    return sink
 
 
 def _fia_null(
@@ -1154,14 +1190,69 @@ def _npu_fusion_attention(
     _not_emulated(op, pse=pse, padding_mask=padding_mask, prefix=prefix, dropout_mask=dropout_mask)
     if keep_prob != 1.0:
         raise NotEmulatedError(f"{op}: dropout (keep_prob={keep_prob}) is not emulated")
+    varlen = _check_fusion_layout(op, input_layout, query)
+    query, key, value, bsnd = _fusion_tokens(op, query, key, value, varlen)
+    _check_fusion_heads(op, query, key, value, head_num, sink)
+    if softmax_layout not in ("", "TND") or (softmax_layout and not varlen):
+        raise _fail(op, f"softmax_layout={softmax_layout!r} ('' or, with TND, 'TND')")
+    q_lens, kv_lens = _fusion_lengths(
+        op, query.shape[0], key.shape[0], bsnd, actual_seq_qlen, actual_seq_kvlen
+    )
+    masks = _fusion_masks(
+        op,
+        atten_mask,
+        sparse_mode,
+        pre_tockens,
+        next_tockens,
+        q_lens,
+        kv_lens,
+        query.device,
+        varlen=varlen,
+    )
+    # outside varlen a fully masked row is corrected only with inner_precise 2 ("使能无效行计
+    # 算"); otherwise the doc promises nothing: NaN
+    correct = varlen or inner_precise == 2
+    out = _fusion_attention_math(
+        query,
+        key,
+        value,
+        scale,
+        q_lens,
+        kv_lens,
+        masks,
+        softmax_layout,
+        seed,
+        offset,
+        sink,
+        correct,
+    )
+    if bsnd is None:
+        return out
+    batch, q_s, _ = bsnd
+    result, row_max, row_sum = out[0], out[1], out[2]
+    stats = [
+        t.view(head_num, batch, q_s, 8).permute(1, 0, 2, 3).contiguous() for t in (row_max, row_sum)
+    ]
+    return (result.view(batch, q_s, *result.shape[1:]), stats[0], stats[1], *out[3:])
+
+
+def _check_fusion_layout(op: str, input_layout: str, query: object) -> bool:
+    """The layouts the op takes and the two emulated; True for varlen (TND)."""
     if input_layout not in ("BSH", "SBH", "BSND", "BNSD", "TND"):
         raise _fail(op, f"input_layout={input_layout!r} is not one of BSH, SBH, BSND, BNSD, TND")
     if input_layout not in ("TND", "BSND"):
         raise NotEmulatedError(f"{op}: input_layout={input_layout!r} is valid but not emulated")
     if not isinstance(query, torch.Tensor):
         raise _fail(op, f"query must be a Tensor, got {type(query).__name__}")
+    return input_layout == "TND"
+
+
+def _fusion_tokens(
+    op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, varlen: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int, int] | None]:
+    """query, key and value as tokens [T, N, D] (one dtype), and for BSND (B, S, N, D: one
+    batch per request, every S the same) its (B, Sq, Skv); None for TND."""
     dev = query.device
-    varlen = input_layout == "TND"
     dims = 3 if varlen else 4
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(op, name, t, dims, dev)
@@ -1171,13 +1262,25 @@ def _npu_fusion_attention(
                 f"query, key, value must share one of float16/bfloat16/float32, "
                 f"got {query.dtype}, {key.dtype}, {value.dtype}",
             )
-    if not varlen:  # BSND: (B, S, N, D), one batch per request, every S the same
-        if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
-            raise _fail(op, "query, key and value must share their batch size B")
-        batch, q_s, kv_s = query.shape[0], query.shape[1], key.shape[1]
-        bsnd = (batch, q_s)
-        query, key, value = (t.reshape(-1, *t.shape[2:]) for t in (query, key, value))
-    total, num_heads, head_dim = query.shape
+    if varlen:
+        return query, key, value, None
+    if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
+        raise _fail(op, "query, key and value must share their batch size B")
+    bsnd = (query.shape[0], query.shape[1], key.shape[1])
+    query, key, value = (t.reshape(-1, *t.shape[2:]) for t in (query, key, value))
+    return query, key, value, bsnd
+
+
+def _check_fusion_heads(
+    op: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    sink: torch.Tensor | None,
+) -> None:
+    """Heads and head sizes of the tokens [T, N, D], and the sink (one logit per head)."""
+    _, num_heads, head_dim = query.shape
     if num_heads != head_num:
         raise _fail(op, f"head_num={head_num} but the query has {num_heads} heads")
     if (
@@ -1201,27 +1304,53 @@ def _npu_fusion_attention(
             raise _fail(op, f"sink must be a Tensor of shape [head_num={head_num}]")
         if sink.dtype != torch.float32:
             raise _fail(op, f"sink must be float32, got {sink.dtype}")
-        if sink.device != dev:
-            raise _fail(op, f"sink is on {sink.device}, query on {dev}")
-    if softmax_layout not in ("", "TND") or (softmax_layout and not varlen):
-        raise _fail(op, f"softmax_layout={softmax_layout!r} ('' or, with TND, 'TND')")
-    if varlen:
-        q_ends = _int_list(op, "actual_seq_qlen", actual_seq_qlen, required=True)
-        kv_ends = _int_list(op, "actual_seq_kvlen", actual_seq_kvlen, required=True)
-        assert q_ends is not None and kv_ends is not None
-        if len(q_ends) != len(kv_ends):
-            raise _fail(
-                op, f"actual_seq_qlen has {len(q_ends)} entries, actual_seq_kvlen {len(kv_ends)}"
-            )
-        if not 1 <= len(q_ends) <= FA_VARLEN_MAX_BATCH:
-            raise _fail(op, f"varlen batch of {len(q_ends)}: 1..{FA_VARLEN_MAX_BATCH} supported")
-        for name, rows in (("query", total), ("key", key.shape[0])):
-            if not 1 <= rows <= FA_VARLEN_MAX_T:
-                raise _fail(op, f"varlen {name} T = {rows}: 1..{FA_VARLEN_MAX_T} (1M) supported")
-        q_lens = _cumulative(op, "actual_seq_qlen", q_ends, total, trailing_zeros=True)
-        kv_lens = _cumulative(op, "actual_seq_kvlen", kv_ends, key.shape[0], trailing_zeros=True)
-    else:
-        q_lens, kv_lens = [q_s] * batch, [kv_s] * batch
+        if sink.device != query.device:
+            raise _fail(op, f"sink is on {sink.device}, query on {query.device}")
+
+
+def _fusion_lengths(
+    op: str,
+    total: int,
+    kv_total: int,
+    bsnd: tuple[int, int, int] | None,
+    actual_seq_qlen: Sequence[int] | None,
+    actual_seq_kvlen: Sequence[int] | None,
+) -> tuple[list[int], list[int]]:
+    """Each request's query and K/V lengths: BSND's S, or TND's cumulative ends."""
+    if bsnd is not None:
+        batch, q_s, kv_s = bsnd
+        return [q_s] * batch, [kv_s] * batch
+    q_ends = _int_list(op, "actual_seq_qlen", actual_seq_qlen, required=True)
+    kv_ends = _int_list(op, "actual_seq_kvlen", actual_seq_kvlen, required=True)
+    assert q_ends is not None and kv_ends is not None
+    if len(q_ends) != len(kv_ends):
+        raise _fail(
+            op, f"actual_seq_qlen has {len(q_ends)} entries, actual_seq_kvlen {len(kv_ends)}"
+        )
+    if not 1 <= len(q_ends) <= FA_VARLEN_MAX_BATCH:
+        raise _fail(op, f"varlen batch of {len(q_ends)}: 1..{FA_VARLEN_MAX_BATCH} supported")
+    for name, rows in (("query", total), ("key", kv_total)):
+        if not 1 <= rows <= FA_VARLEN_MAX_T:
+            raise _fail(op, f"varlen {name} T = {rows}: 1..{FA_VARLEN_MAX_T} (1M) supported")
+    q_lens = _cumulative(op, "actual_seq_qlen", q_ends, total, trailing_zeros=True)
+    kv_lens = _cumulative(op, "actual_seq_kvlen", kv_ends, kv_total, trailing_zeros=True)
+    return q_lens, kv_lens
+
+
+def _fusion_masks(
+    op: str,
+    atten_mask: torch.Tensor | None,
+    sparse_mode: int,
+    pre_tockens: int,
+    next_tockens: int,
+    q_lens: list[int],
+    kv_lens: list[int],
+    dev: torch.device,
+    *,
+    varlen: bool,
+) -> list[torch.Tensor | None]:
+    """Each request's visible keys ([q_len, kv_len] bool, None = all) from ``sparse_mode``,
+    its mask and band; a query row that sees no key is refused in varlen [doc]."""
     if sparse_mode not in range(9):
         raise _fail(op, f"sparse_mode={sparse_mode} is not one of 0..8")
     full: torch.Tensor | None = None  # sparse_mode 0 with a mask: [B or 1, Sq, Skv] bool
@@ -1259,31 +1388,7 @@ def _npu_fusion_attention(
             # "atten_mask中不能存在某一行全1的场景" (varlen) [doc]
             raise _fail(op, "varlen: a query row sees no key (fully masked rows are unsupported)")
         masks.append(visible)
-    # outside varlen a fully masked row is corrected only with inner_precise 2 ("使能无效行计
-    # 算"); otherwise the doc promises nothing: NaN
-    correct = varlen or inner_precise == 2
-    out = _fusion_attention_math(
-        query,
-        key,
-        value,
-        scale,
-        q_lens,
-        kv_lens,
-        masks,
-        softmax_layout,
-        seed,
-        offset,
-        sink,
-        correct,
-    )
-    if varlen:
-        return out
-    b_, s_ = bsnd
-    result, row_max, row_sum = out[0], out[1], out[2]
-    stats = [
-        t.view(num_heads, b_, s_, 8).permute(1, 0, 2, 3).contiguous() for t in (row_max, row_sum)
-    ]
-    return (result.view(b_, s_, *result.shape[1:]), stats[0], stats[1], *out[3:])
+    return masks
 
 
 def _full_mask(

@@ -665,7 +665,95 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     keywords): paged with ``block_table`` + ``seqused_k``, packed with ``cu_seqlens_k``; writes
     ``out`` when given; ``(out, lse)`` with ``return_softmax_lse``."""
     op = "vllm_flash_attn.flash_attn_varlen_func"
-    # the wrapper's own asserts, in its order [schema]
+    _check_vllm_wrapper(
+        op,
+        fa_version=fa_version,
+        cu_seqlens_k=cu_seqlens_k,
+        seqused_k=seqused_k,
+        block_table=block_table,
+        output_scale=output_scale,
+        scheduler_metadata=scheduler_metadata,
+        descales=(q_descale, k_descale, v_descale),
+        s_aux=s_aux,
+        num_splits=num_splits,
+        alibi_slopes=alibi_slopes,
+        mask_mod=mask_mod,
+        aux_tensors=aux_tensors,
+    )
+    _not_emulated(
+        op,
+        q_v=q_v,
+        dropout_p=dropout_p or None,
+        return_attn_probs=return_attn_probs,
+        cp_tot_seqused_k=cp_tot_seqused_k,
+        cp_world_size=None if cp_world_size == 1 else cp_world_size,
+        block_sparse_tensors=block_sparse_tensors,
+        aux_tensor_leading_dims=aux_tensor_leading_dims,
+        dynamic_causal=dynamic_causal,
+    )
+    rules = _VLLM_FA3_RULES if fa_version == 3 else _VLLM_RULES
+    paged = block_table is not None
+    q, k, v = _check_qkv(op, rules, q, k, v, paged=paged, fp8=fa_version == 3)
+    q_starts, q_lens, kv_starts, kv_lens = _varlen_lengths(
+        op, q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, paged=paged, table="block_table"
+    )
+    _max_covers(op, "max_seqlen_q", max_seqlen_q, q_lens)
+    _max_covers(op, "max_seqlen_k", max_seqlen_k, kv_lens)
+    batch = len(kv_lens)
+    if fa_version == 3:
+        _check_fa3_splits(
+            op,
+            num_splits,
+            scheduler_metadata,
+            q.device,
+            batch=batch,
+            max_seqlen_q=int(max_seqlen_q),
+            max_seqlen_k=int(max_seqlen_k),
+            headdim=q.shape[-1],
+            paged=paged,
+            causal=bool(causal),
+            window=(-1, -1) if window_size is None else tuple(window_size),
+        )
+    sink = None if s_aux is None else _s_aux(op, s_aux, q)
+    out_t = _out(op, out, q)
+    args: dict[str, Any] = dict(
+        scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
+        window=_window(op, window_size, bool(causal), none_is_unbounded=False),
+        softcap=_softcap(op, softcap),
+        slopes=_alibi(op, alibi_slopes, q.shape[1], batch, q.device),
+        sink=sink,
+        # FA2's kernel is not passed the descales [schema]; fp8 q only reaches FA3 (above)
+        descale=_descales(op, q, batch, k.shape[-2], q_descale, k_descale, v_descale),
+    )
+    if paged:
+        res, lse = _paged_call(op, rules, q, k, v, q_starts, kv_lens, block_table, **args)
+    else:
+        res, lse = _varlen(op, rules, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
+    if out_t is None:
+        out_t = res.to(_out_dtype(q))
+    else:
+        out_t.copy_(res)
+    return (out_t, lse) if return_softmax_lse else out_t
+
+
+def _check_vllm_wrapper(
+    op: str,
+    *,
+    fa_version: int,
+    cu_seqlens_k: object,
+    seqused_k: object,
+    block_table: object,
+    output_scale: object,
+    scheduler_metadata: object,
+    descales: tuple[object, object, object],
+    s_aux: object,
+    num_splits: int,
+    alibi_slopes: object,
+    mask_mod: object,
+    aux_tensors: object,
+) -> None:
+    """The fork's wrapper's own asserts, in its order [schema]: which K/V lengths it needs,
+    and what each FA version refuses."""
     if cu_seqlens_k is None and seqused_k is None:
         raise AssertionError("cu_seqlens_k or seqused_k must be provided")
     if cu_seqlens_k is not None and seqused_k is not None:
@@ -684,12 +772,8 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         if value is not None:
             raise NotImplementedError(f"FA{fa_version} does not support {name}")
     if fa_version == 2:
-        if (
-            scheduler_metadata is not None
-            and q_descale is not None
-            and k_descale is not None
-            and v_descale is not None
-        ):
+        # the FA2 kernel is not passed scheduler_metadata, nor the FA4-only arguments [schema]
+        if scheduler_metadata is not None and all(d is not None for d in descales):
             raise NotImplementedError(
                 "FA2 does not support scheduler_metadata, q_descale, k_descale, v_descale"
             )
@@ -697,25 +781,24 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
             raise NotImplementedError("FA2 does not support s_aux")
         if num_splits > 1:
             raise NotImplementedError("FA2 does not support num_splits > 1")
-        scheduler_metadata = None  # the FA2 kernel is not passed it [schema]
-        # s_aux, mask_mod and aux_tensors refused above; the other FA4-only arguments are
-        # not passed to the FA2 kernel [schema]
     elif alibi_slopes is not None:
         raise AssertionError("Alibi is not supported in FA3")
-    _not_emulated(
-        op,
-        q_v=q_v,
-        dropout_p=dropout_p or None,
-        return_attn_probs=return_attn_probs,
-        cp_tot_seqused_k=cp_tot_seqused_k,
-        cp_world_size=None if cp_world_size == 1 else cp_world_size,
-        block_sparse_tensors=block_sparse_tensors,
-        aux_tensor_leading_dims=aux_tensor_leading_dims,
-        dynamic_causal=dynamic_causal,
-    )
-    rules = _VLLM_FA3_RULES if fa_version == 3 else _VLLM_RULES
-    paged = block_table is not None
-    q, k, v = _check_qkv(op, rules, q, k, v, paged=paged, fp8=fa_version == 3)
+
+
+def _varlen_lengths(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    seqused_k: object,
+    *,
+    paged: bool,
+    table: str,
+) -> tuple[list[int], list[int], list[int] | None, list[int]]:
+    """A varlen call's query starts and lengths, its packed K/V starts (None when the K/V
+    lengths are ``seqused_k``, which needs the paged cache: ``table`` names its block table)
+    and its K/V lengths, each checked."""
     dev = q.device
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise _fail(op, "cu_seqlens_q must be a Tensor")
@@ -726,59 +809,40 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     if seqused_k is not None:
         kv_lens = _int32(op, "seqused_k", seqused_k, (batch,), dev)
         if not paged:
-            raise NotEmulatedError(f"{op}: seqused_k without block_table is not emulated")
+            raise NotEmulatedError(f"{op}: seqused_k without {table} is not emulated")
     else:
         kv_starts = _int32(op, "cu_seqlens_k", cu_seqlens_k, (batch + 1,), dev)
         kv_lens = _cumulative(op, "cu_seqlens_k", kv_starts, k.shape[0])
-    _max_covers(op, "max_seqlen_q", max_seqlen_q, q_lens)
-    _max_covers(op, "max_seqlen_k", max_seqlen_k, kv_lens)
-    if fa_version == 3:
-        if num_splits > 256:
-            raise _fail(op, f"num_splits > 256 not supported (num_splits = {num_splits})")
-        if scheduler_metadata is not None:
-            size = _fa3_metadata_size(
-                batch=batch,
-                max_seqlen_q=int(max_seqlen_q),
-                max_seqlen_k=int(max_seqlen_k),
-                headdim=q.shape[-1],
-                paged=paged,
-                causal=bool(causal),
-                window=(-1, -1) if window_size is None else tuple(window_size),
-                num_splits=num_splits,
-            )
-            _check_metadata(op, scheduler_metadata, size, dev)
-    sink = None
-    if s_aux is not None:  # FA3 only (refused on FA2 above) [source: hopper/flash_api.cpp]
-        if q.shape[1] > _S_AUX_MAX_HEADS:
-            raise _fail(op, "We only support query heads <= 64 with S aux")
-        if not isinstance(s_aux, torch.Tensor):
-            raise _fail(op, f"s_aux must be a Tensor, got {type(s_aux).__name__}")
-        if s_aux.dtype != torch.bfloat16:
-            raise _fail(op, f"We only support bf16 dtype for S aux. (got {s_aux.dtype})")
-        if s_aux.device != dev:
-            raise _fail(op, f"s_aux is on {s_aux.device}, q on {dev}")
-        if tuple(s_aux.shape) != (q.shape[1],):
-            raise _fail(op, f"s_aux must have shape (num_heads), got {list(s_aux.shape)}")
-        sink = _tensor(op, "s_aux", s_aux, 1, dev, contiguous=True)
-    out_t = _out(op, out, q)
-    args: dict[str, Any] = dict(
-        scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
-        window=_window(op, window_size, bool(causal), none_is_unbounded=False),
-        softcap=_softcap(op, softcap),
-        slopes=_alibi(op, alibi_slopes, q.shape[1], batch, dev),
-        sink=sink,
-        # FA2's kernel is not passed the descales [schema]; fp8 q only reaches FA3 (above)
-        descale=_descales(op, q, batch, k.shape[-2], q_descale, k_descale, v_descale),
-    )
-    if paged:
-        res, lse = _paged_call(op, rules, q, k, v, q_starts, kv_lens, block_table, **args)
-    else:
-        res, lse = _varlen(op, rules, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
-    if out_t is None:
-        out_t = res.to(_out_dtype(q))
-    else:
-        out_t.copy_(res)
-    return (out_t, lse) if return_softmax_lse else out_t
+    return q_starts, q_lens, kv_starts, kv_lens
+
+
+def _check_fa3_splits(
+    op: str, num_splits: int, scheduler_metadata: object, dev: torch.device, **shape: Any
+) -> None:
+    """FA3's split count, and ``scheduler_metadata`` (when given) sized for this call's
+    ``shape`` (the keywords of ``_fa3_metadata_size``)."""
+    if num_splits > 256:
+        raise _fail(op, f"num_splits > 256 not supported (num_splits = {num_splits})")
+    if scheduler_metadata is not None:
+        size = _fa3_metadata_size(**shape, num_splits=num_splits)
+        _check_metadata(op, scheduler_metadata, size, dev)
+
+
+def _s_aux(op: str, s_aux: object, q: torch.Tensor) -> torch.Tensor:
+    """FA3's sink logits, one per query head (refused on FA2 before this)
+    [source: hopper/flash_api.cpp]."""
+    dev = q.device
+    if q.shape[1] > _S_AUX_MAX_HEADS:
+        raise _fail(op, "We only support query heads <= 64 with S aux")
+    if not isinstance(s_aux, torch.Tensor):
+        raise _fail(op, f"s_aux must be a Tensor, got {type(s_aux).__name__}")
+    if s_aux.dtype != torch.bfloat16:
+        raise _fail(op, f"We only support bf16 dtype for S aux. (got {s_aux.dtype})")
+    if s_aux.device != dev:
+        raise _fail(op, f"s_aux is on {s_aux.device}, q on {dev}")
+    if tuple(s_aux.shape) != (q.shape[1],):
+        raise _fail(op, f"s_aux must have shape (num_heads), got {list(s_aux.shape)}")
+    return _tensor(op, "s_aux", s_aux, 1, dev, contiguous=True)
 
 
 #: vLLM's fork, FA3: batches up to this size get per-batch scheduling vectors [source]
@@ -932,6 +996,25 @@ def reshape_and_cache_flash(  # vllm._custom_ops
     ``num_heads * head_size`` consecutive elements from ``t * key.stride(0)`` [source], so its
     heads must be dense."""
     op = "_custom_ops.reshape_and_cache_flash"
+    kc, vc, slots, valid, fp8 = _check_cache_write(
+        op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale
+    )
+    _write_slots(key, value, kc, vc, slots, valid, (k_scale, v_scale) if fp8 else None)
+
+
+def _check_cache_write(
+    op: str,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """``reshape_and_cache_flash``'s argument checks, in the kernel's order: the cache planes,
+    the slots, which slots are written (``slot >= 0``), and whether the cache holds fp8."""
     dev = key.device
     _tensor(op, "key", key, 3, dev)
     _tensor(op, "value", value, 3, dev)
@@ -990,7 +1073,7 @@ def reshape_and_cache_flash(  # vllm._custom_ops
     if bool((slots[valid] >= num_slots).any()):
         bad = int(slots[valid].max())
         raise _fail(op, f"slot_mapping holds {bad}, outside the cache ({num_slots} slots)")
-    _write_slots(key, value, kc, vc, slots, valid, (k_scale, v_scale) if fp8 else None)
+    return kc, vc, slots, valid, fp8
 
 
 def _to_fp8_bytes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -1247,7 +1330,6 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
         raise NotEmulatedError(f"{op}: cache_seqlens=None (whole cache) is not emulated")
     if page_table is None:
         raise NotEmulatedError(f"{op}: a contiguous (non-paged) cache is not emulated")
-    dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     math_args: dict[str, Any] = dict(
         window=_window(op, window_size, bool(causal), none_is_unbounded=False),
         softcap=_softcap(op, softcap),
@@ -1270,9 +1352,41 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
             **math_args,
         )
         return (out, lse, *_fa3_rest()) if return_softmax_lse else out
+    out, lse = _fa3_varlen_call(
+        op,
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        max_seqlen_q,
+        cache_seqlens,
+        page_table,
+        softmax_scale,
+        descales,
+        **math_args,
+    )
+    return (out, lse, *_fa3_rest()) if return_softmax_lse else out
+
+
+def _fa3_varlen_call(
+    op: str,
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    cu_seqlens_q: object,
+    max_seqlen_q: object,
+    cache_seqlens: int | torch.Tensor,
+    page_table: torch.Tensor,
+    softmax_scale: float | None,
+    descales: tuple[object, object, object],
+    **math_args: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA3's varlen q (``cu_seqlens_q`` + ``max_seqlen_q``) on a paged cache: the lengths
+    checked, the output in q's output dtype and the LSE (nheads, total_q)."""
     if max_seqlen_q is None:
         raise _fail(op, "max_seqlen_q must be given with cu_seqlens_q")
     qq, kc, vc = _check_qkv(op, _FA3_RULES, q, k_cache, v_cache, paged=True, fp8=True)
+    dev = qq.device
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise _fail(op, "cu_seqlens_q must be a Tensor")
     batch = cu_seqlens_q.shape[0] - 1
@@ -1286,8 +1400,7 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
     math_args["scale"] = qq.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     math_args["descale"] = _descales(op, qq, batch, kc.shape[-2], *descales)
     res, lse = _paged_call(op, _FA3_RULES, qq, kc, vc, q_starts, kv_lens, page_table, **math_args)
-    out = res.to(_out_dtype(qq))
-    return (out, lse, *_fa3_rest()) if return_softmax_lse else out
+    return res.to(_out_dtype(qq)), lse
 
 
 def _fa3_rest() -> tuple[torch.Tensor, torch.Tensor]:
@@ -1404,48 +1517,21 @@ def fa4_flash_attn_varlen_func(
         scheduler_metadata=scheduler_metadata,
         seqlen_k_per_split=seqlen_k_per_split,
     )
-    if cu_seqlens_q is None:
-        raise NotEmulatedError(f"{op}: batched (non-varlen) q is not emulated")
     paged = page_table is not None
-    if paged and cu_seqlens_k is not None:
-        raise AssertionError("page_table is not supported with cu_seqlens_k")
-    if cu_seqlens_k is None and seqused_k is None:
-        raise NotEmulatedError(f"{op}: K/V without cu_seqlens_k or seqused_k is not emulated")
-    arch = fa4_arch()
+    arch = _check_fa4_inputs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, paged=paged)
     rules = _fa4_rules(arch)
-    if paged and arch // 10 == 12:
-        raise AssertionError("Paged KV not supported on SM 12.0 in this PR")
     q, k, v = _check_qkv(op, rules, q, k, v, paged=paged)
-    dev = q.device
-    if paged and q.shape[-1] % 16:  # the kernel pads head dims to 16 [source]
-        pair: Any = (None, None) if window_size is None else tuple(window_size)
-        causal_, local = _fa4_causal_local(bool(causal), pair)
-        tile_n = _fa4_tile_n(arch, q.shape[-1], causal=causal_, local=local)
-        if k.shape[1] != tile_n:  # a non-TMA paged read ("paged_kv_non_tma")
-            raise AssertionError("Paged KV does not support irregular head dim")
-    batch = cu_seqlens_q.shape[0] - 1
-    q_starts = _int32(op, "cu_seqlens_q", cu_seqlens_q, (batch + 1,), dev)
-    q_lens = _cumulative(op, "cu_seqlens_q", q_starts, q.shape[0])
-    kv_starts = None
-    if seqused_k is not None:
-        kv_lens = _int32(op, "seqused_k", seqused_k, (batch,), dev)
-        if not paged:
-            raise NotEmulatedError(f"{op}: seqused_k without page_table is not emulated")
-    else:
-        kv_starts = _int32(op, "cu_seqlens_k", cu_seqlens_k, (batch + 1,), dev)
-        kv_lens = _cumulative(op, "cu_seqlens_k", kv_starts, k.shape[0])
+    if paged:
+        _check_fa4_paged_head_dim(op, arch, q, k, bool(causal), window_size)
+    q_starts, q_lens, kv_starts, kv_lens = _varlen_lengths(
+        op, q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, paged=paged, table="page_table"
+    )
     # max lengths are optional hints for FA4 [doc]; given ones must cover the batch
     if max_seqlen_q is not None:
         _max_covers(op, "max_seqlen_q", max_seqlen_q, q_lens)
     if max_seqlen_k is not None:
         _max_covers(op, "max_seqlen_k", max_seqlen_k, kv_lens)
-    sink = None
-    if learnable_sink is not None:
-        sink = _tensor(op, "learnable_sink", learnable_sink, 1, dev)
-        if tuple(sink.shape) != (q.shape[1],):
-            raise AssertionError("learnable_sink.shape == (num_head,)")
-        if sink.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise AssertionError("learnable_sink must be float16, bfloat16, or float32")
+    sink = None if learnable_sink is None else _fa4_sink(op, learnable_sink, q)
     args: dict[str, Any] = dict(
         scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
         window=_window(op, window_size, bool(causal), none_is_unbounded=True),
@@ -1458,6 +1544,52 @@ def fa4_flash_attn_varlen_func(
     else:
         res, lse = _varlen(op, rules, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
     return res.to(q.dtype), (lse if return_lse else None)
+
+
+def _check_fa4_inputs(
+    op: str, cu_seqlens_q: object, cu_seqlens_k: object, seqused_k: object, *, paged: bool
+) -> int:
+    """Which of FA4's ways of giving the lengths are emulated, and which the kernel refuses
+    [schema]; returns the architecture the call runs as."""
+    if cu_seqlens_q is None:
+        raise NotEmulatedError(f"{op}: batched (non-varlen) q is not emulated")
+    if paged and cu_seqlens_k is not None:
+        raise AssertionError("page_table is not supported with cu_seqlens_k")
+    if cu_seqlens_k is None and seqused_k is None:
+        raise NotEmulatedError(f"{op}: K/V without cu_seqlens_k or seqused_k is not emulated")
+    arch = fa4_arch()
+    if paged and arch // 10 == 12:
+        raise AssertionError("Paged KV not supported on SM 12.0 in this PR")
+    return arch
+
+
+def _check_fa4_paged_head_dim(
+    op: str,
+    arch: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    window_size: tuple[int | None, int | None] | None,
+) -> None:
+    """A head dim that is not a multiple of 16 is padded by the kernel [source]; a paged read
+    of such heads needs a page of exactly one K tile (else the non-TMA path refuses it)."""
+    if q.shape[-1] % 16 == 0:
+        return
+    pair: Any = (None, None) if window_size is None else tuple(window_size)
+    causal_, local = _fa4_causal_local(causal, pair)
+    tile_n = _fa4_tile_n(arch, q.shape[-1], causal=causal_, local=local)
+    if k.shape[1] != tile_n:  # a non-TMA paged read ("paged_kv_non_tma")
+        raise AssertionError("Paged KV does not support irregular head dim")
+
+
+def _fa4_sink(op: str, learnable_sink: object, q: torch.Tensor) -> torch.Tensor:
+    """FA4's ``learnable_sink``: one logit per query head, a float dtype [schema]."""
+    sink = _tensor(op, "learnable_sink", learnable_sink, 1, q.device)
+    if tuple(sink.shape) != (q.shape[1],):
+        raise AssertionError("learnable_sink.shape == (num_head,)")
+    if sink.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise AssertionError("learnable_sink must be float16, bfloat16, or float32")
+    return sink
 
 
 # --- the namespaces ops.py hands out -----------------------------------------------------------

@@ -414,6 +414,19 @@ def test_fa4_page_table_with_cu_seqlens_k_is_refused() -> None:
         )
 
 
+def test_fa4_cu_seqlens_q_that_is_not_a_tensor_is_refused_by_name() -> None:
+    c = _cache([3], FA4_PAGE)
+    with pytest.raises(FlashOpError, match="cu_seqlens_q must be a Tensor"):
+        emulator.FA4.flash_attn_varlen_func(
+            _zero_q([3]),
+            c["k"],
+            c["v"],
+            cu_seqlens_q=[0, 3],
+            seqused_k=torch.tensor([3], dtype=torch.int32),
+            page_table=c["block_table"],
+        )
+
+
 def test_a_block_table_too_short_for_the_sequence_is_refused() -> None:
     with pytest.raises(FlashOpError, match="blocks"):
         _vllm([1], [40], block_table=torch.zeros(1, 1, dtype=torch.int32))

@@ -392,8 +392,54 @@ def _varlen(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:  # out [T, H, D] f32, lse [H, T], rows computed
     if q_scale is None:
         q = _model_tensor(op, "q", q, 3)
-    t, h, d = q.shape
+    h, d = q.shape[1:]
     _head_size(op, d)
+    q_ends, k_ends, q_lens, k_lens = _varlen_lengths(
+        op, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table
+    )
+    window = _window(op, window_size)
+    alibi = _alibi(op, alibi_slopes, h)
+    sink = _sinks(op, sinks, h)
+    _same_device(op, q, sinks=sink, alibi_slopes=alibi)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    k, v, table = _varlen_keys(op, q, k, v, block_table, k_ends[-1], len(q_ends) - 1, dq)
+    for b, (q_len, k_len) in enumerate(zip(q_lens, k_lens, strict=True)):
+        if block_table is not None:
+            _check_blocks(op, k, table[b], k_len)
+        if q_len > k_len and causal:
+            raise _fail(op, f"sequence {b}: {q_len} queries over {k_len} keys (causal)")
+    out32, lse = _varlen_math(
+        op,
+        q,
+        k,
+        v,
+        q_ends,
+        k_ends,
+        table,
+        scale,
+        causal,
+        window,
+        float(softcap),
+        alibi,
+        q_scale,
+        dq,
+        sink,
+    )
+    return out32, lse, q_ends[-1]
+
+
+def _varlen_lengths(
+    op: str,
+    q: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    block_table: torch.Tensor | None,
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The cumulative query and key ends and the lengths they make, checked against q's
+    tokens and the max lengths."""
+    t = q.shape[0]
     cu_q = _int32(op, "cu_seqlens_q", cu_seqlens_q, 1)
     cu_k = _int32(op, "cu_seqlens_k", cu_seqlens_k, 1)
     _same_device(op, q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, block_table=block_table)
@@ -413,52 +459,39 @@ def _varlen(
         raise _fail(
             op, f"max_seqlen_k = {max_seqlen_k} is below the longest packed key run {max(k_lens)}"
         )
-    window = _window(op, window_size)
-    alibi = _alibi(op, alibi_slopes, h)
-    sink = _sinks(op, sinks, h)
-    _same_device(op, q, sinks=sink, alibi_slopes=alibi)
-    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    return q_ends, k_ends, q_lens, k_lens
+
+
+def _varlen_keys(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_table: torch.Tensor | None,
+    keys: int,
+    batch: int,
+    dq: _Dequant | None,
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """The keys and values, packed [T_k, H_kv, D] (holding ``keys`` rows) or the paged cache
+    with its block table's rows (one per sequence)."""
+    h, d = q.shape[1:]
     if block_table is None:
         if dq is not None:
             raise _fail(op, "the int8 path takes a paged cache (block_table)")
         k = _model_tensor(op, "k", k, 3)
         v = _model_tensor(op, "v", v, 3)
-        if k.shape != v.shape or k.shape[0] < k_ends[-1] or k.shape[2] != d:
-            raise _fail(op, f"packed k/v {tuple(k.shape)} do not hold {k_ends[-1]} keys of {d}")
+        if k.shape != v.shape or k.shape[0] < keys or k.shape[2] != d:
+            raise _fail(op, f"packed k/v {tuple(k.shape)} do not hold {keys} keys of {d}")
         if h % k.shape[1]:
             raise _fail(op, f"{h} query heads are not a multiple of {k.shape[1]} kv heads")
-        table: list[list[int]] = []
-    else:
-        k, v = _paged_cache(op, k, v, h, d)
-        if dq is None and (k.dtype != q.dtype or v.dtype != q.dtype):
-            raise _fail(op, f"the cache ({k.dtype}) and q ({q.dtype}) must share a dtype")
-        bt = _table(op, "block_table", block_table)
-        if bt.shape[0] != batch:
-            raise _fail(op, f"block_table has {bt.shape[0]} rows, the batch {batch} sequences")
-        table = bt.tolist()
-    for b in range(batch):
-        if block_table is not None:
-            _check_blocks(op, k, table[b], k_lens[b])
-        if q_lens[b] > k_lens[b] and causal:
-            raise _fail(op, f"sequence {b}: {q_lens[b]} queries over {k_lens[b]} keys (causal)")
-    out32, lse = _varlen_math(
-        op,
-        q,
-        k,
-        v,
-        q_ends,
-        k_ends,
-        table,
-        scale,
-        causal,
-        window,
-        float(softcap),
-        alibi,
-        q_scale,
-        dq,
-        sink,
-    )
-    return out32, lse, q_ends[-1]
+        return k, v, []
+    k, v = _paged_cache(op, k, v, h, d)
+    if dq is None and (k.dtype != q.dtype or v.dtype != q.dtype):
+        raise _fail(op, f"the cache ({k.dtype}) and q ({q.dtype}) must share a dtype")
+    bt = _table(op, "block_table", block_table)
+    if bt.shape[0] != batch:
+        raise _fail(op, f"block_table has {bt.shape[0]} rows, the batch {batch} sequences")
+    return k, v, bt.tolist()
 
 
 def _varlen_null(
@@ -644,32 +677,17 @@ def flash_attn_with_kvcache(
     q4 = _model_tensor(op, "q", q, 4)
     batch, sq, h, d = q4.shape
     packed = q4.reshape(batch * sq, h, d)
-    if cu_query_lens is None:
-        cu = torch.arange(0, batch * sq + 1, sq, dtype=torch.int32, device=q.device)
-        longest_q = sq
-    else:
-        if max_query_len is None:
-            raise _fail(op, "cu_query_lens needs max_query_len")
-        cu = _int32(op, "cu_query_lens", cu_query_lens, 1)
-        longest_q = int(max_query_len)
-    seqlens = _int32(op, "cache_seqlens", cache_seqlens, 1)
-    _same_device(op, packed, cache_seqlens=seqlens, cu_query_lens=cu)
-    lens = seqlens.tolist()
-    if any(n < 0 for n in lens):
-        raise _fail(op, f"cache_seqlens must be >= 0, got {lens}")
-    if max_context_len is not None and lens and max(lens) > max_context_len:
-        raise _fail(op, f"max_context_len {max_context_len} is below the longest {max(lens)}")
-    cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cu_k[1:] = torch.cumsum(seqlens.to(torch.int64), 0)
+    cu, longest_q = _query_ends(op, q4, cu_query_lens, max_query_len)
+    cu_k, longest_k = _cache_ends(op, packed, cache_seqlens, cu, max_context_len)
     out32, lse, rows = _varlen(
         op,
         packed,
         k_cache,
         v_cache,
         cu,
-        cu_k.to(packed.device),
+        cu_k,
         longest_q,
-        max(lens, default=0),
+        longest_k,
         softmax_scale,
         causal,
         window_size,
@@ -681,6 +699,41 @@ def flash_attn_with_kvcache(
     if sq != 1 and rows != batch * sq:
         raise _fail(op, f"cu_query_lens must cover every row of a q with {sq} tokens per row")
     return _finish(op, out32, lse, out, q, q.dtype, return_softmax_lse, rows if sq == 1 else None)
+
+
+def _query_ends(
+    op: str, q4: torch.Tensor, cu_query_lens: object, max_query_len: int | None
+) -> tuple[torch.Tensor, int]:
+    """The cumulative query ends over q's rows (``cu_query_lens``, or every row's Sq tokens)
+    and the longest query."""
+    batch, sq = q4.shape[:2]
+    if cu_query_lens is None:
+        cu = torch.arange(0, batch * sq + 1, sq, dtype=torch.int32, device=q4.device)
+        return cu, sq
+    if max_query_len is None:
+        raise _fail(op, "cu_query_lens needs max_query_len")
+    return _int32(op, "cu_query_lens", cu_query_lens, 1), int(max_query_len)
+
+
+def _cache_ends(
+    op: str,
+    packed: torch.Tensor,
+    cache_seqlens: object,
+    cu: torch.Tensor,
+    max_context_len: int | None,
+) -> tuple[torch.Tensor, int]:
+    """The cumulative key ends from ``cache_seqlens`` (keys per sequence), on q's device, and
+    the longest sequence."""
+    seqlens = _int32(op, "cache_seqlens", cache_seqlens, 1)
+    _same_device(op, packed, cache_seqlens=seqlens, cu_query_lens=cu)
+    lens = seqlens.tolist()
+    if any(n < 0 for n in lens):
+        raise _fail(op, f"cache_seqlens must be >= 0, got {lens}")
+    if max_context_len is not None and lens and max(lens) > max_context_len:
+        raise _fail(op, f"max_context_len {max_context_len} is below the longest {max(lens)}")
+    cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu_k[1:] = torch.cumsum(seqlens.to(torch.int64), 0)
+    return cu_k.to(packed.device), max(lens, default=0)
 
 
 # --- KV writes -----------------------------------------------------------------------------------
@@ -1097,6 +1150,59 @@ def _paged_decode(
     decode-only steps) [inferred]."""
     if use_sqrt_alibi:
         raise _not_emulated(op, "use_sqrt_alibi=True (the vendor's formula is not public)")
+    qi, qs = _decode_query(op, query, query_scale, kc, num_kv_heads, block_size)
+    t, h, d = qi.shape
+    bt = _table(op, "block_tables", block_tables)
+    ends, lens = _decode_rows(
+        op, qi, bt, context_lens, cu_query_lens, max_query_len, max_context_len
+    )
+    o = _tensor(op, "output", output, 3)
+    if tuple(o.shape) != (t, h, d) or o.dtype not in MODEL_DTYPES:
+        raise _fail(op, f"output must be float16/bfloat16 {(t, h, d)}, got {o.dtype}")
+    alibi = _alibi(op, alibi_slopes, h)
+    table = bt.tolist()
+    save = (
+        None
+        if all(x is None for x in saves)
+        else _decode_saves(op, saves, kc, vc, table, ends, lens)
+    )
+    for r in range(len(table)):  # every sequence's blocks, before anything is written
+        _check_blocks(op, kc, table[r], lens[r])
+    if save is not None:
+        sk, sv, ss, slots = save
+        _write_rows(kc, sk, slots)
+        _write_rows(vc, sv, slots)
+        _write_rows(dq.key_scale_cache[..., None], ss[..., None], slots)
+    _paged_decode_math(
+        op,
+        o,
+        qi,
+        qs,
+        kc,
+        vc,
+        dq,
+        table,
+        lens,
+        ends,
+        float(scale),
+        causal,
+        window_left,
+        window_right,
+        float(softcap),
+        alibi,
+    )
+
+
+def _decode_query(
+    op: str,
+    query: object,
+    query_scale: object,
+    kc: torch.Tensor,
+    num_kv_heads: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 query [T, H, D] and its scales [T, H] float32, against the HND cache's heads,
+    block size and head size."""
     qi = _int8(op, "query", query, 3)
     t, h, d = qi.shape
     qs = _f32(op, "query_scale", query_scale, (t, h))
@@ -1109,9 +1215,23 @@ def _paged_decode(
         )
     if h % num_kv_heads:
         raise _fail(op, f"{h} query heads are not a multiple of {num_kv_heads} kv heads")
-    bt = _table(op, "block_tables", block_tables)
+    return qi, qs
+
+
+def _decode_rows(
+    op: str,
+    qi: torch.Tensor,
+    bt: torch.Tensor,
+    context_lens: object,
+    cu_query_lens: object,
+    max_query_len: int | None,
+    max_context_len: int,
+) -> tuple[list[int], list[int]]:
+    """Each sequence's query rows (cumulative ends over the query's rows: ``cu_query_lens``,
+    or one row each) and its key count (``context_lens``), checked against the max lengths and
+    each other (a sequence holds at least its queries)."""
+    t, b = qi.shape[0], bt.shape[0]
     lens_t = _int32(op, "context_lens", context_lens, 1)
-    b = bt.shape[0]
     if lens_t.shape[0] != b:
         raise _fail(op, f"context_lens has {lens_t.shape[0]} entries, block_tables {b} rows")
     _same_device(op, qi, block_tables=bt, context_lens=lens_t)
@@ -1137,59 +1257,41 @@ def _paged_decode(
     if short:
         r = short[0]
         raise _fail(op, f"sequence {r}: {q_lens[r]} queries over {lens[r]} keys")
-    o = _tensor(op, "output", output, 3)
-    if tuple(o.shape) != (t, h, d) or o.dtype not in MODEL_DTYPES:
-        raise _fail(op, f"output must be float16/bfloat16 {(t, h, d)}, got {o.dtype}")
-    alibi = _alibi(op, alibi_slopes, h)
-    table = bt.tolist()
+    return ends, lens
+
+
+def _decode_saves(
+    op: str,
+    saves: tuple[object, object, object],
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    table: list[list[int]],
+    ends: list[int],
+    lens: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The fused KV write's ``save_key`` (int8), ``save_value``, ``save_key_scale`` and the
+    slot of each query row: the positions before each sequence's ``context_lens``."""
     save_key, save_value, save_key_scale = saves
-    save: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = None
-    if save_key is not None or save_value is not None or save_key_scale is not None:
-        n = ends[-1]
-        sk = _int8(op, "save_key", save_key, 3)
-        sv = _tensor(op, "save_value", save_value, 3)
-        if tuple(sk.shape[1:]) != (kc.shape[1], d) or sk.shape[0] < n or sv.shape != sk.shape:
-            raise _fail(op, f"save_key / save_value must be ({n}, {kc.shape[1]}, {d})")
-        if sv.dtype != vc.dtype:
-            raise _fail(op, f"save_value must be {vc.dtype}, got {sv.dtype}")
-        if not sv.is_contiguous():
-            raise _fail(op, "save_value must be contiguous (the fork makes it so)")
-        ss = _f32(op, "save_key_scale", save_key_scale, (sk.shape[0], kc.shape[1]))
-        bs = kc.shape[2]
-        slots = [-1] * sk.shape[0]
-        for r in range(b):
-            for i in range(q_lens[r]):
-                pos = lens[r] - q_lens[r] + i
-                blocks = table[r]
-                if pos // bs >= len(blocks) or not 0 <= blocks[pos // bs] < kc.shape[0]:
-                    raise _fail(op, f"sequence {r}: position {pos} has no valid block")
-                slots[ends[r] + i] = blocks[pos // bs] * bs + pos % bs
-        save = (sk, sv, ss, slots)
-    for r in range(b):  # every sequence's blocks, before anything is written
-        _check_blocks(op, kc, table[r], lens[r])
-    if save is not None:
-        sk, sv, ss, slots = save
-        _write_rows(kc, sk, slots)
-        _write_rows(vc, sv, slots)
-        _write_rows(dq.key_scale_cache[..., None], ss[..., None], slots)
-    _paged_decode_math(
-        op,
-        o,
-        qi,
-        qs,
-        kc,
-        vc,
-        dq,
-        table,
-        lens,
-        ends,
-        float(scale),
-        causal,
-        window_left,
-        window_right,
-        float(softcap),
-        alibi,
-    )
+    n, d = ends[-1], kc.shape[3]
+    sk = _int8(op, "save_key", save_key, 3)
+    sv = _tensor(op, "save_value", save_value, 3)
+    if tuple(sk.shape[1:]) != (kc.shape[1], d) or sk.shape[0] < n or sv.shape != sk.shape:
+        raise _fail(op, f"save_key / save_value must be ({n}, {kc.shape[1]}, {d})")
+    if sv.dtype != vc.dtype:
+        raise _fail(op, f"save_value must be {vc.dtype}, got {sv.dtype}")
+    if not sv.is_contiguous():
+        raise _fail(op, "save_value must be contiguous (the fork makes it so)")
+    ss = _f32(op, "save_key_scale", save_key_scale, (sk.shape[0], kc.shape[1]))
+    bs = kc.shape[2]
+    slots = [-1] * sk.shape[0]
+    for r, blocks in enumerate(table):
+        q_len = ends[r + 1] - ends[r]
+        for i in range(q_len):
+            pos = lens[r] - q_len + i
+            if pos // bs >= len(blocks) or not 0 <= blocks[pos // bs] < kc.shape[0]:
+                raise _fail(op, f"sequence {r}: position {pos} has no valid block")
+            slots[ends[r] + i] = blocks[pos // bs] * bs + pos % bs
+    return sk, sv, ss, slots
 
 
 @emulation.kernel(null=emulation.skip)  # writes ``output`` in place
@@ -1369,15 +1471,3 @@ inference = SimpleNamespace(
         vllm_paged_attention_mix=vllm_paged_attention_mix,
     )
 )
-
-
-def op_names() -> Sequence[str]:
-    """Every emulated op's dotted path under ``ixformer``."""
-    return [
-        f"{mod}.{name}"
-        for mod, ns in (
-            ("contrib.vllm_flash_attn", contrib.vllm_flash_attn),
-            ("inference.functions", inference.functions),
-        )
-        for name in vars(ns)
-    ]

@@ -319,13 +319,17 @@ def test_calls_are_recorded_under_their_module_path() -> None:
 def test_the_namespace_has_the_attribute_paths_of_ixformer() -> None:
     ns = ops.namespace("cpu", emulate=True)
     assert ns is emulator
-    for path in emulator.op_names():
-        mod, name = path.rsplit(".", 1)
+    modules = {
+        "contrib.vllm_flash_attn": emulator.contrib.vllm_flash_attn,
+        "inference.functions": emulator.inference.functions,
+    }
+    for mod, fns in modules.items():
         obj: Any = ns
         for part in mod.split("."):
             obj = getattr(obj, part)
-        assert callable(getattr(obj, name))
-    assert set(ops.MODULES) == {f"ixformer.{p.rsplit('.', 1)[0]}" for p in emulator.op_names()}
+        assert obj is fns
+        assert vars(fns) and all(callable(getattr(obj, name)) for name in vars(fns))
+    assert set(ops.MODULES) == {f"ixformer.{mod}" for mod in modules}
 
 
 def test_the_emulator_never_uses_attnhubs_reference() -> None:
