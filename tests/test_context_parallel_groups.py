@@ -22,6 +22,7 @@ import queue
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from attnhub import BatchMetadata, PagedKVCache, reference
+from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, reference
 from attnhub.context_parallel import (
     AllGatherReduceScatter,
     AllToAll,
@@ -62,6 +63,14 @@ CASES = [
     for interleave in INTERLEAVES
     for variant in VARIANTS
     for sinks in (False, True)
+]
+#: Prefill context parallel: (name, query_lens, seq_lens).
+PREFILL_STEPS = [
+    ("long_prefill", [40], [40]),
+    # decodes (computed whole on every rank) around a prefill chunk with context
+    ("decodes_and_a_chunk_with_context", [1, 29, 1], [12, 40, 8]),
+    # too few tokens for every rank: with 4 ranks, rank 3 has nothing to compute
+    ("short_prefills", [2, 3], [2, 9]),
 ]
 WORLD_SIZES = [2, 4]
 DEADLINE_S = 240.0  # the whole group, start-up included (4 processes import torch on 2 cores)
@@ -196,6 +205,51 @@ def _run_case(comm: ContextParallelGroup, case: tuple[Any, ...], seed: int) -> d
     )
 
 
+def _run_prefill_case(
+    comm: ContextParallelGroup, step: tuple[Any, ...], seed: int
+) -> dict[str, Any]:
+    """One step under prefill context parallel: each rank computes its rows of the step, the
+    new keys and values are exchanged and written whole to every rank's cache, each rank
+    attends for its rows, and the outputs are exchanged back into the step's order."""
+    _, query_lens, seq_lens = step
+    n = comm.world_size
+    g = generator(seed)
+    spec = AttentionSpec(num_heads=4, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                         dtype=torch.float32, block_size=BLOCK_SIZE)  # fmt: skip
+    num_blocks = num_blocks_for(seq_lens, BLOCK_SIZE)
+    table = shuffled_block_table(seq_lens, BLOCK_SIZE, num_blocks, g)
+    tokens = sum(query_lens)
+    batch = BatchMetadata.from_lengths(
+        query_lens, seq_lens, table, BLOCK_SIZE, num_tokens=tokens + PADDING_ROWS
+    )
+    keys = [torch.randn(s, KV_HEADS, HEAD_SIZE, generator=g) for s in seq_lens]
+    values = [torch.randn(s, KV_HEADS, HEAD_SIZE, generator=g) for s in seq_lens]
+    query = torch.randn(tokens, spec.num_heads, HEAD_SIZE, generator=g)
+    cache = PagedKVCache.for_spec(spec, num_blocks, "cpu")
+    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):  # earlier steps' keys
+        p = torch.arange(s - q)
+        slots = table[r, p // BLOCK_SIZE].long() * BLOCK_SIZE + p % BLOCK_SIZE
+        reference.write_kv(cache, keys[r][: s - q], values[r][: s - q], slots)
+
+    shard = comm.shard_prefill(batch, world_size=n)
+    rows = shard.token_rows
+    new_k = _new_rows(query_lens, seq_lens, keys)[:tokens]
+    new_v = _new_rows(query_lens, seq_lens, values)[:tokens]
+    all_k, all_v = comm.exchange(new_k[rows], shard), comm.exchange(new_v[rows], shard)
+    exchanged_ok = torch.equal(all_k, new_k) and torch.equal(all_v, new_v)
+    reference.write_kv(cache, all_k, all_v, batch.slot_mapping[:tokens])
+    out, _ = reference.paged_attention(query[rows], cache, shard.batch, spec)
+    got = comm.exchange(out, shard)
+    want, _ = reference.paged_attention(query, cache, batch, spec)
+    return dict(
+        out_error=float((got - want).abs().max()) if tokens else 0.0,
+        exchanged_ok=exchanged_ok,
+        local_tokens=int(rows.numel()),
+        local_chunks=shard.batch.num_reqs,
+        rank_tokens=list(shard.rank_tokens),
+    )
+
+
 def _outcome(call: Any) -> tuple[str, str]:
     try:
         call()
@@ -222,6 +276,14 @@ def _bad_steps(comm: ContextParallelGroup) -> dict[str, tuple[str, str, int]]:
         "ranks_disagree_on_interleave": lambda: comm.shard(
             batch, world_size=n, block_size=BLOCK_SIZE, interleave=1 if rank else BLOCK_SIZE
         ),
+        "prefill_of_a_non_causal_step": lambda: comm.shard_prefill(
+            replace(batch, causal=False), world_size=n
+        ),
+        "ranks_disagree_on_the_kind_of_context_parallel": lambda: (
+            comm.shard_prefill(batch, world_size=n)
+            if rank == 0
+            else comm.shard(batch, world_size=n, block_size=BLOCK_SIZE)
+        ),
         "one_rank_without_a_batch": lambda: comm.shard(
             None if rank == n - 1 else batch,  # type: ignore[arg-type]
             world_size=n,
@@ -245,10 +307,14 @@ def _rank_main(rank: int, n: int, store: str, results: Any) -> None:
             "gloo", init_method=f"file://{store}", rank=rank, world_size=n,
             timeout=timedelta(seconds=60),
         )  # fmt: skip
-        report: dict[str, Any] = {"cases": {}, "bad": {}}
+        report: dict[str, Any] = {"cases": {}, "prefill": {}, "bad": {}}
+        check = dist.new_group(backend="gloo")  # the host group a step is checked on
         for i, case in enumerate(CASES):
             variant = VARIANTS[case[2]]
-            report["cases"][case_id(case)] = _run_case(variant(), case, seed=100 + i)
+            comm = variant(check_group=check) if i % 2 else variant()
+            report["cases"][case_id(case)] = _run_case(comm, case, seed=100 + i)
+        for i, step in enumerate(PREFILL_STEPS):
+            report["prefill"][step[0]] = _run_prefill_case(AllToAll(), step, seed=200 + i)
         report["bad"] = _bad_steps(AllGatherReduceScatter())
         dist.destroy_process_group()
         results.put((rank, "ok", report))
@@ -389,3 +455,54 @@ def test_a_rank_that_cannot_read_its_step_takes_the_others_down_with_it(
     assert all(kind == InvalidInputError.__name__ and alive == n for kind, _, alive in refusals)
     assert "batch must be a BatchMetadata, got NoneType" in refusals[n - 1][1]
     assert all(f"rank(s) [{n - 1}]" in message for _, message, _ in refusals[: n - 1])
+
+
+# --- prefill context parallel --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", PREFILL_STEPS, ids=lambda s: s[0])
+def test_prefill_split_over_the_ranks_equals_the_single_rank_step(
+    group: tuple[int, dict[int, Any]], step: tuple[Any, ...]
+) -> None:
+    _, reports = group
+    for rank, report in reports.items():
+        got = report["prefill"][step[0]]
+        assert got["exchanged_ok"], rank
+        assert got["out_error"] < 1e-10, (rank, got)
+
+
+def test_a_prefill_of_2n_equal_chunks_gives_every_rank_a_head_and_a_tail_chunk(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    n, reports = group
+    counts = [reports[r]["prefill"]["long_prefill"]["local_tokens"] for r in range(n)]
+    assert counts == [40 // n] * n
+    assert all(reports[r]["prefill"]["long_prefill"]["local_chunks"] == 2 for r in range(n))
+
+
+def test_a_rank_with_no_prefill_rows_still_takes_part(group: tuple[int, dict[int, Any]]) -> None:
+    n, reports = group
+    counts = [reports[r]["prefill"]["short_prefills"]["local_tokens"] for r in range(n)]
+    assert sum(counts) == 5
+    if n == 4:
+        assert counts[3] == 0
+
+
+def test_a_non_causal_step_is_refused_for_prefill_context_parallel_on_every_rank(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    n, reports = group
+    for kind, message, alive in _refusals(reports, "prefill_of_a_non_causal_step"):
+        assert kind == InvalidInputError.__name__ and "causal steps only" in message
+        assert alive == n
+
+
+def test_ranks_that_disagree_on_decode_or_prefill_context_parallel_all_refuse(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    n, reports = group
+    for kind, message, alive in _refusals(
+        reports, "ranks_disagree_on_the_kind_of_context_parallel"
+    ):
+        assert kind == InvalidInputError.__name__ and "kind differs" in message
+        assert alive == n

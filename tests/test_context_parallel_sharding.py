@@ -13,6 +13,8 @@ from attnhub.context_parallel import (
     local_positions,
     local_seq_lens,
     local_slot_mapping,
+    prefill_chunks,
+    shard_prefill,
     shard_step,
     token_rank,
 )
@@ -150,3 +152,52 @@ def test_a_bad_group_layout_is_refused(world_size: int, rank: int, match: str) -
 def test_a_position_past_the_table_is_refused() -> None:
     with pytest.raises(InvalidInputError, match="position 16 of request 0 is in virtual block 2"):
         local_slot_mapping([16], [0], [[1, 2]], 4, 2, 0, 1)
+
+
+# --- prefill context parallel ----------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    world_size=st.integers(1, 6),
+    query_lens=st.lists(st.integers(1, 120), min_size=1, max_size=6),
+)
+def test_prefill_chunks_cover_every_prefill_row_once_and_every_decode_on_every_rank(
+    world_size: int, query_lens: list[int]
+) -> None:
+    held: dict[tuple[int, int], list[int]] = {}
+    for rank in range(world_size):
+        chunks = prefill_chunks(query_lens, world_size, rank)
+        prefills = [c for c in chunks if query_lens[c[0]] > 1]
+        assert len(prefills) <= 2 * len(query_lens)  # a head and a tail chunk per prefill
+        for r, off, n in chunks:
+            for i in range(off, off + n):
+                held.setdefault((r, i), []).append(rank)
+    for r, q in enumerate(query_lens):
+        for i in range(q):
+            want = list(range(world_size)) if q == 1 else held[(r, i)][:1]
+            assert held[(r, i)] == want and len(want) >= 1
+
+
+def test_rank_r_takes_chunks_r_and_2n_minus_1_minus_r() -> None:
+    # 4 ranks, 16 tokens: 8 chunks of 2
+    assert prefill_chunks([16], 4, 0) == [(0, 0, 2), (0, 14, 2)]
+    assert prefill_chunks([16], 4, 3) == [(0, 6, 2), (0, 8, 2)]
+    assert prefill_chunks([1, 16], 4, 1) == [(0, 0, 1), (1, 2, 2), (1, 12, 2)]
+
+
+def test_prefill_shard_batch_ends_each_chunk_where_the_chunk_ends() -> None:
+    batch = BatchMetadata.from_lengths([1, 8], [6, 20], [[1, 2], [3, 4, 5]], 8)
+    shard = shard_prefill(batch, world_size=2, rank=1)
+    # request 1: context 12, chunks of 2; rank 1 takes offsets 2..3 and 4..5
+    assert shard.token_rows.tolist() == [0, 3, 4, 5, 6]
+    assert shard.batch.query_lens_cpu.tolist() == [1, 2, 2]
+    assert shard.batch.seq_lens_cpu.tolist() == [6, 16, 18]
+    assert shard.batch.slot_mapping.tolist() == [-1] * 5
+    assert shard.rank_tokens == (5, 5)
+
+
+def test_prefill_context_parallel_refuses_a_non_causal_step() -> None:
+    batch = BatchMetadata.from_lengths([4], [4], [[1]], 8, causal=False)
+    with pytest.raises(InvalidInputError, match="causal steps only"):
+        shard_prefill(batch, world_size=2, rank=0)

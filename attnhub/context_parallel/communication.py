@@ -22,6 +22,7 @@ Rank ``r``'s heads are ``r * Hl .. (r + 1) * Hl - 1`` of the gathered ones (vLLM
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -35,16 +36,18 @@ from attnhub.context_parallel.merge import (
     correct_partial,
     mask_empty_rows,
 )
+from attnhub.context_parallel.prefill import PrefillShard, shard_prefill
 from attnhub.context_parallel.sharding import ContextShard, shard_step
 from attnhub.errors import InvalidInputError
 
+#: What a rank is told about the group, as the step's fingerprint carries it ("kind": 0 for
+#: decode context parallel, 1 for prefill; a field a kind does not use is 0).
+LAYOUT_FIELDS = ("kind", "world_size", "block_size", "interleave", "decode_threshold")
 #: The fields of a step's fingerprint, in order (one int64 each).
 FINGERPRINT_FIELDS = (
     "readable",  # 1, or 0 where this rank's arguments could not be read
-    "world_size",
     "group_size",
-    "block_size",
-    "interleave",
+    *LAYOUT_FIELDS,
     "batch.block_size",
     "num_reqs",
     "num_tokens",
@@ -69,23 +72,17 @@ def _digest(t: torch.Tensor) -> int:
     return int.from_bytes(h, "little") >> 2
 
 
-def step_fingerprint(
-    batch: object, *, world_size: object, group_size: int, block_size: object, interleave: object
-) -> list[int]:
-    """The values of :data:`FINGERPRINT_FIELDS` for one rank's arguments. Never raises: what
-    cannot be read gives ``readable = 0`` (so the rank still takes part in the gather)."""
-    return _fingerprint(batch, world_size, group_size, block_size, interleave)[0]
+def step_fingerprint(batch: object, group_size: int, **layout: object) -> list[int]:
+    """The values of :data:`FINGERPRINT_FIELDS` for one rank's arguments (``layout``: the
+    :data:`LAYOUT_FIELDS`). Never raises: what cannot be read gives ``readable = 0``, so the
+    rank still takes part in the gather."""
+    return _fingerprint(batch, group_size, layout)[0]
 
 
 def _fingerprint(
-    batch: object, world_size: object, group_size: int, block_size: object, interleave: object
+    batch: object, group_size: int, layout: Mapping[str, object]
 ) -> tuple[list[int], Exception | None]:
-    head = [
-        _int_or_sentinel(world_size),
-        group_size,
-        _int_or_sentinel(block_size),
-        _int_or_sentinel(interleave),
-    ]
+    head = [group_size, *(_int_or_sentinel(layout.get(f, 0)) for f in LAYOUT_FIELDS)]
     try:
         if not isinstance(batch, BatchMetadata):
             raise InvalidInputError(f"batch must be a BatchMetadata, got {type(batch).__name__}")
@@ -178,18 +175,49 @@ class ContextParallelGroup:
         docstring). ``world_size`` is the group size the caller configured (vLLM's
         ``decode_context_parallel_size``): a group of another size is refused. Raises
         InvalidInputError on every rank, before any other collective."""
-        self.agree(*_fingerprint(batch, world_size, self.world_size, block_size, interleave))
-        if world_size != self.world_size:
-            raise InvalidInputError(
-                f"world_size = {world_size!r}, but the context-parallel process group has "
-                f"{self.world_size} ranks"
-            )
+        layout = dict(kind=0, world_size=world_size, block_size=block_size, interleave=interleave)
+        self.agree(*_fingerprint(batch, self.world_size, layout))
+        self._check_size(world_size)
         return shard_step(
             batch, world_size=world_size, rank=self.rank, block_size=block_size,
             interleave=interleave,
         )  # fmt: skip
 
+    def shard_prefill(
+        self, batch: BatchMetadata, *, world_size: int, decode_threshold: int = 1
+    ) -> PrefillShard:
+        """This rank's rows of a step under prefill context parallel, once the ranks agree on
+        the step (as :meth:`shard`)."""
+        layout = dict(kind=1, world_size=world_size, decode_threshold=decode_threshold)
+        self.agree(*_fingerprint(batch, self.world_size, layout))
+        self._check_size(world_size)
+        return shard_prefill(
+            batch, world_size=world_size, rank=self.rank, decode_threshold=decode_threshold
+        )
+
+    def _check_size(self, world_size: object) -> None:
+        if world_size != self.world_size:
+            raise InvalidInputError(
+                f"world_size = {world_size!r}, but the context-parallel process group has "
+                f"{self.world_size} ranks"
+            )
+
     # --- per layer -----------------------------------------------------------------------
+    def exchange(self, rows: torch.Tensor, shard: PrefillShard) -> torch.Tensor:
+        """Every rank's ``rows`` (``[local_tokens, ...]``, this rank's rows of the step under
+        prefill context parallel: keys, values or outputs) in the step's order,
+        ``[num_actual_tokens, ...]``: one all-gather of ``padded_tokens`` rows per rank."""
+        if rows.shape[0] != shard.token_rows.shape[0]:
+            raise InvalidInputError(
+                f"rows has {rows.shape[0]} rows, this rank computes "
+                f"{shard.token_rows.shape[0]} of the step"
+            )
+        sent = rows.new_zeros((shard.padded_tokens, *rows.shape[1:]))
+        sent[: rows.shape[0]] = rows
+        parts = [torch.empty_like(sent) for _ in range(self.world_size)]
+        dist.all_gather(parts, sent, group=self.group)
+        return torch.cat(parts)[shard.restore_rows.to(rows.device)]
+
     def gather_heads(self, query: torch.Tensor) -> torch.Tensor:  # [T, Hl, D] -> [T, N*Hl, D]
         """Every rank's query heads, rank by rank."""
         parts = [torch.empty_like(query) for _ in range(self.world_size)]

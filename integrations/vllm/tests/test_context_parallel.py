@@ -1,5 +1,6 @@
 """attnhub's context-parallel sharding against vLLM's own code: ``get_dcp_local_seq_lens``
-(every rank's share of each sequence) and the slot-mapping kernel of vLLM's block table, which
+(every rank's share of each sequence), the head-tail split of prefill context parallel
+(``PCPManager``'s) and the slot-mapping kernel of vLLM's block table, which
 is a Triton kernel: it runs here through Triton's interpreter on the CPU (the kernel's own
 source, re-decorated with the real ``triton.jit``, since vLLM's CPU build stubs Triton out)."""
 
@@ -9,11 +10,12 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from attnhub import BatchMetadata
-from attnhub.context_parallel import local_seq_lens, shard_step
+from attnhub.context_parallel import local_seq_lens, prefill_chunks, shard_step
 from attnhub.testing import generator, num_blocks_for, shuffled_block_table
 
 pytest.importorskip("vllm")
@@ -96,3 +98,23 @@ def test_each_ranks_slot_mapping_equals_vllms_kernel(
             batch, world_size=world_size, rank=rank, block_size=block_size, interleave=interleave
         )
         assert shard.slot_mapping.tolist() == theirs.tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_prefill_chunks_equal_vllms_pcp_split(world_size: int) -> None:
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager
+
+    query_lens = np.array([1, 37, 1, 2, 3, 16, 100, 7, 1], dtype=np.int32)
+    is_prefilling = query_lens > 1
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
+    for rank in range(world_size):
+        manager = PCPManager(world_size, rank, torch.device("cpu"), shard_decode_requests=False)
+        theirs = [
+            (s.global_batch_req_idx, s.global_batch_slice.start, s.global_batch_slice.stop)
+            for s in manager._get_rank_segments(rank, query_lens, is_prefilling, query_start_loc)
+        ]
+        ours = [
+            (r, int(query_start_loc[r]) + off, int(query_start_loc[r]) + off + n)
+            for r, off, n in prefill_chunks(query_lens, world_size, rank)
+        ]
+        assert ours == theirs
