@@ -4,10 +4,11 @@ Plain ``torch.distributed`` calls (``all_gather``, ``reduce_scatter``, ``all_to_
 on tensors of the group's device, so the same code runs on gloo (CPU), NCCL and HCCL.
 
 A step, on every rank of the group:
-  1. ``shard(batch, ...)``: one fixed-size all-gather of a fingerprint of the step (the
-     layout each rank was given and a hash of its lengths and table), so ranks that disagree,
-     or a group of the wrong size, raise a typed error on every rank, before any collective
-     whose shape depends on the step could hang. Then the rank's :class:`ContextShard`.
+  1. ``shard(batch, ...)`` (decode context parallel) or ``shard_prefill(batch, ...)``: one
+     fixed-size all-gather of a fingerprint of the step (the layout each rank was given and a
+     hash of its lengths and table), so ranks that disagree, or a group of the wrong size,
+     raise a typed error on every rank, before any collective whose shape depends on the step
+     could hang. Then the rank's :class:`ContextShard` (or :class:`PrefillShard`).
   2. per layer, ``gather_heads(query)``: the group's query heads, ``[T, N * Hl, D]``.
   3. per layer, ``combine(out, lse)``: the rank's partial over its shard, for all ``N * Hl``
      heads, merged over the group, returned for the rank's own ``Hl`` heads. Two ways:
@@ -15,6 +16,8 @@ A step, on every rank of the group:
      heads: vLLM's ``cp_lse_ag_out_rs``) and :class:`AllToAll` (each rank receives every
      rank's partial of its heads, with the LSE packed in the same message, and merges them:
      vLLM's ``dcp_a2a_lse_reduce``). The partials travel in float32 (float64 if given).
+     Under prefill context parallel, ``exchange(rows, shard)`` instead: every rank's rows (new
+     keys and values, or outputs) back in the step's order.
 
 Rank ``r``'s heads are ``r * Hl .. (r + 1) * Hl - 1`` of the gathered ones (vLLM's order).
 """
