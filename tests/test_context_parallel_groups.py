@@ -284,6 +284,11 @@ def _bad_steps(comm: ContextParallelGroup) -> dict[str, tuple[str, str, int]]:
             if rank == 0
             else comm.shard(batch, world_size=n, block_size=BLOCK_SIZE)
         ),
+        "sinks_for_every_head_instead_of_the_ranks_own": lambda: comm.combine(
+            torch.zeros(3, n * LOCAL_HEADS, HEAD_SIZE),
+            torch.zeros(n * LOCAL_HEADS, 3),
+            sinks=torch.zeros(n * LOCAL_HEADS),
+        ),
         "one_rank_without_a_batch": lambda: comm.shard(
             None if rank == n - 1 else batch,  # type: ignore[arg-type]
             world_size=n,
@@ -444,6 +449,16 @@ def test_ranks_that_disagree_on_the_step_all_refuse_it(
     for kind, message, alive in _refusals(reports, name):
         assert kind == InvalidInputError.__name__
         assert "different steps" in message and f"{field} differs" in message
+        assert alive == n
+
+
+def test_sinks_of_the_wrong_heads_are_refused_on_every_rank_before_the_merge(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    n, reports = group
+    for kind, message, alive in _refusals(reports, "sinks_for_every_head_instead_of_the_ranks_own"):
+        assert kind == InvalidInputError.__name__
+        assert f"sinks must be [{LOCAL_HEADS}]" in message and f"({n * LOCAL_HEADS},)" in message
         assert alive == n
 
 

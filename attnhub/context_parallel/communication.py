@@ -237,7 +237,7 @@ class ContextParallelGroup:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # merged [T, Hl, D], LSE [Hl, T]
         """The partials merged over the group, for this rank's heads (float32, or float64
         where given), with ``sinks`` entering once."""
-        heads = self._check_partial(out, lse)
+        heads = self._check_partial(out, lse, sinks, empty_rows)
         if empty_rows is not None:
             lse = mask_empty_rows(lse, empty_rows)
         merged, merged_lse = self._merge(out, lse, heads // self.world_size)
@@ -250,8 +250,15 @@ class ContextParallelGroup:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def _check_partial(self, out: torch.Tensor, lse: torch.Tensor) -> int:
-        """Shapes every rank can check alone (the same on every rank of an agreed step)."""
+    def _check_partial(
+        self,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        sinks: torch.Tensor | None,
+        empty_rows: torch.Tensor | None,
+    ) -> int:
+        """Shapes every rank can check alone (the same on every rank of an agreed step), so a
+        bad call is refused on every rank before the collectives."""
         if out.dim() != 3 or lse.shape != (out.shape[1], out.shape[0]):
             raise InvalidInputError(
                 f"a partial must be out [T, H, D] and lse [H, T], got out "
@@ -261,6 +268,20 @@ class ContextParallelGroup:
         if heads % self.world_size:
             raise InvalidInputError(
                 f"{heads} query heads cannot be split over {self.world_size} ranks"
+            )
+        local = heads // self.world_size
+        if sinks is not None and tuple(sinks.shape) != (local,):
+            raise InvalidInputError(
+                f"sinks must be [{local}] (this rank's heads: {heads} over {self.world_size} "
+                f"ranks), got shape {tuple(sinks.shape)}"
+            )
+        rows = int(out.shape[0])
+        if empty_rows is not None and (
+            tuple(empty_rows.shape) != (rows,) or empty_rows.dtype != torch.bool
+        ):
+            raise InvalidInputError(
+                f"empty_rows must be a bool [{rows}] (one per row), got {empty_rows.dtype} "
+                f"{tuple(empty_rows.shape)}"
             )
         return heads
 
