@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import attnhub
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, reference
 from attnhub.context_parallel import (
     AllGatherReduceScatter,
@@ -241,8 +242,16 @@ def _run_prefill_case(
     out, _ = reference.paged_attention(query[rows], cache, shard.batch, spec)
     got = comm.exchange(out, shard)
     want, _ = reference.paged_attention(query, cache, batch, spec)
+    # a backend serves a rank's chunks as they are: the built-in one, through its forward
+    before = cache.clone()
+    backend = attnhub.select_backend(spec, "cpu", prefer="torch")
+    meta = backend.metadata_builder().build(shard.batch)
+    by_backend = backend.impl().forward(query[rows], new_k[rows], new_v[rows], cache, meta)
+    backend_got = comm.exchange(by_backend, shard)
     return dict(
         out_error=float((got - want).abs().max()) if tokens else 0.0,
+        backend_error=float((backend_got.double() - want).abs().max()) if tokens else 0.0,
+        backend_wrote_nothing=cache.equal(before),
         exchanged_ok=exchanged_ok,
         local_tokens=int(rows.numel()),
         local_chunks=shard.batch.num_reqs,
@@ -484,6 +493,17 @@ def test_prefill_split_over_the_ranks_equals_the_single_rank_step(
         got = report["prefill"][step[0]]
         assert got["exchanged_ok"], rank
         assert got["out_error"] < 1e-10, (rank, got)
+
+
+@pytest.mark.parametrize("step", PREFILL_STEPS, ids=lambda s: s[0])
+def test_a_backend_serves_a_ranks_prefill_chunks_unchanged(
+    group: tuple[int, dict[int, Any]], step: tuple[Any, ...]
+) -> None:
+    _, reports = group
+    for rank, report in reports.items():
+        got = report["prefill"][step[0]]
+        assert got["backend_error"] < 1e-5, (rank, got)  # float32 against float64
+        assert got["backend_wrote_nothing"], rank
 
 
 def test_a_prefill_of_2n_equal_chunks_gives_every_rank_a_head_and_a_tail_chunk(
