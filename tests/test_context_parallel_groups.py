@@ -298,6 +298,11 @@ def _bad_steps(comm: ContextParallelGroup) -> dict[str, tuple[str, str, int]]:
             torch.zeros(n * LOCAL_HEADS, 3),
             sinks=torch.zeros(n * LOCAL_HEADS),
         ),
+        "a_check_failing_on_one_rank_only": lambda: comm.shard(
+            replace(batch, max_query_len=99) if rank == 0 else batch,
+            world_size=n,
+            block_size=BLOCK_SIZE,
+        ),
         "one_rank_without_a_batch": lambda: comm.shard(
             None if rank == n - 1 else batch,  # type: ignore[arg-type]
             world_size=n,
@@ -469,6 +474,18 @@ def test_sinks_of_the_wrong_heads_are_refused_on_every_rank_before_the_merge(
         assert kind == InvalidInputError.__name__
         assert f"sinks must be [{LOCAL_HEADS}]" in message and f"({n * LOCAL_HEADS},)" in message
         assert alive == n
+
+
+def test_a_check_that_fails_on_one_rank_only_stops_every_rank(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    """A field the fingerprint does not carry (here a wrong max_query_len on rank 0): rank 0's
+    own check refuses it before the gather, and the others learn it there."""
+    n, reports = group
+    refusals = _refusals(reports, "a_check_failing_on_one_rank_only")
+    assert all(kind == InvalidInputError.__name__ and alive == n for kind, _, alive in refusals)
+    assert "max_query_len = 99" in refusals[0][1]
+    assert all("rank(s) [0]" in message for _, message, _ in refusals[1:])
 
 
 def test_a_rank_that_cannot_read_its_step_takes_the_others_down_with_it(

@@ -25,7 +25,7 @@ Rank ``r``'s heads are ``r * Hl .. (r + 1) * Hl - 1`` of the gathered ones (vLLM
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,7 @@ from attnhub.errors import InvalidInputError
 LAYOUT_FIELDS = ("kind", "world_size", "block_size", "interleave", "decode_threshold")
 #: The fields of a step's fingerprint, in order (one int64 each).
 FINGERPRINT_FIELDS = (
-    "readable",  # 1, or 0 where this rank's arguments could not be read
+    "accepted",  # 1, or 0 where this rank refused its arguments (its own error says why)
     "group_size",
     *LAYOUT_FIELDS,
     "batch.block_size",
@@ -77,14 +77,19 @@ def _digest(t: torch.Tensor) -> int:
 
 def step_fingerprint(batch: object, group_size: int, **layout: object) -> list[int]:
     """The values of :data:`FINGERPRINT_FIELDS` for one rank's arguments (``layout``: the
-    :data:`LAYOUT_FIELDS`). Never raises: what cannot be read gives ``readable = 0``, so the
+    :data:`LAYOUT_FIELDS`). Never raises: what cannot be read gives ``accepted = 0``, so the
     rank still takes part in the gather."""
     return _fingerprint(batch, group_size, layout)[0]
 
 
 def _fingerprint(
-    batch: object, group_size: int, layout: Mapping[str, object]
+    batch: object,
+    group_size: int,
+    layout: Mapping[str, object],
+    refusal: Exception | None = None,
 ) -> tuple[list[int], Exception | None]:
+    """The fingerprint, and why this rank refuses the step (``refusal``, or an argument that
+    cannot be read), if it does."""
     head = [group_size, *(_int_or_sentinel(layout.get(f, 0)) for f in LAYOUT_FIELDS)]
     try:
         if not isinstance(batch, BatchMetadata):
@@ -100,7 +105,7 @@ def _fingerprint(
         ]
     except Exception as exc:  # whatever it is, this rank refuses after the gather
         return [0, *head, *([_UNREADABLE] * 7)], exc
-    return [1, *head, *rest], None
+    return [0 if refusal else 1, *head, *rest], refusal
 
 
 def _describe(field: str, values: list[int]) -> str:
@@ -141,8 +146,8 @@ class ContextParallelGroup:
     # --- once per step -------------------------------------------------------------------
     def agree(self, fingerprint: list[int], own_error: Exception | None = None) -> None:
         """One all-gather of ``fingerprint`` (of :data:`FINGERPRINT_FIELDS`' length) on every
-        rank; raises InvalidInputError on every rank where a rank could not read its step
-        (that rank: ``own_error``) or the ranks' fingerprints differ."""
+        rank; raises InvalidInputError on every rank where a rank refused its step (that rank:
+        ``own_error``, why it did) or the ranks' fingerprints differ."""
         if len(fingerprint) != len(FINGERPRINT_FIELDS):  # a programming error, same on all
             raise InvalidInputError(
                 f"a fingerprint has {len(FINGERPRINT_FIELDS)} fields, got {len(fingerprint)}"
@@ -153,15 +158,15 @@ class ContextParallelGroup:
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine, group=group)
         table = torch.stack(every).cpu()  # [N, fields]
-        unreadable = [r for r, ok in enumerate(table[:, 0].tolist()) if not ok]
-        if self.rank in unreadable:
+        refused = [r for r, ok in enumerate(table[:, 0].tolist()) if not ok]
+        if self.rank in refused:
             if isinstance(own_error, InvalidInputError):
                 raise own_error
-            raise InvalidInputError(f"this rank could not read its step: {own_error!r}")
-        if unreadable:
+            raise InvalidInputError(f"this rank refused its step: {own_error!r}") from own_error
+        if refused:
             raise InvalidInputError(
-                f"rank(s) {unreadable} of the context-parallel group could not read their step "
-                "(their own error says why); this rank refuses the step with them"
+                f"rank(s) {refused} of the context-parallel group refused the step (their own "
+                "error says why); this rank refuses it with them"
             )
         for i, field in enumerate(FINGERPRINT_FIELDS):
             column = table[:, i].tolist()
@@ -179,12 +184,16 @@ class ContextParallelGroup:
         ``decode_context_parallel_size``): a group of another size is refused. Raises
         InvalidInputError on every rank, before any other collective."""
         layout = dict(kind=0, world_size=world_size, block_size=block_size, interleave=interleave)
-        self.agree(*_fingerprint(batch, self.world_size, layout))
-        self._check_size(world_size)
-        return shard_step(
-            batch, world_size=world_size, rank=self.rank, block_size=block_size,
-            interleave=interleave,
+        shard, refusal = self._attempt(
+            world_size,
+            lambda: shard_step(
+                batch, world_size=world_size, rank=self.rank, block_size=block_size,
+                interleave=interleave,
+            ),
         )  # fmt: skip
+        self.agree(*_fingerprint(batch, self.world_size, layout, refusal))
+        assert isinstance(shard, ContextShard)
+        return shard
 
     def shard_prefill(
         self, batch: BatchMetadata, *, world_size: int, decode_threshold: int = 1
@@ -192,18 +201,30 @@ class ContextParallelGroup:
         """This rank's rows of a step under prefill context parallel, once the ranks agree on
         the step (as :meth:`shard`)."""
         layout = dict(kind=1, world_size=world_size, decode_threshold=decode_threshold)
-        self.agree(*_fingerprint(batch, self.world_size, layout))
-        self._check_size(world_size)
-        return shard_prefill(
-            batch, world_size=world_size, rank=self.rank, decode_threshold=decode_threshold
+        shard, refusal = self._attempt(
+            world_size,
+            lambda: shard_prefill(
+                batch, world_size=world_size, rank=self.rank, decode_threshold=decode_threshold
+            ),
         )
+        self.agree(*_fingerprint(batch, self.world_size, layout, refusal))
+        assert isinstance(shard, PrefillShard)
+        return shard
 
-    def _check_size(self, world_size: object) -> None:
-        if world_size != self.world_size:
-            raise InvalidInputError(
-                f"world_size = {world_size!r}, but the context-parallel process group has "
-                f"{self.world_size} ranks"
-            )
+    def _attempt(
+        self, world_size: object, make: Callable[[], object]
+    ) -> tuple[object, Exception | None]:
+        """The rank's shard, or why it refuses the step: found before any collective, and
+        told to the others by the fingerprint, so no rank is left waiting in one."""
+        try:
+            if world_size != self.world_size:
+                raise InvalidInputError(
+                    f"world_size = {world_size!r}, but the context-parallel process group has "
+                    f"{self.world_size} ranks"
+                )
+            return make(), None
+        except Exception as exc:  # every refusal, whatever it is, is shared first
+            return None, exc
 
     # --- per layer -----------------------------------------------------------------------
     def exchange(self, rows: torch.Tensor, shard: PrefillShard) -> torch.Tensor:
