@@ -1,0 +1,64 @@
+"""Context parallel attention: a request's KV cache sharded over the ranks of a
+``torch.distributed`` group (vLLM's decode context parallel), vendor-neutral.
+
+  sharding       which rank holds which token; a rank's lengths, slot mapping and table
+  prefill        prefill context parallel: a long prefill's query tokens split over the ranks
+  merge          the ranks' partial attentions merged by their LSEs; sinks added once
+  communication  the collectives of a step over a process group: the step agreement check,
+                 the query heads' gather, the merge (all-gather + reduce-scatter, or
+                 all-to-all), and the prefill rows' exchange
+
+docs/context-parallel.md describes the arithmetic, the merge and the communication variants.
+"""
+
+from __future__ import annotations
+
+from attnhub.context_parallel.communication import (
+    FINGERPRINT_FIELDS,
+    LAYOUT_FIELDS,
+    AllGatherReduceScatter,
+    AllToAll,
+    ContextParallelGroup,
+    step_fingerprint,
+)
+from attnhub.context_parallel.merge import (
+    add_sinks,
+    combine_partials,
+    correct_partial,
+    global_lse,
+    mask_empty_rows,
+)
+from attnhub.context_parallel.prefill import PrefillShard, prefill_chunks, shard_prefill
+from attnhub.context_parallel.sharding import (
+    ContextShard,
+    check_layout,
+    local_positions,
+    local_seq_lens,
+    local_slot_mapping,
+    shard_step,
+    token_rank,
+)
+
+__all__ = [
+    "FINGERPRINT_FIELDS",
+    "LAYOUT_FIELDS",
+    "AllGatherReduceScatter",
+    "AllToAll",
+    "ContextParallelGroup",
+    "ContextShard",
+    "PrefillShard",
+    "add_sinks",
+    "check_layout",
+    "combine_partials",
+    "correct_partial",
+    "global_lse",
+    "local_positions",
+    "local_seq_lens",
+    "local_slot_mapping",
+    "mask_empty_rows",
+    "prefill_chunks",
+    "shard_prefill",
+    "shard_step",
+    "step_fingerprint",
+    "token_rank",
+]

@@ -1,0 +1,354 @@
+"""The collectives of a context-parallel step, over a ``torch.distributed`` process group.
+
+Plain ``torch.distributed`` calls (``all_gather``, ``reduce_scatter``, ``all_to_all_single``)
+on tensors of the group's device, so the same code runs on gloo (CPU), NCCL and HCCL.
+
+A step, on every rank of the group:
+  1. ``shard(batch, ...)`` (decode context parallel) or ``shard_prefill(batch, ...)``: one
+     fixed-size all-gather of a fingerprint of the step (the layout each rank was given and a
+     hash of its lengths and table), so ranks that disagree, or a group of the wrong size,
+     raise a typed error on every rank, before any collective whose shape depends on the step
+     could hang. Then the rank's :class:`ContextShard` (or :class:`PrefillShard`).
+  2. per layer, ``gather_heads(query)``: the group's query heads, ``[T, N * Hl, D]``.
+  3. per layer, ``combine(out, lse)``: the rank's partial over its shard, for all ``N * Hl``
+     heads, merged over the group, returned for the rank's own ``Hl`` heads. Two ways:
+     :class:`AllGatherReduceScatter` (gather the LSEs, scale the partial, reduce-scatter the
+     heads: vLLM's ``cp_lse_ag_out_rs``) and :class:`AllToAll` (each rank receives every
+     rank's partial of its heads, with the LSE packed in the same message, and merges them:
+     vLLM's ``dcp_a2a_lse_reduce``). The partials travel in float32 (float64 if given).
+     Under prefill context parallel, ``exchange(rows, shard)`` instead: every rank's rows (new
+     keys and values, or outputs) back in the step's order.
+
+Rank ``r``'s heads are ``r * Hl .. (r + 1) * Hl - 1`` of the gathered ones (vLLM's order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from attnhub.batch import BatchMetadata
+from attnhub.context_parallel.merge import (
+    add_sinks,
+    combine_partials,
+    correct_partial,
+    mask_empty_rows,
+)
+from attnhub.context_parallel.prefill import PrefillShard, shard_prefill
+from attnhub.context_parallel.sharding import ContextShard, shard_step
+from attnhub.errors import InvalidInputError
+
+#: What a rank is told about the group, as the step's fingerprint carries it ("kind": 0 for
+#: decode context parallel, 1 for prefill; a field a kind does not use is 0).
+LAYOUT_FIELDS = ("kind", "world_size", "block_size", "interleave", "decode_threshold")
+#: The fields of a step's fingerprint, in order (one int64 each).
+FINGERPRINT_FIELDS = (
+    "accepted",  # 1, or 0 where this rank refused its arguments (its own error says why)
+    "group_size",
+    *LAYOUT_FIELDS,
+    "batch.block_size",
+    "num_reqs",
+    "num_tokens",
+    "query_start_loc",  # a hash of the values
+    "seq_lens",  # a hash
+    "block_table",  # a hash
+    "causal",
+)
+_UNREADABLE = -(2**62)
+
+
+def _int_or_sentinel(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return _UNREADABLE
+    return value
+
+
+def _digest(t: torch.Tensor) -> int:
+    """A 62-bit hash of a host integer tensor's values and shape."""
+    a = np.ascontiguousarray(t.numpy().astype(np.int64))
+    h = hashlib.blake2b(repr(a.shape).encode() + a.tobytes(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 2
+
+
+def step_fingerprint(batch: object, group_size: int, **layout: object) -> list[int]:
+    """The values of :data:`FINGERPRINT_FIELDS` for one rank's arguments (``layout``: the
+    :data:`LAYOUT_FIELDS`). Never raises: what cannot be read gives ``accepted = 0``, so the
+    rank still takes part in the gather."""
+    return _fingerprint(batch, group_size, layout)[0]
+
+
+def _fingerprint(
+    batch: object,
+    group_size: int,
+    layout: Mapping[str, object],
+    refusal: Exception | None = None,
+) -> tuple[list[int], Exception | None]:
+    """The fingerprint, and why this rank refuses the step (``refusal``, or an argument that
+    cannot be read), if it does."""
+    head = [group_size, *(_int_or_sentinel(layout.get(f, 0)) for f in LAYOUT_FIELDS)]
+    try:
+        if not isinstance(batch, BatchMetadata):
+            raise InvalidInputError(f"batch must be a BatchMetadata, got {type(batch).__name__}")
+        rest = [
+            int(batch.block_size),
+            int(batch.num_reqs),
+            int(batch.num_tokens),
+            _digest(batch.query_start_loc_cpu),
+            _digest(batch.seq_lens_cpu),
+            _digest(batch.host_block_table()),
+            int(bool(batch.causal)),
+        ]
+    except Exception as exc:  # whatever it is, this rank refuses after the gather
+        return [0, *head, *([_UNREADABLE] * 7)], exc
+    return [0 if refusal else 1, *head, *rest], refusal
+
+
+def _describe(field: str, values: list[int]) -> str:
+    if field in ("query_start_loc", "seq_lens", "block_table"):
+        groups: dict[int, list[int]] = {}
+        for rank, v in enumerate(values):
+            groups.setdefault(v, []).append(rank)
+        sets = "; ".join(f"ranks {ranks}" for ranks in groups.values())
+        return f"{field} differs between ranks (the same on {sets})"
+    shown = ", ".join(
+        f"rank {rank}: {'unreadable' if v == _UNREADABLE else v}" for rank, v in enumerate(values)
+    )
+    return f"{field} differs between ranks ({shown})"
+
+
+class ContextParallelGroup:
+    """The collectives of a context-parallel step on ``group`` (None: the default group).
+
+    ``device``: where the collectives' tensors live (the group's device: "cpu" for gloo, the
+    rank's accelerator for NCCL or HCCL). ``check_group``: a group over the same ranks for the
+    once-per-step fingerprint on host tensors (vLLM's ``cpu_group``, gloo); None checks on
+    ``group`` with tensors on ``device``.
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        device: torch.device | str = "cpu",
+        check_group: Any = None,
+    ) -> None:
+        self.group = group
+        self.device = torch.device(device)
+        self.check_group = check_group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    # --- once per step -------------------------------------------------------------------
+    def agree(self, fingerprint: list[int], own_error: Exception | None = None) -> None:
+        """One all-gather of ``fingerprint`` (of :data:`FINGERPRINT_FIELDS`' length) on every
+        rank; raises InvalidInputError on every rank where a rank refused its step (that rank:
+        ``own_error``, why it did) or the ranks' fingerprints differ."""
+        if len(fingerprint) != len(FINGERPRINT_FIELDS):  # a programming error, same on all
+            raise InvalidInputError(
+                f"a fingerprint has {len(FINGERPRINT_FIELDS)} fields, got {len(fingerprint)}"
+            )
+        group = self.check_group if self.check_group is not None else self.group
+        device = torch.device("cpu") if self.check_group is not None else self.device
+        mine = torch.tensor(fingerprint, dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=group)
+        table = torch.stack(every).cpu()  # [N, fields]
+        refused = [r for r, ok in enumerate(table[:, 0].tolist()) if not ok]
+        if self.rank in refused:
+            if isinstance(own_error, InvalidInputError):
+                raise own_error
+            raise InvalidInputError(f"this rank refused its step: {own_error!r}") from own_error
+        if refused:
+            raise InvalidInputError(
+                f"rank(s) {refused} of the context-parallel group refused the step (their own "
+                "error says why); this rank refuses it with them"
+            )
+        for i, field in enumerate(FINGERPRINT_FIELDS):
+            column = table[:, i].tolist()
+            if len(set(column)) > 1:
+                raise InvalidInputError(
+                    "the ranks of the context-parallel group were given different steps: "
+                    + _describe(field, column)
+                )
+
+    def shard(
+        self, batch: BatchMetadata, *, world_size: int, block_size: int, interleave: int = 1
+    ) -> ContextShard:
+        """This rank's share of the step, once the ranks agree on it (see the module
+        docstring). ``world_size`` is the group size the caller configured (vLLM's
+        ``decode_context_parallel_size``): a group of another size is refused. Raises
+        InvalidInputError on every rank, before any other collective."""
+        layout = dict(kind=0, world_size=world_size, block_size=block_size, interleave=interleave)
+        shard, refusal = self._attempt(
+            world_size,
+            lambda: shard_step(
+                batch, world_size=world_size, rank=self.rank, block_size=block_size,
+                interleave=interleave,
+            ),
+        )  # fmt: skip
+        self.agree(*_fingerprint(batch, self.world_size, layout, refusal))
+        assert isinstance(shard, ContextShard)
+        return shard
+
+    def shard_prefill(
+        self, batch: BatchMetadata, *, world_size: int, decode_threshold: int = 1
+    ) -> PrefillShard:
+        """This rank's rows of a step under prefill context parallel, once the ranks agree on
+        the step (as :meth:`shard`)."""
+        layout = dict(kind=1, world_size=world_size, decode_threshold=decode_threshold)
+        shard, refusal = self._attempt(
+            world_size,
+            lambda: shard_prefill(
+                batch, world_size=world_size, rank=self.rank, decode_threshold=decode_threshold
+            ),
+        )
+        self.agree(*_fingerprint(batch, self.world_size, layout, refusal))
+        assert isinstance(shard, PrefillShard)
+        return shard
+
+    def _attempt(
+        self, world_size: object, make: Callable[[], object]
+    ) -> tuple[object, Exception | None]:
+        """The rank's shard, or why it refuses the step: found before any collective, and
+        told to the others by the fingerprint, so no rank is left waiting in one."""
+        try:
+            if world_size != self.world_size:
+                raise InvalidInputError(
+                    f"world_size = {world_size!r}, but the context-parallel process group has "
+                    f"{self.world_size} ranks"
+                )
+            return make(), None
+        except Exception as exc:  # every refusal, whatever it is, is shared first
+            return None, exc
+
+    # --- per layer -----------------------------------------------------------------------
+    def exchange(self, rows: torch.Tensor, shard: PrefillShard) -> torch.Tensor:
+        """Every rank's ``rows`` (``[local_tokens, ...]``, this rank's rows of the step under
+        prefill context parallel: keys, values or outputs) in the step's order,
+        ``[num_actual_tokens, ...]``: one all-gather of ``padded_tokens`` rows per rank."""
+        if rows.shape[0] != shard.token_rows.shape[0]:
+            raise InvalidInputError(
+                f"rows has {rows.shape[0]} rows, this rank computes "
+                f"{shard.token_rows.shape[0]} of the step"
+            )
+        sent = rows.new_zeros((shard.padded_tokens, *rows.shape[1:]))
+        sent[: rows.shape[0]] = rows
+        parts = [torch.empty_like(sent) for _ in range(self.world_size)]
+        dist.all_gather(parts, sent, group=self.group)
+        return torch.cat(parts)[shard.restore_rows.to(rows.device)]
+
+    def gather_heads(self, query: torch.Tensor) -> torch.Tensor:  # [T, Hl, D] -> [T, N*Hl, D]
+        """Every rank's query heads, rank by rank."""
+        parts = [torch.empty_like(query) for _ in range(self.world_size)]
+        dist.all_gather(parts, query.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+    def combine(
+        self,
+        out: torch.Tensor,  # [T, N * Hl, D]: this rank's partial over its shard
+        lse: torch.Tensor,  # [N * Hl, T], natural log (+-inf: no key)
+        *,
+        sinks: torch.Tensor | None = None,  # [Hl]: this rank's heads' sink logits
+        empty_rows: torch.Tensor | None = None,  # [T] bool: rows with no local key
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # merged [T, Hl, D], LSE [Hl, T]
+        """The partials merged over the group, for this rank's heads (float32, or float64
+        where given), with ``sinks`` entering once."""
+        heads = self._check_partial(out, lse, sinks, empty_rows)
+        if empty_rows is not None:
+            lse = mask_empty_rows(lse, empty_rows)
+        merged, merged_lse = self._merge(out, lse, heads // self.world_size)
+        if sinks is not None:
+            merged, merged_lse = add_sinks(merged, merged_lse, sinks)
+        return merged, merged_lse
+
+    def _merge(
+        self, out: torch.Tensor, lse: torch.Tensor, local_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _check_partial(
+        self,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        sinks: torch.Tensor | None,
+        empty_rows: torch.Tensor | None,
+    ) -> int:
+        """Shapes every rank can check alone (the same on every rank of an agreed step), so a
+        bad call is refused on every rank before the collectives."""
+        if out.dim() != 3 or lse.shape != (out.shape[1], out.shape[0]):
+            raise InvalidInputError(
+                f"a partial must be out [T, H, D] and lse [H, T], got out "
+                f"{tuple(out.shape)} and lse {tuple(lse.shape)}"
+            )
+        heads = int(out.shape[1])
+        if heads % self.world_size:
+            raise InvalidInputError(
+                f"{heads} query heads cannot be split over {self.world_size} ranks"
+            )
+        local = heads // self.world_size
+        if sinks is not None and tuple(sinks.shape) != (local,):
+            raise InvalidInputError(
+                f"sinks must be [{local}] (this rank's heads: {heads} over {self.world_size} "
+                f"ranks), got shape {tuple(sinks.shape)}"
+            )
+        rows = int(out.shape[0])
+        if empty_rows is not None and (
+            tuple(empty_rows.shape) != (rows,) or empty_rows.dtype != torch.bool
+        ):
+            raise InvalidInputError(
+                f"empty_rows must be a bool [{rows}] (one per row), got {empty_rows.dtype} "
+                f"{tuple(empty_rows.shape)}"
+            )
+        return heads
+
+
+def _wire_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for x in tensors:
+        dtype = torch.promote_types(dtype, x.dtype)
+    return dtype
+
+
+class AllGatherReduceScatter(ContextParallelGroup):
+    """All-gather the LSEs ``[N, H, T]``, scale this rank's partial by ``exp(l_r - L)``,
+    reduce-scatter (sum) over the heads (vLLM's ``cp_lse_ag_out_rs``)."""
+
+    def _merge(
+        self, out: torch.Tensor, lse: torch.Tensor, local_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        wire = _wire_dtype(out, lse)
+        mine = lse.to(wire).contiguous()
+        lses = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(lses, mine, group=self.group)
+        share, total = correct_partial(out.to(wire), torch.stack(lses), self.rank)
+        chunks = [c.contiguous() for c in share.split(local_heads, dim=1)]
+        merged = torch.empty_like(chunks[self.rank])
+        dist.reduce_scatter(merged, chunks, op=dist.ReduceOp.SUM, group=self.group)
+        heads = slice(self.rank * local_heads, (self.rank + 1) * local_heads)
+        return merged, total[heads]
+
+
+class AllToAll(ContextParallelGroup):
+    """One all-to-all: rank ``r`` sends rank ``j`` its partial of ``j``'s heads with the LSE
+    as one more element of each row ``[T, Hl, D + 1]``; every rank merges the ``N`` parts it
+    receives (vLLM's ``dcp_a2a_lse_reduce``)."""
+
+    def _merge(
+        self, out: torch.Tensor, lse: torch.Tensor, local_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t, _, d = out.shape
+        n = self.world_size
+        wire = _wire_dtype(out, lse)
+        # [T, N, Hl, D] -> [N, T, Hl, D]; the LSE [N*Hl, T] -> [N, T, Hl, 1]
+        parts = out.to(wire).reshape(t, n, local_heads, d).transpose(0, 1)
+        lses = lse.to(wire).reshape(n, local_heads, t).transpose(1, 2)[..., None]
+        send = torch.cat([parts, lses], dim=-1).contiguous()  # [N, T, Hl, D + 1]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        got_lse = recv[..., d].transpose(1, 2)  # [N, Hl, T]
+        return combine_partials(recv[..., :d], got_lse)
