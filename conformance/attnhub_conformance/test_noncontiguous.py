@@ -51,4 +51,12 @@ def test_fused_qkv_views_and_strided_output(
         f"{case.id}: forward wrote outside the strided output view (into the rest of the "
         "larger buffer it is a view of)"
     )
+    if step.plan.new_kv:  # the reference reads the cache: it must hold the keys given
+        slots = step.batch.slot_mapping
+        expected = testing.cache_after_write(cache_before, layer.key, layer.value, slots)
+        problems = testing.cache_differences(layer.cache, expected, slots)
+        assert not problems, (
+            f"{case.id}: forward through fused-QKV views left the cache wrong: "
+            + "; ".join(problems)
+        )
     harness.assert_matches_reference(step, layer, out_view, "forward(fused QKV views, output=view)")
