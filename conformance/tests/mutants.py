@@ -20,7 +20,7 @@ import torch
 import attnhub
 from attnhub import BatchMetadata, GraphSupport, PagedKVCache, reference
 from attnhub.backend import AttentionMetadata
-from attnhub.errors import UnsupportedConfigurationError
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.quant import simulate_query_quantization
 from attnhub.spec import AttentionType
 from attnhub.torch_backend import TorchAttentionImpl, TorchBackend, TorchMetadataBuilder
@@ -431,6 +431,32 @@ class NoMaxSubtractionBackend(TorchBackend):
         return NoMaxSubtractionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
+# --- 13. refuses strided query rows, but only after writing the cache ---------------------------
+class RefusesAfterWriteImpl(TorchAttentionImpl):
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        if not query.is_contiguous():  # checked in attend: after forward wrote the cache
+            raise InvalidInputError(f"query must be contiguous, got strides {query.stride()}")
+        super().attend(query, key, value, cache, meta, out)  # type: ignore[arg-type]
+
+
+class RefusesAfterWriteBackend(TorchBackend):
+    name = "refuses_after_write"
+    capabilities = replace(TorchBackend.capabilities, dtypes=frozenset({torch.bfloat16}))
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return RefusesAfterWriteImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
 MUTANTS = (
     TopLeftCausalBackend,
     WritesPaddingBackend,
@@ -445,6 +471,7 @@ MUTANTS = (
     IgnoresRowStrideBackend,
     LosesPrecisionPast16kBackend,
     NoMaxSubtractionBackend,
+    RefusesAfterWriteBackend,
 )
 
 
@@ -507,7 +534,40 @@ class FakeVendorBackend(TorchBackend):
         return True
 
 
-VARIANTS = (RestrictedBackend, CascadeBackend, FakeVendorBackend)
+class DenseRowsOnlyImpl(TorchAttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        for name, t in (("query", query), ("key", key), ("value", value), ("output", output)):
+            if t is not None and not t.is_contiguous():
+                raise InvalidInputError(
+                    f"{name} has strides {t.stride()}: this backend's kernels read and write "
+                    "dense rows (pass .contiguous() tensors)"
+                )
+        return super().forward(query, key, value, cache, meta, output=output)
+
+
+class DenseRowsOnlyBackend(TorchBackend):
+    """Refuses strided rows (fused-QKV views, a strided output) with a reason, before any
+    write: a conforming choice, reported as not supported."""
+
+    name = "dense_rows_only"
+    capabilities = replace(TorchBackend.capabilities, dtypes=frozenset({torch.bfloat16}))
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return DenseRowsOnlyImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+VARIANTS = (RestrictedBackend, CascadeBackend, FakeVendorBackend, DenseRowsOnlyBackend)
 
 
 def pytest_configure() -> None:

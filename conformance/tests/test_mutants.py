@@ -102,6 +102,14 @@ MUTANT_RUNS = [
         "extreme logits: scores ~1e4",
         id="no_max_subtraction",
     ),
+    pytest.param(
+        "refuses_after_write",
+        "test_fused_qkv_views_and_strided_output",
+        "test_fused_qkv_views_and_strided_output[refuses_after_write-mixed-bf16-h64-gqa4-bs16]",
+        "after changing the KV cache",
+        "non-contiguous q/k/v and output",
+        id="refuses_after_write",
+    ),
 ]
 
 
