@@ -1053,9 +1053,9 @@ def _long_chunked_prefill(keys: int) -> Callable[[int, Capabilities, Scope], Bat
 def long_context_cases(target: Target, scope: Scope) -> list[Case]:
     """Decodes (and, full scope, a chunked prefill) over long cached contexts: quick, just past
     the backend's split threshold (:func:`split_threshold_keys`); full, over 32k keys in every
-    dtype and near 128k once. Needle keys (keys close to the query, so that they carry much of
-    the weight) sit early, past 16k and near the end, so that a key read or weighted wrongly
-    anywhere shows. The reference is computed in chunks
+    dtype and with every declared feature, and near 128k once. Needle keys (keys close to the
+    query, so that they carry much of the weight) sit early, past 16k and near the end, so that
+    a key read or weighted wrongly anywhere shows. The reference is computed in chunks
     (``attnhub.reference.paged_attention_chunked``)."""
     ax = Axes(target, scope)
     out = Cases(target, "long_context", scope)
@@ -1074,6 +1074,22 @@ def long_context_cases(target: Target, scope: Scope) -> list[Case]:
     dec = Shape("long_decode_32k", "decodes over 32k keys", _long_decode(LONG_KEYS))
     for dtype in ax.dtypes:
         out.add("long context: decode 32k", proves, config=base.with_(dtype=dtype), shape=dec)
+    # the declared features over 32k keys: a sliding window alone (its blocks skipped), the
+    # others together (softcap, ALiBi, sinks: every key weighted)
+    unwindowed = tuple(f for f in ax.features if f != "sliding_window")
+    feature_sets: list[tuple[str, ...]] = (
+        [("sliding_window",)] if "sliding_window" in ax.features else []
+    )
+    feature_sets += [unwindowed] if unwindowed else []
+    for feats in feature_sets:
+        config = base.with_(features=feats)
+        if ax.supports(config):
+            out.add("long context: decode 32k", proves, config=config, shape=dec)
+        else:  # each on its own
+            for f in feats:
+                out.add(
+                    "long context: decode 32k", proves, config=base.with_(features=(f,)), shape=dec
+                )
     if ax.caps.chunked_prefill:
         pre = Shape(
             "long_chunked_prefill_32k",

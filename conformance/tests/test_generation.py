@@ -159,7 +159,13 @@ def test_long_contexts_cross_the_split_threshold_quick_and_reach_128k_full() -> 
     assert max(case.plan().seq_lens) > budget_tokens
     full = generate("long_context", target, FULL)
     rows = [r for c in full for r in c.rows]
-    assert rows.count("long context: decode 32k") == 3  # bf16, fp16, fp32
+    decodes = [c for c in full if c.rows == ("long context: decode 32k",)]
+    assert {c.config.dtype for c in decodes if c.config} == {
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+    }
+    assert {f for c in decodes if c.config for f in c.config.features} == set(FEATURES)
     longest = {max(c.plan().seq_lens) for c in full}
     assert max(longest) > LONGEST_KEYS and min(k for k in longest if k > LONG_KEYS) > LONG_KEYS
     assert "long context: chunked prefill 32k" in rows
