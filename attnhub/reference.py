@@ -56,6 +56,7 @@ __all__ = [
     "mla_expanded",
     "mla_output",
     "paged_attention",
+    "paged_attention_chunked",
     "paged_mla_absorbed",
     "paged_mla_expanded",
     "quantize_fp8",
@@ -222,6 +223,74 @@ def paged_attention(
     h, d = spec.num_heads, spec.head_size
     if not outs:
         return torch.zeros(0, h, d, dtype=F64), torch.zeros(h, 0, dtype=F64)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+#: Scores (float64 elements) one :func:`paged_attention_chunked` call computes at a time.
+CHUNK_SCORES = 1 << 22
+
+
+def paged_attention_chunked(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    cache: PagedKVCache,
+    batch: BatchMetadata,
+    spec: AttentionSpec,
+    *,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = F64,
+    probabilities: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    max_scores: int = CHUNK_SCORES,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_actual_tokens, H, D] f64, lse [H, tokens]
+    """:func:`paged_attention` with bounded memory, for long contexts (tens of thousands of
+    keys and more): the same :func:`attention` per request, one query head at a time (heads are
+    independent: head ``h`` reads kv head ``h // group``, so no K/V is expanded to every head),
+    and, where the step is causal, the query rows in chunks of about ``max_scores / seq_len``:
+    rows ``i0..i1-1`` of a request see at most its first ``seq_len - query_len + i1`` keys, and
+    are exactly the last rows of that prefix, so :func:`attention` over the prefix gives them
+    unchanged. A non-causal step's rows are not chunked (each sees every key)."""
+    _check_inputs(query, cache, batch, spec)
+    cache = cache.unpacked()
+    qsl = batch.query_start_loc_cpu.tolist()
+    h_all, d = spec.num_heads, spec.head_size
+    group = spec.num_heads // spec.num_kv_heads
+    causal = spec.causal and batch.causal
+    slopes = None if alibi_slopes is None else alibi_slopes.to("cpu")
+    sink_all = None if sinks is None else sinks.to("cpu")
+    outs, lses = [], []
+    for r in range(batch.num_reqs):
+        seq_len = int(batch.seq_lens_cpu[r])
+        q_req = query[qsl[r] : qsl[r + 1]].to("cpu")
+        q_len = q_req.shape[0]
+        k, v = read_sequence(cache, batch.block_table[r], seq_len)
+        out = torch.zeros(q_len, h_all, d, dtype=F64)
+        lse = torch.zeros(h_all, q_len, dtype=F64)
+        rows = max(1, max_scores // max(seq_len, 1)) if causal else max(q_len, 1)
+        for h in range(h_all):
+            kv = h // group
+            k_h, v_h = k[:, kv : kv + 1], v[:, kv : kv + 1]
+            for i0 in range(0, q_len, rows):
+                i1 = min(q_len, i0 + rows)
+                end = seq_len - q_len + i1 if causal else seq_len
+                o, s = attention(
+                    q_req[i0:i1, h : h + 1],
+                    k_h[:end],
+                    v_h[:end],
+                    scale=spec.scale,
+                    causal=causal,
+                    window=spec.window,
+                    logits_soft_cap=spec.logits_soft_cap,
+                    alibi_slopes=None if slopes is None else slopes[h : h + 1],
+                    sinks=None if sink_all is None else sink_all[h : h + 1],
+                    compute_dtype=compute_dtype,
+                    probabilities=probabilities,
+                )
+                out[i0:i1, h : h + 1] = o
+                lse[h : h + 1, i0:i1] = s
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        return torch.zeros(0, h_all, d, dtype=F64), torch.zeros(h_all, 0, dtype=F64)
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 

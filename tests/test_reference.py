@@ -361,3 +361,43 @@ def test_write_kv_int8_uses_per_slot_key_scales(layout: str, kv_cache_dtype: str
         torch.testing.assert_close(v2, expected_v.double(), rtol=0, atol=1e-7)
     else:
         torch.testing.assert_close(v2, v.double(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        {},
+        {"sliding_window": 13},
+        {"logits_soft_cap": 2.0, "use_alibi": True, "use_sinks": True},
+    ],
+    ids=["plain", "window", "softcap_alibi_sinks"],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_attention_chunked_equals_paged_attention(features: dict, causal: bool) -> None:
+    """Per head, and (causal) in query-row chunks of a few rows: the same outputs and LSEs."""
+    from attnhub import AttentionSpec, testing
+    from attnhub.spec import AttentionType
+
+    spec = AttentionSpec(
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=16,
+        dtype=torch.float32,
+        block_size=8,
+        attn_type=AttentionType.DECODER if causal else AttentionType.ENCODER_ONLY,
+        **features,
+    )
+    g = testing.generator(7)
+    q_lens, seq_lens = ([1, 9, 23, 5], [40, 9, 61, 5]) if causal else ([9, 23], [9, 23])
+    batch, num_blocks = testing.make_batch(q_lens, seq_lens, block_size=8, seed=g)
+    cache = PagedKVCache.for_spec(spec, num_blocks, "cpu")
+    testing.fill_cache_random(cache, g)
+    q = torch.randn(batch.num_tokens, 4, 16, generator=g)
+    slopes = testing.alibi_slopes(4) if spec.use_alibi else None
+    sinks = testing.random_sinks(4, g) if spec.use_sinks else None
+    want = reference.paged_attention(q, cache, batch, spec, alibi_slopes=slopes, sinks=sinks)
+    got = reference.paged_attention_chunked(
+        q, cache, batch, spec, alibi_slopes=slopes, sinks=sinks, max_scores=70
+    )
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)

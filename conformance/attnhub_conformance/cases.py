@@ -1008,3 +1008,184 @@ def generate(kind: str, target: Target, scope: Scope) -> list[Case]:
     if not target.runnable:
         return []
     return GENERATORS[kind](target, scope)
+
+
+# --- long contexts, non-contiguous inputs, extreme logits ------------------------------------
+
+#: Keys of the full scope's long cases: at least 32k, and one case near 128k (Capabilities
+#: declares no maximum sequence length, so every backend that serves a spec takes any length).
+LONG_KEYS = 32 * 1024
+LONGEST_KEYS = 128 * 1024 - 1000
+#: Keys that cross the split thresholds the backends' docs name (docs/backends/<name>.md,
+#: "Where the kernels switch paths"), where a backend gives no figure of its own: vLLM CPU's
+#: KV split of a decode, FlashAttention's split-KV and FIA's tiling all switch well below this.
+SPLIT_KEYS = 8 * 1024
+
+
+def split_threshold_keys(target: Target, config: Config) -> int:
+    """The key count past which the backend's kernels take another path, where the backend
+    says (the torch backend: its planner gathers at most ``gather_budget_bytes`` of K/V per
+    decode chunk, so one longer request is planned alone); else :data:`SPLIT_KEYS`."""
+    budget = getattr(target.backend, "gather_budget_bytes", None)
+    if not isinstance(budget, int) or budget <= 0:
+        return SPLIT_KEYS
+    fmt = KV_CACHE_DTYPES[config.kv_cache_dtype]
+    k_dtype, v_dtype = fmt.storage_dtypes(config.dtype)
+    per_token = config.heads.num_kv_heads * config.head_size * (k_dtype.itemsize + v_dtype.itemsize)
+    return max(SPLIT_KEYS, budget // per_token)
+
+
+def _long_decode(keys: int) -> Callable[[int, Capabilities, Scope], BatchPlan]:
+    def plan(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+        # the long request mid-block; a second past half of it; a short one beside them
+        return BatchPlan(((1, 3 * bs + 1), (1, keys + bs // 2 + 3), (1, keys // 2 + 7)), padding=1)
+
+    return plan
+
+
+def _long_chunked_prefill(keys: int) -> Callable[[int, Capabilities, Scope], BatchPlan]:
+    def plan(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+        return BatchPlan(((1, 2 * bs + 1), (300, keys + 300 + 5)))
+
+    return plan
+
+
+def long_context_cases(target: Target, scope: Scope) -> list[Case]:
+    """Decodes (and, full scope, a chunked prefill) over long cached contexts: quick, just past
+    the backend's split threshold (:func:`split_threshold_keys`); full, over 32k keys in every
+    dtype and with every declared feature, and near 128k once. Needle keys (keys close to the
+    query, so that they carry much of the weight) sit early, past 16k and near the end, so that
+    a key read or weighted wrongly anywhere shows. The reference is computed in chunks
+    (``attnhub.reference.paged_attention_chunked``)."""
+    ax = Axes(target, scope)
+    out = Cases(target, "long_context", scope)
+    base = ax.base
+    if base is None or base.attn_type is not AttentionType.DECODER:
+        return []
+    proves = (
+        "forward over a long cached context matches the reference (needles early, past 16k "
+        "keys and at the end)"
+    )
+    split = split_threshold_keys(target, base)
+    shape = Shape(f"long_decode_{split}", "decodes past the split threshold", _long_decode(split))
+    out.add("long context: past the split threshold", proves, config=base, shape=shape)
+    if not scope.full:
+        return out.list()
+    dec = Shape("long_decode_32k", "decodes over 32k keys", _long_decode(LONG_KEYS))
+    for dtype in ax.dtypes:
+        out.add("long context: decode 32k", proves, config=base.with_(dtype=dtype), shape=dec)
+    # the declared features over 32k keys: a sliding window alone (its blocks skipped), the
+    # others together (softcap, ALiBi, sinks: every key weighted)
+    unwindowed = tuple(f for f in ax.features if f != "sliding_window")
+    feature_sets: list[tuple[str, ...]] = (
+        [("sliding_window",)] if "sliding_window" in ax.features else []
+    )
+    feature_sets += [unwindowed] if unwindowed else []
+    for feats in feature_sets:
+        config = base.with_(features=feats)
+        if ax.supports(config):
+            out.add("long context: decode 32k", proves, config=config, shape=dec)
+        else:  # each on its own
+            for f in feats:
+                out.add(
+                    "long context: decode 32k", proves, config=base.with_(features=(f,)), shape=dec
+                )
+    if ax.caps.chunked_prefill:
+        pre = Shape(
+            "long_chunked_prefill_32k",
+            "a 300-token chunk over 32k cached keys",
+            _long_chunked_prefill(LONG_KEYS),
+        )
+        out.add("long context: chunked prefill 32k", proves, config=base, shape=pre)
+    longest = Shape("long_decode_128k", "decodes near 128k keys", _long_decode(LONGEST_KEYS))
+    out.add("long context: decode 128k", proves, config=base, shape=longest)
+    return out.list()
+
+
+def noncontiguous_cases(target: Target, scope: Scope) -> list[Case]:
+    """q, k and v as views of one fused QKV projection ``[T, (H + 2 * Hkv) * D]`` (strided
+    rows, dense channels), the output a strided view of a larger buffer: computed as with
+    dense tensors, nothing outside the views written; or refused with a typed error, the cache
+    untouched. The base, every declared feature together, each KV format (full: each dtype)."""
+    ax = Axes(target, scope)
+    out = Cases(target, "noncontiguous", scope)
+    base = ax.base
+    if base is None:
+        return []
+    proves = (
+        "fused-QKV views in, a strided output view out: the reference's answer, the rest of "
+        "both buffers untouched (or a typed refusal, the cache untouched)"
+    )
+    configs = [base]
+    combined = ax.combined_features(base)
+    configs += [combined] if combined else [base.with_(features=(f,)) for f in ax.features]
+    configs += [base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes]
+    if scope.full:
+        configs += [base.with_(dtype=d) for d in ax.dtypes]
+    shapes = [main_shape(base.attn_type)]
+    if DECODE in shapes_for(ax.caps, base.attn_type):
+        shapes.append(DECODE)
+    for config in configs:
+        for shape in shapes:
+            out.add("non-contiguous q/k/v and output", proves, config=config, shape=shape)
+    return out.list()
+
+
+#: The extreme-logit cases: (entry, matrix row, feature it needs or None).
+EXTREME_LOGITS = (
+    ("large_scores", "extreme logits: scores ~1e4", None),
+    ("equal_logits", "extreme logits: all logits equal", None),
+    ("softcap_limit", "extreme logits: at the softcap limit", "softcap"),
+    ("alibi_far", "extreme logits: very negative ALiBi", "alibi"),
+)
+#: Keys of the ALiBi case's longest request: the steepest slope (1/2) times this distance is a
+#: bias near -1000.
+ALIBI_FAR_KEYS = 2 * 1024
+
+
+def _alibi_far(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    reqs = [(1, ALIBI_FAR_KEYS + 3), (1, bs + 2), (1, ALIBI_FAR_KEYS // 2 + 1)]
+    if caps.chunked_prefill:
+        reqs.append((17, ALIBI_FAR_KEYS + 17))
+    return BatchPlan(tuple(reqs))
+
+
+ALIBI_FAR = Shape("alibi_far", "long distances under ALiBi", _alibi_far)
+
+
+def extreme_logit_cases(target: Target, scope: Scope) -> list[Case]:
+    """Per dtype: scores of magnitude ~1e4 (a shift shared by every key of a row: the math is
+    that of the unshifted scores), rows whose logits are all equal (a zero query), logits at
+    the softcap limit (where declared), ALiBi biases near -1000 (where declared). Checked
+    against the reference's bounds; never NaN or inf."""
+    ax = Axes(target, scope)
+    out = Cases(target, "extreme_logits", scope)
+    base = ax.base
+    if base is None:
+        return []
+    proves = "forward stays finite and matches the reference where the logits are extreme"
+    shape = main_shape(base.attn_type)
+    for (entry, row, feature), dtype in itertools.product(EXTREME_LOGITS, ax.dtypes):
+        config = base.with_(dtype=dtype)
+        use = shape
+        if feature is not None:
+            if feature not in ax.features:
+                continue
+            config = config.with_(features=(feature,))
+            if feature == "alibi" and base.attn_type is AttentionType.DECODER:
+                use = ALIBI_FAR
+        if ax.supports(config):
+            out.add(
+                row,
+                proves,
+                config=config,
+                shape=use,
+                entry=entry,
+                name=f"{entry}-{use.name}-{config.id}",
+            )
+    return out.list()
+
+
+GENERATORS["long_context"] = long_context_cases
+GENERATORS["noncontiguous"] = noncontiguous_cases
+GENERATORS["extreme_logits"] = extreme_logit_cases

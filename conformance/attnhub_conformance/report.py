@@ -67,6 +67,9 @@ SECTIONS = (
     "kv cache writes",
     "quantized cache accuracy:",
     "output buffer",
+    "long context:",
+    "non-contiguous",
+    "extreme logits:",
     "invalid inputs",
     "determinism",
     "batch invariance",
@@ -84,6 +87,18 @@ _ORDER_WITHIN = {
     "feature:": ["sliding_window", "softcap", "alibi", "sinks", "combined"],
     "kv cache:": ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int8_k"],
     "quantized cache accuracy:": ["fp8_e4m3", "fp8_e5m2", "int8", "int8_k"],
+    "long context:": [
+        "past the split threshold",
+        "decode 32k",
+        "chunked prefill 32k",
+        "decode 128k",
+    ],
+    "extreme logits:": [
+        "scores ~1e4",
+        "all logits equal",
+        "at the softcap limit",
+        "very negative ALiBi",
+    ],
 }
 
 

@@ -20,7 +20,7 @@ import torch
 import attnhub
 from attnhub import BatchMetadata, GraphSupport, PagedKVCache, reference
 from attnhub.backend import AttentionMetadata
-from attnhub.errors import UnsupportedConfigurationError
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.quant import simulate_query_quantization
 from attnhub.spec import AttentionType
 from attnhub.torch_backend import TorchAttentionImpl, TorchBackend, TorchMetadataBuilder
@@ -52,6 +52,9 @@ class PerRequestImpl(TorchAttentionImpl):
     def window(self) -> tuple[int, int]:
         return self.spec.window
 
+    def normalize(self, scores: torch.Tensor) -> torch.Tensor:  # softmax over the last dim
+        return torch.softmax(scores, -1).nan_to_num(0.0)
+
     def attend(
         self,
         query: torch.Tensor,
@@ -82,7 +85,7 @@ class PerRequestImpl(TorchAttentionImpl):
                 sink = self.sinks[:, None, None].expand(-1, q.shape[0], 1)
                 p = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
             else:
-                p = torch.softmax(scores, -1).nan_to_num(0.0)
+                p = self.normalize(scores)
             out[qsl[r] : qsl[r + 1]] = torch.einsum("hij,jhd->ihd", p, v).to(out.dtype)
 
 
@@ -322,6 +325,138 @@ class ValueScaleOffBackend(QuantizedCacheMutant):
     )
 
 
+# --- 10. reads its new keys and values as if their rows were dense ----------------------------
+def _as_if_dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` read through the strides of its ``.contiguous()`` copy at its own storage offset:
+    a kernel that takes the data pointer and assumes dense rows. Right for a dense tensor;
+    for a view of a fused QKV projection it reads the neighbouring columns."""
+    return t.as_strided(t.shape, t.contiguous().stride(), t.storage_offset())
+
+
+class IgnoresRowStrideImpl(TorchAttentionImpl):
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        super().store_kv(_as_if_dense(key), _as_if_dense(value), cache, slot_mapping)
+
+    def store_step_kv(
+        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
+    ) -> None:  # type: ignore[override]
+        super().store_step_kv(_as_if_dense(key), _as_if_dense(value), cache, meta)  # type: ignore[arg-type]
+
+
+class IgnoresRowStrideBackend(TorchBackend):
+    name = "ignores_row_stride"
+    capabilities = replace(TorchBackend.capabilities, dtypes=frozenset({torch.bfloat16}))
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return IgnoresRowStrideImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+# --- 11. split-KV decoding past 16k keys, its partial LSEs kept in bfloat16 --------------------
+SPLIT_AT = 16 * 1024
+
+
+class HalfPrecisionSplitImpl(TorchAttentionImpl):
+    """Decodes over more than 16k keys in two splits (flash-decoding), merged by their LSEs,
+    which it keeps in bfloat16 (the bug: ~0.03 off at LSE ~12, a few percent of each split's
+    weight). Exact below 16k keys."""
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        super().attend(query, key, value, cache, meta, out)  # type: ignore[arg-type]
+        spec, batch = self.spec, meta.batch
+        qsl = batch.query_start_loc_cpu.tolist()
+        for r in range(batch.num_reqs):
+            s = int(batch.seq_lens_cpu[r])
+            if qsl[r + 1] - qsl[r] != 1 or s <= SPLIT_AT:
+                continue
+            k, v = reference.read_sequence(cache, batch.block_table[r], s)
+            q = query[qsl[r] : qsl[r] + 1]
+            (oa, la), (ob, lb) = (
+                reference.attention(
+                    q, k[a:b], v[a:b], scale=spec.scale, compute_dtype=torch.float32
+                )
+                for a, b in ((0, SPLIT_AT), (SPLIT_AT, s))
+            )
+            la, lb = (x.to(torch.bfloat16).double() for x in (la, lb))  # the bug
+            o, _ = reference.merge_attn_states(oa, la, ob, lb)
+            out[qsl[r] : qsl[r] + 1] = o.to(out.dtype)
+
+
+class LosesPrecisionPast16kBackend(TorchBackend):
+    name = "loses_precision_past_16k"
+    capabilities = replace(
+        TorchBackend.capabilities,
+        dtypes=frozenset({torch.float32}),
+        softcap=False,
+        alibi=False,
+        sinks=False,
+        sliding_window=False,
+    )
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return HalfPrecisionSplitImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+# --- 12. a softmax that does not subtract the row maximum ---------------------------------------
+class NoMaxSubtractionImpl(PerRequestImpl):
+    def normalize(self, scores: torch.Tensor) -> torch.Tensor:
+        e = scores.exp()  # exp(1e4) = inf: inf / inf = NaN
+        return e / e.sum(-1, keepdim=True)
+
+
+class NoMaxSubtractionBackend(TorchBackend):
+    name = "no_max_subtraction"
+    capabilities = replace(TorchBackend.capabilities, dtypes=frozenset({torch.bfloat16}))
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return NoMaxSubtractionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+# --- 13. refuses strided query rows, but only after writing the cache ---------------------------
+class RefusesAfterWriteImpl(TorchAttentionImpl):
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        if not query.is_contiguous():  # checked in attend: after forward wrote the cache
+            raise InvalidInputError(f"query must be contiguous, got strides {query.stride()}")
+        super().attend(query, key, value, cache, meta, out)  # type: ignore[arg-type]
+
+
+class RefusesAfterWriteBackend(TorchBackend):
+    name = "refuses_after_write"
+    capabilities = replace(TorchBackend.capabilities, dtypes=frozenset({torch.bfloat16}))
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return RefusesAfterWriteImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
 MUTANTS = (
     TopLeftCausalBackend,
     WritesPaddingBackend,
@@ -333,6 +468,10 @@ MUTANTS = (
     LooseToleranceBackend,
     OverclaimsAccuracyBackend,
     ValueScaleOffBackend,
+    IgnoresRowStrideBackend,
+    LosesPrecisionPast16kBackend,
+    NoMaxSubtractionBackend,
+    RefusesAfterWriteBackend,
 )
 
 
@@ -395,7 +534,40 @@ class FakeVendorBackend(TorchBackend):
         return True
 
 
-VARIANTS = (RestrictedBackend, CascadeBackend, FakeVendorBackend)
+class DenseRowsOnlyImpl(TorchAttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        for name, t in (("query", query), ("key", key), ("value", value), ("output", output)):
+            if t is not None and not t.is_contiguous():
+                raise InvalidInputError(
+                    f"{name} has strides {t.stride()}: this backend's kernels read and write "
+                    "dense rows (pass .contiguous() tensors)"
+                )
+        return super().forward(query, key, value, cache, meta, output=output)
+
+
+class DenseRowsOnlyBackend(TorchBackend):
+    """Refuses strided rows (fused-QKV views, a strided output) with a reason, before any
+    write: a conforming choice, reported as not supported."""
+
+    name = "dense_rows_only"
+    capabilities = replace(TorchBackend.capabilities, dtypes=frozenset({torch.bfloat16}))
+
+    def impl(
+        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+    ) -> TorchAttentionImpl:
+        return DenseRowsOnlyImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+VARIANTS = (RestrictedBackend, CascadeBackend, FakeVendorBackend, DenseRowsOnlyBackend)
 
 
 def pytest_configure() -> None:

@@ -140,3 +140,51 @@ def test_guard_tree_leaves_host_copies_alone() -> None:
     assert type(guarded.slot_mapping).__name__ == "HostSyncGuard"
     assert type(guarded.seq_lens_cpu) is torch.Tensor
     assert batch.slot_mapping.__class__ is torch.Tensor  # the original is untouched
+
+
+def test_long_contexts_cross_the_split_threshold_quick_and_reach_128k_full() -> None:
+    """Quick: one decode just past the torch planner's gather budget (4 MiB of K/V: a request
+    planned alone); full: 32k keys in every dtype, a chunked prefill over 32k, one near 128k."""
+    from attnhub_conformance.cases import LONG_KEYS, LONGEST_KEYS, split_threshold_keys
+
+    target = target_for(TorchBackend)
+    quick = generate("long_context", target, QUICK)
+    assert {r for c in quick for r in c.rows} == {"long context: past the split threshold"}
+    (case,) = quick
+    assert case.config is not None
+    budget_tokens = TorchBackend.gather_budget_bytes // (
+        case.config.heads.num_kv_heads * case.config.head_size * 2 * 2
+    )
+    assert split_threshold_keys(target, case.config) >= budget_tokens
+    assert max(case.plan().seq_lens) > budget_tokens
+    full = generate("long_context", target, FULL)
+    rows = [r for c in full for r in c.rows]
+    decodes = [c for c in full if c.rows == ("long context: decode 32k",)]
+    assert {c.config.dtype for c in decodes if c.config} == {
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+    }
+    assert {f for c in decodes if c.config for f in c.config.features} == set(FEATURES)
+    longest = {max(c.plan().seq_lens) for c in full}
+    assert max(longest) > LONGEST_KEYS and min(k for k in longest if k > LONG_KEYS) > LONG_KEYS
+    assert "long context: chunked prefill 32k" in rows
+
+
+def test_noncontiguous_and_extreme_logit_cases_follow_the_declarations() -> None:
+    rows = all_rows("extreme_logits", target_for(TorchBackend))
+    assert rows == {
+        "extreme logits: scores ~1e4",
+        "extreme logits: all logits equal",
+        "extreme logits: at the softcap limit",
+        "extreme logits: very negative ALiBi",
+    }
+    narrow = all_rows("extreme_logits", target_for(Narrow))  # no softcap, no ALiBi declared
+    assert narrow == {"extreme logits: scores ~1e4", "extreme logits: all logits equal"}
+    per_dtype = generate("extreme_logits", target_for(TorchBackend), QUICK)
+    assert {c.config.dtype for c in per_dtype if c.entry == "large_scores"} == {
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+    }
+    assert all_rows("noncontiguous", target_for(Narrow)) == {"non-contiguous q/k/v and output"}

@@ -86,6 +86,30 @@ MUTANT_RUNS = [
         "kv cache: fp8_e4m3",
         id="value_scale_off",
     ),
+    pytest.param(
+        "ignores_row_stride",
+        "test_fused_qkv_views_and_strided_output",
+        "test_fused_qkv_views_and_strided_output[ignores_row_stride-mixed-bf16-h64-gqa4-bs16]",
+        "forward through fused-QKV views left the cache wrong",
+        "non-contiguous q/k/v and output",
+        id="ignores_row_stride",
+    ),
+    pytest.param(
+        "no_max_subtraction",
+        "test_extreme_logits_match_reference and large_scores",
+        "test_extreme_logits_match_reference[no_max_subtraction-large_scores-mixed-bf16-h64-gqa4-bs16]",
+        "NaN or inf where the math has none",
+        "extreme logits: scores ~1e4",
+        id="no_max_subtraction",
+    ),
+    pytest.param(
+        "refuses_after_write",
+        "test_fused_qkv_views_and_strided_output",
+        "test_fused_qkv_views_and_strided_output[refuses_after_write-mixed-bf16-h64-gqa4-bs16]",
+        "after changing the KV cache",
+        "non-contiguous q/k/v and output",
+        id="refuses_after_write",
+    ),
 ]
 
 
@@ -110,3 +134,24 @@ def test_a_declared_query_quantization_is_what_the_same_inputs_reference_uses(ru
     )
     assert run.returncode == 0, run.output[-4000:]
     assert " passed" in run.output
+
+
+def test_suite_catches_precision_lost_past_16k_keys_in_the_full_scope(run_suite) -> None:
+    """Exact up to 16k keys: the quick scope's long case (just past the split threshold) passes;
+    the full scope's decode over 32k keys fails, naming the case."""
+    select = ("-k", "test_long_context")
+    quick = run_suite("--attnhub-backend", "loses_precision_past_16k", *select)
+    assert quick.returncode == 0, quick.output[-4000:]
+    run = run_suite(
+        "--attnhub-backend",
+        "loses_precision_past_16k",
+        "--attnhub-scope",
+        "full",
+        "-k",
+        "test_long_context and long_decode_32k",
+    )
+    assert run.returncode == 1, run.output[-4000:]
+    failing = "test_long_context_matches_reference[loses_precision_past_16k-long_decode_32k-fp32"
+    assert failing in run.output, run.output[-4000:]
+    assert "differs from attnhub.reference" in run.output, run.output[-4000:]
+    assert run.state("long context: decode 32k", "loses_precision_past_16k") == "fail"

@@ -148,3 +148,27 @@ def test_the_matrix_is_not_cut_outside_a_terminal() -> None:
     assert "…" not in text
     assert all(name in text for name in names)
     assert text.count("emulated 28/28") == 5
+
+
+def test_the_new_rows_sit_in_their_sections_in_order() -> None:
+    m = Matrix("full", "cpu")
+    rows = [
+        "extreme logits: very negative ALiBi",
+        "long context: decode 128k",
+        "non-contiguous q/k/v and output",
+        "extreme logits: scores ~1e4",
+        "long context: past the split threshold",
+        "output buffer",
+        "invalid inputs",
+    ]
+    for i, row in enumerate(rows):
+        m.record(f"a::t[x-{i}]", "call", "passed", facts("x", [row]), None)
+    assert m.rows == [
+        "output buffer",
+        "long context: past the split threshold",
+        "long context: decode 128k",
+        "non-contiguous q/k/v and output",
+        "extreme logits: scores ~1e4",
+        "extreme logits: very negative ALiBi",
+        "invalid inputs",
+    ]

@@ -57,3 +57,15 @@ def test_unknown_backend_is_a_usage_error(run_suite) -> None:
     run = run_suite("--attnhub-backend", "no_such_backend")
     assert run.returncode == 4, run.output[-2000:]
     assert "no attnhub backend named 'no_such_backend'" in run.output
+
+
+def test_a_backend_refusing_strided_rows_with_a_reason_is_not_supported(run_suite) -> None:
+    run = run_suite(
+        "--attnhub-backend",
+        "dense_rows_only",
+        "-k",
+        "test_fused_qkv_views_and_strided_output or (test_matches_reference and mixed-bf16)",
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.state("non-contiguous q/k/v and output", "dense_rows_only") == "not supported"
+    assert run.state("batch: mixed", "dense_rows_only") == "pass"
