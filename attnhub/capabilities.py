@@ -147,6 +147,12 @@ class Capabilities:
     #: blocks of finite K/V meet the condition; a request that wrote non-finite K/V leaves them
     #: in blocks another request may later get.
     finite_stale_slots: bool = False
+    #: The largest ``|score / logits_soft_cap|`` the kernels' soft cap computes without
+    #: overflow (None: any). A kernel that evaluates tanh through exp overflows past ~88.7 in
+    #: float32 (e^88.7 is float32's largest), and inf / inf is NaN: a score beyond this many
+    #: caps, on any key the kernel reads (masked tail slots of a block included), gives NaN
+    #: where the math saturates at +-cap. The suite's softcap cases stay within it.
+    softcap_score_limit: float | None = None
     attn_types: frozenset[AttentionType] = frozenset({AttentionType.DECODER})
     sliding_window: bool = False
     softcap: bool = False

@@ -31,6 +31,36 @@ PAST_16K = 16 * 1024 + 5
 SCORE_SHIFT = 1.0e4
 #: Query gain of the softcap case: scores ~80x the cap, so tanh saturates (logits at +-cap).
 SOFTCAP_GAIN = 80.0
+#: Where a backend declares ``softcap_score_limit``, the case's largest |score| is this
+#: fraction of it (in caps), over every key the cache holds (kernels compute masked slots too).
+SOFTCAP_LIMIT_MARGIN = 0.9
+
+
+def softcap_gain(step: Step, layer: Layer) -> float:
+    """The query gain of the softcap case: :data:`SOFTCAP_GAIN`, or less where the backend
+    declares ``softcap_score_limit``, so that no score the kernel computes (any query row
+    against any key in the cache) exceeds :data:`SOFTCAP_LIMIT_MARGIN` of that many caps: the
+    case then proves saturation up to the declared limit, not past it."""
+    limit = step.backend.capabilities.softcap_score_limit
+    cap = step.spec.logits_soft_cap
+    if limit is None or cap is None:
+        return SOFTCAP_GAIN
+    spec = step.spec
+    group = spec.num_heads // spec.num_kv_heads
+    plain = layer.cache.unpacked()
+    keys = plain.key.to(torch.float64)  # every slot's keys, NHD or HND blocks
+    if plain.layout == "HND":
+        keys = keys.transpose(1, 2)
+    keys = keys.reshape(-1, spec.num_kv_heads, spec.head_size)  # [slots, hkv, d]
+    keys = torch.cat([keys, layer.key.to(torch.float64)])  # and the step's new keys
+    query = layer.query.to(torch.float64).reshape(-1, spec.num_kv_heads, group, spec.head_size)
+    top = 0.0
+    for h in range(spec.num_kv_heads):  # [tokens * group, slots] per kv head
+        scores = query[:, h].reshape(-1, spec.head_size) @ keys[:, h].T
+        top = max(top, float(scores.abs().max()) * spec.scale / cap)
+    if top == 0.0:
+        return SOFTCAP_GAIN
+    return min(SOFTCAP_GAIN, SOFTCAP_LIMIT_MARGIN * limit / top)
 
 
 # --- long contexts --------------------------------------------------------------------------

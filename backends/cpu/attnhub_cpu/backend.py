@@ -77,6 +77,9 @@ def capabilities_for(features: ops.CpuFeatures) -> Capabilities:
         # vLLM's kernels compute on whole blocks and mask past seq_len: NaN in a partly used
         # block's tail leaks into the output (0 x NaN), as in vLLM's own CPU backend
         finite_stale_slots=True,
+        # vLLM's kernels evaluate the soft cap's tanh through exp: NaN from |score| = 89 caps
+        # (measured, float32 and bf16 alike: e^88.7 overflows float32)
+        softcap_score_limit=88.0,
         attn_types=frozenset(AttentionType),
         sliding_window=True,
         softcap=True,

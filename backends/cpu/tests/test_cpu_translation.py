@@ -285,3 +285,37 @@ def test_a_backend_off_vllms_isa_cannot_be_timed_as_if_it_were_on_it(
     monkeypatch.setattr(bench, "vllm_isa", lambda *args: "vec16")
     with pytest.raises(ToolError, match="the backend runs 'vec', vLLM 'vec16'"):
         bench.run_case(bench.quick_cases()[0], repeats=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_declared_softcap_limit_is_where_the_kernel_overflows(
+    kernels: object, dtype: torch.dtype
+) -> None:
+    """``softcap_score_limit`` (88 caps) states vLLM's kernel as it is: a score of 88 caps
+    saturates to +-cap, one of 89.5 caps gives NaN (its tanh through exp overflows float32).
+    If a vLLM release fixes the kernel, this fails: then drop the declaration."""
+    cap = 1.5
+    spec = attnhub.AttentionSpec(
+        num_heads=1, num_kv_heads=1, head_size=64, dtype=dtype, block_size=16,
+        logits_soft_cap=cap, scale=1.0,
+    )  # fmt: skip
+    backend = attnhub.select_backend(spec, "cpu", prefer="cpu")
+    limit = backend.capabilities.softcap_score_limit
+    assert limit == 88.0
+    table = torch.zeros((1, 1), dtype=torch.int32)
+    batch = attnhub.BatchMetadata.from_lengths([1], [2], table, 16, "cpu")
+    cache = backend.allocate_kv_cache(1)
+    impl = backend.impl()
+    key = torch.zeros(2, 1, 64, dtype=dtype)
+    key[:, 0, 0] = 1  # both keys score the query's first channel
+    impl.write_kv(key, torch.ones(2, 1, 64, dtype=dtype), cache, torch.tensor([0, 1]))
+    meta = backend.metadata_builder().build(batch)
+
+    def out_at(caps: float) -> torch.Tensor:
+        query = torch.zeros(1, 1, 64, dtype=dtype)
+        query[0, 0, 0] = caps * cap
+        return impl.forward(query, None, None, cache, meta)
+
+    assert torch.isfinite(out_at(limit)).all()
+    assert torch.allclose(out_at(limit).float(), torch.ones(1, 1, 64))  # softmax of equal caps
+    assert torch.isnan(out_at(limit + 1.5)).all()
