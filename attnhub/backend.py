@@ -64,7 +64,8 @@ def scratch_field(**kwargs: Any) -> Any:
     buffer, a captured graph's task list. Every other field is complete when ``build`` returns
     and only read afterwards (the conformance suite holds every backend to it:
     ``test_plan_complete``). Takes ``dataclasses.field``'s arguments (default None)."""
-    kwargs.setdefault("default", None)
+    if "default_factory" not in kwargs:
+        kwargs.setdefault("default", None)
     kwargs.setdefault("repr", False)
     kwargs.setdefault("compare", False)
     return field(metadata={SCRATCH: True}, **kwargs)

@@ -86,6 +86,14 @@ MUTANT_RUNS = [
         "kv cache: fp8_e4m3",
         id="value_scale_off",
     ),
+    pytest.param(
+        "memoizes_per_layer",
+        "test_the_plan_is_complete_when_build_returns",
+        "test_the_plan_is_complete_when_build_returns[memoizes_per_layer-mixed-bf16-h64-gqa4-bs16]",
+        "meta.kernel_kwargs (a dict) gained keys",
+        "metadata reuse",
+        id="memoizes_per_layer",
+    ),
 ]
 
 
