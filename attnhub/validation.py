@@ -679,9 +679,9 @@ def _block_facts(table: np.ndarray) -> tuple[int, int]:
 class StepExtents:
     """What a layer compares of a step, in O(1): upper bounds of the cache addresses it uses
     (found once per step on its host copies by :func:`check_step`) and the backend whose
-    builder made it. Made by ``build`` and only read afterwards. ``check_extents`` compares the bounds with a cache; only when one does not
-    fit does it look at the step's host data again, to name the entry or to clear a
-    block-table entry no request reads."""
+    builder made it; made by ``build`` and only read afterwards. ``check_extents`` compares
+    the bounds with a cache; only when one does not fit does it look at the step's host data
+    again, to name the entry or to clear a block-table entry no request reads."""
 
     max_slot: int  # the largest slot written (-1: none, or not read: structural checks)
     max_block: int  # the largest block-table entry, read or not (-1: no request, or not read)
