@@ -28,6 +28,8 @@ if TYPE_CHECKING:
         AttentionImpl,
         AttentionMetadata,
         AttentionMetadataBuilder,
+        Step,
+        scratch_field,
     )
     from attnhub.batch import (
         BatchMetadata,
@@ -65,6 +67,8 @@ _HOMES = {
         "AttentionImpl",
         "AttentionMetadata",
         "AttentionMetadataBuilder",
+        "Step",
+        "scratch_field",
     ),
     "attnhub.batch": (
         "BatchMetadata",

@@ -1,20 +1,27 @@
 """The backend protocol: AttentionBackend -> AttentionMetadataBuilder (once per step) and
 AttentionImpl (once per layer), as vLLM's v1 attention splits them and FlashInfer's plan()/run().
 
-A backend author writes three small classes:
-  - a backend: ``name``, ``capabilities``, ``metadata_builder()``, ``impl()``;
-  - a builder: ``plan(batch, common_prefix_len)``: all host-side work of a step, once;
-  - an impl: ``store_kv(...)`` and ``attend(...)``: per layer, thin.
+A backend author writes three small classes and about four methods::
+
+    build(batch)   -> the core's checks -> Step -> builder.plan(step) -> metadata (frozen)
+    forward(...)   -> the core's checks -> impl.compute(...) = store_kv(...); attend(...)
+    write_kv(...)  -> the core's checks -> impl.store_kv(...)
+
+  - a backend: ``name``, ``capabilities`` (data), ``builder_type``, ``impl_type``;
+  - a builder: ``plan(step)``: all host-side work of a step, once, returning the planned
+    fields of its ``metadata_type``;
+  - an impl: ``store_kv(...)`` and ``attend(...)`` (or ``compute(...)``, for a kernel that
+    writes and attends in one call): per layer, thin.
 The base classes do everything shared: refusing unsupported specs with reasons, validating every
-call before anything is written, allocating caches and outputs.
+call before anything is written, making the metadata, allocating caches and outputs.
 """
 
 from __future__ import annotations
 
 import abc
-import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -28,7 +35,7 @@ from attnhub.errors import (
 )
 from attnhub.kv_cache import BlockPacking, PagedKVCache
 from attnhub.spec import AttentionSpec
-from attnhub.validation import Let, Rule
+from attnhub.validation import Let, Rule, StepExtents, StepFacts
 
 if TYPE_CHECKING:
     from attnhub.graphs.adaptor import GraphAdaptor
@@ -48,20 +55,70 @@ def as_device(device: torch.device | str) -> torch.device:
         raise InvalidInputError(f"device {device!r} is not a device torch knows: {exc}") from None
 
 
+#: The ``dataclasses.field`` metadata key that marks a metadata field as scratch.
+SCRATCH = "attnhub_scratch"
+
+
+def scratch_field(**kwargs: Any) -> Any:
+    """A field of a backend's metadata that layers may write into: a workspace, a gather
+    buffer, a captured graph's task list. Every other field is complete when ``build`` returns
+    and only read afterwards (the conformance suite holds every backend to it:
+    ``test_plan_complete``). Takes ``dataclasses.field``'s arguments (default None)."""
+    if "default_factory" not in kwargs:
+        kwargs.setdefault("default", None)
+    kwargs.setdefault("repr", False)
+    kwargs.setdefault("compare", False)
+    return field(metadata={SCRATCH: True}, **kwargs)
+
+
+def is_scratch(f: Any) -> bool:
+    """Whether the dataclass field ``f`` was declared with :func:`scratch_field`."""
+    return bool(f.metadata.get(SCRATCH, False))
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """What a builder returns: the step's batch plus whatever the backend planned from it.
 
-    Frozen: made once per step by ``build``, then only read by every layer (FlashInfer's
-    plan / run). Backends subclass it (``@dataclass(frozen=True)`` too) with their planned
-    fields. ``extents`` are the step's largest slot and block, found by ``build`` on host data,
-    so that layers check them against their cache in O(1) (-1 each where the builder's
-    ``checks`` are structural: nothing read, nothing bounded).
+    Frozen and complete: made once per step by ``build`` (the base class makes it, from the
+    builder's ``plan``), then only read by every layer (FlashInfer's plan / run): no field is
+    written afterwards but those declared with :func:`scratch_field`. Backends subclass it
+    (``@dataclass(frozen=True)`` too) with their planned fields. ``extents`` are the step's
+    largest slot and block, found by ``build`` on host data, so that layers check them against
+    their cache in O(1) (-1 each where the builder's ``checks`` are structural: nothing read,
+    nothing bounded), and the backend that built it.
     """
 
     batch: BatchMetadata
     common_prefix_len: int = 0
-    extents: validation.StepExtents | None = field(default=None, repr=False, compare=False)
+    extents: StepExtents | None = field(default=None, repr=False, compare=False)
+
+
+class Step(NamedTuple):  # immutable, and made at a third of a frozen dataclass's cost
+    """A checked step, as ``build`` hands it to the builder's planning hook (``plan(step)``).
+
+    ``batch`` is dense (a strided integer tensor of the engine's was copied once here);
+    ``extents`` are what layers compare in O(1) (largest slot and block, the owner backend,
+    the engine's own slot mapping where ``batch`` holds a dense copy of it); ``facts`` are the
+    host facts the checks read on the way (query and sequence lengths as numpy, their
+    extremes, the block table; None where the checks were structural)."""
+
+    batch: BatchMetadata
+    facts: StepFacts
+    extents: StepExtents
+    common_prefix_len: int = 0
+
+    @property
+    def backend(self) -> AttentionBackend:
+        """The backend whose builder checked the step."""
+        return cast(AttentionBackend, self.extents.owner)
+
+    @property
+    def given_slot_mapping(self) -> torch.Tensor:
+        """The slot mapping the engine gave (``batch.slot_mapping``, or the strided view it is
+        a dense copy of)."""
+        given = self.extents.given_slot_mapping
+        return self.batch.slot_mapping if given is None else given
 
 
 M = TypeVar("M", bound=AttentionMetadata)
@@ -161,34 +218,38 @@ class AttentionBackend(abc.ABC):
 
         return default_adaptor(self.device)
 
-    @abc.abstractmethod
-    def metadata_builder(self) -> AttentionMetadataBuilder[Any]:
-        """The per-model builder; call ``build(batch)`` once per step."""
+    #: The builder class ``metadata_builder()`` makes (called with this backend).
+    builder_type: ClassVar[type[AttentionMetadataBuilder[Any]]]
+    #: The impl class ``impl()`` makes (called with this backend and the per-layer weights).
+    impl_type: ClassVar[type[AttentionImpl]]
 
-    @abc.abstractmethod
+    def metadata_builder(self) -> AttentionMetadataBuilder[Any]:
+        """The per-model builder (``builder_type``); call ``build(batch)`` once per step."""
+        return self.builder_type(self)
+
     def impl(
         self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
     ) -> AttentionImpl:
-        """The per-layer implementation (ALiBi slopes and sinks are per-layer weights)."""
+        """The per-layer implementation (``impl_type``; ALiBi slopes and sinks are per-layer
+        weights)."""
+        return self.impl_type(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
-class AttentionMetadataBuilder(abc.ABC, Generic[M]):
-    """Turns a step's BatchMetadata into the backend's metadata, once for all layers."""
+class AttentionMetadataBuilder(Generic[M]):
+    """Turns a step's BatchMetadata into the backend's metadata, once for all layers:
+    ``build`` checks the step, hands it to ``plan`` and makes ``metadata_type`` of what
+    ``plan`` returns."""
 
     #: Requests with query_len <= this are decodes the backend wants first (None: any order).
     reorder_batch_threshold: ClassVar[int | None] = None
+    #: The metadata class ``build`` makes: ``AttentionMetadata`` or a frozen dataclass
+    #: subclass of it whose fields beyond the base's are what ``plan`` returns.
+    metadata_type: ClassVar[type[AttentionMetadata]] = AttentionMetadata
 
     def __init__(self, backend: AttentionBackend) -> None:
         self.backend = backend
         self.spec = backend.spec
-        #: The step ``build`` is planning: its extents and the host facts read while checking
-        #: it (query and sequence lengths as numpy, their extremes), set before ``plan``.
-        self.step: validation.StepExtents | None = None
         self._checks = "full"
-        #: ``build`` plans one step at a time: ``step`` and whatever scratch a backend's
-        #: ``plan`` keeps on its builder belong to the step being planned, even where threads
-        #: share the builder (the checks before it run unlocked).
-        self._planning = threading.Lock()
 
     @property
     def checks(self) -> str:
@@ -215,15 +276,22 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
 
     def build(self, batch: BatchMetadata, *, common_prefix_len: int = 0) -> M:
         """Validate the batch and plan the step, on host data only (the batch's host copies):
-        no device-to-host sync. Every value check of the step runs here, once for all layers.
+        no device-to-host sync. Every value check of the step runs here, once for all layers;
+        the metadata returned is complete (``plan`` made every per-step kernel argument).
 
         An integer tensor of the batch that is a strided view (e.g. every other entry of an
         engine's buffer) is made dense here, once for every layer: the metadata's batch holds
         the dense copy, so no kernel ever reads one through a raw pointer with the wrong
         stride."""
+        step = self.check_step(batch, common_prefix_len)
+        return self.metadata(step, self.plan(step))
+
+    def check_step(self, batch: BatchMetadata, common_prefix_len: int = 0) -> Step:
+        """Every check ``build`` makes of a step (as ``checks`` says), without planning it:
+        the checked step, as ``plan`` receives it."""
         given = batch
         batch = validation.dense_batch(batch)
-        extents = validation.check_step(
+        facts = validation.check_step(
             self.spec, batch, self.backend.device, values=self._checks == "full"
         )
         self._check_batch_kinds(batch)
@@ -236,15 +304,32 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
                         "supported"
                     ],
                 )
-            validation.check_common_prefix(batch, common_prefix_len, extents)
-        extents.owner = self.backend
-        if batch is not given:
-            extents.given_slot_mapping = given.slot_mapping
-        with self._planning:
-            self.step = extents  # what was read of the batch, for plan to reuse
-            meta = self.plan(batch, common_prefix_len)
-        object.__setattr__(meta, "extents", extents)  # the last touch: frozen from here on
-        return meta
+            validation.check_common_prefix(batch, common_prefix_len, facts)
+        extents = StepExtents(
+            facts.max_slot,
+            facts.max_block,
+            self.backend,
+            None if batch is given else given.slot_mapping,
+        )
+        return Step(batch, facts, extents, common_prefix_len)
+
+    def plan(self, step: Step) -> Mapping[str, Any]:
+        """Backend-specific host-side work of one checked step: the values of the fields of
+        ``metadata_type`` beyond the base's (every per-step kernel argument: layers only read
+        them; a buffer layers write into is declared with ``scratch_field``). Default: none."""
+        return {}
+
+    def metadata(self, step: Step, planned: Mapping[str, Any]) -> M:
+        """The step's metadata: ``metadata_type`` of the step and what was planned for it."""
+        return cast(
+            M,
+            self.metadata_type(
+                batch=step.batch,
+                common_prefix_len=step.common_prefix_len,
+                extents=step.extents,
+                **planned,
+            ),
+        )
 
     def _check_batch_kinds(self, batch: BatchMetadata) -> None:
         """Refuse requests of a kind the backend does not declare.
@@ -276,10 +361,6 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
                     ],
                 )
 
-    @abc.abstractmethod
-    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> M:
-        """Backend-specific host-side work of one step (the batch is already validated)."""
-
     def build_for_graph_capture(self, batch: BatchMetadata) -> M:
         """Metadata for capturing a device graph of ``batch``'s shape.
 
@@ -289,7 +370,8 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
         graph captures): never host-planned from this batch's values, which every later
         replay would repeat. Host values a kernel takes are refreshed per step by
         :meth:`update_graph_params`. Default: ``build(batch)`` (right only for a backend
-        whose ``plan`` keeps no per-step value outside the batch's tensors)."""
+        whose ``plan`` keeps no per-step value outside the batch's tensors). A backend that
+        overrides it plans from :meth:`capture_step`."""
         self._check_graph_level(batch)
         validation.check_dense(batch, "a captured graph reads the batch's own tensors")
         return self.build(batch)
@@ -314,16 +396,20 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
                 ],
             )
 
-    def check_graph_step(self, batch: BatchMetadata) -> validation.StepExtents:
+    def check_graph_step(self, batch: BatchMetadata) -> StepExtents:
         """Every check ``build`` makes of a step, without planning it: for a step that replays
         a captured graph (the graph runner calls it on each padded batch). Returns the step's
         extents, to compare with every KV cache the graph writes or reads."""
-        extents = validation.check_step(self.spec, batch, self.backend.device)
+        return self.capture_step(batch).extents
+
+    def capture_step(self, batch: BatchMetadata) -> Step:
+        """The checked step of a graph capture or replay: every check ``build`` makes, always
+        in full, and the batch's tensors dense and its kind within ``graph_support``."""
+        facts = validation.check_step(self.spec, batch, self.backend.device)
         validation.check_dense(batch, "a captured graph reads the batch's own tensors")
         self._check_batch_kinds(batch)
         self._check_graph_level(batch)
-        extents.owner = self.backend
-        return extents
+        return Step(batch, facts, StepExtents(facts.max_slot, facts.max_block, self.backend))
 
     def update_graph_params(self, graph_meta: M, batch: BatchMetadata, stream: Any) -> None:
         """Before a replay: refresh the host-side kernel arguments a captured graph baked in.
@@ -346,7 +432,7 @@ _NAMES = {
     "kv_passes": validation.KV.passes,  # one name to look up, on every call
 }
 
-#: The call's metadata is a step's (its kind; the backend's own checks, ``check_step``).
+#: The call's metadata is a step's (its kind; the backend's own checks, ``check_call``).
 META_KIND = Rule(
     "isinstance(meta, AttentionMetadata)",
     "meta must be what this backend's metadata_builder().build(batch) returns, "
@@ -362,7 +448,7 @@ CACHE_REMEMBERED = Rule(
     "and last[3] is cache.key_scale and last[4] is cache.value_scale",
     otherwise="self._accept_cache(cache)",
 )
-BACKEND_CHECKS = Rule("self.check_step(cache, meta) or True")  # raises its own errors
+BACKEND_CHECKS = Rule("self.check_call(cache, meta) or True")  # raises its own errors
 #: What the rules below read of the impl and the step.
 FACTS = [
     Let("spec", "self.spec"),
@@ -477,7 +563,11 @@ _WRITE_OWN = validation.Rules(
 
 
 class AttentionImpl(abc.ABC):
-    """One layer's attention: write the new keys/values, then attend over the cache."""
+    """One layer's attention: write the new keys/values, then attend over the cache.
+
+    ``forward`` and ``write_kv`` are the core's (every check, the opt-in clip counting, zeroed
+    padding rows); a backend's kernel work is ``compute`` (by default ``store_kv`` then
+    ``attend``) and ``store_kv``."""
 
     #: Opt-in diagnostic (``attnhub.quant.ClipCounter.watch``): counts, on the device, the
     #: values this layer writes that its cache's static scales clip. None: not counted.
@@ -544,7 +634,7 @@ class AttentionImpl(abc.ABC):
                 _WRITE_STEP.explain(self, key, value, cache, slot_mapping, meta)
             if self.clip_counter is not None:
                 self.count_clipped(key, value, meta.batch.slot_mapping, cache)
-            self.store_step_kv(key, value, cache, meta)
+            self.store_kv(key, value, cache, meta.batch.slot_mapping, meta)
             return
         _WRITE_OWN.check(self, key, value, cache, slot_mapping)
         assert slot_mapping is not None
@@ -565,20 +655,19 @@ class AttentionImpl(abc.ABC):
         *,
         output: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size] in spec.dtype
-        """Write this step's keys/values (unless None), then attend for every query token.
+        """Write this step's keys/values (unless None), then attend for every query token
+        (``compute``, after every check).
 
         Rows past ``num_actual_tokens`` (padding) come back as zeros.
         """
         out = self.check_forward(query, key, value, cache, meta, output)
-        if key is not None:
+        if key is not None and self.clip_counter is not None:
             assert value is not None
-            if self.clip_counter is not None:
-                self.count_clipped(key, value, meta.batch.slot_mapping, cache)
-            self.store_step_kv(key, value, cache, meta)
+            self.count_clipped(key, value, meta.batch.slot_mapping, cache)
         n = meta.batch.num_actual_tokens
         if out.shape[0] > n:
             out[n:].zero_()
-        self.attend(query, key, value, cache, meta, out)
+        self.compute(query, key, value, cache, meta, out)
         return out
 
     def count_clipped(
@@ -586,7 +675,7 @@ class AttentionImpl(abc.ABC):
     ) -> None:
         """Count, with the opt-in ``clip_counter`` (when set), the values of a checked write
         that the cache's static scales clip (device ops only). ``forward`` and ``write_kv``
-        call it; a backend whose ``forward`` fuses the write calls it before the fused call."""
+        call it before the backend's kernels (``compute``, ``store_kv``)."""
         if self.clip_counter is None:
             return
         n = slots.shape[0]
@@ -668,7 +757,8 @@ class AttentionImpl(abc.ABC):
         output: torch.Tensor | None,
     ) -> torch.Tensor:
         """Validate a forward call completely (nothing written yet); return the output buffer:
-        the rules of :data:`_FORWARD`, in one pass where they hold."""
+        the rules of :data:`_FORWARD` (the backend's ``check_call`` among them), in one pass
+        where they hold. The core's: a backend adds its checks in ``check_call``."""
         if not self._usual_call(query, key, value, cache, meta, output):
             _FORWARD.explain(self, query, key, value, cache, meta, output)
         return torch.empty_like(query) if output is None else output
@@ -693,7 +783,7 @@ class AttentionImpl(abc.ABC):
             self.spec, key, value, self.backend.device, meta.batch.num_tokens
         )
 
-    def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
+    def check_call(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         """Backend-specific checks of a call with a step's metadata (``forward`` and
         ``write_kv(meta=)``), before anything is written: e.g. that ``meta`` is this backend's
         own kind, or that the cache's storage suits its kernels. Raise InvalidInputError.
@@ -701,22 +791,38 @@ class AttentionImpl(abc.ABC):
         return None
 
     # --- what a backend implements ---------------------------------------------------------
+    def compute(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_size], or None
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_size]: rows past the step zeroed
+    ) -> None:
+        """A layer's kernel work of one step, after every check: write this step's keys and
+        values (unless None) and attend for every query token into ``out``. Default: the
+        composition ``store_kv`` then ``attend``; a kernel that writes and attends in one call
+        (a fused decode) overrides this, never ``forward``."""
+        if key is not None:
+            assert value is not None
+            self.store_kv(key, value, cache, meta.batch.slot_mapping, meta)
+        self.attend(query, key, value, cache, meta, out)
+
     @abc.abstractmethod
     def store_kv(
         self,
         key: torch.Tensor,
         value: torch.Tensor,
         cache: PagedKVCache,
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [n] int, -1 = padding
+        meta: AttentionMetadata | None = None,
     ) -> None:
-        """Write keys/values (already validated) to the cache; skip slots < 0."""
+        """Write keys/values (already validated) to the cache; skip slots < 0.
 
-    def store_step_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
-    ) -> None:
-        """The KV write of ``forward``; override to use what the builder planned for the step
-        (e.g. slots already filtered of padding). Default: ``store_kv`` with the slot mapping."""
-        self.store_kv(key, value, cache, meta.batch.slot_mapping)
+        With ``meta`` (a step's write: ``forward``, ``write_kv(meta=)``), ``slot_mapping`` is
+        ``meta.batch.slot_mapping`` and the write may use what the builder planned for the step
+        (e.g. slots already filtered of padding); without it, the slots are the caller's own."""
 
     @abc.abstractmethod
     def attend(
@@ -733,3 +839,7 @@ class AttentionImpl(abc.ABC):
         ``key``/``value`` are this step's new tokens (already in the cache), or None; a backend
         may use them where that is cheaper than reading the cache back.
         """
+
+
+#: A backend without a planning hook of its own plans nothing (``AttentionMetadata``).
+AttentionBackend.builder_type = AttentionMetadataBuilder

@@ -805,7 +805,7 @@ def _draw_throughput(axes: Any, run: Run, color: Callable[[str], str]) -> None:
 #   - vendor backends run emulated inside ``attnhub.emulation.null_kernels()``: each op checks
 #     its arguments as always and returns preallocated outputs; the time spent inside the ops
 #     (the emulator's checks, standing in for the vendor library's binding) is subtracted;
-#   - the built-in ``torch`` backend's math is its ``attend`` / ``store_step_kv``: the bench
+#   - the built-in ``torch`` backend's math is its ``compute`` / ``store_kv``: the bench
 #     replaces them with no-ops on the timed instance;
 #   - other engines' own attention backends, registered by plugins (hook
 #     ``attnhub_host_comparisons``: the vLLM integration times vLLM's CPU backend, where
@@ -1150,18 +1150,18 @@ def _has_null_mode(be: AttentionBackend) -> bool:
 
 
 class _without_math:
-    """Replace an impl's ``attend`` and ``store_step_kv`` by no-ops on the instance (the torch
+    """Replace an impl's ``compute`` and ``store_kv`` by no-ops on the instance (the torch
     backend's math: gathers, SDPA, the KV scatter), for timing what is around them."""
 
     def __init__(self, impl: object) -> None:
         self.impl = impl
 
     def __enter__(self) -> None:
-        for name in ("attend", "store_step_kv"):
+        for name in ("compute", "store_kv"):
             setattr(self.impl, name, _nothing)
 
     def __exit__(self, *exc: object) -> None:
-        for name in ("attend", "store_step_kv"):
+        for name in ("compute", "store_kv"):
             delattr(self.impl, name)
 
 

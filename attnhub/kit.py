@@ -8,7 +8,8 @@ notice; tests/test_kit.py fails when a backend or integration in this repository
   LSE merge         merge_attn_states
   emulation         emulation (OpLog, kernel, null_kernels, preallocated, skip, timed)
   graph capture     Tape, TapeEntry (the op tape of a captured step), NPUGraphAdaptor
-  step facts        StepExtents (what build checked), same_view, as_contiguous
+  step facts        StepExtents (what layers compare), StepFacts (what build's checks read:
+                    ``Step.facts``), same_view, as_contiguous
   cache layout      BlockPacking (a kernel's element order inside an HND block)
   dtypes            MODEL_DTYPES, indexable, quantize_fp8, QueryQuantization
   bench plugins     BenchUnavailable, DirectComparison, machine, HostOverhead, host_step,
@@ -32,7 +33,7 @@ from attnhub.kv_write import FixedShapeWrite, flat_slots, read_slots, write_slot
 from attnhub.lse import merge_attn_states
 from attnhub.quant import QueryQuantization, indexable, quantize_fp8
 from attnhub.spec import MODEL_DTYPES
-from attnhub.validation import StepExtents, same_view
+from attnhub.validation import StepExtents, StepFacts, same_view
 from attnhub.vendor import EMULATE_HINT, EMULATED_DEVICE, VendorLibrary, import_once
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ __all__ = [
     "NPUGraphAdaptor",
     "QueryQuantization",
     "StepExtents",
+    "StepFacts",
     "Tape",
     "TapeEntry",
     "VendorLibrary",

@@ -602,7 +602,7 @@ BATCH = Rules("batch, spec, device", [*STRUCTURE, *LENGTHS])
 STEP = Rules(
     "batch, spec, device",
     [*STRUCTURE, *LENGTHS, *VALUES],
-    returns="StepExtents("
+    returns="StepFacts("
     "max_slot=hi, "
     "max_block=-1 if not B else top if top <= largest else int(_MAX(table, None)), "
     "min_slot=lo, "
@@ -616,7 +616,7 @@ STEP = Rules(
 )
 #: A step's structure alone (``values=False``).
 STEP_STRUCTURE = Rules(
-    "batch, spec, device", STRUCTURE, returns="StepExtents(max_slot=-1, max_block=-1)"
+    "batch, spec, device", STRUCTURE, returns="StepFacts(max_slot=-1, max_block=-1)"
 )
 #: A slot mapping given to ``write_kv`` without a step.
 GIVEN_SLOTS = Rules("slots, cache", [SLOT_FACTS, SLOT_IN_CACHE, SLOTS_DISTINCT])
@@ -675,15 +675,28 @@ def _block_facts(table: np.ndarray) -> tuple[int, int]:
     return int(_MAX(table.reshape(-1).view(unsigned))), largest
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~1.3 us more per step
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~0.35 us more per step
 class StepExtents:
-    """Upper bounds of the cache addresses a step uses, found once per step on its host copies.
-    ``check_extents`` compares them with a cache; only when one does not fit does it look at
-    the step's host data again, to name the entry or to clear a block-table entry no request
-    reads.
+    """What a layer compares of a step, in O(1): upper bounds of the cache addresses it uses
+    (found once per step on its host copies by :func:`check_step`) and the backend whose
+    builder made it; made by ``build`` and only read afterwards. ``check_extents`` compares
+    the bounds with a cache; only when one does not fit does it look at the step's host data
+    again, to name the entry or to clear a block-table entry no request reads."""
 
-    :func:`check_step` also keeps what it read on the way, for the builder's ``plan`` to reuse
-    instead of reading the batch again (``AttentionMetadataBuilder.step``)."""
+    max_slot: int  # the largest slot written (-1: none, or not read: structural checks)
+    max_block: int  # the largest block-table entry, read or not (-1: no request, or not read)
+    #: The backend whose builder made the step (layers accept the step only for a backend of
+    #: its kind, spec and device: AttentionImpl._check_owner).
+    owner: object = field(default=None, repr=False, compare=False)
+    #: The slot mapping the engine gave, where ``build`` made a dense copy of a strided one
+    #: (``write_kv(slot_mapping=, meta=)`` accepts either).
+    given_slot_mapping: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~1 us more per step
+class StepFacts:
+    """What :func:`check_step` read of a step's host copies on the way, for the builder's
+    planning hook to reuse instead of reading the batch again (``Step.facts``; read only)."""
 
     max_slot: int  # the largest slot written (-1: none, or not read: structural checks)
     max_block: int  # the largest block-table entry, read or not (-1: no request, or not read)
@@ -698,12 +711,25 @@ class StepExtents:
     #: start offsets and [B, max_blocks] block table (None where not read).
     query_start_locs: np.ndarray | None = field(default=None, repr=False, compare=False)
     block_table: np.ndarray | None = field(default=None, repr=False, compare=False)
-    #: The backend whose builder made the step (set by ``build``; layers accept the step only
-    #: for a backend of its kind, spec and device: AttentionImpl._check_owner).
-    owner: object = field(default=None, repr=False, compare=False)
-    #: The slot mapping the engine gave, where ``build`` made a dense copy of a strided one
-    #: (``write_kv(slot_mapping=, meta=)`` accepts either).
-    given_slot_mapping: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, batch: BatchMetadata) -> StepFacts:
+        """A batch's lengths read from its host copies (no slot or block read: extents -1),
+        for a plan made without the step's checks (a captured graph's)."""
+        qsl = batch.query_start_loc_cpu.numpy()
+        seq = batch.seq_lens_cpu.numpy()
+        q = qsl[1:] - qsl[:-1]
+        ctx = seq - q
+        return cls(
+            max_slot=-1,
+            max_block=-1,
+            query_lens=q,
+            seq_lens=seq,
+            context_lens=ctx,
+            min_query_len=int(q.min()) if q.size else 0,
+            min_context_len=int(ctx.min()) if ctx.size else 0,
+            query_start_locs=qsl,
+        )
 
 
 def check_slot_values(slot_mapping: torch.Tensor, cache: PagedKVCache) -> None:
@@ -737,11 +763,11 @@ def check_batch_for_spec(spec: AttentionSpec, batch: BatchMetadata, device: torc
 
 def check_step(
     spec: AttentionSpec, batch: BatchMetadata, device: torch.device, *, values: bool = True
-) -> StepExtents:
+) -> StepFacts:
     """Every check of a step (:data:`STEP`: its structure, lengths, slots and blocks), once per
     step, in as few host operations as the usual step allows (a step is paid on every engine
     step: a numpy reduction costs ~1 us, a torch op 3-5 us). Returns its extents and what was
-    read on the way.
+    read on the way (:class:`StepFacts`).
 
     With ``values=False`` only the structure is checked (shapes, dtypes, devices: O(1), no
     value read): the trade-off an engine that builds each step itself may make, as vLLM's and
@@ -817,7 +843,7 @@ def check_dense(batch: BatchMetadata, why: str) -> None:
             )
 
 
-def check_common_prefix(batch: BatchMetadata, common_prefix_len: object, step: StepExtents) -> None:
+def check_common_prefix(batch: BatchMetadata, common_prefix_len: object, step: StepFacts) -> None:
     """``common_prefix_len`` is an int in 0..the shortest context, and its whole blocks are
     the same blocks in every request's table: a cascade reads the shared prefix from the first
     request's table for every request, so a table that differs there would have the others

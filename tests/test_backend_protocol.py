@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, ClassVar
 
 import pytest
 import torch
 
 from attnhub import AttentionSpec, BatchMetadata, get_backend
 from attnhub.errors import UnsupportedConfigurationError
-from attnhub.torch_backend import TorchBackend
+from attnhub.torch_backend import TorchAttentionImpl, TorchBackend, TorchMetadataBuilder
 
 
 def _restricted(**capability_changes: object) -> type[TorchBackend]:
@@ -56,3 +57,71 @@ def test_undeclared_multi_token_decode_is_refused_below_the_reorder_threshold():
     with pytest.raises(UnsupportedConfigurationError, match=r"request 0 .*multi-token decode"):
         builder.build(_batch([3, 1], [9, 10]))
     builder.build(_batch([6, 1], [9, 10]))  # above the threshold: a chunked prefill
+
+
+# --- the narrow protocol: build -> plan(step); forward -> checks -> compute ---------------------
+class _RecordingBuilder(TorchMetadataBuilder):
+    steps: ClassVar[list[Any]] = []
+
+    def plan(self, step):  # type: ignore[no-untyped-def]
+        self.steps.append(step)
+        return super().plan(step)
+
+
+class _RecordingImpl(TorchAttentionImpl):
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, object]] = []
+
+    def compute(self, query, key, value, cache, meta, out):  # type: ignore[no-untyped-def]
+        self.calls.append(("compute", meta))
+        super().compute(query, key, value, cache, meta, out)
+
+    def store_kv(self, key, value, cache, slot_mapping, meta=None):  # type: ignore[no-untyped-def]
+        self.calls.append(("store_kv", meta))
+        super().store_kv(key, value, cache, slot_mapping, meta)
+
+
+class _Recording(TorchBackend):
+    """The torch backend, recording what the core hands its hooks."""
+
+    name = "recording"
+    builder_type = _RecordingBuilder
+    impl_type = _RecordingImpl
+
+
+def test_build_hands_plan_the_checked_step_and_makes_the_metadata_of_what_it_returns():
+    backend = _Recording(SPEC)
+    builder = backend.metadata_builder()
+    assert type(builder) is _RecordingBuilder and type(backend.impl()) is _RecordingImpl
+    batch = _batch([1, 3], [9, 3])
+    _RecordingBuilder.steps.clear()
+    meta = builder.build(batch)
+    (step,) = _RecordingBuilder.steps
+    assert step.batch is batch and meta.batch is batch and step.backend is backend
+    assert step.extents is meta.extents and meta.extents.owner is backend
+    assert step.facts.query_lens is not None and step.facts.query_lens.tolist() == [1, 3]
+    assert meta.plan is not None and meta.gather_buffers is not None  # what plan returned
+    with pytest.raises(AttributeError):  # immutable
+        step.batch = batch  # type: ignore[misc]
+
+
+def test_forward_runs_compute_after_the_checks_and_store_kv_gets_the_step():
+    from attnhub.errors import InvalidInputError
+    from attnhub.testing import generator, random_qkv
+
+    backend = _Recording(SPEC)
+    batch = _batch([1, 3], [9, 3])
+    meta = backend.metadata_builder().build(batch)
+    impl = backend.impl()
+    cache = backend.allocate_kv_cache(8)
+    q, k, v = random_qkv(SPEC, batch.num_tokens, generator(0))
+    impl.forward(q, k, v, cache, meta)
+    assert impl.calls == [("compute", meta), ("store_kv", meta)]
+    impl.calls.clear()
+    with pytest.raises(InvalidInputError):  # refused before any kernel work
+        impl.forward(q[:, :1], k, v, cache, meta)
+    assert impl.calls == []
+    impl.write_kv(k, v, cache, meta=meta)
+    impl.write_kv(k, v, cache, batch.slot_mapping)
+    assert impl.calls == [("store_kv", meta), ("store_kv", None)]

@@ -10,13 +10,13 @@ the torch backend's gather buffers are per thread; discovery runs once under a l
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 import attnhub
-from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
+from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, Step
 from attnhub.registry import Registry
 from attnhub.testing import fill_cache_random, generator, make_batch, random_qkv
 from attnhub.torch_backend import TorchBackend
@@ -103,38 +103,38 @@ def test_steps_built_in_two_threads_gather_into_buffers_of_their_own() -> None:
 
 
 class _Watched(TorchMetadataBuilder):
-    """A builder whose plan notes how many threads are inside it at once: the first one in
-    waits (at most 0.5 s) for a second to come in."""
+    """A builder whose plan waits (at most 0.5 s) for a second thread to come in, and notes
+    whether the step it was handed is the one its thread built."""
 
     def __init__(self, backend: TorchBackend) -> None:
         super().__init__(backend)
         self.inside = 0
-        self.most_inside = 0
         self.count = threading.Lock()
         self.second_in = threading.Event()
-        self.steps_seen_changed = False
+        self.mismatches: list[str] = []
 
-    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> Any:
-        step = self.step
+    def plan(self, step: Step) -> Mapping[str, Any]:
         with self.count:
             self.inside += 1
-            self.most_inside = max(self.most_inside, self.inside)
             first = self.inside == 1
             if not first:
                 self.second_in.set()
         if first:
             self.second_in.wait(timeout=0.5)  # a bound, not a measurement
-        self.steps_seen_changed |= self.step is not step
         try:
-            return super().plan(batch, common_prefix_len)
+            planned = super().plan(step)
+            assert step.facts.query_lens is not None
+            if step.facts.query_lens.tolist() != step.batch.query_lens_cpu.tolist():
+                self.mismatches.append(f"{step.facts.query_lens} for {step.batch}")
+            return planned
         finally:
             with self.count:
                 self.inside -= 1
 
 
-def test_a_shared_builder_plans_one_step_at_a_time() -> None:
-    """``build`` hands ``plan`` the step it checked in ``self.step`` (and backends keep
-    planning scratch on the builder): two threads planning at once would read each other's."""
+def test_a_shared_builder_plans_each_thread_its_own_step() -> None:
+    """``build`` hands ``plan`` the step it checked as an argument (no state on the builder):
+    two threads planning at once each plan their own."""
     backend = TorchBackend(SPEC)
     builder = _Watched(backend)
     batches = [
@@ -142,12 +142,13 @@ def test_a_shared_builder_plans_one_step_at_a_time() -> None:
         make_batch([6], [6], SPEC.block_size, 24, seed=generator(1))[0],
     ]
     metas = _in_threads(2, lambda i: builder.build(batches[i]))
-    assert builder.most_inside == 1
-    assert not builder.steps_seen_changed
+    assert builder.mismatches == []
     for meta, batch in zip(metas, batches, strict=True):
-        assert meta.batch is batch and meta.extents.query_lens.tolist() == (
-            batch.query_lens_cpu.tolist()
-        )
+        alone = TorchMetadataBuilder(backend).build(batch)
+        assert meta.batch is batch and meta.plan is not None and alone.plan is not None
+        assert [c.block_ids.tolist() for c in meta.plan.chunks] == [
+            c.block_ids.tolist() for c in alone.plan.chunks
+        ]
 
 
 def test_one_impl_called_from_two_threads_with_their_own_caches_checks_each_cache() -> None:

@@ -736,8 +736,8 @@ def test_batched_planning_of_ragged_decodes_equals_planning_each_chunk(
         q_lens, s_lens, budget, block_size, features, dtype, batch_causal, spread, seed=len(reqs)
     )
     builder = backend.metadata_builder()
-    builder.build(batch)  # the step's checks, kept in builder.step
-    for step in (builder.step, None):
+    facts = builder.check_step(batch).facts  # what the step's checks read
+    for step in (facts, None):
         got = planner.plan(batch, step)
         want = planner._plan(batch, step, batched=False)
         _same_chunks(got.chunks, want.chunks)
@@ -817,7 +817,6 @@ def test_decode_steps_planned_as_each_chunk_alone_and_forward_bitwise_equal(
     """A step of one-token decodes has its own planning pass (``Planner._decodes``: plain
     chunks as whole table rows, ragged ones all at once). It gives the chunks the general
     per-chunk planning gives, and ``forward`` with either plan gives bitwise-equal outputs."""
-    import copy
 
     s_lens = [s for s, k in runs for _ in range(k)]
     q_lens = [1] * len(s_lens)
@@ -827,13 +826,13 @@ def test_decode_steps_planned_as_each_chunk_alone_and_forward_bitwise_equal(
     builder = backend.metadata_builder()
     builder._planner = planner
     meta = builder.build(batch)  # planned by the decode pass
-    want = planner._plan(batch, builder.step, batched=False)
+    facts = builder.check_step(batch).facts
+    want = planner._plan(batch, facts, batched=False)
     _same_chunks(meta.plan.chunks, want.chunks)
     assert meta.plan.max_gather_blocks == want.max_gather_blocks
-    for step in (builder.step, None):
+    for step in (facts, None):
         _same_chunks(planner.plan(batch, step).chunks, want.chunks)
-    alone = copy.copy(meta)
-    object.__setattr__(alone, "plan", want)
+    alone = dataclasses.replace(meta, plan=want)
     cache = backend.allocate_kv_cache(nblk)
     fill_cache_random(cache, generator(7))
     poison_unused_slots(cache, batch)  # padding rows let through would give NaN

@@ -10,8 +10,9 @@ for ragged batches (see docs/backends/torch.md).
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -20,6 +21,8 @@ from attnhub.backend import (
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    Step,
+    scratch_field,
 )
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Tolerance
@@ -38,7 +41,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     plan: StepPlan | None = None
     #: (key, value) [max_gather_blocks, block_size, Hkv, D] in the cache's storage dtypes:
     #: scratch every layer of the step gathers into (the backend's, reused across steps).
-    gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = scratch_field()
     #: Set by build_for_graph_capture: the step's fixed shape; forward takes the graph path.
     graph: GraphStep | None = None
 
@@ -51,8 +54,177 @@ class _WriteTarget:
     dtype: torch.dtype  # the plane's storage dtype
 
 
+class _Scratch(threading.local):
+    """A backend's scratch tensors, per thread (``TorchBackend.buffer``)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.views: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+
+
+class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
+    backend: TorchBackend
+    #: Requests with query_len <= this are decodes, batched into decode chunks.
+    reorder_batch_threshold: ClassVar[int] = 16
+    metadata_type = TorchAttentionMetadata
+
+    def __init__(self, backend: TorchBackend) -> None:
+        super().__init__(backend)
+        spec = self.spec
+        k_dtype, v_dtype = spec.kv_cache_format.storage_dtypes(spec.dtype)
+        self._storage_dtypes = (k_dtype, v_dtype)
+        self._gather_budget_tokens = backend.gather_budget_bytes // (
+            spec.num_kv_heads * spec.head_size * (k_dtype.itemsize + v_dtype.itemsize)
+        )
+        self._planner = Planner(
+            spec,
+            decode_threshold=self.reorder_batch_threshold,
+            gather_budget_tokens=self._gather_budget_tokens,
+            eager=bool({"softcap", "alibi", "sinks"} & spec.features()),
+            device=backend.device,
+        )
+        self._block_shape = (spec.block_size, spec.num_kv_heads, spec.head_size)
+
+    def plan(self, step: Step) -> Mapping[str, Any]:
+        plan = self._planner.plan(step.batch, step.facts)
+        shape = (plan.max_gather_blocks, *self._block_shape)
+        k_dtype, v_dtype = self._storage_dtypes
+        buffers = (
+            self.backend.buffer("key", shape, k_dtype),
+            self.backend.buffer("value", shape, v_dtype),
+        )
+        return {"plan": plan, "gather_buffers": buffers}
+
+    def build_for_graph_capture(self, batch: BatchMetadata) -> TorchAttentionMetadata:
+        """Metadata of the static-shape graph path (graph.py): no host planning at all; the
+        batch's device tensors (the runner's persistent buffers) are read by forward."""
+        return self.metadata(self.capture_step(batch), {"graph": GraphStep.of(batch)})
+
+
+class TorchAttentionImpl(AttentionImpl):
+    backend: TorchBackend
+
+    def __init__(
+        self,
+        backend: TorchBackend,
+        *,
+        alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(backend, alibi_slopes=alibi_slopes, sinks=sinks)
+        self._targets: tuple[torch.Tensor, torch.Tensor, list[_WriteTarget]] | None = None
+        self._eager = bool({"softcap", "alibi", "sinks"} & self.spec.features())
+
+    def check_call(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
+        if not isinstance(meta, TorchAttentionMetadata) or (
+            meta.gather_buffers is None and meta.graph is None
+        ):
+            raise InvalidInputError(
+                f"meta must come from the torch backend's metadata_builder().build(batch), "
+                f"got {type(meta).__name__}"
+            )
+
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, Hkv, D]
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,  # [n] int, -1 = padding
+        meta: AttentionMetadata | None = None,
+    ) -> None:
+        if meta is None:
+            self._scatter(key, value, cache, plan_slot_write(slot_mapping))
+            return
+        assert isinstance(meta, TorchAttentionMetadata)  # check_call
+        if meta.graph is not None:
+            graph_write(key, value, slot_mapping, self._write_targets(cache))
+            return
+        assert meta.plan is not None
+        self._scatter(key, value, cache, meta.plan.write)
+
+    def _write_targets(self, cache: PagedKVCache) -> list[_WriteTarget]:
+        """Per plane: a flat [num_slots, Hkv, D] view to index_copy_ into (None where the
+        plane's strides cannot merge blocks and slots), the plane, its fp8 scale. Remembered
+        for the last cache's planes (every step writes the same cache)."""
+        memo = self._targets
+        if memo is not None and memo[0] is cache.key and memo[1] is cache.value:
+            return memo[2]
+        targets = []
+        for dst, scale in ((cache.key, cache.key_scale), (cache.value, cache.value_scale)):
+            raw = indexable(dst)  # fp8: copy the bytes
+            targets.append(
+                _WriteTarget(flat=flat_slots(raw), plane=raw, scale=scale, dtype=dst.dtype)
+            )
+        self._targets = (cache.key, cache.value, targets)
+        return targets
+
+    def _scatter(
+        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, write: SlotWrite
+    ) -> None:
+        n = write.slots.shape[0]
+        for src, target in zip((key, value), self._write_targets(cache), strict=True):
+            src = src[:n] if write.rows is None else src[write.rows]
+            if target.scale is not None:  # fp8: stored as fp8(x / scale)
+                src = quantize_fp8(src, target.scale, target.dtype)
+            write_slots(target.plane, target.flat, write.slots, indexable(src))
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: TorchAttentionMetadata,  # type: ignore[override]
+        out: torch.Tensor,
+    ) -> None:
+        spec, plan = self.spec, meta.plan
+        if meta.graph is not None:
+            graph_attend(
+                spec, meta.graph, query, cache, meta.batch, self.alibi_slopes, self.sinks, out
+            )
+            return
+        assert plan is not None and meta.gather_buffers is not None  # check_call
+        eager = self._eager
+        bs, Hkv, D = cache.block_size, spec.num_kv_heads, spec.head_size
+        k_buf, v_buf = meta.gather_buffers
+        for chunk in plan.chunks:
+            C, n = chunk.num_reqs, chunk.num_reqs * chunk.num_blocks
+            k = torch.index_select(cache.key, 0, chunk.block_ids, out=k_buf[:n])
+            v = torch.index_select(cache.value, 0, chunk.block_ids, out=v_buf[:n])
+            if chunk.pad_tokens is not None:  # rows past a shorter request's keys: zeros
+                for gathered in (k, v):
+                    indexable(gathered.view(n * bs, Hkv, D)).index_fill_(0, chunk.pad_tokens, 0)
+            # heads-first views of what was gathered, one op each: [C, Hkv, L, D]
+            size = (C, Hkv, chunk.kv_len, D)
+            stride = (chunk.num_blocks * bs * Hkv * D, D, Hkv * D, 1)
+            k, v = k.as_strided(size, stride), v.as_strided(size, stride)
+            # fp8 cache: dequantize what was gathered, in float32 and rounded once to the model
+            # dtype (a scale rounded to bf16 first would bias every key and value alike)
+            if cache.key_scale is not None:
+                k = (k.float() * cache.key_scale).to(spec.dtype)
+            if cache.value_scale is not None:
+                v = (v.float() * cache.value_scale).to(spec.dtype)
+            rows = slice(chunk.first_token, chunk.first_token + C * chunk.query_len)
+            if eager:
+                kernels.attend_eager(
+                    query[rows],
+                    k,
+                    v,
+                    chunk,
+                    spec.scale,
+                    spec.logits_soft_cap,
+                    self.alibi_slopes,
+                    self.sinks,
+                    out[rows],
+                )
+            else:
+                kernels.attend_sdpa(query[rows], k, v, chunk, spec.scale, out[rows])
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
+    builder_type = TorchMetadataBuilder
+    impl_type = TorchAttentionImpl
     capabilities = Capabilities(
         devices=None,  # any device torch runs on
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
@@ -99,14 +271,6 @@ class TorchBackend(AttentionBackend):
         super().__init__(spec, device, emulate=emulate)
         self._scratch = _Scratch()
 
-    def metadata_builder(self) -> TorchMetadataBuilder:
-        return TorchMetadataBuilder(self)
-
-    def impl(
-        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
-    ) -> TorchAttentionImpl:
-        return TorchAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
-
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A reused scratch tensor of at least ``shape`` (grown, never shrunk; no page faults
         per call). Shared by every layer of this backend instance that runs in the calling
@@ -126,178 +290,3 @@ class TorchBackend(AttentionBackend):
         view = buf[:numel].view(shape)
         scratch.views[name] = (shape, view)  # only the last: an old view would pin a grown-out one
         return view
-
-
-class _Scratch(threading.local):
-    """A backend's scratch tensors, per thread (``TorchBackend.buffer``)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.views: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
-
-
-class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
-    backend: TorchBackend
-    #: Requests with query_len <= this are decodes, batched into decode chunks.
-    reorder_batch_threshold: ClassVar[int] = 16
-
-    def __init__(self, backend: TorchBackend) -> None:
-        super().__init__(backend)
-        spec = self.spec
-        k_dtype, v_dtype = spec.kv_cache_format.storage_dtypes(spec.dtype)
-        self._storage_dtypes = (k_dtype, v_dtype)
-        self._gather_budget_tokens = backend.gather_budget_bytes // (
-            spec.num_kv_heads * spec.head_size * (k_dtype.itemsize + v_dtype.itemsize)
-        )
-        self._planner = Planner(
-            spec,
-            decode_threshold=self.reorder_batch_threshold,
-            gather_budget_tokens=self._gather_budget_tokens,
-            eager=bool({"softcap", "alibi", "sinks"} & spec.features()),
-            device=backend.device,
-        )
-        self._block_shape = (spec.block_size, spec.num_kv_heads, spec.head_size)
-
-    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> TorchAttentionMetadata:
-        step = self._planner.plan(batch, self.step)
-        shape = (step.max_gather_blocks, *self._block_shape)
-        k_dtype, v_dtype = self._storage_dtypes
-        buffers = (
-            self.backend.buffer("key", shape, k_dtype),
-            self.backend.buffer("value", shape, v_dtype),
-        )
-        return TorchAttentionMetadata(
-            batch=batch, common_prefix_len=common_prefix_len, plan=step, gather_buffers=buffers
-        )
-
-    def build_for_graph_capture(self, batch: BatchMetadata) -> TorchAttentionMetadata:
-        """Metadata of the static-shape graph path (graph.py): no host planning at all; the
-        batch's device tensors (the runner's persistent buffers) are read by forward."""
-        extents = self.check_graph_step(batch)
-        meta = TorchAttentionMetadata(batch=batch, graph=GraphStep.of(batch))
-        object.__setattr__(meta, "extents", extents)
-        return meta
-
-
-class TorchAttentionImpl(AttentionImpl):
-    backend: TorchBackend
-
-    def __init__(
-        self,
-        backend: TorchBackend,
-        *,
-        alibi_slopes: torch.Tensor | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(backend, alibi_slopes=alibi_slopes, sinks=sinks)
-        self._targets: tuple[torch.Tensor, torch.Tensor, list[_WriteTarget]] | None = None
-        self._eager = bool({"softcap", "alibi", "sinks"} & self.spec.features())
-
-    def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
-        if not isinstance(meta, TorchAttentionMetadata) or (
-            meta.gather_buffers is None and meta.graph is None
-        ):
-            raise InvalidInputError(
-                f"meta must come from the torch backend's metadata_builder().build(batch), "
-                f"got {type(meta).__name__}"
-            )
-
-    def store_kv(
-        self,
-        key: torch.Tensor,  # [num_tokens, Hkv, D]
-        value: torch.Tensor,
-        cache: PagedKVCache,
-        slot_mapping: torch.Tensor,  # [n] int, -1 = padding
-    ) -> None:
-        self._scatter(key, value, cache, plan_slot_write(slot_mapping))
-
-    def store_step_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        cache: PagedKVCache,
-        meta: TorchAttentionMetadata,  # type: ignore[override]
-    ) -> None:
-        if meta.graph is not None:
-            graph_write(key, value, meta.batch.slot_mapping, self._write_targets(cache))
-            return
-        assert meta.plan is not None
-        self._scatter(key, value, cache, meta.plan.write)
-
-    def _write_targets(self, cache: PagedKVCache) -> list[_WriteTarget]:
-        """Per plane: a flat [num_slots, Hkv, D] view to index_copy_ into (None where the
-        plane's strides cannot merge blocks and slots), the plane, its fp8 scale. Remembered
-        for the last cache's planes (every step writes the same cache)."""
-        memo = self._targets
-        if memo is not None and memo[0] is cache.key and memo[1] is cache.value:
-            return memo[2]
-        targets = []
-        for dst, scale in ((cache.key, cache.key_scale), (cache.value, cache.value_scale)):
-            raw = indexable(dst)  # fp8: copy the bytes
-            targets.append(
-                _WriteTarget(flat=flat_slots(raw), plane=raw, scale=scale, dtype=dst.dtype)
-            )
-        self._targets = (cache.key, cache.value, targets)
-        return targets
-
-    def _scatter(
-        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, write: SlotWrite
-    ) -> None:
-        n = write.slots.shape[0]
-        for src, target in zip((key, value), self._write_targets(cache), strict=True):
-            src = src[:n] if write.rows is None else src[write.rows]
-            if target.scale is not None:  # fp8: stored as fp8(x / scale)
-                src = quantize_fp8(src, target.scale, target.dtype)
-            write_slots(target.plane, target.flat, write.slots, indexable(src))
-
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        cache: PagedKVCache,
-        meta: TorchAttentionMetadata,  # type: ignore[override]
-        out: torch.Tensor,
-    ) -> None:
-        spec, plan = self.spec, meta.plan
-        if meta.graph is not None:
-            graph_attend(
-                spec, meta.graph, query, cache, meta.batch, self.alibi_slopes, self.sinks, out
-            )
-            return
-        assert plan is not None and meta.gather_buffers is not None  # check_step
-        eager = self._eager
-        bs, Hkv, D = cache.block_size, spec.num_kv_heads, spec.head_size
-        k_buf, v_buf = meta.gather_buffers
-        for chunk in plan.chunks:
-            C, n = chunk.num_reqs, chunk.num_reqs * chunk.num_blocks
-            k = torch.index_select(cache.key, 0, chunk.block_ids, out=k_buf[:n])
-            v = torch.index_select(cache.value, 0, chunk.block_ids, out=v_buf[:n])
-            if chunk.pad_tokens is not None:  # rows past a shorter request's keys: zeros
-                for gathered in (k, v):
-                    indexable(gathered.view(n * bs, Hkv, D)).index_fill_(0, chunk.pad_tokens, 0)
-            # heads-first views of what was gathered, one op each: [C, Hkv, L, D]
-            size = (C, Hkv, chunk.kv_len, D)
-            stride = (chunk.num_blocks * bs * Hkv * D, D, Hkv * D, 1)
-            k, v = k.as_strided(size, stride), v.as_strided(size, stride)
-            # fp8 cache: dequantize what was gathered, in float32 and rounded once to the model
-            # dtype (a scale rounded to bf16 first would bias every key and value alike)
-            if cache.key_scale is not None:
-                k = (k.float() * cache.key_scale).to(spec.dtype)
-            if cache.value_scale is not None:
-                v = (v.float() * cache.value_scale).to(spec.dtype)
-            rows = slice(chunk.first_token, chunk.first_token + C * chunk.query_len)
-            if eager:
-                kernels.attend_eager(
-                    query[rows],
-                    k,
-                    v,
-                    chunk,
-                    spec.scale,
-                    spec.logits_soft_cap,
-                    self.alibi_slopes,
-                    self.sinks,
-                    out[rows],
-                )
-            else:
-                kernels.attend_sdpa(query[rows], k, v, chunk, spec.scale, out[rows])

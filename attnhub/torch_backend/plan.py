@@ -25,7 +25,7 @@ import torch
 
 from attnhub.batch import BatchMetadata
 from attnhub.spec import AttentionSpec
-from attnhub.validation import StepExtents
+from attnhub.validation import StepFacts
 
 
 class Chunk(NamedTuple):  # a tuple: made per chunk per step, at a third of a dataclass's cost
@@ -206,11 +206,11 @@ class Planner:
             np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(spec.dtype)
             self._mask_kind = (np_dtype or np.float32, 0, -math.inf, None)
 
-    def plan(self, batch: BatchMetadata, step: StepExtents | None = None) -> StepPlan:
-        """``step``: what the step's checks read (``AttentionMetadataBuilder.step``), reused."""
+    def plan(self, batch: BatchMetadata, step: StepFacts | None = None) -> StepPlan:
+        """``step``: what the step's checks read (``Step.facts``), reused."""
         return self._plan(batch, step, batched=True)
 
-    def _plan(self, batch: BatchMetadata, step: StepExtents | None, *, batched: bool) -> StepPlan:
+    def _plan(self, batch: BatchMetadata, step: StepFacts | None, *, batched: bool) -> StepPlan:
         # batched=False plans every chunk on its own (the tests compare the two)
         bs = batch.block_size
         causal = self.causal and batch.causal

@@ -3,18 +3,23 @@ on how many layers already used the step's metadata."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import threading
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from attnhub import PagedKVCache, testing
+from attnhub.backend import is_scratch
 from attnhub_conformance import harness
 from attnhub_conformance.cases import Case
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu").contiguous().view(torch.uint8)
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
 @pytest.mark.attnhub_cases("determinism")
@@ -129,3 +134,102 @@ def test_two_threads_through_one_builder_and_impl_compute_what_one_thread_does(
         for (out, cache), (want_out, want_cache) in zip(mine, want, strict=True):
             assert torch.equal(out, want_out), f"{case.id}: thread {i}'s output differs"
             assert cache.equal(want_cache), f"{case.id}: thread {i}'s cache differs"
+
+
+# --- the plan is complete when build returns ------------------------------------------------
+_PLAIN = (int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum, type)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """What one value of a metadata held when ``build`` returned: the object itself (to compare
+    identity), and its content (tensors: their bytes; containers and dataclasses: what each
+    element held; anything else: identity alone)."""
+
+    obj: Any
+    content: Any = None
+    attrs: frozenset[str] | None = None  # a dataclass's instance attributes (cached values)
+
+
+def _held(x: Any) -> _Held:
+    if isinstance(x, torch.Tensor):
+        return _Held(x, (x.shape, x.dtype, _bits(x).clone()))
+    if isinstance(x, np.ndarray):
+        return _Held(x, x.copy())
+    if isinstance(x, _PLAIN):
+        return _Held(x, x)
+    if isinstance(x, dict):
+        return _Held(x, {k: _held(v) for k, v in x.items()})
+    if isinstance(x, (list, tuple)):
+        return _Held(x, [_held(v) for v in x])
+    if isinstance(x, (set, frozenset)):
+        return _Held(x, frozenset(x))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        fields = {
+            f.name: _held(getattr(x, f.name)) for f in dataclasses.fields(x) if not is_scratch(f)
+        }
+        attrs = frozenset(vars(x)) if hasattr(x, "__dict__") else None
+        return _Held(x, fields, attrs)
+    return _Held(x)  # a backend, a module, a function: identity only
+
+
+def _changes(held: _Held, x: Any, path: str) -> list[str]:
+    """Where ``x`` (at ``path``) no longer is what ``held`` recorded."""
+    if x is not held.obj:
+        return [f"{path} was replaced ({type(held.obj).__name__} -> {type(x).__name__})"]
+    content = held.content
+    if isinstance(x, torch.Tensor):
+        shape, dtype, bits = content
+        if x.shape != shape or x.dtype != dtype or not torch.equal(_bits(x), bits):
+            return [f"{path} (a tensor) was written to"]
+        return []
+    if isinstance(x, np.ndarray):
+        return [] if np.array_equal(x, content, equal_nan=True) else [f"{path} was written to"]
+    if isinstance(x, dict):
+        if x.keys() != content.keys():
+            added, gone = (
+                sorted(map(str, x.keys() - content.keys())),
+                sorted(map(str, content.keys() - x.keys())),
+            )
+            return [f"{path} (a dict) gained keys {added} and lost {gone}"]
+        return [c for k, h in content.items() for c in _changes(h, x[k], f"{path}[{k!r}]")]
+    if isinstance(x, (list, tuple)):
+        if len(x) != len(content):
+            return [f"{path} went from {len(content)} to {len(x)} items"]
+        return [c for i, h in enumerate(content) for c in _changes(h, x[i], f"{path}[{i}]")]
+    if isinstance(x, (set, frozenset)):
+        return [] if frozenset(x) == content else [f"{path} (a set) changed"]
+    if isinstance(content, dict):  # a dataclass
+        out = [
+            c
+            for name, h in content.items()
+            for c in _changes(h, getattr(x, name), f"{path}.{name}")
+        ]
+        if held.attrs is not None and frozenset(vars(x)) != held.attrs:
+            added = sorted(frozenset(vars(x)) - held.attrs)
+            out.append(f"{path} gained attributes {added} (a value cached on it after build)")
+        return out
+    return []
+
+
+@pytest.mark.attnhub_cases("metadata_reuse")
+def test_the_plan_is_complete_when_build_returns(case: Case) -> None:
+    """Every field of the metadata but those declared scratch (``attnhub.scratch_field``) is
+    made by ``build``: forwards on several layers, and ``write_kv(meta=)``, leave each the same
+    object holding the same values (tensors: the same bytes; containers: deeply). A plan that
+    the first layer completes (a per-layer memo in the metadata) is refused here."""
+    step = harness.prepare(case)
+    for _ in range(2):
+        step.add_layer()
+    meta = step.build()
+    held = _held(meta)
+    for i, layer in enumerate(step.layers):
+        if step.plan.new_kv:
+            layer.impl.write_kv(layer.key, layer.value, layer.cache, meta=meta)
+        step.forward(layer, meta)
+        changed = _changes(held, meta, "meta")
+        assert not changed, (
+            f"{case.id}: layer {i}'s write_kv(meta=) and forward changed the metadata build "
+            f"returned: {'; '.join(changed[:5])} (the plan must be complete when build returns; "
+            "declare a buffer layers write into with attnhub.scratch_field)"
+        )

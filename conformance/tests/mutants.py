@@ -4,21 +4,22 @@ Variants: conforming backends that declare other things; the suite must adapt an
 Load as a pytest plugin (``-p mutants``, or ``PYTEST_PLUGINS=mutants``, with this directory on
 PYTHONPATH): it registers them in-process, so ``--attnhub-backend <name>`` selects them.
 
-The bugs are written against the backend protocol only (``store_kv`` / ``store_step_kv`` /
-``attend`` / ``checks_values``), not the torch backend's internals, so they stay bugs while those
+The bugs are written against the backend protocol only (``store_kv`` / ``attend`` / ``plan`` /
+``checks_values``), not the torch backend's internals, so they stay bugs while those
 internals change.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
-from typing import ClassVar
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import torch
 
 import attnhub
-from attnhub import BatchMetadata, GraphSupport, PagedKVCache, reference
+from attnhub import BatchMetadata, GraphSupport, PagedKVCache, Step, reference
 from attnhub.backend import AttentionMetadata
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.quant import simulate_query_quantization
@@ -112,17 +113,13 @@ class WritesPaddingImpl(TorchAttentionImpl):
         value: torch.Tensor,
         cache: PagedKVCache,
         slot_mapping: torch.Tensor,
+        meta: AttentionMetadata | None = None,
     ) -> None:
         n = slot_mapping.shape[0]
         slots = slot_mapping.long()  # no filtering of -1
         blk, off = slots // cache.block_size, slots % cache.block_size
         cache.key_nhd().index_put_((blk, off), key[:n])
         cache.value_nhd().index_put_((blk, off), value[:n])
-
-    def store_step_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
-    ) -> None:  # type: ignore[override]
-        self.store_kv(key, value, cache, meta.batch.slot_mapping)
 
 
 class WritesPaddingBackend(TorchBackend):
@@ -201,17 +198,13 @@ class CorruptsOnBadSlotImpl(TorchAttentionImpl):
         value: torch.Tensor,
         cache: PagedKVCache,
         slot_mapping: torch.Tensor,
+        meta: AttentionMetadata | None = None,
     ) -> None:
         bs = cache.block_size
         for t, slot in enumerate(slot_mapping.tolist()):
             if slot >= 0:
                 cache.key[slot // bs, slot % bs] = key[t]  # IndexError on a bad slot, too late
                 cache.value[slot // bs, slot % bs] = value[t]
-
-    def store_step_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
-    ) -> None:  # type: ignore[override]
-        self.store_kv(key, value, cache, meta.batch.slot_mapping)
 
 
 class CorruptsOnBadSlotBackend(TorchBackend):
@@ -340,13 +333,9 @@ class IgnoresRowStrideImpl(TorchAttentionImpl):
         value: torch.Tensor,
         cache: PagedKVCache,
         slot_mapping: torch.Tensor,
+        meta: AttentionMetadata | None = None,
     ) -> None:
-        super().store_kv(_as_if_dense(key), _as_if_dense(value), cache, slot_mapping)
-
-    def store_step_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
-    ) -> None:  # type: ignore[override]
-        super().store_step_kv(_as_if_dense(key), _as_if_dense(value), cache, meta)  # type: ignore[arg-type]
+        super().store_kv(_as_if_dense(key), _as_if_dense(value), cache, slot_mapping, meta)
 
 
 class IgnoresRowStrideBackend(TorchBackend):
@@ -457,6 +446,41 @@ class RefusesAfterWriteBackend(TorchBackend):
         return RefusesAfterWriteImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
+# --- 14. the plan completed by the first layer: a per-layer memo inside the metadata ------------
+@dataclass(frozen=True)
+class MemoMetadata(TorchAttentionMetadata):
+    #: the kernels' keyword arguments, made by the first layer that attends (not by build)
+    kernel_kwargs: dict[Any, dict[str, Any]] = field(default_factory=dict)
+
+
+class MemoBuilder(TorchMetadataBuilder):
+    metadata_type = MemoMetadata
+
+
+class MemoizingImpl(TorchAttentionImpl):
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        assert isinstance(meta, MemoMetadata)
+        if self.backend not in meta.kernel_kwargs:  # "made once, by the first layer"
+            meta.kernel_kwargs[self.backend] = {"scale": self.spec.scale}
+        super().attend(query, key, value, cache, meta, out)
+
+
+class MemoizesPerLayerBackend(TorchBackend):
+    """Right outputs; the metadata build returns is not the plan every layer reads."""
+
+    name = "memoizes_per_layer"
+    builder_type = MemoBuilder
+    impl_type = MemoizingImpl
+
+
 MUTANTS = (
     TopLeftCausalBackend,
     WritesPaddingBackend,
@@ -472,6 +496,7 @@ MUTANTS = (
     LosesPrecisionPast16kBackend,
     NoMaxSubtractionBackend,
     RefusesAfterWriteBackend,
+    MemoizesPerLayerBackend,
 )
 
 
@@ -479,13 +504,13 @@ MUTANTS = (
 class RefusesContextBuilder(TorchMetadataBuilder):
     reorder_batch_threshold = 1
 
-    def plan(self, batch: BatchMetadata, common_prefix_len: int):
-        q, ctx = batch.query_lens_cpu, batch.context_lens_cpu
+    def plan(self, step: Step) -> Mapping[str, Any]:
+        q, ctx = step.batch.query_lens_cpu, step.batch.context_lens_cpu
         if bool(((q > 1) & (ctx > 0)).any()):
             raise UnsupportedConfigurationError(
                 self.backend.name, ["prefill requests with cached context are not supported"]
             )
-        return super().plan(batch, common_prefix_len)
+        return super().plan(step)
 
 
 class RestrictedBackend(TorchBackend):
@@ -535,23 +560,23 @@ class FakeVendorBackend(TorchBackend):
 
 
 class DenseRowsOnlyImpl(TorchAttentionImpl):
-    def forward(
+    def compute(
         self,
         query: torch.Tensor,
         key: torch.Tensor | None,
         value: torch.Tensor | None,
         cache: PagedKVCache,
         meta: AttentionMetadata,
-        *,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        for name, t in (("query", query), ("key", key), ("value", value), ("output", output)):
+        out: torch.Tensor,
+    ) -> None:
+        # refused before its kernels write anything (the cache stays byte-identical)
+        for name, t in (("query", query), ("key", key), ("value", value), ("output", out)):
             if t is not None and not t.is_contiguous():
                 raise InvalidInputError(
                     f"{name} has strides {t.stride()}: this backend's kernels read and write "
                     "dense rows (pass .contiguous() tensors)"
                 )
-        return super().forward(query, key, value, cache, meta, output=output)
+        super().compute(query, key, value, cache, meta, out)
 
 
 class DenseRowsOnlyBackend(TorchBackend):

@@ -110,6 +110,14 @@ MUTANT_RUNS = [
         "non-contiguous q/k/v and output",
         id="refuses_after_write",
     ),
+    pytest.param(
+        "memoizes_per_layer",
+        "test_the_plan_is_complete_when_build_returns",
+        "test_the_plan_is_complete_when_build_returns[memoizes_per_layer-mixed-bf16-h64-gqa4-bs16]",
+        "meta.kernel_kwargs (a dict) gained keys",
+        "metadata reuse",
+        id="memoizes_per_layer",
+    ),
 ]
 
 

@@ -126,14 +126,14 @@ def test_the_fuzz_catches_a_refusal_after_a_write() -> None:
 
         def impl(self, **kwargs):  # type: ignore[no-untyped-def]
             impl = super().impl(**kwargs)
-            store = impl.store_step_kv
+            store = impl.store_kv
 
-            def store_then_refuse(key, value, cache, meta):  # type: ignore[no-untyped-def]
-                store(key, value, cache, meta)
-                if meta.batch.num_reqs > 1:
+            def store_then_refuse(key, value, cache, slots, meta=None):  # type: ignore[no-untyped-def]
+                store(key, value, cache, slots, meta)
+                if meta is not None and meta.batch.num_reqs > 1:
                     raise InvalidInputError("refused after the write")
 
-            impl.store_step_kv = store_then_refuse  # type: ignore[method-assign]
+            impl.store_kv = store_then_refuse  # type: ignore[method-assign]
             return impl
 
     report = fuzz.run(_backend(WritesThenRefuses), 3 * len(fuzz.TARGETS), seed=0)

@@ -28,7 +28,8 @@ docs/backends/ascend.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -39,11 +40,13 @@ from attnhub.backend import (
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    Step,
+    scratch_field,
 )
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
-from attnhub.kit import FixedShapeWrite, StepExtents, flat_slots, read_slots
+from attnhub.kit import FixedShapeWrite, StepFacts, flat_slots, read_slots
 from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_ascend import ops
@@ -155,15 +158,13 @@ class AscendAttentionMetadata(AttentionMetadata):
     query_rows: torch.Tensor | None = None  # [kernel_tokens] int64, device
     output_rows: torch.Tensor | None = None  # [num_actual_tokens] int64, device
     kernel_tokens: int = 0  # T of the fused call (num_actual_tokens + window padding rows)
-    #: Set by build_for_graph_capture: the FIA task groups forward captured (one per layer).
-    graph: AscendGraph | None = None
-
-    #: FIA's keyword arguments for this step, made by the first layer that attends with it and
-    #: reused by every other layer of the same backend (keyed by the backend: its spec gives
-    #: the layer-wide ones). Not an argument: every copy (``dataclasses.replace``) starts empty.
-    fia_kwargs: dict[Any, dict[str, Any]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    #: FIA's keyword arguments for this step but the query, the cache views, the sink and the
+    #: outputs (v2's names with sinks; the two length lists included), made by the builder
+    #: once for every layer (the spec gives the layer-wide ones).
+    fia_kwargs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: Set by build_for_graph_capture: the FIA task groups forward records while captured
+    #: (one per layer), and the graph's workspaces: scratch layers write into.
+    graph: AscendGraph | None = scratch_field()
 
 
 class GraphTask:
@@ -336,14 +337,6 @@ class AscendBackend(AttentionBackend):
 
         return NPUGraphAdaptor(self.graph_api)
 
-    def metadata_builder(self) -> AscendMetadataBuilder:
-        return AscendMetadataBuilder(self)
-
-    def impl(
-        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
-    ) -> AscendAttentionImpl:
-        return AscendAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
-
 
 #: Why the kernels refuse what Capabilities refuses, per refused field.
 _WHY = {
@@ -371,6 +364,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
     #: False once a hardware run shows FIA applies sparse_mode 4 to one-token requests of a
     #: TND batch (docs/backends/ascend.md, "To verify on hardware").
     pad_window_decodes: ClassVar[bool] = True
+    metadata_type = AscendAttentionMetadata
 
     def __init__(self, backend: AscendBackend) -> None:
         super().__init__(backend)
@@ -408,18 +402,16 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                 self.backend.name,
                 ["graph capture of a non-causal batch (npu_fusion_attention's packed path)"],
             )
-        extents = self.check_graph_step(batch)
-        with self._planning:  # build's lock: another thread's build must not swap the step
-            self.step = extents  # not the last build's: plan reads this batch's lengths itself
-            meta = self.plan(batch, 0)
-        if meta.query_rows is not None or meta.block_table is not batch.block_table:
+        step = self.capture_step(batch)
+        planned = self.plan(step)
+        if planned.get("query_rows") is not None or planned["block_table"] is not batch.block_table:
             raise UnsupportedConfigurationError(
                 self.backend.name,
                 ["graph capture needs an int32 contiguous block table and no window padding"],
             )
-        meta = replace(meta, slot_mapping=None, write_rows=None, graph=AscendGraph())
-        object.__setattr__(meta, "extents", extents)
-        return meta
+        return self.metadata(
+            step, {**planned, "slot_mapping": None, "write_rows": None, "graph": AscendGraph()}
+        )
 
     def update_graph_params(
         self, graph_meta: AscendAttentionMetadata, batch: BatchMetadata, stream: Any
@@ -439,56 +431,77 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
             npu.graph_task_update_end(stream)
             task.event.record(stream)
 
-    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> AscendAttentionMetadata:
+    def plan(self, step: Step) -> Mapping[str, Any]:
         # Paid once per engine step: no torch op on the usual step (a torch op after build's
         # numpy checks costs 5-20 us here, the CPU caches being cold for torch's dispatcher;
         # docs/performance.md). The lengths come from what build's checks read (numpy).
-        spec = self.spec
-        n = batch.num_actual_tokens
-        B = batch.num_reqs
-        facts = self._facts(batch)
-        causal = spec.causal and batch.causal
+        batch = step.batch
+        facts = self._facts(step)
+        causal = self.spec.causal and batch.causal
         sparse = self.sparse_causal if causal else self.sparse_full
         mask = None
         if sparse.needs_mask:  # FIA takes int8 (vllm-ascend's); npu_fusion_attention bool
             mask = compressed_causal_mask(self.backend.device, torch.int8 if causal else torch.bool)
         slot_mapping, write_rows = self._kv_write_rows(batch, facts)
         common: dict[str, Any] = dict(  # what every kind of step's metadata holds
-            batch=batch,
-            common_prefix_len=common_prefix_len,
-            num_actual_tokens=n,
+            num_actual_tokens=batch.num_actual_tokens,
             sparse=sparse,
             atten_mask=mask,
             slot_mapping=slot_mapping,
             write_rows=write_rows,
         )
+        B = batch.num_reqs
         if B and batch.max_query_len == 1:  # one token per request: the ends are 1..B
             query_ends = _UNIT_ENDS[:B] if B <= MAX_FIA_BATCH else tuple(range(1, B + 1))
         else:
             query_ends = tuple(batch.query_start_loc_cpu.numpy()[1:].tolist())  # host data
-        seq_lens = facts.seq_lens
-        assert seq_lens is not None and facts.context_lens is not None  # _facts
         if not causal:  # npu_fusion_attention over packed K/V
-            if B > MAX_ENCODER_BATCH:
-                raise UnsupportedConfigurationError(
-                    self.backend.name,
-                    [
-                        f"{B} sequences in one step: npu_fusion_attention's varlen mode takes "
-                        f"at most {MAX_ENCODER_BATCH}"
-                    ],
-                )
-            cross = spec.attn_type is AttentionType.ENCODER_DECODER
-            return AscendAttentionMetadata(
-                **common,
-                packed=True,
-                kernel_tokens=n,
-                query_ends=query_ends,
-                kv_lengths=tuple(np.cumsum(seq_lens).tolist()),  # cumulative KV ends
-                # planned for every non-causal step: forward(q, None, None, ...) after
-                # write_kv reads even a step without context back from the cache
-                kv_slots=self._kv_slots(batch, seq_lens),
-                keys_in_step=not cross and not bool(_OR(facts.context_lens)),
+            return self._packed(batch, facts, common, query_ends)
+        fields = self._paged(batch, facts, common, query_ends)
+        fields["fia_kwargs"] = self._fia_kwargs(fields)
+        return fields
+
+    def _packed(
+        self,
+        batch: BatchMetadata,
+        facts: StepFacts,
+        common: dict[str, Any],
+        query_ends: tuple[int, ...],
+    ) -> dict[str, Any]:
+        """A non-causal step: npu_fusion_attention over packed K/V."""
+        B = batch.num_reqs
+        if B > MAX_ENCODER_BATCH:
+            raise UnsupportedConfigurationError(
+                self.backend.name,
+                [
+                    f"{B} sequences in one step: npu_fusion_attention's varlen mode takes "
+                    f"at most {MAX_ENCODER_BATCH}"
+                ],
             )
+        seq_lens, context_lens = facts.seq_lens, facts.context_lens
+        assert seq_lens is not None and context_lens is not None  # _facts
+        cross = self.spec.attn_type is AttentionType.ENCODER_DECODER
+        return dict(
+            common,
+            packed=True,
+            kernel_tokens=batch.num_actual_tokens,
+            query_ends=query_ends,
+            kv_lengths=tuple(np.cumsum(seq_lens).tolist()),  # cumulative KV ends
+            # planned for every non-causal step: forward(q, None, None, ...) after
+            # write_kv reads even a step without context back from the cache
+            kv_slots=self._kv_slots(batch, seq_lens),
+            keys_in_step=not cross and not bool(_OR(context_lens)),
+        )
+
+    def _paged(
+        self,
+        batch: BatchMetadata,
+        facts: StepFacts,
+        common: dict[str, Any],
+        query_ends: tuple[int, ...],
+    ) -> dict[str, Any]:
+        """A causal step: FIA over the paged cache in TND."""
+        B = batch.num_reqs
         if B > MAX_FIA_BATCH:
             raise UnsupportedConfigurationError(
                 self.backend.name,
@@ -497,54 +510,65 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                     f"{MAX_FIA_BATCH} (len(actual_seq_lengths))"
                 ],
             )
+        assert facts.seq_lens is not None and facts.context_lens is not None  # _facts
         table = batch.block_table
         if table.dtype is not torch.int32 or not table.is_contiguous():
             table = table.to(torch.int32).contiguous()
         # paged cache: per-sequence KV lengths [callers: vllm-ascend passes seq_lens; the FIA
         # doc calls both TND lists cumulative]
-        kv_lengths = tuple(seq_lens.tolist())
+        kv_lengths = tuple(facts.seq_lens.tolist())
         if (
             self.pad_window_decodes
-            and sparse.sparse_mode == 4
+            and common["sparse"].sparse_mode == 4
             and (facts.min_context_len > 0 or bool(_OR(facts.context_lens)))  # some context
         ):
             padded = self._window_decode_rows(batch, facts)
             if padded:
-                return AscendAttentionMetadata(
-                    **common, block_table=table, kv_lengths=kv_lengths, **padded
-                )
-        return AscendAttentionMetadata(
-            **common,
-            kernel_tokens=n,
+                return dict(common, block_table=table, kv_lengths=kv_lengths, **padded)
+        return dict(
+            common,
+            kernel_tokens=batch.num_actual_tokens,
             block_table=table,
             query_ends=query_ends,
             kv_lengths=kv_lengths,
         )
 
-    def _facts(self, batch: BatchMetadata) -> StepExtents:
-        """What build's checks read of this batch (``self.step``: numpy lengths, the smallest
-        slot), or the same read here where plan runs without them (graph capture). The facts
-        are taken once: a later plan of another batch never reads them."""
-        step, self.step = self.step, None
-        if step is not None and step.seq_lens is not None and step.context_lens is not None:
-            return step
-        qsl = batch.query_start_loc_cpu.numpy()
-        seq = batch.seq_lens_cpu.numpy()
-        q = qsl[1:] - qsl[:-1]
-        ctx = seq - q
-        return StepExtents(
-            max_slot=-1,
-            max_block=-1,
-            min_slot=-1,  # unknown: the write's rows are looked for
-            query_lens=q,
-            seq_lens=seq,
-            context_lens=ctx,
-            min_query_len=int(q.min()) if q.size else 0,
-            min_context_len=int(ctx.min()) if ctx.size else 0,
+    def _fia_kwargs(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """FIA's keyword arguments for a paged step's planned ``fields`` (v2's names with
+        sinks) but the sink and the outputs, with the two length lists (cumulative query ends
+        for TND, per-sequence KV lengths for the paged cache [callers]); a captured task's
+        leave the lists out (``fia_lists``: they are updated per replay)."""
+        spec, sparse = self.spec, fields["sparse"]
+        kwargs: dict[str, Any] = dict(
+            atten_mask=fields["atten_mask"],
+            block_table=fields["block_table"],
+            num_key_value_heads=spec.num_kv_heads,
+            pre_tokens=sparse.pre_tokens,
+            next_tokens=sparse.next_tokens,
+            input_layout="TND",
+            sparse_mode=sparse.sparse_mode,
+            block_size=spec.block_size,
+            workspace=None,
         )
+        if spec.use_sinks:  # the layers call v2, with their learnable sink
+            kwargs.update(num_query_heads=spec.num_heads, softmax_scale=spec.scale)
+        else:
+            kwargs.update(num_heads=spec.num_heads, scale=spec.scale)
+        q_name, kv_name = fia_lists(spec)
+        kwargs.update({q_name: fields["query_ends"], kv_name: fields["kv_lengths"]})
+        return kwargs
+
+    @staticmethod
+    def _facts(step: Step) -> StepFacts:
+        """What build's checks read of the step (numpy lengths, the smallest slot), or the
+        lengths read here where the checks were structural."""
+        facts = step.facts
+        if facts.seq_lens is not None and facts.context_lens is not None:
+            return facts
+        return StepFacts.of(step.batch)  # min_slot unknown (-1): the write's rows are looked for
 
     def _kv_write_rows(
-        self, batch: BatchMetadata, facts: StepExtents
+        self, batch: BatchMetadata, facts: StepFacts
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The KV write's slots (once per step, not per layer) and, where needed, the rows it
         takes. Padding rows past num_actual_tokens are never written. A slot -1 among the real
@@ -585,7 +609,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         block_d = torch.from_numpy(pos // bs).to(dev)
         return batch.block_table[req_d, block_d].long() * bs + torch.from_numpy(pos % bs).to(dev)
 
-    def _window_decode_rows(self, batch: BatchMetadata, facts: StepExtents) -> dict[str, Any]:
+    def _window_decode_rows(self, batch: BatchMetadata, facts: StepFacts) -> dict[str, Any]:
         """Give every windowed one-token request a leading padding row: the metadata fields
         that say so (none when no request needs one).
 
@@ -652,7 +676,7 @@ class AscendAttentionImpl(AttentionImpl):
         #: (key plane, value plane, their (num_blocks, block_size, KV_N*D) views)
         self._paged_views: tuple[torch.Tensor, ...] | None = None
 
-    def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
+    def check_call(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, AscendAttentionMetadata):
             raise InvalidInputError(
                 f"meta must come from the ascend backend's metadata_builder().build(batch), "
@@ -669,7 +693,11 @@ class AscendAttentionImpl(AttentionImpl):
         value: torch.Tensor,
         cache: PagedKVCache,
         slot_mapping: torch.Tensor,  # [n] int32/int64, -1 = padding
+        meta: AttentionMetadata | None = None,
     ) -> None:
+        if meta is not None:
+            self._store_step_kv(key, value, cache, meta)
+            return
         n = slot_mapping.shape[0]
         if n == 0:
             return
@@ -688,13 +716,14 @@ class AscendAttentionImpl(AttentionImpl):
                 key, value, slots = key[rows], value[rows], slots[rows]
         self._write(key, value, cache, slots)
 
-    def store_step_kv(
+    def _store_step_kv(
         self,
         key: torch.Tensor,
         value: torch.Tensor,
         cache: PagedKVCache,
         meta: AttentionMetadata,
     ) -> None:
+        """A step's KV write, with the slots (and rows) the builder planned."""
         assert isinstance(meta, AscendAttentionMetadata)
         if meta.graph is not None:
             self._write_graph_step(key, value, cache, meta.batch.slot_mapping)
@@ -825,11 +854,9 @@ class AscendAttentionImpl(AttentionImpl):
         if meta.graph is not None:
             self._attend_paged_graph(q, key_cache, value_cache, meta, target)
             return
-        # the step's keyword arguments, made once per step for all layers (the block size is
-        # the spec's: the cache was checked against it)
-        kwargs = meta.fia_kwargs.get(self.backend)
-        if kwargs is None:
-            kwargs = meta.fia_kwargs[self.backend] = self._fia_kwargs(meta, with_lists=True)
+        # the step's keyword arguments, made by the builder once for all layers (the block
+        # size is the spec's: the cache was checked against it)
+        kwargs = meta.fia_kwargs
         if self.learnable_sink is None:
             self.backend.ops.npu_fused_infer_attention_score.out(
                 q, key_cache, value_cache, **kwargs, out=[target, self._lse]
@@ -844,31 +871,6 @@ class AscendAttentionImpl(AttentionImpl):
                 out=[target, self._lse],
             )
 
-    def _fia_kwargs(self, meta: AscendAttentionMetadata, *, with_lists: bool) -> dict[str, Any]:
-        """FIA's keyword arguments (v2's names with sinks) but the sink and the outputs; with
-        the two length lists (cumulative query ends for TND, per-sequence KV lengths for the
-        paged cache [callers]) or without them (a captured task, whose lists are updated)."""
-        spec, sparse = self.spec, meta.sparse
-        kwargs: dict[str, Any] = dict(
-            atten_mask=meta.atten_mask,
-            block_table=meta.block_table,
-            num_key_value_heads=spec.num_kv_heads,
-            pre_tokens=sparse.pre_tokens,
-            next_tokens=sparse.next_tokens,
-            input_layout="TND",
-            sparse_mode=sparse.sparse_mode,
-            block_size=spec.block_size,
-            workspace=None,
-        )
-        q_name, kv_name = _FIA_LISTS if self.learnable_sink is None else _FIA_V2_LISTS
-        if self.learnable_sink is None:
-            kwargs.update(num_heads=spec.num_heads, scale=spec.scale)
-        else:
-            kwargs.update(num_query_heads=spec.num_heads, softmax_scale=spec.scale)
-        if with_lists:
-            kwargs.update({q_name: meta.query_ends, kv_name: meta.kv_lengths})
-        return kwargs
-
     def _attend_paged_graph(
         self,
         q: torch.Tensor,
@@ -880,13 +882,14 @@ class AscendAttentionImpl(AttentionImpl):
         """FIA on a step made by build_for_graph_capture: recorded in a task group while the
         stream is captured, called directly otherwise (the step run before capture)."""
         ops_ = self.backend.ops
-        shared = self._fia_kwargs(meta, with_lists=False)
+        lists = fia_lists(self.spec)
+        shared = {k: v for k, v in meta.fia_kwargs.items() if k not in lists}
         shared["out"] = [target, self._lse]
         if self.learnable_sink is None:
-            op, lists = ops_.npu_fused_infer_attention_score.out, _FIA_LISTS
+            op = ops_.npu_fused_infer_attention_score.out
             max_workspace = ops_._npu_fused_infer_attention_score_get_max_workspace
         else:
-            op, lists = ops_.npu_fused_infer_attention_score_v2.out, _FIA_V2_LISTS
+            op = ops_.npu_fused_infer_attention_score_v2.out
             max_workspace = ops_._npu_fused_infer_attention_score_v2_get_max_workspace
             shared["learnable_sink"] = self.learnable_sink
         args = (q, key_cache, value_cache)
@@ -958,6 +961,11 @@ _FIA_LISTS = ("actual_seq_lengths", "actual_seq_lengths_kv")
 _FIA_V2_LISTS = ("actual_seq_qlen", "actual_seq_kvlen")
 
 
+def fia_lists(spec: AttentionSpec) -> tuple[str, str]:
+    """The names of FIA's two length lists for ``spec``'s layers (v2's with sinks)."""
+    return _FIA_V2_LISTS if spec.use_sinks else _FIA_LISTS
+
+
 def _flat(plane: torch.Tensor) -> torch.Tensor:  # [num_slots, num_kv_heads, head_size] view
     return plane.view(-1, *plane.shape[2:])
 
@@ -968,3 +976,7 @@ def _check_cache_storage(cache: PagedKVCache) -> None:
         raise InvalidInputError(
             f"a cache of {cache.num_slots} slots cannot be addressed by int32 slot indices"
         )
+
+
+AscendBackend.builder_type = AscendMetadataBuilder
+AscendBackend.impl_type = AscendAttentionImpl

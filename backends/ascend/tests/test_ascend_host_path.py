@@ -145,7 +145,7 @@ def test_the_plan_from_builds_facts_is_the_plan_from_the_batch(
     name: str, backend_cls: Any, skip_real: bool
 ) -> None:
     """plan reads the lengths build's checks found (numpy) and shortcuts one-token query ends;
-    planning from the batch alone (no facts, as for a graph capture) gives the same step."""
+    planning from the batch alone (no facts: structural checks) gives the same step."""
     requests, padding = STEPS[name]
     st = h.step(requests, padding=padding)
     if skip_real:
@@ -157,10 +157,12 @@ def test_the_plan_from_builds_facts_is_the_plan_from_the_batch(
         )
     builder = backend.metadata_builder()
     meta = builder.build(st.batch)
-    assert builder.step is None  # taken by plan: a plan without build reads the batch
-    again = builder.plan(st.batch, 0)
+    structural = backend.metadata_builder()
+    structural.checks = "structural"
+    assert structural.check_step(st.batch).facts.seq_lens is None  # nothing read: plan reads
+    again = structural.build(st.batch)
     assert _fields(meta) == _fields(again)
-    assert again.extents is None
+    assert again.extents is not None and again.extents.max_slot == -1
     # and the step's lists are the batch's own
     assert list(meta.query_ends) == st.batch.query_start_loc_cpu[1:].tolist()
     assert list(meta.kv_lengths) == st.batch.seq_lens_cpu.tolist()
@@ -172,23 +174,20 @@ def test_the_plan_from_builds_facts_is_the_plan_from_the_batch(
 # --- FIA's keyword arguments ----------------------------------------------------------------------
 
 
-def test_fia_arguments_are_made_once_per_step_and_never_copied() -> None:
+def test_fia_arguments_are_made_by_build_once_per_step_and_only_read() -> None:
     st = h.step(MIXED)
     meta = st.backend.metadata_builder().build(st.batch)
+    made = dict(meta.fia_kwargs)  # complete when build returns
+    assert made["actual_seq_lengths"] == meta.query_ends
+    assert made["actual_seq_lengths_kv"] == meta.kv_lengths
     layers = [st.backend.impl() for _ in range(3)]
     with emulator.record_calls() as calls:
         for impl in layers:
             impl.forward(st.query, st.key, st.value, st.cache, meta)
     fia = [c for c in calls if c.name == FIA]
-    assert len(fia) == 3 and list(meta.fia_kwargs) == [st.backend]
+    assert len(fia) == 3
     assert all(c.kwargs["actual_seq_lengths"] == meta.query_ends for c in fia)
-    # a copy with other lists starts without them: its own lists are what FIA gets
-    other = dataclasses.replace(meta, kv_lengths=tuple(x + 0 for x in meta.kv_lengths))
-    assert other.fia_kwargs == {}
-    object.__setattr__(other, "extents", meta.extents)
-    with emulator.record_calls() as calls:
-        layers[0].forward(st.query, st.key, st.value, st.cache, other)
-    assert [c.kwargs["actual_seq_lengths_kv"] for c in calls if c.name == FIA] == [other.kv_lengths]
+    assert meta.fia_kwargs == made and all(meta.fia_kwargs[k] is v for k, v in made.items())
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ blocks into kernel storage (one gather of the K/V the step reads, per layer).
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +37,9 @@ from attnhub.backend import (
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    Step,
+    scratch_field,
 )
-from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kit import BlockPacking
@@ -271,14 +272,6 @@ class CpuBackend(AttentionBackend):
         value = pages.as_strided((b, h, n, d), rows, base + n * d)
         return PagedKVCache(key, value, n, "HND", s.kv_cache_dtype, packing=self.kv_packing)
 
-    def metadata_builder(self) -> CpuMetadataBuilder:
-        return CpuMetadataBuilder(self)
-
-    def impl(
-        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
-    ) -> CpuAttentionImpl:
-        return CpuAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
-
 
 def is_kernel_storage(cache: PagedKVCache, packing: BlockPacking | None = None) -> bool:
     """Whether ``cache``'s planes are laid out as the kernels store a block (block and head
@@ -316,11 +309,15 @@ class CpuAttentionMetadata(AttentionMetadata):
     block_table: torch.Tensor | None = None  # [B, max_blocks] int32, contiguous
     slot_mapping: torch.Tensor | None = None  # [num_tokens] int64 (-1: skipped by the op)
     scheduler_metadata: torch.Tensor | None = None  # get_scheduler_metadata's plan
+    #: Scratch: the step's :class:`Repack`, planned by the first layer whose cache is not
+    #: kernel storage (never on the usual step: the backend's own caches are), then reused.
+    repacked: list[Repack] = scratch_field(default_factory=list)
 
-    @functools.cached_property
     def repack(self) -> Repack:
-        """Planned on first use, once per step, only when a layer's cache is not kernel
-        storage (host data only: the batch's host block table)."""
+        """How this step reads a cache that is not kernel storage: planned on first use, once
+        per step (host data only: the batch's host block table)."""
+        if self.repacked:
+            return self.repacked[0]
         batch = self.batch
         table = batch.host_block_table().to(torch.int64)  # [B, max_blocks]
         needed = (batch.seq_lens_cpu.to(torch.int64) + batch.block_size - 1) // batch.block_size
@@ -328,7 +325,8 @@ class CpuAttentionMetadata(AttentionMetadata):
         used = cols[None, :] < needed[:, None]
         blocks = torch.unique(table[used])
         remapped = torch.where(used, torch.searchsorted(blocks, table), 0)
-        return Repack(blocks, remapped.to(torch.int32).contiguous())
+        self.repacked.append(Repack(blocks, remapped.to(torch.int32).contiguous()))
+        return self.repacked[0]
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -340,6 +338,7 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class CpuMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]):
     backend: CpuBackend
+    metadata_type = CpuAttentionMetadata
 
     def __init__(self, backend: CpuBackend) -> None:
         super().__init__(backend)
@@ -364,8 +363,8 @@ class CpuMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]):
         #: get_scheduler_metadata's per-spec arguments
         self._sched_args = (spec.num_heads, spec.num_kv_heads, spec.head_size)
 
-    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> CpuAttentionMetadata:
-        backend = self.backend
+    def plan(self, step: Step) -> Mapping[str, Any]:
+        backend, batch = self.backend, step.batch
         window = self._windows[batch.causal]
         if isinstance(window, str):
             raise UnsupportedConfigurationError(backend.name, [window])
@@ -388,9 +387,7 @@ class CpuMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]):
             None,
             "auto",
         )
-        return CpuAttentionMetadata(
-            batch,
-            common_prefix_len,
+        return dict(
             causal=causal,
             sliding_window=sliding_window,
             query_start_loc=query_start_loc,
@@ -425,7 +422,7 @@ class CpuAttentionImpl(AttentionImpl):
         self._storage = (cache.key, cache.value, verdict)
         return verdict
 
-    def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
+    def check_call(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, CpuAttentionMetadata):
             raise InvalidInputError(
                 "meta must come from the cpu backend's metadata_builder().build(batch), got "
@@ -439,15 +436,14 @@ class CpuAttentionImpl(AttentionImpl):
         value: torch.Tensor,
         cache: PagedKVCache,
         slot_mapping: torch.Tensor,
+        meta: AttentionMetadata | None = None,
     ) -> None:
+        if meta is not None:  # a step's write: the slots the builder made int64 and dense
+            assert isinstance(meta, CpuAttentionMetadata) and meta.slot_mapping is not None
+            self._write(key, value, cache, meta.slot_mapping)
+            return
         n = slot_mapping.shape[0]
         self._write(key[:n], value[:n], cache, slot_mapping.to(torch.int64))
-
-    def store_step_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
-    ) -> None:
-        assert isinstance(meta, CpuAttentionMetadata) and meta.slot_mapping is not None
-        self._write(key, value, cache, meta.slot_mapping)
 
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor
@@ -480,7 +476,7 @@ class CpuAttentionImpl(AttentionImpl):
         if self._in_kernel_storage(cache):
             key_cache, value_cache, block_table = cache.key, cache.value, meta.block_table
         else:
-            plan = meta.repack
+            plan = meta.repack()
             key_cache, value_cache = self.backend.new_planes(plan.blocks.numel())
             packing = self.backend.kv_packing
             if packing is None:
@@ -522,3 +518,7 @@ class CpuAttentionImpl(AttentionImpl):
         )
         if not dense_out:
             o.copy_(target)
+
+
+CpuBackend.builder_type = CpuMetadataBuilder
+CpuBackend.impl_type = CpuAttentionImpl

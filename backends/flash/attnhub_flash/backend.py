@@ -17,6 +17,7 @@ requests and no host read of a device tensor.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -27,6 +28,7 @@ from attnhub.backend import (
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    Step,
 )
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import Capabilities, Refusal
@@ -90,109 +92,11 @@ def use_cascade(
     return cascade_time < -(-decoding_ctas // num_sms)
 
 
-class FlashBackend(AttentionBackend):
-    """The FlashAttention backend; a subclass per provider sets ``kernels`` (the provider
-    object), from which ``provider`` (its name) and ``capabilities`` follow."""
-
-    name = "flash"
-    #: The provider: capabilities, refusals, kernel arguments, KV write and attention call.
-    kernels: ClassVar[Provider] = providers.VLLM
-    provider: ClassVar[str] = providers.VLLM.name
-    capabilities = providers.VLLM.capabilities
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.provider = cls.kernels.name
-        cls.capabilities = cls.kernels.capabilities
-
-    @classmethod
-    def availability(cls, device: torch.device | str, emulate: bool = False) -> str | None:
-        return ops.unavailable_reason(cls.kernels, device, emulate)
-
-    @classmethod
-    def is_emulated(cls, device: torch.device | str) -> bool:
-        return ops.is_emulated(device)
-
-    @classmethod
-    def unsupported_reasons(cls, spec: AttentionSpec) -> list[Refusal]:
-        return cls.kernels.refusals(spec, super().unsupported_reasons(spec))
-
-    def __init__(
-        self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
-    ) -> None:
-        super().__init__(spec, device, emulate=emulate)
-        #: The provider's modules (or the emulator's namespaces), resolved once per instance.
-        self.ops = ops.resolve(self.kernels, self.device, emulate)
-        if not self.ops.emulated:
-            # what the spec needs of this very GPU beyond the provider's own range
-            # (``unsupported_reasons`` read the current one)
-            reasons = self.kernels.device_refusals(self.spec, self.device)
-            if reasons:
-                raise UnsupportedConfigurationError(self.name, reasons)
-
-    def __repr__(self) -> str:
-        mode = ", emulated" if self.emulated else ""
-        return f"<{type(self).__name__} 'flash' ({self.provider}) on {self.device}{mode}>"
-
-    def metadata_builder(self) -> FlashMetadataBuilder:
-        return FlashMetadataBuilder(self)
-
-    def impl(
-        self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
-    ) -> FlashAttentionImpl:
-        return FlashAttentionImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
-
-
-class FlashVllmBackend(FlashBackend):
-    kernels = providers.VLLM
-
-
-class FlashVllmFA3Backend(FlashBackend):
-    kernels = providers.VLLM_FA3
-
-
-class FlashFA2Backend(FlashBackend):
-    kernels = providers.FA2
-
-
-class FlashFA3Backend(FlashBackend):
-    kernels = providers.FA3
-
-
-class FlashFA4Backend(FlashBackend):
-    kernels = providers.FA4
-
-
-BACKENDS: dict[str, type[FlashBackend]] = {
-    cls.provider: cls
-    for cls in (
-        FlashVllmBackend,
-        FlashVllmFA3Backend,
-        FlashFA2Backend,
-        FlashFA3Backend,
-        FlashFA4Backend,
-    )
-}
-#: What each provider's kernels take, by provider name.
-CAPABILITIES: dict[str, Capabilities] = {name: cls.capabilities for name, cls in BACKENDS.items()}
-
-
-def backend_class(provider: str | None = None) -> type[FlashBackend]:
-    """The backend class of ``provider`` (None: ``providers.chosen_provider()``, i.e. the
-    ``ATTNHUB_FLASH_PROVIDER`` environment variable, else the best importable one)."""
-    name = providers.chosen_provider() if provider is None else provider
-    try:
-        return BACKENDS[name]
-    except KeyError:
-        raise InvalidInputError(
-            f"{name!r} is not a FlashAttention provider (one of {', '.join(BACKENDS)})"
-        ) from None
-
-
 class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
     """Plans a step once for every layer."""
 
     backend: FlashBackend
+    metadata_type = FlashAttentionMetadata
 
     def __init__(self, backend: FlashBackend) -> None:
         super().__init__(backend)
@@ -208,26 +112,20 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             else torch.cuda.get_device_properties(backend.device).multi_processor_count
         )
 
-    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> FlashAttentionMetadata:
-        backend = self.backend
+    def plan(self, step: Step) -> Mapping[str, Any]:
+        backend, batch = self.backend, step.batch
         kernels = backend.kernels
         n = batch.num_actual_tokens
-        fields: dict[str, Any] = dict(
-            batch=batch,
-            common_prefix_len=common_prefix_len,
-            provider=backend.provider,
-            num_actual_tokens=n,
-        )
+        fields: dict[str, Any] = dict(provider=backend.provider, num_actual_tokens=n)
         if n:
             causal = self.spec.causal and batch.causal
-            main = kernels.kernel_args(
-                backend,
+            main = self._kernel_args(
                 # int32 and contiguous once per step, not per layer
                 as_contiguous(batch.query_start_loc),
                 batch.max_query_len,
                 as_contiguous(batch.seq_lens),
                 batch.seq_lens_cpu,
-                batch.max_seq_len,  # checked against the lengths by check_step
+                batch.max_seq_len,  # checked against the lengths by build's checks
                 as_contiguous(batch.block_table),
                 causal,
                 # every query one token: no query is longer than 1 and they are as many as
@@ -235,11 +133,20 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
                 decode_only=n == batch.num_reqs and batch.max_query_len == 1,
             )
             fields["main"] = main
-            blocks = common_prefix_len // batch.block_size  # whole shared blocks
+            blocks = step.common_prefix_len // batch.block_size  # whole shared blocks
             if blocks and causal and self._wants_cascade(batch, blocks * batch.block_size):
                 fields.update(self._cascade(batch, main, blocks))
         # the KV write's plan: the provider's fields
-        return FlashAttentionMetadata(**fields, **kernels.plan_write(batch, backend.device))
+        fields.update(kernels.plan_write(batch, backend.device))
+        return fields
+
+    def _kernel_args(self, *args: Any, **kwargs: Any) -> KernelArgs:
+        """The provider's arguments of one call (``Provider.kernel_args``), with the keyword
+        arguments every layer passes alike made now, once per step (``step_kwargs``)."""
+        kernels = self.backend.kernels
+        a = kernels.kernel_args(self.backend, *args, **kwargs)
+        a.step_kwargs.update(kernels.step_kwargs(self.spec, a))
+        return a
 
     def _wants_cascade(self, batch: BatchMetadata, prefix_len: int) -> bool:
         policy = self.cascade_policy
@@ -282,9 +189,7 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
         n = batch.num_actual_tokens
         prefix_lens = torch.tensor([prefix_len], dtype=torch.int32)
         suffix_lens = batch.seq_lens_cpu.to(torch.int32) - prefix_len
-        kernels = self.backend.kernels
-        prefix = kernels.kernel_args(
-            self.backend,
+        prefix = self._kernel_args(
             torch.tensor([0, n], dtype=torch.int32, device=dev),
             n,
             prefix_lens.to(dev),
@@ -293,8 +198,7 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             main.block_table[:1, :blocks].contiguous(),
             causal=False,
         )
-        suffix = kernels.kernel_args(
-            self.backend,
+        suffix = self._kernel_args(
             main.query_start_loc,
             main.max_query_len,
             suffix_lens.to(dev),
@@ -340,7 +244,7 @@ class FlashAttentionImpl(AttentionImpl):
         #: The sinks as the provider's kernel takes them, made once per layer.
         self.kernel_sinks = kernels.layer_sinks(self.sinks)
 
-    def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
+    def check_call(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, FlashAttentionMetadata) or meta.provider != self.backend.provider:
             raise InvalidInputError(
                 f"meta must come from this flash backend's metadata_builder().build(batch) "
@@ -366,19 +270,18 @@ class FlashAttentionImpl(AttentionImpl):
         value: torch.Tensor,
         cache: PagedKVCache,
         slot_mapping: torch.Tensor,  # [n] int32/int64, -1 = padding
+        meta: AttentionMetadata | None = None,
     ) -> None:
-        self.check_planes(cache)  # write_kv without a step: not checked by check_step
+        if meta is not None:  # a step's write, as the builder planned it
+            assert isinstance(meta, FlashAttentionMetadata)
+            if meta.num_actual_tokens:
+                self.kernels.write_step(self, key, value, cache, meta)
+            return
+        self.check_planes(cache)  # write_kv without a step: not checked by check_call
         if slot_mapping.shape[0] == 0:
             return
         # the base class has checked these slots on the host already
         self.kernels.write(self, key, value, cache, slot_mapping)
-
-    def store_step_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
-    ) -> None:
-        assert isinstance(meta, FlashAttentionMetadata)
-        if meta.num_actual_tokens:
-            self.kernels.write_step(self, key, value, cache, meta)
 
     # --- attention ----------------------------------------------------------------------------
     def attend(
@@ -433,3 +336,96 @@ class FlashAttentionImpl(AttentionImpl):
         }
         self._descales_made = (k_scale, v_scale, batch, descales)
         return descales
+
+
+class FlashBackend(AttentionBackend):
+    """The FlashAttention backend; a subclass per provider sets ``kernels`` (the provider
+    object), from which ``provider`` (its name) and ``capabilities`` follow."""
+
+    name = "flash"
+    builder_type = FlashMetadataBuilder
+    impl_type = FlashAttentionImpl
+    #: The provider: capabilities, refusals, kernel arguments, KV write and attention call.
+    kernels: ClassVar[Provider] = providers.VLLM
+    provider: ClassVar[str] = providers.VLLM.name
+    capabilities = providers.VLLM.capabilities
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.provider = cls.kernels.name
+        cls.capabilities = cls.kernels.capabilities
+
+    @classmethod
+    def availability(cls, device: torch.device | str, emulate: bool = False) -> str | None:
+        return ops.unavailable_reason(cls.kernels, device, emulate)
+
+    @classmethod
+    def is_emulated(cls, device: torch.device | str) -> bool:
+        return ops.is_emulated(device)
+
+    @classmethod
+    def unsupported_reasons(cls, spec: AttentionSpec) -> list[Refusal]:
+        return cls.kernels.refusals(spec, super().unsupported_reasons(spec))
+
+    def __init__(
+        self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
+    ) -> None:
+        super().__init__(spec, device, emulate=emulate)
+        #: The provider's modules (or the emulator's namespaces), resolved once per instance.
+        self.ops = ops.resolve(self.kernels, self.device, emulate)
+        if not self.ops.emulated:
+            # what the spec needs of this very GPU beyond the provider's own range
+            # (``unsupported_reasons`` read the current one)
+            reasons = self.kernels.device_refusals(self.spec, self.device)
+            if reasons:
+                raise UnsupportedConfigurationError(self.name, reasons)
+
+    def __repr__(self) -> str:
+        mode = ", emulated" if self.emulated else ""
+        return f"<{type(self).__name__} 'flash' ({self.provider}) on {self.device}{mode}>"
+
+
+class FlashVllmBackend(FlashBackend):
+    kernels = providers.VLLM
+
+
+class FlashVllmFA3Backend(FlashBackend):
+    kernels = providers.VLLM_FA3
+
+
+class FlashFA2Backend(FlashBackend):
+    kernels = providers.FA2
+
+
+class FlashFA3Backend(FlashBackend):
+    kernels = providers.FA3
+
+
+class FlashFA4Backend(FlashBackend):
+    kernels = providers.FA4
+
+
+BACKENDS: dict[str, type[FlashBackend]] = {
+    cls.provider: cls
+    for cls in (
+        FlashVllmBackend,
+        FlashVllmFA3Backend,
+        FlashFA2Backend,
+        FlashFA3Backend,
+        FlashFA4Backend,
+    )
+}
+#: What each provider's kernels take, by provider name.
+CAPABILITIES: dict[str, Capabilities] = {name: cls.capabilities for name, cls in BACKENDS.items()}
+
+
+def backend_class(provider: str | None = None) -> type[FlashBackend]:
+    """The backend class of ``provider`` (None: ``providers.chosen_provider()``, i.e. the
+    ``ATTNHUB_FLASH_PROVIDER`` environment variable, else the best importable one)."""
+    name = providers.chosen_provider() if provider is None else provider
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise InvalidInputError(
+            f"{name!r} is not a FlashAttention provider (one of {', '.join(BACKENDS)})"
+        ) from None

@@ -132,12 +132,9 @@ class KernelArgs:
     #: get_scheduler_metadata (as vLLM's builder does) instead of by every layer's call.
     scheduler_metadata: torch.Tensor | None = None
     #: The call's keyword arguments that are the same for every layer of a backend (this
-    #: call's lengths and table, the spec's scale, window and softcap), made by the first
-    #: layer that calls with them and reused by the others (keyed by the backend). Not an
-    #: argument: every copy (``dataclasses.replace``) starts empty.
-    step_kwargs: dict[Any, dict[str, Any]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    #: call's lengths and table, the spec's scale, window and softcap), made by the builder
+    #: once per step (``Provider.step_kwargs``); layers only read them.
+    step_kwargs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 Result = tuple[torch.Tensor, torch.Tensor | None]  # [n, H, D], LSE [H, n] float32 or None
@@ -234,6 +231,12 @@ class Provider(abc.ABC):
             causal=causal,
             decode_only=decode_only,
         )
+
+    def step_kwargs(self, spec: AttentionSpec, a: KernelArgs) -> dict[str, Any]:
+        """The keyword arguments of a call with ``a`` that every layer of ``spec`` passes
+        alike, made once per step by the builder (``KernelArgs.step_kwargs``). Default: none
+        (the call passes ``a``'s fields itself)."""
+        return {}
 
     def plan_write(self, batch: BatchMetadata, device: torch.device) -> dict[str, Any]:
         """The KV write's plan, metadata fields: the rows that have a slot, and their slots."""
@@ -380,13 +383,9 @@ class VllmProvider(Provider):
         # vLLM's fork: positional order differs from upstream, so keywords only [schema];
         # block_table needs seqused_k [schema]; out= written in place. fa_version=3 takes the
         # sinks as s_aux, bf16 (H,) contiguous [source: the fork's flash_api.cpp].
-        # The arguments every layer passes alike are made once per step (step_kwargs); the
-        # layer's own (ALiBi slopes, sinks, fp8 descales) are added here.
-        backend = impl.backend
-        step = a.step_kwargs.get(backend)
-        if step is None:
-            step = a.step_kwargs[backend] = self.step_kwargs(impl, a)
-        result = backend.ops.attention.flash_attn_varlen_func(
+        # The arguments every layer passes alike were made once per step by the builder
+        # (step_kwargs); the layer's own (ALiBi slopes, sinks, fp8 descales) are added here.
+        result = impl.backend.ops.attention.flash_attn_varlen_func(
             q=q,
             k=cache.key,
             v=cache.value,
@@ -394,23 +393,23 @@ class VllmProvider(Provider):
             alibi_slopes=impl.alibi_slopes,
             return_softmax_lse=lse,
             s_aux=sinks,
-            **step,
+            **a.step_kwargs,
             **(impl.descales(cache, a) if impl.fp8 else _NO_DESCALES),
         )
         return result if lse else (result, None)
 
-    def step_kwargs(self, impl: FlashAttentionImpl, a: KernelArgs) -> dict[str, Any]:
+    def step_kwargs(self, spec: AttentionSpec, a: KernelArgs) -> dict[str, Any]:
         """The fork's keyword arguments of one call that do not depend on the layer."""
         return dict(
             cu_seqlens_q=a.query_start_loc,
             max_seqlen_q=a.max_query_len,
             seqused_k=a.seq_lens,
             max_seqlen_k=a.max_seq_len,
-            softmax_scale=impl.spec.scale,
+            softmax_scale=spec.scale,
             causal=a.causal,
-            window_size=impl.window,
+            window_size=self.window(spec),
             block_table=a.block_table,
-            softcap=impl.softcap,
+            softcap=spec.logits_soft_cap or 0.0,  # 0.0 = off, the kernels' spelling
             scheduler_metadata=a.scheduler_metadata,  # vllm-fa3: planned once per step
             num_splits=NUM_SPLITS,
             fa_version=self.fa_version,

@@ -26,6 +26,7 @@ docs/backends/iluvatar.md.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -37,6 +38,7 @@ from attnhub.backend import (
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    Step,
 )
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
@@ -62,6 +64,8 @@ INT8_K_MAX_ABS, INT8_K_MIN_COS = 0.05, 0.9997
 
 
 _MAX = np.maximum.reduce  # ufunc.reduce directly: ndarray.max() adds a Python wrapper
+#: A step's query lengths [B], sequence lengths [B] and query start offsets [B + 1] (numpy).
+_Lengths = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _device_int32(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -89,11 +93,9 @@ class DecodePlan:
     #: [num_reqs + 1] int32 cumulative query ends from 0 (the batch's first num_reqs + 1),
     #: passed with every decode, as the fork does; q goes as (T, 1, H, D).
     cu_query_lens: torch.Tensor
-    #: The call's keyword arguments that are the same for every layer of a backend, made by
-    #: the first layer and reused by the others (keyed by the backend; see ``step_kwargs``).
-    kwargs: dict[Any, dict[str, Any]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    #: The call's keyword arguments that are the same for every layer (all but q, the cache,
+    #: out, ALiBi slopes and sinks), made by the builder once per step; layers only read them.
+    kwargs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -110,9 +112,7 @@ class PrefillPlan:
     cu_seqlens_k: torch.Tensor  # [num_reqs + 1] int32, device: cumulative seq_lens
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, device
     #: As ``DecodePlan.kwargs``.
-    kwargs: dict[Any, dict[str, Any]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    kwargs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -271,9 +271,6 @@ class IluvatarBackend(AttentionBackend):
             key_scale=torch.zeros(shape[:3], dtype=torch.float32, device=self.device),
         )
 
-    def metadata_builder(self) -> IluvatarMetadataBuilder:
-        return IluvatarMetadataBuilder(self)
-
     def impl(
         self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
     ) -> IluvatarAttentionImpl:
@@ -300,16 +297,23 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
     #: threshold without speculative tokens [callers]; longer ones (multi-token decodes
     #: included) go to the varlen call, which computes any request.
     reorder_batch_threshold: ClassVar[int] = 1
-    #: The step being planned: query lengths, sequence lengths, query starts (host, numpy).
-    _lengths: tuple[np.ndarray, np.ndarray, np.ndarray]
+    metadata_type = IluvatarAttentionMetadata
 
-    def plan(self, batch: BatchMetadata, common_prefix_len: int) -> IluvatarAttentionMetadata:
-        self._lengths = self._host_lengths(batch)
+    def __init__(self, backend: IluvatarBackend) -> None:
+        super().__init__(backend)
+        spec = self.spec
+        self.softcap = spec.logits_soft_cap or 0.0
+        # window_size follows flash-attn: (left, right) keys around the query's aligned
+        # position, -1 unbounded; attnhub's normalized pair is exactly that [callers].
+        self.causal_window = (spec.window[0], 0) if spec.has_window else (-1, -1)
+        self.full_window = spec.window
+
+    def plan(self, step: Step) -> Mapping[str, Any]:
+        batch = step.batch
+        lengths = self._host_lengths(step)
         n = batch.num_actual_tokens
         causal = self.spec.causal and batch.causal
         common: dict[str, Any] = dict(
-            batch=batch,
-            common_prefix_len=common_prefix_len,
             num_actual_tokens=n,
             causal=causal,
             # Padding rows past num_actual_tokens are never handed to the write; the op itself
@@ -317,54 +321,55 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             slot_mapping=batch.slot_mapping if batch.num_tokens == n else batch.slot_mapping[:n],
         )
         if batch.num_reqs == 0:
-            return IluvatarAttentionMetadata(**common)
+            return common
         if self.spec.kv_cache_format.is_quantized:  # modes 1 and 2
-            nd = self._leading_decodes(batch, 1) if causal else 0
-            return IluvatarAttentionMetadata(
-                **common,
-                paged=self._paged_decodes(batch, nd) if nd else None,
-                prefill=self._prefill(batch, nd) if nd < batch.num_reqs else None,
+            nd = self._leading_decodes(batch, 1, lengths) if causal else 0
+            return dict(
+                common,
+                paged=self._paged_decodes(batch, nd, lengths) if nd else None,
+                prefill=self._prefill(batch, nd, lengths, causal) if nd < batch.num_reqs else None,
                 fused_write=self._fusable(batch, causal),
             )
-        prefix = self._cascade_prefix(common_prefix_len, causal)
+        prefix = self._cascade_prefix(step.common_prefix_len, causal)
         if prefix:
-            return IluvatarAttentionMetadata(**common, cascade=self._cascade(batch, prefix))
-        num_decodes = self._leading_decodes(batch, self.reorder_batch_threshold) if causal else 0
-        return IluvatarAttentionMetadata(
-            **common,
-            decode=self._decode(batch, num_decodes) if num_decodes else None,
-            prefill=self._prefill(batch, num_decodes) if num_decodes < batch.num_reqs else None,
+            return dict(common, cascade=self._cascade(batch, prefix))
+        threshold = self.reorder_batch_threshold
+        nd = self._leading_decodes(batch, threshold, lengths) if causal else 0
+        return dict(
+            common,
+            decode=self._decode(batch, nd, lengths) if nd else None,
+            prefill=self._prefill(batch, nd, lengths, causal) if nd < batch.num_reqs else None,
         )
 
-    def _host_lengths(self, batch: BatchMetadata) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    @staticmethod
+    def _host_lengths(step: Step) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The step's query lengths [B], sequence lengths [B] and query start offsets [B + 1]
-        on the host (numpy): as build's checks read them (``self.step``, taken once so that a
-        later plan never reads another step's), else from the batch's host copies."""
-        step, self.step = self.step, None
-        if step is not None:
-            q, seq, qsl = step.query_lens, step.seq_lens, step.query_start_locs
-            if q is not None and seq is not None and qsl is not None:
-                return q, seq, qsl
-        qsl = batch.query_start_loc_cpu.numpy()
-        return qsl[1:] - qsl[:-1], batch.seq_lens_cpu.numpy(), qsl
+        on the host (numpy): as build's checks read them, else (structural checks) from the
+        batch's host copies."""
+        facts = step.facts
+        q, seq, qsl = facts.query_lens, facts.seq_lens, facts.query_start_locs
+        if q is not None and seq is not None and qsl is not None:
+            return q, seq, qsl
+        qsl = step.batch.query_start_loc_cpu.numpy()
+        return qsl[1:] - qsl[:-1], step.batch.seq_lens_cpu.numpy(), qsl
 
-    def _leading_decodes(self, batch: BatchMetadata, threshold: int) -> int:
+    def _leading_decodes(self, batch: BatchMetadata, threshold: int, lengths: _Lengths) -> int:
         """How many requests at the front have query_len <= ``threshold`` (host data).
 
         Engines send decodes first (``reorder_batch_threshold``); a decode after a prefill is
         served by the prefill call, which computes any request correctly."""
-        if batch.max_query_len <= threshold:  # checked against the lengths by check_step
+        if batch.max_query_len <= threshold:  # checked against the lengths by build
             return batch.num_reqs
-        small = self._lengths[0] <= threshold
+        small = lengths[0] <= threshold
         return int(small.argmin())  # the first request over it (there is one)
 
-    def _paged_decodes(self, batch: BatchMetadata, nd: int) -> PagedPlan:
+    def _paged_decodes(self, batch: BatchMetadata, nd: int, lengths: _Lengths) -> PagedPlan:
         """The int8 caches: the leading one-token decodes, one paged kernel call."""
         return PagedPlan(
             num_tokens=nd,
             context_lens=as_contiguous(batch.seq_lens[:nd]),
             block_table=as_contiguous(batch.block_table[:nd]),
-            max_context_len=int(_MAX(self._lengths[1][:nd])),
+            max_context_len=int(_MAX(lengths[1][:nd])),
             cu_query_lens=as_contiguous(batch.query_start_loc[: nd + 1]),
         )
 
@@ -382,9 +387,27 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         slots = batch.host_slot_mapping()[: batch.num_actual_tokens].to(torch.int64)
         return bool(torch.equal(derived, slots))
 
-    def _decode(self, batch: BatchMetadata, nd: int) -> DecodePlan:
+    def _decode(self, batch: BatchMetadata, nd: int, lengths: _Lengths) -> DecodePlan:
         """The leading ``nd`` decodes: their rows of the batch's device lengths and table (no
-        host copy), maxima from the host lengths build's checks read."""
+        host copy), maxima from the host lengths build's checks read; the call's keyword
+        arguments."""
+        plan = self._decode_rows(batch, nd, lengths)
+        plan.kwargs.update(
+            block_table=plan.block_table,
+            cache_seqlens=plan.seq_lens,
+            max_query_len=plan.max_query_len,
+            cu_query_lens=plan.cu_query_lens,
+            softmax_scale=self.spec.scale,
+            causal=True,
+            window_size=self.causal_window,
+            softcap=self.softcap,
+            use_sqrt_alibi=False,
+            use_cuda_graph=False,  # eager launches: attnhub does not capture this backend
+            max_context_len=plan.max_seq_len,
+        )
+        return plan
+
+    def _decode_rows(self, batch: BatchMetadata, nd: int, lengths: _Lengths) -> DecodePlan:
         if nd == batch.num_reqs:  # the whole step: lengths and maxima as the batch holds them
             max_q = batch.max_query_len
             return DecodePlan(
@@ -396,7 +419,7 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
                 block_table=as_contiguous(batch.block_table),
                 cu_query_lens=as_contiguous(batch.query_start_loc),
             )
-        q_lens, seq_lens, qsl = self._lengths
+        q_lens, seq_lens, qsl = lengths
         num_tokens = int(qsl[nd])
         # as many tokens as decodes: every one has one token (none has 0: a request has one)
         max_q = 1 if num_tokens == nd else int(_MAX(q_lens[:nd]))
@@ -411,15 +434,34 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             cu_query_lens=as_contiguous(batch.query_start_loc[: nd + 1]),
         )
 
-    def _prefill(self, batch: BatchMetadata, nd: int) -> PrefillPlan:
+    def _prefill(
+        self, batch: BatchMetadata, nd: int, lengths: _Lengths, causal: bool
+    ) -> PrefillPlan:
+        """The requests from ``nd`` on, and the call's keyword arguments."""
+        plan = self._prefill_rows(batch, nd, lengths)
+        plan.kwargs.update(
+            cu_seqlens_q=plan.cu_seqlens_q,
+            cu_seqlens_k=plan.cu_seqlens_k,  # cumulative, also with the paged cache [callers]
+            max_seqlen_q=plan.max_query_len,
+            max_seqlen_k=plan.max_seq_len,
+            softmax_scale=self.spec.scale,
+            causal=causal,
+            window_size=self.causal_window if causal else self.full_window,
+            softcap=self.softcap,
+            sqrt_alibi=False,
+            block_table=plan.block_table,
+        )
+        return plan
+
+    def _prefill_rows(self, batch: BatchMetadata, nd: int, lengths: _Lengths) -> PrefillPlan:
         """The requests from ``nd`` on: their query ends re-based to 0 and their cumulative KV
         lengths, from the host lengths build's checks read; their rows of the batch's device
         table. The whole step (no decodes before them): the batch's query ends as they are."""
         dev = self.backend.device
-        _, all_seq_lens, all_qsl = self._lengths
+        _, all_seq_lens, all_qsl = lengths
         seq_lens = all_seq_lens[nd:]
         cu_k = np.zeros(seq_lens.size + 1, dtype=np.int32)
-        np.add.accumulate(seq_lens, out=cu_k[1:])  # int32: check_step bounds every length
+        np.add.accumulate(seq_lens, out=cu_k[1:])  # int32: build's checks bound every length
         if nd:
             start = int(all_qsl[nd])
             cu_q = _device_int32(all_qsl[nd:] - start, dev)
@@ -431,7 +473,7 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             token_start=start,
             num_tokens=int(all_qsl[-1]) - start,
             # the longest query is a prefill's: every decode before them is <= the threshold,
-            # and the first prefill is over it (checked against the lengths by check_step)
+            # and the first prefill is over it (checked against the lengths by build)
             max_query_len=batch.max_query_len,
             max_seq_len=int(_MAX(seq_lens)),
             cu_seqlens_q=cu_q,
@@ -501,7 +543,7 @@ class IluvatarAttentionImpl(AttentionImpl):
         self._checked_value_scale: tuple[int, int] | None = None
         self._quantized = spec.kv_cache_format.is_quantized
 
-    def check_step(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
+    def check_call(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, IluvatarAttentionMetadata):
             raise InvalidInputError(
                 f"meta must come from the iluvatar backend's metadata_builder().build(batch), "
@@ -565,25 +607,20 @@ class IluvatarAttentionImpl(AttentionImpl):
         value: torch.Tensor,
         cache: PagedKVCache,
         slot_mapping: torch.Tensor,  # [n] int32/int64, -1 = padding
+        meta: AttentionMetadata | None = None,
     ) -> None:
-        self._check_scales(cache)  # write_kv without meta= (check_step is not called)
+        if meta is not None:  # a step's write: the slots the builder planned
+            assert isinstance(meta, IluvatarAttentionMetadata) and meta.slot_mapping is not None
+            n = meta.num_actual_tokens
+            if n:
+                if key.shape[0] != n:  # padding rows past the step's tokens
+                    key, value = key[:n], value[:n]
+                self._write(key, value, cache, meta.slot_mapping)
+            return
+        self._check_scales(cache)  # write_kv without meta= (check_call is not called)
         n = slot_mapping.shape[0]
         if n:
             self._write(key[:n], value[:n], cache, slot_mapping)
-
-    def store_step_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        cache: PagedKVCache,
-        meta: AttentionMetadata,
-    ) -> None:
-        assert isinstance(meta, IluvatarAttentionMetadata) and meta.slot_mapping is not None
-        n = meta.num_actual_tokens
-        if n:
-            if key.shape[0] != n:  # padding rows past the step's tokens
-                key, value = key[:n], value[:n]
-            self._write(key, value, cache, meta.slot_mapping)
 
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor
@@ -654,9 +691,6 @@ class IluvatarAttentionImpl(AttentionImpl):
         t = plan.num_tokens
         if query.shape[0] != t:  # prefills or padding follow (out is like query)
             query, out = query[:t], out[:t]
-        step = plan.kwargs.get(self.backend)
-        if step is None:
-            step = plan.kwargs[self.backend] = self._decode_kwargs(plan)
         # as the fork: q and out (T, 1, H, D), every other argument by keyword [callers]
         self.backend.ops.contrib.vllm_flash_attn.flash_attn_with_kvcache(
             q=query.unsqueeze(1),
@@ -665,24 +699,7 @@ class IluvatarAttentionImpl(AttentionImpl):
             out=out.unsqueeze(1),
             alibi_slopes=self.alibi_slopes,
             sinks=self.sinks,
-            **step,
-        )
-
-    def _decode_kwargs(self, plan: DecodePlan) -> dict[str, Any]:
-        """flash_attn_with_kvcache's keyword arguments but the layer's (q, cache, out, ALiBi
-        slopes, sinks)."""
-        return dict(
-            block_table=plan.block_table,
-            cache_seqlens=plan.seq_lens,
-            max_query_len=plan.max_query_len,
-            cu_query_lens=plan.cu_query_lens,
-            softmax_scale=self.spec.scale,
-            causal=True,
-            window_size=self.causal_window,
-            softcap=self.softcap,
-            use_sqrt_alibi=False,
-            use_cuda_graph=False,  # eager launches: attnhub does not capture this backend
-            max_context_len=plan.max_seq_len,
+            **plan.kwargs,  # made by the builder (flash_attn_with_kvcache's but the layer's)
         )
 
     def _attend_prefill(
@@ -696,9 +713,6 @@ class IluvatarAttentionImpl(AttentionImpl):
         start, t = plan.token_start, plan.num_tokens
         if start or query.shape[0] != t:  # decodes before them, or padding after
             query, out = query[start : start + t], out[start : start + t]
-        step = plan.kwargs.get(self.backend)
-        if step is None:
-            step = plan.kwargs[self.backend] = self._prefill_kwargs(plan, causal)
         self.backend.ops.contrib.vllm_flash_attn.flash_attn_varlen_func(
             q=query,
             k=cache.key,
@@ -706,23 +720,7 @@ class IluvatarAttentionImpl(AttentionImpl):
             out=out,
             alibi_slopes=self.alibi_slopes,
             sinks=self.sinks,
-            **step,
-        )
-
-    def _prefill_kwargs(self, plan: PrefillPlan, causal: bool) -> dict[str, Any]:
-        """flash_attn_varlen_func's keyword arguments but the layer's (q, cache, out, ALiBi
-        slopes, sinks)."""
-        return dict(
-            cu_seqlens_q=plan.cu_seqlens_q,
-            cu_seqlens_k=plan.cu_seqlens_k,  # cumulative, also with the paged cache [callers]
-            max_seqlen_q=plan.max_query_len,
-            max_seqlen_k=plan.max_seq_len,
-            softmax_scale=self.spec.scale,
-            causal=causal,
-            window_size=self.causal_window if causal else self.full_window,
-            softcap=self.softcap,
-            sqrt_alibi=False,
-            block_table=plan.block_table,
+            **plan.kwargs,  # made by the builder (flash_attn_varlen_func's but the layer's)
         )
 
     def _attend_cascade(
@@ -855,28 +853,25 @@ class IluvatarInt8AttentionImpl(IluvatarAttentionImpl):
     the paged kernel. A class of its own so that a model-dtype cache's ``forward`` is the base
     class's, with no test of a fused write that cannot happen there."""
 
-    def forward(
+    def compute(
         self,
         query: torch.Tensor,
         key: torch.Tensor | None,
         value: torch.Tensor | None,
         cache: PagedKVCache,
         meta: AttentionMetadata,
-        *,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        out: torch.Tensor,
+    ) -> None:
         """As the base class; on the int8 caches' decode-only steps the KV write rides on the
         paged kernel (its ``save_*`` arguments) instead of a separate call."""
-        fused = isinstance(meta, IluvatarAttentionMetadata) and meta.fused_write
-        if not fused or key is None:
-            return super().forward(query, key, value, cache, meta, output=output)
-        out = self.check_forward(query, key, value, cache, meta, output)
-        assert isinstance(meta, IluvatarAttentionMetadata) and meta.paged is not None
-        assert value is not None
+        assert isinstance(meta, IluvatarAttentionMetadata)  # check_call
+        if not meta.fused_write or key is None:
+            super().compute(query, key, value, cache, meta, out)
+            return
+        assert meta.paged is not None and value is not None
         n = meta.num_actual_tokens
-        if self.clip_counter is not None:  # as the base class's forward counts its writes
-            self.count_clipped(key, value, meta.batch.slot_mapping, cache)
-        if out.shape[0] > n:
-            out[n:].zero_()
         self._attend_paged(query, cache, meta.paged, out, save=(key[:n], value[:n]))
-        return out
+
+
+IluvatarBackend.builder_type = IluvatarMetadataBuilder
+IluvatarBackend.impl_type = IluvatarAttentionImpl  # impl() picks the int8 class by the spec
