@@ -40,9 +40,6 @@ MIRRORS_VENDOR_OP: dict[tuple[str, str], str] = {
 TEMPORARY: dict[tuple[str, str], str] = {
     ("attnhub/torch_backend/plan.py", "Planner._plan"): "the torch planner, being made one planner",
     ("attnhub/torch_backend/plan.py", "Planner._ragged_decodes"): "the torch planner, as above",
-    ("backends/ascend/attnhub_ascend/backend.py", "AscendMetadataBuilder.plan"): (
-        "the Ascend builder's plan, being reshaped with the plan-at-build work"
-    ),
 }
 
 
