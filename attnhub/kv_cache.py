@@ -88,6 +88,21 @@ class BlockPacking:
         raise NotImplementedError
 
 
+def same_bytes(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two planes hold the same bytes in the same shape and dtype (NaN-safe; both None
+    counts as equal)."""
+    if a is None or b is None:
+        return a is b
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(
+        torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8),
+            b.contiguous().reshape(-1).view(torch.uint8),
+        )
+    )
+
+
 @dataclass
 class PagedKVCache:
     key: torch.Tensor  # NHD or HND, see module docstring (packed: the kernels' storage)
@@ -408,24 +423,12 @@ class PagedKVCache:
     def equal(self, other: PagedKVCache) -> bool:
         """Byte-for-byte equality of every plane (NaN-safe)."""
 
-        def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-            if a is None or b is None:
-                return a is b
-            if a.shape != b.shape or a.dtype != b.dtype:
-                return False
-            return bool(
-                torch.equal(
-                    a.contiguous().reshape(-1).view(torch.uint8),
-                    b.contiguous().reshape(-1).view(torch.uint8),
-                )
-            )
-
         return (
             self.packing == other.packing
-            and same(self.key, other.key)
-            and same(self.value, other.value)
-            and same(self.key_scale, other.key_scale)
-            and same(self.value_scale, other.value_scale)
+            and same_bytes(self.key, other.key)
+            and same_bytes(self.value, other.value)
+            and same_bytes(self.key_scale, other.key_scale)
+            and same_bytes(self.value_scale, other.value_scale)
         )
 
 

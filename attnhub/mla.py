@@ -43,6 +43,7 @@ import torch
 
 from attnhub import validation
 from attnhub.errors import InvalidInputError, InvalidSpecError
+from attnhub.kv_cache import same_bytes
 from attnhub.kv_write import flat_slots, write_slots
 from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import KV_CACHE_DTYPES, MODEL_DTYPES, KVCacheDType, canonical_kv_cache_dtype
@@ -402,24 +403,12 @@ class LatentKVCache:
     def equal(self, other: LatentKVCache) -> bool:
         """Byte-for-byte equality of every part and the scale (NaN-safe)."""
 
-        def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-            if a is None or b is None:
-                return a is b
-            if a.shape != b.shape or a.dtype != b.dtype:
-                return False
-            return bool(
-                torch.equal(
-                    a.contiguous().reshape(-1).view(torch.uint8),
-                    b.contiguous().reshape(-1).view(torch.uint8),
-                )
-            )
-
         return (
             self.layout == other.layout
             and self.kv_cache_dtype == other.kv_cache_dtype
-            and same(self.kv_c, other.kv_c)
-            and same(self.k_pe, other.k_pe)
-            and same(self.scale, other.scale)
+            and same_bytes(self.kv_c, other.kv_c)
+            and same_bytes(self.k_pe, other.k_pe)
+            and same_bytes(self.scale, other.scale)
         )
 
 
