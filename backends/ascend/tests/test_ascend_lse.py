@@ -255,3 +255,31 @@ def test_fusion_attentions_max_and_sum_give_the_lse() -> None:
     want_out, want_lse = c.reference(causal=False, sinks=sink.double())
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-4, rtol=1e-5)
     torch.testing.assert_close(out.double(), want_out, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("sparse", "empty"),
+    [
+        (dict(sparse_mode=3, atten_mask=MASK), math.inf),  # detected (Q_S > KV_S): corrected
+        (dict(sparse_mode=0, atten_mask=None), math.nan),  # vllm-ascend's DCP form: not
+    ],
+    ids=["sparse_mode_3", "sparse_mode_0"],
+)
+def test_a_decode_row_over_no_keys(sparse: dict[str, Any], empty: float) -> None:
+    """A context-parallel rank holding none of a request's keys: one query token over
+    ``actual_seq_lengths_kv`` 0. With sparse_mode 3 the op detects Q_S > KV_S and corrects the
+    row (output 0, LSE +inf); in vllm-ascend's DCP call form (no mask, inner_precise 0) the doc
+    promises nothing, so the emulator gives NaN, which a merge must take as empty."""
+    c = Case([1, 1], [0, 9])
+    kw: dict[str, Any] = dict(
+        actual_seq_lengths=[1, 2], actual_seq_lengths_kv=[0, 9], block_table=c.table,
+        num_heads=N, num_key_value_heads=KV_N, scale=SCALE, input_layout="TND",
+        block_size=BS, softmax_lse_flag=True, **sparse,
+    )  # fmt: skip
+    out, lse = FIA(c.q, c.key, c.value, **kw)
+    if math.isnan(empty):
+        assert torch.isnan(lse[0]).all() and torch.isnan(out[0].float()).all()
+    else:
+        assert torch.all(lse[0] == empty) and torch.all(out[0] == 0)
+    _, want_lse = reference.attention(c.q[1:], *c.seqs[1], scale=SCALE)
+    torch.testing.assert_close(lse[1:, :, 0].t().double(), want_lse, atol=2e-4, rtol=1e-5)
