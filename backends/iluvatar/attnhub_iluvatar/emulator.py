@@ -45,9 +45,10 @@ Conventions:
     mask [callers]. Sinks (one logit per query head) join the softmax denominator and carry no
     value [inferred: the shared convention; the fork passes ``sinks=``].
   - LSE is the **natural log** of the softmax denominator, float32, shape (num_heads,
-    num_tokens) [callers for the shape; inferred from the fork's DCP path, which feeds it to
-    vLLM's natural-log ``cp_lse_ag_out_rs``, for the base]; a row that sees no key gives output
-    0 and LSE +inf [inferred].
+    num_tokens) [callers for the shape; the base from the fork's DCP path, which feeds it to
+    vLLM's natural-log ``cp_lse_ag_out_rs``, and its cascade, which merges two of them]; a row
+    that sees no key gives output 0 and LSE +inf [inferred]; rows past the last query end
+    (graph padding) get NaN: nothing computes them [inferred].
   - ``merge_attn_states`` weighs the two parts by ``exp(lse)``; +inf LSE is an empty part; both
     empty gives 0 [inferred].
   - Slots < 0 are skipped by the cache writes [callers].
@@ -545,6 +546,10 @@ def _varlen_math(
         )
         out[q_ends[b] : q_ends[b + 1]] = o
         lse[:, q_ends[b] : q_ends[b + 1]] = lb
+    # Rows past the last query end (graph padding) are computed by nothing: their LSE is
+    # whatever the kernel's buffer held, NaN here so no caller can take it for an empty part
+    # (+inf) [inferred]
+    lse[:, q_ends[-1] :] = math.nan
     return out, lse
 
 
