@@ -55,9 +55,9 @@ def test_decode_kernel_matches_the_absorbed_reference_on_a_joint_latent_cache(
     cache = LatentKVCache.for_spec(spec, nb + 2)  # two blocks no request owns
     g = testing.generator(11)
     # every slot finite random data: the used ones and stale ones the kernel must not read
-    cache.joint.copy_(torch.randn(cache.joint.shape, generator=g).to(dtype))
+    testing.fill_latent_cache_random(cache, g)
     before = cache.clone()
-    q = torch.randn(len(seq_lens), spec.num_heads, spec.latent_size, generator=g).to(dtype)
+    q = testing.random_mla_query(spec, len(seq_lens), g)  # absorbed: [n, H, 576]
     out = torch.full((len(seq_lens), spec.num_heads, spec.kv_lora_rank), float("nan"), dtype=dtype)
 
     torch.ops._C.mla_decode_kvcache(
