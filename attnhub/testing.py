@@ -46,9 +46,11 @@ from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
 
 if TYPE_CHECKING:
     from attnhub.backend import AttentionBackend, AttentionImpl
+    from attnhub.mla import LatentKVCache, MLASpec
 
 __all__ = [
     "FINITE_POISON",
+    "FP8_LATENT_TEST_SCALE",
     "FP8_TEST_SCALES",
     "ROUNDING_FLOORS",
     "TOLERANCE_CAPS",
@@ -64,6 +66,7 @@ __all__ = [
     "capped_tolerance",
     "checked_in_full",
     "fill_cache_random",
+    "fill_latent_cache_random",
     "generator",
     "make_batch",
     "mismatch",
@@ -73,6 +76,9 @@ __all__ = [
     "probability_rounding",
     "quantized_query",
     "random_kv",
+    "random_latent_kv",
+    "random_mla_query",
+    "random_mla_weights",
     "random_qkv",
     "random_sinks",
     "reference_after_write",
@@ -84,6 +90,9 @@ __all__ = [
     "token_origin",
     "used_slots",
 ]
+
+#: The per-tensor scale the helpers put in fp8 latent caches (not 1: a backend ignoring it fails).
+FP8_LATENT_TEST_SCALE = 0.025
 
 #: The per-tensor (key, value) scales the helpers put in fp8 caches: not 1, so a backend that
 #: ignores a scale fails, and not equal, so one that swaps them fails.
@@ -304,7 +313,61 @@ def _poison(cache: PagedKVCache, unused: torch.Tensor, stale: float) -> None:
         plane[unused] = bad.to(plane.device)
 
 
+def fill_latent_cache_random(
+    cache: LatentKVCache, g: torch.Generator, *, fp8_scale: float = FP8_LATENT_TEST_SCALE
+) -> None:
+    """Give every slot of an MLA latent cache (either layout) random, finite data in its storage
+    format, written straight into its planes (a latent cache has no packed form to edit):
+    N(0, 1) values clamped to +-4; for fp8 such values quantized with ``fp8_scale``, which
+    becomes the cache's (engine-owned) scale. Context ``attnhub.reference`` reads back as stored,
+    and stale data in slots a step must not touch."""
+    for plane in cache.planes().values():
+        x = torch.randn(plane.shape, generator=g).clamp(-4, 4)
+        if cache.scale is not None:
+            x = quantize_fp8(x, fp8_scale, plane.dtype)
+        plane.copy_(x.to(plane.dtype).to(plane.device))
+    if cache.scale is not None:
+        cache.scale.fill_(fp8_scale)
+
+
 # --- inputs -----------------------------------------------------------------------------------
+
+
+def random_mla_weights(
+    spec: MLASpec, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:  # w_uk [L, H, qk_nope], w_uv [L, H, v_head], float64
+    """An MLA layer's up-projections ``W_UK`` and ``W_UV`` (``attnhub.reference``'s shapes):
+    N(0, 1 / kv_lora_rank), so absorbed queries and projected outputs stay of order one."""
+    lat, h = spec.kv_lora_rank, spec.num_heads
+    w_uk = torch.randn(lat, h, spec.qk_nope_head_dim, generator=g, dtype=torch.float64)
+    w_uv = torch.randn(lat, h, spec.v_head_dim, generator=g, dtype=torch.float64)
+    return w_uk / lat**0.5, w_uv / lat**0.5
+
+
+def random_latent_kv(
+    spec: MLASpec, num_tokens: int, g: torch.Generator, *, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:  # kv_c [n, kv_lora_rank], k_pe [n, qk_rope_head_dim]
+    """N(0, 1) latents and rope keys, one per token, in ``spec.dtype`` (what a layer writes)."""
+    kv_c = torch.randn(num_tokens, spec.kv_lora_rank, generator=g).to(spec.dtype)
+    k_pe = torch.randn(num_tokens, spec.qk_rope_head_dim, generator=g).to(spec.dtype)
+    return kv_c.to(device), k_pe.to(device)
+
+
+def random_mla_query(
+    spec: MLASpec,
+    num_tokens: int,
+    g: torch.Generator,
+    *,
+    form: str = "absorbed",
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """An N(0, 1) MLA query in ``spec.dtype``: form "absorbed" [n, H, kv_lora_rank + rope] (what
+    an absorbed-form kernel takes), "expanded" [n, H, qk_nope + rope]."""
+    widths = {"absorbed": spec.latent_size, "expanded": spec.qk_head_dim}
+    if form not in widths:
+        raise InvalidInputError(f"form = {form!r} is not one of {sorted(widths)}")
+    q = torch.randn(num_tokens, spec.num_heads, widths[form], generator=g)
+    return q.to(spec.dtype).to(device)
 
 
 def random_kv(

@@ -4,17 +4,20 @@
         [--dtype ...] [--summary]   (host time per step and per layer: the adapter's benchmark)
         [--outside-kernels]   (vllm and cpu: the kernels timed too, host time outside them)
 
-``--attention vllm`` runs vLLM's own CPU backend; any other value is an attnhub backend name
+``--attention vllm`` runs vLLM's own CPU backend (for an MLA model, the one vLLM selects on
+this CPU: ``CPU_MLA``, or ``AMX_MLA`` with AMX); any other value is an attnhub backend name
 (the plugin is activated through ``ATTNHUB_BACKEND``). Run each in its own process: vLLM's
 backend registry and the plugin's choice are process-wide. The model directory is written by
-``write_tiny_llama`` (random weights, no hub access). Every step's batch composition is
-recorded from the metadata builder, as evidence of mixed decode/prefill batches and chunked
-prefills.
+``write_tiny_llama`` or ``write_tiny_deepseek_v2`` (random weights, no hub access). The result
+names each attention layer's vLLM backend and the KV-cache tensor vLLM allocated for it. Every
+step's batch composition is recorded from the metadata builder, as evidence of mixed
+decode/prefill batches and chunked prefills.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -47,6 +50,75 @@ def write_tiny_llama(path: str, seed: int = 0) -> str:
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def write_tiny_deepseek_v2(path: str, seed: int = 0) -> str:
+    """A 2-layer DeepSeek-V2 (MLA: kv_lora_rank 512 and qk_rope_head_dim 64, the one geometry
+    vLLM's CPU MLA decode kernel is compiled for; 4 heads, qk_nope / v head 32, no q LoRA;
+    hidden 256, vocab 1000; both layers dense: ``first_k_dense_replace`` = the layer count, so
+    the tiny MoE configured is never built), random weights in safetensors."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    config = DeepseekV2Config(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        head_dim=64,
+        max_position_embeddings=1024,
+        initializer_range=0.08,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def is_mla_model(path: str) -> bool:
+    """Whether the model directory holds an MLA model (DeepSeek-V2/V3 architecture)."""
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f).get("model_type") in ("deepseek_v2", "deepseek_v3")
+
+
+def attention_layers(llm: object) -> list[dict]:
+    """Each attention layer of the engine: vLLM's backend name and the KV-cache tensor vLLM
+    bound to it (shape, dtype, bytes per block: all of a block's bytes, whatever the layout)."""
+    ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context  # type: ignore[attr-defined]
+    layers = []
+    for name, layer in ctx.items():
+        backend = getattr(layer, "attn_backend", None)
+        kv = getattr(layer, "kv_cache", None)
+        kv = kv[0] if isinstance(kv, list) and kv else kv
+        if backend is None or kv is None or not hasattr(kv, "shape"):
+            continue
+        layers.append(
+            {
+                "name": name,
+                "backend": backend.get_name(),
+                "kv_cache_shape": list(kv.shape),
+                "kv_cache_dtype": str(kv.dtype).removeprefix("torch."),
+                "bytes": kv.numel() * kv.element_size(),
+            }
+        )
+    return layers
 
 
 PROMPT_LENS = (3, 17, 45, 130, 260, 9, 70, 200, 33, 150)
@@ -276,7 +348,18 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     steps: list[dict] = []
-    if args.attention == "vllm" and args.attnhub_config is None:
+    mla = is_mla_model(args.model)
+    if mla and (args.attention != "vllm" or args.attnhub_config is not None):
+        print("MLA models run with --attention vllm only (attnhub does not serve MLA yet)")
+        return 2
+    Impl: type | None
+    if mla:  # vLLM's MLA backends share this builder; their impls time nothing here
+        from vllm.model_executor.layers.attention.mla_attention import (
+            MLACommonMetadataBuilder as B,
+        )
+
+        Impl = None
+    elif args.attention == "vllm" and args.attnhub_config is None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder as B
     else:
@@ -287,11 +370,12 @@ def main() -> int:
     forward_us: list[float] = []
     forward_cpu_us: list[float] = []
     forward_kernel_cpu_us: list[float] = []
-    record_forward(Impl, forward_us, forward_cpu_us, forward_kernel_cpu_us)
     kv_update_us: list[float] = []
     kv_update_cpu_us: list[float] = []
     kv_update_kernel_cpu_us: list[float] = []
-    record_kv_update(Impl, kv_update_us, kv_update_cpu_us, kv_update_kernel_cpu_us)
+    if Impl is not None:
+        record_forward(Impl, forward_us, forward_cpu_us, forward_kernel_cpu_us)
+        record_kv_update(Impl, kv_update_us, kv_update_cpu_us, kv_update_kernel_cpu_us)
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -351,6 +435,11 @@ def main() -> int:
         "generate_s": gen_s,
         # which attnhub backends served (e.g. "<FlashFA3Backend 'flash' (fa3) on cpu, emulated>")
         "attnhub_backends": _attnhub_backends(),
+        "mla": mla,
+        # where this process resolves attnhub (the tests check it is the tree under test)
+        "attnhub_file": getattr(importlib.util.find_spec("attnhub"), "origin", None),
+        # each attention layer: vLLM's backend name and the KV-cache tensor vLLM bound to it
+        "attention_layers": attention_layers(llm),
     }
     with open(args.out, "w") as f:
         json.dump(result, f)
