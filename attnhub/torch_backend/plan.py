@@ -165,6 +165,7 @@ class ChunkShape(NamedTuple):
     kv_len: int  # L: keys gathered per request, from its first gathered block
     num_blocks: int  # blocks gathered per request
     first_block: int  # the first gathered block's column in the table (a window skips some)
+    shortest: int  # the shortest request's sequence length
     ragged: bool  # the requests' sequence lengths differ: padding to hide and zero
     causal_square: bool  # SDPA's is_causal applies (see Chunk)
     masked: bool  # a pattern beyond the padding: causality for Q > 1 (not causal_square), a window
@@ -286,7 +287,7 @@ class Planner:
         if f.extremes is None:
             return [], 0
         spans = chunk_spans(f.qlens, f.lens, self.decode_threshold, self.budget, f.extremes)
-        bs, left, lens = f.block_size, f.left, f.lens
+        bs, left, lens, B = f.block_size, f.left, f.lens, len(f.lens)
         q_min, q_max, _ = f.extremes
         # one query length, the step read by its checks: the whole batch's shortest sequence
         # is the step's, and a request's first query row is its index times the length
@@ -299,7 +300,7 @@ class Planner:
             Q, first = (q_min, a * q_min) if whole else (int(f.qlens[a]), int(f.starts[a]))
             if C == 1:
                 shortest = longest
-            elif len(lens) == C and whole:
+            elif B == C and whole:
                 shortest = q_min + context
             else:
                 shortest = min(lens[a:b])
@@ -312,8 +313,8 @@ class Planner:
             square_c = square and C == 1 and Q == L
             masked = (f.pattern or (f.causal and Q > 1)) and not square_c
             batched = ragged and Q == 1 and batchable
-            shape = (first, a, b, Q, L, nblk, first_block, ragged, square_c, masked, batched)
-            shapes.append(_new_tuple(ChunkShape, shape))
+            shape = (first, a, b, Q, L, nblk, first_block, shortest, ragged, square_c, masked)
+            shapes.append(_new_tuple(ChunkShape, (*shape, batched)))
         return shapes, max_gather
 
     def chunks(self, f: StepFacts, shapes: Sequence[ChunkShape]) -> list[Chunk]:
@@ -436,7 +437,8 @@ class Planner:
         with -inf put at those rows (never a comparison per (request, key))."""
         bs = f.block_size
         coef, sizes, pad_counts, id_sizes, mask_sizes = self._affine(f, shapes)  # [4, R]
-        W, lo, hi = max(s.num_blocks for s in shapes), shapes[0].first_req, shapes[-1].end_req
+        W, shortest = max([s.num_blocks for s in shapes]), min([s.shortest for s in shapes])
+        lo, hi = shapes[0].first_req, shapes[-1].end_req
         if hi - lo == sum(sizes):  # a decode run's chunks are adjacent
             lens, grid = f.seqs[lo:hi], f.table[lo:hi, :W]
         else:
@@ -446,7 +448,7 @@ class Planner:
         # block ids: past its own blocks, a request gathers its first block again (only where
         # some request has fewer blocks of its own than the widest chunk gathers)
         ids = grid
-        if int(lens.min()) <= (W - 1) * bs:
+        if shortest <= (W - 1) * bs:
             ids = np.where(self._block_starts(W, bs) >= lens[:, None], grid[:, :1], grid)
             if any(s.num_blocks != W for s in shapes):  # each request keeps its chunk's width
                 ids = ids[self._block_starts(W, 1) < (coef[0] // bs)[:, None]]
@@ -484,7 +486,7 @@ class Planner:
         sizes, pad_counts, id_sizes, mask_sizes = [], [], [], []
         row = mask_at = 0
         lens, bs = f.lens, f.block_size
-        for _, a, b, _, L, nblk, _, _, _, _, _ in shapes:  # unpacked: read per chunk per step
+        for _, a, b, _, L, nblk, _, _, _, _, _, _ in shapes:  # unpacked: read per chunk per step
             C, wbs = b - a, nblk * bs
             per[0].append(wbs)
             per[1].append(L)
