@@ -873,6 +873,33 @@ def test_decode_steps_planned_as_each_chunk_alone_and_forward_bitwise_equal(
     _assert_forward_equal(backend, spec, batch, nblk, meta, want)
 
 
+@pytest.mark.parametrize(
+    "features", [{}, {"softcap": 2.5}, {"sliding_window": 20}, {"alibi": True}]
+)
+def test_a_plan_for_another_device_has_every_array_there(features: dict) -> None:
+    """Planned for an accelerator, each chunk's arrays are made on the host and sent there
+    (one transfer per kind of array, views of it per chunk): the same records as the CPU
+    plan, every tensor on the device. The ``meta`` device stands in for an accelerator
+    (shapes and dtypes, no data), so the path runs on any machine."""
+    from attnhub.torch_backend.plan import Planner
+
+    spec = Case("plan", block_size=4, **features).spec()
+    batch, _ = make_batch([1, 1, 1, 5, 40, 1, 1], [9, 20, 30, 10, 60, 3, 7], 4, seed=1)
+    eager = bool({"softcap", "alibi", "sinks"} & spec.features())
+    kw: dict[str, Any] = dict(decode_threshold=16, gather_budget_tokens=60, eager=eager)
+    on_cpu = Planner(spec, device=torch.device("cpu"), **kw).plan(batch)
+    on_meta = Planner(spec, device=torch.device("meta"), **kw).plan(batch)
+    assert len(on_cpu.chunks) == len(on_meta.chunks) > 2
+    for c, m in zip(on_cpu.chunks, on_meta.chunks, strict=True):
+        for name in c._fields:
+            a, b = getattr(c, name), getattr(m, name)
+            if isinstance(a, torch.Tensor):
+                assert isinstance(b, torch.Tensor) and b.device.type == "meta", name
+                assert (a.shape, a.dtype) == (b.shape, b.dtype), name
+            else:
+                assert a == b, (name, a, b)
+
+
 def test_structural_checks_plan_the_same_gather_as_full_checks() -> None:
     """Under structural checks the step's lengths are not read by the checks: the plan reads
     them itself, and must not take the unread extents' defaults for the shortest context (a

@@ -350,22 +350,21 @@ class Planner:
         """One chunk's arrays, on the host: the block ids to gather (whole table rows where
         its requests are as long), the padding rows of its shorter requests, its mask (None:
         every gathered key visible) and ALiBi distances."""
-        a, b, bs = s.first_req, s.end_req, f.block_size
-        C, Q, L, nblk = b - a, s.query_len, s.kv_len, s.num_blocks
-        ids = f.table[a:b, s.first_block : s.first_block + nblk]  # [C, nblk] int32 or int64
-        if not s.ragged and not s.masked and not self.alibi:  # every gathered key visible
-            return _HostChunk(
-                torch.from_numpy(np.ascontiguousarray(ids).reshape(-1)), None, None, None
-            )
+        _, a, b, Q, L, nblk, first_block, _, ragged, _, masked, _ = s
+        ids = f.table[a:b, first_block : first_block + nblk]  # [C, nblk] int32 or int64
+        if not (ragged or masked or self.alibi):  # every gathered key visible
+            ids_t = torch.from_numpy(np.ascontiguousarray(ids).reshape(-1))
+            return _new_tuple(_HostChunk, (ids_t, None, None, None))
+        C, bs = b - a, f.block_size
         pad_tokens = own_keys = None  # own_keys: [C, L] bool, row j of request c is its own key
-        if s.ragged:
+        if ragged:
             # A shorter request's columns past its own blocks may hold anything (-1, another
             # request's block): gather its first block there instead, then zero every padded
             # row, since a masked key still multiplies its value (0 * stale NaN = NaN).
             lens = f.seqs[a:b]  # [C]
-            own = (lens + bs - 1) // bs - s.first_block  # [C]
+            own = (lens + bs - 1) // bs - first_block  # [C]
             ids = np.where(np.arange(nblk)[None, :] >= own[:, None], ids[:, :1], ids)
-            own_keys = np.arange(L)[None, :] < (lens - s.first_block * bs)[:, None]
+            own_keys = np.arange(L)[None, :] < (lens - first_block * bs)[:, None]
             pad = (~own_keys).ravel().nonzero()[0]  # c * L + j -> buffer row c*nblk*bs + j
             pad_tokens = torch.from_numpy(pad + (pad // L) * (nblk * bs - L))
         ids_t = torch.from_numpy(np.ascontiguousarray(ids).reshape(-1))  # whole rows: a view
