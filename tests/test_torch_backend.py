@@ -854,8 +854,9 @@ def test_decode_steps_planned_as_each_chunk_alone_and_forward_bitwise_equal(
     batch_causal: bool,
     spread: bool,
 ) -> None:
-    """A step of one-token decodes (the usual step: plain chunks of equal lengths, ragged
-    ones planned all at once) through ``build``: the chunks each chunk's plain planning
+    """A step of one-token decodes (the usual step, planned by the fast path
+    ``Planner.decodes``: plain chunks of equal lengths, ragged ones planned all at once)
+    through ``build``: the chunks each chunk's plain planning
     gives, and ``forward`` with either plan gives bitwise-equal outputs."""
     s_lens = [s for s, k in runs for _ in range(k)]
     q_lens = [1] * len(s_lens)

@@ -187,8 +187,9 @@ class Planner:
     ``eager``: the impl computes scores itself (softcap, ALiBi, sinks), so no SDPA mask; it
     reads ``Chunk.visible`` instead. Host work runs in numpy on the step's host facts. One
     planner makes every chunk (:meth:`chunks`: block ids, padding rows, mask and distances,
-    each by whole-array numpy operations), with two fast paths where measured to pay
-    (docs/performance.md), each held to it by a property test: the ragged decode chunks of a
+    each by whole-array numpy operations), with three fast paths where measured to pay
+    (docs/performance.md), each held to it by a property test: a step of one-token decodes
+    only skips the extents step (:meth:`decodes`); the ragged decode chunks of a
     step (the usual chunk) are planned all at once by :meth:`ragged_decodes`, in a fixed
     number of numpy operations for any number of chunks; a chunked prefill's causal mask is
     read off a cached staircase (:meth:`_staircase`) instead of compared position by position.
@@ -233,9 +234,15 @@ class Planner:
     def plan(self, batch: BatchMetadata, step: StepExtents | None = None) -> StepPlan:
         """``step``: what the step's checks read (``AttentionMetadataBuilder.step``), reused."""
         facts = self.facts(batch, step)
+        chunks: Sequence[Chunk]
+        ext = facts.extremes
+        if ext is not None and ext[0] == ext[1] == 1 and not facts.pattern and not self.alibi:
+            chunks, max_gather = self.decodes(facts)  # the usual engine step
+            min_slot = None if step is None else step.min_slot
+            write = plan_slot_write(batch.slot_mapping, batch.host_slot_mapping(), min_slot)
+            return StepPlan(chunks=tuple(chunks), max_gather_blocks=max_gather, write=write)
         shapes, max_gather = self.shapes(facts)
         together = [s for s in shapes if s.batched]
-        chunks: Sequence[Chunk]
         if not together:
             chunks = self.chunks(facts, shapes)
         elif len(together) == len(shapes):
@@ -247,6 +254,45 @@ class Planner:
         min_slot = None if step is None else step.min_slot
         write = plan_slot_write(batch.slot_mapping, batch.host_slot_mapping(), min_slot)
         return StepPlan(chunks=tuple(chunks), max_gather_blocks=max_gather, write=write)
+
+    def decodes(self, f: StepFacts) -> tuple[list[Chunk], int]:
+        """Fast path for a step of one-token decodes only (no window, no ALiBi), held to
+        :meth:`shapes` + :meth:`chunks` by a property test: what they make for such a step,
+        less what a decode never needs (no query offset, no first block, no pattern). A chunk
+        whose requests are all as long gathers whole table rows, nothing else; the ragged ones
+        go to :meth:`ragged_decodes` together."""
+        assert f.extremes is not None
+        spans = chunk_spans(f.qlens, f.lens, self.decode_threshold, self.budget, f.extremes)
+        square, bs, lens, table = f.causal and self.plain, f.block_size, f.lens, f.table
+        chunks: list[Chunk | None] = []
+        ragged: list[ChunkShape] = []
+        max_gather = 0
+        for a, b, longest in spans:  # a decode's first query row is its request's index
+            C = b - a
+            shortest = longest if C == 1 else min(lens[a:b])
+            nblk = (longest + bs - 1) // bs
+            if C * nblk > max_gather:
+                max_gather = C * nblk
+            if shortest != longest:  # planned below, with the other ragged ones
+                shape = (a, a, b, 1, longest, nblk, 0, shortest, True, False, False, True)
+                ragged.append(_new_tuple(ChunkShape, shape))
+                chunks.append(None)
+                continue
+            ids = torch.from_numpy(np.ascontiguousarray(table[a:b, :nblk]).reshape(-1))
+            sq = square and C == 1 == longest
+            chunks.append(
+                _new_tuple(Chunk, (a, C, 1, longest, nblk, ids, None, None, None, sq, None))
+            )
+        if not self.on_cpu:  # the plain chunks' ids in one transfer
+            plain = [(i, c) for i, c in enumerate(chunks) if c is not None]
+            moved = _to_device([c.block_ids for _, c in plain], self.device)
+            for (i, c), ids_d in zip(plain, moved, strict=True):
+                assert ids_d is not None
+                chunks[i] = c._replace(block_ids=ids_d)
+        if ragged:
+            done = iter(self.ragged_decodes(f, ragged))
+            chunks = [next(done) if c is None else c for c in chunks]
+        return chunks, max_gather  # type: ignore[return-value]
 
     def facts(self, batch: BatchMetadata, step: StepExtents | None) -> StepFacts:
         """The step's host facts: as the step's checks read them, where they read them (not
