@@ -35,13 +35,6 @@ MIRRORS_VENDOR_OP: dict[tuple[str, str], str] = {
     (_ASCEND, "_fia_v2"): "torch_npu's npu_fused_infer_attention_score_v2: 45 parameters",
 }
 
-# TEMPORARY: functions other work is splitting (the planner, the backends' own modules).
-# Remove an entry as soon as its function is within the limit; the last test says which.
-TEMPORARY: dict[tuple[str, str], str] = {
-    ("attnhub/torch_backend/plan.py", "Planner._plan"): "the torch planner, being made one planner",
-    ("attnhub/torch_backend/plan.py", "Planner._ragged_decodes"): "the torch planner, as above",
-}
-
 
 def _functions(path: Path) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     """Every function in ``path`` with its qualified name (``Class.method``, ``outer.inner``)."""
@@ -91,7 +84,7 @@ def test_no_function_is_over_the_limit() -> None:
     long = [
         f"{path}: {name} has {_length(fn)} lines (limit {LIMIT})"
         for (path, name), fn in _all().items()
-        if _length(fn) > LIMIT and (path, name) not in MIRRORS_VENDOR_OP | TEMPORARY
+        if _length(fn) > LIMIT and (path, name) not in MIRRORS_VENDOR_OP
     ]
     assert not long, "\n".join(long)
 
@@ -110,7 +103,7 @@ def test_every_allowance_is_still_needed() -> None:
     functions = _all()
     stale = [
         f"{path}: {name}"
-        for path, name in [*MIRRORS_VENDOR_OP, *TEMPORARY]
+        for path, name in MIRRORS_VENDOR_OP
         if (path, name) not in functions or _length(functions[path, name]) <= LIMIT
     ]
     assert not stale, "no longer needed (remove from the allowlist):\n" + "\n".join(stale)

@@ -609,7 +609,7 @@ def test_forward_matches_reference_on_random_batches(setup: dict) -> None:
 
 
 def _greedy_spans(qlens: list[int], seqs: list[int], decode_len: int, budget: int) -> list:
-    """The chunking rule written plainly, request by request."""
+    """The chunking rule written plainly, request by request: (first, end, longest)."""
     spans, r = [], 0
     while r < len(qlens):
         end = r + 1
@@ -620,7 +620,7 @@ def _greedy_spans(qlens: list[int], seqs: list[int], decode_len: int, budget: in
                 if (end - r + 1) * longest > budget:
                     break
                 end += 1
-        spans.append((r, end))
+        spans.append((r, end, max(seqs[r:end])))
         r = end
     return spans
 
@@ -641,29 +641,46 @@ def test_chunk_spans_follow_the_greedy_rule(reqs: list[tuple[int, int]], budget:
 
     qlens = [q for q, _ in reqs]
     seqs = [max(q, s) for q, s in reqs]
-    got = chunk_spans(np.array(qlens), np.array(seqs), 16, budget)
+    extremes = (min(qlens), max(qlens), max(seqs))
+    got = chunk_spans(np.array(qlens), seqs, 16, budget, extremes)
     assert got == _greedy_spans(qlens, seqs, 16, budget)
 
 
-@settings(max_examples=100, deadline=None)
-@given(steps=st.lists(st.tuples(st.integers(0, 300), st.integers(2, 300)), min_size=1, max_size=6))
-def test_staircase_is_the_causal_pattern_of_one_request(steps: list[tuple[int, int]]) -> None:
-    """A chunked prefill's mask (one request, causal, no window) is read off one staircase
-    array: query q of a request with ``context`` cached keys sees keys 0..context + q. Masks
-    made earlier stay right when a longer one grows the array."""
-    import numpy as np
-
+def _planner(spec: AttentionSpec, budget: int = 1000) -> Any:
     from attnhub.torch_backend.plan import Planner
 
-    planner = Planner(
-        Case("plan").spec(), decode_threshold=16, gather_budget_tokens=1000, eager=False,
+    eager = bool({"softcap", "alibi", "sinks"} & spec.features())
+    return Planner(
+        spec, decode_threshold=16, gather_budget_tokens=budget, eager=eager,
         device=torch.device("cpu"),
     )  # fmt: skip
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    # a cached context (none: SDPA's own is_causal, no mask) and a query of 2 tokens or more
+    steps=st.lists(st.tuples(st.integers(1, 300), st.integers(2, 300)), min_size=1, max_size=6),
+    block_size=st.sampled_from([1, 16]),
+)
+def test_staircase_masks_equal_the_masks_compared_from_positions(
+    steps: list[tuple[int, int]], block_size: int
+) -> None:
+    """A chunked prefill's mask (one request, causal, no window) is read off one staircase
+    array (the fast path) instead of compared from positions (the planner's plain path): the
+    same mask, for any context and query length; masks made earlier stay right when a longer
+    one grows the array."""
+    import numpy as np
+
+    planner = _planner(Case("plan", block_size=block_size).spec())
     made = []
     for context, Q in steps:
-        L = context + Q
-        want = np.arange(L)[None, None, :] <= (context + np.arange(Q))[None, :, None]
-        made.append((planner._staircase(context, Q, L), want))
+        batch, _ = make_batch([Q], [context + Q], block_size, seed=context)
+        facts = planner.facts(batch, None)
+        (shape,), _ = planner.shapes(facts)
+        assert planner.staircase(facts, shape)
+        got, _ = planner._pattern(facts, shape, None)
+        want, _ = planner._positions(facts, shape)
+        made.append((got, want))
     for got, want in made:
         assert got.shape == want.shape
         assert np.array_equal(got, want)
@@ -680,6 +697,35 @@ def _same_chunks(got: tuple, want: tuple) -> None:
                 assert torch.equal(a, b), (i, name)
             else:
                 assert a == b, (i, name, a, b)
+
+
+def _planned_one_by_one(planner: Any, batch: BatchMetadata, step: Any) -> Any:
+    """The step's plan with every chunk planned on its own by the planner's plain path
+    (``Planner.chunks``), none by the batched ragged-decode pass."""
+    from attnhub.torch_backend.plan import StepPlan
+
+    facts = planner.facts(batch, step)
+    shapes, max_gather = planner.shapes(facts)
+    plan = planner.plan(batch, step)
+    chunks = tuple(planner.chunks(facts, shapes))
+    return StepPlan(chunks=chunks, max_gather_blocks=max_gather, write=plan.write)
+
+
+def _assert_forward_equal(backend: TorchBackend, spec: AttentionSpec, batch: BatchMetadata,
+                          nblk: int, meta: Any, want: Any) -> None:  # fmt: skip
+    """forward with the planned metadata and with ``want`` as its plan: bitwise equal."""
+    import copy
+
+    alone = copy.copy(meta)
+    object.__setattr__(alone, "plan", want)
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, generator(7))
+    poison_unused_slots(cache, batch)  # padding rows let through would give NaN
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(8))
+    impl = backend.impl(**per_head_weights(spec, 9))
+    got, expected = impl.forward(q, k, v, cache, meta), impl.forward(q, k, v, cache, alone)
+    assert torch.equal(got, expected)
+    assert not got.isnan().any()
 
 
 @settings(max_examples=150, deadline=None)
@@ -727,8 +773,9 @@ def test_batched_planning_of_ragged_decodes_equals_planning_each_chunk(
     batch_causal: bool,
     spread: bool,
 ) -> None:
-    """The planner plans every ragged decode chunk of a step at once; the general per-chunk
-    planning of each is the specification: same chunks, ids, padding rows, masks."""
+    """The planner plans every ragged decode chunk of a step at once (``ragged_decodes``);
+    its plain per-chunk planning of each is the specification: same chunks, ids, padding
+    rows, masks, with the step's checked facts and without them (structural checks)."""
 
     q_lens = [q for q, _ in reqs]
     s_lens = [q + c for q, c in reqs]
@@ -739,7 +786,7 @@ def test_batched_planning_of_ragged_decodes_equals_planning_each_chunk(
     facts = builder.check_step(batch).facts  # what the step's checks read
     for step in (facts, None):
         got = planner.plan(batch, step)
-        want = planner._plan(batch, step, batched=False)
+        want = _planned_one_by_one(planner, batch, step)
         _same_chunks(got.chunks, want.chunks)
         assert got.max_gather_blocks == want.max_gather_blocks
 
@@ -757,20 +804,13 @@ def _planning_case(
 ) -> tuple[AttentionSpec, BatchMetadata, int, TorchBackend, Any]:
     """A step, its backend and a planner with the given gather budget (tokens). ``spread``: a
     table wider than needed (-1 past each row's blocks)."""
-    from attnhub.torch_backend.plan import Planner
-
     spec = Case("plan", dtype=dtype, block_size=block_size, **features).spec()
     batch, nblk = make_batch(q_lens, s_lens, block_size, seed=seed, causal=batch_causal)
     if spread:
         wide = torch.full((batch.num_reqs, batch.block_table.shape[1] + 3), -1, dtype=torch.int32)
         wide[:, : batch.block_table.shape[1]] = batch.block_table
         batch = dataclasses.replace(batch, block_table=wide, block_table_cpu=None)
-    backend = TorchBackend(spec, "cpu")
-    eager = bool({"softcap", "alibi", "sinks"} & spec.features())
-    planner = Planner(
-        spec, decode_threshold=16, gather_budget_tokens=budget, eager=eager, device=backend.device
-    )
-    return spec, batch, nblk, backend, planner
+    return spec, batch, nblk, TorchBackend(spec, "cpu"), _planner(spec, budget)
 
 
 @settings(max_examples=100, deadline=None)
@@ -814,10 +854,10 @@ def test_decode_steps_planned_as_each_chunk_alone_and_forward_bitwise_equal(
     batch_causal: bool,
     spread: bool,
 ) -> None:
-    """A step of one-token decodes has its own planning pass (``Planner._decodes``: plain
-    chunks as whole table rows, ragged ones all at once). It gives the chunks the general
-    per-chunk planning gives, and ``forward`` with either plan gives bitwise-equal outputs."""
-
+    """A step of one-token decodes (the usual step, planned by the fast path
+    ``Planner.decodes``: plain chunks of equal lengths, ragged ones planned all at once)
+    through ``build``: the chunks each chunk's plain planning
+    gives, and ``forward`` with either plan gives bitwise-equal outputs."""
     s_lens = [s for s, k in runs for _ in range(k)]
     q_lens = [1] * len(s_lens)
     spec, batch, nblk, backend, planner = _planning_case(
@@ -825,22 +865,41 @@ def test_decode_steps_planned_as_each_chunk_alone_and_forward_bitwise_equal(
     )
     builder = backend.metadata_builder()
     builder._planner = planner
-    meta = builder.build(batch)  # planned by the decode pass
+    meta = builder.build(batch)
     facts = builder.check_step(batch).facts
-    want = planner._plan(batch, facts, batched=False)
+    want = _planned_one_by_one(planner, batch, facts)
     _same_chunks(meta.plan.chunks, want.chunks)
     assert meta.plan.max_gather_blocks == want.max_gather_blocks
     for step in (facts, None):
         _same_chunks(planner.plan(batch, step).chunks, want.chunks)
-    alone = dataclasses.replace(meta, plan=want)
-    cache = backend.allocate_kv_cache(nblk)
-    fill_cache_random(cache, generator(7))
-    poison_unused_slots(cache, batch)  # padding rows let through would give NaN
-    q, k, v = random_qkv(spec, batch.num_tokens, generator(8))
-    impl = backend.impl(**per_head_weights(spec, 9))
-    got, expected = impl.forward(q, k, v, cache, meta), impl.forward(q, k, v, cache, alone)
-    assert torch.equal(got, expected)
-    assert not got.isnan().any()
+    _assert_forward_equal(backend, spec, batch, nblk, meta, want)
+
+
+@pytest.mark.parametrize(
+    "features", [{}, {"softcap": 2.5}, {"sliding_window": 20}, {"alibi": True}]
+)
+def test_a_plan_for_another_device_has_every_array_there(features: dict) -> None:
+    """Planned for an accelerator, each chunk's arrays are made on the host and sent there
+    (one transfer per kind of array, views of it per chunk): the same records as the CPU
+    plan, every tensor on the device. The ``meta`` device stands in for an accelerator
+    (shapes and dtypes, no data), so the path runs on any machine."""
+    from attnhub.torch_backend.plan import Planner
+
+    spec = Case("plan", block_size=4, **features).spec()
+    batch, _ = make_batch([1, 1, 1, 5, 40, 1, 1], [9, 20, 30, 10, 60, 3, 7], 4, seed=1)
+    eager = bool({"softcap", "alibi", "sinks"} & spec.features())
+    kw: dict[str, Any] = dict(decode_threshold=16, gather_budget_tokens=60, eager=eager)
+    on_cpu = Planner(spec, device=torch.device("cpu"), **kw).plan(batch)
+    on_meta = Planner(spec, device=torch.device("meta"), **kw).plan(batch)
+    assert len(on_cpu.chunks) == len(on_meta.chunks) > 2
+    for c, m in zip(on_cpu.chunks, on_meta.chunks, strict=True):
+        for name in c._fields:
+            a, b = getattr(c, name), getattr(m, name)
+            if isinstance(a, torch.Tensor):
+                assert isinstance(b, torch.Tensor) and b.device.type == "meta", name
+                assert (a.shape, a.dtype) == (b.shape, b.dtype), name
+            else:
+                assert a == b, (name, a, b)
 
 
 def test_structural_checks_plan_the_same_gather_as_full_checks() -> None:

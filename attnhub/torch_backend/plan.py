@@ -25,7 +25,7 @@ import torch
 
 from attnhub.batch import BatchMetadata
 from attnhub.spec import AttentionSpec
-from attnhub.validation import StepFacts
+from attnhub.validation import StepFacts as CheckedFacts
 
 
 class Chunk(NamedTuple):  # a tuple: made per chunk per step, at a third of a dataclass's cost
@@ -88,33 +88,15 @@ def plan_slot_write(
 
 def chunk_spans(
     qlens: np.ndarray,  # [B] int
-    seqs: np.ndarray,  # [B] int
-    decode_threshold: int,
-    gather_budget_tokens: int,
-    extremes: tuple[int, int, int] | None = None,
-) -> list[tuple[int, int]]:  # [first request, end request) per chunk
-    """Cut the batch into chunks: runs of requests with the same query_len <= decode_threshold
-    are cut greedily so that ``num_reqs * longest`` stays within the budget (at least one
-    request per chunk); every other request is a chunk of its own. ``extremes``: (shortest
-    query, longest query, longest sequence) where known."""
-    n = qlens.shape[0]
-    if not n:
-        return []
-    if extremes is None:
-        extremes = (int(qlens.min()), int(qlens.max()), int(seqs.max()))
-    spans = _spans(qlens, seqs.tolist(), decode_threshold, gather_budget_tokens, extremes)
-    return [(a, b) for a, b, _ in spans]
-
-
-def _spans(
-    qlens: np.ndarray,
-    seqs: list[int],
+    seqs: list[int],  # [B]
     decode_threshold: int,
     budget: int,
-    extremes: tuple[int, int, int],
+    extremes: tuple[int, int, int],  # shortest query, longest query, longest sequence
 ) -> list[tuple[int, int, int]]:  # [first request, end request) and the longest sequence
-    """:func:`chunk_spans` on the sequence lengths as a list, with each chunk's longest
-    sequence (which the cut finds anyway). No numpy call per chunk: any
+    """Cut the batch into chunks: runs of requests with the same query_len <= decode_threshold
+    are cut greedily so that ``num_reqs * longest`` stays within the budget (at least one
+    request per chunk); every other request is a chunk of its own. Each chunk comes with its
+    longest sequence (which the cut finds anyway). No numpy call per chunk: any
     ``budget // longest sequence`` requests of a run fit (k * their longest <= k * the step's
     longest), so each chunk takes that many with one ``max`` of a list slice, then grows one
     request at a time while the padded size fits (a Python step per request past the sure
@@ -155,19 +137,62 @@ def _spans(
     return spans
 
 
-#: A ragged decode chunk waiting for the batched pass: (index, first query row, first request,
-#: end request, blocks per request, keys per request, padding rows, shortest sequence).
-_Ragged = tuple[int, int, int, int, int, int, int, int]
+class StepFacts(NamedTuple):
+    """What the planner reads of a step: the host facts the step's checks read (or, where
+    they read none, the batch's host copies), and the step's attention pattern."""
+
+    qlens: np.ndarray  # [B] query lengths
+    seqs: np.ndarray  # [B] sequence lengths
+    lens: list[int]  # seqs as a list (the cut and per-chunk extremes read it)
+    starts: np.ndarray  # [B + 1] query start offsets
+    table: np.ndarray  # [B, max_blocks] block table
+    extremes: tuple[int, int, int] | None  # shortest, longest query; longest sequence
+    min_context: int | None  # the shortest context, where the checks read the step
+    block_size: int
+    causal: bool  # the spec's and the batch's
+    left: int  # the window: keys left of / right of the query position (-1: unbounded)
+    right: int
+    pattern: bool  # hides more than keys past a request's end (besides causality for Q > 1)
+
+
+class ChunkShape(NamedTuple):
+    """One chunk's extents, before its arrays are made."""
+
+    first_token: int  # first query row of the chunk in q/out
+    first_req: int  # requests first_req..end_req-1 of the batch
+    end_req: int
+    query_len: int  # Q
+    kv_len: int  # L: keys gathered per request, from its first gathered block
+    num_blocks: int  # blocks gathered per request
+    first_block: int  # the first gathered block's column in the table (a window skips some)
+    shortest: int  # the shortest request's sequence length
+    ragged: bool  # the requests' sequence lengths differ: padding to hide and zero
+    causal_square: bool  # SDPA's is_causal applies (see Chunk)
+    masked: bool  # a pattern beyond the padding: causality for Q > 1 (not causal_square), a window
+    #: A ragged decode chunk whose only pattern is its shorter requests' padding (one query
+    #: token, no window, no ALiBi): planned with the others by :meth:`Planner.ragged_decodes`.
+    batched: bool
+
+
+class _HostChunk(NamedTuple):  # a chunk's arrays on the host, before the one transfer
+    block_ids: torch.Tensor  # [C * num_blocks] int
+    pad_tokens: torch.Tensor | None  # [n] int64
+    visible: torch.Tensor | None  # bool: eager [C, Q, L], SDPA [C, group, Q, L]; Q == 1: [C, 1, L]
+    distance: torch.Tensor | None  # [C, Q, L] float32
 
 
 class Planner:
     """Plans steps for one spec: what depends only on the spec is read once, here.
 
     ``eager``: the impl computes scores itself (softcap, ALiBi, sinks), so no SDPA mask; it
-    reads ``Chunk.visible`` instead. Host work runs in numpy on the batch's host copies. The
-    usual chunk of a step, a ragged decode chunk (one query token, no window, no ALiBi), is
-    planned for every such chunk of the step at once in a fixed number of numpy operations
-    (:meth:`_ragged_decodes`, masks included); every other chunk, once per chunk.
+    reads ``Chunk.visible`` instead. Host work runs in numpy on the step's host facts. One
+    planner makes every chunk (:meth:`chunks`: block ids, padding rows, mask and distances,
+    each by whole-array numpy operations), with three fast paths where measured to pay
+    (docs/performance.md), each held to it by a property test: a step of one-token decodes
+    only skips the extents step (:meth:`decodes`); the ragged decode chunks of a
+    step (the usual chunk) are planned all at once by :meth:`ragged_decodes`, in a fixed
+    number of numpy operations for any number of chunks; a chunked prefill's causal mask is
+    read off a cached staircase (:meth:`_staircase`) instead of compared position by position.
     """
 
     def __init__(
@@ -185,9 +210,9 @@ class Planner:
         self.eager = eager
         self.device = device
         self.on_cpu = device.type == "cpu"
-        self.group = spec.num_queries_per_kv
-        self.window = spec.window
         self.causal = spec.causal
+        self.window = spec.window
+        self.group = spec.num_queries_per_kv
         self.plain = not spec.features()
         self.alibi = spec.use_alibi
         self.dtype = spec.dtype
@@ -206,178 +231,152 @@ class Planner:
             np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(spec.dtype)
             self._mask_kind = (np_dtype or np.float32, 0, -math.inf, None)
 
-    def plan(self, batch: BatchMetadata, step: StepFacts | None = None) -> StepPlan:
+    def plan(self, batch: BatchMetadata, step: CheckedFacts | None = None) -> StepPlan:
         """``step``: what the step's checks read (``Step.facts``), reused."""
-        return self._plan(batch, step, batched=True)
+        facts = self.facts(batch, step)
+        chunks: Sequence[Chunk]
+        ext = facts.extremes
+        if ext is not None and ext[0] == ext[1] == 1 and not facts.pattern and not self.alibi:
+            chunks, max_gather = self.decodes(facts)  # the usual engine step
+            min_slot = None if step is None else step.min_slot
+            write = plan_slot_write(batch.slot_mapping, batch.host_slot_mapping(), min_slot)
+            return StepPlan(chunks=tuple(chunks), max_gather_blocks=max_gather, write=write)
+        shapes, max_gather = self.shapes(facts)
+        together = [s for s in shapes if s.batched]
+        if not together:
+            chunks = self.chunks(facts, shapes)
+        elif len(together) == len(shapes):
+            chunks = self.ragged_decodes(facts, shapes)
+        else:  # both kinds: back in the step's order
+            batched = iter(self.ragged_decodes(facts, together))
+            alone = iter(self.chunks(facts, [s for s in shapes if not s.batched]))
+            chunks = [next(batched) if s.batched else next(alone) for s in shapes]
+        min_slot = None if step is None else step.min_slot
+        write = plan_slot_write(batch.slot_mapping, batch.host_slot_mapping(), min_slot)
+        return StepPlan(chunks=tuple(chunks), max_gather_blocks=max_gather, write=write)
 
-    def _plan(self, batch: BatchMetadata, step: StepFacts | None, *, batched: bool) -> StepPlan:
-        # batched=False plans every chunk on its own (the tests compare the two)
-        bs = batch.block_size
+    def decodes(self, f: StepFacts) -> tuple[list[Chunk], int]:
+        """Fast path for a step of one-token decodes only (no window, no ALiBi), held to
+        :meth:`shapes` + :meth:`chunks` by a property test: what they make for such a step,
+        less what a decode never needs (no query offset, no first block, no pattern). A chunk
+        whose requests are all as long gathers whole table rows, nothing else; the ragged ones
+        go to :meth:`ragged_decodes` together."""
+        assert f.extremes is not None
+        spans = chunk_spans(f.qlens, f.lens, self.decode_threshold, self.budget, f.extremes)
+        square, bs, lens, table = f.causal and self.plain, f.block_size, f.lens, f.table
+        chunks: list[Chunk | None] = []
+        ragged: list[ChunkShape] = []
+        max_gather = 0
+        for a, b, longest in spans:  # a decode's first query row is its request's index
+            C = b - a
+            shortest = longest if C == 1 else min(lens[a:b])
+            nblk = (longest + bs - 1) // bs
+            if C * nblk > max_gather:
+                max_gather = C * nblk
+            if shortest != longest:  # planned below, with the other ragged ones
+                shape = (a, a, b, 1, longest, nblk, 0, shortest, True, False, False, True)
+                ragged.append(_new_tuple(ChunkShape, shape))
+                chunks.append(None)
+                continue
+            ids = torch.from_numpy(np.ascontiguousarray(table[a:b, :nblk]).reshape(-1))
+            sq = square and C == 1 == longest
+            chunks.append(
+                _new_tuple(Chunk, (a, C, 1, longest, nblk, ids, None, None, None, sq, None))
+            )
+        if not self.on_cpu:  # the plain chunks' ids in one transfer
+            plain = [(i, c) for i, c in enumerate(chunks) if c is not None]
+            moved = _to_device([c.block_ids for _, c in plain], self.device)
+            for (i, c), ids_d in zip(plain, moved, strict=True):
+                assert ids_d is not None
+                chunks[i] = c._replace(block_ids=ids_d)
+        if ragged:
+            done = iter(self.ragged_decodes(f, ragged))
+            chunks = [next(done) if c is None else c for c in chunks]
+        return chunks, max_gather  # type: ignore[return-value]
+
+    def facts(self, batch: BatchMetadata, step: CheckedFacts | None) -> StepFacts:
+        """The step's host facts: as the step's checks read them, where they read them (not
+        so under structural checks), else from the batch's host copies."""
         causal = self.causal and batch.causal
         left, right = self.window
         if causal:
             right = 0
-        extremes: tuple[int, int, int] | None  # shortest, longest query; longest sequence
-        read = (  # the step's checks read its values (not so under structural checks)
+        pattern = left >= 0 or (right >= 0 and not causal)
+        extremes: tuple[int, int, int] | None
+        if (
             step is not None
             and step.query_lens is not None
             and step.seq_lens is not None
             and step.query_start_locs is not None
             and step.block_table is not None
-        )
-        if read:  # what the step's checks read, as they read it
-            assert step is not None and step.seq_lens is not None
-            assert step.query_lens is not None and step.query_start_locs is not None
-            assert step.block_table is not None
+        ):
             qlens, seqs = step.query_lens, step.seq_lens  # int32: positions stay below 2**31
             starts, table = step.query_start_locs, step.block_table
             extremes = (step.min_query_len, batch.max_query_len, batch.max_seq_len)
+            min_context: int | None = step.min_context_len
         else:
             starts = batch.query_start_loc_cpu.numpy().astype(np.int64)
             qlens = starts[1:] - starts[:-1]
             seqs = batch.seq_lens_cpu.numpy().astype(np.int64)
             extremes = (int(qlens.min()), int(qlens.max()), int(seqs.max())) if len(qlens) else None
             table = batch.host_block_table().numpy()  # [B, max_blocks]
-        B = qlens.shape[0]
-        if not B:
-            spans: list[tuple[int, int, int]] = []
-            lens_list: list[int] = []
-        else:
-            assert extremes is not None
-            lens_list = seqs.tolist()
-            spans = _spans(qlens, lens_list, self.decode_threshold, self.budget, extremes)
-        uniform = extremes is not None and extremes[0] == extremes[1]
-        # a pattern beyond "keys past the request's end are hidden" (besides causality for Q > 1)
-        pattern = left >= 0 or (right >= 0 and not causal)
-        eager, plain = self.eager, self.plain
-        write = plan_slot_write(
-            batch.slot_mapping, batch.host_slot_mapping(), None if step is None else step.min_slot
-        )
-        one_token = uniform and extremes is not None and extremes[1] == 1  # decodes only
-        if batched and one_token and not pattern and not self.alibi:  # the usual step
-            decodes, max_gather = self._decodes(spans, lens_list, seqs, table, bs, causal)
-            return StepPlan(chunks=decodes, max_gather_blocks=max_gather, write=write)
+            min_context = None
+        return StepFacts(
+            qlens, seqs, seqs.tolist(), starts, table, extremes, min_context,
+            batch.block_size, causal, left, right, pattern,
+        )  # fmt: skip
 
-        # Per chunk: which blocks to gather (only those a query can see: a sliding window skips
-        # the older ones), and the mask / ALiBi distances where the pattern is not plain. Built on
-        # the host in numpy, then sent to the device in one transfer per kind.
-        shapes: list[tuple[int, int, int, int, int, bool]] = []  # (first_token, C, Q, L, nblk, sq)
-        host_ids: list[torch.Tensor | None] = []
-        host_pads: list[torch.Tensor | None] = []
-        host_visible: list[torch.Tensor | None] = []  # bool, see below
-        host_distance: list[torch.Tensor | None] = []
-        ragged_decodes: list[_Ragged] = []
-        max_gather = 0
-        for i, (a, b, longest) in enumerate(spans):
-            C, Q = b - a, int(qlens[a])
+    def shapes(self, f: StepFacts) -> tuple[list[ChunkShape], int]:
+        """Cut the step into chunks (:func:`chunk_spans`) and find each one's extents: the
+        blocks it gathers (only those a query can see: a sliding window skips the older).
+        Also the most blocks a chunk gathers, to size the gather buffers."""
+        if f.extremes is None:
+            return [], 0
+        spans = chunk_spans(f.qlens, f.lens, self.decode_threshold, self.budget, f.extremes)
+        bs, left, lens, B = f.block_size, f.left, f.lens, len(f.lens)
+        q_min, q_max, _ = f.extremes
+        # one query length, the step read by its checks: the whole batch's shortest sequence
+        # is the step's, and a request's first query row is its index times the length
+        whole = q_min == q_max and f.min_context is not None
+        context = -1 if f.min_context is None else f.min_context
+        square, batchable = f.causal and self.plain, not f.pattern and not self.alibi
+        shapes, max_gather = [], 0
+        for a, b, longest in spans:
+            C = b - a
+            Q, first = (q_min, a * q_min) if whole else (int(f.qlens[a]), int(f.starts[a]))
             if C == 1:
                 shortest = longest
-            elif C == B and uniform and read and step is not None:
-                # the whole batch, one query length: its extremes are the step's (no reduction)
-                shortest = step.min_context_len + Q
+            elif B == C and whole:
+                shortest = q_min + context
             else:
-                shortest = min(lens_list[a:b])
-            first_visible = 0 if left < 0 else max(0, shortest - Q - left)
-            first_blk = first_visible // bs
-            key_offset = first_blk * bs  # position of the first gathered key
-            nblk = (longest + bs - 1) // bs - first_blk
-            L = longest - key_offset
+                shortest = min(lens[a:b])
+            first_block = 0 if left < 0 else max(0, shortest - Q - left) // bs
+            L = longest - first_block * bs
+            nblk = (longest + bs - 1) // bs - first_block
             if C * nblk > max_gather:
                 max_gather = C * nblk
             ragged = shortest != longest
-            needs_pattern = pattern or (causal and Q > 1)
-            causal_square = C == 1 and Q == L and causal and plain
-            shapes.append((int(starts[a]), C, Q, L, nblk, causal_square))
-            if ragged and batched and Q == 1 and not pattern and not self.alibi:
-                n_pad = C * L - sum(lens_list[a:b])  # padding rows of the chunk
-                ragged_decodes.append((i, int(starts[a]), a, b, nblk, L, n_pad, shortest))
-                host_ids.append(None)
-                host_pads.append(None)
-                host_visible.append(None)
-                host_distance.append(None)
-                continue
-            lens = seqs[a:b]  # [C]
-            ids = table[a:b, first_blk : first_blk + nblk]  # [C, nblk] int32 or int64
-            pad_tokens = None
-            own_keys: np.ndarray | None = None  # [C, L] bool: row j of request c is its own key
-            if ragged:
-                # A shorter request's columns past its own blocks may hold anything (-1,
-                # another request's block): gather its first block there instead, then zero
-                # every padded row, since a masked key still multiplies its value (0 * stale
-                # NaN = NaN).
-                own = (lens + bs - 1) // bs - first_blk  # [C]
-                ids = np.where(np.arange(nblk)[None, :] >= own[:, None], ids[:, :1], ids)
-                own_keys = np.arange(L)[None, :] < (lens - key_offset)[:, None]
-                pad = (~own_keys).ravel().nonzero()[0]  # c * L + j -> buffer row c*nblk*bs + j
-                pad_tokens = torch.from_numpy(pad + (pad // L) * (nblk * bs - L))
-            # whole rows of a contiguous table: a view, no copy
-            host_ids.append(torch.from_numpy(np.ascontiguousarray(ids).reshape(-1)))
-            host_pads.append(pad_tokens)
+            square_c = square and C == 1 and Q == L
+            masked = (f.pattern or (f.causal and Q > 1)) and not square_c
+            batched = ragged and Q == 1 and batchable
+            shape = (first, a, b, Q, L, nblk, first_block, shortest, ragged, square_c, masked)
+            shapes.append(_new_tuple(ChunkShape, (*shape, batched)))
+        return shapes, max_gather
 
-            seen = distance = None  # seen: [C, Q, L] (or [C, 1, L]) bool
-            if ragged and not needs_pattern and not causal_square:
-                # only the shorter requests' padding to hide (a decode, or no causality)
-                assert own_keys is not None
-                seen = own_keys[:, None, :]  # [C, 1, L]
-            if needs_pattern and C == 1 and Q > 1 and right == 0 and left < 0 and not self.alibi:
-                # one request, causal, no window (a chunked prefill): query q sees keys
-                # 0..context + q, read off one staircase array (no arithmetic)
-                if not causal_square:
-                    seen = self._staircase(lens_list[a] - Q, Q, L)
-            elif (needs_pattern and not causal_square) or self.alibi:
-                # positions in int32 where only a causal comparison follows (the step's lengths
-                # are int32: comparing them with int64 positions converts first, ~1.5x slower)
-                pos = np.int32 if right == 0 and left < 0 and not self.alibi else np.int64
-                kv_len = lens[:, None, None]  # [C, 1, 1]
-                pos_q = (kv_len - Q) + np.arange(Q, dtype=pos)[None, :, None]  # [C, Q, 1]
-                pos_k = key_offset + np.arange(L, dtype=pos)[None, None, :]  # [1, 1, L]
-                if needs_pattern and not causal_square:
-                    # [C, Q, L]: padding keys of shorter requests are invisible (pos_k <= pos_q
-                    # implies pos_k < kv_len, so a causal pattern needs one comparison)
-                    seen = pos_k <= pos_q if right == 0 else pos_k < kv_len
-                    if right > 0:
-                        seen = seen & (pos_k <= pos_q + right)
-                    if left >= 0:
-                        seen = seen & (pos_k >= pos_q - left)
-                if self.alibi:
-                    distance = torch.from_numpy(np.abs(pos_q - pos_k).astype(np.float32))
-            visible = None
-            if seen is None:
-                pass
-            elif Q == 1:  # [C, 1, L]: a decode's row broadcasts over the query rows
-                visible = torch.from_numpy(np.ascontiguousarray(seen))
-            else:
-                # the eager kernel's [C, Q, L]; SDPA's [C, group, Q, L] (its rows are
-                # (head-in-group, token)), written by one numpy broadcast
-                rows = (C, Q, L) if eager else (C, self.group, Q, L)
-                full = np.empty(rows, dtype=bool)
-                full[...] = seen if eager else seen[:, None]
-                visible = torch.from_numpy(full)
-            host_visible.append(visible)
-            host_distance.append(distance)
-
-        done = {}  # chunk index -> the chunk, for the ragged decode chunks
-        if ragged_decodes:
-            planned = self._ragged_decodes(ragged_decodes, seqs, table, bs)
-            done = {r[0]: chunk for r, chunk in zip(ragged_decodes, planned, strict=True)}
-        chunks: list[Chunk] = []
-        for i, ((first, C, Q, L, nblk, causal_square), ids_d, pads_d, vis, dist) in enumerate(
-            zip(
-                shapes,
-                _to_device(host_ids, self.device),
-                _to_device(host_pads, self.device),
-                _to_device(host_visible, self.device),
-                _to_device(host_distance, self.device),
-                strict=True,
-            )
-        ):
+    def chunks(self, f: StepFacts, shapes: Sequence[ChunkShape]) -> list[Chunk]:
+        """The chunks, each planned on its own on the host (:meth:`arrays`), then sent to the
+        device in one transfer per kind of array."""
+        arrays: Sequence[_HostChunk] = [self.arrays(f, s) for s in shapes]
+        if not self.on_cpu:
+            moved = [_to_device([h[k] for h in arrays], self.device) for k in range(4)]
+            arrays = [_HostChunk(*h) for h in zip(*moved, strict=True)]
+        chunks = []
+        for s, (ids, pads, vis, dist) in zip(shapes, arrays, strict=True):
+            C, Q, L = s.end_req - s.first_req, s.query_len, s.kv_len
             visible = mask = None
-            if ids_d is None:  # a ragged decode chunk, planned with the others
-                chunks.append(done[i])
-                continue
             if vis is None:
                 pass
-            elif eager:
+            elif self.eager:
                 visible = vis.view(C, 1, 1, Q, L)
             elif Q == 1:
                 # Decode: one query token broadcasts over SDPA's rows as it is, and the mask
@@ -388,163 +387,186 @@ class Planner:
                 mask = torch.where(vis.view(C, 1, 1, L), zero, minus_inf)
             else:  # SDPA's rows, (head-in-group, token), made so on the host
                 mask = vis.view(C, 1, self.group * Q, L)
-            chunks.append(
-                Chunk(
-                    first_token=first,
-                    num_reqs=C,
-                    query_len=Q,
-                    kv_len=L,
-                    num_blocks=nblk,
-                    block_ids=ids_d,
-                    pad_tokens=pads_d,
-                    visible=visible,
-                    mask=mask,
-                    causal_square=causal_square,
-                    distance=None if dist is None else dist[:, None, None],  # [C, 1, 1, Q, L]
-                )
-            )
-        return StepPlan(chunks=tuple(chunks), max_gather_blocks=max_gather, write=write)
+            distance = None if dist is None else dist[:, None, None]  # [C, 1, 1, Q, L]
+            record = (s.first_token, C, Q, L, s.num_blocks, ids, pads, visible, mask)
+            chunks.append(_new_tuple(Chunk, (*record, s.causal_square, distance)))
+        return chunks
 
-    def _decodes(
-        self,
-        spans: list[tuple[int, int, int]],
-        lens_list: list[int],
-        seqs: np.ndarray,
-        table: np.ndarray,
-        bs: int,
-        causal: bool,
-    ) -> tuple[tuple[Chunk, ...], int]:
-        """The chunks of a step of one-token decodes (no window, no ALiBi): what the general
-        loop of :meth:`_plan` does for them, less what a decode never needs (no query offset,
-        no pattern, no distances). A chunk whose requests are all as long gathers whole table
-        rows and needs no padding nor mask; the ragged ones go to :meth:`_ragged_decodes`."""
-        square = causal and self.plain  # one request of one key: SDPA's is_causal applies
-        ragged: list[_Ragged] = []
-        chunks: list[Chunk] = []
-        max_gather = 0
-        for a, b, longest in spans:  # a decode's first query row is its request's index
-            C = b - a
-            part = lens_list[a:b]
-            shortest = longest if C == 1 else min(part)
-            nblk = (longest + bs - 1) // bs
-            if C * nblk > max_gather:
-                max_gather = C * nblk
-            if shortest != longest:  # planned below with the other ragged ones
-                n_pad = C * longest - sum(part)
-                ragged.append((len(chunks), a, a, b, nblk, longest, n_pad, shortest))
-                chunks.append(_NO_CHUNK)
-                continue
-            ids = torch.from_numpy(np.ascontiguousarray(table[a:b, :nblk]).reshape(-1))
-            sq = C == 1 == longest and square
-            chunks.append(Chunk(a, C, 1, longest, nblk, ids, None, None, None, sq, None))
-        if not self.on_cpu:  # the plain chunks' ids in one transfer
-            plain = [i for i, c in enumerate(chunks) if c is not _NO_CHUNK]
-            moved = _to_device([chunks[i].block_ids for i in plain], self.device)
-            for i, ids_d in zip(plain, moved, strict=True):
-                assert ids_d is not None
-                chunks[i] = chunks[i]._replace(block_ids=ids_d)
+    def arrays(self, f: StepFacts, s: ChunkShape) -> _HostChunk:
+        """One chunk's arrays, on the host: the block ids to gather (whole table rows where
+        its requests are as long), the padding rows of its shorter requests, its mask (None:
+        every gathered key visible) and ALiBi distances."""
+        _, a, b, Q, L, nblk, first_block, _, ragged, _, masked, _ = s
+        ids = f.table[a:b, first_block : first_block + nblk]  # [C, nblk] int32 or int64
+        if not (ragged or masked or self.alibi):  # every gathered key visible
+            ids_t = torch.from_numpy(np.ascontiguousarray(ids).reshape(-1))
+            return _new_tuple(_HostChunk, (ids_t, None, None, None))
+        C, bs = b - a, f.block_size
+        pad_tokens = own_keys = None  # own_keys: [C, L] bool, row j of request c is its own key
         if ragged:
-            for r, chunk in zip(ragged, self._ragged_decodes(ragged, seqs, table, bs), strict=True):
-                chunks[r[0]] = chunk
-        return tuple(chunks), max_gather
+            # A shorter request's columns past its own blocks may hold anything (-1, another
+            # request's block): gather its first block there instead, then zero every padded
+            # row, since a masked key still multiplies its value (0 * stale NaN = NaN).
+            lens = f.seqs[a:b]  # [C]
+            own = (lens + bs - 1) // bs - first_block  # [C]
+            ids = np.where(np.arange(nblk)[None, :] >= own[:, None], ids[:, :1], ids)
+            own_keys = np.arange(L)[None, :] < (lens - first_block * bs)[:, None]
+            pad = (~own_keys).ravel().nonzero()[0]  # c * L + j -> buffer row c*nblk*bs + j
+            pad_tokens = torch.from_numpy(pad + (pad // L) * (nblk * bs - L))
+        ids_t = torch.from_numpy(np.ascontiguousarray(ids).reshape(-1))  # whole rows: a view
+        seen, distance = self._pattern(f, s, own_keys)  # seen: [C, Q, L] (or [C, 1, L]) bool
+        if seen is None:
+            return _HostChunk(ids_t, pad_tokens, None, distance)
+        if Q == 1:  # [C, 1, L]: a decode's row broadcasts over the query rows
+            return _HostChunk(
+                ids_t, pad_tokens, torch.from_numpy(np.ascontiguousarray(seen)), distance
+            )
+        # the eager kernel's [C, Q, L]; SDPA's [C, group, Q, L] (its rows are (head-in-group,
+        # token)), written by one numpy broadcast
+        full = np.empty((C, Q, L) if self.eager else (C, self.group, Q, L), dtype=np.bool_)
+        full[...] = seen if self.eager else seen[:, None]
+        return _HostChunk(ids_t, pad_tokens, torch.from_numpy(full), distance)
 
-    def _ragged_decodes(
-        self,
-        ragged: list[_Ragged],
-        seqs: np.ndarray,
-        table: np.ndarray,
-        bs: int,
-    ) -> list[Chunk]:
-        """Plan every ragged decode chunk of the step at once (no window: each gathers from
-        its requests' first block, and its keys are positions 0..L-1). Same block ids, padding
-        rows and masks as planning each chunk on its own, in a fixed number of operations on
-        arrays of one entry per request (or per padding row): a request's padding rows are
-        one range, listed with one ``repeat`` for all, and a mask is zeros with -inf put at
-        those rows (never a comparison per (request, key)).
-        Returns the chunks' records, in the order of ``ragged``."""
-        # Per request (row r of all the chunks' requests, in order): keys len_r..L-1 of its
-        # chunk are padding. They end at buf_end_r in its chunk's gather buffer (its rows
-        # start at (row in chunk) * nblk * bs) and at mask_end_r in the masks of all the chunks
-        # laid end to end. Both ends are affine in r within a chunk (slope nblk * bs or L), so
-        # one [4, C] array of per-chunk values, repeated per request (no repeat for one chunk:
-        # it broadcasts), gives both for every request with one multiply-add.
-        sizes: list[int] = []
+    def _pattern(
+        self, f: StepFacts, s: ChunkShape, own_keys: np.ndarray | None
+    ) -> tuple[np.ndarray | None, torch.Tensor | None]:
+        """A chunk's visibility ([C, Q, L] or [C, 1, L] bool; None: every key visible) and
+        ALiBi distances ([C, Q, L] float32). ``own_keys``: [C, L] the requests' own keys,
+        where ragged (all a chunk without a pattern hides)."""
+        if not s.masked and not self.alibi:
+            return (None if own_keys is None else own_keys[:, None, :]), None  # padding only
+        if self.staircase(f, s):
+            # one request, causal, no window (a chunked prefill): query q sees keys
+            # 0..context + q, read off one staircase array (no arithmetic)
+            context = f.lens[s.first_req] - s.query_len
+            return self._staircase(context, s.query_len, s.kv_len), None
+        seen, distance = self._positions(f, s)
+        if not s.masked:
+            return (None if own_keys is None else own_keys[:, None, :]), distance
+        return seen, distance
+
+    def staircase(self, f: StepFacts, s: ChunkShape) -> bool:
+        """Whether the chunk's mask is read off the staircase (:meth:`_staircase`) rather than
+        compared from positions (:meth:`_positions`): one request, causal, no window, no ALiBi."""
+        one = s.end_req - s.first_req == 1
+        return s.masked and one and f.right == 0 and f.left < 0 and not self.alibi
+
+    def _positions(self, f: StepFacts, s: ChunkShape) -> tuple[np.ndarray, torch.Tensor | None]:
+        """A chunk's visibility [C, Q, L] bool and ALiBi distances [C, Q, L] float32 |pos(i) -
+        j| (None without ALiBi), from positions: a query's is its request's length - Q + its
+        index, a key's its gathered index + the first gathered block's position."""
+        Q, L = s.query_len, s.kv_len
+        # positions in int32 where only a causal comparison follows (the step's lengths are
+        # int32: comparing them with int64 positions converts first, ~1.5x slower)
+        pos = np.int32 if f.right == 0 and f.left < 0 and not self.alibi else np.int64
+        lens = f.seqs[s.first_req : s.end_req, None, None]  # [C, 1, 1]
+        pos_q = (lens - Q) + np.arange(Q, dtype=pos)[None, :, None]  # [C, Q, 1]
+        pos_k = s.first_block * f.block_size + np.arange(L, dtype=pos)[None, None, :]  # [1, 1, L]
+        distance = None
+        if self.alibi:
+            distance = torch.from_numpy(np.abs(pos_q - pos_k).astype(np.float32))
+        # padding keys of shorter requests are invisible (pos_k <= pos_q implies pos_k <
+        # kv_len, so a causal pattern needs one comparison)
+        seen = pos_k <= pos_q if f.right == 0 else pos_k < lens
+        if f.right > 0:
+            seen = seen & (pos_k <= pos_q + f.right)
+        if f.left >= 0:
+            seen = seen & (pos_k >= pos_q - f.left)
+        return seen, distance
+
+    def ragged_decodes(self, f: StepFacts, shapes: Sequence[ChunkShape]) -> list[Chunk]:
+        """Every ragged decode chunk of the step (``ChunkShape.batched``), at once: the block
+        ids, padding rows and masks :meth:`chunks` makes for each, in a fixed number of numpy
+        operations on arrays of one entry per request (or per padding row): a request's
+        padding rows are one range, listed with one ``repeat`` for all, and a mask is zeros
+        with -inf put at those rows (never a comparison per (request, key))."""
+        bs = f.block_size
+        coef, sizes, pad_counts, id_sizes, mask_sizes = self._affine(f, shapes)  # [4, R]
+        W, shortest = max([s.num_blocks for s in shapes]), min([s.shortest for s in shapes])
+        lo, hi = shapes[0].first_req, shapes[-1].end_req
+        if hi - lo == sum(sizes):  # a decode run's chunks are adjacent
+            lens, grid = f.seqs[lo:hi], f.table[lo:hi, :W]
+        else:
+            rows = np.concatenate([np.arange(s.first_req, s.end_req) for s in shapes])
+            lens, grid = f.seqs[rows], f.table[rows, :W]
+        pads, vis = self._padding(coef, lens, sum(pad_counts), sum(mask_sizes))
+        # block ids: past its own blocks, a request gathers its first block again (only where
+        # some request has fewer blocks of its own than the widest chunk gathers)
+        ids = grid
+        if shortest <= (W - 1) * bs:
+            ids = np.where(self._block_starts(W, bs) >= lens[:, None], grid[:, :1], grid)
+            if any(s.num_blocks != W for s in shapes):  # each request keeps its chunk's width
+                ids = ids[self._block_starts(W, 1) < (coef[0] // bs)[:, None]]
+        ids_t = torch.from_numpy(ids.reshape(-1))  # whole rows of a contiguous table: a view
+        if not self.on_cpu:
+            ids_t, pads, vis = ids_t.to(self.device), pads.to(self.device), vis.to(self.device)
+        per: Sequence[tuple[torch.Tensor, ...]] = [(ids_t, pads, vis)]
+        if len(shapes) > 1:  # one split per kind
+            splits = (
+                ids_t.split_with_sizes(id_sizes),
+                pads.split_with_sizes(pad_counts),
+                vis.split_with_sizes(mask_sizes),
+            )
+            per = list(zip(*splits, strict=True))
+        chunks = []
+        for s, C, (ids_c, pads_c, v) in zip(shapes, sizes, per, strict=True):
+            view = v.view(C, 1, 1, 1, s.kv_len) if self.eager else v.view(C, 1, 1, s.kv_len)
+            visible, mask = (view, None) if self.eager else (None, view)  # see Chunk
+            record = (s.first_token, C, 1, s.kv_len, s.num_blocks, ids_c, pads_c, visible, mask)
+            chunks.append(_new_tuple(Chunk, (*record, False, None)))
+        return chunks
+
+    def _affine(
+        self, f: StepFacts, shapes: Sequence[ChunkShape]
+    ) -> tuple[np.ndarray, list[int], list[int], list[int], list[int]]:
+        """[4, R] per request r of the ragged decode chunks (in order): its chunk's slopes and
+        intercepts of where r's padding ends; per chunk, its requests, padding rows, block ids
+        and mask entries.
+        Keys len_r..L-1 of its chunk are padding; they end at buf_end_r in its chunk's gather
+        buffer (its rows start at (row in chunk) * nblk * bs) and at mask_end_r in the masks
+        of all the chunks laid end to end. Both are affine in r within a chunk (slope nblk *
+        bs or L): per-chunk values, repeated per request (no repeat for one chunk: it
+        broadcasts), give both for every request with one multiply-add."""
         per: list[list[int]] = [[], [], [], []]  # slopes (buffer, mask: L), intercepts
-        nblks: list[int] = []
-        Ls: list[int] = []
-        pad_counts: list[int] = []  # padding rows per chunk
+        sizes, pad_counts, id_sizes, mask_sizes = [], [], [], []
         row = mask_at = 0
-        lo, hi = ragged[0][2], ragged[-1][3]
-        shortest = ragged[0][7]
-        for _, _, a, b, nblk, L, pad, short in ragged:
+        lens, bs = f.lens, f.block_size
+        for _, a, b, _, L, nblk, _, _, _, _, _, _ in shapes:  # unpacked: read per chunk per step
             C, wbs = b - a, nblk * bs
             per[0].append(wbs)
             per[1].append(L)
             per[2].append(L - row * wbs)  # buf_end_r = r * wbs + L - row0 * wbs
             per[3].append(mask_at + L - row * L)  # mask_end_r = mask_at + (r - row0 + 1) * L
             sizes.append(C)
-            nblks.append(nblk)
-            Ls.append(L)
-            pad_counts.append(pad)
-            if short < shortest:
-                shortest = short
+            pad_counts.append(C * L - sum(lens[a:b]))
+            id_sizes.append(C * nblk)
+            mask_sizes.append(C * L)
             row += C
             mask_at += C * L
-        R, W, total = row, max(nblks), sum(pad_counts)
-        if hi - lo == R:  # a decode run's chunks are adjacent
-            lens, grid = seqs[lo:hi], table[lo:hi, :W]
-        else:
-            rows = np.concatenate([np.arange(a, b) for _, _, a, b, *_ in ragged])
-            lens, grid = seqs[rows], table[rows, :W]
-        coef = np.array(per)  # [4, chunks]
-        if len(ragged) > 1:
-            coef = np.repeat(coef, sizes, axis=1)  # [4, R]
+        coef = np.array(per)
+        coef = np.repeat(coef, sizes, axis=1) if len(shapes) > 1 else coef
+        return coef, sizes, pad_counts, id_sizes, mask_sizes
+
+    def _padding(
+        self, coef: np.ndarray, lens: np.ndarray, total: int, mask_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ragged decode chunks' padding rows (in their gather buffers, laid end to end)
+        and masks (visible everywhere but at the padding rows, built in numpy; bf16 as its
+        bits), from :meth:`_affine`'s coefficients and the requests' lengths."""
         counts = coef[1] - lens  # padding rows per request
         ends = _ACCUMULATE(counts, dtype=np.int64)  # padding rows up to and with each request
         # [2, R]: where each request's padding starts, less its first padding row's index
-        starts = coef[:2] * self._arange(R) + (coef[2:4] - ends)
-        ar = self._arange(total)
-        spots = np.repeat(starts, counts, axis=1) + ar  # [2, total]: buffer rows, mask entries
-        pads = torch.from_numpy(spots[0])
-        # masks: visible everywhere but at the padding rows, built in numpy (bf16 as its bits)
+        starts = coef[:2] * self._arange(lens.shape[0]) + (coef[2:4] - ends)
+        spots = np.repeat(starts, counts, axis=1) + self._arange(total)  # buffer rows, masks
         dtype, visible, hidden, as_dtype = self._mask_kind
-        masks: np.ndarray = (np.zeros if visible == 0 else np.ones)(mask_at, dtype=dtype)
+        masks: np.ndarray = (np.zeros if visible == 0 else np.ones)(mask_size, dtype=dtype)
         masks[spots[1]] = hidden
         vis = torch.from_numpy(masks)
         if as_dtype is not None:
             vis = vis.view(as_dtype)
         if not self.eager and vis.dtype != self.dtype:  # a model dtype numpy lacks: convert
             vis = vis.to(self.dtype)
-        # block ids: past its own blocks, a request gathers its first block again (only where
-        # some request has fewer blocks of its own than the widest chunk gathers)
-        ids = grid
-        if shortest <= (W - 1) * bs:
-            ids = np.where(self._block_starts(W, bs) >= lens[:, None], grid[:, :1], grid)
-            if min(nblks) != W:  # each request keeps its own chunk's width
-                ids = ids[self._block_starts(W, 1) < (coef[0] // bs)[:, None]]
-        ids_t = torch.from_numpy(ids.reshape(-1))  # whole rows of a contiguous table: a view
-        if not self.on_cpu:
-            dev = self.device
-            ids_t, pads, vis = ids_t.to(dev), pads.to(dev), vis.to(dev)
-        per_ids: Sequence[torch.Tensor] = (ids_t,)
-        per_pads: Sequence[torch.Tensor] = (pads,)
-        per_vis: Sequence[torch.Tensor] = (vis,)
-        if len(ragged) > 1:  # one split per kind
-            per_ids = ids_t.split_with_sizes([c * nb for c, nb in zip(sizes, nblks, strict=True)])
-            per_pads = pads.split_with_sizes(pad_counts)
-            per_vis = vis.split_with_sizes([c * L for c, L in zip(sizes, Ls, strict=True)])
-        chunks = []
-        for (_, first, a, b, nblk, L, _, _), ids_c, pads_c, v in zip(
-            ragged, per_ids, per_pads, per_vis, strict=True
-        ):
-            if self.eager:  # the eager kernel's visible: [C, 1, 1, 1, L]
-                visible, mask = v.view(b - a, 1, 1, 1, L), None
-            else:  # SDPA's additive mask: [C, 1, 1, L]
-                visible, mask = None, v.view(b - a, 1, 1, L)
-            chunks.append(
-                Chunk(first, b - a, 1, L, nblk, ids_c, pads_c, visible, mask, False, None)
-            )
-        return chunks
+        return torch.from_numpy(spots[0]), vis
 
     def _staircase(self, context: int, Q: int, L: int) -> np.ndarray:
         """[1, Q, L] bool, row q True at keys 0..context + q and False after (L = context + Q):
@@ -578,8 +600,9 @@ class Planner:
         return starts
 
 
-#: A place in :meth:`Planner._decodes`'s list for a chunk planned later.
-_NO_CHUNK = Chunk(0, 0, 0, 0, 0, torch.empty(0, dtype=torch.int64), None, None, None, False, None)
+#: Makes a NamedTuple from a tuple of its fields: its ``__new__`` less a Python call (~0.3 us
+#: per record, one per chunk per step).
+_new_tuple = tuple.__new__
 
 _ACCUMULATE = np.add.accumulate  # np.cumsum less its Python wrapper (~2 us on small arrays)
 
