@@ -685,6 +685,20 @@ class AttentionImpl(abc.ABC):
         lse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    @overload
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        output: torch.Tensor | None = None,
+        return_lse: bool,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_size]
