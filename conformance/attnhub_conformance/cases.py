@@ -1204,6 +1204,19 @@ def _lse_halves(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
 LSE_HALVES = Shape("lse_halves", "decodes split over two halves of their block tables", _lse_halves)
 
 
+def _lse_context_and_new(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    """Chunked prefills (and a decode) whose context spans at least one block more than their
+    query: split at the context's last block boundary, the first part is context alone."""
+    return BatchPlan(((3, 2 * bs + 4), (bs + 1, 4 * bs + 1), (1, 2 * bs + 5)))
+
+
+LSE_CONTEXT_AND_NEW = Shape(
+    "lse_context_and_new",
+    "chunked prefills split into their context (non-causal) and the rest (causal)",
+    _lse_context_and_new,
+)
+
+
 def lse_cases(target: Target, scope: Scope) -> list[Case]:
     """``forward(..., return_lse=True)``, generated from ``Capabilities.lse``: where declared,
     the LSE's value (natural log) against the reference's, its shape, dtype and padding rows
@@ -1257,6 +1270,16 @@ def lse_cases(target: Target, scope: Scope) -> list[Case]:
             entry="merge",
             name=f"merge-{LSE_HALVES.name}-{halves.id}",
         )
+        if target.capabilities.chunked_prefill:
+            out.add(
+                LSE_ROW,
+                "merging the (out, LSE) of a chunked prefill's context (non-causal) and of the "
+                "rest (causal) gives attention over the whole",
+                config=halves,
+                shape=LSE_CONTEXT_AND_NEW,
+                entry="merge",
+                name=f"merge-{LSE_CONTEXT_AND_NEW.name}-{halves.id}",
+            )
     return out.list()
 
 
