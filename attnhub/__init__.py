@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         AccuracyBound,
         Capabilities,
         GraphSupport,
+        LseSupport,
         Refusal,
         Tolerance,
     )
@@ -83,6 +84,7 @@ _HOMES = {
         "AccuracyBound",
         "Capabilities",
         "GraphSupport",
+        "LseSupport",
         "Refusal",
         "Tolerance",
     ),

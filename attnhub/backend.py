@@ -19,9 +19,20 @@ call before anything is written, making the metadata, allocating caches and outp
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar, cast
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Generic,
+    Literal,
+    NamedTuple,
+    TypeVar,
+    cast,
+    overload,
+)
 
 import torch
 
@@ -591,6 +602,8 @@ class AttentionImpl(abc.ABC):
         #: The backend whose builders' metadata this layer accepts without comparing specs:
         #: its own, or the last other one found to be of the same kind, spec and device.
         self._owner_ok: object = backend
+        #: Why ``forward(return_lse=True)`` is refused for this spec (None: it is served).
+        self._lse_refusal = backend.capabilities.lse.refusal(spec)
 
     def _per_head(
         self, name: str, t: torch.Tensor | None, declared: bool
@@ -645,6 +658,47 @@ class AttentionImpl(abc.ABC):
             self.count_clipped(key, value, slot_mapping, cache)
         self.store_kv(key, value, cache, slot_mapping)
 
+    @overload
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        output: torch.Tensor | None = None,
+        return_lse: Literal[False] = False,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        output: torch.Tensor | None = None,
+        return_lse: Literal[True],
+        lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        output: torch.Tensor | None = None,
+        return_lse: bool,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_size]
@@ -654,21 +708,64 @@ class AttentionImpl(abc.ABC):
         meta: AttentionMetadata,
         *,
         output: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size]
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size] in spec.dtype
+        return_lse: bool = False,
+        lse: torch.Tensor | None = None,  # [num_tokens, num_heads] float32
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Write this step's keys/values (unless None), then attend for every query token
         (``compute``, after every check).
 
         Rows past ``num_actual_tokens`` (padding) come back as zeros.
-        """
+
+        ``return_lse=True`` returns ``(out, lse)``: ``lse`` ``[num_tokens, num_heads]``
+        float32, each query row's log-sum-exp of its scaled scores in the natural log (a
+        declared sink's logit included), from the same kernel call (FlashInfer's
+        ``run(..., return_lse=True)``, in its ``[tokens, heads]`` layout); ``.t()`` is vLLM's
+        ``[heads, tokens]``. Rows past ``num_actual_tokens`` and rows that see no key are
+        ``+inf`` (an empty part: ``merge_attn_states`` weighs it 0). ``lse`` is an output
+        buffer for it (e.g. a captured graph's), else one is allocated. Refused with
+        UnsupportedConfigurationError, before anything is written, where the backend does
+        not declare it (``capabilities.lse``)."""
         out = self.check_forward(query, key, value, cache, meta, output)
+        if return_lse or lse is not None:
+            lse = self.check_lse(query, lse, return_lse)
         if key is not None and self.clip_counter is not None:
             assert value is not None
             self.count_clipped(key, value, meta.batch.slot_mapping, cache)
         n = meta.batch.num_actual_tokens
         if out.shape[0] > n:
             out[n:].zero_()
-        self.compute(query, key, value, cache, meta, out)
-        return out
+        if lse is None:
+            self.compute(query, key, value, cache, meta, out)
+            return out
+        if lse.shape[0] > n:
+            lse[n:].fill_(math.inf)
+        self.compute(query, key, value, cache, meta, out, lse=lse)
+        return out, lse
+
+    def check_lse(
+        self, query: torch.Tensor, lse: torch.Tensor | None, return_lse: bool
+    ) -> torch.Tensor:
+        """Check a request for the LSE (declared for this spec, the buffer's shape, dtype and
+        device) before anything is written; return the buffer (allocated where not given)."""
+        if not return_lse:
+            raise InvalidInputError("lse= was given without return_lse=True")
+        if self._lse_refusal is not None:
+            raise UnsupportedConfigurationError(self.backend.name, [self._lse_refusal])
+        shape = (query.shape[0], self.spec.num_heads)
+        if lse is None:
+            return torch.empty(shape, dtype=torch.float32, device=self.backend.device)
+        if not isinstance(lse, torch.Tensor):
+            raise InvalidInputError(f"lse must be a tensor, got {type(lse).__name__}")
+        if tuple(lse.shape) != shape or lse.dtype != torch.float32:
+            raise InvalidInputError(
+                f"lse must be float32 [num_tokens={shape[0]}, num_heads={shape[1]}], got "
+                f"{lse.dtype} {list(lse.shape)}"
+            )
+        if not validation.same_device(lse.device, self.backend.device):
+            raise InvalidInputError(
+                f"lse is on {lse.device}; this layer runs on {self.backend.device}"
+            )
+        return lse
 
     def count_clipped(
         self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, cache: PagedKVCache
@@ -799,15 +896,23 @@ class AttentionImpl(abc.ABC):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,  # [num_tokens, num_heads, head_size]: rows past the step zeroed
+        lse: torch.Tensor | None = None,  # [num_tokens, num_heads] float32: rows past, +inf
     ) -> None:
         """A layer's kernel work of one step, after every check: write this step's keys and
         values (unless None) and attend for every query token into ``out``. Default: the
         composition ``store_kv`` then ``attend``; a kernel that writes and attends in one call
-        (a fused decode) overrides this, never ``forward``."""
+        (a fused decode) overrides this, never ``forward``.
+
+        ``lse`` is passed only where the caller asked for the LSE and the backend declares it
+        (``capabilities.lse``): a backend that declares none never sees the argument. Fill its
+        rows of the step with each row's natural-log LSE (``+inf`` where a row sees no key)."""
         if key is not None:
             assert value is not None
             self.store_kv(key, value, cache, meta.batch.slot_mapping, meta)
-        self.attend(query, key, value, cache, meta, out)
+        if lse is None:
+            self.attend(query, key, value, cache, meta, out)
+        else:
+            self.attend(query, key, value, cache, meta, out, lse=lse)
 
     @abc.abstractmethod
     def store_kv(
@@ -833,11 +938,13 @@ class AttentionImpl(abc.ABC):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         """Attention of every query token of ``meta.batch`` over the cache, into ``out``.
 
         ``key``/``value`` are this step's new tokens (already in the cache), or None; a backend
-        may use them where that is cheaper than reading the cache back.
+        may use them where that is cheaper than reading the cache back. ``lse``: as in
+        :meth:`compute` (passed only where requested and declared).
         """
 
 

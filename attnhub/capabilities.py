@@ -117,6 +117,54 @@ class AccuracyBound:
             )
 
 
+#: Why a backend that declares nothing of :class:`LseSupport` returns no LSE.
+LSE_NOT_DECLARED = "the backend does not declare that its kernels return it"
+
+
+@dataclass(frozen=True)
+class LseSupport:
+    """Where ``forward(..., return_lse=True)`` returns the natural-log LSE of each query row
+    from the same kernel call that computes the output (``Capabilities.lse``).
+
+    ``dtypes``: the model dtypes it is returned for (empty: none); ``kv_cache_dtypes``: the
+    KV-cache formats (None: every format the backend declares); ``reason``: why it is not
+    returned elsewhere (the refusal names the kernel, e.g. "vLLM's CPU kernels return no LSE").
+    """
+
+    dtypes: frozenset[torch.dtype] = frozenset()
+    kv_cache_dtypes: frozenset[str] | None = None
+    reason: str = LSE_NOT_DECLARED
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise InvalidInputError(f"LseSupport.reason = {self.reason!r} must say why not")
+        for kv in self.kv_cache_dtypes or ():
+            if canonical_kv_cache_dtype(kv) != kv:
+                raise UnknownNameError(
+                    f"LseSupport names kv_cache_dtype {kv!r}, which is not a canonical name; "
+                    f"known: {', '.join(KV_CACHE_DTYPES)}"
+                )
+
+    def refusal(self, spec: AttentionSpec) -> Refusal | None:
+        """Why ``forward`` refuses ``return_lse=True`` for ``spec`` (None: it returns it)."""
+        if spec.dtype not in self.dtypes:
+            return Refusal(
+                f"return_lse: the LSE is not returned for dtype {spec.dtype} ({self.reason})",
+                field="lse",
+                value=spec.dtype,
+                supported=self.dtypes,
+            )
+        if self.kv_cache_dtypes is not None and spec.kv_cache_dtype not in self.kv_cache_dtypes:
+            return Refusal(
+                f"return_lse: the LSE is not returned with kv_cache_dtype "
+                f"{spec.kv_cache_dtype!r} ({self.reason})",
+                field="lse",
+                value=spec.kv_cache_dtype,
+                supported=self.kv_cache_dtypes,
+            )
+        return None
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """A backend's declaration. ``None`` in a set-valued field means "any".
@@ -177,6 +225,10 @@ class Capabilities:
     #: cache (an fp8 V multiplied on fp8 tensor cores); a format absent here keeps them
     #: unrounded. The suite's same-inputs comparison then allows what that rounding can change.
     probability_quantization: Mapping[str, str] = field(default_factory=dict)
+    #: Where ``forward(..., return_lse=True)`` also returns each query row's natural-log LSE
+    #: (from the same kernel call); the default declares none (every request refused, with
+    #: :data:`LSE_NOT_DECLARED` or the backend's own ``reason``).
+    lse: LseSupport = field(default_factory=LseSupport)
 
     def __post_init__(self) -> None:
         for what, mapping in (
@@ -341,6 +393,11 @@ class Capabilities:
                 k: self.probability_quantization[k]
                 for k in KV_CACHE_DTYPES
                 if k in self.probability_quantization
+            },
+            "lse": {
+                "dtypes": names(self.lse.dtypes),
+                "kv_cache_dtypes": names(self.lse.kv_cache_dtypes),
+                **({} if self.lse.dtypes else {"reason": self.lse.reason}),
             },
         }
 

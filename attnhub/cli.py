@@ -231,6 +231,16 @@ def capability_lines(caps: Capabilities) -> Iterator[tuple[str, str]]:
     yield "attention", names(sorted(t.value for t in caps.attn_types))
     yield "features", names([*features, *(f for f in flags if getattr(caps, f))])
     yield "graph capture", caps.graph_capture.name.lower()
+    lse = caps.lse
+    if lse.dtypes:
+        formats = (
+            ""
+            if lse.kv_cache_dtypes is None
+            else f" (kv caches {names(sorted(lse.kv_cache_dtypes))})"
+        )
+        yield "lse", names(sorted(str(d).removeprefix("torch.") for d in lse.dtypes)) + formats
+    else:
+        yield "lse", f"no: {lse.reason}"
     if caps.tolerances:
         tolerances = sorted(caps.tolerances.items(), key=lambda kv: str(kv[0]))
         yield (

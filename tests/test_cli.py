@@ -114,6 +114,16 @@ def test_list_shows_size_rules_and_tolerances_and_reads_at_80_columns(
     assert any("float32 2e-05/2e-05" in line for line in block)
 
 
+def test_list_says_where_the_lse_is_returned_and_why_not(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["list"]) == 0
+    lines = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
+    start = lines.index(next(line for line in lines if line.startswith("torch ")))
+    block = lines[start : lines.index("", start) if "" in lines[start:] else len(lines)]
+    assert "  lse            bfloat16, float16, float32" in block
+    assert any(line.startswith("  lse            no: ") for line in lines)
+
+
 # --- attnhub select ------------------------------------------------------------------------------
 SELECT = ["select", "--heads", "8", "--head-size", "128", "--dtype", "float32"]
 

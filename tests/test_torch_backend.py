@@ -927,3 +927,123 @@ def test_structural_checks_plan_the_same_gather_as_full_checks() -> None:
     structural = structural_builder.build(batch)
     assert full.plan is not None and structural.plan is not None
     assert structural.plan.max_gather_blocks == full.plan.max_gather_blocks
+
+
+# --- the LSE (forward(..., return_lse=True)) --------------------------------------------------
+
+
+def lse_tolerance(dtype: torch.dtype) -> Tolerance:
+    """The LSE is a float32 sum over float32 scores of the model-dtype inputs: its error is
+    that of the output's softmax denominator, within the dtype's declared tolerance."""
+    return tol(dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_lse_matches_the_reference_in_natural_log(case: Case) -> None:
+    seed = seed_of(case.id)
+    spec = case.spec()
+    q_lens, s_lens = MIXES[case.mix]
+    batch, nblk = make_batch(q_lens, s_lens, case.block_size, seed=seed, causal=case.batch_causal)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, generator(seed + 1))
+    q, k, v = random_qkv(
+        spec, batch.num_tokens, generator(seed + 2), q_gain=3.0 if case.softcap else 1.0
+    )
+    weights = per_head_weights(spec, seed + 3)
+    impl = backend.impl(**weights)
+    meta = backend.metadata_builder().build(batch)
+    out, lse = impl.forward(q, k, v, cache, meta, return_lse=True)
+    expected, expected_lse = reference.paged_attention(q, cache, batch, spec, **weights)
+
+    assert lse.dtype == F32 and lse.shape == (batch.num_tokens, spec.num_heads)
+    assert_within(out, expected, tol(spec.dtype), case.id)
+    assert_within(lse, expected_lse.t(), lse_tolerance(spec.dtype), f"{case.id} lse")
+    # the same call without the LSE gives the output to within the dtype's tolerance
+    again = impl.forward(q, None, None, cache, meta)
+    assert_within(again, expected, tol(spec.dtype), f"{case.id} without lse")
+
+
+def test_lse_with_sinks_is_the_denominator_with_the_sink_term() -> None:
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=64, dtype=F32, block_size=16, use_sinks=True
+    )
+    plain = dataclasses.replace(spec, use_sinks=False)
+    batch, nblk = make_batch((1, 3), (9, 20), 16, seed=5)
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(6))
+    sinks = random_sinks(4, generator(7), mean=2.0)
+    lses = []
+    for s, weights in ((spec, {"sinks": sinks}), (plain, {})):
+        backend = TorchBackend(s, "cpu")
+        cache = backend.allocate_kv_cache(nblk)
+        fill_cache_random(cache, generator(8))
+        meta = backend.metadata_builder().build(batch)
+        lses.append(backend.impl(**weights).forward(q, k, v, cache, meta, return_lse=True)[1])
+    with_sinks, without = lses
+    # log(sum_j exp(s_j) + exp(sink)): the sink enters the denominator (as the reference's)
+    assert torch.allclose(with_sinks, torch.logaddexp(without, sinks[None, :]), atol=1e-5)
+
+
+def test_lse_rows_past_num_actual_tokens_are_plus_inf_and_the_buffer_is_returned() -> None:
+    spec, batch, backend, cache, q, k, v = padded_setup(dtype=BF16)
+    ref_cache = cache.clone()
+    buf = torch.full((12, 8), float("nan"))
+    out, lse = backend.impl().forward(
+        q, k, v, cache, backend.metadata_builder().build(batch), return_lse=True, lse=buf
+    )
+    n = batch.num_actual_tokens
+    assert lse is buf
+    assert torch.isposinf(lse[n:]).all() and (out[n:] == 0).all()
+    expected_cache, _ = reference_after_write(spec, ref_cache, batch, q, k, v)
+    _, expected_lse = reference.paged_attention(q, expected_cache, batch, spec)
+    assert_within(lse[:n], expected_lse.t(), tol(BF16), "lse buffer")
+
+
+def test_lse_on_the_graph_path_matches_the_reference() -> None:
+    spec = AttentionSpec(
+        num_heads=8, num_kv_heads=2, head_size=64, dtype=F16, block_size=16, use_sinks=True
+    )
+    batch, nblk = make_batch((2, 2, 2), (5, 30, 17), 16, seed=11)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, generator(12))
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(13))
+    sinks = random_sinks(8, generator(14))
+    meta = backend.metadata_builder().build_for_graph_capture(batch)
+    assert meta.graph is not None
+    out, lse = backend.impl(sinks=sinks).forward(q, k, v, cache, meta, return_lse=True)
+    expected, expected_lse = reference.paged_attention(q, cache, batch, spec, sinks=sinks)
+    assert_within(out, expected, tol(F16), "graph path")
+    assert_within(lse, expected_lse.t(), tol(F16), "graph path lse")
+
+
+def test_merging_the_context_and_the_new_tokens_by_their_lse_gives_the_whole() -> None:
+    """A chunked prefill attended in two parts (the cached context alone, non-causal; the new
+    tokens alone, causal), merged by their LSEs (attnhub.kit.merge_attn_states), equals the
+    one call over both: what context parallelism and cascades rely on."""
+    from attnhub.kit import merge_attn_states
+
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, dtype=F32, block_size=16)
+    backend = TorchBackend(spec, "cpu")
+    ctx, new = 48, 7  # the context fills 3 blocks; the new tokens start the 4th
+    whole, nblk = make_batch((new,), (ctx + new,), 16, seed=21)
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, generator(22))
+    q, _, _ = random_qkv(spec, new, generator(23))
+    impl = backend.impl()
+    build = backend.metadata_builder().build
+    out, lse = impl.forward(q, None, None, cache, build(whole), return_lse=True)
+    table = whole.block_table[:, :4]
+
+    def part(q_len: int, seq_len: int, blocks: torch.Tensor, causal: bool) -> BatchMetadata:
+        return BatchMetadata.from_lengths([q_len], [seq_len], blocks, 16, causal=causal)
+
+    # the context alone: every new row sees every context key; the new tokens alone: causal
+    context = part(new, ctx, table[:, :3], causal=False)
+    a, a_lse = impl.forward(q, None, None, cache, build(context), return_lse=True)
+    b, b_lse = impl.forward(
+        q, None, None, cache, build(part(new, new, table[:, 3:], True)), return_lse=True
+    )
+    merged, merged_lse = merge_attn_states(a, a_lse.t(), b, b_lse.t())
+    assert torch.allclose(merged, out, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(merged_lse.t(), lse, atol=1e-5, rtol=1e-5)

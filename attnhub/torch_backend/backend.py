@@ -25,7 +25,7 @@ from attnhub.backend import (
     scratch_field,
 )
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import Capabilities, GraphSupport, Tolerance
+from attnhub.capabilities import Capabilities, GraphSupport, LseSupport, Tolerance
 from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import PagedKVCache
 from attnhub.kv_write import flat_slots, write_slots
@@ -176,18 +176,22 @@ class TorchAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         meta: TorchAttentionMetadata,  # type: ignore[override]
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         spec, plan = self.spec, meta.plan
         if meta.graph is not None:
             graph_attend(
-                spec, meta.graph, query, cache, meta.batch, self.alibi_slopes, self.sinks, out
+                spec, meta.graph, query, cache, meta.batch, self.alibi_slopes, self.sinks, out, lse
             )
             return
         assert plan is not None and meta.gather_buffers is not None  # check_call
-        eager = self._eager
+        eager = self._eager or lse is not None  # SDPA returns no LSE: the eager pass does
         bs, Hkv, D = cache.block_size, spec.num_kv_heads, spec.head_size
         k_buf, v_buf = meta.gather_buffers
+        group = spec.num_heads // Hkv
         for chunk in plan.chunks:
+            if lse is not None and not self._eager:  # planned for SDPA: read as the eager pass
+                chunk = kernels.as_eager(chunk, group)
             C, n = chunk.num_reqs, chunk.num_reqs * chunk.num_blocks
             k = torch.index_select(cache.key, 0, chunk.block_ids, out=k_buf[:n])
             v = torch.index_select(cache.value, 0, chunk.block_ids, out=v_buf[:n])
@@ -216,6 +220,7 @@ class TorchAttentionImpl(AttentionImpl):
                     self.alibi_slopes,
                     self.sinks,
                     out[rows],
+                    None if lse is None else lse[rows],
                 )
             else:
                 kernels.attend_sdpa(query[rows], k, v, chunk, spec.scale, out[rows])
@@ -246,6 +251,9 @@ class TorchBackend(AttentionBackend):
             torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
         },
         priority={"cpu": 50},  # the portable default; vendor backends outrank it natively
+        # every dtype, cache format and feature: its eager pass computes the row's max and
+        # softmax denominator (a sink's term included) and returns m + log(denominator)
+        lse=LseSupport(dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16})),
     )
 
     #: Bytes of gathered K+V per decode chunk (one SDPA call each). Measured on CPU: a chunk

@@ -76,6 +76,7 @@ def graph_attend(
     alibi_slopes: torch.Tensor | None,
     sinks: torch.Tensor | None,
     out: torch.Tensor,  # [T, H, D]
+    lse: torch.Tensor | None = None,  # [T, H] float32
 ) -> None:
     R, Q, W = step.num_reqs, step.query_len, step.width
     bs, Hkv, D = cache.block_size, spec.num_kv_heads, spec.head_size
@@ -125,5 +126,14 @@ def graph_attend(
     )
     rows = slice(0, R * Q)
     kernels.attend_eager(
-        query[rows], k, v, chunk, spec.scale, spec.logits_soft_cap, alibi_slopes, sinks, out[rows]
+        query[rows],
+        k,
+        v,
+        chunk,
+        spec.scale,
+        spec.logits_soft_cap,
+        alibi_slopes,
+        sinks,
+        out[rows],
+        None if lse is None else lse[rows],
     )

@@ -5,7 +5,7 @@ Two paths, both checked against ``attnhub.reference`` by the tests:
     rows (no K/V head expansion), an explicit visibility mask where needed (SDPA's own
     ``is_causal`` is top-left aligned, so it is used only when query_len == kv_len);
   - eager: scores computed in float32, tiled over query tokens, for what SDPA cannot express
-    (softcap, ALiBi, sinks).
+    (softcap, ALiBi, sinks, and each row's LSE where a caller asks for it).
 """
 
 from __future__ import annotations
@@ -54,6 +54,21 @@ def attend_sdpa(
     out_rows.view(C, Q, Hkv, group, D).copy_(o.view(C, Hkv, group, Q, D).permute(0, 3, 1, 2, 4))
 
 
+def as_eager(chunk: Chunk, group: int) -> Chunk:
+    """A chunk planned for SDPA as the eager pass reads it, for a call that asks for the LSE
+    (which SDPA does not return): its SDPA mask (bool, or additive 0 / -inf) as the eager
+    visibility ``[C, 1, group or 1, Q, L]``, its causal square as the causal pattern."""
+    C, Q, L = chunk.num_reqs, chunk.query_len, chunk.kv_len
+    visible = None
+    if chunk.causal_square:  # Q == L: the lower triangle
+        visible = torch.ones(Q, L, dtype=torch.bool, device=chunk.block_ids.device).tril()
+        visible = visible.view(1, 1, 1, Q, L)
+    elif chunk.mask is not None:
+        seen = chunk.mask if chunk.mask.dtype == torch.bool else chunk.mask == 0
+        visible = seen.view(C, 1, 1, 1, L) if Q == 1 else seen.view(C, 1, group, Q, L)
+    return chunk._replace(visible=visible, mask=None, causal_square=False)
+
+
 def attend_eager(
     q_rows: torch.Tensor,  # [C * Q, H, D]
     k: torch.Tensor,  # [C, Hkv, L, D]
@@ -64,7 +79,11 @@ def attend_eager(
     alibi_slopes: torch.Tensor | None,  # [H] float32
     sinks: torch.Tensor | None,  # [H] float32
     out_rows: torch.Tensor,  # [C * Q, H, D]
+    lse_rows: torch.Tensor | None = None,  # [C * Q, H] float32: each row's natural-log LSE
 ) -> None:
+    """Attention in float32 from the scores up; with ``lse_rows``, also each row's log-sum-exp
+    ``m + log(denominator)`` of the same pass (a sink's term included; +inf where a row sees no
+    key and no sink)."""
     C, Q = chunk.num_reqs, chunk.query_len
     Hkv, D = k.shape[1], k.shape[3]
     group = q_rows.shape[1] // Hkv
@@ -72,6 +91,7 @@ def attend_eager(
     kf = k.float()[:, :, None]  # [C, Hkv, 1, L, D]
     vf = v.float()[:, :, None]
     out = out_rows.view(C, Q, Hkv, group, D)
+    lse = None if lse_rows is None else lse_rows.view(C, Q, Hkv, group)
     slopes = None if alibi_slopes is None else alibi_slopes.view(1, Hkv, group, 1, 1)
     sink = None if sinks is None else sinks.view(1, Hkv, group, 1, 1)
     for t0 in range(0, Q, EAGER_QUERY_TILE):
@@ -93,3 +113,7 @@ def attend_eager(
             denom = denom + torch.exp(sink - m)
         o = (p @ vf) / denom  # [C, Hkv, g, t, D]
         out[:, t0:t1].copy_(o.permute(0, 3, 1, 2, 4))
+        if lse is not None:
+            # no key and no sink: m = -inf, an empty row (+inf, as attnhub.reference)
+            row = (m + torch.log(denom)).masked_fill(torch.isneginf(m), math.inf)[..., 0]
+            lse[:, t0:t1].copy_(row.permute(0, 3, 1, 2))

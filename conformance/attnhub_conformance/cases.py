@@ -1189,3 +1189,98 @@ def extreme_logit_cases(target: Target, scope: Scope) -> list[Case]:
 GENERATORS["long_context"] = long_context_cases
 GENERATORS["noncontiguous"] = noncontiguous_cases
 GENERATORS["extreme_logits"] = extreme_logit_cases
+
+
+#: The LSE cases' matrix row.
+LSE_ROW = "lse"
+
+
+def _lse_halves(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    """Decodes whose keys each span more than one block: split at a block boundary, both halves
+    hold keys (a query token at the end sees every key of either half, causal or not)."""
+    return BatchPlan(tuple((1, s) for s in (bs + 1, 2 * bs + 3, 5 * bs, 3 * bs + bs // 2 + 1)))
+
+
+LSE_HALVES = Shape("lse_halves", "decodes split over two halves of their block tables", _lse_halves)
+
+
+def _lse_context_and_new(bs: int, caps: Capabilities, scope: Scope) -> BatchPlan:
+    """Chunked prefills (and a decode) whose context spans at least one block more than their
+    query: split at the context's last block boundary, the first part is context alone."""
+    return BatchPlan(((3, 2 * bs + 4), (bs + 1, 4 * bs + 1), (1, 2 * bs + 5)))
+
+
+LSE_CONTEXT_AND_NEW = Shape(
+    "lse_context_and_new",
+    "chunked prefills split into their context (non-causal) and the rest (causal)",
+    _lse_context_and_new,
+)
+
+
+def lse_cases(target: Target, scope: Scope) -> list[Case]:
+    """``forward(..., return_lse=True)``, generated from ``Capabilities.lse``: where declared,
+    the LSE's value (natural log) against the reference's, its shape, dtype and padding rows
+    (+inf), per dtype, cache format and with every feature at once; and a merge of the (out,
+    LSE) of two halves of each request's keys (two builds over split block tables) equal to
+    attention over the whole. Where not declared: a typed refusal, the cache untouched."""
+    ax = Axes(target, scope)
+    out = Cases(target, "lse", scope)
+    base = ax.base
+    if base is None:
+        return []
+    configs = [base.with_(dtype=d) for d in ax.dtypes]
+    configs += [base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes]
+    combined = ax.combined_features(base)
+    configs += [combined] if combined else [base.with_(features=(f,)) for f in ax.features]
+    shape = main_shape(base.attn_type)
+    declared = target.capabilities.lse
+    for config in configs:
+        if declared.refusal(config.spec()) is not None:
+            out.add(
+                LSE_ROW,
+                "return_lse=True is refused with a typed error where the LSE is not declared, "
+                "the cache untouched",
+                config=config,
+                shape=shape,
+                entry="refused",
+                name=f"refused-{shape.name}-{config.id}",
+                not_supported=True,
+            )
+            continue
+        out.add(
+            LSE_ROW,
+            "the LSE is the reference's (natural log), [num_tokens, num_heads] float32, "
+            "padding rows +inf, the output unchanged",
+            config=config,
+            shape=shape,
+            entry="value",
+            name=f"value-{shape.name}-{config.id}",
+        )
+    halves = base.with_(features=())
+    if (
+        base.attn_type is AttentionType.DECODER
+        and declared.refusal(halves.spec()) is None
+        and ax.supports(halves)
+    ):
+        out.add(
+            LSE_ROW,
+            "merging the (out, LSE) of two halves of the keys gives attention over the whole",
+            config=halves,
+            shape=LSE_HALVES,
+            entry="merge",
+            name=f"merge-{LSE_HALVES.name}-{halves.id}",
+        )
+        if target.capabilities.chunked_prefill:
+            out.add(
+                LSE_ROW,
+                "merging the (out, LSE) of a chunked prefill's context (non-causal) and of the "
+                "rest (causal) gives attention over the whole",
+                config=halves,
+                shape=LSE_CONTEXT_AND_NEW,
+                entry="merge",
+                name=f"merge-{LSE_CONTEXT_AND_NEW.name}-{halves.id}",
+            )
+    return out.list()
+
+
+GENERATORS["lse"] = lse_cases

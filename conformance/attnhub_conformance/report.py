@@ -70,6 +70,7 @@ SECTIONS = (
     "long context:",
     "non-contiguous",
     "extreme logits:",
+    "lse",
     "invalid inputs",
     "determinism",
     "batch invariance",

@@ -481,6 +481,31 @@ class MemoizesPerLayerBackend(TorchBackend):
     impl_type = MemoizingImpl
 
 
+class Base2LseImpl(TorchAttentionImpl):
+    def attend(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: TorchAttentionMetadata,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        super().attend(query, key, value, cache, meta, out, lse)
+        if lse is not None:  # log2 of the denominator (FlashInfer's kernels' base), unconverted
+            n = meta.batch.num_actual_tokens
+            lse[:n].div_(math.log(2))
+
+
+class LseBase2Backend(TorchBackend):
+    """Declares the LSE and returns it in base 2: the output is right, every merge by it is
+    wrong."""
+
+    name = "lse_base2"
+    impl_type = Base2LseImpl
+
+
 MUTANTS = (
     TopLeftCausalBackend,
     WritesPaddingBackend,
@@ -497,6 +522,7 @@ MUTANTS = (
     NoMaxSubtractionBackend,
     RefusesAfterWriteBackend,
     MemoizesPerLayerBackend,
+    LseBase2Backend,
 )
 
 
@@ -568,6 +594,7 @@ class DenseRowsOnlyImpl(TorchAttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         # refused before its kernels write anything (the cache stays byte-identical)
         for name, t in (("query", query), ("key", key), ("value", value), ("output", out)):
@@ -576,7 +603,7 @@ class DenseRowsOnlyImpl(TorchAttentionImpl):
                     f"{name} has strides {t.stride()}: this backend's kernels read and write "
                     "dense rows (pass .contiguous() tensors)"
                 )
-        super().compute(query, key, value, cache, meta, out)
+        super().compute(query, key, value, cache, meta, out, lse)
 
 
 class DenseRowsOnlyBackend(TorchBackend):

@@ -11,7 +11,7 @@ from attnhub_conformance.harness import random_block_table
 from attnhub_conformance.hostsync import HostSyncError, guard, guard_tree
 from attnhub_conformance.targets import Target
 
-from attnhub import FEATURES, GraphSupport
+from attnhub import FEATURES, GraphSupport, LseSupport
 from attnhub.torch_backend import TorchBackend
 
 
@@ -188,3 +188,34 @@ def test_noncontiguous_and_extreme_logit_cases_follow_the_declarations() -> None
         torch.float32,
     }
     assert all_rows("noncontiguous", target_for(Narrow)) == {"non-contiguous q/k/v and output"}
+
+
+class LseForFloat16(TorchBackend):
+    name = "lse_fp16"
+    capabilities = replace(
+        TorchBackend.capabilities,
+        lse=LseSupport(dtypes=frozenset({torch.float16}), reason="the kernel's"),
+    )
+
+
+def test_lse_cases_follow_the_declaration() -> None:
+    torch_cases = generate("lse", target_for(TorchBackend), QUICK)
+    assert {c.rows for c in torch_cases} == {("lse",)}
+    assert {c.entry for c in torch_cases} == {"value", "merge"}
+    assert {c.config.dtype for c in torch_cases if c.entry == "value"} == {
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+    }
+    assert any(c.config.features for c in torch_cases)  # every feature at once (sinks too)
+    assert {c.config.kv_cache_dtype for c in torch_cases} >= {"auto", "fp8_e4m3"}
+    # declared for one dtype: the others are refusals, reported as not supported
+    partial = generate("lse", target_for(LseForFloat16), QUICK)
+    refused = {c.config.dtype for c in partial if c.entry == "refused"}
+    assert refused == {torch.bfloat16, torch.float32}
+    assert all(c.not_supported for c in partial if c.entry == "refused")
+    assert not any(c.not_supported for c in partial if c.entry != "refused")
+    # declared nowhere: refusals alone, no merge
+    none = replace(TorchBackend.capabilities, lse=LseSupport())
+    quiet = type("NoLse", (TorchBackend,), {"name": "no_lse", "capabilities": none})
+    assert {c.entry for c in generate("lse", target_for(quiet), QUICK)} == {"refused"}

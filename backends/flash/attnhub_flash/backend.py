@@ -292,6 +292,7 @@ class FlashAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        lse: torch.Tensor | None = None,  # never given: capabilities.lse declares none
     ) -> None:
         assert isinstance(meta, FlashAttentionMetadata)
         n = meta.num_actual_tokens

@@ -670,6 +670,7 @@ class IluvatarAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        lse: torch.Tensor | None = None,  # never given: capabilities.lse declares none
     ) -> None:
         assert isinstance(meta, IluvatarAttentionMetadata)
         if meta.paged is not None:
@@ -861,6 +862,7 @@ class IluvatarInt8AttentionImpl(IluvatarAttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,  # never given: capabilities.lse declares none
     ) -> None:
         """As the base class; on the int8 caches' decode-only steps the KV write rides on the
         paged kernel (its ``save_*`` arguments) instead of a separate call."""
