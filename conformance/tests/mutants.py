@@ -64,6 +64,7 @@ class PerRequestImpl(TorchAttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         spec, batch = self.spec, meta.batch
         group = spec.num_heads // spec.num_kv_heads
@@ -157,10 +158,11 @@ class SyncingImpl(TorchAttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         if int(meta.batch.seq_lens.max()) == 0:  # "nothing to do": a device-to-host sync
             return
-        super().attend(query, key, value, cache, meta, out)  # type: ignore[arg-type]
+        super().attend(query, key, value, cache, meta, out, lse)  # type: ignore[arg-type]
 
 
 class SyncsInForwardBackend(TorchBackend):
@@ -254,10 +256,11 @@ class QueryQuantizingImpl(TorchAttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         scheme = self.backend.capabilities.query_quantization[self.spec.kv_cache_dtype]
         q = simulate_query_quantization(query, scheme).to(query.dtype)
-        super().attend(q, key, value, cache, meta, out)  # type: ignore[arg-type]
+        super().attend(q, key, value, cache, meta, out, lse)  # type: ignore[arg-type]
 
 
 class QuantizedCacheMutant(TorchBackend):
@@ -295,10 +298,11 @@ class ValueScaleOffImpl(TorchAttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         assert cache.value_scale is not None
         off = replace(cache, value_scale=cache.value_scale * 1.03)  # the bug
-        super().attend(query, key, value, off, meta, out)
+        super().attend(query, key, value, off, meta, out, lse)
 
 
 class ValueScaleOffBackend(QuantizedCacheMutant):
@@ -365,8 +369,9 @@ class HalfPrecisionSplitImpl(TorchAttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
-        super().attend(query, key, value, cache, meta, out)  # type: ignore[arg-type]
+        super().attend(query, key, value, cache, meta, out, lse)  # type: ignore[arg-type]
         spec, batch = self.spec, meta.batch
         qsl = batch.query_start_loc_cpu.tolist()
         for r in range(batch.num_reqs):
@@ -430,10 +435,11 @@ class RefusesAfterWriteImpl(TorchAttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         if not query.is_contiguous():  # checked in attend: after forward wrote the cache
             raise InvalidInputError(f"query must be contiguous, got strides {query.stride()}")
-        super().attend(query, key, value, cache, meta, out)  # type: ignore[arg-type]
+        super().attend(query, key, value, cache, meta, out, lse)  # type: ignore[arg-type]
 
 
 class RefusesAfterWriteBackend(TorchBackend):
@@ -466,11 +472,12 @@ class MemoizingImpl(TorchAttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         assert isinstance(meta, MemoMetadata)
         if self.backend not in meta.kernel_kwargs:  # "made once, by the first layer"
             meta.kernel_kwargs[self.backend] = {"scale": self.spec.scale}
-        super().attend(query, key, value, cache, meta, out)
+        super().attend(query, key, value, cache, meta, out, lse)
 
 
 class MemoizesPerLayerBackend(TorchBackend):
