@@ -288,12 +288,13 @@ def test_a_backend_off_vllms_isa_cannot_be_timed_as_if_it_were_on_it(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_declared_softcap_limit_is_where_the_kernel_overflows(
+def test_the_kernel_keeps_the_declared_softcap_limit(
     kernels: object, dtype: torch.dtype
 ) -> None:
-    """``softcap_score_limit`` (88 caps) states vLLM's kernel as it is: a score of 88 caps
-    saturates to +-cap, one of 89.5 caps gives NaN (its tanh through exp overflows float32).
-    If a vLLM release fixes the kernel, this fails: then drop the declaration."""
+    """``softcap_score_limit`` (88 caps) is a limit the kernel keeps: a score of 88 caps
+    saturates to +-cap, finite. (Past it, on the AVX-512 machine it was measured on, 89 caps
+    gave NaN: the kernel's tanh through exp overflows float32. That side is not asserted: it
+    may differ by ISA path, and a test must not depend on the machine.)"""
     cap = 1.5
     spec = attnhub.AttentionSpec(
         num_heads=1, num_kv_heads=1, head_size=64, dtype=dtype, block_size=16,
@@ -318,4 +319,3 @@ def test_the_declared_softcap_limit_is_where_the_kernel_overflows(
 
     assert torch.isfinite(out_at(limit)).all()
     assert torch.allclose(out_at(limit).float(), torch.ones(1, 1, 64))  # softmax of equal caps
-    assert torch.isnan(out_at(limit + 1.5)).all()
