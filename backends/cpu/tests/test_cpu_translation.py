@@ -288,9 +288,7 @@ def test_a_backend_off_vllms_isa_cannot_be_timed_as_if_it_were_on_it(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_keeps_the_declared_softcap_limit(
-    kernels: object, dtype: torch.dtype
-) -> None:
+def test_the_kernel_keeps_the_declared_softcap_limit(kernels: object, dtype: torch.dtype) -> None:
     """``softcap_score_limit`` (88 caps) is a limit the kernel keeps: a score of 88 caps
     saturates to +-cap, finite. (Past it, on the AVX-512 machine it was measured on, 89 caps
     gave NaN: the kernel's tanh through exp overflows float32. That side is not asserted: it
