@@ -942,7 +942,7 @@ class IluvatarInt8AttentionImpl(IluvatarAttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
-        lse: torch.Tensor | None = None,  # never given: capabilities.lse declares none
+        lse: torch.Tensor | None = None,  # never given: refused for int8 caches (.lse)
     ) -> None:
         """As the base class; on the int8 caches' decode-only steps the KV write rides on the
         paged kernel (its ``save_*`` arguments) instead of a separate call."""
