@@ -127,13 +127,16 @@ class LseSupport:
     from the same kernel call that computes the output (``Capabilities.lse``).
 
     ``dtypes``: the model dtypes it is returned for (empty: none); ``kv_cache_dtypes``: the
-    KV-cache formats (None: every format the backend declares); ``reason``: why it is not
-    returned elsewhere (the refusal names the kernel, e.g. "vLLM's CPU kernels return no LSE").
+    KV-cache formats (None: every format the backend declares); ``sinks``: False where it is
+    not returned for a spec with sinks (a kernel whose LSE is not known to count the sink in
+    the denominator); ``reason``: why it is not returned elsewhere (the refusal names the
+    kernel, e.g. "vLLM's CPU kernels return no LSE").
     """
 
     dtypes: frozenset[torch.dtype] = frozenset()
     kv_cache_dtypes: frozenset[str] | None = None
     reason: str = LSE_NOT_DECLARED
+    sinks: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.reason, str) or not self.reason.strip():
@@ -161,6 +164,12 @@ class LseSupport:
                 field="lse",
                 value=spec.kv_cache_dtype,
                 supported=self.kv_cache_dtypes,
+            )
+        if spec.use_sinks and not self.sinks:
+            return Refusal(
+                f"return_lse: the LSE is not returned with sinks ({self.reason})",
+                field="lse",
+                value="sinks",
             )
         return None
 
@@ -397,7 +406,8 @@ class Capabilities:
             "lse": {
                 "dtypes": names(self.lse.dtypes),
                 "kv_cache_dtypes": names(self.lse.kv_cache_dtypes),
-                **({} if self.lse.dtypes else {"reason": self.lse.reason}),
+                **({} if self.lse.sinks else {"sinks": False}),
+                **({} if self.lse.dtypes and self.lse.sinks else {"reason": self.lse.reason}),
             },
         }
 

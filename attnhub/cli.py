@@ -237,7 +237,7 @@ def capability_lines(caps: Capabilities) -> Iterator[tuple[str, str]]:
             ""
             if lse.kv_cache_dtypes is None
             else f" (kv caches {names(sorted(lse.kv_cache_dtypes))})"
-        )
+        ) + ("" if lse.sinks else f"; not with sinks: {lse.reason}")
         yield "lse", names(sorted(str(d).removeprefix("torch.") for d in lse.dtypes)) + formats
     else:
         yield "lse", f"no: {lse.reason}"

@@ -72,6 +72,27 @@ def test_the_declaration_refuses_by_dtype_and_by_cache_format_with_its_reason() 
     assert nothing is not None and LSE_NOT_DECLARED in nothing
 
 
+def test_a_declaration_without_sinks_refuses_a_spec_with_sinks_with_its_reason() -> None:
+    support = LseSupport(dtypes=frozenset({torch.bfloat16}), sinks=False, reason="why")
+    assert support.refusal(SPEC) is None
+    r = support.refusal(dataclasses.replace(SPEC, use_sinks=True))
+    assert isinstance(r, Refusal) and (r.field, r.value) == ("lse", "sinks")
+    assert "with sinks" in r and "(why)" in r
+    assert (
+        LseSupport(dtypes=frozenset({torch.bfloat16})).refusal(
+            dataclasses.replace(SPEC, use_sinks=True)
+        )
+        is None
+    )
+    caps = Capabilities(devices=None, dtypes=frozenset({torch.bfloat16}), lse=support)
+    assert caps.summary()["lse"] == {
+        "dtypes": ["bfloat16"],
+        "kv_cache_dtypes": "any",
+        "sinks": False,
+        "reason": "why",
+    }
+
+
 def test_a_declaration_must_say_why_and_name_real_formats() -> None:
     with pytest.raises(InvalidInputError, match="must say why"):
         LseSupport(reason=" ")

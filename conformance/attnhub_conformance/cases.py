@@ -1234,6 +1234,10 @@ def lse_cases(target: Target, scope: Scope) -> list[Case]:
     configs += [combined] if combined else [base.with_(features=(f,)) for f in ax.features]
     shape = main_shape(base.attn_type)
     declared = target.capabilities.lse
+    if combined and "sinks" in combined.features and not declared.sinks:
+        # refused with sinks: the other features' LSE is still checked, together
+        unsunk = combined.with_(features=tuple(f for f in combined.features if f != "sinks"))
+        configs += [unsunk] if ax.supports(unsunk) else []
     for config in configs:
         if declared.refusal(config.spec()) is not None:
             out.add(

@@ -219,3 +219,21 @@ def test_lse_cases_follow_the_declaration() -> None:
     none = replace(TorchBackend.capabilities, lse=LseSupport())
     quiet = type("NoLse", (TorchBackend,), {"name": "no_lse", "capabilities": none})
     assert {c.entry for c in generate("lse", target_for(quiet), QUICK)} == {"refused"}
+
+
+class LseWithoutSinks(TorchBackend):
+    name = "lse_no_sinks"
+    capabilities = replace(
+        TorchBackend.capabilities,
+        lse=LseSupport(dtypes=TorchBackend.capabilities.dtypes, sinks=False, reason="the kernel's"),
+    )
+
+
+def test_lse_cases_without_sinks_refuse_them_and_still_check_the_other_features() -> None:
+    cases = generate("lse", target_for(LseWithoutSinks), QUICK)
+    refused = [c for c in cases if c.entry == "refused"]
+    assert refused and all("sinks" in c.config.features for c in refused)
+    valued = [c.config.features for c in cases if c.entry == "value"]
+    together = [f for f in valued if len(f) > 1]
+    assert together and all("sinks" not in f for f in valued)
+    assert {"sliding_window", "softcap", "alibi"} <= set(together[0])

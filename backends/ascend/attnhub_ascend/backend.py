@@ -44,7 +44,7 @@ from attnhub.backend import (
     scratch_field,
 )
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
+from attnhub.capabilities import Capabilities, GraphSupport, LseSupport, Refusal, Tolerance
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kit import FixedShapeWrite, StepFacts, flat_slots, read_slots
 from attnhub.kv_cache import PagedKVCache
@@ -233,6 +233,13 @@ class AscendBackend(AttentionBackend):
             torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
         },
         priority={"npu": 100},
+        # Every path returns each row's natural-log LSE from its one call: FIA's
+        # softmax_lse_flag (v2: return_softmax_lse, the sink counted [inferred]) and
+        # npu_fusion_attention's softmax_max + log(softmax_sum) (docs/backends/ascend.md "LSE").
+        lse=LseSupport(
+            dtypes=frozenset({torch.float16, torch.bfloat16}),
+            reason="the Ascend kernels take float16 and bfloat16",
+        ),
     )
 
     #: The KV-cache write op: ``npu_scatter_pa_kv_cache`` (the 910B / A2 / A3 default, as in
@@ -672,6 +679,10 @@ class AscendAttentionImpl(AttentionImpl):
         # softmax_lse of the .out overloads is a reserved output without the LSE flag; a
         # one-element float32 tensor is accepted there [inferred; the docs' example passes one].
         self._lse = torch.empty(1, dtype=torch.float32, device=backend.device)
+        #: FIA's LSE flag, as the layer's op spells it (v1, or v2 with the sink)
+        self._lse_flag = {
+            "return_softmax_lse" if self.sinks is not None else "softmax_lse_flag": True
+        }
         self._storage_checked: torch.Tensor | None = None  # the key plane last checked
         #: (key plane, value plane, their (num_blocks, block_size, KV_N*D) views)
         self._paged_views: tuple[torch.Tensor, ...] | None = None
@@ -798,7 +809,7 @@ class AscendAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,  # [num_tokens, num_heads, head_size]
-        lse: torch.Tensor | None = None,  # never given: capabilities.lse declares none
+        lse: torch.Tensor | None = None,  # [num_tokens, num_heads] float32: return_lse=True
     ) -> None:
         assert isinstance(meta, AscendAttentionMetadata)
         n = meta.num_actual_tokens
@@ -811,7 +822,7 @@ class AscendAttentionImpl(AttentionImpl):
                 assert meta.kv_slots is not None
                 k = _flat(cache.key).index_select(0, meta.kv_slots)
                 v = _flat(cache.value).index_select(0, meta.kv_slots)
-            self._attend_packed(query[:n], k, v, meta, out[:n])
+            self._attend_packed(query[:n], k, v, meta, out[:n], None if lse is None else lse[:n])
             return
         if meta.query_rows is None:
             if query.shape[0] != n:
@@ -823,12 +834,37 @@ class AscendAttentionImpl(AttentionImpl):
             q = query.index_select(0, meta.query_rows)
             direct = False
             target = torch.empty_like(q)
-        self._attend_paged(q, cache, meta, target)
+        if lse is None:
+            self._attend_paged(q, cache, meta, target, self._lse)
+        else:
+            self._attend_paged_lse(q, cache, meta, target, lse[:n])
         if direct:
             return
         if meta.output_rows is not None:
             target = target.index_select(0, meta.output_rows)
         out[:n].copy_(target)
+
+    def _attend_paged_lse(
+        self,
+        q: torch.Tensor,  # [kernel_tokens, num_heads, head_size], TND
+        cache: PagedKVCache,
+        meta: AscendAttentionMetadata,
+        target: torch.Tensor,
+        lse: torch.Tensor,  # [n, num_heads] float32: the step's rows
+    ) -> None:
+        """FIA with its LSE flag: ``softmax_lse`` float32 ``(T, N, 1)`` [doc], natural log,
+        written straight into the caller's rows where they are that buffer (one row per token,
+        dense), else into one of the op's shape and copied (the window decode padding rows'
+        LSEs dropped as their outputs are). Every row sees a key (causal, seq_len >= query_len),
+        so none is left as the op's uncorrected NaN."""
+        rows = meta.output_rows
+        if rows is None and lse.is_contiguous():
+            self._attend_paged(q, cache, meta, target, lse.unsqueeze(-1), self._lse_flag)
+            return
+        kernel_lse = torch.empty(q.shape[0], q.shape[1], 1, dtype=torch.float32, device=q.device)
+        self._attend_paged(q, cache, meta, target, kernel_lse, self._lse_flag)
+        kernel_lse = kernel_lse[:, :, 0]
+        lse.copy_(kernel_lse if rows is None else kernel_lse.index_select(0, rows))
 
     def _attend_paged(
         self,
@@ -836,6 +872,8 @@ class AscendAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         meta: AscendAttentionMetadata,
         target: torch.Tensor,  # like q: written by the kernel
+        softmax_lse: torch.Tensor,  # .out's second output: reserved, or (T, N, 1) with the flag
+        flag: dict[str, bool] | None = None,  # the LSE flag (None: not asked for)
     ) -> None:
         # NHD cache viewed as (num_blocks, block_size, KV_N * D): views remembered for the last
         # cache's very planes, so a reallocated cache is never stale. TND + this paged view
@@ -852,15 +890,16 @@ class AscendAttentionImpl(AttentionImpl):
                 cache.value.view(num_blocks, block_size, -1),
             )
         key_cache, value_cache = views[2], views[3]
+        extra = _NO_FLAG if flag is None else flag
         if meta.graph is not None:
-            self._attend_paged_graph(q, key_cache, value_cache, meta, target)
+            self._attend_paged_graph(q, key_cache, value_cache, meta, target, softmax_lse, extra)
             return
         # the step's keyword arguments, made by the builder once for all layers (the block
         # size is the spec's: the cache was checked against it)
         kwargs = meta.fia_kwargs
         if self.learnable_sink is None:
             self.backend.ops.npu_fused_infer_attention_score.out(
-                q, key_cache, value_cache, **kwargs, out=[target, self._lse]
+                q, key_cache, value_cache, **kwargs, **extra, out=[target, softmax_lse]
             )
         else:
             self.backend.ops.npu_fused_infer_attention_score_v2.out(
@@ -868,8 +907,9 @@ class AscendAttentionImpl(AttentionImpl):
                 key_cache,
                 value_cache,
                 **kwargs,
+                **extra,
                 learnable_sink=self.learnable_sink,
-                out=[target, self._lse],
+                out=[target, softmax_lse],
             )
 
     def _attend_paged_graph(
@@ -879,13 +919,16 @@ class AscendAttentionImpl(AttentionImpl):
         value_cache: torch.Tensor,
         meta: AscendAttentionMetadata,
         target: torch.Tensor,
+        softmax_lse: torch.Tensor,
+        flag: dict[str, bool],
     ) -> None:
         """FIA on a step made by build_for_graph_capture: recorded in a task group while the
         stream is captured, called directly otherwise (the step run before capture)."""
         ops_ = self.backend.ops
         lists = fia_lists(self.spec)
         shared = {k: v for k, v in meta.fia_kwargs.items() if k not in lists}
-        shared["out"] = [target, self._lse]
+        shared.update(flag)  # the LSE flag is the task's: every update re-issues it
+        shared["out"] = [target, softmax_lse]
         if self.learnable_sink is None:
             op = ops_.npu_fused_infer_attention_score.out
             max_workspace = ops_._npu_fused_infer_attention_score_get_max_workspace
@@ -932,6 +975,7 @@ class AscendAttentionImpl(AttentionImpl):
         value: torch.Tensor,
         meta: AscendAttentionMetadata,
         out: torch.Tensor,  # [n, num_heads, head_size]
+        lse: torch.Tensor | None = None,  # [n, num_heads] float32: return_lse=True
     ) -> None:
         # Non-causal attention goes through the training FA, not FIA's sparse_mode 0: FIA with
         # TND + sparse_mode 0 + no mask was reported to skip the softmax on one CANN stack
@@ -953,10 +997,22 @@ class AscendAttentionImpl(AttentionImpl):
             actual_seq_kvlen=meta.kv_lengths,  # cumulative (packed K/V)
             sparse_mode=sparse.sparse_mode,
             **extra,
+            # with the LSE: softmax_max / softmax_sum as (T, N, 8) [schema: softmax_layout]
+            **(_NO_FLAG if lse is None else _TND_STATS),
         )
         out.copy_(result[0])
+        if lse is not None:
+            # No LSE output: softmax_max (each row's largest scaled score) and softmax_sum
+            # (sum of exp(s - max), the sink's term included [inferred]) give it as
+            # max + log(sum), natural log; the 8 copies of a row are equal: take the first
+            # [doc: the statistics ring attention merges, MindSpore's ring_attention_update]
+            lse.copy_(result[1][:, :, 0] + torch.log(result[2][:, :, 0]))
 
 
+#: No extra keyword arguments (no LSE asked for).
+_NO_FLAG: dict[str, Any] = {}
+#: npu_fusion_attention's statistics in (T, N, 8), the layout the LSE is read in.
+_TND_STATS: dict[str, Any] = {"softmax_layout": "TND"}
 #: The names of FIA's two length lists (query ends, KV lengths): v1 and v2 (with sinks).
 _FIA_LISTS = ("actual_seq_lengths", "actual_seq_lengths_kv")
 _FIA_V2_LISTS = ("actual_seq_qlen", "actual_seq_kvlen")

@@ -292,7 +292,7 @@ class FlashAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,  # [num_tokens, num_heads, head_size]
-        lse: torch.Tensor | None = None,  # never given: capabilities.lse declares none
+        lse: torch.Tensor | None = None,  # [num_tokens, num_heads] float32: return_lse=True
     ) -> None:
         assert isinstance(meta, FlashAttentionMetadata)
         n = meta.num_actual_tokens
@@ -304,18 +304,25 @@ class FlashAttentionImpl(AttentionImpl):
         if self.fp8:  # FA3 takes q, k and v in one dtype: fp8(q / q_scale) [source]
             q = quantize_fp8(q, self._q_scale)
         call = self.kernels.call  # (impl, q, cache, args, out, lse, sinks) -> (out, lse)
+        want = lse is not None  # the LSE from the same call: each provider's flag
         if meta.prefix is None:
             assert meta.main is not None
-            result, _ = call(self, q, cache, meta.main, out, False, self.kernel_sinks)
+            result, kernel_lse = call(self, q, cache, meta.main, out, want, self.kernel_sinks)
             if result is not out:
                 out.copy_(result)
+            if lse is not None:
+                assert kernel_lse is not None
+                self.kernels.store_lse(lse[:n], kernel_lse, self.kernel_sinks)
             return
         assert meta.suffix is not None
         # the prefix carries no sink (it joins the denominator once: in the suffix call)
         o1, lse1 = call(self, q, cache, meta.prefix, None, True, None)
         o2, lse2 = call(self, q, cache, meta.suffix, None, True, self.kernel_sinks)
         assert lse1 is not None and lse2 is not None
-        out.copy_(merge_attn_states(o1, lse1, o2, lse2)[0])  # the kit's LSE merge
+        merged, merged_lse = merge_attn_states(o1, lse1, o2, lse2)  # the kit's LSE merge
+        out.copy_(merged)
+        if lse is not None:  # the merge's: +inf where both parts are empty, the sink counted once
+            lse[:n].copy_(merged_lse.t())
 
     def descales(self, cache: PagedKVCache, a: KernelArgs) -> dict[str, torch.Tensor]:
         """fp8 calls: FA3's ``q/k/v_descale``, float32 (batch, num_kv_heads): the per-tensor

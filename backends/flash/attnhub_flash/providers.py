@@ -29,6 +29,7 @@ docs/backends/flash.md.
 from __future__ import annotations
 
 import abc
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,7 +38,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
+from attnhub.capabilities import (
+    AccuracyBound,
+    Capabilities,
+    GraphSupport,
+    LseSupport,
+    Refusal,
+    Tolerance,
+)
 from attnhub.errors import InvalidInputError
 from attnhub.kit import as_contiguous, flat_slots, indexable, quantize_fp8, write_slots
 from attnhub.kv_cache import PagedKVCache
@@ -109,6 +117,10 @@ def _caps(**fields: Any) -> Capabilities:
         # them in; graph support is left for a later increment.
         graph_capture=GraphSupport.NEVER,
         tolerances=TOLERANCES,
+        # Every provider returns each row's natural-log LSE from the attention call itself
+        # (return_softmax_lse / return_attn_probs / return_lse), for every dtype and cache it
+        # serves, the sink counted where it takes one: docs/backends/flash.md "LSE".
+        lse=LseSupport(dtypes=HALF, reason=_COMMON_WHY["dtype"]),
     )
     base.update(fields)
     return Capabilities(**base)
@@ -140,6 +152,12 @@ class KernelArgs:
 Result = tuple[torch.Tensor, torch.Tensor | None]  # [n, H, D], LSE [H, n] float32 or None
 
 
+def _padded_lse(lse: torch.Tensor) -> torch.Tensor:  # [H, B] (a view)
+    """A padded-batch decode call's LSE, ``(batch, nheads, seqlen_q=1)`` [doc], as the varlen
+    calls' ``[H, n]`` (one token per sequence: row b is token b)."""
+    return lse[:, :, 0].t()
+
+
 @dataclass(frozen=True)
 class _Slots:
     """What vLLM's KV write reads of a step's metadata, for a write without a step."""
@@ -155,6 +173,9 @@ class Provider(abc.ABC):
     for no bound, sinks as the layer gives them."""
 
     name: ClassVar[str]
+    #: What its LSE holds for a row that sees no key: +inf (FA2 and the fork's FA2: attnhub's
+    #: convention) or -inf (FA3, the fork's FA3, FA4), docs/backends/flash.md "LSE" [source].
+    empty_lse: ClassVar[float] = math.inf
     #: Where its functions live (``ops.resolve`` imports them, or takes the emulator's).
     source: ClassVar[ops.Source]
     #: What its kernels take (the backend class's ``capabilities``).
@@ -245,6 +266,26 @@ class Provider(abc.ABC):
         return {"write_rows": rows.to(device), "write_slots": host[rows].to(device)}
 
     # --- per layer (the impl) -------------------------------------------------------------
+    def store_lse(
+        self,
+        lse: torch.Tensor,  # [n, H] float32: the caller's rows
+        kernel_lse: torch.Tensor,  # [H, n] float32: the call's LSE (natural log)
+        sinks: torch.Tensor | None,  # the layer's sinks as the kernel took them (layer_sinks)
+    ) -> None:
+        """A call's LSE into attnhub's ``[tokens, heads]`` rows, an empty row as attnhub has
+        it: +inf without a sink; with one, the sink alone (``log exp(sink)``, the reference's
+        row with no key). FA2's empty rows are +inf already (and it takes no sinks); the
+        -inf of FA3 / FA4 (a sequence with no key: ``store_zero`` without the sink, or a
+        fully masked row) is replaced. Device ops only; a finite LSE is untouched."""
+        lse.copy_(kernel_lse.t())
+        if self.empty_lse == math.inf:
+            return
+        empty = torch.isneginf(lse)
+        if sinks is None:
+            lse.masked_fill_(empty, math.inf)
+        else:
+            lse.copy_(torch.where(empty, sinks.float().view(1, -1), lse))
+
     def window(self, spec: AttentionSpec) -> tuple[Any, Any]:
         """The spec's window as the kernels spell it: (left, right), -1 = unbounded."""
         return spec.window
@@ -421,6 +462,7 @@ class VllmFA3Provider(VllmProvider):
     schedule planned once per step."""
 
     name = "vllm-fa3"
+    empty_lse = -math.inf  # the fork's hopper/softmax.h finalize, epilogue store_zero [source]
     # vLLM's _is_fa3_supported: "FA3 is only supported on devices with compute capability 9.x"
     source = ops.Source(
         "vllm.vllm_flash_attn",
@@ -581,7 +623,7 @@ class FA2Provider(Provider):
         sinks: torch.Tensor | None,
     ) -> Result:
         fa = impl.backend.ops.attention
-        if a.decode_only and not lse:  # the decode kernel (split-KV): q as (B, 1, H, D)
+        if a.decode_only:  # the decode kernel (split-KV): q as (B, 1, H, D)
             result = fa.flash_attn_with_kvcache(
                 q.unsqueeze(1),
                 cache.key,
@@ -593,7 +635,10 @@ class FA2Provider(Provider):
                 window_size=impl.window,
                 softcap=impl.softcap,
                 alibi_slopes=impl.alibi_slopes,
+                return_softmax_lse=lse,  # (out, softmax_lse (B, H, 1)) [doc]
             )
+            if lse:
+                return result[0].squeeze(1), _padded_lse(result[1])
             return result.squeeze(1), None
         result = fa.flash_attn_varlen_func(
             q,
@@ -618,6 +663,7 @@ class FA3Provider(Provider):
     """Upstream flash-attn 3 (``hopper/``)."""
 
     name = "fa3"
+    empty_lse = -math.inf  # hopper/softmax.h finalize, epilogue_fwd.hpp store_zero [source]
     # hopper/ builds as the top-level module flash_attn_interface [doc: hopper/README]; it
     # builds sm80 kernels too and runs fp16/bf16 on sm8x ("FlashAttention only supports Ampere
     # GPUs or newer"; fp8 only on 9.x) [source: hopper/flash_api.cpp mha_fwd, hopper/setup.py
@@ -667,8 +713,10 @@ class FA3Provider(Provider):
             **impl.descales(cache, a),
         )
         fa = impl.backend.ops.attention
-        if a.decode_only and not lse:
+        if a.decode_only:
             result = fa.flash_attn_with_kvcache(q.unsqueeze(1), cache.key, cache.value, **shared)
+            if lse:  # (out, softmax_lse (B, H, 1), *rest) [doc: the padded-q shape]
+                return result[0].squeeze(1), _padded_lse(result[1])
             return result.squeeze(1), None
         # varlen q through cu_seqlens_q / max_seqlen_q [schema; shapes inferred]
         result = fa.flash_attn_with_kvcache(
@@ -687,6 +735,7 @@ class FA4Provider(Provider):
     """flash-attn-4 (``flash_attn.cute``)."""
 
     name = "fa4"
+    empty_lse = -math.inf  # _flash_attn_fwd's lse.fill_(-inf) [schema]
     # SM 12.x: "Paged KV not supported on SM 12.0" [source: flash-attn-4 4.0.0b36
     # interface.py, the SM120 branch of _flash_attn_fwd]; every attnhub call is paged
     source = ops.Source(

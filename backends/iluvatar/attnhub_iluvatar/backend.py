@@ -41,9 +41,16 @@ from attnhub.backend import (
     Step,
 )
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
+from attnhub.capabilities import (
+    AccuracyBound,
+    Capabilities,
+    GraphSupport,
+    LseSupport,
+    Refusal,
+    Tolerance,
+)
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
-from attnhub.kit import QueryQuantization, as_contiguous
+from attnhub.kit import QueryQuantization, as_contiguous, merge_attn_states
 from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_iluvatar import ops
@@ -62,6 +69,12 @@ BLOCK_SIZES = frozenset({16, 32, 64})
 INT8_MAX_ABS, INT8_MIN_COS = 0.06, 0.9995
 INT8_K_MAX_ABS, INT8_K_MIN_COS = 0.05, 0.9997
 
+
+#: Why the LSE is returned for model-dtype caches without sinks only.
+LSE_REASON = (
+    "ixformer's int8 kernels (flash_attn_varlen_int8_func, vllm_paged_attention_int8 / _mix) "
+    "return no LSE, and whether its LSE counts a sink in the denominator is not known"
+)
 
 _MAX = np.maximum.reduce  # ufunc.reduce directly: ndarray.max() adds a Python wrapper
 #: A step's query lengths [B], sequence lengths [B] and query start offsets [B + 1] (numpy).
@@ -206,6 +219,15 @@ class IluvatarBackend(AttentionBackend):
             "int8": AccuracyBound(max_abs_error=INT8_MAX_ABS, min_cosine=INT8_MIN_COS),
             "int8_k": AccuracyBound(max_abs_error=INT8_K_MAX_ABS, min_cosine=INT8_K_MIN_COS),
         },
+        # Mode 0: flash_attn_varlen_func(return_softmax_lse=True), natural log [callers], the
+        # decodes too (through the varlen op when the LSE is asked for: the decode op's LSE
+        # layout is not proven). Not the int8 modes, not with sinks: docs/backends/iluvatar.md.
+        lse=LseSupport(
+            dtypes=frozenset({torch.float16, torch.bfloat16}),
+            kv_cache_dtypes=frozenset({"auto"}),
+            sinks=False,
+            reason=LSE_REASON,
+        ),
     )
 
     @classmethod
@@ -670,7 +692,7 @@ class IluvatarAttentionImpl(AttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,  # [num_tokens, num_heads, head_size]
-        lse: torch.Tensor | None = None,  # never given: capabilities.lse declares none
+        lse: torch.Tensor | None = None,  # [num_tokens, H] float32 (mode 0, no sinks)
     ) -> None:
         assert isinstance(meta, IluvatarAttentionMetadata)
         if meta.paged is not None:
@@ -679,12 +701,15 @@ class IluvatarAttentionImpl(AttentionImpl):
             self._attend_prefill_int8(query, cache, meta.prefill, meta.causal, out)
             return
         if meta.cascade is not None:
-            self._attend_cascade(query, cache, meta.cascade, out)
+            self._attend_cascade(query, cache, meta.cascade, out, lse)
             return
         if meta.decode is not None:
-            self._attend_decode(query, cache, meta.decode, out)
+            if lse is None:
+                self._attend_decode(query, cache, meta.decode, out)
+            else:
+                self._attend_decode_lse(query, cache, meta.decode, out, lse)
         if meta.prefill is not None:
-            self._attend_prefill(query, cache, meta.prefill, meta.causal, out)
+            self._attend_prefill(query, cache, meta.prefill, meta.causal, out, lse)
 
     def _attend_decode(
         self, query: torch.Tensor, cache: PagedKVCache, plan: DecodePlan, out: torch.Tensor
@@ -703,6 +728,42 @@ class IluvatarAttentionImpl(AttentionImpl):
             **plan.kwargs,  # made by the builder (flash_attn_with_kvcache's but the layer's)
         )
 
+    def _attend_decode_lse(
+        self,
+        query: torch.Tensor,
+        cache: PagedKVCache,
+        plan: DecodePlan,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """The decodes when the LSE is asked for: one ``flash_attn_varlen_func`` call with
+        ``return_softmax_lse=True`` over the paged cache (its LSE is the callers' [H, T] in
+        the natural log), not the decode op, whose LSE layout no caller shows [inferred]. Its
+        cumulative KV lengths are made on the device (no host read), only on this path."""
+        t = plan.num_tokens
+        seq = plan.seq_lens
+        cu_k = torch.zeros(seq.shape[0] + 1, dtype=torch.int32, device=seq.device)
+        torch.cumsum(seq, 0, dtype=torch.int32, out=cu_k[1:])
+        _, part = self.backend.ops.contrib.vllm_flash_attn.flash_attn_varlen_func(
+            q=query[:t],
+            k=cache.key,
+            v=cache.value,
+            out=out[:t],
+            cu_seqlens_q=plan.cu_query_lens,
+            cu_seqlens_k=cu_k,  # cumulative, also with the paged cache [callers]
+            max_seqlen_q=plan.max_query_len,
+            max_seqlen_k=plan.max_seq_len,
+            softmax_scale=self.spec.scale,
+            causal=True,
+            window_size=self.causal_window,
+            softcap=self.softcap,
+            alibi_slopes=self.alibi_slopes,
+            sqrt_alibi=False,
+            block_table=plan.block_table,
+            return_softmax_lse=True,
+        )
+        lse[:t].copy_(part.t())
+
     def _attend_prefill(
         self,
         query: torch.Tensor,
@@ -710,11 +771,12 @@ class IluvatarAttentionImpl(AttentionImpl):
         plan: PrefillPlan,
         causal: bool,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         start, t = plan.token_start, plan.num_tokens
         if start or query.shape[0] != t:  # decodes before them, or padding after
             query, out = query[start : start + t], out[start : start + t]
-        self.backend.ops.contrib.vllm_flash_attn.flash_attn_varlen_func(
+        result = self.backend.ops.contrib.vllm_flash_attn.flash_attn_varlen_func(
             q=query,
             k=cache.key,
             v=cache.value,
@@ -722,10 +784,19 @@ class IluvatarAttentionImpl(AttentionImpl):
             alibi_slopes=self.alibi_slopes,
             sinks=self.sinks,
             **plan.kwargs,  # made by the builder (flash_attn_varlen_func's but the layer's)
+            # the LSE from the same call: [H, t] float32, natural log [callers]
+            **({} if lse is None else {"return_softmax_lse": True}),
         )
+        if lse is not None:
+            lse[start : start + t].copy_(result[1].t())
 
     def _attend_cascade(
-        self, query: torch.Tensor, cache: PagedKVCache, plan: CascadePlan, out: torch.Tensor
+        self,
+        query: torch.Tensor,
+        cache: PagedKVCache,
+        plan: CascadePlan,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         fa = self.backend.ops.contrib.vllm_flash_attn
         q = query[: plan.num_tokens]
@@ -764,7 +835,16 @@ class IluvatarAttentionImpl(AttentionImpl):
         )
         # Both LSEs are ixformer's own (natural log [inferred]), merged by its own op, output
         # positional, as the fork calls it [callers].
-        fa.merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse, out[: plan.num_tokens])
+        if lse is None:
+            fa.merge_attn_states(
+                prefix_out, prefix_lse, suffix_out, suffix_lse, out[: plan.num_tokens]
+            )
+            return
+        # ixformer's merge returns no LSE [callers: output only]: the kit's merge gives both
+        # (the same math: natural log, an infinite LSE is an empty part)
+        merged, merged_lse = merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse)
+        out[: plan.num_tokens].copy_(merged)
+        lse[: plan.num_tokens].copy_(merged_lse.t())
 
     # --- the int8 caches ----------------------------------------------------------------------
     def _attend_paged(
@@ -862,7 +942,7 @@ class IluvatarInt8AttentionImpl(IluvatarAttentionImpl):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,
-        lse: torch.Tensor | None = None,  # never given: capabilities.lse declares none
+        lse: torch.Tensor | None = None,  # never given: refused for int8 caches (.lse)
     ) -> None:
         """As the base class; on the int8 caches' decode-only steps the KV write rides on the
         paged kernel (its ``save_*`` arguments) instead of a separate call."""
