@@ -697,11 +697,12 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
             md = md.get(getattr(layer, "layer_name", None))
         if not isinstance(md, AttnhubVllmMetadata):
             return None
-        if md.graph is not None:
-            # a graph step: the slots vLLM passes are its own buffer's, which the adapter
-            # copied into the graph's; the planned write reads the graph's
-            return md.layer_metas()[self.meta_index]
-        meta = md.metas[self.meta_index]
+        metas = md.metas if md.graph is None else md.layer_metas()
+        if md.graph is not None and metas is md.metas:
+            # vLLM captures the graph: the slots it passes are its own buffer's, which the
+            # adapter copied into the graph's; the captured write reads the graph's
+            return metas[self.meta_index]
+        meta = metas[self.meta_index]
         return meta if same_view(slot_mapping, meta.batch.slot_mapping) else None
 
     def forward(

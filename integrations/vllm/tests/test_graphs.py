@@ -489,6 +489,16 @@ def test_vllm_captures_and_replays_full_graphs_through_attnhub(
         replays += 1
         _check_against_reference(runner, query_lens, seq_lens, table)
 
+    # a uniform step of a captured shape that vLLM runs outside the graph (a warm-up
+    # ``_dummy_run`` in mode NONE, a LoRA batch): the layers take ordinary metadata
+    n = max(SIZES) // query_len
+    query_lens, seq_lens = [query_len] * n, [query_len + 3 * r for r in range(n)]
+    table = [[r + 1] for r in range(n)]
+    md = builder.build(0, runner.step(query_lens, seq_lens, table, None))
+    assert md.graph is not None  # the shape of a captured graph ...
+    runner.forward(md, n * query_len, CUDAGraphMode.NONE, None)  # ... run eagerly
+    _check_against_reference(runner, query_lens, seq_lens, table)
+
     # a mixed batch: a FULL graph only for ALWAYS under FULL (refused above); else vLLM runs
     # attention eagerly (PIECEWISE or NONE)
     query_lens, seq_lens, table = [1, 5], [9, 40], [[3], [4]]
