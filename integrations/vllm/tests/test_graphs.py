@@ -376,6 +376,17 @@ def _graph_api(runner: _Runner) -> tuple[Any, Any]:
     return EagerAdaptor(), None
 
 
+def _host_syncs(runner: _Runner) -> int:
+    """Host synchronizations the emulated NPU graph API counted so far (0 elsewhere: the eager
+    tape has no device to wait for)."""
+    backend = runner.builder._builders[0].backend
+    if backend.name != "ascend":
+        return 0
+    from attnhub_ascend import npu_graph
+
+    return sum(npu_graph.host_syncs.values())
+
+
 STEP_SEEDS = range(5)
 
 
@@ -461,6 +472,7 @@ def test_vllm_captures_and_replays_full_graphs_through_attnhub(
     g = generator(7)
     block_size = builder.block_size
     replays = 0
+    syncs = _host_syncs(runner)
     for seed in STEP_SEEDS:
         n = int(torch.randint(1, max(SIZES) // query_len + 1, (1,), generator=g))
         query_lens = [query_len] * n
@@ -488,6 +500,8 @@ def test_vllm_captures_and_replays_full_graphs_through_attnhub(
                 )
         replays += 1
         _check_against_reference(runner, query_lens, seq_lens, table)
+
+    assert _host_syncs(runner) == syncs  # no step made the host wait for the device
 
     # a uniform step of a captured shape that vLLM runs outside the graph (a warm-up
     # ``_dummy_run`` in mode NONE, a LoRA batch): the layers take ordinary metadata
