@@ -234,3 +234,33 @@ def test_vllm_ascends_platform_picks_its_own_attention_classes() -> None:
         isinstance(n, ast.Attribute) and n.attr in ("get_path", "CUSTOM") for n in ast.walk(fn)
     )
     assert not reads_registry
+
+
+def test_the_adapter_recognises_vllm_ascends_platform() -> None:
+    """The adapter defers its graph updates to vllm-ascend's hook where
+    ``current_platform.device_type`` is the value it compares with (read from its source):
+    vllm-ascend's ``NPUPlatform`` must declare that very ``device_type``."""
+    compared = set()
+    for path in ADAPTER.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Compare)
+                and isinstance(node.left, ast.Attribute)
+                and node.left.attr == "device_type"
+                and isinstance(node.left.value, ast.Name)
+                and node.left.value.id == "current_platform"
+            ):
+                compared |= {c.value for c in node.comparators if isinstance(c, ast.Constant)}
+    assert compared, "the adapter no longer compares current_platform.device_type"
+    ascend = _wheel(VLLM_ASCEND)
+    found = ascend.cls("vllm_ascend.platform", "NPUPlatform")
+    assert found is not None
+    declared = {
+        n.value.value
+        for n in found[1].body
+        if isinstance(n, ast.AnnAssign)
+        and isinstance(n.target, ast.Name)
+        and n.target.id == "device_type"
+        and isinstance(n.value, ast.Constant)
+    }
+    assert compared == declared, f"adapter compares {compared}, NPUPlatform declares {declared}"
