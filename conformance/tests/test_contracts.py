@@ -73,3 +73,20 @@ def test_a_failed_download_returns_the_reason_never_a_path(tmp_path, monkeypatch
     path, why = contracts.find_or_download(artifact)
     assert path is None
     assert "attnhub-no-such-vendor-lib==9.9" in why and "failed (exit" in why
+
+
+def test_a_pinned_artifact_is_checked_by_hash_and_size(tmp_path, monkeypatch) -> None:
+    import hashlib
+
+    monkeypatch.setenv("ATTNHUB_WHEEL_CACHE", str(tmp_path))
+    wheel = tmp_path / "vendor_lib-1.0-py3-none-any.whl"
+    wheel.write_bytes(b"the pinned bytes")
+    pinned = hashlib.sha256(b"the pinned bytes").hexdigest()
+    ok = contracts.VendorArtifact("vendor-lib==1.0", "vendor_lib-1.0-*.whl", sha256=pinned)
+    assert contracts.find_or_download(ok) == (wheel, "")
+    other = contracts.VendorArtifact("vendor-lib==1.0", "vendor_lib-1.0-*.whl", sha256="0" * 64)
+    with pytest.raises(contracts.ArtifactMismatchError, match="sha256"):
+        contracts.find_or_download(other)
+    small = contracts.VendorArtifact("vendor-lib==1.0", "vendor_lib-1.0-*.whl", min_bytes=1000)
+    with pytest.raises(contracts.ArtifactMismatchError, match="bytes"):
+        contracts.find_or_download(small)

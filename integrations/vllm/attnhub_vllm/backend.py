@@ -5,6 +5,10 @@ backend class        -> the attnhub backend chosen by vLLM's config
                         (``additional_config={"attnhub": {"backend": ..., "emulate": ...}}``),
                         else ``ATTNHUB_BACKEND`` (``select_backend``)
 builder.build()      -> ``BatchMetadata`` from ``CommonAttentionMetadata`` + ``builder.build``
+builder.get_cudagraph_support -> the attnhub builders' ``graph_support`` (same names, same order)
+builder.build_for_cudagraph_capture -> ``build_for_graph_capture`` over persistent buffers
+                        (a FULL graph's later steps: those buffers refilled, then
+                        ``update_graph_params``; docs/graphs.md, "The engine's view")
 impl.do_kv_cache_update -> ``impl.write_kv(..., meta=)`` (the step's planned write)
 impl.forward         -> ``impl.forward(query, None, None, cache, meta, output=...)``
 
@@ -26,6 +30,7 @@ from vllm.config import (
     get_current_vllm_config_or_none,
     get_layers_from_vllm_config,
 )
+from vllm.config.compilation import CUDAGraphMode
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
@@ -42,7 +47,12 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 import attnhub
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
+from attnhub.capabilities import GraphSupport
 from attnhub.errors import AttnhubError
+from attnhub.graphs import BatchDescriptor as GraphDescriptor
+from attnhub.graphs import GraphAdaptor, pad_batch
+from attnhub.graphs.buffers import PersistentBatch
+from attnhub.graphs.descriptor import uniform_query_len
 from attnhub.kit import same_view
 from attnhub_vllm.mapping import (
     KV_CACHE_DTYPES,
@@ -54,6 +64,7 @@ from attnhub_vllm.mapping import (
     checks_from_additional_config,
     choice_from_additional_config,
     extra_kv_bytes,
+    real_requests,
     spec_from_vllm,
 )
 
@@ -193,6 +204,14 @@ def _requested_layout() -> str:
     return "NHD"
 
 
+def _platform_updates_graphs() -> bool:
+    """Whether vLLM's platform calls the impl class's ``update_graph_params`` after each FULL
+    replay (vllm-ascend's model runner: ``update_full_graph_params``)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type == "npu"
+
+
 class AttnhubVllmBackend(AttentionBackend):
     """vLLM's view of attnhub: one class for every attnhub backend."""
 
@@ -241,17 +260,154 @@ class AttnhubVllmBackend(AttentionBackend):
         return attn_type == AttentionType.DECODER
 
 
+def cg_support(level: GraphSupport) -> AttentionCGSupport:
+    """attnhub's graph level as vLLM's ``AttentionCGSupport``: the same names in the same
+    order (NEVER < UNIFORM_SINGLE_TOKEN_DECODE < UNIFORM_BATCH < ALWAYS)."""
+    return AttentionCGSupport[GraphSupport(level).name]
+
+
+_LEVELS: dict[tuple[AttentionSpec, str, Choice], GraphSupport] = {}
+
+
+def graph_level(
+    spec: AttentionSpec, device: torch.device | str, choice: Choice = (None, False)
+) -> GraphSupport:
+    """The graph level of the attnhub builder serving ``spec``: its ``graph_support``, which
+    may depend on the spec (ascend: NEVER for a sliding window or non-causal attention)."""
+    key = (spec, str(device), choice)
+    level = _LEVELS.get(key)
+    if level is None:
+        level = _LEVELS[key] = backend_for(spec, device, choice).metadata_builder().graph_support
+    return level
+
+
+def graph_level_of_config(vllm_config: VllmConfig, block_size: int) -> GraphSupport:
+    """The lowest graph level over every attnhub layer of ``vllm_config`` (vLLM takes the
+    lowest over its builders too); NEVER when it has none."""
+    from vllm.model_executor.layers.attention import Attention
+
+    device = vllm_config.device_config.device or "cpu"
+    choice = configured_choice(vllm_config)
+    specs = {
+        layer.impl._spec(block_size)
+        for layer in get_layers_from_vllm_config(vllm_config, Attention).values()
+        if isinstance(layer.impl, AttnhubVllmImpl)
+    }
+    return min((graph_level(s, device, choice) for s in specs), default=GraphSupport.NEVER)
+
+
+@dataclass
+class _Graph:
+    """One FULL graph vLLM captured: its descriptor and, per attnhub builder, the metadata
+    ``build_for_graph_capture`` made over the adapter's persistent buffers (what the captured
+    kernels read; the ascend backend's records its captured tasks)."""
+
+    descriptor: GraphDescriptor
+    metas: list[Any]
+
+
+@dataclass
+class GraphStep:
+    """A step that runs a captured graph: the graph, this step's batch over the persistent
+    buffers (refilled by ``build``), per builder the fence (an event recorded on the replay
+    stream before this step's replay, after the previous one; None where the device has no
+    events to order) and, once made, the ordinary metadata for a step vLLM runs eagerly."""
+
+    graph: _Graph
+    batch: BatchMetadata  # padded, over the persistent buffers
+    real: BatchMetadata  # the step's real requests (vLLM's own tensors)
+    fences: list[Any]
+    owner: AttnhubVllmMetadataBuilder
+    updated: bool = False
+    eager: list[Any] | None = None
+
+    def eager_metas(self) -> list[Any]:
+        """Ordinary metadata of the real requests, made on first use: for a step vLLM runs
+        outside the graph (its dispatcher's choice, e.g. a warm-up run)."""
+        if self.eager is None:
+            self.eager = [b.build(self.real) for b in self.owner._builders]
+        return self.eager
+
+    def update(self, update_stream: Any = None) -> None:
+        """Every builder's ``update_graph_params`` for this step, once: on ``update_stream``
+        (vllm-ascend's, handed by its model runner) or else the backend adaptor's, after the
+        fence (the previous replay), never after a host synchronize."""
+        if self.updated:
+            return
+        self.updated = True
+        owner = self.owner
+        for builder, adaptor, meta, fence in zip(
+            owner._builders, owner._adaptors, self.graph.metas, self.fences, strict=True
+        ):
+            _ordered_update(adaptor, fence, update_stream, builder, meta, self.batch)
+
+
+def _fence(adaptor: GraphAdaptor) -> Any:
+    """An event recorded on the current (replay) stream now, after whatever replay came
+    before, where the adaptor's device orders updates by events (an ``NPUGraphAdaptor``:
+    ``adaptor.npu``); else None."""
+    npu = getattr(adaptor, "npu", None)
+    if npu is None:
+        return None
+    event = npu.Event()
+    event.record(npu.current_stream())
+    return event
+
+
+def _ordered_update(
+    adaptor: GraphAdaptor,
+    fence: Any,
+    stream: Any,
+    builder: Any,
+    meta: Any,
+    batch: BatchMetadata,
+) -> None:
+    npu = getattr(adaptor, "npu", None)
+    if stream is not None and npu is not None:  # the engine's update stream
+        if fence is not None:
+            stream.wait_event(fence)  # a device-side wait: the host goes on
+        with npu.stream(stream):
+            builder.update_graph_params(meta, batch, stream)
+        return
+    with adaptor.updating() as own:
+        if fence is not None and own is not None:
+            own.wait_event(fence)
+        builder.update_graph_params(meta, batch, own)
+
+
 @dataclass
 class AttnhubVllmMetadata:
     """One step: the attnhub metadata per distinct layer spec (usually one), indexed by each
-    layer's ``meta_index`` (a list: no spec hashing per layer call)."""
+    layer's ``meta_index`` (a list: no spec hashing per layer call). ``graph``: set for a step
+    of a captured FULL graph's shape (``metas`` are then the graph's)."""
 
     num_actual_tokens: int
     metas: list[Any] = field(default_factory=list)
+    graph: GraphStep | None = None
+
+    def layer_metas(self) -> list[Any]:
+        """The metas a layer call runs with: the graph's while vLLM captures it (a FULL
+        runtime mode in its forward context; it never calls a layer when it replays), the
+        ordinary ones when it runs the step outside the graph."""
+        graph = self.graph
+        if graph is None or get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL:
+            return self.metas
+        return graph.eager_metas()
 
 
 class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
+    #: What vLLM reads when nothing else is known; ``get_cudagraph_support`` gives the level of
+    #: the attnhub backend that serves the config.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(
+        cls, vllm_config: VllmConfig, kv_cache_spec: Any
+    ) -> AttentionCGSupport:
+        """The attnhub builders' ``graph_support`` for this config's layers as vLLM's
+        level (the lowest where layers differ): vLLM resolves its ``cudagraph_mode`` with it
+        before any builder exists."""
+        return cg_support(graph_level_of_config(vllm_config, int(kv_cache_spec.block_size)))
 
     def __init__(
         self,
@@ -292,6 +448,93 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
         thresholds = [t for t in thresholds if t is not None]
         # vLLM reorders decodes (query_len <= threshold) first when a backend asks for it.
         self.reorder_batch_threshold = min(thresholds) if thresholds else None
+        # FULL graphs: what vLLM captured, keyed by its (num_tokens, num_reqs), the persistent
+        # buffers their metadata reads (made at the first capture) and the block table's width.
+        self.graph_support = min(
+            (b.graph_support for b in self._builders), default=GraphSupport.NEVER
+        )
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._buffers: PersistentBatch | None = None
+        self._adaptors: list[GraphAdaptor] = []
+        max_model_len = vllm_config.model_config.max_model_len
+        self._width = -(-int(max_model_len) // self.block_size)
+        #: Where the per-step updates run: False (here, in ``build``: before vLLM replays the
+        #: graph) or True (vllm-ascend: its model runner calls the impl class's
+        #: ``update_graph_params`` with the step's forward context after the replay is
+        #: launched; each captured task waits on the device for its update).
+        self.deferred_updates = _platform_updates_graphs()
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> AttnhubVllmMetadata:
+        """vLLM's capture of a FULL graph of this batch's shape (its dummy uniform batch of
+        ``num_reqs`` requests of its uniform-decode query length, ``num_actual_tokens`` a
+        capture size): the attnhub batch padded the attnhub way (dummy requests of that
+        query length, slot -1) into persistent buffers sized to vLLM's largest capture size,
+        and each builder's ``build_for_graph_capture`` over them. Refused (typed, naming the
+        batch) beyond the backends' graph level."""
+        cm = common_attn_metadata
+        key = (int(cm.num_actual_tokens), int(cm.num_reqs))
+        tokens, reqs = key
+        batch = batch_from_common(cm, self.block_size, num_reqs=real_requests(cm))
+        q = uniform_query_len(batch)
+        if (
+            self.graph_support == GraphSupport.NEVER
+            or q is None
+            or tokens != reqs * q
+            or (self.graph_support == GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE and q != 1)
+        ):
+            raise AttnhubConfigurationError(
+                f"attnhub-vllm: vLLM asks to capture a FULL graph of {tokens} tokens in {reqs} "
+                f"requests (query lengths "
+                f"{batch.query_lens_cpu.tolist()}); the attnhub backends "
+                f"({', '.join(b.backend.name for b in self._builders)}) capture "
+                f"{self.graph_support.name.lower()} batches, and the adapter uniform batches "
+                "only (a mixed batch's padding is not implemented: docs/graphs.md)"
+            )
+        desc = GraphDescriptor(tokens, reqs, uniform_decode=True, causal=batch.causal)
+        step = self._load(desc, batch)
+        graph = _Graph(desc, [b.build_for_graph_capture(step) for b in self._builders])
+        self._graphs[key] = graph
+        fences = [None] * len(self._builders)  # a capture replays nothing: no update
+        md = GraphStep(graph, step, batch, fences, self, updated=True)
+        return AttnhubVllmMetadata(tokens, graph.metas, md)
+
+    def _load(self, desc: GraphDescriptor, batch: BatchMetadata) -> BatchMetadata:
+        """``batch`` padded to ``desc`` and copied into the persistent buffers (on the current
+        stream), checked in full by every builder."""
+        if self._buffers is None:
+            largest = self.vllm_config.compilation_config.max_cudagraph_capture_size
+            largest = max(int(largest or 0), desc.num_tokens)
+            self._buffers = PersistentBatch(
+                largest, largest, self._width, self.block_size, self.device
+            )
+            self._adaptors = [b.backend.graph_adaptor() for b in self._builders]
+        step = self._buffers.load(pad_batch(batch, desc, self._width), causal=batch.causal)
+        for b in self._builders:
+            b.check_graph_step(step)
+        return step
+
+    def _graph_step(self, cm: CommonAttentionMetadata) -> AttnhubVllmMetadata | None:
+        """The step of a captured graph when ``cm`` has its shape (vLLM pads a FULL step to
+        its descriptor's token and request counts) and its real requests are uniform with the
+        graph's query length; else None."""
+        graph = self._graphs.get((int(cm.num_actual_tokens), int(cm.num_reqs)))
+        if graph is None:
+            return None
+        n = real_requests(cm)
+        if not n:
+            return None
+        batch = batch_from_common(cm, self.block_size, num_reqs=n)
+        desc = graph.descriptor
+        if uniform_query_len(batch) != desc.query_len or batch.causal != desc.causal:
+            return None
+        step = self._load(desc, batch)
+        fences = [_fence(a) for a in self._adaptors]
+        md = GraphStep(graph, step, batch, fences, self)
+        if not self.deferred_updates:
+            md.update()  # before vLLM replays: attnhub's own order (docs/graphs.md)
+        return AttnhubVllmMetadata(desc.num_tokens, graph.metas, md)
 
     def build(
         self,
@@ -299,6 +542,10 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> AttnhubVllmMetadata:
+        if self._graphs:
+            graph_step = self._graph_step(common_attn_metadata)
+            if graph_step is not None:
+                return graph_step
         batch = batch_from_common(
             common_attn_metadata, self.block_size, exact_maxima=self._exact_maxima
         )
@@ -348,6 +595,32 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         block_size = config.cache_config.block_size
         if block_size:
             self.bind(int(block_size), "cpu" if config.device_config is None else None)
+
+    @staticmethod
+    def update_graph_params(
+        update_stream: Any,
+        forward_context: Any,
+        num_tokens: int,
+        vllm_config: VllmConfig,
+        speculative_config: Any = None,
+        num_dcp_pcp_tokens: int | None = None,
+        draft_attn_metadatas: Any = None,
+    ) -> None:
+        """vllm-ascend's per-step hook (its model runner's ``update_full_graph_params`` calls
+        ``impl_cls.update_graph_params`` after launching a FULL replay): the step's graph
+        updates, found in ``forward_context.attn_metadata`` (one per distinct metadata, each
+        once), launched on ``update_stream`` after the fence ``build`` recorded before the
+        replay. No host synchronize."""
+        md = forward_context.attn_metadata
+        groups = md if isinstance(md, list) else [md]
+        seen: set[int] = set()
+        for group in groups:
+            values = group.values() if isinstance(group, dict) else [group]
+            for m in values:
+                graph = m.graph if isinstance(m, AttnhubVllmMetadata) else None
+                if graph is not None and id(m) not in seen:
+                    seen.add(id(m))
+                    graph.update(update_stream)
 
     def _spec(self, block_size: int) -> AttentionSpec:
         spec, reasons = spec_from_vllm(
@@ -424,7 +697,12 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
             md = md.get(getattr(layer, "layer_name", None))
         if not isinstance(md, AttnhubVllmMetadata):
             return None
-        meta = md.metas[self.meta_index]
+        metas = md.metas if md.graph is None else md.layer_metas()
+        if md.graph is not None and metas is md.metas:
+            # vLLM captures the graph: the slots it passes are its own buffer's, which the
+            # adapter copied into the graph's; the captured write reads the graph's
+            return metas[self.meta_index]
+        meta = metas[self.meta_index]
         return meta if same_view(slot_mapping, meta.batch.slot_mapping) else None
 
     def forward(
@@ -446,7 +724,10 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         if attn_metadata is None:  # vLLM's warm-up / profiling run
             return output
         impl = self._impl or self._attnhub(query.device)
-        meta = attn_metadata.metas[self.meta_index]
+        if attn_metadata.graph is None:
+            meta = attn_metadata.metas[self.meta_index]
+        else:
+            meta = attn_metadata.layer_metas()[self.meta_index]
         out = output.view(-1, self.num_heads, self.head_size)
         impl.forward(query, None, None, self._paged(kv_cache, impl, layer), meta, output=out)
         return output

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
@@ -106,7 +107,19 @@ def spec_from_vllm(
     return spec, []
 
 
-def batch_from_common(cm: Any, block_size: int, *, exact_maxima: bool = False) -> BatchMetadata:
+def real_requests(cm: Any) -> int:
+    """How many of ``cm``'s requests are real: vLLM pads a FULL cudagraph step's batch to the
+    graph's request count with requests of no query token and no sequence (its
+    ``query_start_loc`` repeats the last real end; ``_dummy_run`` / ``_build_attention_metadata``),
+    after every real one. Read on the host copy."""
+    n = int(cm.num_reqs)
+    qsl = cm.query_start_loc_cpu.numpy()[: n + 1]
+    return int(np.searchsorted(qsl, qsl[n], side="left")) if n else 0
+
+
+def batch_from_common(
+    cm: Any, block_size: int, *, exact_maxima: bool = False, num_reqs: int | None = None
+) -> BatchMetadata:
     """One step's ``BatchMetadata`` from vLLM's ``CommonAttentionMetadata``.
 
     Slices only, and only where vLLM's persistent buffers are longer than the batch. Host
@@ -122,8 +135,12 @@ def batch_from_common(cm: Any, block_size: int, *, exact_maxima: bool = False) -
     optimistic bound) instead of reducing the lengths again. attnhub's ``build`` checks them
     against the lengths either way, and refuses a wrong one with a typed error naming it.
     ``num_actual_tokens`` always comes from ``query_start_loc`` (vLLM's may count padding).
+    ``num_reqs``: the first requests only (:func:`real_requests` of a padded step; then
+    ``exact_maxima`` is ignored: vLLM's maxima may count the padding).
     """
-    n = int(cm.num_reqs)
+    n = int(cm.num_reqs) if num_reqs is None else num_reqs
+    if num_reqs is not None:
+        exact_maxima = False
     qsl_cpu = cm.query_start_loc_cpu
     if qsl_cpu.shape[0] != n + 1:
         qsl_cpu = qsl_cpu[: n + 1]
