@@ -828,23 +828,7 @@ def _add_list_command(sub: Commands) -> None:
     p.set_defaults(func=cmd_list)
 
 
-def _add_select_command(sub: Commands) -> None:
-    p = sub.add_parser(
-        "select",
-        help="which backend a spec gets on a device, and why",
-        description="The backend attnhub.select_backend returns for one attention layer's spec, "
-        "and why each other backend was not chosen.",
-        epilog="Exit status: 0 a backend was selected (named on the first line); 2 none was (no "
-        "backend serves the spec on the device, or the one asked for with --prefer or "
-        "ATTNHUB_BACKEND cannot: the table gives every reason), or the arguments were wrong.",
-    )
-    p.add_argument("--heads", type=int, required=True, metavar="N", help="query heads")
-    p.add_argument(
-        "--kv-heads", type=int, default=None, metavar="N", help="key/value heads (default: --heads)"
-    )
-    p.add_argument(
-        "--head-size", type=int, default=None, metavar="D", help="head size (standard attention)"
-    )
+def _add_mla_arguments(p: argparse.ArgumentParser) -> None:
     mla = p.add_argument_group(
         "MLA layer (multi-head latent attention, the absorbed form; instead of --head-size)"
     )
@@ -872,6 +856,26 @@ def _add_select_command(sub: Commands) -> None:
         metavar="V",
         help="the expanded form's value head (default: --qk-nope-head-dim)",
     )
+
+
+def _add_select_command(sub: Commands) -> None:
+    p = sub.add_parser(
+        "select",
+        help="which backend a spec gets on a device, and why",
+        description="The backend attnhub.select_backend returns for one attention layer's spec, "
+        "and why each other backend was not chosen.",
+        epilog="Exit status: 0 a backend was selected (named on the first line); 2 none was (no "
+        "backend serves the spec on the device, or the one asked for with --prefer or "
+        "ATTNHUB_BACKEND cannot: the table gives every reason), or the arguments were wrong.",
+    )
+    p.add_argument("--heads", type=int, required=True, metavar="N", help="query heads")
+    p.add_argument(
+        "--kv-heads", type=int, default=None, metavar="N", help="key/value heads (default: --heads)"
+    )
+    p.add_argument(
+        "--head-size", type=int, default=None, metavar="D", help="head size (standard attention)"
+    )
+    _add_mla_arguments(p)
     p.add_argument(
         "--dtype",
         type=_dtype_name,
