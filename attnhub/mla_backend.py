@@ -260,7 +260,8 @@ class MLAImpl(abc.ABC):
         latent = self._accept_cache(cache)
         if meta is not None:
             step = self._check_meta(meta, latent)
-            if slot_mapping is not None and slot_mapping is not step.batch.slot_mapping:
+            given = (step.batch.slot_mapping, step.extents and step.extents.given_slot_mapping)
+            if slot_mapping is not None and not any(slot_mapping is t for t in given):
                 raise InvalidInputError(
                     "slot_mapping is not meta.batch.slot_mapping: with meta=, leave "
                     "slot_mapping out (or pass the step's own)"

@@ -178,6 +178,22 @@ def test_write_kv_alone_writes_what_the_reference_does() -> None:
     assert again.equal(want)
 
 
+def test_write_kv_with_a_steps_meta_refuses_other_slots_before_writing() -> None:
+    spec = mla_spec(block_size=4)
+    backend = TorchBackend(spec)
+    batch, cache, _, kv_c, k_pe = _step(spec, [3, 1], [5, 2])
+    before = cache.clone()
+    with pytest.raises(InvalidInputError, match=r"slot_mapping is not meta\.batch\.slot_mapping"):
+        backend.impl().write_kv(
+            kv_c,
+            k_pe,
+            cache,
+            batch.slot_mapping.clone(),
+            meta=backend.metadata_builder().build(batch),
+        )
+    assert cache.equal(before)
+
+
 def test_a_decode_only_declaration_refuses_a_prefill_at_build() -> None:
     spec = mla_spec()
     batch, *_ = _step(spec, [1, 5], [9, 12])
