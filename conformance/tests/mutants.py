@@ -19,7 +19,15 @@ from typing import Any, ClassVar
 import torch
 
 import attnhub
-from attnhub import BatchMetadata, GraphSupport, LatentKVCache, PagedKVCache, Step, reference
+from attnhub import (
+    BatchMetadata,
+    GraphSupport,
+    LatentKVCache,
+    LseSupport,
+    PagedKVCache,
+    Step,
+    reference,
+)
 from attnhub.backend import AttentionMetadata
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.quant import simulate_query_quantization
@@ -625,9 +633,22 @@ class RestrictedBackend(TorchBackend):
         multi_token_decode=False,
         chunked_prefill=False,
         graph_capture=GraphSupport.NEVER,
+        # MLA too: fp16, blocks of 16s, the joint layout, decode only, no LSE
+        mla=replace(
+            TorchBackend.capabilities.mla,
+            dtypes=frozenset({torch.float16}),
+            kv_cache_dtypes=frozenset({"auto"}),
+            block_size_multiple=16,
+            latent_sizes=frozenset({(64, 16), (512, 64)}),
+            layouts=("joint",),
+            max_query_len=1,
+            lse=LseSupport(reason="declared without it"),
+        ),
     )
 
-    def metadata_builder(self) -> TorchMetadataBuilder:
+    def metadata_builder(self) -> Any:
+        if self.is_mla:
+            return super().metadata_builder()
         return RefusesContextBuilder(self)
 
 
