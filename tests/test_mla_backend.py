@@ -165,6 +165,27 @@ def test_torch_forward_is_the_reference_absorbed_form_with_its_lse(layout: str, 
     assert bool((out[n:] == 0).all()) and bool(torch.isposinf(lse[n:]).all())
 
 
+def test_torch_chunks_decodes_and_tiles_long_queries_within_its_budgets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import attnhub.torch_backend.mla as torch_mla
+
+    monkeypatch.setattr(torch_mla, "KEY_BUDGET", 64)
+    monkeypatch.setattr(torch_mla, "SCORE_BUDGET", 4096)
+    spec = mla_spec(num_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, block_size=4)
+    backend = TorchBackend(spec)
+    # decodes of lengths 3, 9, 11 | 30 (two chunks: 4 x 30 keys > 64); a 40-token chunked
+    # prefill over 60 keys in tiles of 17 rows (4096 // (4 heads x 60)); a 17-token prefill
+    batch, cache, q, kv_c, k_pe = _step(spec, [1, 40, 3, 1, 17, 2], [9, 60, 3, 30, 17, 11])
+    meta = backend.metadata_builder().build(batch)
+    assert len(meta.mla.chunks) == 6
+    out, lse = backend.impl().forward(q, kv_c, k_pe, cache, meta, return_lse=True)
+    want, want_lse = reference.paged_mla_absorbed(q, cache, batch, spec)
+    n, tol = batch.num_actual_tokens, TorchBackend.capabilities.tolerance(spec.dtype)
+    assert testing.mismatch(out[:n], want, tol) is None
+    assert testing.mismatch(lse[:n], want_lse.t(), tol) is None
+
+
 def test_write_kv_alone_writes_what_the_reference_does() -> None:
     spec = mla_spec(block_size=4)
     backend = TorchBackend(spec)
