@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         Capabilities,
         GraphSupport,
         LseSupport,
+        MlaSupport,
         Refusal,
         Tolerance,
     )
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from attnhub.hookspecs import BenchComparison, Command, HostComparison, hookimpl
     from attnhub.kv_cache import PagedKVCache
     from attnhub.mla import LatentKVCache, MLASpec
+    from attnhub.mla_backend import MLAImpl, MLAMetadataBuilder
     from attnhub.registry import (
         BackendInfo,
         get_backend,
@@ -85,6 +87,7 @@ _HOMES = {
         "Capabilities",
         "GraphSupport",
         "LseSupport",
+        "MlaSupport",
         "Refusal",
         "Tolerance",
     ),
@@ -92,6 +95,7 @@ _HOMES = {
     "attnhub.hookspecs": ("hookimpl", "Command", "BenchComparison", "HostComparison"),
     "attnhub.kv_cache": ("PagedKVCache",),
     "attnhub.mla": ("LatentKVCache", "MLASpec"),
+    "attnhub.mla_backend": ("MLAImpl", "MLAMetadataBuilder"),
     "attnhub.registry": (
         "BackendInfo",
         "get_backend",

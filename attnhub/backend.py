@@ -45,11 +45,13 @@ from attnhub.errors import (
     UnsupportedConfigurationError,
 )
 from attnhub.kv_cache import BlockPacking, PagedKVCache
+from attnhub.mla import LatentKVCache, MLASpec
 from attnhub.spec import AttentionSpec
 from attnhub.validation import Let, Rule, StepExtents, StepFacts
 
 if TYPE_CHECKING:
     from attnhub.graphs.adaptor import GraphAdaptor
+    from attnhub.mla_backend import MLAImpl
     from attnhub.quant import LayerClipCounter
 
 
@@ -144,6 +146,10 @@ class AttentionBackend(abc.ABC):
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
+    #: The layer's spec (an ``MLASpec`` where :attr:`is_mla`: read it through the MLA classes).
+    spec: AttentionSpec
+    #: Whether the instance serves an MLA layer (its spec an :class:`attnhub.mla.MLASpec`).
+    is_mla: bool = False
 
     # --- questions answered before an instance exists --------------------------------------
     @classmethod
@@ -168,20 +174,59 @@ class AttentionBackend(abc.ABC):
 
             return [r.because(WHY[r.field]) if r.field in WHY else r
                     for r in super().unsupported_reasons(spec)]
-        """
+
+        An MLA layer's spec (:class:`attnhub.mla.MLASpec`) is answered by
+        :meth:`mla_unsupported_reasons` instead, before any override of this method runs
+        (an override written for ``AttentionSpec`` never sees one)."""
+        if isinstance(spec, MLASpec):
+            return cls.mla_unsupported_reasons(spec)
         return cls.capabilities.unsupported_reasons(spec)
+
+    @classmethod
+    def mla_unsupported_reasons(cls, spec: MLASpec) -> list[Refusal]:
+        """Every reason this backend refuses the MLA layer ``spec`` (empty = served): the
+        declared ``capabilities.mla`` (its ``because`` explains a field). Override to add
+        limits of your own."""
+        return cls.capabilities.mla.unsupported_reasons(spec)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """An override of ``unsupported_reasons`` answers standard specs; an MLA spec goes to
+        ``mla_unsupported_reasons`` first (one dispatch on the spec's kind, here)."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("unsupported_reasons")
+        if isinstance(own, classmethod) and not getattr(own.__func__, "_mla_dispatch", False):
+            standard = own.__func__
+
+            def unsupported_reasons(
+                klass: type[AttentionBackend], spec: AttentionSpec
+            ) -> list[Refusal]:
+                if isinstance(spec, MLASpec):
+                    return klass.mla_unsupported_reasons(spec)
+                return standard(klass, spec)
+
+            unsupported_reasons.__doc__ = standard.__doc__
+            unsupported_reasons.__wrapped__ = standard  # type: ignore[attr-defined]
+            unsupported_reasons._mla_dispatch = True  # type: ignore[attr-defined]
+            cls.unsupported_reasons = classmethod(unsupported_reasons)  # type: ignore[assignment]
 
     # --- an instance -----------------------------------------------------------------------
     def __init__(
-        self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
+        self,
+        spec: AttentionSpec | MLASpec,
+        device: torch.device | str = "cpu",
+        *,
+        emulate: bool = False,
     ) -> None:
         why = self.availability(device, emulate)
         if why is not None:
             raise BackendUnavailableError(self.name, str(device), why)
-        reasons = self.unsupported_reasons(spec)
+        reasons = self.unsupported_reasons(spec)  # type: ignore[arg-type]
         if reasons:
             raise UnsupportedConfigurationError(self.name, reasons)
-        self.spec = spec
+        #: The layer's spec: an ``AttentionSpec``, or an ``MLASpec`` for an MLA layer
+        #: (:attr:`is_mla`; its builder and impl are ``mla_builder_type`` / ``mla_impl_type``).
+        self.spec = spec  # type: ignore[assignment]
+        self.is_mla = isinstance(spec, MLASpec)
         self.device = as_device(device)
         self.emulate = emulate
         self.emulated = self.is_emulated(device)
@@ -204,7 +249,15 @@ class AttentionBackend(abc.ABC):
     ops: Any = None
 
     def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
-        """A zeroed cache for ``num_blocks`` blocks in this backend's layout and format."""
+        """A zeroed cache for ``num_blocks`` blocks in this backend's layout and format (an
+        MLA layer's: a ``LatentKVCache`` in the first of ``capabilities.mla.layouts``)."""
+        if self.is_mla:
+            return LatentKVCache.for_spec(  # type: ignore[return-value]
+                cast(MLASpec, self.spec),
+                num_blocks,
+                self.device,
+                layout=self.capabilities.mla.layouts[0],
+            )
         return PagedKVCache.for_spec(
             self.spec, num_blocks, self.device, layout=self.capabilities.kv_cache_layout
         )
@@ -234,15 +287,34 @@ class AttentionBackend(abc.ABC):
     #: The impl class ``impl()`` makes (called with this backend and the per-layer weights).
     impl_type: ClassVar[type[AttentionImpl]]
 
+    #: An MLA layer's builder class (None: ``attnhub.mla_backend.MLAMetadataBuilder``, which
+    #: plans nothing) and impl class (an ``attnhub.mla_backend.MLAImpl``; None: no MLA).
+    mla_builder_type: ClassVar[type[AttentionMetadataBuilder[Any]] | None] = None
+    mla_impl_type: ClassVar[type[MLAImpl] | None] = None
+
     def metadata_builder(self) -> AttentionMetadataBuilder[Any]:
-        """The per-model builder (``builder_type``); call ``build(batch)`` once per step."""
+        """The per-model builder (``builder_type``; an MLA layer's ``mla_builder_type``); call
+        ``build(batch)`` once per step."""
+        if self.is_mla:
+            from attnhub.mla_backend import MLAMetadataBuilder
+
+            return (self.mla_builder_type or MLAMetadataBuilder)(self)
         return self.builder_type(self)
 
     def impl(
         self, *, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
     ) -> AttentionImpl:
         """The per-layer implementation (``impl_type``; ALiBi slopes and sinks are per-layer
-        weights)."""
+        weights). An MLA layer's is ``mla_impl_type`` (an ``MLAImpl``: ``forward(q, kv_c,
+        k_pe, cache, meta)``), which takes no ALiBi slopes or sinks."""
+        if self.is_mla:
+            if alibi_slopes is not None or sinks is not None:
+                raise InvalidInputError("an MLA layer takes no alibi_slopes or sinks")
+            if self.mla_impl_type is None:
+                raise UnsupportedConfigurationError(
+                    self.name, ["MLA: capabilities.mla is declared but no mla_impl_type is set"]
+                )
+            return self.mla_impl_type(self)  # type: ignore[return-value]
         return self.impl_type(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 

@@ -10,12 +10,16 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from attnhub.errors import InvalidInputError, UnknownNameError
 from attnhub.quant import probability_quantization, query_quantization
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType, canonical_kv_cache_dtype
+
+if TYPE_CHECKING:
+    from attnhub.mla import MLASpec
 
 #: Optional features a spec may use and a backend may declare (names used everywhere).
 FEATURES = ("sliding_window", "softcap", "alibi", "sinks")
@@ -148,7 +152,7 @@ class LseSupport:
                     f"known: {', '.join(KV_CACHE_DTYPES)}"
                 )
 
-    def refusal(self, spec: AttentionSpec) -> Refusal | None:
+    def refusal(self, spec: AttentionSpec | MLASpec) -> Refusal | None:
         """Why ``forward`` refuses ``return_lse=True`` for ``spec`` (None: it returns it)."""
         if spec.dtype not in self.dtypes:
             return Refusal(
@@ -172,6 +176,154 @@ class LseSupport:
                 value="sinks",
             )
         return None
+
+
+#: Why a backend that declares nothing of :class:`MlaSupport` serves no MLA layer.
+MLA_NOT_DECLARED = "not wired yet (the backend declares no Capabilities.mla)"
+
+
+@dataclass(frozen=True)
+class MlaSupport:
+    """Which MLA layers (:class:`attnhub.mla.MLASpec`) a backend serves in the absorbed form
+    (``Capabilities.mla``): multi-query attention of every head over the latent cache, queries
+    ``[T, H, kv_lora_rank + qk_rope_head_dim]`` in, latent outputs ``[T, H, kv_lora_rank]``
+    out (vLLM's ``MLACommonImpl.forward_mqa``). The default serves none.
+
+    ``dtypes``: model dtypes (empty: no MLA at all, for ``reason``); ``kv_cache_dtypes``:
+    latent-cache formats (``attnhub.mla.LATENT_KV_CACHE_DTYPES``); ``block_sizes`` /
+    ``block_size_multiple`` as for standard attention; ``latent_sizes``: the
+    ``(kv_lora_rank, qk_rope_head_dim)`` pairs the kernels are built for (None: any);
+    ``layouts``: the latent-cache layouts the kernels read (``attnhub.mla.LATENT_LAYOUTS``),
+    the first the one ``allocate_kv_cache`` makes; ``max_query_len``: the longest query of a
+    request (None: any, causal bottom-right, chunked prefill with context included; 1:
+    decode only); ``lse``: where ``forward(return_lse=True)`` returns the LSE;
+    ``tolerances``: per dtype, against the float64 reference (absent: the backend's own);
+    ``because``: per refused field (``"mla.dtype"``, ``"mla.kv_cache_dtype"``,
+    ``"mla.block_size"``, ``"mla.latent_size"``), the backend's reason, appended to the
+    sentence (:meth:`Refusal.because`)."""
+
+    dtypes: frozenset[torch.dtype] = frozenset()
+    kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
+    block_sizes: frozenset[int] | None = None
+    block_size_multiple: int = 1
+    latent_sizes: frozenset[tuple[int, int]] | None = None
+    layouts: tuple[str, ...] = ("joint",)
+    max_query_len: int | None = None
+    lse: LseSupport = field(default_factory=LseSupport)
+    tolerances: Mapping[torch.dtype, Tolerance] = field(default_factory=dict)
+    reason: str = MLA_NOT_DECLARED
+    because: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from attnhub.mla import LATENT_KV_CACHE_DTYPES, LATENT_LAYOUTS
+
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise InvalidInputError(f"MlaSupport.reason = {self.reason!r} must say why not")
+        for kv in self.kv_cache_dtypes:
+            if kv not in LATENT_KV_CACHE_DTYPES:
+                raise UnknownNameError(
+                    f"MlaSupport names kv_cache_dtype {kv!r}; a latent cache stores "
+                    f"{', '.join(LATENT_KV_CACHE_DTYPES)}"
+                )
+        if not self.layouts or any(x not in LATENT_LAYOUTS for x in self.layouts):
+            raise UnknownNameError(
+                f"MlaSupport.layouts = {self.layouts!r} must name latent layouts of "
+                f"{LATENT_LAYOUTS}"
+            )
+        if self.max_query_len is not None and (
+            isinstance(self.max_query_len, bool)
+            or not isinstance(self.max_query_len, int)
+            or self.max_query_len < 1
+        ):
+            raise InvalidInputError(
+                f"MlaSupport.max_query_len = {self.max_query_len!r} must be None or an int >= 1"
+            )
+
+    @property
+    def declared(self) -> bool:
+        """Whether the backend serves any MLA layer."""
+        return bool(self.dtypes)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    def tolerance(self, dtype: torch.dtype, fallback: Mapping[torch.dtype, Tolerance]) -> Tolerance:
+        """The declared tolerance for ``dtype`` (else the backend's standard one)."""
+        found = self.tolerances.get(dtype) or fallback.get(dtype)
+        if found is None:
+            raise UnknownNameError(f"no MLA tolerance declared for {dtype}")
+        return found
+
+    def _refusal(self, field_name: str, sentence: str, value: object, supported: object) -> Refusal:
+        r = Refusal(sentence, field=field_name, value=value, supported=supported)
+        why = self.because.get(field_name)
+        return r if why is None else r.because(why)
+
+    def unsupported_reasons(self, spec: MLASpec) -> list[Refusal]:
+        """Every reason this declaration refuses the MLA layer ``spec`` (empty = served)."""
+        if not self.declared:
+            return [Refusal(f"MLA is not served: {self.reason}", field="mla", value=True)]
+        reasons = []
+        if spec.dtype not in self.dtypes:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
+            reasons.append(
+                self._refusal(
+                    "mla.dtype",
+                    f"MLA dtype {spec.dtype} is not supported (supported: {names})",
+                    spec.dtype,
+                    self.dtypes,
+                )
+            )
+        if spec.kv_cache_dtype not in self.kv_cache_dtypes:
+            reasons.append(
+                self._refusal(
+                    "mla.kv_cache_dtype",
+                    f"MLA kv_cache_dtype {spec.kv_cache_dtype!r} is not supported (supported: "
+                    + ", ".join(sorted(self.kv_cache_dtypes))
+                    + ")",
+                    spec.kv_cache_dtype,
+                    self.kv_cache_dtypes,
+                )
+            )
+        for r in _size_refusals(
+            "block_size", spec.block_size, self.block_sizes, self.block_size_multiple
+        ):
+            reasons.append(
+                self._refusal("mla.block_size", f"MLA {r.sentence}", r.value, r.supported)
+            )
+        pair = (spec.kv_lora_rank, spec.qk_rope_head_dim)
+        if self.latent_sizes is not None and pair not in self.latent_sizes:
+            reasons.append(
+                self._refusal(
+                    "mla.latent_size",
+                    f"MLA (kv_lora_rank, qk_rope_head_dim) = {pair} is not one of "
+                    f"{sorted(self.latent_sizes)}",
+                    pair,
+                    self.latent_sizes,
+                )
+            )
+        return reasons
+
+    def summary(self) -> dict[str, object]:
+        """A JSON-friendly view (``Capabilities.summary()['mla']``)."""
+        if not self.declared:
+            return {"served": False, "reason": self.reason}
+        return {
+            "served": True,
+            "form": "absorbed",
+            "dtypes": sorted(str(d).removeprefix("torch.") for d in self.dtypes),
+            "kv_cache_dtypes": sorted(self.kv_cache_dtypes),
+            "block_sizes": "any" if self.block_sizes is None else sorted(self.block_sizes),
+            "block_size_multiple": self.block_size_multiple,
+            "latent_sizes": (
+                "any" if self.latent_sizes is None else [list(p) for p in sorted(self.latent_sizes)]
+            ),
+            "layouts": list(self.layouts),
+            "max_query_len": "any" if self.max_query_len is None else self.max_query_len,
+            "lse": sorted(str(d).removeprefix("torch.") for d in self.lse.dtypes)
+            or f"no: {self.lse.reason}",
+        }
 
 
 @dataclass(frozen=True)
@@ -238,6 +390,8 @@ class Capabilities:
     #: (from the same kernel call); the default declares none (every request refused, with
     #: :data:`LSE_NOT_DECLARED` or the backend's own ``reason``).
     lse: LseSupport = field(default_factory=LseSupport)
+    #: Which MLA layers it serves (the absorbed form, :class:`MlaSupport`); the default none.
+    mla: MlaSupport = field(default_factory=MlaSupport)
 
     def __post_init__(self) -> None:
         for what, mapping in (
@@ -409,6 +563,7 @@ class Capabilities:
                 **({} if self.lse.sinks else {"sinks": False}),
                 **({} if self.lse.dtypes and self.lse.sinks else {"reason": self.lse.reason}),
             },
+            "mla": self.mla.summary(),
         }
 
 

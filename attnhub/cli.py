@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
     from attnhub.bench import Ceilings, HostOverhead, Run
     from attnhub.capabilities import Capabilities
+    from attnhub.mla import MLASpec
     from attnhub.spec import AttentionSpec
 
     Commands = argparse._SubParsersAction[argparse.ArgumentParser]  # the subcommand table
@@ -231,6 +232,7 @@ def capability_lines(caps: Capabilities) -> Iterator[tuple[str, str]]:
     yield "attention", names(sorted(t.value for t in caps.attn_types))
     yield "features", names([*features, *(f for f in flags if getattr(caps, f))])
     yield "graph capture", caps.graph_capture.name.lower()
+    yield "mla", mla_line(caps)
     lse = caps.lse
     if lse.dtypes:
         formats = (
@@ -278,12 +280,74 @@ def capability_lines(caps: Capabilities) -> Iterator[tuple[str, str]]:
         yield ("quant holds if", "; ".join(conditions))
 
 
+def mla_line(caps: Capabilities) -> str:
+    """What ``capabilities.mla`` serves, in words (``attnhub list``'s ``mla`` line)."""
+    mla = caps.mla
+    if not mla.declared:
+        return f"no: {mla.reason}"
+    dtypes = ", ".join(sorted(str(d).removeprefix("torch.") for d in mla.dtypes))
+    latents = (
+        "any latent"
+        if mla.latent_sizes is None
+        else "latent " + ", ".join(f"{r}+{p}" for r, p in sorted(mla.latent_sizes))
+    )
+    queries = (
+        "any query length"
+        if mla.max_query_len is None
+        else ("decode only" if mla.max_query_len == 1 else f"query_len <= {mla.max_query_len}")
+    )
+    lse = "lse" if mla.lse.dtypes else "no lse"
+    return (
+        f"absorbed form: {dtypes}; kv caches {', '.join(sorted(mla.kv_cache_dtypes))}; blocks "
+        f"{sizes(mla.block_sizes, mla.block_size_multiple)}; {latents}; layouts "
+        f"{', '.join(mla.layouts)}; {queries}; {lse}"
+    )
+
+
 # --- attnhub select --------------------------------------------------------------------------
-def _spec_from_args(args: argparse.Namespace) -> AttentionSpec:
+#: ``attnhub select`` flags of standard attention alone (an MLA layer has none of them).
+_STANDARD_ONLY = {
+    "kv_heads": "--kv-heads",
+    "head_size": "--head-size",
+    "sliding_window": "--sliding-window",
+    "softcap": "--softcap",
+    "alibi": "--alibi",
+    "sinks": "--sinks",
+}
+
+
+def _spec_from_args(args: argparse.Namespace) -> AttentionSpec | MLASpec:
     import torch
 
+    from attnhub.errors import InvalidSpecError
+    from attnhub.mla import MLASpec
     from attnhub.spec import AttentionSpec
 
+    if args.kv_lora_rank is not None or args.qk_rope_head_dim is not None:
+        given = [flag for name, flag in _STANDARD_ONLY.items() if getattr(args, name)]
+        if args.attn_type != "decoder":
+            given.append("--attn-type")
+        if given:
+            raise InvalidSpecError(
+                f"{', '.join(given)}: not flags of an MLA layer (--kv-lora-rank / "
+                "--qk-rope-head-dim select one)"
+            )
+        if args.kv_lora_rank is None or args.qk_rope_head_dim is None:
+            raise InvalidSpecError("an MLA layer needs both --kv-lora-rank and --qk-rope-head-dim")
+        return MLASpec(
+            num_heads=args.heads,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_rope_head_dim=args.qk_rope_head_dim,
+            qk_nope_head_dim=args.qk_nope_head_dim,
+            v_head_dim=args.v_head_dim or args.qk_nope_head_dim,
+            dtype=getattr(torch, args.dtype),
+            block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+    if args.head_size is None:
+        raise InvalidSpecError(
+            "--head-size is required (or --kv-lora-rank and --qk-rope-head-dim for an MLA layer)"
+        )
     return AttentionSpec(
         num_heads=args.heads,
         num_kv_heads=args.kv_heads or args.heads,
@@ -764,6 +828,36 @@ def _add_list_command(sub: Commands) -> None:
     p.set_defaults(func=cmd_list)
 
 
+def _add_mla_arguments(p: argparse.ArgumentParser) -> None:
+    mla = p.add_argument_group(
+        "MLA layer (multi-head latent attention, the absorbed form; instead of --head-size)"
+    )
+    mla.add_argument(
+        "--kv-lora-rank", type=int, default=None, metavar="R", help="latent width (512 in DeepSeek)"
+    )
+    mla.add_argument(
+        "--qk-rope-head-dim",
+        type=int,
+        default=None,
+        metavar="P",
+        help="rotary key part (64 in DeepSeek)",
+    )
+    mla.add_argument(
+        "--qk-nope-head-dim",
+        type=int,
+        default=128,
+        metavar="N",
+        help="the expanded form's non-rotary query/key head (sets the default scale; 128)",
+    )
+    mla.add_argument(
+        "--v-head-dim",
+        type=int,
+        default=None,
+        metavar="V",
+        help="the expanded form's value head (default: --qk-nope-head-dim)",
+    )
+
+
 def _add_select_command(sub: Commands) -> None:
     p = sub.add_parser(
         "select",
@@ -778,7 +872,10 @@ def _add_select_command(sub: Commands) -> None:
     p.add_argument(
         "--kv-heads", type=int, default=None, metavar="N", help="key/value heads (default: --heads)"
     )
-    p.add_argument("--head-size", type=int, required=True, metavar="D", help="head size")
+    p.add_argument(
+        "--head-size", type=int, default=None, metavar="D", help="head size (standard attention)"
+    )
+    _add_mla_arguments(p)
     p.add_argument(
         "--dtype",
         type=_dtype_name,

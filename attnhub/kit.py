@@ -4,7 +4,8 @@ attnhub besides the public API (``attnhub``'s top-level names, ``attnhub.errors`
 notice; tests/test_kit.py fails when a backend or integration in this repository imports it.
 
   vendor library    VendorLibrary, import_once, EMULATE_HINT, EMULATED_DEVICE, device_type
-  KV writes         flat_slots, write_slots, read_slots, FixedShapeWrite (a captured step's)
+  KV writes         flat_slots, write_slots, read_slots, FixedShapeWrite (a captured step's),
+                    store_latent_rows (an MLA step's latents, after its checks)
   LSE merge         merge_attn_states
   emulation         emulation (OpLog, kernel, null_kernels, preallocated, skip, timed)
   graph capture     Tape, TapeEntry (the op tape of a captured step), NPUGraphAdaptor
@@ -31,6 +32,7 @@ from attnhub.graphs.tape import Tape, TapeEntry
 from attnhub.kv_cache import BlockPacking
 from attnhub.kv_write import FixedShapeWrite, flat_slots, read_slots, write_slots
 from attnhub.lse import merge_attn_states
+from attnhub.mla import store_latent_rows
 from attnhub.quant import QueryQuantization, indexable, quantize_fp8
 from attnhub.spec import MODEL_DTYPES
 from attnhub.validation import StepExtents, StepFacts, same_view
@@ -93,5 +95,6 @@ __all__ = [
     "quantize_fp8",
     "read_slots",
     "same_view",
+    "store_latent_rows",
     "write_slots",
 ]

@@ -56,6 +56,7 @@ __all__ = [
     "check_latent_cache",
     "check_latent_kv",
     "check_latent_slots",
+    "store_latent_rows",
     "write_latent_kv",
 ]
 
@@ -509,8 +510,19 @@ def write_latent_kv(
     rows = keep.nonzero()[:, 0]
     if not rows.numel():
         return
-    slots = slots.index_select(0, rows)
-    new_c, new_pe = kv_c.index_select(0, rows), k_pe.index_select(0, rows)
+    store_latent_rows(
+        cache, kv_c.index_select(0, rows), k_pe.index_select(0, rows), slots.index_select(0, rows)
+    )
+
+
+def store_latent_rows(
+    cache: LatentKVCache,
+    new_c: torch.Tensor,  # [n, kv_lora_rank] in the model dtype
+    new_pe: torch.Tensor,  # [n, qk_rope_head_dim]
+    slots: torch.Tensor,  # [n] int64, every slot in the cache and distinct (checked before)
+) -> None:
+    """The write itself, nothing checked: each row to its slot, fp8 quantized with the
+    cache's scale (backends call it after the step's checks)."""
     if cache.scale is not None:  # fp8: one per-tensor scale for the whole entry
         new_c = quantize_fp8(new_c, cache.scale, cache.kv_c.dtype)
         new_pe = quantize_fp8(new_pe, cache.scale, cache.kv_c.dtype)

@@ -46,6 +46,7 @@ from attnhub.errors import (
     UnsupportedConfigurationError,
 )
 from attnhub.hookspecs import BenchComparison, Command, HostComparison
+from attnhub.mla import MLASpec
 from attnhub.spec import AttentionSpec
 
 ENTRY_POINT_GROUP = "attnhub"
@@ -402,7 +403,7 @@ class Registry:
 
     def select(
         self,
-        spec: AttentionSpec,
+        spec: AttentionSpec | MLASpec,
         device: torch.device | str = "cpu",
         *,
         prefer: str | None = None,
@@ -425,7 +426,7 @@ class Registry:
             why = cls.availability(device, emulate)
             if why is not None:
                 raise BackendUnavailableError(prefer, str(device), why)
-            refusals = cls.unsupported_reasons(spec)
+            refusals = cls.unsupported_reasons(spec)  # type: ignore[arg-type]  # MLA: dispatched
             if refusals:
                 raise UnsupportedConfigurationError(prefer, refusals)
             return cls(spec, device, emulate=emulate)
@@ -440,7 +441,7 @@ class Registry:
         )
 
     def rank(
-        self, spec: AttentionSpec, device: torch.device | str, *, emulate: bool = False
+        self, spec: AttentionSpec | MLASpec, device: torch.device | str, *, emulate: bool = False
     ) -> list[tuple[type[AttentionBackend], list[str]]]:
         """Every backend in selection order with its reasons for refusing (empty = usable).
 
@@ -457,7 +458,7 @@ class Registry:
             assert cls is not None
             why = info.availability(device, emulate)
             reasons: list[str] = [why] if why else []
-            reasons += cls.unsupported_reasons(spec)
+            reasons += cls.unsupported_reasons(spec)  # type: ignore[arg-type]  # MLA: dispatched
             emulated = why is None and cls.is_emulated(device)
             rows.append((emulated, -cls.capabilities.priority.get(dt, 0), cls.name, cls, reasons))
         rows.sort(key=lambda r: r[:3])
@@ -579,7 +580,7 @@ def register_backend(
 
 
 def select_backend(
-    spec: AttentionSpec,
+    spec: AttentionSpec | MLASpec,
     device: torch.device | str = "cpu",
     *,
     prefer: str | None = None,

@@ -25,7 +25,7 @@ from attnhub.backend import (
     scratch_field,
 )
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import Capabilities, GraphSupport, LseSupport, Tolerance
+from attnhub.capabilities import Capabilities, GraphSupport, LseSupport, MlaSupport, Tolerance
 from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import PagedKVCache
 from attnhub.kv_write import flat_slots, write_slots
@@ -33,6 +33,7 @@ from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub.torch_backend import kernels
 from attnhub.torch_backend.graph import GraphStep, graph_attend, graph_write
+from attnhub.torch_backend.mla import TorchMLAImpl, TorchMLAMetadataBuilder
 from attnhub.torch_backend.plan import Planner, SlotWrite, StepPlan, plan_slot_write
 
 
@@ -254,7 +255,17 @@ class TorchBackend(AttentionBackend):
         # every dtype, cache format and feature: its eager pass computes the row's max and
         # softmax denominator (a sink's term included) and returns m + log(denominator)
         lse=LseSupport(dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16})),
+        # MLA's absorbed form (torch_backend/mla.py): float32 scores over the dequantized
+        # latents, any query length (causal bottom-right), the LSE from the same pass
+        mla=MlaSupport(
+            dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+            kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
+            layouts=("joint", "split"),
+            lse=LseSupport(dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16})),
+        ),
     )
+    mla_builder_type = TorchMLAMetadataBuilder
+    mla_impl_type = TorchMLAImpl
 
     #: Bytes of gathered K+V per decode chunk (one SDPA call each). Measured on CPU: a chunk
     #: that outgrows the CPU caches is slower than one call per request (docs/backends/torch.md).

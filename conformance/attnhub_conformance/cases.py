@@ -1001,6 +1001,15 @@ def _graph_cases(target: Target, scope: Scope) -> list[Case]:
 GENERATORS["graphs"] = _graph_cases
 
 
+def _mla_cases(target: Target, scope: Scope) -> list[Case]:
+    from attnhub_conformance.mla_cases import mla_cases
+
+    return mla_cases(target, scope)
+
+
+GENERATORS["mla"] = _mla_cases
+
+
 def generate(kind: str, target: Target, scope: Scope) -> list[Case]:
     """The cases of one kind of test for one target (none for a target that cannot run)."""
     if kind == "availability":

@@ -19,13 +19,22 @@ from typing import Any, ClassVar
 import torch
 
 import attnhub
-from attnhub import BatchMetadata, GraphSupport, PagedKVCache, Step, reference
+from attnhub import (
+    BatchMetadata,
+    GraphSupport,
+    LatentKVCache,
+    LseSupport,
+    PagedKVCache,
+    Step,
+    reference,
+)
 from attnhub.backend import AttentionMetadata
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.quant import simulate_query_quantization
 from attnhub.spec import AttentionType
 from attnhub.torch_backend import TorchAttentionImpl, TorchBackend, TorchMetadataBuilder
 from attnhub.torch_backend.backend import TorchAttentionMetadata
+from attnhub.torch_backend.mla import TorchMLAImpl
 
 
 # --- a plain per-request attention with one convention swappable --------------------------------
@@ -513,7 +522,67 @@ class LseBase2Backend(TorchBackend):
     impl_type = Base2LseImpl
 
 
+# --- MLA (the absorbed form): three bugs an MLA kernel author can make ------------------------
+class IgnoresRopeImpl(TorchMLAImpl):
+    def attend(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        cache: LatentKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        query = query.clone()
+        query[..., self.spec.kv_lora_rank :] = 0  # the bug: scores over kv_c alone
+        super().attend(query, cache, meta, out, lse)
+
+
+class MlaIgnoresRopeBackend(TorchBackend):
+    """Drops the rope part of the scores (q_pe . k_pe)."""
+
+    name = "mla_ignores_rope"
+    mla_impl_type = IgnoresRopeImpl
+
+
+class LatentScaleImpl(TorchMLAImpl):
+    def __init__(self, backend: TorchBackend) -> None:
+        super().__init__(backend)
+        # the bug: the absorbed head's width, (kv_lora_rank + rope) ** -0.5, for the spec's
+        self.spec = replace(self.spec, scale=self.spec.latent_size**-0.5)
+
+
+class MlaLatentScaleBackend(TorchBackend):
+    """Scales the absorbed scores by (kv_lora_rank + rope) ** -0.5 instead of spec.scale."""
+
+    name = "mla_latent_scale"
+    mla_impl_type = LatentScaleImpl
+
+
+class DropsFp8ScaleImpl(TorchMLAImpl):
+    def attend(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        cache: LatentKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        if cache.scale is not None:  # the bug: fp8 latents read as if their scale were 1
+            cache = replace(cache, scale=torch.ones_like(cache.scale))
+        super().attend(query, cache, meta, out, lse)
+
+
+class MlaDropsFp8ScaleBackend(TorchBackend):
+    """Reads an fp8 latent cache without its per-tensor scale."""
+
+    name = "mla_drops_fp8_scale"
+    mla_impl_type = DropsFp8ScaleImpl
+
+
 MUTANTS = (
+    MlaIgnoresRopeBackend,
+    MlaLatentScaleBackend,
+    MlaDropsFp8ScaleBackend,
     TopLeftCausalBackend,
     WritesPaddingBackend,
     IgnoresWindowBackend,
@@ -564,9 +633,22 @@ class RestrictedBackend(TorchBackend):
         multi_token_decode=False,
         chunked_prefill=False,
         graph_capture=GraphSupport.NEVER,
+        # MLA too: fp16, blocks of 16s, the joint layout, decode only, no LSE
+        mla=replace(
+            TorchBackend.capabilities.mla,
+            dtypes=frozenset({torch.float16}),
+            kv_cache_dtypes=frozenset({"auto"}),
+            block_size_multiple=16,
+            latent_sizes=frozenset({(64, 16), (512, 64)}),
+            layouts=("joint",),
+            max_query_len=1,
+            lse=LseSupport(reason="declared without it"),
+        ),
     )
 
-    def metadata_builder(self) -> TorchMetadataBuilder:
+    def metadata_builder(self) -> Any:
+        if self.is_mla:
+            return super().metadata_builder()
         return RefusesContextBuilder(self)
 
 

@@ -126,6 +126,30 @@ MUTANT_RUNS = [
         "lse",
         id="lse_base2",
     ),
+    pytest.param(
+        "mla_ignores_rope",
+        "test_mla and mixed",
+        "test_mla[mla_ignores_rope-mixed-bf16-r64+16-h8-bs16-joint]",
+        "differs from attnhub.reference's absorbed MLA",
+        "mla: batch shapes",
+        id="mla_ignores_rope",
+    ),
+    pytest.param(
+        "mla_latent_scale",
+        "test_mla and mixed",
+        "test_mla[mla_latent_scale-mixed-bf16-r64+16-h8-bs16-joint]",
+        "differs from attnhub.reference's absorbed MLA",
+        "mla: batch shapes",
+        id="mla_latent_scale",
+    ),
+    pytest.param(
+        "mla_drops_fp8_scale",
+        "test_mla and kv_fp8",
+        "test_mla[mla_drops_fp8_scale-mixed-bf16-r64+16-h8-bs16-joint-kv_fp8_e4m3]",
+        "differs from attnhub.reference's absorbed MLA",
+        "mla: fp8 latent",
+        id="mla_drops_fp8_scale",
+    ),
 ]
 
 

