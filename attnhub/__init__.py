@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from attnhub.capabilities import (
         FEATURES,
         AccuracyBound,
+        BatchInvariance,
         Capabilities,
         GraphSupport,
         LseSupport,
@@ -82,6 +83,7 @@ _HOMES = {
     "attnhub.capabilities": (
         "FEATURES",
         "AccuracyBound",
+        "BatchInvariance",
         "Capabilities",
         "GraphSupport",
         "LseSupport",
