@@ -126,6 +126,14 @@ MUTANT_RUNS = [
         "lse",
         id="lse_base2",
     ),
+    pytest.param(
+        "batch_dependent_splits",
+        "test_a_request_gives_the_same_output_wherever_it_sits",
+        "test_a_request_gives_the_same_output_wherever_it_sits[batch_dependent_splits-bitwise-fp32-h64-gqa4-bs16-batch_invariant]",
+        "differs from the same request alone in",
+        "batch invariance: bitwise",
+        id="batch_dependent_splits",
+    ),
 ]
 
 

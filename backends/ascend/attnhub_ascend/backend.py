@@ -44,7 +44,13 @@ from attnhub.backend import (
     scratch_field,
 )
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import Capabilities, GraphSupport, Refusal, Tolerance
+from attnhub.capabilities import (
+    BatchInvariance,
+    Capabilities,
+    GraphSupport,
+    Refusal,
+    Tolerance,
+)
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kit import FixedShapeWrite, StepFacts, flat_slots, read_slots
 from attnhub.kv_cache import PagedKVCache
@@ -233,6 +239,11 @@ class AscendBackend(AttentionBackend):
             torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
         },
         priority={"npu": 100},
+        batch_invariant=BatchInvariance(
+            reason="CANN tiles npu_fused_infer_attention_score per call from the whole step "
+            "(batch size, lengths, cores) and documents no batch-invariant mode, so a "
+            "request's reduction order may follow its companions [inferred]"
+        ),
     )
 
     #: The KV-cache write op: ``npu_scatter_pa_kv_cache`` (the 910B / A2 / A3 default, as in

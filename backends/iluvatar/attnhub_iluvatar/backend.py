@@ -41,7 +41,14 @@ from attnhub.backend import (
     Step,
 )
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
+from attnhub.capabilities import (
+    AccuracyBound,
+    BatchInvariance,
+    Capabilities,
+    GraphSupport,
+    Refusal,
+    Tolerance,
+)
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kit import QueryQuantization, as_contiguous
 from attnhub.kv_cache import PagedKVCache
@@ -206,6 +213,11 @@ class IluvatarBackend(AttentionBackend):
             "int8": AccuracyBound(max_abs_error=INT8_MAX_ABS, min_cosine=INT8_MIN_COS),
             "int8_k": AccuracyBound(max_abs_error=INT8_K_MAX_ABS, min_cosine=INT8_K_MIN_COS),
         },
+        batch_invariant=BatchInvariance(
+            reason="ixformer's decode kernel sizes its work by the step's max_context_len "
+            "[callers] and its split and tiling rules are not documented, so a request's "
+            "reduction order may follow its companions [inferred]"
+        ),
     )
 
     @classmethod
