@@ -148,3 +148,20 @@ def test_select_backend_serves_a_batch_invariant_spec_through_torch() -> None:
     q, k, v = random_qkv(SPEC, batch.num_tokens, generator(5))
     out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
     assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def test_attnhub_select_asks_for_it_and_names_each_refusal(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "400")
+    attnhub.register_backend(NotInvariantBackend)
+    try:
+        args = ["select", "--heads", "8", "--kv-heads", "2", "--head-size", "64"]
+        assert main([*args, "--batch-invariant"]) == 0
+        out = capsys.readouterr().out
+        assert "selected: torch" in out and "the test kernel's" in out
+        assert main([*args, "--batch-invariant", "--prefer", NotInvariantBackend.name]) != 0
+    finally:
+        from attnhub import registry
+
+        registry.default_registry().unregister(NotInvariantBackend.name)
