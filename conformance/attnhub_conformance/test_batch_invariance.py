@@ -66,38 +66,45 @@ def test_a_request_gives_the_same_output_wherever_it_sits(
     start = layer.cache.clone()
     new_kv = step.plan.new_kv
     bitwise = case.entry == "bitwise"
+    # where the LSE is declared too, a bitwise backend's LSE (and the output of a call that
+    # asks for it, which may take another path) must not move either
+    with_lse = bitwise and caps.lse.refusal(step.spec) is None
     tol = harness.tolerance(step)
-    alone: dict[int, torch.Tensor] = {}
+    alone: dict[tuple[int, str], torch.Tensor] = {}
     for placement in world.placements:
         probe = index[placement.probe]
         order = engine_ordered(step, [index[r] for r in placement.requests])
         batch, q, k, v = placement_batch(step, layer, order)
         meta = step.builder.build(batch)
-        out = layer.impl.forward(
-            q, k if new_kv else None, v if new_kv else None, start.clone(), meta
-        )
-        rows = out[probe_rows(step, order, probe)].detach().to("cpu")
-        if placement.name == "alone":
-            alone[probe] = rows.clone()
-            continue
-        want = alone[probe]
-        where = (
-            f"{case.id}: the {world.probes[placement.probe].name} {describe(step, order, probe)}, "
-            f"{placement.name}"
-        )
-        if bitwise:
-            if not torch.equal(_bits(rows), _bits(want)):
-                differ = int((rows != want).sum())
-                worst = float((rows.double() - want.double()).abs().max())
-                raise AssertionError(
-                    f"{where}, differs from the same request alone in {differ} of "
-                    f"{rows.numel()} output elements (largest difference {worst:.3g}); the "
-                    "backend declares bitwise batch invariance for this spec "
-                    "(Capabilities.batch_invariant)"
-                )
-        else:
-            why = testing.mismatch(rows, want.to(torch.float64), tol)
-            assert why is None, f"{where}, differs from the same request alone: {why}"
+        key, value = (k, v) if new_kv else (None, None)
+        at = probe_rows(step, order, probe)
+        got = {"output": layer.impl.forward(q, key, value, start.clone(), meta)[at]}
+        if with_lse:
+            out, lse = layer.impl.forward(q, key, value, start.clone(), meta, return_lse=True)
+            got |= {"output (return_lse=True)": out[at], "LSE": lse[at]}
+        for what, rows in got.items():
+            rows = rows.detach().to("cpu")
+            if placement.name == "alone":
+                alone[probe, what] = rows.clone()
+                continue
+            want = alone[probe, what]
+            where = (
+                f"{case.id}: the {world.probes[placement.probe].name} "
+                f"{describe(step, order, probe)}, {placement.name}"
+            )
+            if bitwise:
+                if not torch.equal(_bits(rows), _bits(want)):
+                    differ = int((rows != want).sum())
+                    worst = float((rows.double() - want.double()).abs().max())
+                    raise AssertionError(
+                        f"{where}, differs from the same request alone in {differ} of "
+                        f"{rows.numel()} elements of its {what} (largest difference "
+                        f"{worst:.3g}); the backend declares bitwise batch invariance for this "
+                        "spec (Capabilities.batch_invariant)"
+                    )
+            else:
+                why = testing.mismatch(rows, want.to(torch.float64), tol)
+                assert why is None, f"{where}, differs from the same request alone: {why}"
 
 
 @pytest.mark.attnhub_cases("determinism_again")
