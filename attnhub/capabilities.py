@@ -181,7 +181,7 @@ class BatchInvariance:
 
     ``dtypes``: the model dtypes it holds for (empty: none); ``kv_cache_dtypes``: the KV-cache
     formats (None: every format the backend declares); ``reason``: why not elsewhere, in the
-    kernels' terms (e.g. "FlashAttention's split-KV heuristic picks the splits from the batch
+    kernels' terms (e.g. "the split-KV heuristic picks a request's key splits from the batch
     size"). Elsewhere the spec is refused at construction, with that reason.
     """
 
