@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from attnhub.capabilities import (
         FEATURES,
         AccuracyBound,
+        BatchInvariance,
         Capabilities,
         GraphSupport,
         LseSupport,
@@ -84,6 +85,7 @@ _HOMES = {
     "attnhub.capabilities": (
         "FEATURES",
         "AccuracyBound",
+        "BatchInvariance",
         "Capabilities",
         "GraphSupport",
         "LseSupport",

@@ -169,7 +169,7 @@ class LseSupport:
                 value=spec.kv_cache_dtype,
                 supported=self.kv_cache_dtypes,
             )
-        if spec.use_sinks and not self.sinks:
+        if not self.sinks and getattr(spec, "use_sinks", False):  # (an MLA layer has none)
             return Refusal(
                 f"return_lse: the LSE is not returned with sinks ({self.reason})",
                 field="lse",
@@ -326,6 +326,64 @@ class MlaSupport:
         }
 
 
+#: Why a backend that declares nothing of :class:`BatchInvariance` refuses a batch-invariant spec.
+BATCH_INVARIANCE_NOT_DECLARED = (
+    "the backend does not declare that a request's output bits are independent of the batch"
+)
+
+
+@dataclass(frozen=True)
+class BatchInvariance:
+    """Where a spec with ``batch_invariant=True`` is served: a request's output has the same
+    bits whatever else is in the step (decodes, prefills, chunked prefills of any lengths) and
+    wherever it sits in it (``Capabilities.batch_invariant``; vLLM's and SGLang's
+    batch-invariant modes). Same-call determinism (the same step twice, the same bits) is
+    required of every backend and declared by none.
+
+    ``dtypes``: the model dtypes it holds for (empty: none); ``kv_cache_dtypes``: the KV-cache
+    formats (None: every format the backend declares); ``reason``: why not elsewhere, in the
+    kernels' terms (e.g. "the split-KV heuristic picks a request's key splits from the batch
+    size"). Elsewhere the spec is refused at construction, with that reason.
+    """
+
+    dtypes: frozenset[torch.dtype] = frozenset()
+    kv_cache_dtypes: frozenset[str] | None = None
+    reason: str = BATCH_INVARIANCE_NOT_DECLARED
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise InvalidInputError(f"BatchInvariance.reason = {self.reason!r} must say why not")
+        for kv in self.kv_cache_dtypes or ():
+            if canonical_kv_cache_dtype(kv) != kv:
+                raise UnknownNameError(
+                    f"BatchInvariance names kv_cache_dtype {kv!r}, which is not a canonical "
+                    f"name; known: {', '.join(KV_CACHE_DTYPES)}"
+                )
+
+    def refusal(self, spec: AttentionSpec) -> Refusal | None:
+        """Why a spec with ``batch_invariant=True`` is refused (None: served; a spec that does
+        not ask for it is never refused here)."""
+        if not spec.batch_invariant:
+            return None
+        if spec.dtype not in self.dtypes:
+            return Refusal(
+                f"batch_invariant: outputs are not bitwise batch-invariant for dtype "
+                f"{spec.dtype} ({self.reason})",
+                field="batch_invariant",
+                value=spec.dtype,
+                supported=self.dtypes,
+            )
+        if self.kv_cache_dtypes is not None and spec.kv_cache_dtype not in self.kv_cache_dtypes:
+            return Refusal(
+                f"batch_invariant: outputs are not bitwise batch-invariant with kv_cache_dtype "
+                f"{spec.kv_cache_dtype!r} ({self.reason})",
+                field="batch_invariant",
+                value=spec.kv_cache_dtype,
+                supported=self.kv_cache_dtypes,
+            )
+        return None
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """A backend's declaration. ``None`` in a set-valued field means "any".
@@ -392,6 +450,10 @@ class Capabilities:
     lse: LseSupport = field(default_factory=LseSupport)
     #: Which MLA layers it serves (the absorbed form, :class:`MlaSupport`); the default none.
     mla: MlaSupport = field(default_factory=MlaSupport)
+    #: Where a spec with ``batch_invariant=True`` is served, bit for bit (the default declares
+    #: none: such a spec is refused with :data:`BATCH_INVARIANCE_NOT_DECLARED` or the
+    #: backend's own ``reason``).
+    batch_invariant: BatchInvariance = field(default_factory=BatchInvariance)
 
     def __post_init__(self) -> None:
         for what, mapping in (
@@ -512,6 +574,9 @@ class Capabilities:
                 reasons.append(
                     Refusal(f"feature {feature!r} is not supported", field=feature, value=True)
                 )
+        invariance = self.batch_invariant.refusal(spec)
+        if invariance is not None:
+            reasons.append(invariance)
         return reasons
 
     def summary(self) -> dict[str, object]:
@@ -564,6 +629,11 @@ class Capabilities:
                 **({} if self.lse.dtypes and self.lse.sinks else {"reason": self.lse.reason}),
             },
             "mla": self.mla.summary(),
+            "batch_invariant": {
+                "dtypes": names(self.batch_invariant.dtypes),
+                "kv_cache_dtypes": names(self.batch_invariant.kv_cache_dtypes),
+                "reason": self.batch_invariant.reason,
+            },
         }
 
 

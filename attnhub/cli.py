@@ -360,6 +360,7 @@ def _spec_from_args(args: argparse.Namespace) -> AttentionSpec | MLASpec:
         logits_soft_cap=args.softcap,
         use_alibi=args.alibi,
         use_sinks=args.sinks,
+        batch_invariant=args.batch_invariant,
     )
 
 
@@ -910,6 +911,11 @@ def _add_select_command(sub: Commands) -> None:
     )
     p.add_argument("--alibi", action="store_true", help="the layer uses ALiBi slopes")
     p.add_argument("--sinks", action="store_true", help="the layer uses attention sinks")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="ask for bitwise batch invariance (a backend that does not declare it refuses)",
+    )
     p.add_argument("--device", default="cpu", help="device to select for (default: cpu)")
     p.add_argument(
         "--emulate",

@@ -195,9 +195,16 @@ class AttentionSpec:
     logits_soft_cap: float | None = None
     use_alibi: bool = False
     use_sinks: bool = False
+    #: Ask for bitwise batch invariance: a request's output has the same bits whatever else is
+    #: in the step and wherever it sits (vLLM's VLLM_BATCH_INVARIANT, per layer). Served only
+    #: by a backend that declares it for the spec's dtype (``Capabilities.batch_invariant``);
+    #: the others refuse the spec with their reason.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        if not isinstance(self.batch_invariant, bool):
+            raise InvalidSpecError(f"batch_invariant = {self.batch_invariant!r} must be a bool")
         for name in ("num_heads", "num_kv_heads", "head_size", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

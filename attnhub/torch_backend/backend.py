@@ -25,8 +25,16 @@ from attnhub.backend import (
     scratch_field,
 )
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import Capabilities, GraphSupport, LseSupport, MlaSupport, Tolerance
-from attnhub.errors import InvalidInputError
+from attnhub.capabilities import (
+    BatchInvariance,
+    Capabilities,
+    GraphSupport,
+    LseSupport,
+    MlaSupport,
+    Refusal,
+    Tolerance,
+)
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kv_cache import PagedKVCache
 from attnhub.kv_write import flat_slots, write_slots
 from attnhub.quant import indexable, quantize_fp8
@@ -80,7 +88,9 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
         self._planner = Planner(
             spec,
             decode_threshold=self.reorder_batch_threshold,
-            gather_budget_tokens=self._gather_budget_tokens,
+            # batch invariance: no decode chunk of several requests, so that each request is
+            # one attention call of its own shapes, whatever else the step holds
+            gather_budget_tokens=0 if spec.batch_invariant else self._gather_budget_tokens,
             eager=bool({"softcap", "alibi", "sinks"} & spec.features()),
             device=backend.device,
         )
@@ -98,7 +108,22 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
 
     def build_for_graph_capture(self, batch: BatchMetadata) -> TorchAttentionMetadata:
         """Metadata of the static-shape graph path (graph.py): no host planning at all; the
-        batch's device tensors (the runner's persistent buffers) are read by forward."""
+        batch's device tensors (the runner's persistent buffers) are read by forward.
+        Refused for a batch-invariant spec: that path attends over the captured width's keys
+        in one call over every request (a request's bits would follow the captured shape)."""
+        if self.spec.batch_invariant:
+            raise UnsupportedConfigurationError(
+                self.backend.name,
+                [
+                    Refusal(
+                        "batch_invariant: graph capture is not served: the captured path reads "
+                        "every request over the batch's block-table width in one call over the "
+                        "whole batch, so a request's bits would depend on the captured shape",
+                        field="batch_invariant",
+                        value="graph capture",
+                    )
+                ],
+            )
         return self.metadata(self.capture_step(batch), {"graph": GraphStep.of(batch)})
 
 
@@ -115,6 +140,7 @@ class TorchAttentionImpl(AttentionImpl):
         super().__init__(backend, alibi_slopes=alibi_slopes, sinks=sinks)
         self._targets: tuple[torch.Tensor, torch.Tensor, list[_WriteTarget]] | None = None
         self._eager = bool({"softcap", "alibi", "sinks"} & self.spec.features())
+        self._invariant = self.spec.batch_invariant
 
     def check_call(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, TorchAttentionMetadata) or (
@@ -210,9 +236,12 @@ class TorchAttentionImpl(AttentionImpl):
             if cache.value_scale is not None:
                 v = (v.float() * cache.value_scale).to(spec.dtype)
             rows = slice(chunk.first_token, chunk.first_token + C * chunk.query_len)
+            q_rows = query[rows]
+            if self._invariant:  # the request's rows at an address of their own (a kernel may
+                q_rows = q_rows.clone()  # take another path for another alignment)
             if eager:
                 kernels.attend_eager(
-                    query[rows],
+                    q_rows,
                     k,
                     v,
                     chunk,
@@ -224,7 +253,7 @@ class TorchAttentionImpl(AttentionImpl):
                     None if lse is None else lse[rows],
                 )
             else:
-                kernels.attend_sdpa(query[rows], k, v, chunk, spec.scale, out[rows])
+                kernels.attend_sdpa(q_rows, k, v, chunk, spec.scale, out[rows])
 
 
 class TorchBackend(AttentionBackend):
@@ -262,6 +291,14 @@ class TorchBackend(AttentionBackend):
             kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
             layouts=("joint", "split"),
             lse=LseSupport(dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16})),
+        ),
+        # a batch-invariant spec plans one attention call per request (no decode chunk of
+        # several, each padded to the longest): a request's call has its own shapes and
+        # inputs whatever the step holds; the static-shape graph path is refused
+        batch_invariant=BatchInvariance(
+            dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+            reason="graph-captured steps are refused: their one call over the whole captured "
+            "batch reads every request over the block table's width",
         ),
     )
     mla_builder_type = TorchMLAMetadataBuilder

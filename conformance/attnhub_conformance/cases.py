@@ -80,6 +80,7 @@ class Config:
     kv_cache_dtype: str = "auto"
     attn_type: AttentionType = AttentionType.DECODER
     features: tuple[str, ...] = ()
+    batch_invariant: bool = False  # the spec asks for bitwise batch invariance
 
     def spec(self) -> AttentionSpec:
         f = set(self.features)
@@ -95,6 +96,7 @@ class Config:
             logits_soft_cap=SOFTCAP if "softcap" in f else None,
             use_alibi="alibi" in f,
             use_sinks="sinks" in f,
+            batch_invariant=self.batch_invariant,
         )
 
     def with_(self, **changes: object) -> Config:
@@ -114,6 +116,8 @@ class Config:
             parts.append(f"kv_{self.kv_cache_dtype}")
         if self.attn_type is not AttentionType.DECODER:
             parts.append(self.attn_type.value)
+        if self.batch_invariant:
+            parts.append("batch_invariant")
         return "-".join(parts)
 
 
@@ -1297,3 +1301,19 @@ def lse_cases(target: Target, scope: Scope) -> list[Case]:
 
 
 GENERATORS["lse"] = lse_cases
+
+
+def _batch_invariance_cases(target: Target, scope: Scope) -> list[Case]:
+    from attnhub_conformance.batch_invariance import batch_invariance_cases
+
+    return batch_invariance_cases(target, scope)
+
+
+def _determinism_cases(target: Target, scope: Scope) -> list[Case]:
+    from attnhub_conformance.batch_invariance import determinism_cases
+
+    return determinism_cases(target, scope)
+
+
+GENERATORS["placements"] = _batch_invariance_cases
+GENERATORS["determinism_again"] = _determinism_cases

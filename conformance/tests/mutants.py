@@ -11,6 +11,7 @@ internals change.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -579,6 +580,63 @@ class MlaDropsFp8ScaleBackend(TorchBackend):
     mla_impl_type = DropsFp8ScaleImpl
 
 
+F32 = torch.float32
+
+
+# --- 17. split-KV decoding whose split count follows the batch ----------------------------------
+class BatchDependentSplitsImpl(TorchAttentionImpl):
+    """Decodes in ``1 + (position + the step's token count) % 3`` key splits, each computed in
+    float32 and merged by their LSEs (a split-KV heuristic that reads the batch, as
+    FlashAttention's ``num_splits=0`` does). Right within float32 rounding, wherever the request
+    sits; its bits follow its place and its companions."""
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        super().attend(query, key, value, cache, meta, out, lse)  # type: ignore[arg-type]
+        spec, batch = self.spec, meta.batch
+        qsl = batch.query_start_loc_cpu.tolist()
+        for r in range(batch.num_reqs):
+            s = int(batch.seq_lens_cpu[r])
+            if qsl[r + 1] - qsl[r] != 1:
+                continue
+            splits = min(s, 1 + (r + batch.num_actual_tokens) % 3)  # the bug
+            k, v = reference.read_sequence(cache, batch.block_table[r], s)
+            q = query[qsl[r] : qsl[r] + 1]
+            bounds = [s * i // splits for i in range(splits + 1)]
+            parts = [
+                reference.attention(q, k[a:b], v[a:b], scale=spec.scale, compute_dtype=F32)
+                for a, b in itertools.pairwise(bounds)
+            ]
+            o, o_lse = parts[0]
+            for o2, lse2 in parts[1:]:
+                o, o_lse = reference.merge_attn_states(o, o_lse, o2, lse2)
+            out[qsl[r] : qsl[r] + 1] = o.to(out.dtype)
+
+
+class BatchDependentSplitsBackend(TorchBackend):
+    """Declares bitwise batch invariance for float32; its decodes' bits follow the batch."""
+
+    name = "batch_dependent_splits"
+    capabilities = replace(
+        TorchBackend.capabilities,
+        dtypes=frozenset({torch.float32}),
+        softcap=False,
+        alibi=False,
+        sinks=False,
+        sliding_window=False,
+        batch_invariant=attnhub.BatchInvariance(dtypes=frozenset({torch.float32})),
+    )
+    impl_type = BatchDependentSplitsImpl
+
+
 MUTANTS = (
     MlaIgnoresRopeBackend,
     MlaLatentScaleBackend,
@@ -599,6 +657,7 @@ MUTANTS = (
     RefusesAfterWriteBackend,
     MemoizesPerLayerBackend,
     LseBase2Backend,
+    BatchDependentSplitsBackend,
 )
 
 

