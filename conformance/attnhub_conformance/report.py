@@ -71,6 +71,7 @@ SECTIONS = (
     "non-contiguous",
     "extreme logits:",
     "lse",
+    "multi-rank:",
     "invalid inputs",
     "determinism",
     "batch invariance",
