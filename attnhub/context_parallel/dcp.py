@@ -38,7 +38,7 @@ dummy key, the request's first slot) rather than being left out of the call: the
 the step's rows in place (no gather or scatter of the query and output, one shape per step),
 and the merge takes those rows as empty (``empty_rows``: their LSE is set to -inf and their
 output is never read, so a NaN the dummy key gives cannot leak). The cost: a row reads its
-context once per row (vLLM's FlashAttention DCP path reads it once per request, non-causal), so
+context once per row (vLLM's GQA backends read it once per request, in a non-causal call), so
 a long chunked prefill in a DCP step reads its context once per new token; and the step's
 block table is copied once per row (host, once per step).
 
