@@ -12,7 +12,7 @@ error on every rank before any collective.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -20,7 +20,12 @@ import torch
 from attnhub_conformance.multi_rank import DCP_STEPS, SubCase, run_group, sub_cases
 
 from attnhub import AttentionSpec, BatchMetadata, LseSupport
-from attnhub.context_parallel import AllGatherReduceScatter, DecodeContextParallel
+from attnhub.capabilities import Refusal
+from attnhub.context_parallel import (
+    AllGatherReduceScatter,
+    DecodeContextParallel,
+    dcp_unsupported_reasons,
+)
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.testing import generator, num_blocks_for, shuffled_block_table
 from attnhub.torch_backend.backend import TorchBackend
@@ -221,3 +226,39 @@ def test_a_layer_of_another_spec_is_refused(group: tuple[int, dict[int, Any]]) -
     for kind, message, alive in _refusals(reports, "an_impl_of_another_spec"):
         assert kind == InvalidInputError.__name__ and "another spec" in message
         assert alive == n
+
+
+# --- without processes -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LseWithoutSinks(LseSupport):
+    """An LSE declared for every dtype but not with sinks (a kernel that does not count them)."""
+
+    def refusal(self, spec: AttentionSpec) -> Refusal | None:
+        if spec.use_sinks:
+            return Refusal("return_lse: not with sinks", field="lse", value="sinks")
+        return super().refusal(spec)
+
+
+class LseWithoutSinksBackend(TorchBackend):
+    capabilities = replace(
+        TorchBackend.capabilities,
+        lse=LseWithoutSinks(dtypes=TorchBackend.capabilities.lse.dtypes),
+    )
+
+
+def test_an_lse_declared_without_sinks_serves_a_layer_with_sinks() -> None:
+    """The kernel runs without the sinks (the merge adds them once), so only the LSE of a
+    sink-free spec is needed."""
+    with_sinks = replace(SPEC, use_sinks=True)
+    assert LseWithoutSinksBackend.capabilities.lse.refusal(with_sinks) is not None
+    assert dcp_unsupported_reasons(LseWithoutSinksBackend, with_sinks) == []
+
+
+def test_the_reasons_name_what_a_shard_cannot_serve() -> None:
+    spec = replace(SPEC, sliding_window=8, use_alibi=True, logits_soft_cap=30.0)
+    fields = [r.field for r in dcp_unsupported_reasons(TorchBackend, spec)]
+    assert fields == ["sliding_window", "alibi"]  # softcap is per score: served
+    fields = [r.field for r in dcp_unsupported_reasons(NoLseTorchBackend, SPEC)]
+    assert fields == ["lse"]

@@ -77,7 +77,9 @@ def dcp_unsupported_reasons(backend: type[AttentionBackend], spec: AttentionSpec
     it can), whatever the group size. The gathered spec (more heads) is checked by
     :class:`DecodeContextParallel` itself."""
     reasons: list[Refusal] = []
-    lse = backend.capabilities.lse.refusal(spec)
+    # the kernel runs without the sinks (they enter once, in the merge): an LSE declared
+    # without sinks serves
+    lse = backend.capabilities.lse.refusal(replace(spec, use_sinks=False))
     if lse is not None:
         reasons.append(
             Refusal(f"decode context parallel needs the LSE: {lse.sentence}", field="lse",
