@@ -51,6 +51,7 @@ sees local positions), attention that is not causal decoder attention, and a gat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -248,6 +249,8 @@ class DecodeContextParallel:
         )
         assert merged.shape[1] == hl and n * hl == out.shape[1]
         result = merged.to(query.dtype)
-        if return_lse:
-            return result, merged_lse.t().float().contiguous()
+        if return_lse:  # rows past the step: +inf, as forward's (a sink's term is no key)
+            lse_rows = merged_lse.t().float().contiguous()
+            lse_rows[step.meta.batch.num_actual_tokens :] = math.inf
+            return result, lse_rows
         return result

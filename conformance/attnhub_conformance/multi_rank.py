@@ -160,9 +160,11 @@ def dcp_sub_case(
         impl.write_kv(keys[r][: s - q].to(dev), values[r][: s - q].to(dev), cache,
                       torch.from_numpy(slots).to(dev))  # fmt: skip
     step = dcp.plan(batch)
-    out = dcp.forward(impl, step, query[:, heads].to(dev), new_rows(keys), new_rows(values), cache)
-    assert isinstance(out, torch.Tensor)
-    out = out.to("cpu")
+    out, lse = dcp.forward(
+        impl, step, query[:, heads].to(dev), new_rows(keys), new_rows(values), cache,
+        return_lse=True,
+    )  # fmt: skip
+    out, lse = out.to("cpu"), lse.to("cpu")
 
     # The same step on one rank: every head, the whole cache, the same backend.
     single_spec = replace(spec, num_heads=n * hl)
@@ -192,7 +194,7 @@ def dcp_sub_case(
     else:
         want = s_impl.forward(query.to(dev), new_rows(keys), new_rows(values), s_cache, meta)
         want = want.to("cpu")[:, heads]
-    ref, _ = reference.paged_attention(
+    ref, ref_lse = reference.paged_attention(
         query, s_cache, s_batch, single_spec, sinks=all_sinks if sub.sinks else None
     )
     tol = backend_cls.capabilities.tolerances.get(spec.dtype)
@@ -208,8 +210,11 @@ def dcp_sub_case(
         why = testing.mismatch(out[:tokens], expected[:tokens].double(), tol)
         if why is not None:
             errors.append(f"DCP output vs {what} (atol={tol.atol:g} rtol={tol.rtol:g}): {why}")
-    if not bool((out[tokens:] == 0).all()):
-        errors.append("padding rows are not zero")
+    why = testing.mismatch(lse[:tokens], ref_lse[heads].t()[:tokens], tol)
+    if why is not None:
+        errors.append(f"the merged LSE vs the reference's: {why}")
+    if not bool((out[tokens:] == 0).all()) or not bool(torch.isposinf(lse[tokens:]).all()):
+        errors.append("padding rows are not zero (output) and +inf (LSE)")
     if not bool(torch.isfinite(out).all()):
         errors.append("the output holds a non-finite value")
     # The rank's cache holds exactly its shard: the single-rank cache's tokens of this rank.
