@@ -3,6 +3,7 @@
 
   sharding       which rank holds which token; a rank's lengths, slot mapping and table
   prefill        prefill context parallel: a long prefill's query tokens split over the ranks
+  dcp            decode context parallel through a backend: the layer call over a rank's shard
   merge          the ranks' partial attentions merged by their LSEs; sinks added once
   communication  the collectives of a step over a process group: the step agreement check,
                  the query heads' gather, the merge (all-gather + reduce-scatter, or
@@ -20,6 +21,11 @@ from attnhub.context_parallel.communication import (
     AllToAll,
     ContextParallelGroup,
     step_fingerprint,
+)
+from attnhub.context_parallel.dcp import (
+    DcpStep,
+    DecodeContextParallel,
+    dcp_unsupported_reasons,
 )
 from attnhub.context_parallel.merge import (
     add_sinks,
@@ -46,11 +52,14 @@ __all__ = [
     "AllToAll",
     "ContextParallelGroup",
     "ContextShard",
+    "DcpStep",
+    "DecodeContextParallel",
     "PrefillShard",
     "add_sinks",
     "check_layout",
     "combine_partials",
     "correct_partial",
+    "dcp_unsupported_reasons",
     "global_lse",
     "local_positions",
     "local_seq_lens",

@@ -41,7 +41,7 @@ from attnhub.context_parallel.merge import (
 )
 from attnhub.context_parallel.prefill import PrefillShard, shard_prefill
 from attnhub.context_parallel.sharding import ContextShard, shard_step
-from attnhub.errors import InvalidInputError
+from attnhub.errors import AttnhubError, InvalidInputError
 
 #: What a rank is told about the group, as the step's fingerprint carries it ("kind": 0 for
 #: decode context parallel, 1 for prefill; a field a kind does not use is 0).
@@ -160,7 +160,7 @@ class ContextParallelGroup:
         table = torch.stack(every).cpu()  # [N, fields]
         refused = [r for r, ok in enumerate(table[:, 0].tolist()) if not ok]
         if self.rank in refused:
-            if isinstance(own_error, InvalidInputError):
+            if isinstance(own_error, AttnhubError):  # its own type: e.g. a backend's refusal
                 raise own_error
             raise InvalidInputError(f"this rank refused its step: {own_error!r}") from own_error
         if refused:
@@ -177,21 +177,31 @@ class ContextParallelGroup:
                 )
 
     def shard(
-        self, batch: BatchMetadata, *, world_size: int, block_size: int, interleave: int = 1
+        self,
+        batch: BatchMetadata,
+        *,
+        world_size: int,
+        block_size: int,
+        interleave: int = 1,
+        refusal: Exception | None = None,
     ) -> ContextShard:
         """This rank's share of the step, once the ranks agree on it (see the module
         docstring). ``world_size`` is the group size the caller configured (vLLM's
         ``decode_context_parallel_size``): a group of another size is refused. Raises
-        InvalidInputError on every rank, before any other collective."""
+        InvalidInputError on every rank, before any other collective. ``refusal``: why the
+        caller refuses the step on this rank (e.g. the backend's
+        UnsupportedConfigurationError), raised here after the agreement, the others told."""
         layout = dict(kind=0, world_size=world_size, block_size=block_size, interleave=interleave)
-        shard, refusal = self._attempt(
+        shard, error = self._attempt(
             world_size,
             lambda: shard_step(
                 batch, world_size=world_size, rank=self.rank, block_size=block_size,
                 interleave=interleave,
             ),
         )  # fmt: skip
-        self.agree(*_fingerprint(batch, self.world_size, layout, refusal))
+        if error is None:
+            error = refusal
+        self.agree(*_fingerprint(batch, self.world_size, layout, error))
         assert isinstance(shard, ContextShard)
         return shard
 

@@ -1317,3 +1317,68 @@ def _determinism_cases(target: Target, scope: Scope) -> list[Case]:
 
 GENERATORS["placements"] = _batch_invariance_cases
 GENERATORS["determinism_again"] = _determinism_cases
+#: The multi-rank cases' matrix row prefix (a row per group size).
+MULTI_RANK_ROW = "multi-rank: decode context parallel"
+#: Group sizes: the quick scope spawns one group of 2 ranks per backend, the full one 2 and 4.
+MULTI_RANK_SIZES = {False: (2,), True: (2, 4)}
+
+
+def multi_rank_cases(target: Target, scope: Scope) -> list[Case]:
+    """Decode context parallel through the backend over real gloo process groups (the
+    ``multi_rank`` marker, ``attnhub_conformance.multi_rank``), for any backend that declares
+    the LSE: a case per group size, each a spawned group running decodes, a multi-token decode
+    and chunked-prefill rows in one step, interleave 1 and the block size, sinks where declared.
+    Where the backend cannot serve it (no LSE for the spec, or the gathered spec refused): a
+    skip that gives the declaration's reason."""
+    from attnhub.context_parallel import dcp_unsupported_reasons
+
+    ax = Axes(target, scope)
+    base = ax.base
+    if base is None or base.attn_type is not AttentionType.DECODER:
+        return []
+    caps = target.capabilities
+    config = base.with_(features=())
+    for dtype in ax.dtypes:  # a dtype the LSE is declared for, where there is one
+        if caps.lse.refusal(config.with_(dtype=dtype).spec()) is None:
+            config = config.with_(dtype=dtype)
+            break
+    spec = config.spec()
+    out = Cases(target, "multi_rank", scope)
+    assert target.backend is not None
+    for n in MULTI_RANK_SIZES[scope.full]:
+        row = f"{MULTI_RANK_ROW} {n} ranks"
+        name = f"dcp-N{n}-{config.id}"
+        reasons = [str(r) for r in dcp_unsupported_reasons(target.backend, spec)]
+        if not reasons:
+            gathered = replace(spec, num_heads=n * spec.num_heads)
+            reasons = [f"the gathered spec ({gathered.num_heads} heads): {r}"
+                       for r in target.refusal(gathered)]  # fmt: skip
+        if target.device != "cpu":
+            reasons.append(
+                f"the multi-rank cases run gloo groups on the host (device cpu), not "
+                f"{target.device}"
+            )
+        if reasons:
+            out.add(
+                row,
+                "decode context parallel is refused with the declaration's reason",
+                config=config,
+                name=name,
+                entry=str(n),
+                skip="; ".join(reasons),
+                not_supported=True,
+            )
+            continue
+        out.add(
+            row,
+            f"decode context parallel over {n} gloo ranks (decodes, a multi-token decode, "
+            "chunked prefill; interleave 1 and the block size; sinks once) equals the "
+            "reference and the single-rank run; each rank's cache holds exactly its shard",
+            config=config,
+            name=name,
+            entry=str(n),
+        )
+    return out.list()
+
+
+GENERATORS["multi_rank"] = multi_rank_cases

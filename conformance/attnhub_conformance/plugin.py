@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from attnhub_conformance.targets import Target
 
 MARKER = "attnhub_cases"
+#: The marker of the cases that spawn process groups (``test_multi_rank``).
+MULTI_RANK_MARKER = "multi_rank"
 PROPERTY = "attnhub"  # the user_properties key a test's matrix facts travel under
 #: The exit status of a session whose only failures are backends it had to test that cannot
 #: run here (pytest's own statuses are 0-5: 1 = tests failed, 4 = usage error).
@@ -294,6 +296,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         f"{MARKER}(kind): parametrize 'case' with the attnhub conformance cases of "
         "this kind, generated from each backend's declared capabilities",
+    )
+    config.addinivalue_line(
+        "markers",
+        f"{MULTI_RANK_MARKER}: spawns torch.distributed (gloo) process groups (decode context "
+        "parallel through the backend); deselect with -m 'not multi_rank'",
     )
     state = config.stash[_STATE] = SuiteState(config)
     config.pluginmanager.register(state, "attnhub-conformance-state")

@@ -72,6 +72,7 @@ SECTIONS = (
     "extreme logits:",
     "lse",
     "mla:",
+    "multi-rank:",
     "invalid inputs",
     "determinism",
     "batch invariance",

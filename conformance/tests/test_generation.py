@@ -237,3 +237,23 @@ def test_lse_cases_without_sinks_refuse_them_and_still_check_the_other_features(
     together = [f for f in valued if len(f) > 1]
     assert together and all("sinks" not in f for f in valued)
     assert {"sliding_window", "softcap", "alibi"} <= set(together[0])
+
+
+def test_multi_rank_cases_follow_the_lse_declaration() -> None:
+    quick = generate("multi_rank", target_for(TorchBackend), QUICK)
+    assert [(c.entry, c.skip, c.rows) for c in quick] == [
+        ("2", None, ("multi-rank: decode context parallel 2 ranks",))
+    ]
+    assert [c.entry for c in generate("multi_rank", target_for(TorchBackend), FULL)] == ["2", "4"]
+    # declared for one dtype: run in that dtype
+    (partial,) = generate("multi_rank", target_for(LseForFloat16), QUICK)
+    assert partial.skip is None and partial.config.dtype == torch.float16
+    # declared nowhere: skipped with the declaration's reason, reported as not supported
+    none = replace(TorchBackend.capabilities, lse=LseSupport(reason="no LSE in these kernels"))
+    quiet = type("NoLse", (TorchBackend,), {"name": "no_lse", "capabilities": none})
+    (refused,) = generate("multi_rank", target_for(quiet), QUICK)
+    assert refused.not_supported and "no LSE in these kernels" in refused.skip
+    assert "decode context parallel needs the LSE" in refused.skip
+    # the groups are gloo's, on the host
+    (elsewhere,) = generate("multi_rank", replace(target_for(TorchBackend), device="meta"), QUICK)
+    assert elsewhere.skip is not None and "gloo" in elsewhere.skip
