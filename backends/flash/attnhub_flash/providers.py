@@ -37,7 +37,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from attnhub.batch import BatchMetadata
-from attnhub.capabilities import AccuracyBound, Capabilities, GraphSupport, Refusal, Tolerance
+from attnhub.capabilities import (
+    AccuracyBound,
+    Capabilities,
+    GraphSupport,
+    HeadSizeVSupport,
+    Refusal,
+    Tolerance,
+)
 from attnhub.errors import InvalidInputError
 from attnhub.kit import as_contiguous, flat_slots, indexable, quantize_fp8, write_slots
 from attnhub.kv_cache import PagedKVCache
@@ -81,6 +88,17 @@ FA3_FP8 = dict(
     probability_quantization={FP8_KV: "fp8_e4m3"},
     quantization_accuracy={FP8_KV: AccuracyBound(max_abs_error=0.3, min_cosine=0.995)},
 )
+#: A value head size other than the key's (``spec.head_size_v``): FA2 checks v's shape against
+#: q's head size (``CHECK_SHAPE(v, ..., head_size)`` [source: csrc/flash_attn/flash_api.cpp]);
+#: FA3 has one for some pairs on Hopper, which attnhub does not translate yet (the emulator
+#: refuses any, as FA2 does).
+HEAD_SIZE_V_FA2 = HeadSizeVSupport(reason="FlashAttention-2 takes one head size for q, k and v")
+HEAD_SIZE_V_FA3 = HeadSizeVSupport(
+    reason="not wired yet (FlashAttention-3 takes a value head size other than the key's on "
+    "Hopper for keys in (128, 192] with values in (96, 128], or keys <= 64 with values <= 512 "
+    "[source: hopper/flash_api.cpp])"
+)
+HEAD_SIZE_V_FA4 = HeadSizeVSupport(reason="not wired yet (FA4's value head sizes not checked)")
 _NO_DESCALES: dict[str, Any] = {}  # a model-dtype cache: no fp8 descales
 _COMMON_WHY = {"dtype": "FlashAttention kernels take float16 and bfloat16"}
 
@@ -109,6 +127,7 @@ def _caps(**fields: Any) -> Capabilities:
         # them in; graph support is left for a later increment.
         graph_capture=GraphSupport.NEVER,
         tolerances=TOLERANCES,
+        head_size_v=HEAD_SIZE_V_FA2,
     )
     base.update(fields)
     return Capabilities(**base)
@@ -440,6 +459,7 @@ class VllmFA3Provider(VllmProvider):
         alibi=False,
         sinks=True,
         priority={"cuda": 85},
+        head_size_v=HEAD_SIZE_V_FA3,
         **FA3_FP8,
     )
     why: ClassVar[Mapping[str, str]] = {
@@ -637,6 +657,7 @@ class FA3Provider(Provider):
         alibi=False,
         sinks=False,
         priority={"cuda": 90},
+        head_size_v=HEAD_SIZE_V_FA3,
         **FA3_FP8,
     )
     why: ClassVar[Mapping[str, str]] = {
@@ -707,6 +728,7 @@ class FA4Provider(Provider):
         alibi=False,
         sinks=True,
         priority={"cuda": 95},
+        head_size_v=HEAD_SIZE_V_FA4,
     )
     why: ClassVar[Mapping[str, str]] = {
         "alibi": "FA4 has no ALiBi (score_mod could express it; not done)",
