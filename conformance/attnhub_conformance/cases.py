@@ -752,7 +752,10 @@ def strided_cache_cases(target: Target, scope: Scope) -> list[Case]:
         if declared
         else "strided K/V planes (strided_kv_cache=False) are refused, the cache untouched"
     )
-    for config in [base, *(base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes)]:
+    configs = [base, *(base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes)]
+    if base.attn_type is AttentionType.DECODER:  # a slot's key and value of two widths
+        configs += [base.with_(head_size=k, head_size_v=v) for k, v in _head_size_v_pairs(ax)]
+    for config in configs:
         if config.attn_type is AttentionType.ENCODER_DECODER:
             continue
         out.add(
