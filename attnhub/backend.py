@@ -265,11 +265,12 @@ class AttentionBackend(abc.ABC):
     def kv_cache_from_pages(self, pages: torch.Tensor) -> PagedKVCache | None:
         """This backend's cache laid out inside an engine's memory, one page per block.
 
-        ``pages`` is ``[num_blocks, 2 * block_size * num_kv_heads * head_size]`` in the
-        spec's storage dtype, each row (a dense run; rows any stride apart) all of one block's
-        keys and values. A backend whose kernels keep a block in a layout of their own returns
-        views of that layout inside each page, so its kernels read and write the engine's
-        memory in place (no byte allocated beside it; page ``b`` holds block ``b`` alone).
+        ``pages`` is ``[num_blocks, block_size * num_kv_heads * (head_size + head_size_v)]``
+        in the spec's storage dtype, each row (a dense run; rows any stride apart) all of one
+        block's keys and values. A backend whose kernels keep a block in a layout of their own
+        returns views of that layout inside each page, so its kernels read and write the
+        engine's memory in place (no byte allocated beside it; page ``b`` holds block ``b``
+        alone).
         Scales of a quantized format are the engine's to attach. Default: None (no page layout
         of its own: the engine views its memory in ``capabilities.kv_cache_layout``)."""
         return None
@@ -593,10 +594,17 @@ _FORWARD = validation.Rules(
             "(key is None) == (value is None)", "key and value must both be given or both be None"
         ),
         *_where_given("key", [STEP_KV]),
+        # The output is [num_tokens, num_heads, head_size_v]: the query's shape where values
+        # are as wide as keys.
+        Let(
+            "out_shape",
+            "query_shape if spec.head_size_v == spec.head_size "
+            "else (query_shape[0], spec.num_heads, spec.head_size_v)",
+        ),
         *_where_given(
             "output",
             validation.tensor_rules(
-                "output", "output", [], "spec.dtype", "device", like="query_shape", dense_rows=True
+                "output", "output", [], "spec.dtype", "device", like="out_shape", dense_rows=True
             ),
         ),
         EXTENTS_FIT,
@@ -699,7 +707,7 @@ class AttentionImpl(abc.ABC):
     def write_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        value: torch.Tensor,
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size_v]
         cache: PagedKVCache,
         slot_mapping: torch.Tensor | None = None,  # [n <= num_tokens] int, -1 = padding
         *,
@@ -779,7 +787,7 @@ class AttentionImpl(abc.ABC):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         *,
-        output: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size]
+        output: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size_v]
         return_lse: bool = False,
         lse: torch.Tensor | None = None,  # [num_tokens, num_heads] float32
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -930,7 +938,11 @@ class AttentionImpl(abc.ABC):
         where they hold. The core's: a backend adds its checks in ``check_call``."""
         if not self._usual_call(query, key, value, cache, meta, output):
             _FORWARD.explain(self, query, key, value, cache, meta, output)
-        return torch.empty_like(query) if output is None else output
+        if output is not None:
+            return output
+        if self.spec.head_size_v == self.spec.head_size:
+            return torch.empty_like(query)
+        return query.new_empty((query.shape[0], self.spec.num_heads, self.spec.head_size_v))
 
     # --- the rules, read in one pass ----------------------------------------------------------
     # A model calls every layer with its own cache, step after step, with tensors of the spec's
@@ -967,7 +979,7 @@ class AttentionImpl(abc.ABC):
         value: torch.Tensor | None,
         cache: PagedKVCache,
         meta: AttentionMetadata,
-        out: torch.Tensor,  # [num_tokens, num_heads, head_size]: rows past the step zeroed
+        out: torch.Tensor,  # [num_tokens, num_heads, head_size_v]: rows past the step zeroed
         lse: torch.Tensor | None = None,  # [num_tokens, num_heads] float32: rows past, +inf
     ) -> None:
         """A layer's kernel work of one step, after every check: write this step's keys and

@@ -384,6 +384,145 @@ class BatchInvariance:
         return None
 
 
+#: Why a backend that declares nothing of :class:`HeadSizeVSupport` refuses a value head size
+#: other than the key head size.
+HEAD_SIZE_V_NOT_DECLARED = "the backend does not declare that its kernels take it"
+
+#: One declared region of (head_size, head_size_v): each side one size or an inclusive
+#: ``(lo, hi)`` range of sizes.
+SizeRange = int | tuple[int, int]
+
+
+def _bounds(side: object) -> tuple[int, int]:
+    """An inclusive ``(lo, hi)`` of a :data:`SizeRange` (InvalidInputError where it is none)."""
+    if isinstance(side, int) and not isinstance(side, bool) and side > 0:
+        return side, side
+    if (
+        isinstance(side, tuple)
+        and len(side) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in side)
+        and side[0] <= side[1]
+    ):
+        return side[0], side[1]
+    raise InvalidInputError(
+        f"HeadSizeVSupport.pairs entry side {side!r} must be a size or an inclusive (lo, hi) range"
+    )
+
+
+@dataclass(frozen=True)
+class HeadSizeVSupport:
+    """Where a value head size other than the key head size is served
+    (``Capabilities.head_size_v``; ``spec.head_size_v == spec.head_size`` is always the
+    ordinary case and never refused by it).
+
+    ``pairs``: the ``(head_size, head_size_v)`` regions served, each side one size or an
+    inclusive ``(lo, hi)`` range ("keys in (128, 192] with values in (96, 128]" is
+    ``((129, 192), (97, 128))``); None: every pair (``head_size_v`` then passes the same
+    size rules as ``head_size``: ``head_sizes``, ``max_head_size``, ``head_size_multiple``);
+    empty: none. ``dtypes`` / ``kv_cache_dtypes``: where (None: every one the backend
+    declares). ``reason``: why not elsewhere (the refusal names the kernel or the vendor's
+    limit; "not wired yet (vendor supports X)" where the vendor has it and attnhub does not yet
+    translate it).
+    """
+
+    pairs: tuple[tuple[SizeRange, SizeRange], ...] | None = ()
+    dtypes: frozenset[torch.dtype] | None = None
+    kv_cache_dtypes: frozenset[str] | None = None
+    reason: str = HEAD_SIZE_V_NOT_DECLARED
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise InvalidInputError(f"HeadSizeVSupport.reason = {self.reason!r} must say why not")
+        for pair in self.pairs or ():
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise InvalidInputError(
+                    f"HeadSizeVSupport.pairs entry {pair!r} must be (head_size, head_size_v)"
+                )
+            _bounds(pair[0]), _bounds(pair[1])
+        for kv in self.kv_cache_dtypes or ():
+            if canonical_kv_cache_dtype(kv) != kv:
+                raise UnknownNameError(
+                    f"HeadSizeVSupport names kv_cache_dtype {kv!r}, which is not a canonical "
+                    f"name; known: {', '.join(KV_CACHE_DTYPES)}"
+                )
+
+    @property
+    def declared(self) -> bool:
+        """Whether any distinct value head size is served."""
+        return self.pairs is None or bool(self.pairs)
+
+    def covers(self, head_size: int, head_size_v: int) -> bool:
+        """Whether ``(head_size, head_size_v)`` lies in a declared region (None: every pair)."""
+        if self.pairs is None:
+            return True
+        for k, v in self.pairs:
+            (k_lo, k_hi), (v_lo, v_hi) = _bounds(k), _bounds(v)
+            if k_lo <= head_size <= k_hi and v_lo <= head_size_v <= v_hi:
+                return True
+        return False
+
+    def refusal(self, spec: AttentionSpec) -> Refusal | None:
+        """Why ``spec``'s value head size is refused (None: served, or equal to head_size)."""
+        if not spec.distinct_head_size_v:
+            return None
+        pair = (spec.head_size, spec.head_size_v)
+        where = f"head_size_v {spec.head_size_v} != head_size {spec.head_size}"
+        if not self.covers(*pair):
+            said = "no pair is declared" if not self.declared else f"declared: {self.describe()}"
+            return Refusal(
+                f"{where} is not supported ({said}; {self.reason})",
+                field="head_size_v",
+                value=pair,
+                supported=self.pairs,
+            )
+        if self.dtypes is not None and spec.dtype not in self.dtypes:
+            return Refusal(
+                f"{where} is not supported for dtype {spec.dtype} ({self.reason})",
+                field="head_size_v",
+                value=pair,
+                supported=self.dtypes,
+            )
+        if self.kv_cache_dtypes is not None and spec.kv_cache_dtype not in self.kv_cache_dtypes:
+            return Refusal(
+                f"{where} is not supported with kv_cache_dtype {spec.kv_cache_dtype!r} "
+                f"({self.reason})",
+                field="head_size_v",
+                value=pair,
+                supported=self.kv_cache_dtypes,
+            )
+        return None
+
+    def describe(self) -> str:
+        """The declared regions as words: ``"any"``, ``"none"`` or ``"(192, 128), ..."``."""
+        if self.pairs is None:
+            return "any"
+        if not self.pairs:
+            return "none"
+
+        def side(x: SizeRange) -> str:
+            lo, hi = _bounds(x)
+            return str(lo) if lo == hi else f"{lo}..{hi}"
+
+        return ", ".join(f"({side(k)}, {side(v)})" for k, v in self.pairs)
+
+    def summary(self) -> dict[str, object]:
+        """A JSON-friendly view (``attnhub list --json``)."""
+        out: dict[str, object] = {
+            "pairs": (
+                "any"
+                if self.pairs is None
+                else [[list(_bounds(k)), list(_bounds(v))] for k, v in self.pairs]
+            )
+        }
+        if self.dtypes is not None:
+            out["dtypes"] = sorted(str(d).removeprefix("torch.") for d in self.dtypes)
+        if self.kv_cache_dtypes is not None:
+            out["kv_cache_dtypes"] = [k for k in KV_CACHE_DTYPES if k in self.kv_cache_dtypes]
+        if self.pairs is not None:
+            out["reason"] = self.reason
+        return out
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """A backend's declaration. ``None`` in a set-valued field means "any".
@@ -454,6 +593,10 @@ class Capabilities:
     #: none: such a spec is refused with :data:`BATCH_INVARIANCE_NOT_DECLARED` or the
     #: backend's own ``reason``).
     batch_invariant: BatchInvariance = field(default_factory=BatchInvariance)
+    #: Where the value head size may differ from the key head size (``spec.head_size_v``,
+    #: what MLA's expanded prefill needs); the default declares none (every such spec refused
+    #: with :data:`HEAD_SIZE_V_NOT_DECLARED` or the backend's own ``reason``).
+    head_size_v: HeadSizeVSupport = field(default_factory=HeadSizeVSupport)
 
     def __post_init__(self) -> None:
         for what, mapping in (
@@ -544,6 +687,18 @@ class Capabilities:
             self.head_size_multiple,
             maximum=self.max_head_size,
         )
+        if spec.distinct_head_size_v:
+            refused = self.head_size_v.refusal(spec)
+            if refused is not None:
+                reasons.append(refused)
+            elif self.head_size_v.pairs is None:  # any pair: the head-size rules hold for both
+                reasons += _size_refusals(
+                    "head_size_v",
+                    spec.head_size_v,
+                    self.head_sizes,
+                    self.head_size_multiple,
+                    maximum=self.max_head_size,
+                )
         reasons += _size_refusals(
             "block_size", spec.block_size, self.block_sizes, self.block_size_multiple
         )
@@ -634,6 +789,7 @@ class Capabilities:
                 "kv_cache_dtypes": names(self.batch_invariant.kv_cache_dtypes),
                 "reason": self.batch_invariant.reason,
             },
+            "head_size_v": self.head_size_v.summary(),
         }
 
 

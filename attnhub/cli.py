@@ -226,6 +226,12 @@ def capability_lines(caps: Capabilities) -> Iterator[tuple[str, str]]:
     features = [f for f in FEATURES if caps.supports_feature(f)]
     yield "dtypes", names(sorted(str(d).removeprefix("torch.") for d in caps.dtypes))
     yield "head sizes", sizes(caps.head_sizes, caps.head_size_multiple, caps.max_head_size)
+    head_size_v = caps.head_size_v
+    if head_size_v.declared:
+        where = "any" if head_size_v.pairs is None else head_size_v.describe()
+        yield "v head sizes", f"(head size, value head size) pairs: {where}"
+    else:  # the value head size (spec.head_size_v) is the head size
+        yield "v head sizes", f"the head size only: {head_size_v.reason}"
     yield "block sizes", sizes(caps.block_sizes, caps.block_size_multiple)
     kv = names(k for k in KV_CACHE_DTYPES if k in caps.kv_cache_dtypes)
     yield "kv caches", f"{kv} (layout {caps.kv_cache_layout})"
@@ -352,6 +358,7 @@ def _spec_from_args(args: argparse.Namespace) -> AttentionSpec | MLASpec:
         num_heads=args.heads,
         num_kv_heads=args.kv_heads or args.heads,
         head_size=args.head_size,
+        head_size_v=args.head_size_v,
         dtype=getattr(torch, args.dtype),
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -877,6 +884,13 @@ def _add_select_command(sub: Commands) -> None:
         "--head-size", type=int, default=None, metavar="D", help="head size (standard attention)"
     )
     _add_mla_arguments(p)
+    p.add_argument(
+        "--head-size-v",
+        type=int,
+        default=None,
+        metavar="DV",
+        help="value head size (default: the head size; MLA's expanded prefill: 192 keys, 128)",
+    )
     p.add_argument(
         "--dtype",
         type=_dtype_name,

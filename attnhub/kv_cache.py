@@ -3,11 +3,14 @@
 Layouts (named after the order of the last three dims):
   "NHD": key/value [num_blocks, block_size, num_kv_heads, head_size]  (a block's tokens, then heads)
   "HND": key/value [num_blocks, num_kv_heads, block_size, head_size]  (a block's heads, then tokens)
+The value plane's last dim is the value head size ``head_size_v`` (``AttentionSpec.head_size_v``;
+equal to the key plane's unless a spec says otherwise); every other dim is the key plane's.
 A backend declares which one its kernels read (``Capabilities.kv_cache_layout``).
 Token position p of a request lives at slot ``block * block_size + offset``.
 Scale planes of quantized caches follow ``attnhub.spec.KV_CACHE_DTYPES``:
   "tensor":  a float32 scalar;  "slot": NHD [num_blocks, block_size, num_kv_heads] or
-  HND [num_blocks, num_kv_heads, block_size];  "channel": [num_kv_heads, head_size].
+  HND [num_blocks, num_kv_heads, block_size];  "channel": [num_kv_heads, head_size] (the value
+  plane's: [num_kv_heads, head_size_v]).
 
 Packed blocks: a backend whose kernels order the elements inside a (block, kv head) in a way no
 strided view can show as ``[block_size, head_size]`` (vLLM's AMX kernels interleave tokens and
@@ -124,10 +127,14 @@ class PagedKVCache:
             raise InvalidInputError(
                 f"packed blocks ({self.packing.name}) are HND storage, got layout {self.layout!r}"
             )
-        if self.key.dim() != 4 or self.key.shape != self.value.shape:
+        if (
+            self.key.dim() != 4
+            or self.value.dim() != 4
+            or self.key.shape[:3] != self.value.shape[:3]
+        ):
             raise InvalidInputError(
-                f"key and value caches must be 4-D and alike, got {tuple(self.key.shape)} "
-                f"and {tuple(self.value.shape)}"
+                f"key and value caches must be 4-D and alike but for the head size, got "
+                f"{tuple(self.key.shape)} and {tuple(self.value.shape)}"
             )
         size_dim = 1 if self.layout == "NHD" else 2
         if self.key.shape[size_dim] != self.block_size:
@@ -148,29 +155,36 @@ class PagedKVCache:
         *,
         layout: str = "NHD",
         kv_cache_dtype: str = "auto",
+        head_size_v: int | None = None,
     ) -> PagedKVCache:
-        """Zero-filled planes (scales: ones for static scales, zeros per slot)."""
+        """Zero-filled planes (scales: ones for static scales, zeros per slot); the value plane
+        ``head_size_v`` wide (None: ``head_size``)."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise InvalidInputError(f"num_blocks = {num_blocks!r} must be a positive int")
         if layout not in LAYOUTS:
             raise InvalidInputError(f"layout = {layout!r} is not one of {LAYOUTS}")
+        if head_size_v is None:
+            head_size_v = head_size
+        if isinstance(head_size_v, bool) or not isinstance(head_size_v, int) or head_size_v <= 0:
+            raise InvalidInputError(f"head_size_v = {head_size_v!r} must be a positive int")
         kv_cache_dtype = _kv_cache_dtype(kv_cache_dtype)
         fmt = KV_CACHE_DTYPES[kv_cache_dtype]
         kdt, vdt = fmt.storage_dtypes(dtype)
-        shape = (
-            (num_blocks, block_size, num_kv_heads, head_size)
+        lead = (
+            (num_blocks, block_size, num_kv_heads)
             if layout == "NHD"
-            else (num_blocks, num_kv_heads, block_size, head_size)
+            else (num_blocks, num_kv_heads, block_size)
         )
-        args = (num_blocks, block_size, num_kv_heads, head_size, layout, device)
+        k_args = (num_blocks, block_size, num_kv_heads, head_size, layout, device)
+        v_args = (num_blocks, block_size, num_kv_heads, head_size_v, layout, device)
         return cls(
-            key=torch.zeros(shape, dtype=kdt, device=device),
-            value=torch.zeros(shape, dtype=vdt, device=device),
+            key=torch.zeros((*lead, head_size), dtype=kdt, device=device),
+            value=torch.zeros((*lead, head_size_v), dtype=vdt, device=device),
             block_size=block_size,
             layout=layout,
             kv_cache_dtype=kv_cache_dtype,
-            key_scale=_scale_plane(fmt.key_scale, *args),
-            value_scale=_scale_plane(fmt.value_scale, *args),
+            key_scale=_scale_plane(fmt.key_scale, *k_args),
+            value_scale=_scale_plane(fmt.value_scale, *v_args),
         )
 
     @classmethod
@@ -186,6 +200,7 @@ class PagedKVCache:
             device,
             layout=layout,
             kv_cache_dtype=spec.kv_cache_dtype,
+            head_size_v=spec.head_size_v,
         )
 
     # --- shape facts -----------------------------------------------------------------------
@@ -200,6 +215,11 @@ class PagedKVCache:
     @property
     def head_size(self) -> int:
         return int(self.key.shape[3])
+
+    @property
+    def head_size_v(self) -> int:
+        """The value plane's head size (``head_size`` unless the spec's values are another)."""
+        return int(self.value.shape[3])
 
     @property
     def num_slots(self) -> int:
@@ -343,12 +363,17 @@ class PagedKVCache:
             )
         mine = (self.layout, self.kv_cache_dtype, self.key.dtype, self.value.dtype)
         theirs = (dst.layout, dst.kv_cache_dtype, dst.key.dtype, dst.value.dtype)
-        if mine != theirs or dst.key.shape[1:] != self.key.shape[1:]:
+        if (
+            mine != theirs
+            or dst.key.shape[1:] != self.key.shape[1:]
+            or dst.value.shape[1:] != self.value.shape[1:]
+        ):
             raise InvalidInputError(
                 "swap_blocks needs caches of the same layout, dtype and block shape: "
                 f"{self.layout}/{self.kv_cache_dtype}/{self.key.dtype}/"
-                f"{tuple(self.key.shape[1:])} vs {dst.layout}/{dst.kv_cache_dtype}/"
-                f"{dst.key.dtype}/{tuple(dst.key.shape[1:])}"
+                f"{tuple(self.key.shape[1:])}/{tuple(self.value.shape[1:])} vs {dst.layout}/"
+                f"{dst.kv_cache_dtype}/{dst.key.dtype}/{tuple(dst.key.shape[1:])}/"
+                f"{tuple(dst.value.shape[1:])}"
             )
         if self.packing != dst.packing:
             raise InvalidInputError(

@@ -2,7 +2,8 @@
 (one ``index_copy_`` where blocks and slots merge), and the write of a captured step, whose
 shape cannot depend on which rows are padding. Reached through :mod:`attnhub.kit`.
 
-A plane is [num_blocks, block_size, ...] (NHD: ``...`` = num_kv_heads, head_size); slot
+A plane is [num_blocks, block_size, ...] (NHD: ``...`` = num_kv_heads, head_size, or
+head_size_v for the value plane: each plane is written at its own width); slot
 ``s`` is block ``s // block_size``, offset ``s % block_size``.
 """
 

@@ -74,7 +74,7 @@ F64 = torch.float64
 def attention(
     query: torch.Tensor,  # [query_len, num_heads, head_size]
     key: torch.Tensor,  # [seq_len, num_kv_heads, head_size]: the whole sequence
-    value: torch.Tensor,  # [seq_len, num_kv_heads, head_size]
+    value: torch.Tensor,  # [seq_len, num_kv_heads, head_size_v]
     *,
     scale: float,
     causal: bool = True,
@@ -84,7 +84,7 @@ def attention(
     sinks: torch.Tensor | None = None,  # [num_heads]
     compute_dtype: torch.dtype = F64,
     probabilities: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [query_len, num_heads, head_size], lse [H, q_len]
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [query_len, num_heads, head_size_v], lse [H, q_len]
     """Attention of one request whose last ``query_len`` positions are the new tokens. Returns
     float64 (computed in ``compute_dtype``).
 
@@ -99,7 +99,7 @@ def attention(
     q = query.to(dt)
     # GQA: query head h reads kv head h // group.
     k = key.to(dt).repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_size]
-    v = value.to(dt).repeat_interleave(group, dim=1)
+    v = value.to(dt).repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_size_v]
 
     s = torch.einsum("ihd,jhd->hij", q, k) * scale  # [num_heads, q_len, seq_len]
     if logits_soft_cap:
@@ -131,12 +131,12 @@ def attention(
     p = torch.exp(s - lse.masked_fill(empty, 0)[..., None]).masked_fill(~visible, 0)
     if probabilities is not None:
         p = probabilities(p)
-    out = torch.einsum("hij,jhd->ihd", p, v)
+    out = torch.einsum("hij,jhd->ihd", p, v)  # the value head size: head_size_v
     return out.to(F64), lse.to(F64).masked_fill(empty, math.inf)
 
 
 def merge_attn_states(
-    a_out: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    a_out: torch.Tensor,  # [num_tokens, num_heads, head_size_v]
     a_lse: torch.Tensor,  # [num_heads, num_tokens], natural log, +inf = empty
     b_out: torch.Tensor,
     b_lse: torch.Tensor,
@@ -159,7 +159,7 @@ def merge_attn_states(
 
 def read_sequence(
     cache: PagedKVCache, block_table_row: torch.Tensor, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:  # key, value: [seq_len, num_kv_heads, head_size] f64
+) -> tuple[torch.Tensor, torch.Tensor]:  # key [S, Hkv, head_size], value [S, Hkv, head_size_v]
     """The keys and values of positions 0..seq_len-1 as the cache holds them, dequantized."""
     cache = cache.unpacked()
     bs = cache.block_size
@@ -169,7 +169,7 @@ def read_sequence(
     fmt = KV_CACHE_DTYPES[cache.kv_cache_dtype]
     planes = []
     for which, data in (("key", cache.key_nhd()), ("value", cache.value_nhd())):
-        raw = data.to("cpu")[blocks, offsets]  # [seq_len, num_kv_heads, head_size]
+        raw = data.to("cpu")[blocks, offsets]  # [seq_len, num_kv_heads, the plane's size]
         kind = getattr(fmt, f"{which}_scale")
         scale = getattr(cache, f"{which}_scale")
         if kind == "none":
@@ -195,7 +195,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     compute_dtype: torch.dtype = F64,
     probabilities: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_actual_tokens, H, D] f64, lse [H, tokens]
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_actual_tokens, H, Dv] f64, lse [H, tokens]
     """What a backend's forward must return for ``batch``, reading keys from ``cache``
     (``compute_dtype``: see the module docstring; ``probabilities``: see :func:`attention`)."""
     _check_inputs(query, cache, batch, spec)
@@ -220,7 +220,7 @@ def paged_attention(
         )
         outs.append(out)
         lses.append(lse)
-    h, d = spec.num_heads, spec.head_size
+    h, d = spec.num_heads, spec.head_size_v
     if not outs:
         return torch.zeros(0, h, d, dtype=F64), torch.zeros(h, 0, dtype=F64)
     return torch.cat(outs), torch.cat(lses, dim=1)
@@ -241,7 +241,7 @@ def paged_attention_chunked(
     compute_dtype: torch.dtype = F64,
     probabilities: Callable[[torch.Tensor], torch.Tensor] | None = None,
     max_scores: int = CHUNK_SCORES,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_actual_tokens, H, D] f64, lse [H, tokens]
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_actual_tokens, H, Dv] f64, lse [H, tokens]
     """:func:`paged_attention` with bounded memory, for long contexts (tens of thousands of
     keys and more): the same :func:`attention` per request, one query head at a time (heads are
     independent: head ``h`` reads kv head ``h // group``, so no K/V is expanded to every head),
@@ -252,7 +252,7 @@ def paged_attention_chunked(
     _check_inputs(query, cache, batch, spec)
     cache = cache.unpacked()
     qsl = batch.query_start_loc_cpu.tolist()
-    h_all, d = spec.num_heads, spec.head_size
+    h_all, d = spec.num_heads, spec.head_size_v
     group = spec.num_heads // spec.num_kv_heads
     causal = spec.causal and batch.causal
     slopes = None if alibi_slopes is None else alibi_slopes.to("cpu")
@@ -306,21 +306,19 @@ def _check_inputs(
         raise InvalidInputError(
             f"query has {query.shape[0]} tokens, the batch has {batch.num_actual_tokens}"
         )
-    geometry = (cache.block_size, cache.num_kv_heads, cache.head_size)
-    if geometry != (spec.block_size, spec.num_kv_heads, spec.head_size) or (
-        batch.block_size != spec.block_size
-    ):
+    geometry = (cache.block_size, cache.num_kv_heads, cache.head_size, cache.head_size_v)
+    mine = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.head_size_v)
+    if geometry != mine or batch.block_size != spec.block_size:
         raise InvalidInputError(
-            f"cache (block_size, kv heads, head_size) = {geometry} and batch block_size "
-            f"{batch.block_size} do not match the spec's "
-            f"{(spec.block_size, spec.num_kv_heads, spec.head_size)}"
+            f"cache (block_size, kv heads, head_size, head_size_v) = {geometry} and batch "
+            f"block_size {batch.block_size} do not match the spec's {mine}"
         )
 
 
 def write_kv(
     cache: PagedKVCache,
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-    value: torch.Tensor,
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size_v]
     slot_mapping: torch.Tensor,  # [n <= num_tokens]; -1 = padding
 ) -> None:
     """Write token by token what a cache must hold after a KV write (padding skipped)."""

@@ -176,7 +176,11 @@ class AttentionSpec:
     """One attention layer's configuration. Immutable and validated on construction.
 
     Every field has its final type once constructed: ``scale`` the softmax scale (None or
-    left out: ``head_size ** -0.5``), ``attn_type`` an :class:`AttentionType` (its string value
+    left out: ``head_size ** -0.5``), ``head_size_v`` the value head size (None or left out:
+    ``head_size``; another size is what MLA's expanded prefill needs, keys 192 and values 128 in
+    DeepSeek: vLLM's ``head_size_v``; like ``scale``, it keeps its value through
+    ``dataclasses.replace(spec, head_size=...)`` unless ``head_size_v=None`` is passed too),
+    ``attn_type`` an :class:`AttentionType` (its string value
     is accepted), ``kv_cache_dtype`` a canonical name from :data:`KV_CACHE_DTYPES` (aliases such
     as ``"fp8"`` accepted), ``window`` the normalized ``(left, right)`` pair (None accepted) and
     ``sliding_window`` the W it stands for, when it is one.
@@ -200,12 +204,15 @@ class AttentionSpec:
     #: by a backend that declares it for the spec's dtype (``Capabilities.batch_invariant``);
     #: the others refuse the spec with their reason.
     batch_invariant: bool = False
+    head_size_v: int = None  # type: ignore[assignment]  # None: head_size
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         if not isinstance(self.batch_invariant, bool):
             raise InvalidSpecError(f"batch_invariant = {self.batch_invariant!r} must be a bool")
-        for name in ("num_heads", "num_kv_heads", "head_size", "block_size"):
+        if self.head_size_v is None:
+            set_(self, "head_size_v", self.head_size)
+        for name in ("num_heads", "num_kv_heads", "head_size", "head_size_v", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidSpecError(f"{name} = {value!r} must be a positive int")
@@ -266,6 +273,11 @@ class AttentionSpec:
     @property
     def kv_cache_format(self) -> KVCacheDType:
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    @property
+    def distinct_head_size_v(self) -> bool:
+        """Whether values have another head size than keys (``head_size_v != head_size``)."""
+        return self.head_size_v != self.head_size
 
     @property
     def has_window(self) -> bool:

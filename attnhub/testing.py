@@ -372,11 +372,11 @@ def random_mla_query(
 
 def random_kv(
     spec: AttentionSpec, num_tokens: int, g: torch.Generator, *, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:  # key, value: [num_tokens, num_kv_heads, head_size]
+) -> tuple[torch.Tensor, torch.Tensor]:  # key [n, num_kv_heads, head_size], value [.., head_size_v]
     """N(0, 1) keys and values in ``spec.dtype``."""
-    shape = (num_tokens, spec.num_kv_heads, spec.head_size)
-    key = torch.randn(shape, generator=g).to(spec.dtype)
-    value = torch.randn(shape, generator=g).to(spec.dtype)
+    key = torch.randn(num_tokens, spec.num_kv_heads, spec.head_size, generator=g)
+    value = torch.randn(num_tokens, spec.num_kv_heads, spec.head_size_v, generator=g)
+    key, value = key.to(spec.dtype), value.to(spec.dtype)
     return key.to(device), value.to(device)
 
 
@@ -389,8 +389,8 @@ def random_qkv(
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """N(0, 1) query [num_tokens, num_heads, head_size] (times ``q_gain``: larger logits, e.g. to
-    make a soft cap bite), key and value [num_tokens, num_kv_heads, head_size], in
-    ``spec.dtype``."""
+    make a soft cap bite), key [num_tokens, num_kv_heads, head_size] and value
+    [num_tokens, num_kv_heads, head_size_v], in ``spec.dtype``."""
     shape = (num_tokens, spec.num_heads, spec.head_size)
     query = (torch.randn(shape, generator=g) * q_gain).to(spec.dtype)
     key, value = random_kv(spec, num_tokens, g)
@@ -870,6 +870,8 @@ def bad_layer_calls(
     q, k, v, cache, meta = call["query"], call["key"], call["value"], call["cache"], call["meta"]
     T, D, n = q.shape[0], q.shape[-1], meta.batch.num_actual_tokens
     spec = backend.spec
+    Dv = spec.head_size_v
+    out = q.new_empty(T, spec.num_heads, Dv)  # a good output buffer's shape
     narrow = replace(spec, num_heads=spec.num_heads // spec.num_kv_heads, num_kv_heads=1)
     other = type(backend)(narrow, backend.device, emulate=backend.emulated)
     return {
@@ -886,18 +888,18 @@ def bad_layer_calls(
         "key without value": {**call, "value": None},
         "value without key": {**call, "key": None},
         "key heads": {**call, "key": torch.cat([k, k], dim=1)},
-        "value head size": {**call, "value": v[..., : D // 2]},
+        "value head size": {**call, "value": v[..., : Dv // 2]},
         "key short": {**call, "key": k[: T - 1], "value": v[: T - 1]},
         "key and value rows differ": {**call, "value": torch.cat([v, v[:1]])},
         "key float16": {**call, "key": k.half()},
         "value a list": {**call, "value": v.tolist()},
-        "output shape": {**call, "output": torch.empty_like(q)[: T - 1]},
-        "output dtype": {**call, "output": torch.empty_like(q, dtype=torch.float16)},
+        "output shape": {**call, "output": out[: T - 1]},
+        "output dtype": {**call, "output": torch.empty_like(out, dtype=torch.float16)},
         "output a list": {**call, "output": []},
         "query last dimension strided": {**call, "query": strided_last_dim(q)},
         "key last dimension strided": {**call, "key": strided_last_dim(k)},
         "value last dimension strided": {**call, "value": strided_last_dim(v)},
-        "output last dimension strided": {**call, "output": strided_last_dim(torch.empty_like(q))},
+        "output last dimension strided": {**call, "output": strided_last_dim(out)},
         "cache too small": {**call, "cache": backend.allocate_kv_cache(2)},
         "cache of another geometry": {**call, "cache": other.allocate_kv_cache(40)},
         "cache not a cache": {**call, "cache": object()},
@@ -905,4 +907,12 @@ def bad_layer_calls(
             **call,
             "cache": replace(cache, key=cache.key.half(), value=cache.value.half()),
         },
+        **(
+            {  # a spec whose values are not as wide as its keys: the key's width is refused
+                "value as wide as the key": {**call, "value": v.new_zeros(*v.shape[:2], D)},
+                "output as wide as the query": {**call, "output": torch.empty_like(q)},
+            }
+            if Dv != D
+            else {}
+        ),
     }

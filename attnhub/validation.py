@@ -298,6 +298,11 @@ def check_cache(
             f"cache holds {cache.num_kv_heads} kv heads of size {cache.head_size}, the spec "
             f"says {spec.num_kv_heads} of size {spec.head_size}"
         )
+    if cache.head_size_v != spec.head_size_v:
+        raise InvalidInputError(
+            f"cache holds values of head size {cache.head_size_v}, the spec says "
+            f"head_size_v = {spec.head_size_v}"
+        )
     kdt, vdt = KV_CACHE_DTYPES[spec.kv_cache_dtype].storage_dtypes(spec.dtype)
     if cache.key.dtype != kdt or cache.value.dtype != vdt:
         raise InvalidInputError(
@@ -321,8 +326,8 @@ def check_cache(
             )
 
 
-#: New keys and values: [n >= num_slots, num_kv_heads, head_size] in the model dtype, over
-#: the facts (spec, key, value, device, num_slots).
+#: New keys and values: [n >= num_slots, num_kv_heads, head_size] in the model dtype (values
+#: head_size_v wide), over the facts (spec, key, value, device, num_slots).
 KV_RULES = [
     *tensor_rules(
         "key",
@@ -335,7 +340,7 @@ KV_RULES = [
     *tensor_rules(
         "value",
         "value",
-        [None, "spec.num_kv_heads", "spec.head_size"],
+        [None, "spec.num_kv_heads", "spec.head_size_v"],
         "spec.dtype",
         "device",
         dense_rows=True,
@@ -355,7 +360,8 @@ KV = Rules("spec, key, value, device, num_slots", KV_RULES)
 def check_kv(
     spec: AttentionSpec, key: object, value: object, device: torch.device, num_slots: int
 ) -> None:
-    """New keys/values: [n >= num_slots, num_kv_heads, head_size] in the model dtype."""
+    """New keys/values: [n >= num_slots, num_kv_heads, head_size (values: head_size_v)] in the
+    model dtype."""
     if not KV.passes(spec, key, value, device, num_slots):
         KV.explain(spec, key, value, device, num_slots)
 

@@ -101,8 +101,13 @@ def test_allocate_rejects_unknown_layout() -> None:
 
 
 def test_constructor_rejects_key_value_shape_mismatch() -> None:
-    with pytest.raises(InvalidInputError, match=r"\(2, 4, 1, 8\)"):
-        PagedKVCache(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 4), block_size=4)
+    with pytest.raises(InvalidInputError, match=r"\(2, 4, 1, 8\) and \(2, 4, 2, 8\)"):
+        PagedKVCache(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 2, 8), block_size=4)
+
+
+def test_constructor_takes_a_value_plane_of_another_head_size() -> None:
+    cache = PagedKVCache(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 4), block_size=4)
+    assert (cache.head_size, cache.head_size_v) == (8, 4)
 
 
 def test_constructor_rejects_block_size_not_in_the_layout_dim() -> None:

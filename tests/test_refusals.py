@@ -26,7 +26,12 @@ def test_a_refusal_is_its_sentence_and_says_what_was_refused() -> None:
 
 def test_every_capability_refusal_names_its_field() -> None:
     spec = dataclasses.replace(
-        SPEC, head_size=48, block_size=24, kv_cache_dtype="fp8_e4m3", logits_soft_cap=30.0
+        SPEC,
+        head_size=48,
+        head_size_v=None,  # values as wide as the keys (replace keeps the old 64 otherwise)
+        block_size=24,
+        kv_cache_dtype="fp8_e4m3",
+        logits_soft_cap=30.0,
     )
     narrow = caps(
         head_sizes=frozenset({64}),

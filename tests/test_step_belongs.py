@@ -60,7 +60,7 @@ def test_metadata_built_for_another_block_size_is_refused_before_any_write(call:
 def test_metadata_built_for_another_head_size_is_refused_without_a_resize_warning() -> None:
     _, impl, cache = _layer()
     batch, _ = _step()
-    wide = TorchBackend(dataclasses.replace(SPEC, head_size=64))
+    wide = TorchBackend(dataclasses.replace(SPEC, head_size=64, head_size_v=None))
     meta = wide.metadata_builder().build(batch)
     q, k, v = random_qkv(SPEC, batch.num_tokens, generator(2))
     before = cache.clone()

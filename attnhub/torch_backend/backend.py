@@ -29,6 +29,7 @@ from attnhub.capabilities import (
     BatchInvariance,
     Capabilities,
     GraphSupport,
+    HeadSizeVSupport,
     LseSupport,
     MlaSupport,
     Refusal,
@@ -48,7 +49,7 @@ from attnhub.torch_backend.plan import Planner, SlotWrite, StepPlan, plan_slot_w
 @dataclass(frozen=True)
 class TorchAttentionMetadata(AttentionMetadata):
     plan: StepPlan | None = None
-    #: (key, value) [max_gather_blocks, block_size, Hkv, D] in the cache's storage dtypes:
+    #: (key, value) [max_gather_blocks, block_size, Hkv, D (values: Dv)] in the storage dtypes:
     #: scratch every layer of the step gathers into (the backend's, reused across steps).
     gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = scratch_field()
     #: Set by build_for_graph_capture: the step's fixed shape; forward takes the graph path.
@@ -83,7 +84,8 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
         k_dtype, v_dtype = spec.kv_cache_format.storage_dtypes(spec.dtype)
         self._storage_dtypes = (k_dtype, v_dtype)
         self._gather_budget_tokens = backend.gather_budget_bytes // (
-            spec.num_kv_heads * spec.head_size * (k_dtype.itemsize + v_dtype.itemsize)
+            spec.num_kv_heads
+            * (spec.head_size * k_dtype.itemsize + spec.head_size_v * v_dtype.itemsize)
         )
         self._planner = Planner(
             spec,
@@ -94,15 +96,15 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
             eager=bool({"softcap", "alibi", "sinks"} & spec.features()),
             device=backend.device,
         )
-        self._block_shape = (spec.block_size, spec.num_kv_heads, spec.head_size)
+        self._block_shape = (spec.block_size, spec.num_kv_heads)
 
     def plan(self, step: Step) -> Mapping[str, Any]:
         plan = self._planner.plan(step.batch, step.facts)
-        shape = (plan.max_gather_blocks, *self._block_shape)
+        n, spec = plan.max_gather_blocks, self.spec
         k_dtype, v_dtype = self._storage_dtypes
         buffers = (
-            self.backend.buffer("key", shape, k_dtype),
-            self.backend.buffer("value", shape, v_dtype),
+            self.backend.buffer("key", (n, *self._block_shape, spec.head_size), k_dtype),
+            self.backend.buffer("value", (n, *self._block_shape, spec.head_size_v), v_dtype),
         )
         return {"plan": plan, "gather_buffers": buffers}
 
@@ -213,7 +215,7 @@ class TorchAttentionImpl(AttentionImpl):
             return
         assert plan is not None and meta.gather_buffers is not None  # check_call
         eager = self._eager or lse is not None  # SDPA returns no LSE: the eager pass does
-        bs, Hkv, D = cache.block_size, spec.num_kv_heads, spec.head_size
+        bs, Hkv = cache.block_size, spec.num_kv_heads
         k_buf, v_buf = meta.gather_buffers
         group = spec.num_heads // Hkv
         for chunk in plan.chunks:
@@ -224,11 +226,15 @@ class TorchAttentionImpl(AttentionImpl):
             v = torch.index_select(cache.value, 0, chunk.block_ids, out=v_buf[:n])
             if chunk.pad_tokens is not None:  # rows past a shorter request's keys: zeros
                 for gathered in (k, v):
-                    indexable(gathered.view(n * bs, Hkv, D)).index_fill_(0, chunk.pad_tokens, 0)
-            # heads-first views of what was gathered, one op each: [C, Hkv, L, D]
-            size = (C, Hkv, chunk.kv_len, D)
-            stride = (chunk.num_blocks * bs * Hkv * D, D, Hkv * D, 1)
-            k, v = k.as_strided(size, stride), v.as_strided(size, stride)
+                    rows_of = gathered.view(n * bs, Hkv, gathered.shape[3])
+                    indexable(rows_of).index_fill_(0, chunk.pad_tokens, 0)
+            # heads-first views of what was gathered, one op each: [C, Hkv, L, D] (values: Dv)
+            k, v = (
+                g.as_strided(
+                    (C, Hkv, chunk.kv_len, d), (chunk.num_blocks * bs * Hkv * d, d, Hkv * d, 1)
+                )
+                for g, d in ((k, spec.head_size), (v, spec.head_size_v))
+            )
             # fp8 cache: dequantize what was gathered, in float32 and rounded once to the model
             # dtype (a scale rounded to bf16 first would bias every key and value alike)
             if cache.key_scale is not None:
@@ -300,6 +306,9 @@ class TorchBackend(AttentionBackend):
             reason="graph-captured steps are refused: their one call over the whole captured "
             "batch reads every request over the block table's width",
         ),
+        # any value head size (MLA's expanded prefill: keys 192, values 128): every path
+        # gathers and attends over each plane at its own width
+        head_size_v=HeadSizeVSupport(pairs=None),
     )
     mla_builder_type = TorchMLAMetadataBuilder
     mla_impl_type = TorchMLAImpl

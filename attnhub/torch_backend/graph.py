@@ -75,11 +75,11 @@ def graph_attend(
     batch: BatchMetadata,  # over the persistent buffers
     alibi_slopes: torch.Tensor | None,
     sinks: torch.Tensor | None,
-    out: torch.Tensor,  # [T, H, D]
+    out: torch.Tensor,  # [T, H, Dv]
     lse: torch.Tensor | None = None,  # [T, H] float32
 ) -> None:
     R, Q, W = step.num_reqs, step.query_len, step.width
-    bs, Hkv, D = cache.block_size, spec.num_kv_heads, spec.head_size
+    bs, Hkv = cache.block_size, spec.num_kv_heads
     L = W * bs
     dev = query.device
     seq = batch.seq_lens[:R].long()  # [R]
@@ -91,8 +91,8 @@ def graph_attend(
     hidden = ~own[:, None, :, None]  # [R, 1, L, 1]
 
     def gather(plane: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        g = plane.index_select(0, ids)  # [R * W, bs, Hkv, D]
-        g = g.view(R, L, Hkv, D).permute(0, 2, 1, 3)  # [R, Hkv, L, D]
+        g = plane.index_select(0, ids)  # [R * W, bs, Hkv, D] (values: Dv)
+        g = g.view(R, L, Hkv, plane.shape[3]).permute(0, 2, 1, 3)  # [R, Hkv, L, D]
         if scale is not None:
             g = (g.float() * scale).to(spec.dtype)
         return g.masked_fill(hidden, 0)  # stale keys/values (NaN) never reach the math

@@ -23,13 +23,14 @@ EAGER_QUERY_TILE = 256  # query tokens per eager tile: bounds the [rows, L] scor
 def attend_sdpa(
     q_rows: torch.Tensor,  # [C * Q, H, D]
     k: torch.Tensor,  # [C, Hkv, L, D] (a strided view of the gathered blocks)
-    v: torch.Tensor,
+    v: torch.Tensor,  # [C, Hkv, L, Dv]
     chunk: Chunk,
     scale: float,
-    out_rows: torch.Tensor,  # [C * Q, H, D]
+    out_rows: torch.Tensor,  # [C * Q, H, Dv]
 ) -> None:
     C, Q = chunk.num_reqs, chunk.query_len
     _, Hkv, _, D = k.shape
+    Dv = v.shape[3]  # the value head size (head_size_v; D unless the spec says otherwise)
     H = q_rows.shape[1]
     if chunk.causal_square:
         # One request, no cached context: bottom-right == top-left, so is_causal is exact.
@@ -45,13 +46,13 @@ def attend_sdpa(
     if Q == 1:  # decode: the rows of a kv head are its group's query heads, a plain view
         q = q_rows.view(C, Hkv, group, D)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
-        out_rows.copy_(o.view(C, H, D))
+        out_rows.copy_(o.view(C, H, Dv))
         return
     q = q_rows.view(C, Q, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(C, Hkv, group * Q, D)
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=chunk.mask, scale=scale
-    )  # [C, Hkv, group * Q, D]
-    out_rows.view(C, Q, Hkv, group, D).copy_(o.view(C, Hkv, group, Q, D).permute(0, 3, 1, 2, 4))
+    )  # [C, Hkv, group * Q, Dv]
+    out_rows.view(C, Q, Hkv, group, Dv).copy_(o.view(C, Hkv, group, Q, Dv).permute(0, 3, 1, 2, 4))
 
 
 def as_eager(chunk: Chunk, group: int) -> Chunk:
@@ -72,13 +73,13 @@ def as_eager(chunk: Chunk, group: int) -> Chunk:
 def attend_eager(
     q_rows: torch.Tensor,  # [C * Q, H, D]
     k: torch.Tensor,  # [C, Hkv, L, D]
-    v: torch.Tensor,
+    v: torch.Tensor,  # [C, Hkv, L, Dv]
     chunk: Chunk,
     scale: float,
     softcap: float | None,
     alibi_slopes: torch.Tensor | None,  # [H] float32
     sinks: torch.Tensor | None,  # [H] float32
-    out_rows: torch.Tensor,  # [C * Q, H, D]
+    out_rows: torch.Tensor,  # [C * Q, H, Dv]
     lse_rows: torch.Tensor | None = None,  # [C * Q, H] float32: each row's natural-log LSE
 ) -> None:
     """Attention in float32 from the scores up; with ``lse_rows``, also each row's log-sum-exp
@@ -90,7 +91,7 @@ def attend_eager(
     q = q_rows.view(C, Q, Hkv, group, D).permute(0, 2, 3, 1, 4).float()  # [C, Hkv, g, Q, D]
     kf = k.float()[:, :, None]  # [C, Hkv, 1, L, D]
     vf = v.float()[:, :, None]
-    out = out_rows.view(C, Q, Hkv, group, D)
+    out = out_rows.view(C, Q, Hkv, group, v.shape[3])
     lse = None if lse_rows is None else lse_rows.view(C, Q, Hkv, group)
     slopes = None if alibi_slopes is None else alibi_slopes.view(1, Hkv, group, 1, 1)
     sink = None if sinks is None else sinks.view(1, Hkv, group, 1, 1)
@@ -111,7 +112,7 @@ def attend_eager(
         denom = p.sum(dim=-1, keepdim=True)
         if sink is not None:
             denom = denom + torch.exp(sink - m)
-        o = (p @ vf) / denom  # [C, Hkv, g, t, D]
+        o = (p @ vf) / denom  # [C, Hkv, g, t, Dv]
         out[:, t0:t1].copy_(o.permute(0, 3, 1, 2, 4))
         if lse is not None:
             # no key and no sink: m = -inf, an empty row (+inf, as attnhub.reference)

@@ -81,6 +81,7 @@ class Config:
     attn_type: AttentionType = AttentionType.DECODER
     features: tuple[str, ...] = ()
     batch_invariant: bool = False  # the spec asks for bitwise batch invariance
+    head_size_v: int | None = None  # None: head_size
 
     def spec(self) -> AttentionSpec:
         f = set(self.features)
@@ -88,6 +89,7 @@ class Config:
             num_heads=self.heads.num_heads,
             num_kv_heads=self.heads.num_kv_heads,
             head_size=self.head_size,
+            head_size_v=self.head_size if self.head_size_v is None else self.head_size_v,
             dtype=self.dtype,
             block_size=self.block_size,
             kv_cache_dtype=self.kv_cache_dtype,
@@ -106,7 +108,8 @@ class Config:
     def id(self) -> str:
         parts = [
             DTYPE_NAMES.get(self.dtype, str(self.dtype).removeprefix("torch.")),
-            f"h{self.head_size}",
+            f"h{self.head_size}"
+            + ("" if self.head_size_v in (None, self.head_size) else f"v{self.head_size_v}"),
             self.heads.name,
             f"bs{self.block_size}",
         ]
@@ -489,6 +492,30 @@ class Axes:
         return combined if self.supports(combined) else None
 
 
+#: (head_size, head_size_v) pairs tried for ``spec.head_size_v``, in order: MLA's expanded
+#: prefill (DeepSeek: keys 192, values 128) first, then values narrower and wider than keys.
+HEAD_SIZE_V_PAIRS = ((192, 128), (128, 64), (64, 128), (64, 96), (32, 64), (128, 96), (64, 32))
+
+
+def _head_size_v_pairs(ax: Axes) -> list[tuple[int, int]]:
+    """The pairs the backend serves with the base config: the first with values narrower than
+    keys and the first with values wider (full scope: every one served)."""
+    base = ax.base
+    assert base is not None
+    ok = [
+        (k, v) for k, v in HEAD_SIZE_V_PAIRS if ax.supports(base.with_(head_size=k, head_size_v=v))
+    ]
+    if ax.scope.full:
+        return ok
+    narrower = [p for p in ok if p[1] < p[0]][:1]
+    wider = [p for p in ok if p[1] > p[0]][:1]
+    return narrower + wider
+
+
+def head_size_v_row(k: int, v: int) -> str:
+    return f"value head size: {k}/{v}"
+
+
 def _unique(xs: list[int]) -> list[int]:
     return list(dict.fromkeys(xs))
 
@@ -524,6 +551,8 @@ def output_cases(target: Target, scope: Scope) -> list[Case]:
         add(base, CASCADE, "cascade")
     for hs in ax.head_sizes:
         add(base.with_(head_size=hs), mixed, f"head size: {hs}")
+    if base.attn_type is AttentionType.DECODER:
+        _head_size_v_output_cases(ax, add, shapes)
     for heads in ax.heads:
         add(base.with_(heads=heads), mixed, f"heads: {heads.name}")
     for bs in ax.block_sizes:
@@ -553,6 +582,29 @@ def output_cases(target: Target, scope: Scope) -> list[Case]:
     if scope.full:
         _full_output_cases(ax, add)
     return out.list()
+
+
+def _head_size_v_output_cases(
+    ax: Axes, add: Callable[[Config, Shape, str], None], shapes: list[Shape]
+) -> None:
+    """Each served (head_size, head_size_v) pair: prefill, decode, chunked prefill and mixed
+    batches in every dtype; the pair with every declared feature at once, each quantized
+    cache, each head layout."""
+    base = ax.base
+    assert base is not None
+    picked = [s for s in (PREFILL, DECODE, CHUNKED_PREFILL, MIXED) if s in shapes]
+    for k, v in _head_size_v_pairs(ax):
+        pair = base.with_(head_size=k, head_size_v=v)
+        row = head_size_v_row(k, v)
+        for shape, dtype in itertools.product(picked, ax.dtypes):
+            add(pair.with_(dtype=dtype), shape, row)
+        combined = ax.combined_features(pair)
+        extras = [combined] if combined is not None else []
+        extras += [pair.with_(features=(f,)) for f in ax.features if combined is None]
+        extras += [pair.with_(kv_cache_dtype=kv) for kv in ax.kv_cache_dtypes]
+        extras += [pair.with_(heads=h) for h in ax.heads if h != base.heads]
+        for config in extras:
+            add(config, MIXED, row)
 
 
 def _full_output_cases(ax: Axes, add: Callable[[Config, Shape, str], None]) -> None:
@@ -600,6 +652,10 @@ def kv_cache_cases(target: Target, scope: Scope) -> list[Case]:
     configs += [base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes]
     configs += [base.with_(block_size=b) for b in ax.block_sizes]
     configs += [base.with_(attn_type=t) for t in ax.attn_types]
+    if base.attn_type is AttentionType.DECODER:  # the value plane at its own width
+        for k, v in _head_size_v_pairs(ax):
+            pair = base.with_(head_size=k, head_size_v=v)
+            configs += [pair, *(pair.with_(kv_cache_dtype=kv) for kv in ax.kv_cache_dtypes)]
     if scope.full:
         pairs = [
             base.with_(dtype=d, kv_cache_dtype=k)
@@ -700,7 +756,10 @@ def strided_cache_cases(target: Target, scope: Scope) -> list[Case]:
         if declared
         else "strided K/V planes (strided_kv_cache=False) are refused, the cache untouched"
     )
-    for config in [base, *(base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes)]:
+    configs = [base, *(base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes)]
+    if base.attn_type is AttentionType.DECODER:  # a slot's key and value of two widths
+        configs += [base.with_(head_size=k, head_size_v=v) for k, v in _head_size_v_pairs(ax)]
+    for config in configs:
         if config.attn_type is AttentionType.ENCODER_DECODER:
             continue
         out.add(
@@ -823,6 +882,12 @@ def refusal_cases(target: Target, scope: Scope) -> list[Case]:
         if caps.unsupported_reasons(base.with_(head_size=hs).spec()):
             refuse(base.with_(head_size=hs), f"head size: {hs}", f"head_size_{hs}")
             break
+    for k, v in (*HEAD_SIZE_V_PAIRS[:1], (base.head_size, base.head_size // 2)):
+        config = base.with_(head_size=k, head_size_v=v)
+        fields = {r.field for r in caps.unsupported_reasons(config.spec())}
+        if "head_size_v" in fields and "head_size" not in fields:  # refused for the pair
+            refuse(config, head_size_v_row(k, v), f"head_size_v_{k}_{v}")
+            break
     for bs in _REFUSED_BLOCK_SIZES:
         if caps.unsupported_reasons(base.with_(block_size=bs).spec()):
             refuse(base.with_(block_size=bs), f"block size: {bs}", f"block_size_{bs}")
@@ -877,9 +942,16 @@ def invalid_input_cases(target: Target, scope: Scope) -> list[Case]:
     configs = [base]
     if scope.full:
         configs += [base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes]
+    widths = {"value_head_size", "value_as_wide_as_key", "output_as_wide_as_query"}
+    widths |= {"write_kv_value_head_size", "write_kv_value_as_wide_as_key"}
+    if base.attn_type is AttentionType.DECODER:  # values of another width than keys
+        configs += [base.with_(head_size=k, head_size_v=v) for k, v in _head_size_v_pairs(ax)]
     for config in configs:
         suffix = "" if config is base else f"-{config.id}"
+        distinct = config.head_size_v not in (None, config.head_size)
         for entry in INVALID_INPUTS:
+            if distinct and entry.name not in widths:
+                continue
             if entry.not_applicable(target, config) is None:
                 out.add(
                     "invalid inputs",

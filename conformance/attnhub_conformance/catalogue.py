@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -182,6 +182,27 @@ def _write_kv_bad_slot(step: Step, layer: Layer) -> object:
     return None
 
 
+def _write_kv_value_width(width: str) -> Callable[[Step, Layer], object]:
+    """write_kv alone (its own slots, and with the step's metadata) with a value of the
+    ``width`` ("key": head_size, "wider": head_size_v + 8) in place of head_size_v."""
+
+    def provoke(step: Step, layer: Layer) -> object:
+        spec = step.spec
+        size = spec.head_size if width == "key" else spec.head_size_v + 8
+        value = _resized(layer.value, 2, size)
+        slots = step.batch.slot_mapping[: step.n]
+        try:
+            layer.impl.write_kv(layer.key, value, layer.cache, slots)
+        except InvalidInputError:
+            pass
+        else:
+            raise AssertionError(f"write_kv accepted a value {size} wide")
+        layer.impl.write_kv(layer.key, value, layer.cache, meta=step.build())
+        return None
+
+    return provoke
+
+
 def _write_kv_step_bad_slot(step: Step, layer: Layer) -> object:
     meta = step.builder.build(_with_slot(step, layer.cache.num_slots))
     layer.impl.write_kv(layer.key, layer.value, layer.cache, meta=meta)
@@ -265,6 +286,21 @@ def _needs_new_kv(target: Target, config: Config) -> str | None:
     return None
 
 
+def _same_head_sizes(target: Target, config: Config) -> str | None:
+    """Not applicable where values are as wide as keys (nothing to confuse), or no new keys."""
+    if config.head_size_v in (None, config.head_size):
+        return "the spec's values are as wide as its keys"
+    return _needs_new_kv(target, config)
+
+
+def _output(step: Step, layer: Layer, width: int | None = None, **kw: Any) -> torch.Tensor:
+    """An output buffer [num_tokens, num_heads, width] (default: ``head_size_v``, the good
+    width), like the query otherwise."""
+    spec = step.spec
+    shape = (layer.query.shape[0], spec.num_heads, spec.head_size_v if width is None else width)
+    return torch.empty(shape, dtype=kw.get("dtype", layer.query.dtype), device=step.device)
+
+
 def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = size
@@ -313,8 +349,21 @@ INVALID_INPUTS: tuple[InvalidInput, ...] = (
     _e(
         "value_head_size",
         "a value with another head size",
-        lambda s, la: _forward(s, la, value=_resized(la.value, 2, s.spec.head_size + 8)),
+        lambda s, la: _forward(s, la, value=_resized(la.value, 2, s.spec.head_size_v + 8)),
         not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "value_as_wide_as_key",
+        "a value head_size wide where the spec's values are head_size_v (a kernel that reads "
+        "values at the key's width)",
+        lambda s, la: _forward(s, la, value=_resized(la.value, 2, s.spec.head_size)),
+        not_applicable=_same_head_sizes,
+    ),
+    _e(
+        "output_as_wide_as_query",
+        "an output buffer of the query's shape where the output is head_size_v wide",
+        lambda s, la: _forward(s, la, output=_output(s, la, s.spec.head_size)),
+        not_applicable=_same_head_sizes,
     ),
     _e(
         "query_rank",
@@ -353,7 +402,7 @@ INVALID_INPUTS: tuple[InvalidInput, ...] = (
     _e(
         "output_last_dim_strided",
         "an output buffer whose last dimension is strided (stride 2)",
-        lambda s, la: _forward(s, la, output=testing.strided_last_dim(torch.empty_like(la.query))),
+        lambda s, la: _forward(s, la, output=testing.strided_last_dim(_output(s, la))),
     ),
     _e(
         "query_device",
@@ -369,9 +418,7 @@ INVALID_INPUTS: tuple[InvalidInput, ...] = (
     _e(
         "output_dtype",
         "an output buffer in another dtype",
-        lambda s, la: _forward(
-            s, la, output=torch.empty(la.query.shape, dtype=torch.float64, device=s.device)
-        ),
+        lambda s, la: _forward(s, la, output=_output(s, la, dtype=torch.float64)),
     ),
     _e(
         "cache_block_size",
@@ -408,6 +455,19 @@ INVALID_INPUTS: tuple[InvalidInput, ...] = (
         "write_kv(meta=) of a step whose slot_mapping has an entry one past the cache",
         _write_kv_step_bad_slot,
         not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "write_kv_value_head_size",
+        "write_kv (own slots and with meta=) with a value of another head size than head_size_v",
+        _write_kv_value_width("wider"),
+        not_applicable=_needs_new_kv,
+    ),
+    _e(
+        "write_kv_value_as_wide_as_key",
+        "write_kv (own slots and with meta=) with a value head_size wide where the spec's "
+        "values are head_size_v",
+        _write_kv_value_width("key"),
+        not_applicable=_same_head_sizes,
     ),
     _e(
         "write_kv_step_other_slot_mapping",

@@ -288,8 +288,9 @@ class _Fuzzer:
                 )
             except Exception as exc:
                 return f"accepted a call attnhub.reference refuses ({type(exc).__name__}: {exc})"
-            if not isinstance(out, torch.Tensor) or out.shape != query.shape:
-                return f"returned {_describe(out)}, expected a tensor of shape {list(query.shape)}"
+            shape = (query.shape[0], self.spec.num_heads, self.spec.head_size_v)
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
+                return f"returned {_describe(out)}, expected a tensor of shape {list(shape)}"
             if output is not None and out is not output:
                 return "forward(output=buf) returned another tensor than buf"
             n = batch.num_actual_tokens

@@ -324,12 +324,19 @@ def tolerance(step: Step) -> Tolerance:
     return capped
 
 
+def output_shape(step: Step, layer: Layer) -> tuple[int, int, int]:
+    """What forward returns: [num_tokens, num_heads, head_size_v] (the query's shape where
+    values are as wide as keys)."""
+    return (layer.query.shape[0], step.spec.num_heads, step.spec.head_size_v)
+
+
 def assert_matches_reference(
     step: Step, layer: Layer, out: torch.Tensor, what: str = "forward"
 ) -> None:
     """``out`` equals the reference within the declared tolerance; padding rows are zero."""
-    assert out.shape == layer.query.shape, (
-        f"{step.label}: {what} returned shape {list(out.shape)}, expected {list(layer.query.shape)}"
+    want = output_shape(step, layer)
+    assert out.shape == want, (
+        f"{step.label}: {what} returned shape {list(out.shape)}, expected {list(want)}"
     )
     assert out.dtype == step.spec.dtype, (
         f"{step.label}: {what} returned {out.dtype}, expected {step.spec.dtype}"

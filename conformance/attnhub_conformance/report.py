@@ -60,6 +60,7 @@ SECTIONS = (
     "attention:",
     "dtype:",
     "head size:",
+    "value head size:",
     "heads:",
     "block size:",
     "feature:",

@@ -132,9 +132,10 @@ def assert_long_matches(step: Step, layer: Layer, out: torch.Tensor) -> None:
     the float64 reference, the rounding check against a plain computation in the model dtype,
     padding rows zero; both references computed in chunks."""
     n, dtype = step.n, step.spec.dtype
-    assert out.shape == layer.query.shape and out.dtype == dtype, (
+    want = harness.output_shape(step, layer)
+    assert out.shape == want and out.dtype == dtype, (
         f"{step.label}: forward returned {list(out.shape)} {out.dtype}, expected "
-        f"{list(layer.query.shape)} {dtype}"
+        f"{list(want)} {dtype}"
     )
     tol = harness.tolerance(step)
     exact = chunked_reference(step, layer)

@@ -63,18 +63,19 @@ def strided_slots(batch: BatchMetadata) -> dict[str, Any]:
 def strided_copy(cache: PagedKVCache) -> PagedKVCache:
     """The same cache with K/V planes that are strided views: one tensor holding each slot's
     key and value side by side in the last dim (how vLLM allocates a layer's cache); planes of
-    different dtypes get a double-width buffer each. Scale planes are shared. A cache whose
-    blocks are packed is copied as its logical K/V (strided views of packed storage would be
-    neither)."""
+    different dtypes get a buffer of both widths each. Values of another head size than keys
+    (``head_size_v``) take the last ``head_size_v`` channels of the slot (vLLM's
+    ``[..., head_size + head_size_v]``). Scale planes are shared. A cache whose blocks are
+    packed is copied as its logical K/V (strided views of packed storage would be neither)."""
     cache = cache.unpacked()
-    d = cache.key.shape[-1]
+    d, dv = cache.key.shape[-1], cache.value.shape[-1]
     if cache.key.dtype == cache.value.dtype:
-        both = torch.empty((*cache.key.shape[:-1], 2 * d), dtype=cache.key.dtype)
+        both = torch.empty((*cache.key.shape[:-1], d + dv), dtype=cache.key.dtype)
         both = both.to(cache.key.device)
         key, value = both[..., :d], both[..., d:]
     else:
-        key = torch.empty((*cache.key.shape[:-1], 2 * d), dtype=cache.key.dtype)[..., :d]
-        value = torch.empty((*cache.value.shape[:-1], 2 * d), dtype=cache.value.dtype)[..., :d]
+        key = torch.empty((*cache.key.shape[:-1], d + dv), dtype=cache.key.dtype)[..., :d]
+        value = torch.empty((*cache.value.shape[:-1], d + dv), dtype=cache.value.dtype)[..., :dv]
         key, value = key.to(cache.key.device), value.to(cache.value.device)
     for dst, src in ((key, cache.key), (value, cache.value)):
         copyable(dst).copy_(copyable(src))

@@ -21,7 +21,7 @@ def test_matches_reference(case: Case) -> None:
 def test_output_buffer_is_filled_and_returned(case: Case) -> None:
     step = harness.prepare(case)
     layer = step.layers[0]
-    buf = layer.query.new_full(layer.query.shape, float("nan"))
+    buf = layer.query.new_full(harness.output_shape(step, layer), float("nan"))
     out = step.forward(layer, output=buf)
     assert out.data_ptr() == buf.data_ptr() and out.shape == buf.shape, (
         f"{case.id}: forward(..., output=buf) returned a different tensor than buf"

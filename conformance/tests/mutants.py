@@ -66,6 +66,9 @@ class PerRequestImpl(TorchAttentionImpl):
     def normalize(self, scores: torch.Tensor) -> torch.Tensor:  # softmax over the last dim
         return torch.softmax(scores, -1).nan_to_num(0.0)
 
+    def values(self, v: torch.Tensor) -> torch.Tensor:  # [s, H, head_size_v] as multiplied
+        return v
+
     def attend(
         self,
         query: torch.Tensor,
@@ -98,6 +101,7 @@ class PerRequestImpl(TorchAttentionImpl):
                 p = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
             else:
                 p = self.normalize(scores)
+            v = self.values(v)
             out[qsl[r] : qsl[r + 1]] = torch.einsum("hij,jhd->ihd", p, v).to(out.dtype)
 
 
@@ -637,6 +641,23 @@ class BatchDependentSplitsBackend(TorchBackend):
     impl_type = BatchDependentSplitsImpl
 
 
+# --- 18. values read at the key's head size: truncated to head_size, zero-padded back -----------
+class KeyWidthValuesImpl(PerRequestImpl):
+    """A kernel written for one head size: it keeps ``min(head_size, head_size_v)`` channels
+    of each value (a tile as wide as the key's) and leaves the rest of the output zero. Right
+    wherever values are no wider than keys (MLA's 192/128 included); wrong past head_size."""
+
+    def values(self, v: torch.Tensor) -> torch.Tensor:
+        kept = v.clone()
+        kept[..., self.spec.head_size :] = 0
+        return kept
+
+
+class TruncatesValuesBackend(TorchBackend):
+    name = "truncates_values"
+    impl_type = KeyWidthValuesImpl
+
+
 MUTANTS = (
     MlaIgnoresRopeBackend,
     MlaLatentScaleBackend,
@@ -658,6 +679,7 @@ MUTANTS = (
     MemoizesPerLayerBackend,
     LseBase2Backend,
     BatchDependentSplitsBackend,
+    TruncatesValuesBackend,
 )
 
 

@@ -48,6 +48,7 @@ from attnhub.capabilities import (
     BatchInvariance,
     Capabilities,
     GraphSupport,
+    HeadSizeVSupport,
     LseSupport,
     Refusal,
     Tolerance,
@@ -213,6 +214,14 @@ class AscendBackend(AttentionBackend):
         # through this TND call on hardware (see HEAD_SIZE_SOURCES). D = 512 in TND needs
         # query_rope / key_rope (MLA) [doc]; vllm-ascend routes D = 512 elsewhere.
         head_sizes=frozenset({64, 128, 192, 256}),
+        # FIA's key and value must have one shape [doc]; MLA's expanded prefill passes keys of
+        # the value's size with the rest as key_rope / query_rope [callers: cann-recipes'
+        # DeepSeek-R1 prefill, as quoted publicly; not in shared/callers], a split this backend
+        # does not make yet.
+        head_size_v=HeadSizeVSupport(
+            reason="not wired yet (FIA takes keys as wide as the values plus a separate "
+            "query_rope / key_rope part, e.g. 128 + 64 keys with 128 values)"
+        ),
         # FIA page attention with query lengths > 1 needs block_size a multiple of 128 in
         # 128..512; one fused call serves prefills too, so decode-only sizes (16-aligned) are
         # not enough.

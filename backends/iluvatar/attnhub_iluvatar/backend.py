@@ -46,6 +46,7 @@ from attnhub.capabilities import (
     BatchInvariance,
     Capabilities,
     GraphSupport,
+    HeadSizeVSupport,
     LseSupport,
     Refusal,
     Tolerance,
@@ -179,6 +180,12 @@ class IluvatarBackend(AttentionBackend):
         devices=frozenset({"cuda", "cpu"}),  # cuda: a CoreX GPU; cpu: the emulator only
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         head_sizes=HEAD_SIZES,
+        # The proven caller keeps K and V as one (2, num_blocks, Hkv, block_size, head_size)
+        # tensor and passes one head_size [callers]; no ixformer entry point with a value head
+        # size of its own is known.
+        head_size_v=HeadSizeVSupport(
+            reason="ixformer's paged attention takes one head size for keys and values"
+        ),
         block_sizes=BLOCK_SIZES,
         # auto: ixformer's mode 0 (model-dtype cache); int8: mode 1 (int8 Q, K, V); int8_k:
         # mode 2 (int8 Q and K, V in the model dtype, one packed int8 storage).
