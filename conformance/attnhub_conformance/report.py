@@ -76,6 +76,7 @@ SECTIONS = (
     "batch invariance",
     "metadata reuse",
     "graph capture",
+    "torch.compile",
     "random batches",
     "soak",
     "API fuzz",
