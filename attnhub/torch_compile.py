@@ -286,7 +286,15 @@ def attention(
     :func:`forward_context`. Returns the output (``output`` where given, else a new tensor like
     ``query``), and with ``return_lse=True`` ``(out, lse)``, ``lse`` ``[num_tokens,
     num_heads]`` float32 as ``forward(return_lse=True)`` gives it. Every check of ``forward``
-    runs when the op runs; eager calls work the same."""
+    runs when the op runs; eager calls work the same. Inference only: no gradient flows
+    through the op, and inputs that require grad (grad mode on) are refused."""
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value)
+    ):
+        raise InvalidInputError(
+            f"attnhub.attention (layer {layer_name!r}) computes no gradients, and query, key or "
+            "value requires grad: run the model under torch.no_grad() or torch.inference_mode()"
+        )
     out = torch.empty_like(query) if output is None else output
     lse = None
     if return_lse:

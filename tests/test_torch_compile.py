@@ -126,7 +126,7 @@ def test_one_token_steps_share_the_graph_when_the_token_dimension_is_unbacked(la
     counter = CompileCounterWithBackend("inductor")
     torch._dynamo.reset()
     fn = torch.compile(model.layer, fullgraph=True, backend=counter)
-    with torch.no_grad():
+    with torch.inference_mode():  # as engines run (the other tests: no_grad)
         for query_lens, seq_lens in [([3, 5], [3, 5]), ([1], [30]), ([1, 1], [9, 40]), ([1], [2])]:
             batch, x = model.step(query_lens, seq_lens)
             mark_unbacked(x, 0)  # no 0/1 specialization: a one-token step needs no new graph
@@ -270,4 +270,17 @@ def test_a_refusal_inside_the_op_is_the_forward_s_typed_error(layer_names):
     refused = pytest.raises((InvalidInputError, UnsupportedConfigurationError), match="dtype")
     with attnhub.forward_context(model.builder.build(batch)), refused:
         attnhub.attention(q, k, v, model.cache, "refuse.layer")
+    assert model.cache.equal(before)
+
+
+def test_inputs_that_require_grad_are_refused_not_silently_cut_off(layer_names):
+    """No gradient flows through the op: a model whose projections need gradients is told so,
+    instead of training without the attention's."""
+    model = _model(layer_names, "grad.layer")
+    batch, x = model.step([3, 5], [3, 5])
+    model.layer.wq.requires_grad_(True)
+    before = model.cache.clone()
+    refused = pytest.raises(InvalidInputError, match="computes no gradients")
+    with attnhub.forward_context(model.builder.build(batch)), refused:
+        model.layer(x)
     assert model.cache.equal(before)

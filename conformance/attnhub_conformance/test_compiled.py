@@ -9,8 +9,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch._dynamo.decorators import mark_unbacked
-from torch._dynamo.testing import CompileCounterWithBackend
 
 import attnhub
 from attnhub import testing
@@ -44,6 +42,8 @@ def _setup(case: Case) -> tuple[cc.CompiledRun, list[cc.BatchPlan]]:
 
 @pytest.mark.attnhub_cases("compiled")
 def test_compiled_decoder_layer_matches_eager(case: Case) -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend  # dynamo: seconds to import
+
     run, plans = _setup(case)
     counter = CompileCounterWithBackend("inductor")
     torch._dynamo.reset()
@@ -64,6 +64,8 @@ def test_compiled_decoder_layer_matches_eager(case: Case) -> None:
 def _check_step(
     run: cc.CompiledRun, model: Callable[..., tuple[torch.Tensor, ...]], plan: cc.BatchPlan, at: str
 ) -> None:
+    from torch._dynamo.decorators import mark_unbacked
+
     step = run.step
     batch = cc.batch_for(run, plan)
     meta = step.builder.build(batch)
