@@ -207,7 +207,14 @@ def _cache_given(name: str, registered: PagedKVCache, planes: list[torch.Tensor]
     return dataclasses.replace(registered, **fields)  # type: ignore[arg-type]
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=("output", "kv_cache", "lse"))
+#: The op plans nothing itself but reads a step's metadata on the host per call: a CUDA graph
+#: that ``torch.compile`` captures (``mode="reduce-overhead"``) would replay one step's plan for
+#: every later step. Tagged so that inductor keeps it out of the graphs it captures (torch 2.8+:
+#: the tag exists); attnhub's own graph runner (``attnhub.graphs``) captures attention instead.
+_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=("output", "kv_cache", "lse"), tags=_TAGS)
 def attention_op(
     query: torch.Tensor,
     key: torch.Tensor | None,

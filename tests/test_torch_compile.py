@@ -210,6 +210,12 @@ def test_the_op_passes_torch_library_opcheck(layer_names):
     assert OP_NAME == "attnhub::forward"
 
 
+def test_the_op_is_kept_out_of_the_cuda_graphs_torch_compile_captures():
+    """It reads each step's metadata on the host: a graph captured around it would replay one
+    step's plan (mode="reduce-overhead" splits the graph at an op so tagged)."""
+    assert torch.Tag.cudagraph_unsafe in torch.ops.attnhub.forward.default.tags
+
+
 def test_layers_of_different_specs_take_their_own_metadata_from_a_mapping(layer_names):
     a = _model(layer_names, "map.a")
     b = _model(layer_names, "map.b", _spec(sliding_window=8))
