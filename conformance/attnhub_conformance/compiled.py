@@ -89,8 +89,10 @@ def _weight(rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator) -> t
 
 class DecoderLayer(torch.nn.Module):
     """Projections, attention, output projection. ``compiled=True``: attention through
-    ``attnhub.attention`` (the op) into a NaN-filled buffer; else ``impl.forward`` directly.
-    Returns (layer output, attention output, keys, values)."""
+    ``attnhub.attention`` (the op) into the buffer given (an engine's persistent buffer; the
+    suite's is NaN-filled, so one the backend leaves unwritten shows, and made outside the graph,
+    so the graph compiles no kernel of its own: seconds less per backend on a small CPU); else
+    ``impl.forward`` directly. Returns (layer output, attention output, keys, values)."""
 
     def __init__(
         self,
@@ -110,7 +112,10 @@ class DecoderLayer(torch.nn.Module):
         self.impl, self.cache, self.name, self.compiled = impl, cache, name, compiled
 
     def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata | None = None
+        self,
+        x: torch.Tensor,  # [num_tokens, HIDDEN]
+        buf: torch.Tensor | None = None,  # compiled: the attention's output buffer, NaN-filled
+        meta: AttentionMetadata | None = None,  # eager: the step's metadata
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         import attnhub
 
@@ -118,7 +123,6 @@ class DecoderLayer(torch.nn.Module):
         k = (x @ self.wk.t()).view(-1, self.kv_heads, self.head_size)
         v = (x @ self.wv.t()).view(-1, self.kv_heads, self.head_size)
         if self.compiled:
-            buf = torch.full_like(q, math.nan)
             attn = attnhub.attention(q, k, v, self.cache, self.name, output=buf)
         else:
             assert meta is not None  # the eager layer is given the step's metadata

@@ -4,6 +4,7 @@ place."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 
@@ -74,11 +75,14 @@ def _check_step(
     cache = run.compiled.cache
     before = cache.clone()
     with torch.no_grad():
-        y_eager, attn_eager, _, _ = run.eager(x, meta)
-        mark_unbacked(x, 0)  # the token count: one graph for every step, one-token steps too
+        y_eager, attn_eager, _, _ = run.eager(x, meta=meta)
+        shape = (batch.num_tokens, step.spec.num_heads, step.spec.head_size)
+        buf = torch.full(shape, math.nan, dtype=step.spec.dtype, device=step.device)
+        for t in (x, buf):  # the token count: one graph for every step, one-token steps too
+            mark_unbacked(t, 0)
         with warnings.catch_warnings(record=True) as caught, attnhub.forward_context(meta):
             warnings.simplefilter("always")
-            y, attn, key, value = model(x)
+            y, attn, key, value = model(x, buf)
     n, tol = batch.num_actual_tokens, harness.tolerance(step)
     for what, got, want in (("attention", attn, attn_eager), ("layer", y, y_eager)):
         why = testing.mismatch(got[:n], want[:n].double(), tol, batch if got.dim() == 3 else None)
