@@ -290,3 +290,17 @@ def test_inputs_that_require_grad_are_refused_not_silently_cut_off(layer_names):
     with attnhub.forward_context(model.builder.build(batch)), refused:
         model.layer(x)
     assert model.cache.equal(before)
+
+
+def test_a_step_with_no_new_keys_passes_none_through_the_op(layer_names):
+    """key=value=None (nothing new to write: the cache already holds every key) reaches
+    forward as None: the cache untouched, the answer forward's."""
+    model = _model(layer_names, "nokv.layer")
+    batch, _ = model.step([1, 1], [20, 9])
+    meta = model.builder.build(batch)
+    q, _, _ = testing.random_qkv(model.spec, batch.num_tokens, testing.generator(6))
+    before = model.cache.clone()
+    with attnhub.forward_context(meta):
+        out = attnhub.attention(q, None, None, model.cache, "nokv.layer")
+    assert model.cache.equal(before)
+    assert torch.equal(out, model.backend.impl().forward(q, None, None, before, meta))
