@@ -64,6 +64,13 @@ if TYPE_CHECKING:
         select_backend,
     )
     from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec, AttentionType
+    from attnhub.torch_compile import (
+        attention,
+        attention_op,
+        forward_context,
+        register_layer,
+        unregister_layer,
+    )
 
 #: Where each public name lives (module -> names); submodules ``errors`` and ``reference`` too.
 _HOMES = {
@@ -108,6 +115,13 @@ _HOMES = {
         "select_backend",
     ),
     "attnhub.spec": ("KV_CACHE_DTYPES", "AttentionSpec", "AttentionType"),
+    "attnhub.torch_compile": (
+        "attention",
+        "attention_op",
+        "forward_context",
+        "register_layer",
+        "unregister_layer",
+    ),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
 

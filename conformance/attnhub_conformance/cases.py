@@ -1086,6 +1086,15 @@ def _mla_cases(target: Target, scope: Scope) -> list[Case]:
 GENERATORS["mla"] = _mla_cases
 
 
+def _compiled_cases(target: Target, scope: Scope) -> list[Case]:
+    from attnhub_conformance.compiled import compiled_cases
+
+    return compiled_cases(target, scope)
+
+
+GENERATORS["compiled"] = _compiled_cases
+
+
 def generate(kind: str, target: Target, scope: Scope) -> list[Case]:
     """The cases of one kind of test for one target (none for a target that cannot run)."""
     if kind == "availability":

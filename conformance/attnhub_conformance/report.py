@@ -79,6 +79,7 @@ SECTIONS = (
     "batch invariance",
     "metadata reuse",
     "graph capture",
+    "torch.compile",
     "random batches",
     "soak",
     "API fuzz",

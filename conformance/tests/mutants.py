@@ -658,6 +658,24 @@ class TruncatesValuesBackend(TorchBackend):
     impl_type = KeyWidthValuesImpl
 
 
+# --- a layer call that returns a fresh tensor instead of filling output= -------------------------
+class FreshOutputImpl(TorchAttentionImpl):
+    def forward(self, query, key, value, cache, meta, *, output=None, return_lse=False, lse=None):  # type: ignore[no-untyped-def, override]
+        # output= dropped: a fresh tensor comes back, right for a caller that uses what forward
+        # returns (eager model code), lost to one that reads its buffer (a compiled graph's op)
+        if return_lse or lse is not None:
+            return super().forward(query, key, value, cache, meta, return_lse=True, lse=lse)
+        return super().forward(query, key, value, cache, meta)
+
+
+class IgnoresOutputBufferBackend(TorchBackend):
+    """Returns a fresh tensor where forward is given output=: eager code that uses the return
+    value is right; a compiled model, whose op reads the buffer it passed, is not."""
+
+    name = "ignores_output_buffer"
+    impl_type = FreshOutputImpl
+
+
 MUTANTS = (
     MlaIgnoresRopeBackend,
     MlaLatentScaleBackend,
@@ -680,6 +698,7 @@ MUTANTS = (
     LseBase2Backend,
     BatchDependentSplitsBackend,
     TruncatesValuesBackend,
+    IgnoresOutputBufferBackend,
 )
 
 

@@ -166,6 +166,14 @@ MUTANT_RUNS = [
         "value head size: 64/128",
         id="truncates_values",
     ),
+    pytest.param(
+        "ignores_output_buffer",
+        "test_compiled",
+        "test_compiled_decoder_layer_matches_eager[ignores_output_buffer-compiled-bf16-h64-gqa4-bs16]",
+        "the compiled layer's attention output differs from eager",
+        "torch.compile",
+        id="ignores_output_buffer",
+    ),
 ]
 
 
