@@ -115,7 +115,17 @@ def _models(case: Case) -> tuple[Model, Model]:
             f"{case.id}: the backend's builder captures no graph for this spec (graph_support "
             "NEVER for it; build_for_graph_capture refuses with a reason)"
         )
-    return graphed, Model(case, spec)
+    twin = Model(case, spec)
+    # One eager step on both before any capture, as an engine's warm-up run precedes its
+    # captures (and CUDAGraphAdaptor's own warm-up run each one): what a backend checks once
+    # per weight on the host (e.g. a static scale's values) is checked there, never inside a
+    # capture; every later step still runs its layers under the host-sync guard.
+    g = testing.generator(testing.seed_of(case.id) + 2)
+    batch = graphed.batch(2, 1, g)
+    q, k, v = _inputs(graphed, batch, g)
+    for model in (graphed, twin):
+        model.eager_step(batch, q, k, v)
+    return graphed, twin
 
 
 def _reference(
