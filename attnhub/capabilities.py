@@ -568,6 +568,9 @@ class Capabilities:
     chunked_prefill: bool = True  # prefill requests with cached context
     cascade: bool = False  # shared-prefix (cascade) attention via common_prefix_len
     graph_capture: GraphSupport = GraphSupport.NEVER
+    #: Why the level is what it is (what a higher one would need; a builder may say less for
+    #: some specs: ``builder.graph_support``). Shown by ``attnhub list``.
+    graph_capture_reason: str = ""
     tolerances: Mapping[torch.dtype, Tolerance] = field(default_factory=dict)
     priority: Mapping[str, int] = field(default_factory=dict)
     #: Per KV-cache format, the :class:`~attnhub.quant.QueryQuantization` scheme (its name)
@@ -758,6 +761,7 @@ class Capabilities:
             "chunked_prefill": self.chunked_prefill,
             "cascade": self.cascade,
             "graph_capture": self.graph_capture.name.lower(),
+            "graph_capture_reason": self.graph_capture_reason,
             "priority": dict(self.priority),
             "query_quantization": {
                 k: self.query_quantization[k]

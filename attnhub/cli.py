@@ -237,7 +237,8 @@ def capability_lines(caps: Capabilities) -> Iterator[tuple[str, str]]:
     yield "kv caches", f"{kv} (layout {caps.kv_cache_layout})"
     yield "attention", names(sorted(t.value for t in caps.attn_types))
     yield "features", names([*features, *(f for f in flags if getattr(caps, f))])
-    yield "graph capture", caps.graph_capture.name.lower()
+    graph, why = caps.graph_capture.name.lower(), caps.graph_capture_reason
+    yield "graph capture", f"{graph}: {why}" if why else graph
     yield "mla", mla_line(caps)
     lse = caps.lse
     if lse.dtypes:

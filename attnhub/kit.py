@@ -8,7 +8,8 @@ notice; tests/test_kit.py fails when a backend or integration in this repository
                     store_latent_rows (an MLA step's latents, after its checks)
   LSE merge         merge_attn_states
   emulation         emulation (OpLog, kernel, null_kernels, preallocated, skip, timed)
-  graph capture     Tape, TapeEntry (the op tape of a captured step), NPUGraphAdaptor
+  graph capture     Tape, TapeEntry (the op tape of a captured step), kernel_call (an
+                    emulated kernel as one tape entry), recording_tape, NPUGraphAdaptor
   step facts        StepExtents (what layers compare), StepFacts (what build's checks read:
                     ``Step.facts``), same_view, as_contiguous
   cache layout      BlockPacking (a kernel's element order inside an HND block)
@@ -28,7 +29,7 @@ from attnhub import emulation
 from attnhub.backend import device_type
 from attnhub.batch import as_contiguous
 from attnhub.graphs import NPUGraphAdaptor
-from attnhub.graphs.tape import Tape, TapeEntry
+from attnhub.graphs.tape import Tape, TapeEntry, kernel_call, recording_tape
 from attnhub.kv_cache import BlockPacking
 from attnhub.kv_write import FixedShapeWrite, flat_slots, read_slots, write_slots
 from attnhub.lse import merge_attn_states
@@ -89,11 +90,13 @@ __all__ = [
     "host_step",
     "import_once",
     "indexable",
+    "kernel_call",
     "machine",
     "merge_attn_states",
     "per_call_us",
     "quantize_fp8",
     "read_slots",
+    "recording_tape",
     "same_view",
     "store_latent_rows",
     "write_slots",

@@ -312,3 +312,12 @@ def test_the_cuda_adaptor_replays_the_torch_backend_on_a_gpu() -> None:
         out = runner.run(batch, q, k, v)
         testing.assert_within(out.cpu(), expected.float(), TOL, f"step {i}", batch=batch)
     assert runner.stats["captures"] == 2
+
+
+def test_the_torch_backends_level_says_why_it_is_not_higher() -> None:
+    """UNIFORM_BATCH with its reason (issue 28: ALWAYS only if the fixed-shape path took
+    mixed batches), shown by ``attnhub list`` through the capabilities' summary."""
+    caps = TorchBackend.capabilities
+    assert caps.graph_capture == GraphSupport.UNIFORM_BATCH
+    assert "mixed batch" in caps.graph_capture_reason
+    assert caps.summary()["graph_capture_reason"] == caps.graph_capture_reason

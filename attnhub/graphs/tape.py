@@ -20,7 +20,10 @@ the data (``nonzero``, boolean-mask indexing, ``unique``, ...), with :class:`Gra
 An *opaque call* (:meth:`Tape.call`) is one recorded entry for a whole Python function (a
 vendor emulator's fused op), with its host arguments copied at the call; the aten ops it runs
 inside are not recorded separately. Entries can be replaced (:meth:`Tape.replace`): that is how
-an emulated task-group update swaps a kernel's host arguments.
+an emulated task-group update swaps a kernel's host arguments. :func:`kernel_call` is how a
+vendor emulator's op becomes one: while a tape records (the eager adaptor's capture), the op is
+recorded as one opaque entry, as a device graph records one kernel launch: its tensors read at
+replay, its host arguments (``max_seqlen_k``, ``num_splits``, ...) as they were at capture.
 """
 
 from __future__ import annotations
@@ -157,6 +160,27 @@ class _Recorder(TorchDispatchMode):
         return result
 
 
+#: The tapes recording now, innermost last (a capture inside a capture is refused).
+_RECORDING: list[Tape] = []
+
+
+def recording_tape() -> Tape | None:
+    """The tape recording now (None outside a capture, or while its recording is paused)."""
+    if not _RECORDING or _RECORDING[-1]._paused:
+        return None
+    return _RECORDING[-1]
+
+
+def kernel_call(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict) -> Any:
+    """Run a vendor emulator's op ``fn(*args, **kwargs)``: inside a capture on the eager tape,
+    as one opaque tape entry (its host arguments frozen now, its tensors read at every replay:
+    a device kernel's launch); else directly. An ``attnhub.emulation.OpLog.op`` route."""
+    tape = recording_tape()
+    if tape is None:
+        return fn(*args, **kwargs)
+    return tape.call(name, fn, args, kwargs)[1]
+
+
 class Tape:
     """The ops of one captured step (see the module docstring)."""
 
@@ -171,10 +195,12 @@ class Tape:
         if self._mode is not None:
             raise GraphCaptureError("this tape is already recording")
         self._mode = _Recorder(self)
+        _RECORDING.append(self)
         try:
             with self._mode:
                 yield self
         finally:
+            _RECORDING.remove(self)
             self._mode = None
 
     def call(

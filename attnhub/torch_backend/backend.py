@@ -281,6 +281,12 @@ class TorchBackend(AttentionBackend):
         # uniform batches (every request the same query length) take a static-shape path
         # (graph.py) whose per-step values are all read on the device
         graph_capture=GraphSupport.UNIFORM_BATCH,
+        graph_capture_reason=(
+            "uniform batches: the static-shape path (graph.py) lays a step out as R requests "
+            "x Q query tokens, each request's keys gathered once for its Q rows; a mixed batch "
+            "has no such grid (each token would gather its own request's W x block_size keys, "
+            "T instead of R gathers), and attnhub's graph runner pads uniform batches only"
+        ),
         tolerances={
             torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
             torch.float16: Tolerance(atol=3e-3, rtol=3e-3),

@@ -242,6 +242,13 @@ class AscendBackend(AttentionBackend):
         # NEVER for the others): FIA's host-side length lists, baked into a captured graph,
         # are refreshed per step by task-group updates (update_graph_params, docs/graphs.md).
         graph_capture=GraphSupport.UNIFORM_BATCH,
+        graph_capture_reason=(
+            "uniform batches of causal specs without a window (NEVER for the others: window "
+            "decodes are padded per step, a data-dependent size; non-causal steps run "
+            "npu_fusion_attention over host-planned key slots); FIA's length lists are "
+            "refreshed per step by task-group updates; attnhub's graph runner pads uniform "
+            "batches only"
+        ),
         # The emulator computes in float32 and rounds once; the kernels accumulate in float32
         # with float16/bfloat16 operands.
         tolerances={

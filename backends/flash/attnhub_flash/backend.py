@@ -56,6 +56,9 @@ class FlashAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor | None = None  # [num_tokens] int64, device (vLLM's write)
     write_rows: torch.Tensor | None = None  # [m] int64: tokens that have a slot (scatter)
     write_slots: torch.Tensor | None = None  # [m] int64: their slots
+    #: Planned for a captured graph (``build_for_graph_capture``): ``main`` holds the graph's
+    #: bounds and persistent tensors; the KV write is the fixed-shape one over ``slot_mapping``.
+    graph: bool = False
 
     @property
     def cascade(self) -> bool:
@@ -140,6 +143,37 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
         fields.update(kernels.plan_write(batch, backend.device))
         return fields
 
+    def build_for_graph_capture(self, batch: BatchMetadata) -> FlashAttentionMetadata:
+        """A captured step's metadata (docs/graphs.md): one call over the runner's persistent
+        buffers (no cascade), whose host ints are the graph's bounds, not this step's values:
+        ``max_seqlen_q`` the descriptor's query length (a uniform batch) or its token count
+        (a mixed one, ALWAYS), ``max_seqlen_k`` the block table's capacity (vLLM captures with
+        the max model length: a replay with a longer sequence than the capture step's is
+        covered); FA3's ``num_splits`` fixed. The KV write reads the persistent slot mapping
+        on the device. Host values a provider must refresh per step: ``update_graph_params``."""
+        step = self.capture_step(batch)
+        batch = step.batch
+        kernels = self.backend.kernels
+        n = batch.num_actual_tokens
+        fields: dict[str, Any] = dict(provider=self.backend.provider, num_actual_tokens=n)
+        fields.update(kernels.plan_graph_write(batch), graph=True)
+        if n:
+            q = batch.query_lens_cpu
+            uniform = bool((q == q[0]).all())
+            max_q = int(q[0]) if uniform else n
+            fields["main"] = self._kernel_args(
+                as_contiguous(batch.query_start_loc),
+                max_q,
+                as_contiguous(batch.seq_lens),
+                batch.seq_lens_cpu,
+                int(batch.block_table.shape[1]) * batch.block_size,
+                as_contiguous(batch.block_table),
+                self.spec.causal and batch.causal,
+                decode_only=uniform and max_q == 1,
+                graph=True,
+            )
+        return self.metadata(step, fields)
+
     def _kernel_args(self, *args: Any, **kwargs: Any) -> KernelArgs:
         """The provider's arguments of one call (``Provider.kernel_args``), with the keyword
         arguments every layer passes alike made now, once per step (``step_kwargs``)."""
@@ -208,6 +242,26 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             causal=True,
         )
         return dict(prefix=prefix, suffix=suffix)
+
+
+class FlashScheduledBuilder(FlashMetadataBuilder):
+    """The builder of a provider whose captured call takes a host-planned value
+    (``Provider.graph_updates``: vllm-fa3's FA3 schedule), refreshed before every replay."""
+
+    def update_graph_params(
+        self, graph_meta: FlashAttentionMetadata, batch: BatchMetadata, stream: Any
+    ) -> None:
+        """Plan the captured call's host-planned arguments again for this step, from the
+        persistent buffers the runner has refilled (on the current stream, before the replay:
+        ``stream`` is None on the eager tape and on CUDA, whose adaptor has no update stream)."""
+        main = graph_meta.main
+        if main is None:
+            return
+        if stream is None:
+            self.backend.kernels.refresh_graph_args(self.backend, main)
+            return
+        with torch.cuda.stream(stream):
+            self.backend.kernels.refresh_graph_args(self.backend, main)
 
 
 class FlashAttentionImpl(AttentionImpl):
@@ -362,6 +416,8 @@ class FlashBackend(AttentionBackend):
         super().__init_subclass__(**kwargs)
         cls.provider = cls.kernels.name
         cls.capabilities = cls.kernels.capabilities
+        updates = cls.kernels.graph_updates  # a captured call with a host-planned value
+        cls.builder_type = FlashScheduledBuilder if updates else FlashMetadataBuilder
 
     @classmethod
     def availability(cls, device: torch.device | str, emulate: bool = False) -> str | None:

@@ -57,7 +57,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from attnhub.kit import emulation
+from attnhub.kit import emulation, kernel_call
 from attnhub_flash.ops import fa4_arch
 
 #: These functions stand in for the GPU: a host read made inside them is a read on the device,
@@ -103,8 +103,11 @@ record_calls = _log.record
 
 
 def _counted(module: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The op, as a device launches it: inside a capture on attnhub's eager tape, one opaque
+    tape entry (``kernel_call``): its tensors read at every replay, its host arguments as they
+    were at capture, as a CUDA graph records one kernel launch."""
     name = f"{module}.{fn.__name__}"
-    op = _log.op(name, fn, binding=name)
+    op = _log.op(name, fn, binding=name, route=kernel_call)
     op.__qualname__ = name
     return op
 
@@ -706,6 +709,8 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
             num_splits,
             scheduler_metadata,
             q.device,
+            q_lens=q_lens,
+            kv_lens=kv_lens,
             batch=batch,
             max_seqlen_q=int(max_seqlen_q),
             max_seqlen_k=int(max_seqlen_k),
@@ -817,15 +822,32 @@ def _varlen_lengths(
 
 
 def _check_fa3_splits(
-    op: str, num_splits: int, scheduler_metadata: object, dev: torch.device, **shape: Any
+    op: str,
+    num_splits: int,
+    scheduler_metadata: object,
+    dev: torch.device,
+    *,
+    q_lens: list[int],
+    kv_lens: list[int],
+    **shape: Any,
 ) -> None:
     """FA3's split count, and ``scheduler_metadata`` (when given) sized for this call's
-    ``shape`` (the keywords of ``_fa3_metadata_size``)."""
+    ``shape`` (the keywords of ``_fa3_metadata_size``) and planned for its lengths."""
     if num_splits > 256:
         raise _fail(op, f"num_splits > 256 not supported (num_splits = {num_splits})")
     if scheduler_metadata is not None:
         size = _fa3_metadata_size(**shape, num_splits=num_splits)
         _check_metadata(op, scheduler_metadata, size, dev)
+        assert isinstance(scheduler_metadata, torch.Tensor)
+        planned = scheduler_metadata.tolist()
+        if planned != _schedule_contents(size, shape["batch"], q_lens, kv_lens):
+            raise _fail(
+                op,
+                "scheduler_metadata was planned for other sequence lengths than this call's "
+                f"(cu_seqlens_q lengths {q_lens[:8]}, seqused_k {kv_lens[:8]}): the kernel "
+                "would run another step's tile schedule; plan it with get_scheduler_metadata "
+                "for this step's lengths (a captured graph: refreshed before every replay)",
+            )
 
 
 def _s_aux(op: str, s_aux: object, q: torch.Tensor) -> torch.Tensor:
@@ -892,6 +914,25 @@ def _fa3_metadata_size(
     return 1 + -(-batch // 4) * 4 * vectors
 
 
+def _schedule_contents(
+    size: int, batch: int, q_lens: Sequence[int], kv_lens: Sequence[int]
+) -> list[int]:
+    """What the emulator's schedule holds: the GPU's per-batch tile counts and splits come
+    from each sequence's query and key lengths (and the SM count) [source: the fork's
+    prepare_varlen_num_blocks]; the emulator, which schedules nothing, stores the lengths
+    themselves in their place [inferred: a stand-in], so that a call given a schedule planned
+    for other lengths (a stale one: a captured graph replayed without re-planning it, where the
+    kernel would run another step's tiles: undefined there) is refused. The first per-batch
+    vector holds the key lengths, a second one (where the layout has it) the query lengths;
+    the rest, and the semaphore, 0."""
+    contents = [0] * size
+    stride = -(-batch // 4) * 4
+    contents[:batch] = list(kv_lens)
+    if size > 1 + stride:
+        contents[stride : stride + batch] = list(q_lens)
+    return contents
+
+
 def _check_metadata(op: str, metadata: object, size: int, dev: torch.device) -> None:
     """The fork's checks of a precomputed ``scheduler_metadata`` [source]."""
     if not isinstance(metadata, torch.Tensor):
@@ -939,9 +980,11 @@ def get_scheduler_metadata(  # type: ignore[no-untyped-def]  # vLLM's fork, FA3 
     Returns the int32 tensor the kernel takes, sized as the fork sizes it
     (``_fa3_metadata_size``). Its contents are the GPU scheduler's working state (per-batch
     tile counts, splits and a semaphore, computed by a device kernel from the SM count); the
-    emulator schedules nothing, so it returns zeros: what it checks, as the kernel does, is
-    that a call gets metadata of the size its own batch, causal flag, window and splits need
-    [source: the fork's mha_fwd CHECK_SHAPE / dtype / contiguity checks]."""
+    emulator schedules nothing: it stores the lengths it was planned for in their place
+    (``_schedule_contents``). What it checks, as the kernel does, is that a call gets metadata
+    of the size its own batch, causal flag, window and splits need [source: the fork's mha_fwd
+    CHECK_SHAPE / dtype / contiguity checks], and, where the kernel would silently run a wrong
+    schedule, that it was planned for the call's own lengths [inferred]."""
     op = "vllm_flash_attn.get_scheduler_metadata"
     _not_emulated(
         op,
@@ -956,9 +999,12 @@ def get_scheduler_metadata(  # type: ignore[no-untyped-def]  # vLLM's fork, FA3 
     if not isinstance(cache_seqlens, torch.Tensor):
         raise _fail(op, f"cache_seqlens must be a Tensor, got {type(cache_seqlens).__name__}")
     dev = cache_seqlens.device
-    _int32(op, "cache_seqlens", cache_seqlens.contiguous(), (batch_size,), dev)
+    kv_lens = _int32(op, "cache_seqlens", cache_seqlens.contiguous(), (batch_size,), dev)
     if cu_seqlens_q is not None:
-        _int32(op, "cu_seqlens_q", cu_seqlens_q, (batch_size + 1,), dev)
+        starts = _int32(op, "cu_seqlens_q", cu_seqlens_q, (batch_size + 1,), dev)
+        q_lens = _cumulative(op, "cu_seqlens_q", starts, None)
+    else:
+        q_lens = [int(max_seqlen_q)] * int(batch_size)
     size = _fa3_metadata_size(
         batch=int(batch_size),
         max_seqlen_q=int(max_seqlen_q),
@@ -969,7 +1015,8 @@ def get_scheduler_metadata(  # type: ignore[no-untyped-def]  # vLLM's fork, FA3 
         window=tuple(window_size),
         num_splits=int(num_splits),
     )
-    return torch.zeros(size, dtype=torch.int32, device=dev)
+    contents = _schedule_contents(size, int(batch_size), q_lens, kv_lens)
+    return torch.tensor(contents, dtype=torch.int32, device=dev)
 
 
 def reshape_and_cache_flash(  # vllm._custom_ops

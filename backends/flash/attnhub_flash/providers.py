@@ -29,6 +29,7 @@ docs/backends/flash.md.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 import os
 from collections.abc import Mapping
@@ -49,7 +50,15 @@ from attnhub.capabilities import (
     Tolerance,
 )
 from attnhub.errors import InvalidInputError
-from attnhub.kit import as_contiguous, flat_slots, indexable, quantize_fp8, write_slots
+from attnhub.kit import (
+    FixedShapeWrite,
+    as_contiguous,
+    flat_slots,
+    indexable,
+    quantize_fp8,
+    read_slots,
+    write_slots,
+)
 from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_flash import ops
@@ -66,6 +75,11 @@ TOLERANCES = {
 #: FA3's ``num_splits``: 0 = the kernel's own split-KV heuristic, what vLLM passes outside full
 #: CUDA graphs (it must be the same in get_scheduler_metadata and the attention call).
 NUM_SPLITS = 0
+#: FA3's ``num_splits`` in a captured graph (vllm-fa3): vLLM's
+#: ``attention_config.flash_attn_max_num_splits_for_cuda_graph`` (32), "the upper bound of the
+#: number of splits so that large enough intermediate buffers are pre-allocated during capture"
+#: [callers: vllm/v1/attention/backends/flash_attn.py], in the schedule and the call alike.
+GRAPH_NUM_SPLITS = 32
 #: Upstream FA2's paged block sizes: "Paged KV cache block size must be divisible by 256"
 FA2_PAGE_MULTIPLE = 256
 #: vLLM's fork, FA3 with s_aux: "We only support query heads <= 64 with S aux", and
@@ -106,6 +120,28 @@ _NO_DESCALES: dict[str, Any] = {}  # a model-dtype cache: no fp8 descales
 _COMMON_WHY = {"dtype": "FlashAttention kernels take float16 and bfloat16"}
 
 
+#: Graph capture, per provider (``Capabilities.graph_capture``), as vLLM's own FlashAttention
+#: backend declares it (``FlashAttentionMetadataBuilder._cudagraph_support``: ALWAYS with FA3,
+#: UNIFORM_BATCH otherwise) [callers]. Every captured call takes its host ints as the graph's
+#: bounds (``max_seqlen_q``: the descriptor's query length, or its token count for a mixed
+#: batch; ``max_seqlen_k``: the block table's capacity, as vLLM captures with the max model
+#: length) and reads every per-step value from the runner's persistent buffers.
+_FA2_GRAPH_WHY = (
+    "uniform batches only, as vLLM's FlashAttention backend with FA2: a graph captured with "
+    "max_seqlen_q = 1 takes FA2's one-query packed-GQA path, which mixed batches cannot "
+    "replay (vLLM: 'these graphs will not work for mixed prefill-decode')"
+)
+_FA3_GRAPH_WHY = (
+    "any batch, as vLLM's FlashAttention backend with FA3: the tile schedule reads the "
+    "lengths on the device and the split count is fixed for the graph"
+)
+_FA4_GRAPH_WHY = (
+    "uniform batches only, as vLLM's FlashAttention backend with FA4 (UNIFORM_BATCH: only FA3 "
+    "is ALWAYS there); FA4's varlen kernels are compiled and launched for the max_seqlen_q "
+    "baked into the graph [inferred]"
+)
+
+
 def _caps(**fields: Any) -> Capabilities:
     base: dict[str, Any] = dict(
         devices=frozenset({"cuda", "cpu"}),  # cpu: through the emulator only (emulate=True)
@@ -126,9 +162,6 @@ def _caps(**fields: Any) -> Capabilities:
         chunked_prefill=True,
         # common_prefix_len: a prefix call, a suffix call and an LSE merge (vLLM's cascade)
         cascade=True,
-        # max_seqlen_q / max_seqlen_k are host ints of the step: a captured graph would bake
-        # them in; graph support is left for a later increment.
-        graph_capture=GraphSupport.NEVER,
         tolerances=TOLERANCES,
         # Every provider returns each row's natural-log LSE from the attention call itself
         # (return_softmax_lse / return_attn_probs / return_lse), for every dtype and cache it
@@ -165,6 +198,13 @@ class KernelArgs:
     #: vllm-fa3: FA3's tile schedule for this call, planned once per step by the fork's
     #: get_scheduler_metadata (as vLLM's builder does) instead of by every layer's call.
     scheduler_metadata: torch.Tensor | None = None
+    #: FA3's ``num_splits`` (the schedule's and the call's): 0 eagerly, a fixed bound in graphs.
+    num_splits: int = NUM_SPLITS
+    #: Planned for a captured graph (``build_for_graph_capture``): the host ints are the
+    #: graph's bounds (``max_seqlen_k``: the block table's capacity, as vLLM captures with the
+    #: max model length), every tensor the runner's persistent buffers or made from them on the
+    #: device inside the call (FA2's ``cu_seqlens_k``).
+    graph: bool = False
     #: The call's keyword arguments that are the same for every layer of a backend (this
     #: call's lengths and table, the spec's scale, window and softcap), made by the builder
     #: once per step (``Provider.step_kwargs``); layers only read them.
@@ -204,6 +244,9 @@ class Provider(abc.ABC):
     capabilities: ClassVar[Capabilities]
     #: Why its kernels refuse what ``capabilities`` refuses, per refused field.
     why: ClassVar[Mapping[str, str]]
+    #: Whether a captured call takes a host-planned value that must be refreshed before every
+    #: replay (``refresh_graph_args``; the builder's ``update_graph_params`` then calls it).
+    graph_updates: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return f"<FlashAttention provider {self.name!r}>"
@@ -262,8 +305,10 @@ class Provider(abc.ABC):
         block_table: torch.Tensor,  # [B, blocks] int32, contiguous, device
         causal: bool,
         decode_only: bool = False,
+        graph: bool = False,
     ) -> KernelArgs:
-        """The arguments of one attention call, made once per step for every layer."""
+        """The arguments of one attention call, made once per step for every layer (``graph``:
+        once per captured graph, for every replay of it)."""
         return KernelArgs(
             query_start_loc=query_start_loc,
             max_query_len=max_query_len,
@@ -273,13 +318,26 @@ class Provider(abc.ABC):
             block_table=block_table,
             causal=causal,
             decode_only=decode_only,
+            graph=graph,
         )
+
+    def refresh_graph_args(self, backend: FlashBackend, a: KernelArgs) -> bool:
+        """Before a replay of a graph captured with ``a``: refresh what the captured call took
+        from the host per step, from ``a``'s persistent tensors (already holding the step).
+        Returns whether there was anything to refresh. Default: nothing (the captured call
+        reads every per-step value from the device)."""
+        return False
 
     def step_kwargs(self, spec: AttentionSpec, a: KernelArgs) -> dict[str, Any]:
         """The keyword arguments of a call with ``a`` that every layer of ``spec`` passes
         alike, made once per step by the builder (``KernelArgs.step_kwargs``). Default: none
         (the call passes ``a``'s fields itself)."""
         return {}
+
+    def plan_graph_write(self, batch: BatchMetadata) -> dict[str, Any]:
+        """A captured step's KV write: the persistent slot mapping itself (int64, -1 =
+        padding), read on the device by the write (``write_step``) at every replay."""
+        return {"slot_mapping": as_contiguous(batch.slot_mapping, torch.int64)}
 
     def plan_write(self, batch: BatchMetadata, device: torch.device) -> dict[str, Any]:
         """The KV write's plan, metadata fields: the rows that have a slot, and their slots."""
@@ -324,7 +382,12 @@ class Provider(abc.ABC):
         cache: PagedKVCache,
         meta: FlashAttentionMetadata,
     ) -> None:
-        """A step's KV write, as ``plan_write`` planned it."""
+        """A step's KV write, as ``plan_write`` planned it (a captured step: the fixed-shape
+        write of ``plan_graph_write``'s slot mapping)."""
+        if meta.graph:
+            assert meta.slot_mapping is not None
+            scatter_fixed(key, value, cache, meta.slot_mapping)
+            return
         assert meta.write_rows is not None and meta.write_slots is not None
         scatter(key, value, cache, meta.write_rows, meta.write_slots)
 
@@ -372,6 +435,8 @@ class VllmProvider(Provider):
         alibi=True,
         sinks=False,
         priority={"cuda": 80},
+        graph_capture=GraphSupport.UNIFORM_BATCH,
+        graph_capture_reason=_FA2_GRAPH_WHY,
     )
     why: ClassVar[Mapping[str, str]] = {
         "block_size": "vLLM's flash-attention fork takes paged blocks in multiples of 16",
@@ -474,7 +539,7 @@ class VllmProvider(Provider):
             block_table=a.block_table,
             softcap=spec.logits_soft_cap or 0.0,  # 0.0 = off, the kernels' spelling
             scheduler_metadata=a.scheduler_metadata,  # vllm-fa3: planned once per step
-            num_splits=NUM_SPLITS,
+            num_splits=a.num_splits,
             fa_version=self.fa_version,
         )
 
@@ -505,6 +570,9 @@ class VllmFA3Provider(VllmProvider):
         sinks=True,
         priority={"cuda": 85},
         head_size_v=HEAD_SIZE_V_FA3,
+        graph_capture=GraphSupport.ALWAYS,
+        graph_capture_reason=_FA3_GRAPH_WHY + " (get_scheduler_metadata planned into the "
+        "graph's persistent buffer before every replay, num_splits 32 as vLLM's graphs)",
         **FA3_FP8,
     )
     why: ClassVar[Mapping[str, str]] = {
@@ -514,6 +582,7 @@ class VllmFA3Provider(VllmProvider):
         "kv_cache_dtype": "FA3 takes fp8 e4m3 caches only",
     }
     fa_version = 3
+    graph_updates = True  # the schedule
 
     def native_reason(self, device: torch.device) -> str | None:
         fork, _ = ops.import_once(self.source.attention)
@@ -535,29 +604,14 @@ class VllmFA3Provider(VllmProvider):
         block_table: torch.Tensor,
         causal: bool,
         decode_only: bool = False,
+        graph: bool = False,
     ) -> KernelArgs:
         """Also FA3's schedule for the call (vLLM's
         ``FlashAttentionMetadataBuilder._get_scheduler_metadata``): a device op, no host read.
-        ``num_splits=0``: the kernel's heuristic (vLLM fixes it only for full CUDA graphs,
-        which this backend does not capture)."""
-        spec = backend.spec
-        schedule = backend.ops.attention.get_scheduler_metadata(
-            batch_size=int(block_table.shape[0]),
-            max_seqlen_q=max_query_len,
-            max_seqlen_k=max_seq_len,
-            num_heads_q=spec.num_heads,
-            num_heads_kv=spec.num_kv_heads,
-            headdim=spec.head_size,
-            cache_seqlens=seq_lens,
-            qkv_dtype=torch.float8_e4m3fn if spec.kv_cache_dtype == FP8_KV else spec.dtype,
-            cu_seqlens_q=query_start_loc,
-            page_size=spec.block_size,
-            causal=causal,
-            window_size=spec.window,
-            has_softcap=bool(spec.logits_soft_cap),
-            num_splits=NUM_SPLITS,
-        )
-        return KernelArgs(
+        ``num_splits=0``: the kernel's heuristic; in a captured graph the fixed bound vLLM uses
+        under full CUDA graphs (``GRAPH_NUM_SPLITS``), and the schedule is the graph's
+        persistent buffer, planned again before every replay (``refresh_graph_args``)."""
+        a = KernelArgs(
             query_start_loc=query_start_loc,
             max_query_len=max_query_len,
             seq_lens=seq_lens,
@@ -566,8 +620,46 @@ class VllmFA3Provider(VllmProvider):
             block_table=block_table,
             causal=causal,
             decode_only=decode_only,
-            scheduler_metadata=schedule,
+            num_splits=GRAPH_NUM_SPLITS if graph else NUM_SPLITS,
+            graph=graph,
         )
+        schedule = self.schedule(backend, a)
+        if graph:  # the buffer the graph reads: this one, refilled in place per step
+            schedule = schedule.clone()
+        return dataclasses.replace(a, scheduler_metadata=schedule)
+
+    def schedule(self, backend: FlashBackend, a: KernelArgs) -> torch.Tensor:
+        """FA3's tile schedule for a call with ``a`` (the fork's get_scheduler_metadata, with
+        the same host ints and ``num_splits`` as the call: its layout depends on them)."""
+        spec = backend.spec
+        return backend.ops.attention.get_scheduler_metadata(
+            batch_size=int(a.block_table.shape[0]),
+            max_seqlen_q=a.max_query_len,
+            max_seqlen_k=a.max_seq_len,
+            num_heads_q=spec.num_heads,
+            num_heads_kv=spec.num_kv_heads,
+            headdim=spec.head_size,
+            cache_seqlens=a.seq_lens,
+            qkv_dtype=torch.float8_e4m3fn if spec.kv_cache_dtype == FP8_KV else spec.dtype,
+            cu_seqlens_q=a.query_start_loc,
+            page_size=spec.block_size,
+            causal=a.causal,
+            window_size=spec.window,
+            has_softcap=bool(spec.logits_soft_cap),
+            num_splits=a.num_splits,
+        )
+
+    def refresh_graph_args(self, backend: FlashBackend, a: KernelArgs) -> bool:
+        """The schedule, planned again for this step's lengths (the persistent seq_lens and
+        query_start_loc, refilled for it) into the buffer the captured call reads, as vLLM's
+        builder writes its ``scheduler_metadata`` buffer before every full-graph replay
+        (``_store_scheduler_metadata``). The host ints are the captured call's own (its bounds:
+        ``max_seqlen_k`` the table's capacity), so the layout is the captured one [inferred:
+        vLLM plans it with the step's own maxima; a bound is as valid a plan and keeps the
+        layout the call was captured with]."""
+        assert a.scheduler_metadata is not None
+        a.scheduler_metadata.copy_(self.schedule(backend, a))
+        return True
 
     def layer_sinks(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
         # s_aux in bf16, contiguous: "We only support bf16 dtype for S aux." [source: the
@@ -592,6 +684,8 @@ class FA2Provider(Provider):
         alibi=True,
         sinks=False,
         priority={"cuda": 70},
+        graph_capture=GraphSupport.UNIFORM_BATCH,
+        graph_capture_reason=_FA2_GRAPH_WHY,
     )
     why: ClassVar[Mapping[str, str]] = {
         "block_size": "upstream FA2's paged KV needs page_block_size a multiple of 256",
@@ -619,20 +713,26 @@ class FA2Provider(Provider):
         block_table: torch.Tensor,
         causal: bool,
         decode_only: bool = False,
+        graph: bool = False,
     ) -> KernelArgs:
         """Also the cumulative KV lengths: FA2's paged varlen reads them from cu_seqlens_k
-        [inferred]."""
-        cu = torch.zeros(seq_lens_cpu.numel() + 1, dtype=torch.int32)
-        torch.cumsum(seq_lens_cpu.to(torch.int32), 0, out=cu[1:])
+        [inferred]. In a captured graph they are made inside the call, on the device, from the
+        persistent seq_lens (``call``): host-made ones would be the capture step's forever."""
+        cu_k = None
+        if not graph:
+            cu = torch.zeros(seq_lens_cpu.numel() + 1, dtype=torch.int32)
+            torch.cumsum(seq_lens_cpu.to(torch.int32), 0, out=cu[1:])
+            cu_k = cu.to(backend.device)
         return KernelArgs(
             query_start_loc=query_start_loc,
             max_query_len=max_query_len,
             seq_lens=seq_lens,
-            cu_seqlens_k=cu.to(backend.device),
+            cu_seqlens_k=cu_k,
             max_seq_len=max_seq_len,
             block_table=block_table,
             causal=causal,
             decode_only=decode_only,
+            graph=graph,
         )
 
     def call(
@@ -663,12 +763,15 @@ class FA2Provider(Provider):
             if lse:
                 return result[0].squeeze(1), _padded_lse(result[1])
             return result.squeeze(1), None
+        cu_k = a.cu_seqlens_k
+        if cu_k is None:  # a captured graph: from the persistent seq_lens, on the device
+            cu_k = torch.nn.functional.pad(torch.cumsum(a.seq_lens, 0, dtype=torch.int32), (1, 0))
         result = fa.flash_attn_varlen_func(
             q,
             cache.key,
             cache.value,
             a.query_start_loc,
-            a.cu_seqlens_k,
+            cu_k,
             a.max_query_len,
             a.max_seq_len,
             softmax_scale=impl.spec.scale,
@@ -707,6 +810,9 @@ class FA3Provider(Provider):
         sinks=False,
         priority={"cuda": 90},
         head_size_v=HEAD_SIZE_V_FA3,
+        graph_capture=GraphSupport.ALWAYS,
+        graph_capture_reason=_FA3_GRAPH_WHY + " (no scheduler_metadata passed: the call plans "
+        "its schedule inside the graph, on the device [inferred])",
         **FA3_FP8,
     )
     why: ClassVar[Mapping[str, str]] = {
@@ -781,6 +887,8 @@ class FA4Provider(Provider):
         sinks=True,
         priority={"cuda": 95},
         head_size_v=HEAD_SIZE_V_FA4,
+        graph_capture=GraphSupport.UNIFORM_BATCH,
+        graph_capture_reason=_FA4_GRAPH_WHY,
     )
     why: ClassVar[Mapping[str, str]] = {
         "alibi": "FA4 has no ALiBi (score_mod could express it; not done)",
@@ -972,6 +1080,27 @@ def scatter(
         dst = indexable(plane)
         write_slots(dst, flat_slots(dst), slots, new.to(dst.dtype))  # one index_copy_ where
         # blocks and offsets merge into slots, else (block, offset) indices (the kit's)
+
+
+def scatter_fixed(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = padding: the persistent buffer
+) -> None:
+    """A captured step's write: ``T`` rows whatever the step's padding, device ops only
+    (``FixedShapeWrite``: a padding row rewrites the first written row's slot with that row's
+    value; a step writing nothing rewrites slot 0 with its own bytes), so the bytes are those
+    of ``scatter``'s write of the same step."""
+    write = FixedShapeWrite.of(slot_mapping)
+    planes = ((cache.key, key, cache.key_scale), (cache.value, value, cache.value_scale))
+    for plane, src, scale in planes:
+        new = src.index_select(0, write.rows)
+        new = indexable(quantize_fp8(new, scale, plane.dtype) if scale is not None else new)
+        dst = indexable(plane)
+        flat = flat_slots(dst)
+        held = read_slots(dst, flat, write.slots)
+        write_slots(dst, flat, write.slots, write.pick(new.to(dst.dtype), held))
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:

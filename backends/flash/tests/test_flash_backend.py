@@ -209,8 +209,10 @@ def test_capabilities_differ_per_provider_where_the_kernels_do() -> None:
     assert FlashFA4Backend.capabilities.head_size_multiple == 8
 
 
-def test_graph_capture_is_refused_at_build() -> None:
-    st = h.step([(1, 40), (1, 37)])
+def test_a_mixed_batch_is_refused_at_build_for_graph_capture_below_always() -> None:
+    """vllm (FA2 kernels) captures uniform batches only: a mixed one is refused, naming the
+    level (graph capture itself: test_flash_graphs.py)."""
+    st = h.step([(1, 40), (3, 37)])
     builder = st.backend.metadata_builder()
-    with pytest.raises(UnsupportedConfigurationError, match="graph"):
+    with pytest.raises(UnsupportedConfigurationError, match="uniform_batch"):
         builder.build_for_graph_capture(st.batch)

@@ -295,6 +295,16 @@ def test_fa3_call_checks_the_scheduler_metadata_as_the_fork_does() -> None:
     _vllm(q_lens, kv_lens, scheduler_metadata=_schedule([3], [9]))
 
 
+def test_fa3_call_refuses_a_schedule_planned_for_other_lengths() -> None:
+    """Same shape, other lengths (a captured graph replayed without planning it again): the
+    kernel would run another step's tiles [inferred: undefined on the GPU, refused here]."""
+    q_lens, kv_lens = [3, 1, 5], [9, 4, 20]
+    for other_q, other_kv in (([3, 1, 5], [9, 5, 20]), ([2, 2, 5], [9, 4, 20])):
+        stale = _schedule(other_q, other_kv, max_seqlen_q=5, max_seqlen_k=20)
+        with pytest.raises(FlashOpError, match="planned for other sequence lengths"):
+            _vllm(q_lens, kv_lens, fa_version=3, scheduler_metadata=stale)
+
+
 def test_fa3_scheduler_metadata_refusals() -> None:
     with pytest.raises(FlashOpError, match="fp16, bf16"):
         _schedule([3], [9], qkv_dtype=torch.float32)

@@ -156,6 +156,8 @@ class PagedPlan:
     block_table: torch.Tensor  # [num_tokens, max_blocks] int32, device
     max_context_len: int
     cu_query_lens: torch.Tensor  # [num_tokens + 1] int32, device
+    #: A captured step: the kernel's capture-safe launch, max_context_len the graph's bound.
+    use_cuda_graph: bool = False
 
 
 @dataclass(frozen=True)
@@ -204,9 +206,17 @@ class IluvatarBackend(AttentionBackend):
         multi_token_decode=True,
         chunked_prefill=True,
         cascade=True,
-        # Not implemented: capture needs the decode kernel's use_cuda_graph path and fixed
-        # buffers for the per-step tensors, which attnhub's graph runner does not drive yet.
-        graph_capture=GraphSupport.NEVER,
+        # One-token decodes, as the fork captures them (use_graph: decode-only steps): the
+        # decode kernels with use_cuda_graph=True and max_context_len sized for the graph
+        # (build_for_graph_capture); NEVER for non-causal specs (builder.graph_support).
+        graph_capture=GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+        graph_capture_reason=(
+            "one-token decodes, as Iluvatar's vLLM fork captures them (use_graph on decode-only "
+            "steps): the decode kernels with use_cuda_graph=True and max_context_len sized for "
+            "the graph, every int8 mode included; longer queries (multi-token decodes "
+            "included: reorder_batch_threshold 1) run flash_attn_varlen_func, which the fork "
+            "never captures; non-causal specs: never (no decode kernel)"
+        ),
         # The kernels accumulate in float32 with float16/bfloat16 operands (the probabilities
         # rounded to the input dtype before P @ V, as flash-attention does); the emulator
         # computes in float32 and rounds once.
@@ -343,6 +353,51 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         self.causal_window = (spec.window[0], 0) if spec.has_window else (-1, -1)
         self.full_window = spec.window
 
+    @property
+    def graph_support(self) -> GraphSupport:
+        """The declared level for causal specs; NEVER for the others, whose every request
+        runs the varlen call (no decode kernel, and the fork captures none)."""
+        if not self.spec.causal:
+            return GraphSupport.NEVER
+        return self.backend.capabilities.graph_capture
+
+    def build_for_graph_capture(self, batch: BatchMetadata) -> IluvatarAttentionMetadata:
+        """A captured decode-only step, as the fork's ``use_graph`` steps: one decode kernel
+        call over the runner's persistent buffers with ``use_cuda_graph=True`` and
+        ``max_context_len`` the block table's capacity (the fork passes the step's
+        ``max_decode_seq_len``, which vLLM's capture run sets to the max model length: every
+        replay's contexts fit); the KV write a separate op over the persistent slot mapping
+        (the int8 caches' fused write is decided per step on host data: not captured)."""
+        step = self.capture_step(batch)  # one-token decodes only (the level)
+        batch = step.batch
+        if not (self.spec.causal and batch.causal):
+            raise UnsupportedConfigurationError(
+                self.backend.name,
+                [
+                    "graph capture of a non-causal step: it runs flash_attn_varlen_func, not a "
+                    "decode kernel (the fork captures decode-only steps)"
+                ],
+            )
+        n = batch.num_actual_tokens
+        fields: dict[str, Any] = dict(
+            num_actual_tokens=n,
+            causal=True,
+            # the padded rows past num_actual_tokens are never handed to the write
+            slot_mapping=as_contiguous(batch.slot_mapping[:n], torch.int64),
+        )
+        if not n:
+            return self.metadata(step, fields)
+        capacity = int(batch.block_table.shape[1]) * batch.block_size
+        seq_lens, table = as_contiguous(batch.seq_lens), as_contiguous(batch.block_table)
+        qsl = as_contiguous(batch.query_start_loc)
+        if self.spec.kv_cache_format.is_quantized:
+            fields["paged"] = PagedPlan(n, seq_lens, table, capacity, qsl, use_cuda_graph=True)
+            return self.metadata(step, fields)
+        plan = DecodePlan(batch.num_reqs, n, 1, capacity, seq_lens, table, qsl)
+        plan.kwargs.update(self._decode_kwargs(plan), use_cuda_graph=True)
+        fields["decode"] = plan
+        return self.metadata(step, fields)
+
     def plan(self, step: Step) -> Mapping[str, Any]:
         batch = step.batch
         lengths = self._host_lengths(step)
@@ -427,7 +482,13 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
         host copy), maxima from the host lengths build's checks read; the call's keyword
         arguments."""
         plan = self._decode_rows(batch, nd, lengths)
-        plan.kwargs.update(
+        plan.kwargs.update(self._decode_kwargs(plan))
+        return plan
+
+    def _decode_kwargs(self, plan: DecodePlan) -> dict[str, Any]:
+        """The decode call's keyword arguments every layer passes alike (eager launches:
+        ``use_cuda_graph=False``, as the fork outside its graphs)."""
+        return dict(
             block_table=plan.block_table,
             cache_seqlens=plan.seq_lens,
             max_query_len=plan.max_query_len,
@@ -437,10 +498,9 @@ class IluvatarMetadataBuilder(AttentionMetadataBuilder[IluvatarAttentionMetadata
             window_size=self.causal_window,
             softcap=self.softcap,
             use_sqrt_alibi=False,
-            use_cuda_graph=False,  # eager launches: attnhub does not capture this backend
+            use_cuda_graph=False,
             max_context_len=plan.max_seq_len,
         )
-        return plan
 
     def _decode_rows(self, batch: BatchMetadata, nd: int, lengths: _Lengths) -> DecodePlan:
         if nd == batch.num_reqs:  # the whole step: lengths and maxima as the batch holds them
@@ -891,7 +951,7 @@ class IluvatarAttentionImpl(AttentionImpl):
             window_left=self.causal_window[0],
             window_right=self.causal_window[1],
             use_sqrt_alibi=False,
-            use_cuda_graph=False,
+            use_cuda_graph=plan.use_cuda_graph,
             max_context_len=plan.max_context_len,
             cu_query_lens=plan.cu_query_lens,
             max_query_len=1,

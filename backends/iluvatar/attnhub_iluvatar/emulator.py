@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from attnhub.kit import emulation
+from attnhub.kit import emulation, kernel_call, recording_tape
 from attnhub.kit import merge_attn_states as kit_merge_attn_states
 
 #: These ops stand in for the GPU: a host read made inside them is a read on the device, which
@@ -108,11 +108,45 @@ Call = emulation.Call
 record_calls = _log.record
 
 
+#: Set while an op call is being captured into a graph (attnhub's eager tape): the decode
+#: kernels check that such a launch is their capture-safe one (``use_cuda_graph=True``).
+_capturing = False
+
+
+def _launch(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict) -> Any:
+    """Every op call: inside a capture on attnhub's eager tape, one opaque tape entry (its
+    host arguments frozen, its tensors read at every replay: a device kernel's launch)."""
+    global _capturing
+    if recording_tape() is None:
+        return fn(*args, **kwargs)
+    _capturing = True
+    try:
+        return kernel_call(name, fn, args, kwargs)
+    finally:
+        _capturing = False
+
+
+def _capture_safe(op: str, use_cuda_graph: bool, max_context_len: int | None) -> None:
+    """A decode kernel launched into a graph must be its capture-safe launch: the fork passes
+    ``use_cuda_graph=True`` exactly on the decode-only steps it captures, with
+    ``max_context_len`` sized for the graph [callers]; the eager launch sizes its work from
+    the step's own lengths on the host, which a capture freezes [inferred: refused here]."""
+    if _capturing and not use_cuda_graph:
+        raise _fail(
+            op,
+            "launched inside a CUDA-graph capture with use_cuda_graph=False: the eager launch "
+            "is not capture-safe (the fork passes use_cuda_graph=True on the steps it captures)",
+        )
+    if use_cuda_graph and max_context_len is None:
+        raise _fail(op, "use_cuda_graph=True needs max_context_len (the graph's bound)")
+
+
 def _op(path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register ``fn`` as the op ``path`` ("module.name"): recorded, bound like the vendor's."""
+    """Register ``fn`` as the op ``path`` ("module.name"): recorded, bound like the vendor's,
+    launched through ``_launch``."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        op = _log.op(path, fn, binding=f"ixformer.{path}")
+        op = _log.op(path, fn, binding=f"ixformer.{path}", route=_launch)
         op.__name__ = path.rsplit(".", 1)[1]
         return op
 
@@ -655,7 +689,7 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     return_softmax_lse: bool = False,
     max_context_len: int | None = None,
-    use_cuda_graph: bool = False,  # a capture-safe launch; the math is the same
+    use_cuda_graph: bool = False,  # the capture-safe launch (_capture_safe); the same math
     use_sqrt_alibi: bool = False,
     sinks: torch.Tensor | None = None,  # [H]
     max_query_len: int | None = None,
@@ -663,6 +697,7 @@ def flash_attn_with_kvcache(
     out: torch.Tensor | None = None,
 ) -> Any:  # out, or (out, lse [H, T] float32, natural log) with return_softmax_lse
     op = "flash_attn_with_kvcache"
+    _capture_safe(op, use_cuda_graph, max_context_len)
     for name, given in (
         ("k/v (appending new keys)", k is not None or v is not None),
         ("rotary_cos/rotary_sin", rotary_cos is not None or rotary_sin is not None),
@@ -1359,7 +1394,7 @@ def vllm_paged_attention_int8(
     window_right: int = -1,
     softcap: float = 0.0,
     use_sqrt_alibi: bool = False,
-    use_cuda_graph: bool = False,  # a capture-safe launch; the math is the same
+    use_cuda_graph: bool = False,  # the capture-safe launch (_capture_safe); the same math
     cu_query_lens: torch.Tensor | None = None,  # [B + 1] int32 over the query rows
     max_query_len: int | None = None,
     save_key: torch.Tensor | None = None,  # [T, Hkv, D] int8: fused KV write
@@ -1367,6 +1402,7 @@ def vllm_paged_attention_int8(
     save_key_scale: torch.Tensor | None = None,  # [T, Hkv] float32
 ) -> None:
     op = "vllm_paged_attention_int8"
+    _capture_safe(op, use_cuda_graph, max_context_len)
     kc, vc, ks = _quant_cache(op, key_cache, value_cache, key_scale_cache, mix=False)
     vs = _f32(op, "value_scale_cache", value_scale_cache, (kc.shape[1], kc.shape[3]))
     _paged_decode(
@@ -1424,6 +1460,7 @@ def vllm_paged_attention_mix(
     save_key_scale: torch.Tensor | None = None,  # [T, Hkv] float32
 ) -> None:
     op = "vllm_paged_attention_mix"
+    _capture_safe(op, use_cuda_graph, max_context_len)
     kc, vc, ks = _quant_cache(op, key_cache, value_cache, key_scale_cache, mix=True)
     _paged_decode(
         op,

@@ -125,9 +125,11 @@ def test_sinks_need_an_ixformer_whose_attention_takes_them(monkeypatch: pytest.M
     IluvatarBackend(h.spec(), "cpu", emulate=True)  # no sinks: nothing to check
 
 
-def test_graph_capture_is_refused_at_build() -> None:
-    st = h.step([(1, 30), (1, 29)])
-    with pytest.raises(UnsupportedConfigurationError, match="graph"):
+def test_graph_capture_of_more_than_one_token_decodes_is_refused_at_build() -> None:
+    """UNIFORM_SINGLE_TOKEN_DECODE: a two-token uniform batch runs the varlen call, which the
+    fork never captures (capture itself: test_iluvatar_graphs.py)."""
+    st = h.step([(2, 30), (2, 29)])
+    with pytest.raises(UnsupportedConfigurationError, match="uniform_single_token_decode"):
         st.backend.metadata_builder().build_for_graph_capture(st.batch)
 
 

@@ -333,11 +333,12 @@ def test_the_namespace_has_the_attribute_paths_of_ixformer() -> None:
 
 
 def test_the_emulator_never_uses_attnhubs_reference() -> None:
-    # The attnhub names it may use: the kit's emulation (the null-kernel switch: no math) and
-    # the kit's LSE merge (merge_attn_states' math, shared with backends; not the reference's).
+    # The attnhub names it may use: the kit's emulation (the null-kernel switch: no math), its
+    # graph-capture hooks (an op as one tape entry: no math) and the kit's LSE merge
+    # (merge_attn_states' math, shared with backends; not the reference's).
     source = inspect.getsource(emulator)
     for line in (
-        "from attnhub.kit import emulation\n",
+        "from attnhub.kit import emulation, kernel_call, recording_tape\n",
         "from attnhub.kit import merge_attn_states as kit_merge_attn_states\n",
     ):
         source = source.replace(line, "", 1)
