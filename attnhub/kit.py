@@ -9,7 +9,9 @@ notice; tests/test_kit.py fails when a backend or integration in this repository
   LSE merge         merge_attn_states
   emulation         emulation (OpLog, kernel, null_kernels, preallocated, skip, timed)
   graph capture     Tape, TapeEntry (the op tape of a captured step), kernel_call (an
-                    emulated kernel as one tape entry), recording_tape, NPUGraphAdaptor
+                    emulated kernel as one tape entry), recording_tape, NPUGraphAdaptor;
+                    for an engine that captures through its own graph wrapper: GraphAdaptor,
+                    PersistentBatch, pad_batch, uniform_query_len
   step facts        StepExtents (what layers compare), StepFacts (what build's checks read:
                     ``Step.facts``), same_view, as_contiguous
   cache layout      BlockPacking (a kernel's element order inside an HND block)
@@ -28,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 from attnhub import emulation
 from attnhub.backend import device_type
 from attnhub.batch import as_contiguous
-from attnhub.graphs import NPUGraphAdaptor
+from attnhub.graphs import GraphAdaptor, NPUGraphAdaptor, pad_batch
+from attnhub.graphs.buffers import PersistentBatch
+from attnhub.graphs.descriptor import uniform_query_len
 from attnhub.graphs.tape import Tape, TapeEntry, kernel_call, recording_tape
 from attnhub.kv_cache import BlockPacking
 from attnhub.kv_write import FixedShapeWrite, flat_slots, read_slots, write_slots
@@ -75,8 +79,10 @@ __all__ = [
     "BlockPacking",
     "DirectComparison",
     "FixedShapeWrite",
+    "GraphAdaptor",
     "HostOverhead",
     "NPUGraphAdaptor",
+    "PersistentBatch",
     "QueryQuantization",
     "StepExtents",
     "StepFacts",
@@ -93,11 +99,13 @@ __all__ = [
     "kernel_call",
     "machine",
     "merge_attn_states",
+    "pad_batch",
     "per_call_us",
     "quantize_fp8",
     "read_slots",
     "recording_tape",
     "same_view",
     "store_latent_rows",
+    "uniform_query_len",
     "write_slots",
 ]

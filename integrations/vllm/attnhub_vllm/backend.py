@@ -50,10 +50,7 @@ from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
 from attnhub.capabilities import GraphSupport
 from attnhub.errors import AttnhubError
 from attnhub.graphs import BatchDescriptor as GraphDescriptor
-from attnhub.graphs import GraphAdaptor, pad_batch
-from attnhub.graphs.buffers import PersistentBatch
-from attnhub.graphs.descriptor import uniform_query_len
-from attnhub.kit import same_view
+from attnhub.kit import GraphAdaptor, PersistentBatch, pad_batch, same_view, uniform_query_len
 from attnhub_vllm.mapping import (
     KV_CACHE_DTYPES,
     AttnhubConfigurationError,
