@@ -46,6 +46,7 @@ from attnhub.capabilities import (
     GraphSupport,
     HeadSizeVSupport,
     LseSupport,
+    MlaSupport,
     Refusal,
     Tolerance,
 )
@@ -176,6 +177,11 @@ def _caps(**fields: Any) -> Capabilities:
             "[inferred]"
         ),
         head_size_v=HEAD_SIZE_V_FA2,
+        mla=MlaSupport(
+            reason="not wired yet: FA3's value-query argument (qv upstream, q_v in vLLM's fork, "
+            "as vLLM's FLASH_ATTN_MLA calls it) and FlashMLA serve MLA decode on Hopper; "
+            "no provider here translates an MLA layer yet"
+        ),
     )
     base.update(fields)
     return Capabilities(**base)

@@ -48,6 +48,7 @@ from attnhub.capabilities import (
     GraphSupport,
     HeadSizeVSupport,
     LseSupport,
+    MlaSupport,
     Refusal,
     Tolerance,
 )
@@ -250,6 +251,10 @@ class IluvatarBackend(AttentionBackend):
             reason="ixformer's decode kernel sizes its work by the step's max_context_len "
             "[callers] and its split and tiling rules are not documented, so a request's "
             "reduction order may follow its companions [inferred]"
+        ),
+        mla=MlaSupport(
+            reason="ixformer publishes no MLA entry point: none of its ops that Iluvatar's vLLM "
+            "fork calls (docs/backends/iluvatar.md) takes a latent cache or a rope part"
         ),
     )
 
