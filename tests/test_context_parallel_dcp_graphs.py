@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from attnhub_conformance.hostsync import guard, guard_cache, guard_tree, unguard
 from attnhub_conformance.multi_rank import load_backend, run_group
 
 from attnhub import AttentionSpec, BatchMetadata, testing
@@ -124,8 +125,13 @@ class Model:
         )
 
     def graph_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Any) -> Any:
+        """Every layer with its device-side inputs under the host-sync guard (the step runs
+        inside the capture): a host read of device data raises."""
+        step = guard_tree(step, "the DCP step")
+        q, k, v = (guard(x, what) for x, what in ((q, "query"), (k, "key"), (v, "value")))
         return tuple(
-            self.dcp.forward(layer["impl"], step, q, k, v, layer["graph"]) for layer in self.layers
+            unguard(self.dcp.forward(layer["impl"], step, q, k, v, guard_cache(layer["graph"])))
+            for layer in self.layers
         )
 
     def batch(self, seed: int, num_reqs: int, *, runs: bool = True) -> tuple[Any, ...]:
