@@ -15,6 +15,7 @@ mismatch), and a batch larger than every capture size refused with a typed error
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,6 +29,7 @@ from attnhub.context_parallel import (
     AllToAll,
     DcpGraphRunner,
     DecodeContextParallel,
+    collective_refusal,
     local_slot_mapping,
 )
 from attnhub.graphs import BatchTooLargeError
@@ -238,6 +240,17 @@ def graph_rank(rank: int, n: int, job: dict[str, Any]) -> dict[str, Any]:
         )
         report["too_large_alive"] = alive()
 
+        # bad inputs on rank 0 only: refused by every rank (rank 0 its own error, the others
+        # naming it), before any collective of the graph
+        batch, q, k, v, _ = model.batch(150, 3, runs=False)
+        local_q = q[:, model.heads].contiguous()
+        try:
+            model.runner.run(batch, local_q[:, :1] if rank == 0 else local_q, k, v)
+            report["one_rank_refuses"] = ("no error", "")
+        except Exception as exc:
+            report["one_rank_refuses"] = (type(exc).__name__, str(exc))
+        report["one_rank_refuses_alive"] = alive()
+
         # a replay whose update is skipped
         if name == "ascend":
             batch, q, k, v, _ = model.batch(200, 3, runs=False)
@@ -257,6 +270,16 @@ def graph_rank(rank: int, n: int, job: dict[str, Any]) -> dict[str, Any]:
             report["skipped"] = ("mismatch" if errors else "no error", "; ".join(errors))
         report["skipped_alive"] = alive()
         found[name] = report
+    # whether the (gloo) group may sit in a graph of each device's kind
+    group = AllGatherReduceScatter()
+    found["collectives"] = {
+        device: collective_refusal(
+            SimpleNamespace(
+                backend=SimpleNamespace(device=SimpleNamespace(type=device)), group=group
+            )
+        )
+        for device in ("cpu", "cuda", "npu")
+    }
     return found
 
 
@@ -307,3 +330,21 @@ def test_a_batch_larger_than_captured_is_a_typed_error_on_every_rank(
         assert kind == BatchTooLargeError.__name__, message
         assert f"a batch of {MAX_REQS} tokens" in message
         assert report["too_large_untouched"] and report["too_large_alive"] == N
+
+
+def test_inputs_refused_on_one_rank_stop_every_rank(reports: dict[int, Any]) -> None:
+    for name in SPECS:
+        kinds = [reports[r][name]["one_rank_refuses"] for r in range(N)]
+        assert kinds[0][0] == "InvalidInputError" and "input 0" in kinds[0][1], kinds[0]
+        assert all(k == "InvalidInputError" and "rank(s) [0]" in m for k, m in kinds[1:])
+        assert all(reports[r][name]["one_rank_refuses_alive"] == N for r in range(N))
+
+
+def test_gloo_collectives_are_refused_in_a_device_graph(reports: dict[int, Any]) -> None:
+    """On the host the tape reruns gloo's collectives; a CUDA graph needs NCCL's, an NPU graph
+    HCCL's."""
+    for rank in range(N):
+        found = reports[rank]["collectives"]
+        assert found["cpu"] is None
+        assert "gloo collectives cannot be captured on cuda (nccl's can)" in found["cuda"]
+        assert "gloo collectives cannot be captured on npu (hccl's can)" in found["npu"]

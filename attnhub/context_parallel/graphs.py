@@ -16,13 +16,14 @@ of ``T`` query rows padded to a capture size ``S >= T`` is always ``S`` one-toke
 uniform single-token decode of the gathered backend, every shape fixed by ``S`` (and the block
 table's width ``W``). Per step, on the host:
 
-1. the step's agreement and the rank's shard (``agree_and_shard``: host arithmetic and one
-   fixed-size all-gather of a fingerprint on the group's host side, outside any graph; bad
-   input, a batch larger than the largest capture size included, raises on every rank there);
-2. the rank's flattened step (local lengths, local slot mapping, the requests' table rows)
-   padded to ``S`` with dummy one-token requests (``attnhub.graphs.pad_batch``) and copied into
-   persistent buffers (``PersistentBatch``), with the rows that see no key of this rank
+1. the rank's shard and its flattened step (local lengths, local slot mapping, the requests'
+   table rows) padded to ``S`` with dummy one-token requests (``attnhub.graphs.pad_batch``),
+   copied into persistent buffers (``PersistentBatch``) and checked (the gathered builder's
+   ``check_graph_step``, every cache's extents), with the rows that see no key of this rank
    (``empty_rows``: padding rows too) and the inputs;
+2. the step's agreement (``agree_and_shard``: one fixed-size all-gather of a fingerprint,
+   outside any graph): whatever a rank refused in 1 (a batch larger than the largest capture
+   size included) or the runner refuses is raised there on every rank;
 3. on the first step of size ``S``: the gathered backend's ``build_for_graph_capture`` over
    those buffers and the capture of ``step`` (write, head gather, the backend's call, merge:
    the collectives inside);
@@ -51,6 +52,7 @@ from attnhub.backend import AttentionMetadata
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import GraphSupport
 from attnhub.context_parallel.dcp import DcpStep, DecodeContextParallel
+from attnhub.context_parallel.sharding import ContextShard, shard_step
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.graphs.adaptor import CapturedGraph, GraphAdaptor
 from attnhub.graphs.buffers import PersistentBatch, PersistentInputs
@@ -64,6 +66,15 @@ from attnhub.validation import check_extents
 CAPTURABLE_COLLECTIVES = {"cuda": "nccl", "npu": "hccl"}
 
 DcpStepFn = Callable[..., Any]
+
+
+@dataclass
+class _Prepared:
+    shard: ContextShard
+    rows: int  # the step's real rows
+    size: int  # the capture size it pads to
+    step_batch: BatchMetadata  # over the persistent buffers
+    inputs: list[torch.Tensor]  # views of the persistent inputs
 
 
 @dataclass
@@ -164,54 +175,30 @@ class DcpGraphRunner:
         if adaptor is None and gathered is not None and self.refusal is None:
             self.adaptor = gathered.graph_adaptor()
 
-    def _host_refusal(self, batch: BatchMetadata) -> Exception | None:
-        """What this rank refuses before the agreement (told to every rank by it): the same
-        on every rank given the same step and the same runner."""
-        if self.refusal is not None:
-            return self.refusal
-        try:
-            rows = int(batch.num_actual_tokens)
-            self.sizes.size_for(rows)
-            virtual = self.dcp.world_size * self.dcp.spec.block_size
-            seq = batch.seq_lens_cpu
-            longest = int(seq.max()) if seq.numel() else 0
-            needed = -(-longest // virtual)
-            if needed > self.width:
-                raise InvalidInputError(
-                    f"request {int(seq.argmax())} (seq_len {longest}) needs {needed} virtual "
-                    f"blocks of {virtual}; the DCP graph runner's block table holds "
-                    f"{self.width} (max_blocks_per_req)"
-                )
-        except Exception as exc:  # told to the other ranks by the agreement
-            return exc
-        return None
-
     def run(self, batch: BatchMetadata, *inputs: torch.Tensor) -> Any:
         """One step on this rank: ``inputs`` are ``step``'s tensor inputs, rows first (the
         rank's query heads ``[T, Hl, D]``, the step's new keys and values ``[T, K, D]``).
         Returns the rows of ``step``'s output for the step's real tokens (valid until the
-        next run). A batch of more rows than the largest capture size raises
-        ``attnhub.graphs.BatchTooLargeError`` on every rank, before the caches are touched."""
-        shard = self.dcp.agree_and_shard(batch, self._host_refusal(batch))
-        self.last_shard = shard
-        assert self.builder is not None and self.adaptor is not None  # refusals raised above
-        rows = int(batch.num_actual_tokens)
-        size = self.sizes.size_for(rows)
-        flat, empty = self.dcp.flat_step(batch, shard, "cpu")
-        desc = BatchDescriptor(size, size, uniform_decode=True, causal=batch.causal)
-        padded = pad_batch(flat, desc, self.width)
-        step_batch = self.batch_buffers.load(padded, causal=batch.causal)
-        extents = self.builder.check_graph_step(step_batch)
-        for cache in self.kv_caches:
-            check_extents(extents, step_batch, cache)
-        empty_rows = torch.ones(size, dtype=torch.bool)  # fresh host data every step
-        empty_rows[:rows] = empty[:rows]
-        self.empty_rows[:size].copy_(empty_rows, non_blocking=True)
-        static = self.input_buffers.load(inputs, rows, size)
+        next run). Whatever this rank refuses (a batch of more rows than the largest capture
+        size: ``attnhub.graphs.BatchTooLargeError``; a step beyond the table's width or a
+        cache's extents; bad inputs) is found before the step's agreement and raised there on
+        every rank, before any cache is touched and before any collective of the graph."""
+        prepared: _Prepared | None = None
+        refusal: Exception | None = self.refusal
+        if refusal is None:
+            try:
+                prepared = self._prepare(batch, inputs)
+            except Exception as exc:  # told to the other ranks by the agreement
+                refusal = exc
+        self.dcp.agree_and_shard(batch, refusal)
+        assert prepared is not None and self.builder is not None and self.adaptor is not None
+        size, step_batch = prepared.size, prepared.step_batch
+        self.last_shard = prepared.shard
         entry = self.graphs.get(size)
         if entry is None:
             meta = self.builder.build_for_graph_capture(step_batch)
-            dcp_step = DcpStep(shard, meta, self.empty_rows[:size])
+            dcp_step = DcpStep(prepared.shard, meta, self.empty_rows[:size])
+            static = prepared.inputs
             captured = self.adaptor.capture(lambda: self.step(*static, dcp_step))
             entry = self.graphs[size] = _Entry(meta, captured)
             self.stats["captures"] += 1
@@ -219,7 +206,42 @@ class DcpGraphRunner:
             self.builder.update_graph_params(entry.meta, step_batch, stream)
         self.adaptor.replay(entry.graph)
         self.stats["replays"] += 1
-        return _rows(entry.graph.output, rows)
+        return _rows(entry.graph.output, prepared.rows)
+
+    def _prepare(self, batch: BatchMetadata, inputs: Sequence[torch.Tensor]) -> _Prepared:
+        """This rank's part of the step, before the agreement: its shard, its one-token rows
+        padded to the capture size and copied into the persistent buffers (checked against
+        the gathered backend and every cache), the empty-row mask and the inputs."""
+        assert self.builder is not None
+        dcp = self.dcp
+        rows = int(batch.num_actual_tokens)
+        size = self.sizes.size_for(rows)
+        virtual = dcp.world_size * dcp.spec.block_size
+        seq = batch.seq_lens_cpu
+        longest = int(seq.max()) if seq.numel() else 0
+        needed = -(-longest // virtual)
+        if needed > self.width:
+            raise InvalidInputError(
+                f"request {int(seq.argmax())} (seq_len {longest}) needs {needed} virtual blocks "
+                f"of {virtual}; the DCP graph runner's block table holds {self.width} "
+                "(max_blocks_per_req)"
+            )
+        shard = shard_step(
+            batch, world_size=dcp.world_size, rank=dcp.group.rank,
+            block_size=dcp.spec.block_size, interleave=dcp.interleave,
+        )  # fmt: skip
+        flat, empty = dcp.flat_step(batch, shard, "cpu")
+        desc = BatchDescriptor(size, size, uniform_decode=True, causal=batch.causal)
+        padded = pad_batch(flat, desc, self.width)
+        step_batch = self.batch_buffers.load(padded, causal=batch.causal)
+        extents = self.builder.check_graph_step(step_batch)
+        for cache in self.kv_caches:
+            check_extents(extents, step_batch, cache)
+        static = self.input_buffers.load(inputs, rows, size)
+        empty_rows = torch.ones(size, dtype=torch.bool)  # fresh host data every step
+        empty_rows[:rows] = empty[:rows]
+        self.empty_rows[:size].copy_(empty_rows, non_blocking=True)
+        return _Prepared(shard, rows, size, step_batch, static)
 
 
 def _rows(output: Any, n: int) -> Any:
