@@ -49,8 +49,10 @@ LAYOUT = {"torch": (1, AllGatherReduceScatter), "ascend": (128, AllToAll)}
 WIDTH = 2  # virtual blocks per request in the runner's table
 MAX_REQS = 5  # table rows; the largest capture size is 4
 CAPTURE_SIZES = [2, 4]
-#: Requests per step: sizes 4, 2, 4, 2, 4, 4 (several replays of each, new lengths each time).
-STEPS = (3, 1, 4, 2, 3, 4)
+#: Requests per step: capture sizes 4, 2, 4, 4, 4, 2, 4 (several replays of each, new lengths
+#: each time); step MULTI holds a decode of 3 tokens (3 + 1 rows: size 4).
+STEPS = (3, 1, 4, 2, 3, 2, 4)
+MULTI = 3
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -136,41 +138,46 @@ class Model:
             for layer in self.layers
         )
 
-    def batch(self, seed: int, num_reqs: int, *, runs: bool = True) -> tuple[Any, ...]:
-        """A decode step of ``num_reqs`` requests (the same on every rank): its batch, the
-        query of every head, the new keys and values (written into the histories where the
-        step ``runs``)."""
+    def batch(
+        self, seed: int, num_reqs: int, *, runs: bool = True, multi: bool = False
+    ) -> tuple[Any, ...]:
+        """A step of ``num_reqs`` decodes (the same on every rank; with ``multi`` the first is
+        a decode of 3 tokens): its batch, the query of every head, the new keys and values
+        (written into the histories where the step ``runs``), and each row's (request,
+        position)."""
         g = testing.generator(seed)
         spec = self.spec
         reqs = torch.randperm(MAX_REQS, generator=g)[:num_reqs].tolist()
-        seqs = torch.randint(1, self.maxlen + 1, (num_reqs,), generator=g).tolist()
+        qlens = [3 if multi and i == 0 else 1 for i in range(num_reqs)]
+        seqs = torch.randint(3, self.maxlen + 1, (num_reqs,), generator=g).tolist()
         if num_reqs >= 2:
             seqs[1] = 1  # rank 1 holds none of it: its shard of the request is empty
-        shape = (num_reqs, spec.num_kv_heads, spec.head_size)
+        rows = [(r, s - ql + t) for r, s, ql in zip(reqs, seqs, qlens, strict=True)
+                for t in range(ql)]  # fmt: skip
+        shape = (len(rows), spec.num_kv_heads, spec.head_size)
         k = torch.randn(*shape, generator=g).to(spec.dtype)
         v = torch.randn(*shape, generator=g).to(spec.dtype)
-        q = torch.randn(num_reqs, N * spec.num_heads, spec.head_size, generator=g).to(spec.dtype)
+        q = torch.randn(len(rows), N * spec.num_heads, spec.head_size, generator=g)
         for layer in self.layers if runs else ():
-            for i, (r, s) in enumerate(zip(reqs, seqs, strict=True)):
-                layer["keys"][r, s - 1] = k[i]
-                layer["values"][r, s - 1] = v[i]
-        batch = BatchMetadata.from_lengths([1] * num_reqs, seqs, self.table[reqs], self.virtual)
-        return batch, q, k, v, torch.tensor(reqs)
+            for i, (r, p) in enumerate(rows):
+                layer["keys"][r, p] = k[i]
+                layer["values"][r, p] = v[i]
+        batch = BatchMetadata.from_lengths(qlens, seqs, self.table[reqs], self.virtual)
+        return batch, q.to(spec.dtype), k, v, rows
 
-    def check(self, batch: BatchMetadata, q: torch.Tensor, k: Any, v: Any, reqs: Any) -> list:
+    def check(self, batch: BatchMetadata, q: torch.Tensor, k: Any, v: Any, rows: Any) -> list:
         """One step through the graph and the twin; what differs."""
         errors = []
         local_q = q[:, self.heads].contiguous()
         graph_outs = [o.clone() for o in self.runner.run(batch, local_q, k, v)]
         step = self.dcp.plan(batch)
         tol = self.backend.capabilities.tolerances[self.spec.dtype]
-        seqs = batch.seq_lens_cpu.tolist()
         for i, layer in enumerate(self.layers):
             eager = self.dcp.forward(layer["impl"], step, local_q, k, v, layer["twin"])
             ref = torch.stack([
-                _reference(q[j], layer["keys"][r, :s], layer["values"][r, :s], self.spec.scale,
-                           self.all_sinks)[self.heads]
-                for j, (r, s) in enumerate(zip(reqs.tolist(), seqs, strict=True))
+                _reference(q[j], layer["keys"][r, : p + 1], layer["values"][r, : p + 1],
+                           self.spec.scale, self.all_sinks)[self.heads]
+                for j, (r, p) in enumerate(rows)
             ])  # fmt: skip
             for what, want in (
                 ("the eager DCP run", torch.as_tensor(eager).double()),
@@ -220,7 +227,9 @@ def graph_rank(rank: int, n: int, job: dict[str, Any]) -> dict[str, Any]:
         for i, num_reqs in enumerate(STEPS):
             before = sum(syncs.values()) if syncs is not None else 0
             captures = model.runner.stats["captures"]
-            report["errors"] += [f"step {i}: {e}" for e in model.check(*model.batch(i, num_reqs))]
+            report["errors"] += [
+                f"step {i}: {e}" for e in model.check(*model.batch(i, num_reqs, multi=i == MULTI))
+            ]
             if syncs is not None and model.runner.stats["captures"] == captures:
                 report["syncs"].append(sum(syncs.values()) - before)
             report["local_lens"].append(model.runner.last_shard.seq_lens.tolist())
