@@ -4,6 +4,7 @@
   sharding       which rank holds which token; a rank's lengths, slot mapping and table
   prefill        prefill context parallel: a long prefill's query tokens split over the ranks
   dcp            decode context parallel through a backend: the layer call over a rank's shard
+  graphs         DCP steps captured in device graphs (DcpGraphRunner)
   merge          the ranks' partial attentions merged by their LSEs; sinks added once
   communication  the collectives of a step over a process group: the step agreement check,
                  the query heads' gather, the merge (all-gather + reduce-scatter, or
@@ -27,6 +28,11 @@ from attnhub.context_parallel.dcp import (
     DecodeContextParallel,
     dcp_unsupported_reasons,
 )
+from attnhub.context_parallel.graphs import (
+    CAPTURABLE_COLLECTIVES,
+    DcpGraphRunner,
+    collective_refusal,
+)
 from attnhub.context_parallel.merge import (
     add_sinks,
     combine_partials,
@@ -46,17 +52,20 @@ from attnhub.context_parallel.sharding import (
 )
 
 __all__ = [
+    "CAPTURABLE_COLLECTIVES",
     "FINGERPRINT_FIELDS",
     "LAYOUT_FIELDS",
     "AllGatherReduceScatter",
     "AllToAll",
     "ContextParallelGroup",
     "ContextShard",
+    "DcpGraphRunner",
     "DcpStep",
     "DecodeContextParallel",
     "PrefillShard",
     "add_sinks",
     "check_layout",
+    "collective_refusal",
     "combine_partials",
     "correct_partial",
     "dcp_unsupported_reasons",

@@ -179,15 +179,31 @@ class DecodeContextParallel:
         """This rank's plan of ``batch``: the checks, the step's agreement over the group (one
         fixed-size all-gather), the shard, and the gathered backend's metadata of the rank's
         decodes. Raises on every rank (before any other collective) where a rank refuses."""
-        block_size = self.spec.block_size
-        shard = self.group.shard(
-            batch, world_size=self.world_size, block_size=block_size,
-            interleave=self.interleave, refusal=self.refusal,
-        )  # fmt: skip
+        shard = self.agree_and_shard(batch)
         assert self._builder is not None
+        flat, empty = self.flat_step(batch, shard, batch.device)
+        return DcpStep(shard, self._builder.build(flat), empty.to(batch.device))
+
+    def agree_and_shard(
+        self, batch: BatchMetadata, refusal: Exception | None = None
+    ) -> ContextShard:
+        """The step's agreement over the group and this rank's shard (host work and one
+        fixed-size all-gather). ``refusal``: why the caller refuses the step on this rank
+        (besides :attr:`refusal`), raised here after the agreement, the other ranks told."""
+        return self.group.shard(
+            batch, world_size=self.world_size, block_size=self.spec.block_size,
+            interleave=self.interleave, refusal=self.refusal or refusal,
+        )  # fmt: skip
+
+    def flat_step(
+        self, batch: BatchMetadata, shard: ContextShard, device: torch.device | str
+    ) -> tuple[BatchMetadata, torch.Tensor]:
+        """The rank's call over its shard as a batch of one-token requests, one per query row
+        of ``batch`` (its padding rows stay rows, not requests), on ``device``; and the rows
+        that see no key of this rank, ``[num_tokens]`` bool on the host (padding rows too)."""
+        block_size = self.spec.block_size
         rows, lens = self._row_lengths(batch, shard)
         table = shard.block_table[torch.from_numpy(rows)] if rows.size else shard.block_table[:0]
-        device = batch.device
         flat = BatchMetadata.from_lengths(
             torch.ones(rows.size, dtype=torch.int32), torch.from_numpy(np.maximum(lens, 1)),
             table, block_size, device,
@@ -201,7 +217,7 @@ class DecodeContextParallel:
         )
         empty = torch.ones(shard.num_tokens, dtype=torch.bool)
         empty[: rows.size] = torch.from_numpy(lens == 0)
-        return DcpStep(shard, self._builder.build(flat), empty.to(device))
+        return flat, empty
 
     def _row_lengths(self, batch: BatchMetadata, shard: ContextShard) -> tuple[np.ndarray, ...]:
         """Each query row's request and the rank's keys it sees (those at global positions up

@@ -92,4 +92,6 @@ def add_sinks(
 def mask_empty_rows(lse: torch.Tensor, empty_rows: torch.Tensor) -> torch.Tensor:
     """``lse`` [H, T] with the rows ``empty_rows`` [T] (bool) marks at -inf: parts that saw no
     key, whatever the kernel wrote there (vLLM's ``mask_dcp_empty_shards_``)."""
-    return lse.masked_fill(empty_rows.to(lse.device)[None, :], -math.inf)
+    if empty_rows.device != lse.device:  # a host mask (eager callers); no copy otherwise
+        empty_rows = empty_rows.to(lse.device)
+    return lse.masked_fill(empty_rows[None, :], -math.inf)

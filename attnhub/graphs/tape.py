@@ -75,8 +75,8 @@ def _freeze(x: Any) -> Any:
         x, (int, float, bool, str, complex, torch.dtype, torch.device, torch.layout)
     ):
         return x
-    if callable(x):  # ops, functions: recorded as themselves
-        return x
+    if callable(x) or isinstance(x, torch.ScriptObject):  # ops, functions, and C++ handles
+        return x  # (a process group, a reduce op): recorded as themselves
     return copy.deepcopy(x)
 
 
@@ -135,6 +135,29 @@ class TapeEntry:
             captured.copy_(fresh)
 
 
+class CollectiveEntry(TapeEntry):
+    """A recorded collective (a ``c10d`` op: ``all_gather``, ``reduce_scatter``,
+    ``all_to_all``...) of a ``torch.distributed`` group, run again by every replay and waited
+    for there (its ``Work``), as the collective a device graph captures runs on the stream of
+    each replay. Every rank of the group must replay its graphs in the same order (as it
+    captured them), or the ranks' collectives do not match. Whether a group's collectives may
+    sit in a graph at all is the caller's to check: NCCL's and HCCL's can be captured on their
+    devices, gloo's only on this tape (docs/context-parallel.md, "Graphs")."""
+
+    def run(self) -> None:
+        result = self.fn(*_freeze(self.args), **_freeze(self.kwargs))
+        for work in _works(result):
+            work.wait()
+
+
+def _works(x: Any) -> list[Any]:
+    if isinstance(x, torch.ScriptObject) and hasattr(x, "wait"):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [w for v in x for w in _works(v)]
+    return []
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, tape: Tape) -> None:
         super().__init__()
@@ -154,8 +177,9 @@ class _Recorder(TorchDispatchMode):
             raise GraphCaptureError(f"cannot capture aten.{packet}: {why}")
         frozen_args, frozen_kwargs = _freeze(args), _freeze(kwargs)
         result = func(*args, **kwargs)
+        kind = CollectiveEntry if func.namespace == "c10d" else TapeEntry
         self.tape.entries.append(
-            TapeEntry(str(func), func, frozen_args, frozen_kwargs, _tensors(result))
+            kind(str(func), func, frozen_args, frozen_kwargs, _tensors(result))
         )
         return result
 
