@@ -31,7 +31,14 @@ from typing import Any
 
 import torch
 
-from attnhub import AttentionMetadata, LatentKVCache, MLAImpl, MLAMetadataBuilder, Step
+from attnhub import (
+    AttentionMetadata,
+    BatchMetadata,
+    LatentKVCache,
+    MLAImpl,
+    MLAMetadataBuilder,
+    Step,
+)
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub_ascend.backend import (
     INT_MAX,
@@ -58,9 +65,21 @@ class AscendMLAMetadata(AttentionMetadata):
     write_rows: torch.Tensor | None = None
 
 
+#: Why MLA steps are not captured (``graph_support`` NEVER, the MLA builder's default).
+MLA_GRAPH_REASON = (
+    "graph capture of MLA steps is not wired: FIA's MLA call bakes its host-side length lists "
+    "into a captured task, which needs the per-step task-group update vllm-ascend's "
+    "update_mla_attn_params makes; run MLA steps eagerly"
+)
+
+
 class AscendMLAMetadataBuilder(MLAMetadataBuilder):
     metadata_type = AscendMLAMetadata
     backend: AscendBackend
+
+    def build_for_graph_capture(self, batch: BatchMetadata) -> AttentionMetadata:
+        """Refused with the reason (``graph_support`` is NEVER for MLA layers)."""
+        raise UnsupportedConfigurationError(self.backend.name, [MLA_GRAPH_REASON])
 
     def plan(self, step: Step) -> Mapping[str, Any]:
         batch = step.batch

@@ -13,7 +13,7 @@ from attnhub_ascend.backend import RESHAPE_AND_CACHE
 from attnhub_ascend.emulator import NotEmulatedError, NpuOpError
 
 from attnhub import BatchMetadata, LatentKVCache, MLASpec, reference, testing
-from attnhub.capabilities import Tolerance
+from attnhub.capabilities import GraphSupport, Tolerance
 from attnhub.errors import UnsupportedConfigurationError
 
 FIA = emulator.npu_fused_infer_attention_score
@@ -260,3 +260,11 @@ def test_the_lse_is_refused_before_anything_is_written() -> None:
     with pytest.raises(UnsupportedConfigurationError, match="softmax_lse_flag"):
         backend.impl().forward(query, kv_c, k_pe, cache, meta, return_lse=True)
     assert cache.equal(before)
+
+
+def test_mla_steps_are_not_captured_and_the_refusal_says_why() -> None:
+    _, backend, batch, *_ = _step([(1, 9), (1, 4)])
+    builder = backend.metadata_builder()
+    assert builder.graph_support == GraphSupport.NEVER
+    with pytest.raises(UnsupportedConfigurationError, match="update_mla_attn_params"):
+        builder.build_for_graph_capture(batch)
