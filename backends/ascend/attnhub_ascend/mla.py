@@ -19,8 +19,15 @@ Per step the builder plans FIA's keyword arguments once for every layer (cumulat
 per-sequence KV lengths, the int32 block table, the mask) and the write's slots (-1 rows left out
 for the scatter op); per layer the impl makes one write and one FIA call for the whole batch.
 FIA's MLA form takes query N 32/64/128, 1-16 query tokens per request, blocks of 16 or 128 and
-returns no LSE [doc]: ``Capabilities.mla`` declares exactly that. Graph capture of MLA steps is
-not wired (``graph_support`` NEVER, the MLA builder's default).
+returns no LSE [doc]: ``Capabilities.mla`` declares exactly that.
+
+Graph capture (uniform batches): the FIA call is recorded in a task group, in one workspace per
+captured graph sized by the max-workspace query, and every step's ``update_graph_params``
+re-issues it with the step's two length lists, then records the task's event, as vllm-ascend's
+``update_mla_attn_params`` does [callers] (without its synchronize: the runner orders the update
+stream after the previous replay). The write of a captured step has a fixed shape (padding rows
+redirected to the step's first written row, the kit's ``FixedShapeWrite``; ATB's write skips -1
+itself).
 """
 
 from __future__ import annotations
@@ -39,17 +46,26 @@ from attnhub import (
     MLAMetadataBuilder,
     Step,
 )
+from attnhub.backend import scratch_field
+from attnhub.capabilities import GraphSupport
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
+from attnhub.kit import FixedShapeWrite, flat_slots, read_slots
 from attnhub_ascend.backend import (
     INT_MAX,
     MAX_FIA_BATCH,
+    RESHAPE_AND_CACHE,
     SCATTER_PA_KV_CACHE,
     AscendBackend,
+    AscendGraph,
     AscendMetadataBuilder,
+    GraphTask,
     compressed_causal_mask,
     kv_write_rows,
     write_kv_planes,
 )
+
+#: FIA's two length lists, which a captured task is re-issued with every step.
+_LISTS = ("actual_seq_lengths", "actual_seq_lengths_kv")
 
 
 @dataclass(frozen=True)
@@ -63,23 +79,51 @@ class AscendMLAMetadata(AttentionMetadata):
     #: the rows of kv_c / k_pe the write takes where some real token has slot -1 (the scatter
     #: op has no padding slot); None: the first rows
     write_rows: torch.Tensor | None = None
-
-
-#: Why MLA steps are not captured (``graph_support`` NEVER, the MLA builder's default).
-MLA_GRAPH_REASON = (
-    "graph capture of MLA steps is not wired: FIA's MLA call bakes its host-side length lists "
-    "into a captured task, which needs the per-step task-group update vllm-ascend's "
-    "update_mla_attn_params makes; run MLA steps eagerly"
-)
+    #: Set by build_for_graph_capture: the FIA task groups forward records while captured (one
+    #: per layer) and the graph's workspace: scratch layers write into.
+    graph: AscendGraph | None = scratch_field()
 
 
 class AscendMLAMetadataBuilder(MLAMetadataBuilder):
     metadata_type = AscendMLAMetadata
     backend: AscendBackend
 
+    @property
+    def graph_support(self) -> GraphSupport:
+        """Uniform batches: one query length per captured graph, so one ``sparse_mode``."""
+        return GraphSupport.UNIFORM_BATCH
+
     def build_for_graph_capture(self, batch: BatchMetadata) -> AttentionMetadata:
-        """Refused with the reason (``graph_support`` is NEVER for MLA layers)."""
-        raise UnsupportedConfigurationError(self.backend.name, [MLA_GRAPH_REASON])
+        """The step's plan over the runner's persistent buffers (block table, slots: the write
+        finds its rows on the device) and an empty task list forward fills while captured;
+        the length lists are this batch's, replaced in the tasks by every update."""
+        step = self.capture_step(batch)
+        planned = self.plan(step)
+        if planned["fia_kwargs"]["block_table"] is not batch.block_table:
+            raise UnsupportedConfigurationError(
+                self.backend.name, ["graph capture needs an int32 contiguous block table"]
+            )
+        return self.metadata(
+            step, {**planned, "slot_mapping": None, "write_rows": None, "graph": AscendGraph()}
+        )
+
+    def update_graph_params(
+        self, graph_meta: AttentionMetadata, batch: BatchMetadata, stream: Any
+    ) -> None:
+        """Re-issue every captured FIA task with this step's lists inside
+        graph_task_update_begin/end on the update stream, then record its event (vllm-ascend's
+        update_mla_attn_params, without its synchronize)."""
+        assert isinstance(graph_meta, AscendMLAMetadata) and graph_meta.graph is not None
+        npu = self.backend.graph_api
+        lists = {
+            _LISTS[0]: tuple(batch.query_start_loc_cpu[1:].tolist()),  # host data
+            _LISTS[1]: tuple(batch.seq_lens_cpu.tolist()),
+        }
+        for task in graph_meta.graph.tasks:
+            npu.graph_task_update_begin(stream, task.handle)
+            task.op(*task.args, **task.kwargs, **lists)
+            npu.graph_task_update_end(stream)
+            task.event.record(stream)
 
     def plan(self, step: Step) -> Mapping[str, Any]:
         batch = step.batch
@@ -133,7 +177,9 @@ class AscendMLAImpl(MLAImpl):
         self._checked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def check_call(self, cache: LatentKVCache, meta: AttentionMetadata) -> None:
-        if not isinstance(meta, AscendMLAMetadata) or meta.slot_mapping is None:
+        if not isinstance(meta, AscendMLAMetadata) or (
+            meta.slot_mapping is None and meta.graph is None
+        ):
             raise InvalidInputError(
                 "meta must come from the ascend backend's metadata_builder().build(batch) for "
                 f"this MLA layer, got {type(meta).__name__}"
@@ -165,6 +211,9 @@ class AscendMLAImpl(MLAImpl):
         slot_mapping: torch.Tensor,  # [n] int, -1 = padding; every slot checked
         meta: AttentionMetadata | None = None,
     ) -> None:
+        if isinstance(meta, AscendMLAMetadata) and meta.graph is not None:
+            self._store_graph_step(kv_c, k_pe, cache, meta.batch.slot_mapping)
+            return
         if isinstance(meta, AscendMLAMetadata) and meta.slot_mapping is not None:
             slots, rows = meta.slot_mapping, meta.write_rows
         else:  # write_kv alone: the engine's slots, read on the host by the core's check
@@ -191,6 +240,31 @@ class AscendMLAImpl(MLAImpl):
             slots,
         )
 
+    def _store_graph_step(
+        self, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: LatentKVCache, slots: torch.Tensor
+    ) -> None:
+        """The write of a captured step, with a fixed shape (device ops only): ATB's write
+        skips -1 itself; for the scatter op each padding row is redirected to the step's first
+        written row (the kit's FixedShapeWrite), as for standard layers."""
+        T = slots.shape[0]
+        planes = (cache.kv_c.unsqueeze(2), cache.k_pe.unsqueeze(2))
+        if self.backend.kv_write_op == RESHAPE_AND_CACHE:
+            new = (kv_c[:T], k_pe[:T])
+            write_slots = slots.to(torch.int32).contiguous()
+        else:
+            write = FixedShapeWrite.of(slots)
+            new = tuple(
+                write.pick(
+                    src.index_select(0, write.rows),
+                    read_slots(plane, flat_slots(plane), write.slots),
+                )
+                for src, plane in ((kv_c, cache.kv_c), (k_pe, cache.k_pe))
+            )  # type: ignore[assignment]
+            write_slots = write.slots.to(torch.int32)
+        write_kv_planes(
+            self.backend, new[0].unsqueeze(1), new[1].unsqueeze(1), *planes, write_slots
+        )
+
     # --- attention ----------------------------------------------------------------------------
     def attend(
         self,
@@ -214,14 +288,51 @@ class AscendMLAImpl(MLAImpl):
         # the planes as (num_blocks, KV_N = 1, block_size, D), as vllm-ascend views them
         k_nope = cache.kv_c.view(nb, 1, bs, R)
         k_rope = cache.k_pe.view(nb, 1, bs, cache.qk_rope_head_dim)
-        self.backend.ops.npu_fused_infer_attention_score.out(
-            q_nope,
-            k_nope,
-            k_nope,  # the values are the nope part [callers]
-            query_rope=q_pe,
-            key_rope=k_rope,
-            **meta.fia_kwargs,
-            out=[target, self._lse],
-        )
+        args = (q_nope, k_nope, k_nope)  # the values are the nope part [callers]
+        if meta.graph is not None:
+            self._attend_graph(args, q_pe, k_rope, meta, target)
+        else:
+            self.backend.ops.npu_fused_infer_attention_score.out(
+                *args, query_rope=q_pe, key_rope=k_rope, **meta.fia_kwargs, out=[target, self._lse]
+            )
         if target is not dst:
             dst.copy_(target)
+
+    def _attend_graph(
+        self,
+        args: tuple[torch.Tensor, ...],
+        q_pe: torch.Tensor,
+        k_rope: torch.Tensor,
+        meta: AscendMLAMetadata,
+        target: torch.Tensor,
+    ) -> None:
+        """FIA on a step made by build_for_graph_capture: recorded in a task group after a
+        wait on an ExternalEvent while the stream is captured (vllm-ascend's MLA capture),
+        called directly otherwise (the warm-up run)."""
+        ops_ = self.backend.ops
+        op = ops_.npu_fused_infer_attention_score.out
+        shared = {k: v for k, v in meta.fia_kwargs.items() if k not in _LISTS}
+        shared.update(query_rope=q_pe, key_rope=k_rope)
+        step_lists = {name: meta.fia_kwargs[name] for name in _LISTS}
+        npu = self.backend.graph_api
+        if not npu.is_current_stream_capturing():
+            op(*args, **shared, **step_lists, out=[target, self._lse])
+            return
+        assert meta.graph is not None
+        # one workspace per captured graph, sized for the block table's capacity, passed to
+        # the capture and to every update (as the standard path and vllm-ascend do) [callers]
+        workspace = meta.graph.workspaces.get(self.backend)
+        if workspace is None:
+            workspace = ops_._npu_fused_infer_attention_score_get_max_workspace(
+                *args, **shared, **step_lists
+            )
+            meta.graph.workspaces[self.backend] = workspace
+        shared.update(workspace=workspace, out=[target, self._lse])
+        stream = npu.current_stream()
+        event = npu.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        npu.graph_task_group_begin(stream)
+        op(*args, **shared, **step_lists)
+        handle = npu.graph_task_group_end(stream)
+        meta.graph.tasks.append(GraphTask(handle, event, op, args, shared, _LISTS))

@@ -13,8 +13,9 @@ from attnhub_ascend.backend import RESHAPE_AND_CACHE
 from attnhub_ascend.emulator import NotEmulatedError, NpuOpError
 
 from attnhub import BatchMetadata, LatentKVCache, MLASpec, reference, testing
-from attnhub.capabilities import GraphSupport, Tolerance
+from attnhub.capabilities import Tolerance
 from attnhub.errors import UnsupportedConfigurationError
+from attnhub.graphs import GraphRunner
 
 FIA = emulator.npu_fused_infer_attention_score
 N, R, P, NB = 32, 512, 64, 6
@@ -262,9 +263,84 @@ def test_the_lse_is_refused_before_anything_is_written() -> None:
     assert cache.equal(before)
 
 
-def test_mla_steps_are_not_captured_and_the_refusal_says_why() -> None:
-    _, backend, batch, *_ = _step([(1, 9), (1, 4)])
-    builder = backend.metadata_builder()
-    assert builder.graph_support == GraphSupport.NEVER
-    with pytest.raises(UnsupportedConfigurationError, match="update_mla_attn_params"):
-        builder.build_for_graph_capture(batch)
+class MLAModel:
+    """Two MLA layers over their own latent caches on one emulated backend."""
+
+    def __init__(self, backend_type: type[AscendBackend]) -> None:
+        self.spec = mla_spec()
+        self.backend = backend_type(self.spec, "cpu", emulate=True)
+        self.impl = self.backend.impl()
+        g = testing.generator(3)
+        self.caches = [self.backend.allocate_kv_cache(40) for _ in range(2)]
+        for c in self.caches:
+            assert isinstance(c, LatentKVCache)
+            testing.fill_latent_cache_random(c, g)
+
+    def step(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, meta: Any) -> Any:
+        out = q
+        for cache in self.caches:
+            out = self.impl.forward(q, kv_c, k_pe, cache, meta)
+        return out
+
+
+@pytest.mark.parametrize("backend_type", [AscendBackend, ReshapeAndCacheBackend])
+@pytest.mark.parametrize("query_len", [1, 2])
+def test_captured_mla_steps_replay_with_each_steps_lengths(
+    backend_type: type[AscendBackend], query_len: int
+) -> None:
+    model = MLAModel(backend_type)
+    runner = GraphRunner(
+        model.backend,
+        model.step,
+        capture_sizes=[8],
+        max_blocks_per_req=8,
+        kv_caches=model.caches,  # type: ignore[arg-type]
+    )
+    table = testing.shuffled_block_table([8 * 16] * 3, 16, 40, testing.generator(1))
+    seqs = [20, 57, query_len]
+    for i in range(4):  # every sequence grows by query_len tokens each step: one descriptor
+        batch = BatchMetadata.from_lengths([query_len] * 3, seqs, table, 16)
+        g = testing.generator(10 + i)
+        kv_c, k_pe = testing.random_latent_kv(model.spec, batch.num_tokens, g)
+        q = testing.random_mla_query(model.spec, batch.num_tokens, g)
+        want_cache = model.caches[1].clone()
+        reference.write_latent_kv(want_cache, kv_c, k_pe, batch.slot_mapping)
+        out = runner.run(batch, q, kv_c, k_pe).clone()
+        assert model.caches[1].equal(want_cache), f"step {i}: the write"
+        want, _ = reference.paged_mla_absorbed(q, model.caches[1], batch, model.spec)
+        assert testing.mismatch(out, want, TOL) is None, f"step {i}"
+        seqs = [n + query_len for n in seqs]
+    assert runner.stats == {"captures": 1, "replays": 4}
+
+
+def test_a_captured_mla_replay_whose_update_is_skipped_answers_for_the_captured_lengths() -> None:
+    model = MLAModel(AscendBackend)
+    runner = GraphRunner(
+        model.backend,
+        model.step,
+        capture_sizes=[4],
+        max_blocks_per_req=8,
+        kv_caches=model.caches,  # type: ignore[arg-type]
+    )
+    table = testing.shuffled_block_table([8 * 16] * 2, 16, 40, testing.generator(1))
+    g = testing.generator(4)
+
+    def run(seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, BatchMetadata]:
+        batch = BatchMetadata.from_lengths([1, 1], seqs, table, 16)
+        kv_c, k_pe = testing.random_latent_kv(model.spec, 2, g)
+        q = testing.random_mla_query(model.spec, 2, g)
+        return runner.run(batch, q, kv_c, k_pe).clone(), q, batch
+
+    run([30, 40])
+
+    def events_only(graph_meta: Any, batch: BatchMetadata, stream: Any) -> None:
+        for task in graph_meta.graph.tasks:  # the ordering, without the task update
+            task.event.record(stream)
+
+    runner.builder.update_graph_params = events_only  # type: ignore[method-assign]
+    stale, q, grown = run([31, 41])
+    want, _ = reference.paged_mla_absorbed(q, model.caches[1], grown, model.spec)
+    assert testing.mismatch(stale, want, TOL) is not None  # the new keys are not attended
+    captured = BatchMetadata.from_lengths([1, 1], [30, 40], table, 16)
+    want, _ = reference.paged_mla_absorbed(q, model.caches[1], captured, model.spec)
+    assert testing.mismatch(stale, want, TOL) is None
