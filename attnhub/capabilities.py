@@ -193,20 +193,23 @@ class MlaSupport:
     latent-cache formats (``attnhub.mla.LATENT_KV_CACHE_DTYPES``); ``block_sizes`` /
     ``block_size_multiple`` as for standard attention; ``latent_sizes``: the
     ``(kv_lora_rank, qk_rope_head_dim)`` pairs the kernels are built for (None: any);
+    ``num_heads``: the query head counts the kernels take (None: any; FIA's MLA form takes
+    32, 64 or 128);
     ``layouts``: the latent-cache layouts the kernels read (``attnhub.mla.LATENT_LAYOUTS``),
     the first the one ``allocate_kv_cache`` makes; ``max_query_len``: the longest query of a
     request (None: any, causal bottom-right, chunked prefill with context included; 1:
     decode only); ``lse``: where ``forward(return_lse=True)`` returns the LSE;
     ``tolerances``: per dtype, against the float64 reference (absent: the backend's own);
     ``because``: per refused field (``"mla.dtype"``, ``"mla.kv_cache_dtype"``,
-    ``"mla.block_size"``, ``"mla.latent_size"``), the backend's reason, appended to the
-    sentence (:meth:`Refusal.because`)."""
+    ``"mla.block_size"``, ``"mla.latent_size"``, ``"mla.num_heads"``), the backend's reason,
+    appended to the sentence (:meth:`Refusal.because`)."""
 
     dtypes: frozenset[torch.dtype] = frozenset()
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     block_sizes: frozenset[int] | None = None
     block_size_multiple: int = 1
     latent_sizes: frozenset[tuple[int, int]] | None = None
+    num_heads: frozenset[int] | None = None
     layouts: tuple[str, ...] = ("joint",)
     max_query_len: int | None = None
     lse: LseSupport = field(default_factory=LseSupport)
@@ -303,6 +306,15 @@ class MlaSupport:
                     self.latent_sizes,
                 )
             )
+        if self.num_heads is not None and spec.num_heads not in self.num_heads:
+            reasons.append(
+                self._refusal(
+                    "mla.num_heads",
+                    f"MLA num_heads {spec.num_heads} is not one of {sorted(self.num_heads)}",
+                    spec.num_heads,
+                    self.num_heads,
+                )
+            )
         return reasons
 
     def summary(self) -> dict[str, object]:
@@ -319,6 +331,7 @@ class MlaSupport:
             "latent_sizes": (
                 "any" if self.latent_sizes is None else [list(p) for p in sorted(self.latent_sizes)]
             ),
+            "num_heads": "any" if self.num_heads is None else sorted(self.num_heads),
             "layouts": list(self.layouts),
             "max_query_len": "any" if self.max_query_len is None else self.max_query_len,
             "lse": sorted(str(d).removeprefix("torch.") for d in self.lse.dtypes)

@@ -304,6 +304,8 @@ def mla_line(caps: Capabilities) -> str:
         else ("decode only" if mla.max_query_len == 1 else f"query_len <= {mla.max_query_len}")
     )
     lse = "lse" if mla.lse.dtypes else "no lse"
+    if mla.num_heads is not None:  # only where the kernels name their head counts
+        latents += "; heads " + ", ".join(map(str, sorted(mla.num_heads)))
     return (
         f"absorbed form: {dtypes}; kv caches {', '.join(sorted(mla.kv_cache_dtypes))}; blocks "
         f"{sizes(mla.block_sizes, mla.block_size_multiple)}; {latents}; layouts "

@@ -91,6 +91,20 @@ def test_mla_refusals_name_the_field_value_and_the_backends_reason() -> None:
     assert by_field["mla.latent_size"].value == (64, 16)
 
 
+def test_a_declared_set_of_head_counts_refuses_the_others() -> None:
+    support = MlaSupport(
+        dtypes=frozenset({torch.float32}),
+        num_heads=frozenset({32, 64}),
+        because={"mla.num_heads": "the kernel tiles 32 heads"},
+    )
+    assert support.unsupported_reasons(mla_spec(num_heads=64, dtype=torch.float32)) == []
+    (refusal,) = support.unsupported_reasons(mla_spec(num_heads=8, dtype=torch.float32))
+    assert refusal.field == "mla.num_heads" and refusal.value == 8
+    assert refusal.sentence.endswith("(the kernel tiles 32 heads)")
+    assert support.summary()["num_heads"] == [32, 64]
+    assert MlaSupport(dtypes=frozenset({torch.float32})).summary()["num_heads"] == "any"
+
+
 @pytest.mark.parametrize(
     ("kw", "error"),
     [

@@ -11,7 +11,7 @@ declared refused with reasons. Where it is not declared: MLA specs refused, with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -149,7 +149,9 @@ def mla_cases(target: Target, scope: Scope) -> list[Case]:
     latents = sorted(mla.latent_sizes) if mla.latent_sizes is not None else [SMALL_LATENT]
     if not dtypes or not blocks:
         return []
-    base = MLAConfig(dtypes[0], blocks[0], latents[0], mla.layouts[0])
+    # the quick cases' head count, or the fewest the kernels take where they name some
+    heads = NUM_HEADS if mla.num_heads is None or NUM_HEADS in mla.num_heads else min(mla.num_heads)
+    base = MLAConfig(dtypes[0], blocks[0], latents[0], mla.layouts[0], num_heads=heads)
     shapes = _shapes(base.block_size)
     served = {n: p for n, p in shapes.items() if shape_fits(p, mla.max_query_len)}
     main = "mixed" if "mixed" in served else "decode"
@@ -173,26 +175,27 @@ def mla_cases(target: Target, scope: Scope) -> list[Case]:
             "the latent output equals the reference's absorbed form; the write is byte-exact",
         )
     for d in dtypes:
-        out_case(f"{ROW} dtypes", MLAConfig(d, *_rest(base)), main, "every declared dtype")
+        out_case(f"{ROW} dtypes", replace(base, dtype=d), main, "every declared dtype")
     for b in blocks[: (None if scope.full else 3)]:
-        config = MLAConfig(base.dtype, b, base.latent, base.layout)
+        config = replace(base, block_size=b)
         out_case(f"{ROW} block sizes", config, main, "block sizes")
     for layout in mla.layouts:
-        config = MLAConfig(base.dtype, base.block_size, base.latent, layout)
+        config = replace(base, layout=layout)
         out_case(f"{ROW} layouts", config, main, "every declared latent layout")
     for kv in sorted(mla.kv_cache_dtypes - {"auto"}):
         for layout in mla.layouts:
-            config = MLAConfig(base.dtype, base.block_size, base.latent, layout, kv)
+            config = replace(base, layout=layout, kv_cache_dtype=kv)
             out_case(f"{ROW} fp8 latent", config, main, "fp8 latent caches, as stored")
     if base.latent != DEEPSEEK_LATENT and (
         mla.latent_sizes is None or DEEPSEEK_LATENT in mla.latent_sizes
     ):
-        config = MLAConfig(base.dtype, base.block_size, DEEPSEEK_LATENT, base.layout, num_heads=4)
+        few = 4 if mla.num_heads is None or 4 in mla.num_heads else heads
+        config = replace(base, latent=DEEPSEEK_LATENT, num_heads=few)
         out_case(f"{ROW} batch shapes", config, "decode", "DeepSeek's 512 + 64 latent")
     out_case(f"{ROW} kv writes", base, main, "the write of (kv_c, k_pe) is byte-exact")
     # the LSE where declared; a typed refusal where not
     for d in dtypes:
-        config = MLAConfig(d, *_rest(base))
+        config = replace(base, dtype=d)
         declared = mla.lse.refusal(config.spec()) is None
         add(
             f"{ROW} lse",
@@ -218,30 +221,27 @@ def mla_cases(target: Target, scope: Scope) -> list[Case]:
     return list(cases.values())
 
 
-def _rest(base: MLAConfig) -> tuple[int, tuple[int, int], str]:
-    return base.block_size, base.latent, base.layout
-
-
 def _refusal_cases(add: Any, base: MLAConfig, mla: Any, shapes: dict[str, BatchPlan]) -> None:
     """What is not declared is refused: a dtype, a latent format, a block size, a latent size
     (at construction, with reasons), a query longer than ``max_query_len`` (at build)."""
     refused: list[tuple[str, MLAConfig]] = []
     other = [d for d in DTYPE_PREFERENCE if d not in mla.dtypes]
     if other:
-        refused.append(("dtype", MLAConfig(other[0], *_rest(base))))
+        refused.append(("dtype", replace(base, dtype=other[0])))
     if "fp8_e4m3" not in mla.kv_cache_dtypes:
-        refused.append(
-            ("kv_cache_dtype", MLAConfig(base.dtype, *_rest(base), kv_cache_dtype="fp8_e4m3"))
-        )
+        refused.append(("kv_cache_dtype", replace(base, kv_cache_dtype="fp8_e4m3")))
     for b in (24, 1, 8, 32, 64):
         if (
             mla.block_sizes is not None and b not in mla.block_sizes
         ) or b % mla.block_size_multiple:
-            refused.append(("block_size", MLAConfig(base.dtype, b, base.latent, base.layout)))
+            refused.append(("block_size", replace(base, block_size=b)))
             break
     if mla.latent_sizes is not None:
         odd = (96, 32) if (96, 32) not in mla.latent_sizes else (48, 8)
-        refused.append(("latent_size", MLAConfig(base.dtype, base.block_size, odd, base.layout)))
+        refused.append(("latent_size", replace(base, latent=odd)))
+    if mla.num_heads is not None:
+        odd_heads = next(h for h in (NUM_HEADS, 12, 3) if h not in mla.num_heads)
+        refused.append(("num_heads", replace(base, num_heads=odd_heads)))
     for field_name, config in refused:
         add(
             f"{ROW} refusals",

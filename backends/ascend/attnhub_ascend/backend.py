@@ -50,6 +50,7 @@ from attnhub.capabilities import (
     GraphSupport,
     HeadSizeVSupport,
     LseSupport,
+    MlaSupport,
     Refusal,
     Tolerance,
 )
@@ -267,6 +268,32 @@ class AscendBackend(AttentionBackend):
             reason="CANN tiles npu_fused_infer_attention_score per call from the whole step "
             "(batch size, lengths, cores) and documents no batch-invariant mode, so a "
             "request's reduction order may follow its companions [inferred]"
+        ),
+        # MLA's absorbed form through FIA's MLA form (query_rope / key_rope, attnhub_ascend.mla):
+        # what the FIA doc allows on A2/A3 with query D 512 (docs/backends/ascend.md "MLA").
+        mla=MlaSupport(
+            dtypes=frozenset({torch.float16, torch.bfloat16}),
+            kv_cache_dtypes=frozenset({"auto"}),
+            block_sizes=frozenset({16, 128}),
+            latent_sizes=frozenset({(512, 64)}),
+            num_heads=frozenset({32, 64, 128}),
+            layouts=("split",),  # nope and rope planes apart, as vllm-ascend keeps them
+            max_query_len=16,
+            lse=LseSupport(
+                reason="FIA's MLA form (query D 512 with query_rope/key_rope) does not support "
+                "softmax_lse_flag"
+            ),
+            because={
+                "mla.dtype": "FIA's MLA form takes float16 and bfloat16",
+                "mla.kv_cache_dtype": "FIA's MLA form takes no quantized cache (antiquant) here",
+                "mla.block_size": "FIA's MLA form takes page attention with blocks of 16 or 128",
+                "mla.latent_size": "FIA's MLA form takes query/key D 512 with a rope part of 64",
+                "mla.num_heads": "FIA's MLA form takes query N 32, 64 or 128",
+            },
+            tolerances={
+                torch.float16: Tolerance(atol=5e-3, rtol=5e-3),
+                torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
+            },
         ),
     )
 
@@ -605,29 +632,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
     def _kv_write_rows(
         self, batch: BatchMetadata, facts: StepFacts
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The KV write's slots (once per step, not per layer) and, where needed, the rows it
-        takes. Padding rows past num_actual_tokens are never written. A slot -1 among the real
-        tokens is skipped by _npu_reshape_and_cache itself; npu_scatter_pa_kv_cache takes only
-        slots in [0, num_slots) [doc], so for it such rows are left out here, from the batch's
-        host copy of the slots (no device read). npu_scatter_pa_kv_cache takes int32 or int64
-        slots [doc]: the engine's own tensor is passed as it is (no conversion per step);
-        _npu_reshape_and_cache takes int32 only."""
-        n = batch.num_actual_tokens
-        scatter = self.backend.kv_write_op == SCATTER_PA_KV_CACHE
-        if scatter and n and facts.min_slot < 0:  # a -1 somewhere (build saw every slot)
-            host = batch.host_slot_mapping().numpy()[:n]
-            if int(_MIN(host)) < 0:  # a real token's write is skipped, not only padding
-                keep = np.flatnonzero(host >= 0)
-                dev = self.backend.device
-                return torch.from_numpy(host[keep]).to(dev), torch.from_numpy(keep).to(dev)
-        slots = batch.slot_mapping
-        if slots.shape[0] != n:
-            slots = slots[:n]
-        if not scatter and slots.dtype is not torch.int32:
-            slots = slots.to(torch.int32)
-        if not slots.is_contiguous():
-            slots = slots.contiguous()  # once per step: every layer's write takes it as is
-        return slots, None
+        return kv_write_rows(self.backend, batch, facts)
 
     def _kv_slots(
         self, batch: BatchMetadata, seq_lens: np.ndarray
@@ -807,26 +812,7 @@ class AscendAttentionImpl(AttentionImpl):
     ) -> None:
         """The KV write op; ``slots`` contiguous already (planned once per step, or made so by
         the caller)."""
-        if self.backend.kv_write_op == SCATTER_PA_KV_CACHE:
-            # vllm-ascend's A2/A3 write: ND caches (num_blocks, block_size, KV_N, D), every slot
-            # in range (the builder / store_kv left out -1 rows) [doc]
-            self.backend.ops.npu_scatter_pa_kv_cache(
-                key=key.contiguous(),
-                value=value.contiguous(),
-                key_cache=cache.key,
-                value_cache=cache.value,
-                slot_mapping=slots,
-                cache_mode="Norm",
-            )
-            return
-        # _npu_reshape_and_cache skips slots < 0 [schema from op registrations, vendor-ops.md]
-        self.backend.ops._npu_reshape_and_cache(
-            key=key.contiguous(),
-            value=value.contiguous(),
-            key_cache=cache.key,
-            value_cache=cache.value,
-            slot_indices=slots,
-        )
+        write_kv_planes(self.backend, key, value, cache.key, cache.value, slots)
 
     # --- attention ----------------------------------------------------------------------------
     def attend(
@@ -1037,6 +1023,66 @@ class AscendAttentionImpl(AttentionImpl):
             lse.copy_(result[1][:, :, 0] + torch.log(result[2][:, :, 0]))
 
 
+def kv_write_rows(
+    backend: AscendBackend, batch: BatchMetadata, facts: StepFacts
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The KV write's slots (once per step, not per layer) and, where needed, the rows it
+    takes. Padding rows past num_actual_tokens are never written. A slot -1 among the real
+    tokens is skipped by _npu_reshape_and_cache itself; npu_scatter_pa_kv_cache takes only
+    slots in [0, num_slots) [doc], so for it such rows are left out here, from the batch's
+    host copy of the slots (no device read). npu_scatter_pa_kv_cache takes int32 or int64
+    slots [doc]: the engine's own tensor is passed as it is (no conversion per step);
+    _npu_reshape_and_cache takes int32 only."""
+    n = batch.num_actual_tokens
+    scatter = backend.kv_write_op == SCATTER_PA_KV_CACHE
+    if scatter and n and facts.min_slot < 0:  # a -1 somewhere (build saw every slot)
+        host = batch.host_slot_mapping().numpy()[:n]
+        if int(_MIN(host)) < 0:  # a real token's write is skipped, not only padding
+            keep = np.flatnonzero(host >= 0)
+            dev = backend.device
+            return torch.from_numpy(host[keep]).to(dev), torch.from_numpy(keep).to(dev)
+    slots = batch.slot_mapping
+    if slots.shape[0] != n:
+        slots = slots[:n]
+    if not scatter and slots.dtype is not torch.int32:
+        slots = slots.to(torch.int32)
+    if not slots.is_contiguous():
+        slots = slots.contiguous()  # once per step: every layer's write takes it as is
+    return slots, None
+
+
+def write_kv_planes(
+    backend: AscendBackend,
+    key: torch.Tensor,  # [n, KV_N, Dk]
+    value: torch.Tensor,  # [n, KV_N, Dv]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KV_N, Dk]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, KV_N, Dv]
+    slots: torch.Tensor,  # [n], contiguous; -1 rows left out for the scatter op
+) -> None:
+    """The backend's KV write op (``AscendBackend.kv_write_op``) over two cache planes; K and V
+    widths may differ (both ops take them apart), so MLA's (kv_c, k_pe) planes use it too."""
+    if backend.kv_write_op == SCATTER_PA_KV_CACHE:
+        # vllm-ascend's A2/A3 write: ND caches (num_blocks, block_size, KV_N, D), every slot
+        # in range (the builder / store_kv left out -1 rows) [doc]
+        backend.ops.npu_scatter_pa_kv_cache(
+            key=key.contiguous(),
+            value=value.contiguous(),
+            key_cache=key_cache,
+            value_cache=value_cache,
+            slot_mapping=slots,
+            cache_mode="Norm",
+        )
+        return
+    # _npu_reshape_and_cache skips slots < 0 [schema from op registrations, vendor-ops.md]
+    backend.ops._npu_reshape_and_cache(
+        key=key.contiguous(),
+        value=value.contiguous(),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_indices=slots,
+    )
+
+
 #: No extra keyword arguments (no LSE asked for).
 _NO_FLAG: dict[str, Any] = {}
 #: npu_fusion_attention's statistics in (T, N, 8), the layout the LSE is read in.
@@ -1065,3 +1111,8 @@ def _check_cache_storage(cache: PagedKVCache) -> None:
 
 AscendBackend.builder_type = AscendMetadataBuilder
 AscendBackend.impl_type = AscendAttentionImpl
+
+from attnhub_ascend.mla import AscendMLAImpl, AscendMLAMetadataBuilder  # noqa: E402 (a cycle)
+
+AscendBackend.mla_builder_type = AscendMLAMetadataBuilder
+AscendBackend.mla_impl_type = AscendMLAImpl

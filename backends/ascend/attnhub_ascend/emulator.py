@@ -17,7 +17,9 @@ full masks) it raises :class:`NotEmulatedError`. It computes in float32 from its
 the docs and never calls ``attnhub.reference`` (the conformance suite compares the two).
 
 Emulated ops (the names ``torch_npu`` exposes):
-  npu_fused_infer_attention_score     (+ ``.out``)  "FIA": TND layout, paged or packed K/V
+  npu_fused_infer_attention_score     (+ ``.out``)  "FIA": TND layout, paged or packed K/V;
+                                                    its MLA form (query_rope / key_rope, D 512,
+                                                    paged), see ``_fia_mla``
   npu_fused_infer_attention_score_v2  (+ ``.out``)  FIA v2: the same plus ``learnable_sink``
   npu_fusion_attention                              training FA: TND (packed K/V) or BSND
   npu_scatter_pa_kv_cache                           A2/A3 KV-cache write, cache_mode "Norm"
@@ -459,10 +461,16 @@ class _FiaCall:
     #: sparse_mode values the op accepts: v1 0..4 ("仅支持0/1/2/3/4，其他值报错"); v2 adds 9.
     sparse_modes: tuple[int, ...]
     sink: torch.Tensor | None = None
+    #: The MLA form: the rope parts of query and key (both or neither) [doc].
+    query_rope: torch.Tensor | None = None
+    key_rope: torch.Tensor | None = None
+    lse_flag: bool = False
 
 
 def _fia(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (query dtype), lse
     """FIA v1 and v2: every argument checked, in the op's order, then the math."""
+    if c.query_rope is not None or c.key_rope is not None:
+        return _fia_mla(c)
     kv_heads = _check_fia_tensors(c)
     q_lens, kv_list = _fia_lengths(c)
     keys, kv_lens = _fia_keys(c, q_lens, kv_list, kv_heads)
@@ -506,8 +514,8 @@ def _check_fia_tensors(c: _FiaCall) -> int:
             "float16/bfloat16) are out of range",
         )
     if head_dim == 512:
-        # TND with query D = 512 needs query_rope and key_rope (MLA) [doc: TND constraints];
-        # neither is emulated (nor used by attnhub), so D = 512 without them is refused.
+        # TND with query D = 512 needs query_rope and key_rope (MLA) [doc: TND constraints]:
+        # D = 512 without them is refused (with them: _fia_mla).
         raise _fail(
             op,
             f"input_layout={c.input_layout!r} with D=512 needs query_rope and key_rope (the "
@@ -679,21 +687,8 @@ def _paged_keys(
 ) -> tuple[Callable[[int], tuple[torch.Tensor, torch.Tensor]], list[int]]:
     """Checks of the page-attention arguments; returns a reader of request b's K/V."""
     op, table, bs, key, value = c.op, c.block_table, c.block_size, c.key, c.value
-    assert table is not None
-    if not isinstance(table, torch.Tensor):
-        raise _fail(op, f"block_table must be a Tensor, got {type(table).__name__}")
-    if table.dtype != torch.int32:
-        raise _fail(op, f"block_table must be int32, got {table.dtype}")
-    if table.dim() != 2 or table.shape[0] != len(q_lens):
-        raise _fail(
-            op,
-            f"block_table must be [B={len(q_lens)}, max_blocks] (B = len(actual_seq_lengths)), "
-            f"got {list(table.shape)}",
-        )
-    if table.device != c.query.device:
-        raise _fail(op, f"block_table is on {table.device}, query on {c.query.device}")
-    if bs <= 0:
-        raise _fail(op, f"block_size={bs}: page attention needs the cache's block size")
+    _check_block_table(c, len(q_lens))
+    assert isinstance(table, torch.Tensor)
     if any(n > 1 for n in q_lens):  # the PFA branch
         if bs % 128 or not 128 <= bs <= 512:
             raise _fail(
@@ -725,11 +720,44 @@ def _paged_keys(
         flat_v = value.transpose(1, 2).reshape(-1, kv_heads, head_dim)
     else:
         raise _fail(op, f"a paged cache must be 3-D or 4-D, got {list(key.shape)}")
-    num_blocks = key.shape[0]
+    table_l = _check_table_reads(c, kv_lens, key.shape[0])
+
+    def keys(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(kv_lens[b])
+        slots = (table_l[b, pos // bs] * bs + pos % bs).to(key.device)
+        return flat_k.index_select(0, slots), flat_v.index_select(0, slots)
+
+    return keys, kv_lens
+
+
+def _check_block_table(c: _FiaCall, batch: int) -> None:
+    """``block_table`` int32 [B, max_blocks] on the query's device, and a block size."""
+    op, table, bs = c.op, c.block_table, c.block_size
+    assert table is not None
+    if not isinstance(table, torch.Tensor):
+        raise _fail(op, f"block_table must be a Tensor, got {type(table).__name__}")
+    if table.dtype != torch.int32:
+        raise _fail(op, f"block_table must be int32, got {table.dtype}")
+    if table.dim() != 2 or table.shape[0] != batch:
+        raise _fail(
+            op,
+            f"block_table must be [B={batch}, max_blocks] (B = len(actual_seq_lengths)), "
+            f"got {list(table.shape)}",
+        )
+    if table.device != c.query.device:
+        raise _fail(op, f"block_table is on {table.device}, query on {c.query.device}")
+    if bs <= 0:
+        raise _fail(op, f"block_size={bs}: page attention needs the cache's block size")
+
+
+def _check_table_reads(c: _FiaCall, kv_lens: list[int], num_blocks: int) -> torch.Tensor:
+    """Per request, in order: its KV length fits the table, and the blocks it reads are blocks
+    (one vectorized pass; the first failing request is named, as a loop over them would).
+    Returns the table as int64 on the host."""
+    op, table, bs = c.op, c.block_table, c.block_size
+    assert isinstance(table, torch.Tensor)
     capacity = table.shape[1] * bs
     table_l = table.to("cpu", torch.int64)
-    # Per request, in order: its KV length fits the table, and the blocks it reads are blocks
-    # (one vectorized pass; the first failing request is named, as a loop over them would).
     kv = np.asarray(kv_lens, dtype=np.int64)
     bad_len = (kv < 0) | (kv > capacity)
     used = np.arange(table.shape[1])[None, :] < ((np.clip(kv, 0, capacity) + bs - 1) // bs)[:, None]
@@ -745,13 +773,204 @@ def _paged_keys(
                 "the per-sequence KV length, not a cumulative end",
             )
         raise _fail(op, f"block_table[{b}] names a block outside the {num_blocks} blocks")
+    return table_l
 
-    def keys(b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(kv_lens[b])
-        slots = (table_l[b, pos // bs] * bs + pos % bs).to(key.device)
-        return flat_k.index_select(0, slots), flat_v.index_select(0, slots)
 
-    return keys, kv_lens
+# --- FIA's MLA form (query_rope / key_rope) ------------------------------------------------------
+#
+# [doc: op-plugin docs/context/torch_npu-npu_fused_infer_attention_score.md, "query_rope和key_rope
+# 输入时即为MLA场景" and the TND constraints; A2/A3]: query_rope / key_rope both or neither, their
+# dtypes those of query / key; query D 512 or 128 with them (128: TND without page attention,
+# the expanded prefill, not emulated). D 512: query S 1-16 per request, N 32/64/128, query_rope D
+# 64 (other dims the query's); key N 1, D 512, key_rope D 64 (other dims the key's); page
+# attention required, block_size 16 or 128 (ND); sparse_mode 0 without a mask when Q_S is 1,
+# sparse_mode 3 with the compressed mask when Q_S > 1; no softmax LSE, left padding, pse,
+# prefix or quantization. The scores are q . k_nope + q_rope . k_rope, scaled; the values are
+# the nope part (callers pass k_nope as both key and value [callers: vllm-ascend's
+# update_mla_attn_params]).
+
+MLA_HEADS = (32, 64, 128)
+MLA_NOPE_DIM = 512
+MLA_ROPE_DIM = 64
+MLA_BLOCK_SIZES = (16, 128)
+MLA_MAX_QUERY_LEN = 16
+
+
+def _fia_mla(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """FIA's MLA form (D 512 with query_rope / key_rope): every argument checked, then the
+    math."""
+    op = c.op
+    if c.query_rope is None or c.key_rope is None:
+        raise _fail(op, "query_rope and key_rope must be given together (or neither)")
+    if c.input_layout not in LAYOUTS:
+        raise _fail(op, f"input_layout={c.input_layout!r} is not one of {', '.join(LAYOUTS)}")
+    if c.input_layout != "TND":
+        raise NotEmulatedError(
+            f"{op}: input_layout={c.input_layout!r} is valid for the MLA form but only 'TND' "
+            "is emulated"
+        )
+    q = c.query
+    if not isinstance(q, torch.Tensor):
+        raise _fail(op, f"query must be a Tensor, got {type(q).__name__}")
+    dev = q.device
+    _check_tensor(op, "query", q, 3, dev)
+    if q.dtype not in MODEL_DTYPES:
+        raise _fail(op, f"query dtype {q.dtype}: the MLA form takes float16, bfloat16")
+    T, num_heads, head_dim = q.shape
+    if head_dim == 128:
+        raise NotEmulatedError(
+            f"{op}: query D=128 with query_rope/key_rope (TND without page attention, the "
+            "expanded prefill) is valid but not emulated"
+        )
+    if head_dim != MLA_NOPE_DIM:
+        raise _fail(op, f"with query_rope/key_rope the query D must be 512 or 128, got {head_dim}")
+    if num_heads != c.num_heads:
+        raise _fail(op, f"num_heads={c.num_heads} but the TND query has {num_heads} heads")
+    if num_heads not in MLA_HEADS:
+        raise _fail(op, f"the MLA form takes query N 32, 64 or 128, got {num_heads}")
+    kv_heads = c.num_key_value_heads or num_heads
+    if kv_heads != 1:
+        raise _fail(op, f"the MLA form takes key N 1 (num_key_value_heads=1), got {kv_heads}")
+    qr = _check_tensor(op, "query_rope", c.query_rope, 3, dev)
+    if qr.dtype != q.dtype or tuple(qr.shape) != (T, num_heads, MLA_ROPE_DIM):
+        raise _fail(
+            op,
+            f"query_rope must be {q.dtype} [{T}, {num_heads}, {MLA_ROPE_DIM}] (the query's dims "
+            f"with D 64), got {qr.dtype} {list(qr.shape)}",
+        )
+    if c.lse_flag:
+        raise _fail(op, "softmax_lse_flag=True: the MLA form (query D 512) returns no LSE")
+    if c.block_table is None:
+        raise _fail(op, "the MLA form (query D 512) needs page attention (block_table)")
+    if c.block_size not in MLA_BLOCK_SIZES:
+        raise _fail(op, f"block_size={c.block_size}: the MLA form takes 16 or 128")
+    k_nope, k_rope = _mla_caches(c, q)
+    q_lens, kv_list = _fia_lengths(c)
+    _check_block_table(c, len(q_lens))
+    longest = max(q_lens, default=0)
+    if longest > MLA_MAX_QUERY_LEN:
+        b = q_lens.index(longest)
+        raise _fail(op, f"request {b} has {longest} query tokens: the MLA form takes 1-16")
+    _check_mla_sparse(c, longest)
+    table = _check_table_reads(c, kv_list, k_nope.shape[0])
+    return _fia_mla_math(c, q_lens, kv_list, table, k_nope, k_rope)
+
+
+def _mla_caches(c: _FiaCall, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paged nope and rope planes as [num_slots, D] / [num_slots, 64]: key (= value) 3-D
+    (num_blocks, block_size, 512) or 4-D (num_blocks, 1, block_size, 512), key_rope the same
+    with D 64."""
+    op, dev, bs = c.op, q.device, c.block_size
+    key, value, key_rope = c.key, c.value, c.key_rope
+    for name, t in (("key", key), ("value", value), ("key_rope", key_rope)):
+        if not isinstance(t, torch.Tensor):
+            raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
+        _check_tensor(op, name, t, t.dim(), dev)
+        if t.dtype != q.dtype:
+            raise _fail(op, f"{name} dtype {t.dtype} differs from query dtype {q.dtype}")
+    assert isinstance(key, torch.Tensor) and isinstance(key_rope, torch.Tensor)
+    if value.shape != key.shape:
+        raise _fail(op, f"key and value shapes differ: {list(key.shape)} vs {list(value.shape)}")
+    if value.data_ptr() != key.data_ptr() or value.stride() != key.stride():
+        # [inferred] the docs do not say whether the kernel reads the values from value or
+        # from key; every caller passes the nope plane as both (key=value=k_nope).
+        raise NotEmulatedError(
+            f"{op}: the MLA form with a value other than key (the nope plane passed twice) is "
+            "not emulated"
+        )
+    want = {3: (bs, MLA_NOPE_DIM), 4: (1, bs, MLA_NOPE_DIM)}.get(key.dim())
+    if want is None or tuple(key.shape[1:]) != want:
+        raise _fail(
+            op,
+            f"the MLA form's paged key must be [num_blocks, {bs}, 512] or [num_blocks, 1, {bs}, "
+            f"512] (key N 1, D 512), got {list(key.shape)}",
+        )
+    rope_shape = (*key.shape[:-1], MLA_ROPE_DIM)
+    if tuple(key_rope.shape) != rope_shape:
+        raise _fail(
+            op,
+            f"key_rope must be {list(rope_shape)} (the key's dims with D 64), got "
+            f"{list(key_rope.shape)}",
+        )
+    return key.reshape(-1, MLA_NOPE_DIM), key_rope.reshape(-1, MLA_ROPE_DIM)
+
+
+def _check_mla_sparse(c: _FiaCall, longest: int) -> None:
+    """Q_S 1: sparse_mode 0 without a mask; Q_S > 1: sparse_mode 3 with the compressed mask
+    [doc]. In TND, Q_S is read as the longest request's query length [inferred]."""
+    op = c.op
+    if c.inner_precise not in (0, 1, 2, 3):
+        raise _fail(op, f"inner_precise={c.inner_precise} is not one of 0, 1, 2, 3")
+    if longest <= 1:
+        if c.sparse_mode != 0 or c.atten_mask is not None:
+            raise _fail(
+                op,
+                f"the MLA form with Q_S = 1 takes sparse_mode=0 without atten_mask, got "
+                f"sparse_mode={c.sparse_mode}"
+                + (" with a mask" if c.atten_mask is not None else ""),
+            )
+        if c.inner_precise in (2, 3):
+            raise _fail(op, f"inner_precise={c.inner_precise}: with Q_S = 1 only 0 and 1")
+        return
+    if c.sparse_mode != 3:
+        raise _fail(
+            op,
+            f"the MLA form with Q_S > 1 takes sparse_mode=3 with the compressed mask, got "
+            f"sparse_mode={c.sparse_mode}",
+        )
+    _check_compressed_mask(op, c.atten_mask, 3, c.query.device)
+
+
+def _fia_mla_null(
+    c: _FiaCall,
+    q_lens: list[int],
+    kv_lens: list[int],
+    table: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q = c.query
+    return (
+        emulation.preallocated(q.shape, q.dtype, q.device),
+        emulation.preallocated((q.shape[0], q.shape[1], 1), torch.float32, q.device),
+    )
+
+
+@emulation.kernel(null=_fia_mla_null)
+def _fia_mla_math(
+    c: _FiaCall,
+    q_lens: list[int],
+    kv_lens: list[int],
+    table: torch.Tensor,  # [B, max_blocks] int64, host
+    k_nope: torch.Tensor,  # [num_slots, 512]
+    k_rope: torch.Tensor,  # [num_slots, 64]
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, 512] (query dtype), lse [T, N, 1] float32
+    """softmax(scale * (q k_nope^T + q_rope k_rope^T) [masked]) k_nope, per request: every head
+    over the one latent KV head."""
+    q, q_rope, bs = c.query, c.query_rope, c.block_size
+    assert q_rope is not None
+    # one K/V head of width 512 + 64: the two dot products summed
+    q_cat = torch.cat([q, q_rope], dim=-1)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[1], 1, dtype=torch.float32, device=q.device)
+    start = 0
+    for b in range(len(q_lens)):  # the emulator loops; the backend never does
+        q_len, kv_len = q_lens[b], kv_lens[b]
+        if q_len == 0:
+            continue
+        pos = torch.arange(kv_len)
+        slots = (table[b, pos // bs] * bs + pos % bs).to(q.device)
+        nope = k_nope.index_select(0, slots)[:, None]  # [kv_len, 1, 512]
+        k = torch.cat([nope, k_rope.index_select(0, slots)[:, None]], dim=-1)
+        visible = None if c.sparse_mode == 0 else _visible(q_len, kv_len, 3, INT_MAX, INT_MAX)
+        correct = c.inner_precise in (2, 3) or (c.sparse_mode == 3 and q_len > kv_len)
+        o, l_ = _attend(q_cat[start : start + q_len], k, nope, c.scale, visible, None, correct)
+        out[start : start + q_len] = o.to(q.dtype)
+        lse[start : start + q_len, :, 0] = l_
+        start += q_len
+    out[start:] = math.nan  # rows past the last query end: no request's [inferred]
+    lse[start:] = math.nan
+    return out, lse
 
 
 def _lse_result(
@@ -870,8 +1089,6 @@ def _fia_v1(
         key_shared_prefix=key_shared_prefix,
         value_shared_prefix=value_shared_prefix,
         actual_shared_prefix_len=actual_shared_prefix_len,
-        query_rope=query_rope,
-        key_rope=key_rope,
         key_rope_antiquant_scale=key_rope_antiquant_scale,
     )
     if antiquant_mode or key_antiquant_mode or value_antiquant_mode:
@@ -896,6 +1113,9 @@ def _fia_v1(
             block_size,
             inner_precise,
             (0, 1, 2, 3, 4),
+            query_rope=query_rope,
+            key_rope=key_rope,
+            lse_flag=bool(softmax_lse_flag),
         )
     )
     return out, _lse_result(op, lse, softmax_lse_flag)
@@ -905,7 +1125,7 @@ def _fia_v1_out(
     *args: Any, workspace: torch.Tensor | None = None, out: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     op = "npu_fused_infer_attention_score.out"
-    result, lse = _fia_v1(*args, **{**kwargs, "softmax_lse_flag": True})
+    result, lse = _fia_v1(*args, **kwargs)
     _check_workspace(op, workspace, _V1_SIG, args, kwargs, _FIA_LISTS, "num_heads", result)
     want = bool(kwargs.get("softmax_lse_flag", False))
     return _write_out(op, out, result, lse, want)

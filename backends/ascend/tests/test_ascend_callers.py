@@ -19,8 +19,9 @@ The evidence (``shared/callers/``, each a vendor file flattened to one line):
 Not replayed, as attnhub emulates none of these ops: ``npu_incre_flash_attention`` (the
 backend's decode), ``_npu_paged_attention`` / ``_npu_paged_attention_get_workspace`` and
 ``torch_npu.atb.npu_multi_head_latent_attention`` (the wrapper's PA and MLA-DCP updates). The
-MLA FIA form reaches FIA with ``query_rope``: valid, and refused as not emulated (never as a
-vendor error). Each replay is checked against ``attnhub.reference``.
+MLA FIA form (``query_rope`` / ``key_rope``) is emulated in TND (the wrapper's MTP form); its
+BNSD form is valid and refused as not emulated. Each replay is checked against
+``attnhub.reference``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import torch
 from attnhub_ascend import emulator, npu_graph
 from attnhub_ascend.emulator import NotEmulatedError, NpuOpError
 
-from attnhub import reference, testing
+from attnhub import BatchMetadata, LatentKVCache, MLASpec, reference, testing
+from attnhub.capabilities import Tolerance
 
 FIA_OUT = emulator.npu_fused_infer_attention_score.out
 MAX_WS = emulator._npu_fused_infer_attention_score_get_max_workspace
@@ -239,31 +241,91 @@ def test_the_wrappers_dcp_update_numpy_kv_lengths_and_repeated_query_ends() -> N
     assert attn_out[num_decodes:].isnan().all()
 
 
-def test_the_wrappers_mla_update_is_valid_but_not_emulated() -> None:
-    # update_mla_attn_params: q_nope, k_nope, k_nope with query_rope / key_rope (MLA)
-    cache = Paged(2)
-    q = torch.randn(2, H, D).bfloat16()
-    with pytest.raises(NotEmulatedError, match="query_rope"):
-        FIA_OUT(
-            q,
-            cache.key_view,
-            cache.key_view,
-            query_rope=torch.randn(2, H, 64).bfloat16(),
-            key_rope=torch.randn(2, BS, 64).bfloat16(),
-            num_heads=H,
-            num_key_value_heads=KV_H,
-            input_layout="TND",
-            atten_mask=None,
-            sparse_mode=0,
-            scale=SCALE,
-            antiquant_mode=0,
-            antiquant_scale=None,
-            block_table=torch.zeros(2, 1, dtype=torch.int32),
-            block_size=BS,
-            actual_seq_lengths_kv=[3, 4],
-            actual_seq_lengths=[1, 2],
-            workspace=None,
-            out=[torch.empty_like(q), torch.empty(1)],
+def _wrapper_mla_update(layout: str, sparse_mode: int, mask: Any, **lists: Any) -> Any:
+    """update_mla_attn_params' FIA call, keyword for keyword: q_nope, k_nope, k_nope with
+    query_rope / key_rope, DeepSeek's MLA shapes (N 32, D 512 + 64, one KV head), the planes
+    viewed (num_blocks, 1, block_size, D) as vllm-ascend views them."""
+    g = testing.generator(11)
+    N, R, P, nb = 32, 512, 64, 4
+    T = lists.pop("T")
+    k_nope = torch.randn(nb, 1, BS, R, generator=g).bfloat16()
+    k_pe = torch.randn(nb, 1, BS, P, generator=g).bfloat16()
+    shape = (T, N, 1) if layout == "BNSD" else (T, N)
+    q_nope = torch.randn(*shape, R, generator=g).bfloat16()
+    q_pe = torch.randn(*shape, P, generator=g).bfloat16()
+    attn_output = torch.empty_like(q_nope)
+    softmax_lse = torch.empty(T, dtype=q_nope.dtype)  # the wrapper's: reserved, query dtype
+    FIA_OUT(
+        q_nope,
+        k_nope,
+        k_nope,
+        query_rope=q_pe,
+        key_rope=k_pe,
+        num_heads=N,
+        num_key_value_heads=1,
+        input_layout=layout,
+        atten_mask=mask,
+        sparse_mode=sparse_mode,
+        scale=SCALE,
+        antiquant_mode=0,
+        antiquant_scale=None,
+        block_table=lists["block_table"],
+        block_size=BS,
+        actual_seq_lengths_kv=lists["seq_lens_list"],
+        actual_seq_lengths=lists["actual_seq_lengths"],
+        workspace=None,
+        out=[attn_output, softmax_lse],
+    )
+    return q_nope, q_pe, k_nope, k_pe, attn_output
+
+
+def test_the_wrappers_mla_update_with_speculative_tokens_in_tnd() -> None:
+    """update_mla_attn_params under MTP: TND, sparse_mode 3 with the spec mask, query ends
+    ``spec_multiple * (i + 1)`` over the whole capture size, ``seq_lens_list`` padded with 0."""
+    spec_multiple, runtime_shape, real = 2, 6, [130, 7]
+    table = torch.tensor([[2, 0], [1, 3], [0, 0]], dtype=torch.int32)
+    q_nope, q_pe, k_nope, k_pe, out = _wrapper_mla_update(
+        "TND",
+        3,
+        emulator.compressed_causal_mask(),
+        T=runtime_shape,
+        block_table=table,
+        seq_lens_list=real + [0] * (runtime_shape // spec_multiple - len(real)),
+        actual_seq_lengths=[spec_multiple * (i + 1) for i in range(runtime_shape // spec_multiple)],
+    )
+    spec = MLASpec(
+        num_heads=32,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        block_size=BS,
+        scale=SCALE,
+    )
+    cache = LatentKVCache(
+        kv_c=k_nope.view(-1, BS, 512), k_pe=k_pe.view(-1, BS, 64), block_size=BS, layout="split"
+    )
+    batch = BatchMetadata.from_lengths([2, 2], real, table[:2], BS)
+    query = torch.cat([q_nope, q_pe], dim=-1)[:4]
+    want, _ = reference.paged_mla_absorbed(query, cache, batch, spec)
+    assert testing.mismatch(out[:4], want, Tolerance(atol=2e-2, rtol=2e-2)) is None
+    # the padding request (KV length 0, 2 query tokens, sparse_mode 3): the op's own
+    # correction of rows that see no key ("sparse_mode=3且Q_S > KV_S") gives 0
+    assert bool((out[4:] == 0).all())
+
+
+def test_the_wrappers_mla_update_in_bnsd_is_valid_but_not_emulated() -> None:
+    """update_mla_attn_params without speculative tokens: BNSD, sparse_mode 0, no mask: a
+    layout the MLA form allows, refused as not emulated (never as a vendor error)."""
+    with pytest.raises(NotEmulatedError, match="BNSD"):
+        _wrapper_mla_update(
+            "BNSD",
+            0,
+            None,
+            T=2,
+            block_table=torch.tensor([[0], [1]], dtype=torch.int32),
+            seq_lens_list=[3, 4],
+            actual_seq_lengths=None,
         )
 
 
