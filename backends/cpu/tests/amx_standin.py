@@ -28,7 +28,7 @@ class AmxCpuBackend(CpuBackend):
         self, spec: attnhub.AttentionSpec, device: torch.device | str = "cpu", **kw: Any
     ) -> None:
         super().__init__(spec, device, **kw)
-        if self.isa == "amx" and not ops.detect().amx:
+        if not self.is_mla and self.isa == "amx" and not ops.detect().amx:  # (MLA: no isa)
             self.ops = AmxAttentionStandIn(self.ops)
 
 
