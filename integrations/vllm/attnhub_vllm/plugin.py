@@ -15,10 +15,14 @@ import os
 from typing import Any
 
 from attnhub.hookspecs import HostComparison, hookimpl
-from attnhub_vllm import BACKEND_CLASS_PATH
+from attnhub_vllm import BACKEND_CLASS_PATH, MLA_BACKEND_CLASS_PATH
 
 #: ``attnhub_vllm.bench.VLLM_CPU``, without importing torch here.
 VLLM_CPU = "vllm CPU_ATTN"
+
+
+#: vLLM's MLA backends the plugin replaces with attnhub's (``attnhub_vllm.mla``).
+MLA_BACKENDS = ("CPU_MLA", "AMX_MLA")
 
 
 def enabled() -> bool:
@@ -38,6 +42,13 @@ def register() -> None:
     # CUSTOM, but honours an override of it.
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS_PATH)
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CLASS_PATH)
+    # MLA layers (DeepSeek-V2/V3): vLLM's CPU platform picks CPU_MLA, or AMX_MLA where the CPU
+    # has AMX tiles (vllm/platforms/cpu.py); attnhub's MLA backend takes both places. (CUSTOM
+    # holds the standard backend: a vLLM backend class is MLA or not, never both.)
+    for name in MLA_BACKENDS:
+        member = getattr(AttentionBackendEnum, name, None)
+        if member is not None:  # a vLLM build without that backend has nothing to replace
+            register_backend(member, MLA_BACKEND_CLASS_PATH)
 
 
 def _unavailable(device: str) -> str | None:
