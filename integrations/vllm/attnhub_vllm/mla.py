@@ -103,9 +103,16 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
         layer_names: list[str],
         vllm_config: VllmConfig,
         device: torch.device,
+        metadata_cls: type[AttnhubVllmMLAMetadata] | None = None,
+        supports_dcp_with_varlen: bool = False,
     ) -> None:
         super().__init__(
-            kv_cache_spec, layer_names, vllm_config, device, metadata_cls=AttnhubVllmMLAMetadata
+            kv_cache_spec,
+            layer_names,
+            vllm_config,
+            device,
+            metadata_cls or AttnhubVllmMLAMetadata,
+            supports_dcp_with_varlen,
         )
         self.block_size = int(kv_cache_spec.block_size)
         ctx = vllm_config.compilation_config.static_forward_context
@@ -158,7 +165,16 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         logits_soft_cap: float | None,
         attn_type: str,
         kv_sharing_target_layer_name: str | None,
-        **mla_args: Any,
+        # MLA arguments (forwarded by vLLM's MLAAttention)
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        qk_head_dim: int,
+        v_head_dim: int,
+        kv_b_proj: Any,
+        indexer: object | None = None,
+        q_pad_num_heads: int | None = None,
     ) -> None:
         # vLLM's MLACommonImpl.__init__: the MLA dimensions, kv_b_proj (forward_mha's
         # expansion), dcp_world_size; it picks no kernel (the layer picks the prefill backend).
@@ -173,8 +189,20 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             logits_soft_cap,
             attn_type,
             kv_sharing_target_layer_name,
-            **mla_args,
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            qk_head_dim,
+            v_head_dim,
+            kv_b_proj,
+            indexer,
+            q_pad_num_heads,
         )
+        if indexer is not None:
+            raise AttnhubConfigurationError(
+                "attnhub-vllm: sparse MLA (an indexer, DeepSeek-V3.2) is not mapped"
+            )
         self.alibi_slopes = alibi_slopes
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap

@@ -2,7 +2,8 @@
 
 Active when ``ATTNHUB_BACKEND`` names an attnhub backend, or when ``ATTNHUB_VLLM=1`` (attnhub
 then picks the best available backend). ``ATTNHUB_VLLM=0`` turns it off. vLLM runs general
-plugins in every process it starts, so the choice follows the environment.
+plugins in every process it starts, so the choice follows the environment. Standard layers go
+to ``attnhub_vllm.backend``, MLA layers (DeepSeek-V2/V3) to ``attnhub_vllm.mla``.
 
 Also attnhub's plugin (entry-point group ``attnhub``): ``attnhub bench --host`` times vLLM's
 CPU backend beside attnhub's (``attnhub_vllm.bench``; hook ``attnhub_host_comparisons``).
