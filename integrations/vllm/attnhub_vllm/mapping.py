@@ -200,6 +200,21 @@ def latent_cache(kv_cache: torch.Tensor, spec: MLASpec) -> LatentKVCache:
     return LatentKVCache.from_joint(kv_cache, spec.kv_lora_rank, kv_cache_dtype=spec.kv_cache_dtype)
 
 
+def mla_layout_refusal(backend: str, layouts: tuple[str, ...]) -> str | None:
+    """Why the adapter cannot run backend ``backend``'s MLA kernels, which read latent caches
+    in ``layouts`` (``Capabilities.mla.layouts``), or None: the adapter keeps the latents in
+    vLLM's own plane, the "joint" layout, because vLLM's ``forward_mha`` reads a prefill's
+    context from that plane too; latents kept elsewhere (split planes carved from it, or a
+    cache of the backend's own) would not be what vLLM reads."""
+    if "joint" in layouts:
+        return None
+    return (
+        f"attnhub-vllm serves MLA layers in vLLM's own latent cache plane (layout 'joint', "
+        f"which vLLM's prefill reads too); backend {backend!r} reads latent layouts "
+        f"{', '.join(layouts)} only"
+    )
+
+
 def real_requests(cm: Any) -> int:
     """How many of ``cm``'s requests are real: vLLM pads a FULL cudagraph step's batch to the
     graph's request count with requests of no query token and no sequence (its

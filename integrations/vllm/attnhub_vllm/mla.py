@@ -53,6 +53,7 @@ from attnhub_vllm.mapping import (
     decode_batch,
     extra_kv_bytes,
     latent_cache,
+    mla_layout_refusal,
     mla_spec_from_vllm,
 )
 
@@ -248,7 +249,10 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         spec = self._spec(block_size)
         if device is None:
             device = get_current_vllm_config().device_config.device
-        backend_for(spec, device or "cpu", self.choice)  # raises with attnhub's reasons
+        backend = backend_for(spec, device or "cpu", self.choice)  # raises with its reasons
+        refusal = mla_layout_refusal(backend.name, tuple(backend.capabilities.mla.layouts))
+        if refusal is not None:
+            raise AttnhubConfigurationError(refusal)
         if spec != self.spec:
             self.spec, self._impl, self._cache_key = spec, None, None
         return spec

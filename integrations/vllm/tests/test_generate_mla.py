@@ -12,7 +12,8 @@ vLLM's own run (float32 and bfloat16):
 - the engine process imported the same ``attnhub`` as this one (PYTHONPATH reaches it).
 
 attnhub's runs (``torch`` in float32 and bfloat16, ``cpu`` in float32: vLLM's
-``mla_decode_kvcache``, decode only, block 16), against vLLM's ``CPU_MLA`` at block 16:
+``mla_decode_kvcache``, decode only, block 16; every other installed backend that declares MLA
+in bfloat16, emulated), against vLLM's ``CPU_MLA`` at block 16:
 - every MLA layer runs attnhub's backend class, through the attnhub backend asked for;
 - the same greedy tokens under the project's criterion (``test_generate``: identical in
   float32; in bfloat16 identical up to a near-tie, logprobs within ``BF16_LOGPROB_TOL``);
@@ -144,33 +145,55 @@ def test_engine_process_imports_this_attnhub(model_dir: str, tmp_path: Path) -> 
 
 _ATTNHUB_RUNS: dict[tuple[str, str], dict] = {}
 
+
+def _other_mla_backends() -> list[str]:
+    """Installed attnhub backends besides ``torch`` and ``cpu`` that declare MLA (the vendor
+    ones run emulated): each gets a bfloat16 run too."""
+    import attnhub
+
+    return sorted(
+        info.name
+        for info in attnhub.list_backends()
+        if info.backend is not None
+        and info.name not in ("torch", "cpu")
+        and info.backend.capabilities.mla.dtypes
+    )
+
+
 #: (attnhub backend, dtype) runs against vLLM's CPU_MLA at block 16 (vLLM's CPU platform forces
 #: block 16 for MLA models unless AMX_MLA is picked).
-ATTNHUB_RUNS = [("torch", "float32"), ("torch", "bfloat16"), ("cpu", "float32")]
+ATTNHUB_RUNS = [("torch", "float32"), ("torch", "bfloat16"), ("cpu", "float32")] + [
+    (name, "bfloat16") for name in _other_mla_backends()
+]
 
 
-def _cpu_mla_refusal(dtype: str) -> str | None:
-    """Why attnhub's ``cpu`` backend cannot serve the tiny model's MLA layers here, or None."""
+def _mla_refusal(attention: str, dtype: str) -> str | None:
+    """Why attnhub's backend ``attention`` cannot serve the tiny model's MLA layers (block 16)
+    here, or None (vendor backends: through their emulators)."""
     import attnhub
     from attnhub.errors import AttnhubError
 
     try:
-        cls = attnhub.get_backend("cpu")
+        cls = attnhub.get_backend(attention)
     except AttnhubError as exc:
-        return f"the cpu backend is not installed (pip install -e backends/cpu): {exc}"
-    why = cls.availability("cpu")
+        return f"the {attention} backend is not installed: {exc}"
+    why = cls.availability("cpu", emulate=attention not in ("torch", "cpu"))
     if why is not None:
         return why
-    reasons = cls.unsupported_reasons(spec_for(DTYPES[dtype], 16))
-    return "; ".join(str(r) for r in reasons) or None
+    reasons = [str(r) for r in cls.unsupported_reasons(spec_for(DTYPES[dtype], 16))]
+    if cls.capabilities.mla.dtypes:  # the adapter's own condition (vLLM's joint plane)
+        from attnhub_vllm.mapping import mla_layout_refusal
+
+        layout = mla_layout_refusal(attention, tuple(cls.capabilities.mla.layouts))
+        reasons += [] if layout is None else [layout]
+    return "; ".join(reasons) or None
 
 
 def attnhub_run(model: str, attention: str, dtype: str, tmp: Path) -> dict:
     """One engine run through attnhub's MLA backend (cached): block 16, as vLLM's run."""
-    if attention == "cpu":
-        why = _cpu_mla_refusal(dtype)
-        if why is not None:
-            pytest.skip(f"attnhub's cpu backend cannot serve this MLA model here: {why}")
+    why = _mla_refusal(attention, dtype)
+    if why is not None:
+        pytest.skip(f"attnhub's {attention} backend cannot serve this MLA model here: {why}")
     key = (attention, dtype)
     if key not in _ATTNHUB_RUNS:
         out = tmp / f"mla-{attention}-{dtype}.json"
@@ -201,6 +224,8 @@ def test_attnhub_serves_the_mla_layers_with_vllms_tokens(
     assert classes == {"attnhub_vllm.mla.AttnhubVllmMLABackend"}, got["attention_layers"]
     served = got["attnhub_backends"]
     assert len(served) == 1 and f"'{attention}'" in served[0], served
+    if attention not in ("torch", "cpu"):  # vendor backends run through their CPU emulators
+        assert "emulated" in served[0], served
     # the same batches: decodes first, the same requests' query lengths in every step
     assert [s["query_lens"] for s in got["steps"]] == [s["query_lens"] for s in ref["steps"]]
     mixed = [s for s in ref["steps"] if 1 in s["query_lens"] and max(s["query_lens"]) > 1]

@@ -18,6 +18,7 @@ from attnhub_vllm.mapping import (
     decode_batch,
     extra_kv_bytes,
     latent_cache,
+    mla_layout_refusal,
     mla_spec_from_vllm,
     spec_from_vllm,
 )
@@ -451,3 +452,11 @@ def test_latent_cache_is_vllms_joint_plane_itself() -> None:
     assert torch.equal(plane[2, 1], torch.cat([kv_c[1], k_pe[1]]))
     own = latent_cache(torch.zeros(3, 16, 576), spec)  # another plane: counted once
     assert extra_kv_bytes(own, plane) == 3 * 16 * 576 * 4
+
+
+def test_mla_backends_must_read_vllms_joint_plane() -> None:
+    """vLLM's own prefill reads the joint plane: a backend reading split planes only is refused
+    (naming it and its layouts), not served from a copy vLLM would not see."""
+    assert mla_layout_refusal("torch", ("joint", "split")) is None
+    why = mla_layout_refusal("npu", ("split",))
+    assert why is not None and "'npu'" in why and "split only" in why
