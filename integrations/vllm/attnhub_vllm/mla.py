@@ -19,7 +19,9 @@ builder ``build``         -> vLLM's ``MLACommonMetadataBuilder.build`` (its deco
                              split and prefill metadata), plus the attnhub builder's
                              ``build`` of the decode requests (``BatchMetadata`` of them)
 ``do_kv_cache_update``    -> attnhub ``MLAImpl.write_kv`` into ``LatentKVCache.from_joint``
-                             over vLLM's own cache plane (no copy, no extra bytes)
+                             over vLLM's own cache plane (no copy, no extra bytes): with the
+                             step's metadata in a decode-only step (slots checked once per
+                             step), else with vLLM's slot mapping (checked per layer)
 ``forward_mqa``           -> attnhub ``MLAImpl.forward`` (q ``[B, H, kv_lora_rank + rope]``
                              -> latent output ``[B, H, kv_lora_rank]``)
 ``forward_mha``           -> vLLM's own (``MLACommonBaseImpl.forward_mha``): attnhub's backends
@@ -35,6 +37,7 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonBackend,
@@ -45,6 +48,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionLayer, CommonAttentionMetadata
 
+from attnhub.kit import same_view
 from attnhub.mla import LatentKVCache, MLASpec
 from attnhub_vllm.backend import backend_for, configured_choice
 from attnhub_vllm.mapping import (
@@ -125,6 +129,7 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
                     f"attnhub-vllm: MLA layer {name} has impl {type(impl).__name__}, not "
                     "attnhub's: every layer of one MLA builder must run through attnhub"
                 )
+            impl.layer_name = name  # where its step metadata is in vLLM's forward context
             spec = impl.bind(self.block_size, device)
             if spec not in builders:
                 builders[spec] = backend_for(spec, device, impl.choice).metadata_builder()
@@ -213,6 +218,7 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         self.choice = configured_choice(config)
         self.spec: MLASpec | None = None
         self.meta_index = 0  # set by the metadata builder
+        self.layer_name: str | None = None  # set by the metadata builder
         self._impl: Any = None
         self._cache_key: tuple[int, torch.Size] | None = None
         self._cache: LatentKVCache | None = None
@@ -291,11 +297,27 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         if kv_cache.numel() == 0:  # vLLM's profiling run: no cache bound yet
             return
         impl = self._impl or self._attnhub(kv_c_normed.device)
-        n = slot_mapping.shape[0]
+        cache = self._latent(kv_cache, impl)
         k_pe = k_pe.reshape(k_pe.shape[0], -1)
-        # the step's slots, checked here on the host (an MLA step's write covers its prefill
-        # tokens too, which the decode metadata does not)
-        impl.write_kv(kv_c_normed[:n], k_pe[:n], self._latent(kv_cache, impl), slot_mapping)
+        meta = self._decode_step_meta(slot_mapping)
+        if meta is not None:  # a decode-only step: its slots were checked once, in build
+            impl.write_kv(kv_c_normed, k_pe, cache, meta=meta)
+            return
+        # a step with prefills: its write covers tokens the decode metadata does not, so the
+        # slots are checked here, on the host (on the CPU platform a host tensor: no sync)
+        n = slot_mapping.shape[0]
+        impl.write_kv(kv_c_normed[:n], k_pe[:n], cache, slot_mapping)
+
+    def _decode_step_meta(self, slot_mapping: torch.Tensor) -> Any:
+        """This step's attnhub metadata when the step is decodes only (it then covers every
+        token) and ``slot_mapping`` is the step's own; else None."""
+        md = get_forward_context().attn_metadata
+        if isinstance(md, dict):
+            md = md.get(self.layer_name)
+        if not isinstance(md, AttnhubVllmMLAMetadata) or md.num_prefills or not md.attnhub:
+            return None
+        meta = md.attnhub[self.meta_index]
+        return meta if same_view(slot_mapping, meta.batch.slot_mapping) else None
 
     def forward_mqa(
         self,
