@@ -50,7 +50,7 @@ from vllm.v1.attention.backend import AttentionLayer, CommonAttentionMetadata
 
 from attnhub.kit import same_view
 from attnhub.mla import LatentKVCache, MLASpec
-from attnhub_vllm.backend import backend_for, configured_choice
+from attnhub_vllm.backend import backend_for, configured_checks, configured_choice
 from attnhub_vllm.mapping import (
     MLA_KV_CACHE_DTYPES,
     AttnhubConfigurationError,
@@ -122,6 +122,7 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
         self.block_size = int(kv_cache_spec.block_size)
         ctx = vllm_config.compilation_config.static_forward_context
         builders: dict[MLASpec, Any] = {}
+        checks = configured_checks(vllm_config)  # additional_config["attnhub"]["checks"]
         for name in layer_names:
             impl = ctx[name].impl
             if not isinstance(impl, AttnhubVllmMLAImpl):
@@ -133,6 +134,7 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
             spec = impl.bind(self.block_size, device)
             if spec not in builders:
                 builders[spec] = backend_for(spec, device, impl.choice).metadata_builder()
+                builders[spec].checks = checks
             impl.meta_index = list(builders).index(spec)
         self._attnhub_builders = list(builders.values())
 
