@@ -7,3 +7,4 @@ class path once the plugin has registered it).
 __version__ = "0.1.0"
 
 BACKEND_CLASS_PATH = "attnhub_vllm.backend.AttnhubVllmBackend"
+MLA_BACKEND_CLASS_PATH = "attnhub_vllm.mla.AttnhubVllmMLABackend"

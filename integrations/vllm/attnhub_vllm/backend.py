@@ -51,6 +51,7 @@ from attnhub.capabilities import GraphSupport
 from attnhub.errors import AttnhubError
 from attnhub.graphs import BatchDescriptor as GraphDescriptor
 from attnhub.kit import GraphAdaptor, PersistentBatch, pad_batch, same_view, uniform_query_len
+from attnhub.mla import MLASpec
 from attnhub_vllm.mapping import (
     KV_CACHE_DTYPES,
     AttnhubConfigurationError,
@@ -74,7 +75,7 @@ ENV_BACKEND = "ATTNHUB_BACKEND"
 # --- one attnhub backend per (spec, device, choice), shared by every layer and the builder --
 #: (backend name, emulate) chosen in vLLM's config; (None, False): the environment decides.
 Choice = tuple[str | None, bool]
-_BACKENDS: dict[tuple[AttentionSpec, str, Choice], attnhub.AttentionBackend] = {}
+_BACKENDS: dict[tuple[AttentionSpec | MLASpec, str, Choice], attnhub.AttentionBackend] = {}
 
 
 def configured_choice(config: VllmConfig | None) -> Choice:
@@ -101,10 +102,10 @@ def configured_checks(config: VllmConfig | None) -> str:
 
 
 def backend_for(
-    spec: AttentionSpec, device: torch.device | str, choice: Choice = (None, False)
+    spec: AttentionSpec | MLASpec, device: torch.device | str, choice: Choice = (None, False)
 ) -> attnhub.AttentionBackend:
-    """The attnhub backend for ``spec``: the one ``choice`` (vLLM's config) names, else
-    ``ATTNHUB_BACKEND``, else the best available.
+    """The attnhub backend for ``spec`` (a standard layer's, or an MLA layer's): the one
+    ``choice`` (vLLM's config) names, else ``ATTNHUB_BACKEND``, else the best available.
 
     Raises AttnhubConfigurationError with the backend's reasons."""
     key = (spec, str(device), choice)
@@ -116,18 +117,25 @@ def backend_for(
         except AttnhubError as exc:
             raise AttnhubConfigurationError(
                 f"attnhub backend {name or os.environ.get(ENV_BACKEND) or '(auto)'} cannot serve "
-                f"this vLLM attention layer ({_describe(spec)}): {exc}"
+                f"this vLLM {_describe(spec)}: {exc}"
             ) from exc
         logger.info_once("attnhub-vllm: attention through attnhub backend %r", backend.name)
         _BACKENDS[key] = backend
     return backend
 
 
-def _describe(spec: AttentionSpec) -> str:
-    return (
+def _describe(spec: AttentionSpec | MLASpec) -> str:
+    if isinstance(spec, MLASpec):
+        return (
+            f"MLA layer (heads {spec.num_heads}, kv_lora_rank {spec.kv_lora_rank}, "
+            f"qk_rope_head_dim {spec.qk_rope_head_dim}, dtype "
+            f"{str(spec.dtype).removeprefix('torch.')}, block_size {spec.block_size}, "
+            f"kv_cache_dtype {spec.kv_cache_dtype})"
+        )
+    return "attention layer (" + (
         f"heads {spec.num_heads}/{spec.num_kv_heads}, head_size {spec.head_size}, "
         f"dtype {str(spec.dtype).removeprefix('torch.')}, block_size {spec.block_size}, "
-        f"kv_cache_dtype {spec.kv_cache_dtype}, sliding_window {spec.sliding_window}"
+        f"kv_cache_dtype {spec.kv_cache_dtype}, sliding_window {spec.sliding_window})"
     )
 
 

@@ -10,10 +10,14 @@
   block out in their kernels' own layout (``AttentionBackend.kv_cache_from_pages``).
 - :func:`cache_planes`: the same memory as two contiguous K and V planes, for backends whose
   kernels refuse strided planes.
+- MLA layers: :func:`mla_spec_from_vllm` (an ``MLAAttention``'s arguments -> ``MLASpec``),
+  :func:`decode_batch` (the decode requests a step's ``forward_mqa`` attends for) and
+  :func:`latent_cache` (vLLM's joint latent plane as a ``LatentKVCache``, no copy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -21,6 +25,7 @@ import torch
 
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
 from attnhub.errors import AttnhubError
+from attnhub.mla import LatentKVCache, MLASpec
 from attnhub.spec import KV_CACHE_DTYPES as KV_CACHE_FORMATS
 from attnhub.spec import AttentionType
 
@@ -105,6 +110,109 @@ def spec_from_vllm(
     except Exception as exc:  # the spec validates itself; surface its message
         return None, [f"invalid attention spec: {exc}"]
     return spec, []
+
+
+#: vLLM ``cache_dtype`` -> attnhub latent ``kv_cache_dtype`` for MLA layers: the model dtype
+#: only (vLLM's fp8 MLA caches quantize the query too, ``supports_quant_query_input``, which
+#: the adapter does not map yet).
+MLA_KV_CACHE_DTYPES = {"auto": "auto", "bfloat16": "auto", "float16": "auto"}
+
+
+def mla_spec_from_vllm(
+    *,
+    num_heads: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    scale: float,
+    kv_cache_dtype: str = "auto",
+    attn_type: str = "decoder",
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    use_alibi: bool = False,
+    dcp_world_size: int = 1,
+) -> tuple[MLASpec | None, list[str]]:
+    """The attnhub spec of one vLLM MLA layer (``MLAAttention``'s arguments), or None and the
+    adapter's reasons."""
+    reasons = []
+    attn_type = str(getattr(attn_type, "value", attn_type))
+    if attn_type != "decoder":
+        reasons.append(f"vLLM MLA attention type {attn_type!r}: MLA layers are decoders")
+    if kv_cache_dtype not in MLA_KV_CACHE_DTYPES:
+        reasons.append(
+            f"vLLM kv_cache_dtype {kv_cache_dtype!r} is not mapped for MLA layers by "
+            f"attnhub-vllm (mapped: {', '.join(MLA_KV_CACHE_DTYPES)})"
+        )
+    if sliding_window is not None and sliding_window >= 0:
+        reasons.append(f"an MLA layer with sliding_window {sliding_window} is not mapped")
+    if logits_soft_cap:
+        reasons.append(f"an MLA layer with logits_soft_cap {logits_soft_cap} is not mapped")
+    if use_alibi:
+        reasons.append("an MLA layer with ALiBi slopes is not mapped")
+    if dcp_world_size > 1:
+        reasons.append(
+            f"decode context parallel (world size {dcp_world_size}) is not mapped for MLA "
+            "layers (the adapter's MLA decode returns no LSE to vLLM)"
+        )
+    if reasons:
+        return None, reasons
+    try:
+        spec = MLASpec(
+            num_heads=num_heads,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            qk_nope_head_dim=qk_nope_head_dim,
+            v_head_dim=v_head_dim,
+            dtype=dtype,
+            block_size=block_size,
+            kv_cache_dtype=MLA_KV_CACHE_DTYPES[kv_cache_dtype],
+            scale=scale,
+        )
+    except Exception as exc:  # the spec validates itself; surface its message
+        return None, [f"invalid MLA spec: {exc}"]
+    return spec, []
+
+
+def decode_batch(
+    cm: Any, block_size: int, num_decodes: int, num_decode_tokens: int
+) -> BatchMetadata:
+    """The ``BatchMetadata`` of a step's first ``num_decodes`` requests (vLLM's MLA builders
+    put decodes first: ``reorder_batch_threshold``), their ``num_decode_tokens`` query tokens
+    and slots: what an MLA layer's ``forward_mqa`` attends for."""
+    batch = batch_from_common(cm, block_size, num_reqs=num_decodes)
+    slots, slots_cpu = batch.slot_mapping, batch.slot_mapping_cpu
+    if slots.shape[0] == num_decode_tokens:
+        return batch
+    return dataclasses.replace(
+        batch,
+        slot_mapping=slots[:num_decode_tokens],
+        slot_mapping_cpu=None if slots_cpu is None else slots_cpu[:num_decode_tokens],
+    )
+
+
+def latent_cache(kv_cache: torch.Tensor, spec: MLASpec) -> LatentKVCache:
+    """attnhub's latent cache over vLLM's MLA cache tensor of one layer, ``[num_blocks,
+    block_size, kv_lora_rank + qk_rope_head_dim]`` (``MLAAttention.kv_cache``): the "joint"
+    layout, as it is (no copy: ``LatentKVCache.from_joint``)."""
+    return LatentKVCache.from_joint(kv_cache, spec.kv_lora_rank, kv_cache_dtype=spec.kv_cache_dtype)
+
+
+def mla_layout_refusal(backend: str, layouts: tuple[str, ...]) -> str | None:
+    """Why the adapter cannot run backend ``backend``'s MLA kernels, which read latent caches
+    in ``layouts`` (``Capabilities.mla.layouts``), or None: the adapter keeps the latents in
+    vLLM's own plane, the "joint" layout, because vLLM's ``forward_mha`` reads a prefill's
+    context from that plane too; latents kept elsewhere (split planes carved from it, or a
+    cache of the backend's own) would not be what vLLM reads."""
+    if "joint" in layouts:
+        return None
+    return (
+        f"attnhub-vllm serves MLA layers in vLLM's own latent cache plane (layout 'joint', "
+        f"which vLLM's prefill reads too); backend {backend!r} reads latent layouts "
+        f"{', '.join(layouts)} only"
+    )
 
 
 def real_requests(cm: Any) -> int:
@@ -294,15 +402,21 @@ def cache_planes(
     return _paged(flat[:half].view(shape), flat[half:].view(shape), spec, layout, scales)
 
 
-def extra_kv_bytes(cache: PagedKVCache, kv_cache: torch.Tensor) -> int:
-    """Bytes of ``cache``'s K/V planes that do not lie in vLLM's tensor ``kv_cache`` (0 when
-    attnhub works in vLLM's memory, as views or carved planes)."""
+def extra_kv_bytes(cache: PagedKVCache | LatentKVCache, kv_cache: torch.Tensor) -> int:
+    """Bytes of ``cache``'s planes (K/V, or a latent cache's kv_c / k_pe) that do not lie in
+    vLLM's tensor ``kv_cache`` (0 when attnhub works in vLLM's memory, as views or carved
+    planes)."""
     storage = kv_cache.untyped_storage()
     start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
     extra = 0
-    for plane in (cache.key, cache.value):
+    planes = (
+        (cache.kv_c, cache.k_pe) if isinstance(cache, LatentKVCache) else (cache.key, cache.value)
+    )
+    seen = set()
+    for plane in planes:
         s = plane.untyped_storage()
-        if not start <= s.data_ptr() < end:
+        if not start <= s.data_ptr() < end and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())  # a joint latent cache's two views share one storage
             extra += s.nbytes()
     return extra
 

@@ -2,7 +2,8 @@
 
 Active when ``ATTNHUB_BACKEND`` names an attnhub backend, or when ``ATTNHUB_VLLM=1`` (attnhub
 then picks the best available backend). ``ATTNHUB_VLLM=0`` turns it off. vLLM runs general
-plugins in every process it starts, so the choice follows the environment.
+plugins in every process it starts, so the choice follows the environment. Standard layers go
+to ``attnhub_vllm.backend``, MLA layers (DeepSeek-V2/V3) to ``attnhub_vllm.mla``.
 
 Also attnhub's plugin (entry-point group ``attnhub``): ``attnhub bench --host`` times vLLM's
 CPU backend beside attnhub's (``attnhub_vllm.bench``; hook ``attnhub_host_comparisons``).
@@ -15,10 +16,14 @@ import os
 from typing import Any
 
 from attnhub.hookspecs import HostComparison, hookimpl
-from attnhub_vllm import BACKEND_CLASS_PATH
+from attnhub_vllm import BACKEND_CLASS_PATH, MLA_BACKEND_CLASS_PATH
 
 #: ``attnhub_vllm.bench.VLLM_CPU``, without importing torch here.
 VLLM_CPU = "vllm CPU_ATTN"
+
+
+#: vLLM's MLA backends the plugin replaces with attnhub's (``attnhub_vllm.mla``).
+MLA_BACKENDS = ("CPU_MLA", "AMX_MLA")
 
 
 def enabled() -> bool:
@@ -38,6 +43,13 @@ def register() -> None:
     # CUSTOM, but honours an override of it.
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS_PATH)
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CLASS_PATH)
+    # MLA layers (DeepSeek-V2/V3): vLLM's CPU platform picks CPU_MLA, or AMX_MLA where the CPU
+    # has AMX tiles (vllm/platforms/cpu.py); attnhub's MLA backend takes both places. (CUSTOM
+    # holds the standard backend: a vLLM backend class is MLA or not, never both.)
+    for name in MLA_BACKENDS:
+        member = getattr(AttentionBackendEnum, name, None)
+        if member is not None:  # a vLLM build without that backend has nothing to replace
+            register_backend(member, MLA_BACKEND_CLASS_PATH)
 
 
 def _unavailable(device: str) -> str | None:

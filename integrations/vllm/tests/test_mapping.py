@@ -15,7 +15,11 @@ from attnhub_vllm.mapping import (
     cache_views,
     checks_from_additional_config,
     choice_from_additional_config,
+    decode_batch,
     extra_kv_bytes,
+    latent_cache,
+    mla_layout_refusal,
+    mla_spec_from_vllm,
     spec_from_vllm,
 )
 
@@ -381,3 +385,78 @@ def test_step_checks_from_vllm_additional_config() -> None:
         with pytest.raises(AttnhubConfigurationError) as info:
             checks_from_additional_config(bad)
         assert named in str(info.value)
+
+
+# --- MLA layers ---------------------------------------------------------------------------------
+
+#: The tiny DeepSeek-V2's MLA layer as vLLM's MLAAttention describes it (vllm_generate.py).
+MLA_LAYER = dict(
+    num_heads=4,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    dtype=torch.float32,
+    block_size=16,
+    scale=96**-0.5,
+)
+
+
+def test_mla_spec_from_vllm_maps_an_mla_layer() -> None:
+    spec, reasons = mla_spec_from_vllm(**MLA_LAYER, kv_cache_dtype="float16")
+    assert reasons == [] and spec is not None
+    assert (spec.num_heads, spec.latent_size, spec.qk_head_dim) == (4, 576, 96)
+    assert spec.scale == 96**-0.5 and spec.kv_cache_dtype == "auto"
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
+        ({"sliding_window": 128}, "sliding_window 128"),
+        ({"logits_soft_cap": 30.0}, "logits_soft_cap 30.0"),
+        ({"use_alibi": True}, "ALiBi"),
+        ({"dcp_world_size": 2}, "world size 2"),
+        ({"attn_type": "encoder_only"}, "'encoder_only'"),
+        ({"block_size": 0}, "block_size = 0"),
+    ],
+)
+def test_mla_spec_from_vllm_refuses_what_it_does_not_map_naming_it(extra: dict, named: str) -> None:
+    spec, reasons = mla_spec_from_vllm(**(MLA_LAYER | extra))
+    assert spec is None and len(reasons) == 1 and named in reasons[0], reasons
+
+
+def test_decode_batch_is_the_steps_decode_requests_and_their_slots() -> None:
+    """vLLM's MLA builder puts decodes first; forward_mqa attends for them alone."""
+    cm, ref = _common([1, 1, 7, 30], [9, 40, 7, 95], block_size=16)
+    batch = decode_batch(cm, 16, num_decodes=2, num_decode_tokens=2)
+    batch.validate()
+    assert (batch.num_reqs, batch.num_actual_tokens, batch.num_tokens) == (2, 2, 2)
+    assert torch.equal(batch.seq_lens_cpu, ref.seq_lens_cpu[:2])
+    assert torch.equal(batch.block_table, ref.block_table[:2])
+    assert torch.equal(batch.slot_mapping, ref.slot_mapping[:2])
+    assert batch.slot_mapping.data_ptr() == cm.slot_mapping.data_ptr()  # a view, no copy
+
+
+def test_latent_cache_is_vllms_joint_plane_itself() -> None:
+    """Written through attnhub, read in vLLM's tensor: the same memory, no byte beside it."""
+    from attnhub.mla import MLASpec, write_latent_kv
+
+    spec = MLASpec(**MLA_LAYER)
+    plane = torch.zeros(3, 16, 576)  # vLLM's MLA kv_cache of one layer
+    cache = latent_cache(plane, spec)
+    assert cache.layout == "joint" and extra_kv_bytes(cache, plane) == 0
+    kv_c, k_pe = torch.randn(2, 512), torch.randn(2, 64)
+    write_latent_kv(spec, cache, kv_c, k_pe, torch.tensor([5, 33]))
+    assert torch.equal(plane[0, 5], torch.cat([kv_c[0], k_pe[0]]))
+    assert torch.equal(plane[2, 1], torch.cat([kv_c[1], k_pe[1]]))
+    own = latent_cache(torch.zeros(3, 16, 576), spec)  # another plane: counted once
+    assert extra_kv_bytes(own, plane) == 3 * 16 * 576 * 4
+
+
+def test_mla_backends_must_read_vllms_joint_plane() -> None:
+    """vLLM's own prefill reads the joint plane: a backend reading split planes only is refused
+    (naming it and its layouts), not served from a copy vLLM would not see."""
+    assert mla_layout_refusal("torch", ("joint", "split")) is None
+    why = mla_layout_refusal("npu", ("split",))
+    assert why is not None and "'npu'" in why and "split only" in why

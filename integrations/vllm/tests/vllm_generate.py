@@ -6,7 +6,8 @@
 
 ``--attention vllm`` runs vLLM's own CPU backend (for an MLA model, the one vLLM selects on
 this CPU: ``CPU_MLA``, or ``AMX_MLA`` with AMX); any other value is an attnhub backend name
-(the plugin is activated through ``ATTNHUB_BACKEND``). Run each in its own process: vLLM's
+(the plugin is activated through ``ATTNHUB_BACKEND``; for an MLA model its MLA backend,
+``attnhub_vllm.mla``, takes the place of vLLM's). Run each in its own process: vLLM's
 backend registry and the plugin's choice are process-wide. The model directory is written by
 ``write_tiny_llama`` or ``write_tiny_deepseek_v2`` (random weights, no hub access). The result
 names each attention layer's vLLM backend and the KV-cache tensor vLLM allocated for it. Every
@@ -113,6 +114,7 @@ def attention_layers(llm: object) -> list[dict]:
             {
                 "name": name,
                 "backend": backend.get_name(),
+                "backend_class": f"{backend.__module__}.{backend.__qualname__}",
                 "kv_cache_shape": list(kv.shape),
                 "kv_cache_dtype": str(kv.dtype).removeprefix("torch."),
                 "bytes": kv.numel() * kv.element_size(),
@@ -314,6 +316,13 @@ def main() -> int:
         "every token of the vocabulary (a token's logprob however unlikely the run finds it)",
     )
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument(
+        "--vary-max-tokens",
+        action="store_true",
+        help="prompt i generates max_tokens + i %% 4 tokens: requests finish at different "
+        "steps, so later prompts are prefilled beside decodes (mixed steps) even where vLLM "
+        "turns chunked prefill off (MLA on CPU)",
+    )
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=6)
     ap.add_argument("--out", required=True, help="where to write the JSON result")
@@ -349,11 +358,8 @@ def main() -> int:
 
     steps: list[dict] = []
     mla = is_mla_model(args.model)
-    if mla and (args.attention != "vllm" or args.attnhub_config is not None):
-        print("MLA models run with --attention vllm only (attnhub does not serve MLA yet)")
-        return 2
     Impl: type | None
-    if mla:  # vLLM's MLA backends share this builder; their impls time nothing here
+    if mla:  # vLLM's MLA backends (attnhub's too) share this builder; no impl is timed here
         from vllm.model_executor.layers.attention.mla_attention import (
             MLACommonMetadataBuilder as B,
         )
@@ -401,13 +407,16 @@ def main() -> int:
         times.clear()
     for times in (kv_update_us, kv_update_cpu_us, kv_update_kernel_cpu_us):
         times.clear()
-    params = SamplingParams(
-        temperature=0.0,
-        max_tokens=args.max_tokens,
-        detokenize=False,
-        logprobs=args.logprobs,
-        ignore_eos=True,
-    )
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=args.max_tokens + (i % 4 if args.vary_max_tokens else 0),
+            detokenize=False,
+            logprobs=args.logprobs,
+            ignore_eos=True,
+        )
+        for i in range(len(PROMPT_LENS))
+    ]
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params)
     gen_s = time.perf_counter() - t0

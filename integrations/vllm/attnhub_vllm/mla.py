@@ -1,0 +1,341 @@
+"""vLLM v1 MLA backend that runs the decode of every MLA layer (DeepSeek-V2/V3) through an
+attnhub backend's MLA impl (the absorbed form).
+
+vLLM 0.32 splits an MLA layer's work between the layer and the backend's impl:
+
+- ``MLAAttention`` (the layer) owns the weights and their absorption: after loading it splits
+  ``kv_b_proj`` into ``W_UK_T`` / ``W_UV`` (``process_weights_after_loading``); each step its
+  ``forward_impl`` multiplies the decode tokens' ``q_nope`` by ``W_UK`` (the absorbed query
+  ``(q_nope @ W_UK, q_pe)``), calls ``impl.forward_mqa`` and multiplies the latent output by
+  ``W_UV`` (``_v_up_proj``). Tokens past ``num_decode_tokens`` go to ``impl.forward_mha``.
+- the impl (``MLACommonImpl``) supplies ``do_kv_cache_update`` (the latent write),
+  ``forward_mqa`` (the absorbed decode) and ``forward_mha`` (the expanded prefill, through the
+  prefill backend the layer picked: ``get_mla_prefill_backend``, on CPU an SDPA).
+
+vLLM tier                 -> attnhub
+``MLACommonBackend``      -> :class:`AttnhubVllmMLABackend` (registered in place of vLLM's
+                             CPU MLA backends by the plugin when attnhub is selected)
+builder ``build``         -> vLLM's ``MLACommonMetadataBuilder.build`` (its decode/prefill
+                             split and prefill metadata), plus the attnhub builder's
+                             ``build`` of the decode requests (``BatchMetadata`` of them)
+``do_kv_cache_update``    -> attnhub ``MLAImpl.write_kv`` into ``LatentKVCache.from_joint``
+                             over vLLM's own cache plane (no copy, no extra bytes): with the
+                             step's metadata in a decode-only step (slots checked once per
+                             step), else with vLLM's slot mapping (checked per layer)
+``forward_mqa``           -> attnhub ``MLAImpl.forward`` (q ``[B, H, kv_lora_rank + rope]``
+                             -> latent output ``[B, H, kv_lora_rank]``)
+``forward_mha``           -> vLLM's own (``MLACommonBaseImpl.forward_mha``): attnhub's backends
+                             serve the absorbed form only (docs/mla.md)
+
+Unsupported configurations fail at engine start (impl construction) with attnhub's reasons.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonBackend,
+    MLACommonDecodeMetadata,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+)
+from vllm.v1.attention.backend import AttentionLayer, CommonAttentionMetadata
+
+from attnhub.kit import same_view
+from attnhub.mla import LatentKVCache, MLASpec
+from attnhub_vllm.backend import backend_for, configured_checks, configured_choice
+from attnhub_vllm.mapping import (
+    MLA_KV_CACHE_DTYPES,
+    AttnhubConfigurationError,
+    decode_batch,
+    extra_kv_bytes,
+    latent_cache,
+    mla_layout_refusal,
+    mla_spec_from_vllm,
+)
+
+logger = init_logger("vllm.attnhub_vllm")
+
+
+class AttnhubVllmMLABackend(MLACommonBackend):
+    """vLLM's view of attnhub for MLA layers: one class for every attnhub backend."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = list(MLA_KV_CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        # The AttentionBackendEnum member the plugin registers this class in place of (vLLM's
+        # CPU platform picks CPU_MLA for MLA models without AMX).
+        return "CPU_MLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttnhubVllmMLAImpl]:
+        return AttnhubVllmMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttnhubVllmMLAMetadataBuilder]:
+        return AttnhubVllmMLAMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any latent size: the chosen attnhub backend refuses at start with reasons
+
+
+@dataclass
+class AttnhubVllmMLAMetadata(MLACommonMetadata[MLACommonDecodeMetadata]):
+    """vLLM's MLA metadata of a step, plus per attnhub builder the attnhub metadata of its
+    decode requests (None when the step has none)."""
+
+    attnhub: list[Any] = field(default_factory=list)
+
+
+class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetadata]):
+    """vLLM's MLA builder (decode/prefill split, prefill metadata for ``forward_mha``) and, once
+    per step for all layers, the attnhub builder's metadata of the decode requests."""
+
+    def __init__(
+        self,
+        kv_cache_spec: Any,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+        metadata_cls: type[AttnhubVllmMLAMetadata] | None = None,
+        supports_dcp_with_varlen: bool = False,
+    ) -> None:
+        super().__init__(
+            kv_cache_spec,
+            layer_names,
+            vllm_config,
+            device,
+            metadata_cls or AttnhubVllmMLAMetadata,
+            supports_dcp_with_varlen,
+        )
+        self.block_size = int(kv_cache_spec.block_size)
+        ctx = vllm_config.compilation_config.static_forward_context
+        builders: dict[MLASpec, Any] = {}
+        checks = configured_checks(vllm_config)  # additional_config["attnhub"]["checks"]
+        for name in layer_names:
+            impl = ctx[name].impl
+            if not isinstance(impl, AttnhubVllmMLAImpl):
+                raise AttnhubConfigurationError(
+                    f"attnhub-vllm: MLA layer {name} has impl {type(impl).__name__}, not "
+                    "attnhub's: every layer of one MLA builder must run through attnhub"
+                )
+            impl.layer_name = name  # where its step metadata is in vLLM's forward context
+            spec = impl.bind(self.block_size, device)
+            if spec not in builders:
+                builders[spec] = backend_for(spec, device, impl.choice).metadata_builder()
+                builders[spec].checks = checks
+            impl.meta_index = list(builders).index(spec)
+        self._attnhub_builders = list(builders.values())
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> AttnhubVllmMLAMetadata:
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if md.num_decodes:
+            batch = decode_batch(
+                common_attn_metadata, self.block_size, md.num_decodes, md.num_decode_tokens
+            )
+            md.attnhub = [b.build(batch) for b in self._attnhub_builders]
+        return md
+
+
+class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
+    """``MLACommonImpl`` with its decode and its latent write through attnhub; its prefill
+    (``forward_mha``) is vLLM's own."""
+
+    #: vLLM asks an impl for the decode's LSE only under decode context parallel, which the
+    #: adapter refuses for MLA layers (mapping.mla_spec_from_vllm).
+    can_return_lse_for_decode: bool = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None,
+        attn_type: str,
+        kv_sharing_target_layer_name: str | None,
+        # MLA arguments (forwarded by vLLM's MLAAttention)
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        qk_head_dim: int,
+        v_head_dim: int,
+        kv_b_proj: Any,
+        indexer: object | None = None,
+        q_pad_num_heads: int | None = None,
+    ) -> None:
+        # vLLM's MLACommonImpl.__init__: the MLA dimensions, kv_b_proj (forward_mha's
+        # expansion), dcp_world_size; it picks no kernel (the layer picks the prefill backend).
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            qk_head_dim,
+            v_head_dim,
+            kv_b_proj,
+            indexer,
+            q_pad_num_heads,
+        )
+        if indexer is not None:
+            raise AttnhubConfigurationError(
+                "attnhub-vllm: sparse MLA (an indexer, DeepSeek-V3.2) is not mapped"
+            )
+        self.alibi_slopes = alibi_slopes
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.attn_type = attn_type
+        config = get_current_vllm_config()
+        self.dtype = config.model_config.dtype
+        self.choice = configured_choice(config)
+        self.spec: MLASpec | None = None
+        self.meta_index = 0  # set by the metadata builder
+        self.layer_name: str | None = None  # set by the metadata builder
+        self._impl: Any = None
+        self._cache_key: tuple[int, torch.Size] | None = None
+        self._cache: LatentKVCache | None = None
+        block_size = config.cache_config.block_size
+        if block_size:  # refuse at model construction where the block size is known
+            self.bind(int(block_size), "cpu" if config.device_config is None else None)
+
+    def _spec(self, block_size: int) -> MLASpec:
+        spec, reasons = mla_spec_from_vllm(
+            num_heads=self.num_heads,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            v_head_dim=self.v_head_dim,
+            dtype=self.dtype,
+            block_size=block_size,
+            scale=self.scale,
+            kv_cache_dtype=self.kv_cache_dtype,
+            attn_type=self.attn_type,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+            use_alibi=self.alibi_slopes is not None,
+            dcp_world_size=self.dcp_world_size,
+        )
+        if spec is None:
+            raise AttnhubConfigurationError(
+                "attnhub-vllm cannot map this MLA layer: " + "; ".join(reasons)
+            )
+        return spec
+
+    def bind(self, block_size: int, device: torch.device | str | None) -> MLASpec:
+        """Fix this layer's spec (and check that the attnhub backend serves it: a backend that
+        declares no MLA is refused here, with its reasons)."""
+        spec = self._spec(block_size)
+        if device is None:
+            device = get_current_vllm_config().device_config.device
+        backend = backend_for(spec, device or "cpu", self.choice)  # raises with its reasons
+        refusal = mla_layout_refusal(backend.name, tuple(backend.capabilities.mla.layouts))
+        if refusal is not None:
+            raise AttnhubConfigurationError(refusal)
+        if spec != self.spec:
+            self.spec, self._impl, self._cache_key = spec, None, None
+        return spec
+
+    # --- per layer, per step -------------------------------------------------------------
+    def _attnhub(self, device: torch.device) -> Any:
+        assert self.spec is not None, "the metadata builder binds every layer at start"
+        self._impl = backend_for(self.spec, device, self.choice).impl()
+        return self._impl
+
+    def _latent(self, kv_cache: torch.Tensor, impl: Any) -> LatentKVCache:
+        """attnhub's view of vLLM's joint latent plane (made once per layer and cache)."""
+        key = (kv_cache.data_ptr(), kv_cache.shape)
+        if key != self._cache_key:
+            assert self.spec is not None
+            self._cache, self._cache_key = latent_cache(kv_cache, self.spec), key
+            logger.info_once(
+                "attnhub-vllm: backend %r MLA KV cache per layer: %d bytes in vLLM's tensor, "
+                "%d bytes extra",
+                impl.backend.name,
+                kv_cache.numel() * kv_cache.element_size(),
+                extra_kv_bytes(self._cache, kv_cache),
+            )
+        assert self._cache is not None
+        return self._cache
+
+    def do_kv_cache_update(
+        self,
+        kv_c_normed: torch.Tensor,  # [num_tokens, kv_lora_rank]
+        k_pe: torch.Tensor,  # [num_tokens, 1, qk_rope_head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+        slot_mapping: torch.Tensor,  # [n <= num_tokens], -1 = padding
+        kv_cache_dtype: str,
+        k_scale: torch.Tensor,
+    ) -> None:
+        if kv_cache.numel() == 0:  # vLLM's profiling run: no cache bound yet
+            return
+        impl = self._impl or self._attnhub(kv_c_normed.device)
+        cache = self._latent(kv_cache, impl)
+        k_pe = k_pe.reshape(k_pe.shape[0], -1)
+        meta = self._decode_step_meta(slot_mapping)
+        if meta is not None:  # a decode-only step: its slots were checked once, in build
+            impl.write_kv(kv_c_normed, k_pe, cache, meta=meta)
+            return
+        # a step with prefills: its write covers tokens the decode metadata does not, so the
+        # slots are checked here, on the host (on the CPU platform a host tensor: no sync)
+        n = slot_mapping.shape[0]
+        impl.write_kv(kv_c_normed[:n], k_pe[:n], cache, slot_mapping)
+
+    def _decode_step_meta(self, slot_mapping: torch.Tensor) -> Any:
+        """This step's attnhub metadata when the step is decodes only (it then covers every
+        token) and ``slot_mapping`` is the step's own; else None."""
+        md = get_forward_context().attn_metadata
+        if isinstance(md, dict):
+            md = md.get(self.layer_name)
+        if not isinstance(md, AttnhubVllmMLAMetadata) or md.num_prefills or not md.attnhub:
+            return None
+        meta = md.attnhub[self.meta_index]
+        return meta if same_view(slot_mapping, meta.batch.slot_mapping) else None
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: AttnhubVllmMLAMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decode tokens' absorbed attention: ``q`` = (``q_nope @ W_UK`` [B, H,
+        kv_lora_rank], ``q_pe`` [B, H, rope]) from vLLM's layer -> the latent output [B, H,
+        kv_lora_rank], which the layer multiplies by ``W_UV``."""
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        elif q.stride(-1) != 1:
+            q = q.contiguous()
+        impl = self._impl or self._attnhub(q.device)
+        meta = attn_metadata.attnhub[self.meta_index]
+        out = impl.forward(q, None, None, self._latent(kv_c_and_k_pe_cache, impl), meta)
+        return out, None
