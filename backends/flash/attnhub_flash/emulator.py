@@ -222,6 +222,75 @@ def _check_qkv(
     return q, k, v
 
 
+#: FA3's value query (``qv`` upstream, ``q_v`` in vLLM's fork) [source: hopper/flash_api.cpp
+#: mha_fwd]: q/k head size at most 64, v head size in [256, 512] (the hdim 64 x hdimv 256 / 512
+#: kernels; "(Q/K <= 64 and V <= 512)" for a V head size other than Q/K's), both aligned to 8.
+QV_MAX_HEAD_SIZE = 64
+QV_HEAD_SIZE_V = (256, 512)
+
+
+def _check_qv(
+    op: str,
+    rules: _Rules,
+    name: str,  # the argument's name: "qv" (upstream) or "q_v" (vLLM's fork)
+    q: object,
+    k: object,
+    v: object,
+    qv: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A call with FA3's value query over a paged cache (MLA's absorbed form, as vLLM's
+    FLASH_ATTN_MLA makes it: q the rope part [total_q, H, 64], qv the latent part
+    [total_q, H, 512], k the rope plane and v the latent plane of one joint cache, one kv
+    head): mha_fwd's checks [source: hopper/flash_api.cpp], in its order where it matters."""
+    if not isinstance(q, torch.Tensor):
+        raise _fail(op, f"q must be a Tensor, got {type(q).__name__}")
+    dev = q.device
+    q = _tensor(op, "q", q, 3, dev)
+    k = _tensor(op, "k", k, 4, dev)
+    v = _tensor(op, "v", v, 4, dev)
+    if q.dtype not in MODEL_DTYPES:
+        raise _fail(op, f"{name} is only supported for fp16 and bf16 data type (q {q.dtype})")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise _fail(op, f"query and key/value must have the same dtype: {q.dtype}, {k.dtype}")
+    num_heads, head_size = q.shape[1:]
+    head_size_v = v.shape[-1]
+    if k.shape[:-1] != v.shape[:-1]:
+        raise _fail(op, f"k {list(k.shape)} and v {list(v.shape)} must agree but for the head size")
+    if k.shape[-1] != head_size:
+        raise _fail(op, f"k head size {k.shape[-1]} != q head size {head_size}")
+    if num_heads % k.shape[-2]:
+        raise _fail(op, f"nheads {num_heads} must be divisible by nheads_k {k.shape[-2]}")
+    if head_size % 8 or head_size_v % 8:
+        raise _fail(
+            op, f"head_size {head_size} and head_size_v {head_size_v} must be multiples of 8"
+        )
+    if head_size > QV_MAX_HEAD_SIZE:
+        raise _fail(op, f"{name} is only supported for head_size <= 64, got {head_size}")
+    lo, hi = QV_HEAD_SIZE_V
+    if head_size_v < lo:
+        raise _fail(op, f"{name} is only supported for hdim_v >= 256, got {head_size_v}")
+    if head_size_v > hi:
+        raise _fail(
+            op,
+            "If V headdim is different from Q/K dim, we only support Q/K headdim in (128, 192] "
+            f"and V headdim in (96, 128], or (Q/K <= 64 and V <= 512); got {head_size} / "
+            f"{head_size_v}",
+        )
+    qv = _tensor(op, name, qv, 3, dev)
+    if qv.dtype != q.dtype:
+        raise _fail(op, f"{name} must have the same dtype as query ({qv.dtype}, {q.dtype})")
+    if tuple(qv.shape) != (q.shape[0], num_heads, head_size_v):
+        raise _fail(
+            op,
+            f"{name} must have shape {[q.shape[0], num_heads, head_size_v]} (total_q, nheads, "
+            f"head_size_v), got {list(qv.shape)}",
+        )
+    page = k.shape[1]
+    if page % rules.page_multiple:
+        raise _fail(op, f"paged KV block size {page} must be a multiple of {rules.page_multiple}")
+    return q, k, v, qv
+
+
 def _window(
     op: str, window_size: object, causal: bool, *, none_is_unbounded: bool
 ) -> tuple[int, int]:
@@ -475,7 +544,8 @@ def _varlen(
     slopes: torch.Tensor | None,  # [B, H]
     sink: torch.Tensor | None,
     descale: torch.Tensor | None = None,  # [B, 3, Hk]: fp8 inputs (_descales)
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, D] f32, lse [H, total_q] f32
+    qv: torch.Tensor | None = None,  # [total_q, H, Dv]: FA3's value query (_check_qv)
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, Dv] f32, lse [H, total_q] f32
     if table is not None:
         _check_table(op, k, table, kv_lens, q_starts)  # v has k's shape (_check_qkv)
     return _varlen_math(
@@ -493,15 +563,16 @@ def _varlen(
         slopes=slopes,
         sink=sink,
         descale=descale,
+        qv=qv,
     )
 
 
 def _varlen_null(
-    rules: _Rules, q: torch.Tensor, *rest: Any, **math_args: Any
+    rules: _Rules, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any, **math_args: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    total_q, num_heads, head_size = q.shape
+    total_q, num_heads = q.shape[:2]
     return (
-        emulation.preallocated((total_q, num_heads, head_size), torch.float32, q.device),
+        emulation.preallocated((total_q, num_heads, v.shape[-1]), torch.float32, q.device),
         emulation.preallocated((num_heads, total_q), torch.float32, q.device),
     )
 
@@ -523,10 +594,14 @@ def _varlen_math(
     slopes: torch.Tensor | None,
     sink: torch.Tensor | None,
     descale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, D] f32, lse [H, total_q] f32
-    """``_varlen``'s math, every argument checked by it."""
-    total_q, num_heads, head_size = q.shape
-    out = torch.zeros(total_q, num_heads, head_size, dtype=torch.float32)
+    qv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, Dv] f32, lse [H, total_q] f32
+    """``_varlen``'s math, every argument checked by it. With ``qv`` (FA3's value query,
+    MLA's absorbed form): scores ``q . k + qv . v`` (the value rows are keys too), output over
+    ``v`` [doc: hopper/flash_attn_interface.py 'qv'; callers: vLLM's FLASH_ATTN_MLA], computed
+    as one attention of ``[q ; qv]`` over keys ``[k ; v]``."""
+    total_q, num_heads = q.shape[:2]
+    out = torch.zeros(total_q, num_heads, v.shape[-1], dtype=torch.float32)
     lse = torch.full((num_heads, total_q), rules.empty_lse, dtype=torch.float32)
     for b, kv_len in enumerate(kv_lens):
         lo, hi = q_starts[b], q_starts[b + 1]
@@ -538,8 +613,11 @@ def _varlen_math(
         else:
             assert kv_starts is not None
             kb, vb = k[kv_starts[b] : kv_starts[b + 1]], v[kv_starts[b] : kv_starts[b + 1]]
+        qb = q[lo:hi]
+        if qv is not None:
+            qb, kb = torch.cat([qb, qv[lo:hi]], dim=-1), torch.cat([kb, vb], dim=-1)
         o, l_ = _attend(
-            q[lo:hi],
+            qb,
             kb,
             vb,
             scale=scale,
@@ -571,15 +649,18 @@ def _max_covers(op: str, name: str, given: object, lengths: Sequence[int]) -> No
         raise _fail(op, f"{name} = {given} is below the longest length {max(lengths)}")
 
 
-def _out(op: str, out: object, like: torch.Tensor) -> torch.Tensor | None:
-    """``out=``: q's shape, and q's dtype (bf16 for fp8 q: "For FP8 input, output must have
-    dtype BF16" [source])."""
+def _out(
+    op: str, out: object, like: torch.Tensor, head_size_v: int | None = None
+) -> torch.Tensor | None:
+    """``out=``: q's shape (with ``head_size_v``, v's head size: a value query), and q's
+    dtype (bf16 for fp8 q: "For FP8 input, output must have dtype BF16" [source])."""
     if out is None:
         return None
     t = _tensor(op, "out", out, like.dim(), like.device)
     dtype = _out_dtype(like)
-    if t.shape != like.shape or t.dtype != dtype:
-        raise _fail(op, f"out must be {dtype} {list(like.shape)}, got {t.dtype} {list(t.shape)}")
+    shape = like.shape if head_size_v is None else (*like.shape[:-1], head_size_v)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise _fail(op, f"out must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
     return t
 
 
@@ -685,7 +766,6 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     )
     _not_emulated(
         op,
-        q_v=q_v,
         dropout_p=dropout_p or None,
         return_attn_probs=return_attn_probs,
         cp_tot_seqused_k=cp_tot_seqused_k,
@@ -696,7 +776,15 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     )
     rules = _VLLM_FA3_RULES if fa_version == 3 else _VLLM_RULES
     paged = block_table is not None
-    q, k, v = _check_qkv(op, rules, q, k, v, paged=paged, fp8=fa_version == 3)
+    # q_v reaches only the FA3 (and FA4) kernels: with fa_version=2 the wrapper drops it and
+    # FA2's varlen_fwd sees q, k and v alone [schema]
+    qv_t = None
+    if q_v is not None and fa_version == 3:
+        if not paged:
+            raise NotEmulatedError(f"{op}: q_v without block_table is not emulated")
+        q, k, v, qv_t = _check_qv(op, rules, "q_v", q, k, v, q_v)
+    else:
+        q, k, v = _check_qkv(op, rules, q, k, v, paged=paged, fp8=fa_version == 3)
     q_starts, q_lens, kv_starts, kv_lens = _varlen_lengths(
         op, q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, paged=paged, table="block_table"
     )
@@ -720,8 +808,9 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
             window=(-1, -1) if window_size is None else tuple(window_size),
         )
     sink = None if s_aux is None else _s_aux(op, s_aux, q)
-    out_t = _out(op, out, q)
+    out_t = _out(op, out, q, None if qv_t is None else v.shape[-1])
     args: dict[str, Any] = dict(
+        # the fork's default scale is q's head size alone, q_v or not [schema]
         scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
         window=_window(op, window_size, bool(causal), none_is_unbounded=False),
         softcap=_softcap(op, softcap),
@@ -730,6 +819,8 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         # FA2's kernel is not passed the descales [schema]; fp8 q only reaches FA3 (above)
         descale=_descales(op, q, batch, k.shape[-2], q_descale, k_descale, v_descale),
     )
+    if qv_t is not None:
+        args["qv"] = qv_t
     if paged:
         res, lse = _paged_call(op, rules, q, k, v, q_starts, kv_lens, block_table, **args)
     else:
@@ -1362,7 +1453,6 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
         op,
         k=k,
         v=v,
-        qv=qv,
         rotary_cos=rotary_cos,
         rotary_sin=rotary_sin,
         cache_batch_idx=cache_batch_idx,
@@ -1383,6 +1473,8 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
         slopes=None,
         sink=None,
     )
+    if qv is not None and cu_seqlens_q is None:
+        raise NotEmulatedError(f"{op}: qv with a padded-batch q is not emulated (varlen q is)")
     if cu_seqlens_q is None:
         math_args["scale"] = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         out, lse = _padded_batch_call(
@@ -1410,6 +1502,7 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
         page_table,
         softmax_scale,
         descales,
+        qv=qv,
         **math_args,
     )
     return (out, lse, *_fa3_rest()) if return_softmax_lse else out
@@ -1426,13 +1519,21 @@ def _fa3_varlen_call(
     page_table: torch.Tensor,
     softmax_scale: float | None,
     descales: tuple[object, object, object],
+    qv: object = None,
     **math_args: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA3's varlen q (``cu_seqlens_q`` + ``max_seqlen_q``) on a paged cache: the lengths
-    checked, the output in q's output dtype and the LSE (nheads, total_q)."""
+    checked, the output in q's output dtype and the LSE (nheads, total_q). With ``qv`` (the
+    value query, ``_check_qv``) the default scale is ``(q + qv head sizes) ** -0.5`` [schema]."""
     if max_seqlen_q is None:
         raise _fail(op, "max_seqlen_q must be given with cu_seqlens_q")
-    qq, kc, vc = _check_qkv(op, _FA3_RULES, q, k_cache, v_cache, paged=True, fp8=True)
+    if qv is not None:
+        qq, kc, vc, qv_t = _check_qv(op, _FA3_RULES, "qv", q, k_cache, v_cache, qv)
+        math_args["qv"] = qv_t
+        if softmax_scale is None:
+            softmax_scale = (qq.shape[-1] + qv_t.shape[-1]) ** -0.5
+    else:
+        qq, kc, vc = _check_qkv(op, _FA3_RULES, q, k_cache, v_cache, paged=True, fp8=True)
     dev = qq.device
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise _fail(op, "cu_seqlens_q must be a Tensor")

@@ -61,6 +61,7 @@ from attnhub.kit import (
     write_slots,
 )
 from attnhub.kv_cache import PagedKVCache
+from attnhub.mla import MLASpec
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_flash import ops
 
@@ -117,6 +118,47 @@ HEAD_SIZE_V_FA3 = HeadSizeVSupport(
     "[source: hopper/flash_api.cpp])"
 )
 HEAD_SIZE_V_FA4 = HeadSizeVSupport(reason="not wired yet (FA4's value head sizes not checked)")
+#: MLA's absorbed form through FA3's value query (``qv`` upstream, ``q_v`` in vLLM's fork;
+#: attnhub_flash.mla): the latent pairs (kv_lora_rank, qk_rope_head_dim) of the kernels FA3
+#: builds for a value query, hdim 64 x hdimv 256 and 512 [source: hopper/flash_api.cpp
+#: run_mha_fwd; mha_fwd takes q/k head sizes <= 64 and 'q_v is only supported for hdim_v >=
+#: 256', '(Q/K <= 64 and V <= 512)', multiples of 8, padding smaller ones up to these
+#: kernels: the emulator takes those, attnhub declares the two unpadded shapes];
+#: DeepSeek's (512, 64) among them.
+MLA_LATENT_SIZES = frozenset({(256, 64), (512, 64)})
+_MLA_WHY = {
+    "mla.dtype": "FA3's value query takes float16 and bfloat16 ('q_v is only supported for "
+    "fp16 and bf16 data type')",
+    "mla.kv_cache_dtype": "FA3's value query takes no fp8 cache (vLLM's FLASH_ATTN_MLA: 'FP8 "
+    "FlashAttention MLA not yet supported')",
+    "mla.latent_size": "FA3's value-query kernels are built for a rope part of 64 with a "
+    "kv_lora_rank of 256 or 512 (hdim 64 x hdimv 256 / 512)",
+}
+
+
+def _fa3_mla(block_size_multiple: int, where: str) -> MlaSupport:
+    """The absorbed MLA form a provider with FA3's value query serves (attnhub_flash.mla)."""
+    why = dict(_MLA_WHY)
+    if block_size_multiple > 1:
+        why["mla.block_size"] = f"{where} takes paged blocks in multiples of {block_size_multiple}"
+    return MlaSupport(
+        dtypes=HALF,
+        kv_cache_dtypes=frozenset({"auto"}),
+        block_size_multiple=block_size_multiple,
+        latent_sizes=MLA_LATENT_SIZES,
+        # k and v are the two parts of vLLM's joint plane, or two planes: FA3 takes K and V
+        # with strides of their own [source]
+        layouts=("joint", "split"),
+        # any query length, causal bottom-right [doc]; vLLM sends queries up to its
+        # reorder_batch_threshold (512) through it, longer ones to its expanded prefill
+        max_query_len=None,
+        lse=LseSupport(dtypes=HALF, reason=_COMMON_WHY["dtype"]),
+        tolerances=TOLERANCES,
+        reason=f"{where}: FA3's value query serves MLA's absorbed form",
+        because=why,
+    )
+
+
 _NO_DESCALES: dict[str, Any] = {}  # a model-dtype cache: no fp8 descales
 _COMMON_WHY = {"dtype": "FlashAttention kernels take float16 and bfloat16"}
 
@@ -351,6 +393,33 @@ class Provider(abc.ABC):
         rows = torch.nonzero(host >= 0).flatten()
         return {"write_rows": rows.to(device), "write_slots": host[rows].to(device)}
 
+    # --- MLA (attnhub_flash.mla), where capabilities.mla is declared -----------------------
+    def mla_kwargs(
+        self,
+        backend: FlashBackend,
+        query_start_loc: torch.Tensor,  # [B + 1] int32, device
+        max_query_len: int,
+        seq_lens: torch.Tensor,  # [B] int32, device
+        max_seq_len: int,
+        block_table: torch.Tensor,  # [B, blocks] int32, contiguous, device
+    ) -> dict[str, Any]:
+        """The keyword arguments of a step's MLA call that every layer passes alike."""
+        raise NotImplementedError(f"provider {self.name} has no MLA call")
+
+    def mla_call(
+        self,
+        backend: FlashBackend,
+        q: torch.Tensor,  # [n, H, rope]
+        qv: torch.Tensor,  # [n, H, kv_lora_rank]
+        k: torch.Tensor,  # [blocks, block_size, 1, rope]
+        v: torch.Tensor,  # [blocks, block_size, 1, kv_lora_rank]
+        kwargs: dict[str, Any],
+        out: torch.Tensor,  # [n, H, kv_lora_rank]
+        lse: bool,
+    ) -> Result:
+        """One MLA call with FA3's value query over the whole step."""
+        raise NotImplementedError(f"provider {self.name} has no MLA call")
+
     # --- per layer (the impl) -------------------------------------------------------------
     def store_lse(
         self,
@@ -443,6 +512,11 @@ class VllmProvider(Provider):
         priority={"cuda": 80},
         graph_capture=GraphSupport.UNIFORM_BATCH,
         graph_capture_reason=_FA2_GRAPH_WHY,
+        mla=MlaSupport(
+            reason="provider vllm: the fork's FA2 kernels (fa_version=2) take no value query "
+            "(its wrapper passes q_v to FA3 and FA4 only) and one head size for q, k and v; "
+            "MLA runs on provider vllm-fa3 (q_v with fa_version=3, as vLLM's FLASH_ATTN_MLA)"
+        ),
     )
     why: ClassVar[Mapping[str, str]] = {
         "block_size": "vLLM's flash-attention fork takes paged blocks in multiples of 16",
@@ -579,6 +653,7 @@ class VllmFA3Provider(VllmProvider):
         graph_capture=GraphSupport.ALWAYS,
         graph_capture_reason=_FA3_GRAPH_WHY + " (get_scheduler_metadata planned into the "
         "graph's persistent buffer before every replay, num_splits 32 as vLLM's graphs)",
+        mla=_fa3_mla(16, "provider vllm-fa3 (vLLM's fork, q_v with fa_version=3)"),
         **FA3_FP8,
     )
     why: ClassVar[Mapping[str, str]] = {
@@ -672,6 +747,65 @@ class VllmFA3Provider(VllmProvider):
         # fork's hopper/flash_api.cpp]
         return None if sinks is None else sinks.to(torch.bfloat16).contiguous()
 
+    def mla_kwargs(
+        self,
+        backend: FlashBackend,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        block_table: torch.Tensor,
+    ) -> dict[str, Any]:
+        """vLLM's FLASH_ATTN_MLA call but the layer's tensors, with FA3's schedule planned as
+        its builder plans it (``_schedule_decode``: one kv head, ``headdim`` the rope size,
+        ``headdim_v`` the latent rank, causal, num_splits 0 outside full graphs) [callers]."""
+        spec = backend.spec
+        assert isinstance(spec, MLASpec)
+        schedule = backend.ops.attention.get_scheduler_metadata(
+            batch_size=int(block_table.shape[0]),
+            max_seqlen_q=max_query_len,
+            max_seqlen_k=max_seq_len,
+            num_heads_q=spec.num_heads,
+            num_heads_kv=1,
+            headdim=spec.qk_rope_head_dim,
+            cache_seqlens=seq_lens,
+            qkv_dtype=spec.dtype,
+            headdim_v=spec.kv_lora_rank,
+            page_size=spec.block_size,
+            cu_seqlens_q=query_start_loc,
+            causal=True,
+            num_splits=NUM_SPLITS,
+        )
+        return dict(
+            max_seqlen_q=max(max_query_len, 1),
+            cu_seqlens_q=query_start_loc,
+            max_seqlen_k=max_seq_len,
+            seqused_k=seq_lens,
+            block_table=block_table,
+            softmax_scale=spec.scale,
+            causal=True,
+            fa_version=3,  # vLLM: "only version 3 is supported"
+            scheduler_metadata=schedule,
+            num_splits=NUM_SPLITS,
+        )
+
+    def mla_call(
+        self,
+        backend: FlashBackend,
+        q: torch.Tensor,
+        qv: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kwargs: dict[str, Any],
+        out: torch.Tensor,
+        lse: bool,
+    ) -> Result:
+        # keywords only, as FLASH_ATTN_MLA calls it; out= written in place [schema]
+        result = backend.ops.attention.flash_attn_varlen_func(
+            q=q, k=k, v=v, q_v=qv, out=out, return_softmax_lse=lse, **kwargs
+        )
+        return result if lse else (result, None)
+
 
 class FA2Provider(Provider):
     """Upstream flash-attn 2."""
@@ -692,6 +826,11 @@ class FA2Provider(Provider):
         priority={"cuda": 70},
         graph_capture=GraphSupport.UNIFORM_BATCH,
         graph_capture_reason=_FA2_GRAPH_WHY,
+        mla=MlaSupport(
+            reason="provider fa2: FlashAttention-2's flash_attn_varlen_func and "
+            "flash_attn_with_kvcache take no value query (no qv argument) and one head size "
+            "for q, k and v (at most 256: the absorbed form's 576-wide keys are beyond it)"
+        ),
     )
     why: ClassVar[Mapping[str, str]] = {
         "block_size": "upstream FA2's paged KV needs page_block_size a multiple of 256",
@@ -819,6 +958,7 @@ class FA3Provider(Provider):
         graph_capture=GraphSupport.ALWAYS,
         graph_capture_reason=_FA3_GRAPH_WHY + " (no scheduler_metadata passed: the call plans "
         "its schedule inside the graph, on the device [inferred])",
+        mla=_fa3_mla(1, "provider fa3 (flash_attn_with_kvcache's qv)"),
         **FA3_FP8,
     )
     why: ClassVar[Mapping[str, str]] = {
@@ -866,6 +1006,43 @@ class FA3Provider(Provider):
         # with the LSE: (out, softmax_lse, *rest), rest the split-KV accumulators [schema]
         return (result[0], result[1]) if lse else (result, None)
 
+    def mla_kwargs(
+        self,
+        backend: FlashBackend,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        block_table: torch.Tensor,
+    ) -> dict[str, Any]:
+        """flash_attn_with_kvcache's paged varlen call, causal, the spec's scale (its default
+        would be (rope + kv_lora_rank) ** -0.5 [schema], not MLA's)."""
+        return dict(
+            cache_seqlens=seq_lens,
+            page_table=block_table,
+            cu_seqlens_q=query_start_loc,
+            max_seqlen_q=max(max_query_len, 1),
+            softmax_scale=backend.spec.scale,
+            causal=True,
+        )
+
+    def mla_call(
+        self,
+        backend: FlashBackend,
+        q: torch.Tensor,
+        qv: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kwargs: dict[str, Any],
+        out: torch.Tensor,
+        lse: bool,
+    ) -> Result:
+        # no out= in FA3's flash_attn_with_kvcache [schema]: the result is copied
+        result = backend.ops.attention.flash_attn_with_kvcache(
+            q, k, v, qv=qv, return_softmax_lse=lse, **kwargs
+        )
+        return (result[0], result[1]) if lse else (result, None)
+
 
 class FA4Provider(Provider):
     """flash-attn-4 (``flash_attn.cute``)."""
@@ -895,6 +1072,13 @@ class FA4Provider(Provider):
         head_size_v=HEAD_SIZE_V_FA4,
         graph_capture=GraphSupport.UNIFORM_BATCH,
         graph_capture_reason=_FA4_GRAPH_WHY,
+        mla=MlaSupport(
+            reason="provider fa4: not wired: FA4 4.0.0b36's flash_attn_varlen_func takes qv, "
+            "but _validate_head_dims accepts MLA's absorbed shape (head_dim 64, head_dim_v 512) "
+            "on SM100/SM110 only (SM90: head_dim_v <= 256), through MLA kernels (1CTA/2CTA "
+            "routing, their own splits) not translated or emulated here; vLLM: 'FA4 CuteDSL "
+            "does NOT currently support MLA's non-standard head dimensions'"
+        ),
     )
     why: ClassVar[Mapping[str, str]] = {
         "alibi": "FA4 has no ALiBi (score_mod could express it; not done)",
