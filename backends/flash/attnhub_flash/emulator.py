@@ -8,7 +8,7 @@ return values:
 
   VLLM  ``vllm.vllm_flash_attn``  flash_attn_varlen_func (fa_version 2, or 3 with s_aux and
                                   scheduler_metadata), get_scheduler_metadata (FA3)
-        ``vllm._custom_ops``      reshape_and_cache_flash
+        ``vllm._custom_ops``      reshape_and_cache_flash, concat_and_cache_mla (MLA)
   FA2   ``flash_attn``            flash_attn_varlen_func, flash_attn_with_kvcache (2.8.3)
   FA3   ``flash_attn_interface``  flash_attn_with_kvcache (hopper, 2.8.3: ``page_table``)
   FA4   ``flash_attn.cute``       flash_attn_varlen_func (4.0.0b36: ``page_table``)
@@ -1243,6 +1243,73 @@ def _write_slots(
         plane.view(torch.uint8)[block, offset] = _to_fp8_bytes(src[rows], scale)
 
 
+def concat_and_cache_mla(  # vllm._custom_ops
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    scale: torch.Tensor,
+) -> None:
+    """vLLM's MLA cache write (``MLACommonImpl.do_kv_cache_update``, what FLASH_ATTN_MLA's
+    cache gets): token ``t``'s ``kv_c`` then its ``k_pe`` into one entry of the joint cache
+    [num_blocks, block_size, kv_lora_rank + pe_dim] at slot ``slot_mapping[t]``, for the
+    ``slot_mapping.size(0)`` first tokens (kv_c may hold more rows: padding); a slot < 0 is
+    skipped [source: csrc/cache_kernels.cu ``concat_and_cache_mla``: ``TORCH_CHECK(
+    kv_cache.size(2) == kv_lora_rank + pe_dim)``, sources read through ``kv_c.stride(0)`` /
+    ``k_pe.stride(0)``, the cache through its block and entry strides]. The slots are read
+    through a raw int64 pointer, so a strided or int32 mapping is refused as for
+    ``reshape_and_cache_flash`` [inferred]; only ``kv_cache_dtype="auto"`` (the model dtype)
+    is emulated (FLASH_ATTN_MLA takes no fp8 cache)."""
+    op = "_custom_ops.concat_and_cache_mla"
+    if not isinstance(kv_c, torch.Tensor):
+        raise _fail(op, f"kv_c must be a Tensor, got {type(kv_c).__name__}")
+    dev = kv_c.device
+    c = _tensor(op, "kv_c", kv_c, 2, dev)
+    pe = _tensor(op, "k_pe", k_pe, 2, dev)
+    cache = _tensor(op, "kv_cache", kv_cache, 3, dev)
+    slots = _tensor(op, "slot_mapping", slot_mapping, 1, dev, contiguous=True)
+    if slots.dtype != torch.int64:
+        raise _fail(op, f"slot_mapping must be int64, got {slots.dtype}")
+    if kv_cache_dtype != "auto":
+        raise NotEmulatedError(f"{op}: kv_cache_dtype {kv_cache_dtype!r} is not emulated")
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        raise _fail(op, "scale must be a one-element tensor")
+    rank, pe_dim = c.shape[1], pe.shape[1]
+    if cache.shape[2] != rank + pe_dim:
+        raise _fail(
+            op, f"kv_cache.size(2) = {cache.shape[2]} != kv_lora_rank + pe_dim = {rank + pe_dim}"
+        )
+    if c.dtype != cache.dtype or pe.dtype != cache.dtype:
+        raise _fail(
+            op, f"kv_c {c.dtype} / k_pe {pe.dtype} and the cache {cache.dtype} differ ('auto')"
+        )
+    n = slots.shape[0]
+    if c.shape[0] < n or pe.shape[0] < n:
+        raise _fail(op, f"kv_c / k_pe have fewer rows than slot_mapping ({n})")
+    num_slots = cache.shape[0] * cache.shape[1]
+    valid = slots >= 0
+    if bool((slots[valid] >= num_slots).any()):
+        bad = int(slots[valid].max())
+        raise _fail(op, f"slot_mapping holds {bad}, outside the cache ({num_slots} slots)")
+    _write_latent(c, pe, cache, slots, valid)
+
+
+@emulation.kernel(null=emulation.skip)
+def _write_latent(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+) -> None:
+    """``concat_and_cache_mla``'s write, every argument checked by it."""
+    rows = torch.nonzero(valid).flatten()
+    targets = slots[rows]
+    block, offset = targets // cache.shape[1], targets % cache.shape[1]
+    cache[block, offset] = torch.cat([kv_c[rows], k_pe[rows]], dim=-1)
+
+
 # --- upstream FA2: flash_attn ------------------------------------------------------------------
 
 _FA2_RULES = _Rules(
@@ -1762,7 +1829,11 @@ VLLM = _namespace(
     flash_attn_varlen_func=flash_attn_varlen_func,
     get_scheduler_metadata=get_scheduler_metadata,
 )
-VLLM_CACHE_OPS = _namespace("vllm._custom_ops", reshape_and_cache_flash=reshape_and_cache_flash)
+VLLM_CACHE_OPS = _namespace(
+    "vllm._custom_ops",
+    reshape_and_cache_flash=reshape_and_cache_flash,
+    concat_and_cache_mla=concat_and_cache_mla,
+)
 FA2 = _namespace(
     "flash_attn",
     flash_attn_varlen_func=_renamed(fa2_flash_attn_varlen_func, "flash_attn_varlen_func"),
@@ -1790,6 +1861,7 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "vllm.vllm_flash_attn.flash_attn_varlen_func": flash_attn_varlen_func,
     "vllm.vllm_flash_attn.get_scheduler_metadata": get_scheduler_metadata,
     "vllm._custom_ops.reshape_and_cache_flash": reshape_and_cache_flash,
+    "vllm._custom_ops.concat_and_cache_mla": concat_and_cache_mla,
     "flash_attn.flash_attn_varlen_func": fa2_flash_attn_varlen_func,
     "flash_attn.flash_attn_with_kvcache": fa2_flash_attn_with_kvcache,
     "flash_attn_interface.flash_attn_with_kvcache": fa3_flash_attn_with_kvcache,

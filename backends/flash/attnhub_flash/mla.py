@@ -5,7 +5,10 @@ FA3's ``flash_attn_with_kvcache`` (provider ``fa3``). The other providers refuse
 
 The latent cache is vLLM's joint one (``concat_and_cache_mla``'s layout, what FLASH_ATTN_MLA
 reads): one plane [num_blocks, block_size, kv_lora_rank + rope], ``kv_c`` then ``k_pe`` per
-slot. Per layer, as vLLM's ``FlashAttnMLAImpl.forward_mqa`` calls it [callers]:
+slot (fa3 also reads a "split" cache: FA3 takes K and V with strides of their own). The write:
+vllm-fa3 calls vLLM's ``concat_and_cache_mla`` (``MLACommonImpl.do_kv_cache_update``), fa3
+(no write op of its own) scatters the rows that have a slot. Per layer, as vLLM's
+``FlashAttnMLAImpl.forward_mqa`` calls it [callers]:
 
   q   = query[..., kv_lora_rank:]          the rope part    [T, H, rope]
   q_v = query[..., :kv_lora_rank]          the latent part  [T, H, kv_lora_rank]
@@ -31,7 +34,7 @@ import torch
 
 from attnhub.backend import AttentionMetadata, Step
 from attnhub.errors import InvalidInputError
-from attnhub.kit import as_contiguous, store_latent_rows
+from attnhub.kit import as_contiguous
 from attnhub.mla import LatentKVCache
 from attnhub.mla_backend import MLAImpl, MLAMetadataBuilder
 
@@ -47,7 +50,8 @@ class FlashMLAMetadata(AttentionMetadata):
     num_actual_tokens: int = 0
     #: the provider's keyword arguments of the step's one call but the layer's tensors
     kwargs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-    write_rows: torch.Tensor | None = None  # [m] int64: tokens that have a slot
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] int64, dense (vLLM's write)
+    write_rows: torch.Tensor | None = None  # [m] int64: tokens that have a slot (scatter)
     write_slots: torch.Tensor | None = None  # [m] int64: their slots
 
 
@@ -68,11 +72,7 @@ class FlashMLAMetadataBuilder(MLAMetadataBuilder):
                 batch.max_seq_len,
                 as_contiguous(batch.block_table),
             )
-        # the write: the rows with a slot (-1: padding, never written), found on the host
-        host = batch.host_slot_mapping()[:n].long()
-        rows = torch.nonzero(host >= 0).flatten()
-        fields["write_rows"] = rows.to(backend.device)
-        fields["write_slots"] = host[rows].to(backend.device)
+        fields.update(backend.kernels.mla_plan_write(batch, backend.device))
         return fields
 
 
@@ -80,6 +80,11 @@ class FlashMLAImpl(MLAImpl):
     """One MLA layer: one latent write, one value-query call."""
 
     backend: FlashBackend
+
+    def __init__(self, backend: FlashBackend) -> None:
+        super().__init__(backend)
+        #: concat_and_cache_mla's scale (read for fp8 caches only), made once per layer
+        self.unit_scale = torch.ones(1, dtype=torch.float32, device=backend.device)
 
     def check_call(self, cache: LatentKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, FlashMLAMetadata) or meta.provider != self.backend.provider:
@@ -96,15 +101,16 @@ class FlashMLAImpl(MLAImpl):
         slot_mapping: torch.Tensor,
         meta: AttentionMetadata | None = None,
     ) -> None:
-        if isinstance(meta, FlashMLAMetadata):
-            rows, slots = meta.write_rows, meta.write_slots
-            assert rows is not None and slots is not None
-        else:  # write_kv with a slot mapping (checked on the host by the base class)
-            host = slot_mapping.cpu().long()
-            keep = torch.nonzero(host >= 0).flatten()
-            rows, slots = keep.to(kv_c.device), host[keep].to(kv_c.device)
-        if rows.numel():
-            store_latent_rows(cache, kv_c.index_select(0, rows), k_pe.index_select(0, rows), slots)
+        kernels = self.backend.kernels
+        if isinstance(meta, FlashMLAMetadata):  # a step's write, as the builder planned it
+            plan = {
+                "slot_mapping": meta.slot_mapping,
+                "write_rows": meta.write_rows,
+                "write_slots": meta.write_slots,
+            }
+        else:  # write_kv with a slot mapping alone (checked on the host by the base class)
+            plan = kernels.mla_plan_slots(slot_mapping.cpu(), slot_mapping, self.backend.device)
+        kernels.mla_write(self, kv_c, k_pe, cache, plan)
 
     def attend(
         self,

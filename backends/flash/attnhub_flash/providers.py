@@ -58,15 +58,17 @@ from attnhub.kit import (
     indexable,
     quantize_fp8,
     read_slots,
+    store_latent_rows,
     write_slots,
 )
 from attnhub.kv_cache import PagedKVCache
-from attnhub.mla import MLASpec
+from attnhub.mla import LatentKVCache, MLASpec
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_flash import ops
 
 if TYPE_CHECKING:
     from attnhub_flash.backend import FlashAttentionImpl, FlashAttentionMetadata, FlashBackend
+    from attnhub_flash.mla import FlashMLAImpl
 
 TOLERANCES = {
     # The kernels accumulate in float32 over fp16/bf16 operands and round once (as the
@@ -136,7 +138,7 @@ _MLA_WHY = {
 }
 
 
-def _fa3_mla(block_size_multiple: int, where: str) -> MlaSupport:
+def _fa3_mla(block_size_multiple: int, where: str, layouts: tuple[str, ...]) -> MlaSupport:
     """The absorbed MLA form a provider with FA3's value query serves (attnhub_flash.mla)."""
     why = dict(_MLA_WHY)
     if block_size_multiple > 1:
@@ -146,9 +148,10 @@ def _fa3_mla(block_size_multiple: int, where: str) -> MlaSupport:
         kv_cache_dtypes=frozenset({"auto"}),
         block_size_multiple=block_size_multiple,
         latent_sizes=MLA_LATENT_SIZES,
-        # k and v are the two parts of vLLM's joint plane, or two planes: FA3 takes K and V
-        # with strides of their own [source]
-        layouts=("joint", "split"),
+        # k and v are the two parts of vLLM's joint plane (the one vLLM's concat_and_cache_mla
+        # writes), or two planes where the write is a scatter: FA3 takes K and V with strides
+        # of their own [source]
+        layouts=layouts,
         # any query length, causal bottom-right [doc]; vLLM sends queries up to its
         # reorder_batch_threshold (512) through it, longer ones to its expanded prefill
         max_query_len=None,
@@ -406,6 +409,34 @@ class Provider(abc.ABC):
         """The keyword arguments of a step's MLA call that every layer passes alike."""
         raise NotImplementedError(f"provider {self.name} has no MLA call")
 
+    def mla_plan_write(self, batch: BatchMetadata, device: torch.device) -> dict[str, Any]:
+        """The latent write's plan, metadata fields (``mla_plan_slots`` of the step's slots)."""
+        n = batch.num_actual_tokens
+        return self.mla_plan_slots(batch.host_slot_mapping()[:n], batch.slot_mapping, device)
+
+    def mla_plan_slots(
+        self, host: torch.Tensor, slot_mapping: torch.Tensor, device: torch.device
+    ) -> dict[str, Any]:
+        """Default (no write op of the provider's own): the rows that have a slot (-1:
+        padding, never written) and their slots, found on the host, for one scatter."""
+        host = host.long()
+        rows = torch.nonzero(host >= 0).flatten()
+        return {"write_rows": rows.to(device), "write_slots": host[rows].to(device)}
+
+    def mla_write(
+        self,
+        impl: FlashMLAImpl,
+        kv_c: torch.Tensor,  # [>= n, kv_lora_rank]
+        k_pe: torch.Tensor,  # [>= n, rope]
+        cache: LatentKVCache,
+        plan: Mapping[str, Any],  # mla_plan_slots' fields
+    ) -> None:
+        """A step's latent write. Default: one scatter of the planned rows (the kit's
+        ``store_latent_rows``: either layout)."""
+        rows, slots = plan["write_rows"], plan["write_slots"]
+        if rows is not None and rows.numel():
+            store_latent_rows(cache, kv_c.index_select(0, rows), k_pe.index_select(0, rows), slots)
+
     def mla_call(
         self,
         backend: FlashBackend,
@@ -653,7 +684,7 @@ class VllmFA3Provider(VllmProvider):
         graph_capture=GraphSupport.ALWAYS,
         graph_capture_reason=_FA3_GRAPH_WHY + " (get_scheduler_metadata planned into the "
         "graph's persistent buffer before every replay, num_splits 32 as vLLM's graphs)",
-        mla=_fa3_mla(16, "provider vllm-fa3 (vLLM's fork, q_v with fa_version=3)"),
+        mla=_fa3_mla(16, "provider vllm-fa3 (vLLM's fork, q_v with fa_version=3)", ("joint",)),
         **FA3_FP8,
     )
     why: ClassVar[Mapping[str, str]] = {
@@ -746,6 +777,29 @@ class VllmFA3Provider(VllmProvider):
         # s_aux in bf16, contiguous: "We only support bf16 dtype for S aux." [source: the
         # fork's hopper/flash_api.cpp]
         return None if sinks is None else sinks.to(torch.bfloat16).contiguous()
+
+    def mla_plan_slots(
+        self, host: torch.Tensor, slot_mapping: torch.Tensor, device: torch.device
+    ) -> dict[str, Any]:
+        # concat_and_cache_mla skips slot < 0 itself and reads the slots through a raw int64
+        # pointer: dense int64, as vLLM passes slot_mapping.flatten() [callers; source]
+        return {"slot_mapping": as_contiguous(slot_mapping, torch.int64)}
+
+    def mla_write(
+        self,
+        impl: FlashMLAImpl,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache: LatentKVCache,
+        plan: Mapping[str, Any],
+    ) -> None:
+        """vLLM's ``concat_and_cache_mla`` into the joint plane (``MLACommonImpl.
+        do_kv_cache_update``: model-dtype caches, where ``scale`` is not read) [callers]."""
+        cache_ops = impl.backend.ops.cache_ops
+        assert cache_ops is not None
+        cache_ops.concat_and_cache_mla(
+            kv_c, k_pe, cache.joint, plan["slot_mapping"], "auto", impl.unit_scale
+        )
 
     def mla_kwargs(
         self,
@@ -958,7 +1012,7 @@ class FA3Provider(Provider):
         graph_capture=GraphSupport.ALWAYS,
         graph_capture_reason=_FA3_GRAPH_WHY + " (no scheduler_metadata passed: the call plans "
         "its schedule inside the graph, on the device [inferred])",
-        mla=_fa3_mla(1, "provider fa3 (flash_attn_with_kvcache's qv)"),
+        mla=_fa3_mla(1, "provider fa3 (flash_attn_with_kvcache's qv)", ("joint", "split")),
         **FA3_FP8,
     )
     why: ClassVar[Mapping[str, str]] = {

@@ -223,9 +223,12 @@ def _step(provider: str, requests: list[tuple[int, int]], **changes: Any) -> tup
     return spec, backend, batch, cache, query, kv_c, k_pe
 
 
-CALL = {
-    "vllm-fa3": "vllm.vllm_flash_attn.flash_attn_varlen_func",
-    "fa3": "flash_attn_interface.flash_attn_with_kvcache",
+CALLS = {  # fa3 has no write op: its write is the kit's scatter
+    "vllm-fa3": [
+        "vllm._custom_ops.concat_and_cache_mla",
+        "vllm.vllm_flash_attn.flash_attn_varlen_func",
+    ],
+    "fa3": ["flash_attn_interface.flash_attn_with_kvcache"],
 }
 
 
@@ -242,8 +245,8 @@ def test_a_layer_makes_one_write_and_one_value_query_call(
     meta = backend.metadata_builder().build(batch)
     with emulator.record_calls() as calls:
         out, lse = backend.impl().forward(query, kv_c, k_pe, cache, meta, return_lse=True)
-    assert [c.name for c in calls] == [CALL[provider]]  # the write is the kit's scatter
-    kwargs = calls[0].kwargs
+    assert [c.name for c in calls] == CALLS[provider]
+    kwargs = calls[-1].kwargs
     qv = kwargs["q_v" if provider == "vllm-fa3" else "qv"]
     assert qv.shape[-1] == R and kwargs["causal"] is True
     assert kwargs["softmax_scale"] == spec.scale
@@ -265,8 +268,9 @@ def test_the_forks_schedule_is_planned_once_per_step_for_the_mla_shapes() -> Non
     assert meta.kwargs["scheduler_metadata"] is not None and meta.kwargs["fa_version"] == 3
 
 
-def test_write_kv_alone_skips_padding_slots() -> None:
-    _, backend, batch, cache, _, kv_c, k_pe = _step("vllm-fa3", [(2, 5), (1, 9)])
+@pytest.mark.parametrize("provider", MLA_PROVIDERS)
+def test_write_kv_alone_skips_padding_slots(provider: str) -> None:
+    _, backend, batch, cache, _, kv_c, k_pe = _step(provider, [(2, 5), (1, 9)])
     slots = batch.slot_mapping.clone()
     slots[1] = -1
     want = cache.clone()
@@ -306,3 +310,57 @@ def test_deepseeks_latent_and_block_sizes_are_served(provider: str) -> None:
     for bs in (16, 64):
         assert BACKENDS[provider].unsupported_reasons(mla_spec(block_size=bs)) == []
     assert BACKENDS["fa3"].unsupported_reasons(mla_spec(block_size=8)) == []  # any page size
+
+
+# --- vLLM's concat_and_cache_mla ------------------------------------------------------------------
+
+
+def _latent_write(n: int = 5) -> tuple[torch.Tensor, ...]:
+    g = testing.generator(4)
+    kv_c = torch.randn(n + 2, R, generator=g).bfloat16()  # two padding rows past the slots
+    k_pe = torch.randn(n + 2, P, generator=g).bfloat16()
+    plane = torch.randn(NB, BS, R + P, generator=g).bfloat16()
+    slots = torch.tensor([3, -1, 40, 17, 127][:n], dtype=torch.int64)
+    return kv_c, k_pe, plane, slots
+
+
+def test_concat_and_cache_mla_writes_kv_c_then_k_pe_per_slot_and_skips_padding() -> None:
+    kv_c, k_pe, plane, slots = _latent_write()
+    want = LatentKVCache.from_joint(plane.clone(), R)
+    reference.write_latent_kv(want, kv_c[:5], k_pe[:5], slots)
+    emulator.VLLM_CACHE_OPS.concat_and_cache_mla(kv_c, k_pe, plane, slots, "auto", torch.ones(1))
+    assert torch.equal(plane, want.joint)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"slots": "int32"}, "slot_mapping must be int64"),
+        ({"slots": "strided"}, "slot_mapping must be contiguous"),
+        ({"k_pe": "narrow"}, "kv_lora_rank \\+ pe_dim"),
+        ({"slots": "outside"}, "outside the cache"),
+        ({"kv_c": "fp16"}, "differ"),
+    ],
+)
+def test_concat_and_cache_mla_refuses_what_the_kernel_cannot_write(
+    change: dict[str, str], match: str
+) -> None:
+    kv_c, k_pe, plane, slots = _latent_write()
+    before = plane.clone()
+    what = next(iter(change.values()))
+    if what == "int32":
+        slots = slots.int()
+    elif what == "strided":
+        slots = torch.stack([slots, slots], 1)[:, 0]
+    elif what == "narrow":
+        k_pe = k_pe[:, :-8]
+    elif what == "outside":
+        slots = slots.clone()
+        slots[0] = NB * BS
+    elif what == "fp16":
+        kv_c = kv_c.half()
+    with pytest.raises(FlashOpError, match=match):
+        emulator.VLLM_CACHE_OPS.concat_and_cache_mla(
+            kv_c, k_pe, plane, slots, "auto", torch.ones(1)
+        )
+    assert torch.equal(plane, before)
