@@ -776,15 +776,7 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     )
     rules = _VLLM_FA3_RULES if fa_version == 3 else _VLLM_RULES
     paged = block_table is not None
-    # q_v reaches only the FA3 (and FA4) kernels: with fa_version=2 the wrapper drops it and
-    # FA2's varlen_fwd sees q, k and v alone [schema]
-    qv_t = None
-    if q_v is not None and fa_version == 3:
-        if not paged:
-            raise NotEmulatedError(f"{op}: q_v without block_table is not emulated")
-        q, k, v, qv_t = _check_qv(op, rules, "q_v", q, k, v, q_v)
-    else:
-        q, k, v = _check_qkv(op, rules, q, k, v, paged=paged, fp8=fa_version == 3)
+    q, k, v, qv_t = _fork_inputs(op, rules, q, k, v, q_v, fa_version=fa_version, paged=paged)
     q_starts, q_lens, kv_starts, kv_lens = _varlen_lengths(
         op, q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, paged=paged, table="block_table"
     )
@@ -830,6 +822,26 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     else:
         out_t.copy_(res)
     return (out_t, lse) if return_softmax_lse else out_t
+
+
+def _fork_inputs(
+    op: str,
+    rules: _Rules,
+    q: object,
+    k: object,
+    v: object,
+    q_v: object,
+    *,
+    fa_version: int,
+    paged: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The fork's q, k, v (and q_v) checked: q_v reaches only the FA3 (and FA4) kernels; with
+    fa_version=2 the wrapper drops it and FA2's varlen_fwd sees q, k and v alone [schema]."""
+    if q_v is not None and fa_version == 3:
+        if not paged:
+            raise NotEmulatedError(f"{op}: q_v without block_table is not emulated")
+        return _check_qv(op, rules, "q_v", q, k, v, q_v)
+    return (*_check_qkv(op, rules, q, k, v, paged=paged, fp8=fa_version == 3), None)
 
 
 def _check_vllm_wrapper(
