@@ -322,9 +322,17 @@ class Provider(abc.ABC):
 
     def device_refusals(self, spec: AttentionSpec, device: torch.device) -> list[str]:
         """What ``spec`` needs of this very GPU beyond the provider's range (a native backend,
-        at construction): FA3's fp8 kernels exist only on 9.x ('FlashAttention on Ampere/Ada
-        cards only supports fp16 and bf16 data type' [source: hopper/flash_api.cpp])."""
+        at construction): FA3's fp8 kernels and its value query (MLA) exist only on 9.x
+        ('FlashAttention on Ampere/Ada cards only supports fp16 and bf16 data type', 'q_v is
+        only supported for Hopper GPUs' [source: hopper/flash_api.cpp])."""
         major, minor = torch.cuda.get_device_capability(device)
+        if isinstance(spec, MLASpec) and major != 9:
+            # mha_fwd: 'q_v is only supported for Hopper GPUs'; run_mha_fwd builds the hdim 64
+            # x hdimv 256 / 512 kernels for Arch == 90 only [source: hopper/flash_api.cpp]
+            return [
+                f"MLA needs compute capability 9.x (provider {self.name}: FA3's value query "
+                f"runs on Hopper only); this GPU is {major}.{minor}"
+            ]
         if spec.kv_cache_dtype == FP8_KV and major < 9:
             return [
                 f"kv_cache_dtype {FP8_KV!r} needs compute capability 9.x (provider "

@@ -306,6 +306,17 @@ def test_what_the_value_query_does_not_take_is_refused_with_its_reason(
 
 
 @pytest.mark.parametrize("provider", MLA_PROVIDERS)
+def test_a_native_mla_layer_needs_hopper(provider: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FA3 (upstream) runs on sm80 too, but its value query only on 9.x."""
+    kernels = BACKENDS[provider].kernels
+    for cap, refused in (((8, 0), True), ((9, 0), False), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
+        reasons = kernels.device_refusals(mla_spec(), torch.device("cuda"))
+        assert bool(reasons) == refused, (cap, reasons)
+        assert not reasons or "Hopper" in reasons[0]
+
+
+@pytest.mark.parametrize("provider", MLA_PROVIDERS)
 def test_deepseeks_latent_and_block_sizes_are_served(provider: str) -> None:
     for bs in (16, 64):
         assert BACKENDS[provider].unsupported_reasons(mla_spec(block_size=bs)) == []
