@@ -35,6 +35,7 @@ from attnhub.capabilities import Capabilities, Refusal
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kit import as_contiguous, merge_attn_states, quantize_fp8
 from attnhub.kv_cache import PagedKVCache
+from attnhub.mla import MLASpec
 from attnhub.spec import AttentionSpec
 from attnhub_flash import ops, providers
 from attnhub_flash.providers import FP8_KV, KernelArgs, Provider
@@ -429,7 +430,10 @@ class FlashBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec) -> list[Refusal]:
-        return cls.kernels.refusals(spec, super().unsupported_reasons(spec))
+        declared = super().unsupported_reasons(spec)
+        if isinstance(spec, MLASpec):  # Capabilities.mla says it all, with its reasons
+            return declared
+        return cls.kernels.refusals(spec, declared)
 
     def __init__(
         self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
@@ -468,6 +472,11 @@ class FlashFA3Backend(FlashBackend):
 class FlashFA4Backend(FlashBackend):
     kernels = providers.FA4
 
+
+from attnhub_flash.mla import FlashMLAImpl, FlashMLAMetadataBuilder  # noqa: E402 (a cycle)
+
+FlashBackend.mla_builder_type = FlashMLAMetadataBuilder
+FlashBackend.mla_impl_type = FlashMLAImpl
 
 BACKENDS: dict[str, type[FlashBackend]] = {
     cls.provider: cls

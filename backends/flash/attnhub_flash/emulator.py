@@ -8,7 +8,7 @@ return values:
 
   VLLM  ``vllm.vllm_flash_attn``  flash_attn_varlen_func (fa_version 2, or 3 with s_aux and
                                   scheduler_metadata), get_scheduler_metadata (FA3)
-        ``vllm._custom_ops``      reshape_and_cache_flash
+        ``vllm._custom_ops``      reshape_and_cache_flash, concat_and_cache_mla (MLA)
   FA2   ``flash_attn``            flash_attn_varlen_func, flash_attn_with_kvcache (2.8.3)
   FA3   ``flash_attn_interface``  flash_attn_with_kvcache (hopper, 2.8.3: ``page_table``)
   FA4   ``flash_attn.cute``       flash_attn_varlen_func (4.0.0b36: ``page_table``)
@@ -220,6 +220,75 @@ def _check_qkv(
                 op, f"paged KV block size {page} must be a multiple of {rules.page_multiple}"
             )
     return q, k, v
+
+
+#: FA3's value query (``qv`` upstream, ``q_v`` in vLLM's fork) [source: hopper/flash_api.cpp
+#: mha_fwd]: q/k head size at most 64, v head size in [256, 512] (the hdim 64 x hdimv 256 / 512
+#: kernels; "(Q/K <= 64 and V <= 512)" for a V head size other than Q/K's), both aligned to 8.
+QV_MAX_HEAD_SIZE = 64
+QV_HEAD_SIZE_V = (256, 512)
+
+
+def _check_qv(
+    op: str,
+    rules: _Rules,
+    name: str,  # the argument's name: "qv" (upstream) or "q_v" (vLLM's fork)
+    q: object,
+    k: object,
+    v: object,
+    qv: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A call with FA3's value query over a paged cache (MLA's absorbed form, as vLLM's
+    FLASH_ATTN_MLA makes it: q the rope part [total_q, H, 64], qv the latent part
+    [total_q, H, 512], k the rope plane and v the latent plane of one joint cache, one kv
+    head): mha_fwd's checks [source: hopper/flash_api.cpp], in its order where it matters."""
+    if not isinstance(q, torch.Tensor):
+        raise _fail(op, f"q must be a Tensor, got {type(q).__name__}")
+    dev = q.device
+    q = _tensor(op, "q", q, 3, dev)
+    k = _tensor(op, "k", k, 4, dev)
+    v = _tensor(op, "v", v, 4, dev)
+    if q.dtype not in MODEL_DTYPES:
+        raise _fail(op, f"{name} is only supported for fp16 and bf16 data type (q {q.dtype})")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise _fail(op, f"query and key/value must have the same dtype: {q.dtype}, {k.dtype}")
+    num_heads, head_size = q.shape[1:]
+    head_size_v = v.shape[-1]
+    if k.shape[:-1] != v.shape[:-1]:
+        raise _fail(op, f"k {list(k.shape)} and v {list(v.shape)} must agree but for the head size")
+    if k.shape[-1] != head_size:
+        raise _fail(op, f"k head size {k.shape[-1]} != q head size {head_size}")
+    if num_heads % k.shape[-2]:
+        raise _fail(op, f"nheads {num_heads} must be divisible by nheads_k {k.shape[-2]}")
+    if head_size % 8 or head_size_v % 8:
+        raise _fail(
+            op, f"head_size {head_size} and head_size_v {head_size_v} must be multiples of 8"
+        )
+    if head_size > QV_MAX_HEAD_SIZE:
+        raise _fail(op, f"{name} is only supported for head_size <= 64, got {head_size}")
+    lo, hi = QV_HEAD_SIZE_V
+    if head_size_v < lo:
+        raise _fail(op, f"{name} is only supported for hdim_v >= 256, got {head_size_v}")
+    if head_size_v > hi:
+        raise _fail(
+            op,
+            "If V headdim is different from Q/K dim, we only support Q/K headdim in (128, 192] "
+            f"and V headdim in (96, 128], or (Q/K <= 64 and V <= 512); got {head_size} / "
+            f"{head_size_v}",
+        )
+    qv = _tensor(op, name, qv, 3, dev)
+    if qv.dtype != q.dtype:
+        raise _fail(op, f"{name} must have the same dtype as query ({qv.dtype}, {q.dtype})")
+    if tuple(qv.shape) != (q.shape[0], num_heads, head_size_v):
+        raise _fail(
+            op,
+            f"{name} must have shape {[q.shape[0], num_heads, head_size_v]} (total_q, nheads, "
+            f"head_size_v), got {list(qv.shape)}",
+        )
+    page = k.shape[1]
+    if page % rules.page_multiple:
+        raise _fail(op, f"paged KV block size {page} must be a multiple of {rules.page_multiple}")
+    return q, k, v, qv
 
 
 def _window(
@@ -475,7 +544,8 @@ def _varlen(
     slopes: torch.Tensor | None,  # [B, H]
     sink: torch.Tensor | None,
     descale: torch.Tensor | None = None,  # [B, 3, Hk]: fp8 inputs (_descales)
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, D] f32, lse [H, total_q] f32
+    qv: torch.Tensor | None = None,  # [total_q, H, Dv]: FA3's value query (_check_qv)
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, Dv] f32, lse [H, total_q] f32
     if table is not None:
         _check_table(op, k, table, kv_lens, q_starts)  # v has k's shape (_check_qkv)
     return _varlen_math(
@@ -493,15 +563,16 @@ def _varlen(
         slopes=slopes,
         sink=sink,
         descale=descale,
+        qv=qv,
     )
 
 
 def _varlen_null(
-    rules: _Rules, q: torch.Tensor, *rest: Any, **math_args: Any
+    rules: _Rules, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any, **math_args: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    total_q, num_heads, head_size = q.shape
+    total_q, num_heads = q.shape[:2]
     return (
-        emulation.preallocated((total_q, num_heads, head_size), torch.float32, q.device),
+        emulation.preallocated((total_q, num_heads, v.shape[-1]), torch.float32, q.device),
         emulation.preallocated((num_heads, total_q), torch.float32, q.device),
     )
 
@@ -523,10 +594,14 @@ def _varlen_math(
     slopes: torch.Tensor | None,
     sink: torch.Tensor | None,
     descale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, D] f32, lse [H, total_q] f32
-    """``_varlen``'s math, every argument checked by it."""
-    total_q, num_heads, head_size = q.shape
-    out = torch.zeros(total_q, num_heads, head_size, dtype=torch.float32)
+    qv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, Dv] f32, lse [H, total_q] f32
+    """``_varlen``'s math, every argument checked by it. With ``qv`` (FA3's value query,
+    MLA's absorbed form): scores ``q . k + qv . v`` (the value rows are keys too), output over
+    ``v`` [doc: hopper/flash_attn_interface.py 'qv'; callers: vLLM's FLASH_ATTN_MLA], computed
+    as one attention of ``[q ; qv]`` over keys ``[k ; v]``."""
+    total_q, num_heads = q.shape[:2]
+    out = torch.zeros(total_q, num_heads, v.shape[-1], dtype=torch.float32)
     lse = torch.full((num_heads, total_q), rules.empty_lse, dtype=torch.float32)
     for b, kv_len in enumerate(kv_lens):
         lo, hi = q_starts[b], q_starts[b + 1]
@@ -538,8 +613,11 @@ def _varlen_math(
         else:
             assert kv_starts is not None
             kb, vb = k[kv_starts[b] : kv_starts[b + 1]], v[kv_starts[b] : kv_starts[b + 1]]
+        qb = q[lo:hi]
+        if qv is not None:
+            qb, kb = torch.cat([qb, qv[lo:hi]], dim=-1), torch.cat([kb, vb], dim=-1)
         o, l_ = _attend(
-            q[lo:hi],
+            qb,
             kb,
             vb,
             scale=scale,
@@ -571,15 +649,18 @@ def _max_covers(op: str, name: str, given: object, lengths: Sequence[int]) -> No
         raise _fail(op, f"{name} = {given} is below the longest length {max(lengths)}")
 
 
-def _out(op: str, out: object, like: torch.Tensor) -> torch.Tensor | None:
-    """``out=``: q's shape, and q's dtype (bf16 for fp8 q: "For FP8 input, output must have
-    dtype BF16" [source])."""
+def _out(
+    op: str, out: object, like: torch.Tensor, head_size_v: int | None = None
+) -> torch.Tensor | None:
+    """``out=``: q's shape (with ``head_size_v``, v's head size: a value query), and q's
+    dtype (bf16 for fp8 q: "For FP8 input, output must have dtype BF16" [source])."""
     if out is None:
         return None
     t = _tensor(op, "out", out, like.dim(), like.device)
     dtype = _out_dtype(like)
-    if t.shape != like.shape or t.dtype != dtype:
-        raise _fail(op, f"out must be {dtype} {list(like.shape)}, got {t.dtype} {list(t.shape)}")
+    shape = like.shape if head_size_v is None else (*like.shape[:-1], head_size_v)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise _fail(op, f"out must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
     return t
 
 
@@ -685,7 +766,6 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     )
     _not_emulated(
         op,
-        q_v=q_v,
         dropout_p=dropout_p or None,
         return_attn_probs=return_attn_probs,
         cp_tot_seqused_k=cp_tot_seqused_k,
@@ -696,7 +776,7 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     )
     rules = _VLLM_FA3_RULES if fa_version == 3 else _VLLM_RULES
     paged = block_table is not None
-    q, k, v = _check_qkv(op, rules, q, k, v, paged=paged, fp8=fa_version == 3)
+    q, k, v, qv_t = _fork_inputs(op, rules, q, k, v, q_v, fa_version=fa_version, paged=paged)
     q_starts, q_lens, kv_starts, kv_lens = _varlen_lengths(
         op, q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, paged=paged, table="block_table"
     )
@@ -720,8 +800,9 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
             window=(-1, -1) if window_size is None else tuple(window_size),
         )
     sink = None if s_aux is None else _s_aux(op, s_aux, q)
-    out_t = _out(op, out, q)
+    out_t = _out(op, out, q, None if qv_t is None else v.shape[-1])
     args: dict[str, Any] = dict(
+        # the fork's default scale is q's head size alone, q_v or not [schema]
         scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
         window=_window(op, window_size, bool(causal), none_is_unbounded=False),
         softcap=_softcap(op, softcap),
@@ -730,6 +811,8 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         # FA2's kernel is not passed the descales [schema]; fp8 q only reaches FA3 (above)
         descale=_descales(op, q, batch, k.shape[-2], q_descale, k_descale, v_descale),
     )
+    if qv_t is not None:
+        args["qv"] = qv_t
     if paged:
         res, lse = _paged_call(op, rules, q, k, v, q_starts, kv_lens, block_table, **args)
     else:
@@ -739,6 +822,26 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
     else:
         out_t.copy_(res)
     return (out_t, lse) if return_softmax_lse else out_t
+
+
+def _fork_inputs(
+    op: str,
+    rules: _Rules,
+    q: object,
+    k: object,
+    v: object,
+    q_v: object,
+    *,
+    fa_version: int,
+    paged: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The fork's q, k, v (and q_v) checked: q_v reaches only the FA3 (and FA4) kernels; with
+    fa_version=2 the wrapper drops it and FA2's varlen_fwd sees q, k and v alone [schema]."""
+    if q_v is not None and fa_version == 3:
+        if not paged:
+            raise NotEmulatedError(f"{op}: q_v without block_table is not emulated")
+        return _check_qv(op, rules, "q_v", q, k, v, q_v)
+    return (*_check_qkv(op, rules, q, k, v, paged=paged, fp8=fa_version == 3), None)
 
 
 def _check_vllm_wrapper(
@@ -1152,6 +1255,73 @@ def _write_slots(
         plane.view(torch.uint8)[block, offset] = _to_fp8_bytes(src[rows], scale)
 
 
+def concat_and_cache_mla(  # vllm._custom_ops
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    scale: torch.Tensor,
+) -> None:
+    """vLLM's MLA cache write (``MLACommonImpl.do_kv_cache_update``, what FLASH_ATTN_MLA's
+    cache gets): token ``t``'s ``kv_c`` then its ``k_pe`` into one entry of the joint cache
+    [num_blocks, block_size, kv_lora_rank + pe_dim] at slot ``slot_mapping[t]``, for the
+    ``slot_mapping.size(0)`` first tokens (kv_c may hold more rows: padding); a slot < 0 is
+    skipped [source: csrc/cache_kernels.cu ``concat_and_cache_mla``: ``TORCH_CHECK(
+    kv_cache.size(2) == kv_lora_rank + pe_dim)``, sources read through ``kv_c.stride(0)`` /
+    ``k_pe.stride(0)``, the cache through its block and entry strides]. The slots are read
+    through a raw int64 pointer, so a strided or int32 mapping is refused as for
+    ``reshape_and_cache_flash`` [inferred]; only ``kv_cache_dtype="auto"`` (the model dtype)
+    is emulated (FLASH_ATTN_MLA takes no fp8 cache)."""
+    op = "_custom_ops.concat_and_cache_mla"
+    if not isinstance(kv_c, torch.Tensor):
+        raise _fail(op, f"kv_c must be a Tensor, got {type(kv_c).__name__}")
+    dev = kv_c.device
+    c = _tensor(op, "kv_c", kv_c, 2, dev)
+    pe = _tensor(op, "k_pe", k_pe, 2, dev)
+    cache = _tensor(op, "kv_cache", kv_cache, 3, dev)
+    slots = _tensor(op, "slot_mapping", slot_mapping, 1, dev, contiguous=True)
+    if slots.dtype != torch.int64:
+        raise _fail(op, f"slot_mapping must be int64, got {slots.dtype}")
+    if kv_cache_dtype != "auto":
+        raise NotEmulatedError(f"{op}: kv_cache_dtype {kv_cache_dtype!r} is not emulated")
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        raise _fail(op, "scale must be a one-element tensor")
+    rank, pe_dim = c.shape[1], pe.shape[1]
+    if cache.shape[2] != rank + pe_dim:
+        raise _fail(
+            op, f"kv_cache.size(2) = {cache.shape[2]} != kv_lora_rank + pe_dim = {rank + pe_dim}"
+        )
+    if c.dtype != cache.dtype or pe.dtype != cache.dtype:
+        raise _fail(
+            op, f"kv_c {c.dtype} / k_pe {pe.dtype} and the cache {cache.dtype} differ ('auto')"
+        )
+    n = slots.shape[0]
+    if c.shape[0] < n or pe.shape[0] < n:
+        raise _fail(op, f"kv_c / k_pe have fewer rows than slot_mapping ({n})")
+    num_slots = cache.shape[0] * cache.shape[1]
+    valid = slots >= 0
+    if bool((slots[valid] >= num_slots).any()):
+        bad = int(slots[valid].max())
+        raise _fail(op, f"slot_mapping holds {bad}, outside the cache ({num_slots} slots)")
+    _write_latent(c, pe, cache, slots, valid)
+
+
+@emulation.kernel(null=emulation.skip)
+def _write_latent(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+) -> None:
+    """``concat_and_cache_mla``'s write, every argument checked by it."""
+    rows = torch.nonzero(valid).flatten()
+    targets = slots[rows]
+    block, offset = targets // cache.shape[1], targets % cache.shape[1]
+    cache[block, offset] = torch.cat([kv_c[rows], k_pe[rows]], dim=-1)
+
+
 # --- upstream FA2: flash_attn ------------------------------------------------------------------
 
 _FA2_RULES = _Rules(
@@ -1362,7 +1532,6 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
         op,
         k=k,
         v=v,
-        qv=qv,
         rotary_cos=rotary_cos,
         rotary_sin=rotary_sin,
         cache_batch_idx=cache_batch_idx,
@@ -1383,6 +1552,8 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
         slopes=None,
         sink=None,
     )
+    if qv is not None and cu_seqlens_q is None:
+        raise NotEmulatedError(f"{op}: qv with a padded-batch q is not emulated (varlen q is)")
     if cu_seqlens_q is None:
         math_args["scale"] = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         out, lse = _padded_batch_call(
@@ -1410,6 +1581,7 @@ def fa3_flash_attn_with_kvcache(  # type: ignore[no-untyped-def]
         page_table,
         softmax_scale,
         descales,
+        qv=qv,
         **math_args,
     )
     return (out, lse, *_fa3_rest()) if return_softmax_lse else out
@@ -1426,13 +1598,21 @@ def _fa3_varlen_call(
     page_table: torch.Tensor,
     softmax_scale: float | None,
     descales: tuple[object, object, object],
+    qv: object = None,
     **math_args: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA3's varlen q (``cu_seqlens_q`` + ``max_seqlen_q``) on a paged cache: the lengths
-    checked, the output in q's output dtype and the LSE (nheads, total_q)."""
+    checked, the output in q's output dtype and the LSE (nheads, total_q). With ``qv`` (the
+    value query, ``_check_qv``) the default scale is ``(q + qv head sizes) ** -0.5`` [schema]."""
     if max_seqlen_q is None:
         raise _fail(op, "max_seqlen_q must be given with cu_seqlens_q")
-    qq, kc, vc = _check_qkv(op, _FA3_RULES, q, k_cache, v_cache, paged=True, fp8=True)
+    if qv is not None:
+        qq, kc, vc, qv_t = _check_qv(op, _FA3_RULES, "qv", q, k_cache, v_cache, qv)
+        math_args["qv"] = qv_t
+        if softmax_scale is None:
+            softmax_scale = (qq.shape[-1] + qv_t.shape[-1]) ** -0.5
+    else:
+        qq, kc, vc = _check_qkv(op, _FA3_RULES, q, k_cache, v_cache, paged=True, fp8=True)
     dev = qq.device
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise _fail(op, "cu_seqlens_q must be a Tensor")
@@ -1661,7 +1841,11 @@ VLLM = _namespace(
     flash_attn_varlen_func=flash_attn_varlen_func,
     get_scheduler_metadata=get_scheduler_metadata,
 )
-VLLM_CACHE_OPS = _namespace("vllm._custom_ops", reshape_and_cache_flash=reshape_and_cache_flash)
+VLLM_CACHE_OPS = _namespace(
+    "vllm._custom_ops",
+    reshape_and_cache_flash=reshape_and_cache_flash,
+    concat_and_cache_mla=concat_and_cache_mla,
+)
 FA2 = _namespace(
     "flash_attn",
     flash_attn_varlen_func=_renamed(fa2_flash_attn_varlen_func, "flash_attn_varlen_func"),
@@ -1689,6 +1873,7 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "vllm.vllm_flash_attn.flash_attn_varlen_func": flash_attn_varlen_func,
     "vllm.vllm_flash_attn.get_scheduler_metadata": get_scheduler_metadata,
     "vllm._custom_ops.reshape_and_cache_flash": reshape_and_cache_flash,
+    "vllm._custom_ops.concat_and_cache_mla": concat_and_cache_mla,
     "flash_attn.flash_attn_varlen_func": fa2_flash_attn_varlen_func,
     "flash_attn.flash_attn_with_kvcache": fa2_flash_attn_with_kvcache,
     "flash_attn_interface.flash_attn_with_kvcache": fa3_flash_attn_with_kvcache,

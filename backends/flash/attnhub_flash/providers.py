@@ -58,14 +58,17 @@ from attnhub.kit import (
     indexable,
     quantize_fp8,
     read_slots,
+    store_latent_rows,
     write_slots,
 )
 from attnhub.kv_cache import PagedKVCache
+from attnhub.mla import LatentKVCache, MLASpec
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_flash import ops
 
 if TYPE_CHECKING:
     from attnhub_flash.backend import FlashAttentionImpl, FlashAttentionMetadata, FlashBackend
+    from attnhub_flash.mla import FlashMLAImpl
 
 TOLERANCES = {
     # The kernels accumulate in float32 over fp16/bf16 operands and round once (as the
@@ -117,6 +120,48 @@ HEAD_SIZE_V_FA3 = HeadSizeVSupport(
     "[source: hopper/flash_api.cpp])"
 )
 HEAD_SIZE_V_FA4 = HeadSizeVSupport(reason="not wired yet (FA4's value head sizes not checked)")
+#: MLA's absorbed form through FA3's value query (``qv`` upstream, ``q_v`` in vLLM's fork;
+#: attnhub_flash.mla): the latent pairs (kv_lora_rank, qk_rope_head_dim) of the kernels FA3
+#: builds for a value query, hdim 64 x hdimv 256 and 512 [source: hopper/flash_api.cpp
+#: run_mha_fwd; mha_fwd takes q/k head sizes <= 64 and 'q_v is only supported for hdim_v >=
+#: 256', '(Q/K <= 64 and V <= 512)', multiples of 8, padding smaller ones up to these
+#: kernels: the emulator takes those, attnhub declares the two unpadded shapes];
+#: DeepSeek's (512, 64) among them.
+MLA_LATENT_SIZES = frozenset({(256, 64), (512, 64)})
+_MLA_WHY = {
+    "mla.dtype": "FA3's value query takes float16 and bfloat16 ('q_v is only supported for "
+    "fp16 and bf16 data type')",
+    "mla.kv_cache_dtype": "FA3's value query takes no fp8 cache (vLLM's FLASH_ATTN_MLA: 'FP8 "
+    "FlashAttention MLA not yet supported')",
+    "mla.latent_size": "FA3's value-query kernels are built for a rope part of 64 with a "
+    "kv_lora_rank of 256 or 512 (hdim 64 x hdimv 256 / 512)",
+}
+
+
+def _fa3_mla(block_size_multiple: int, where: str, layouts: tuple[str, ...]) -> MlaSupport:
+    """The absorbed MLA form a provider with FA3's value query serves (attnhub_flash.mla)."""
+    why = dict(_MLA_WHY)
+    if block_size_multiple > 1:
+        why["mla.block_size"] = f"{where} takes paged blocks in multiples of {block_size_multiple}"
+    return MlaSupport(
+        dtypes=HALF,
+        kv_cache_dtypes=frozenset({"auto"}),
+        block_size_multiple=block_size_multiple,
+        latent_sizes=MLA_LATENT_SIZES,
+        # k and v are the two parts of vLLM's joint plane (the one vLLM's concat_and_cache_mla
+        # writes), or two planes where the write is a scatter: FA3 takes K and V with strides
+        # of their own [source]
+        layouts=layouts,
+        # any query length, causal bottom-right [doc]; vLLM sends queries up to its
+        # reorder_batch_threshold (512) through it, longer ones to its expanded prefill
+        max_query_len=None,
+        lse=LseSupport(dtypes=HALF, reason=_COMMON_WHY["dtype"]),
+        tolerances=TOLERANCES,
+        reason=f"{where}: FA3's value query serves MLA's absorbed form",
+        because=why,
+    )
+
+
 _NO_DESCALES: dict[str, Any] = {}  # a model-dtype cache: no fp8 descales
 _COMMON_WHY = {"dtype": "FlashAttention kernels take float16 and bfloat16"}
 
@@ -277,9 +322,17 @@ class Provider(abc.ABC):
 
     def device_refusals(self, spec: AttentionSpec, device: torch.device) -> list[str]:
         """What ``spec`` needs of this very GPU beyond the provider's range (a native backend,
-        at construction): FA3's fp8 kernels exist only on 9.x ('FlashAttention on Ampere/Ada
-        cards only supports fp16 and bf16 data type' [source: hopper/flash_api.cpp])."""
+        at construction): FA3's fp8 kernels and its value query (MLA) exist only on 9.x
+        ('FlashAttention on Ampere/Ada cards only supports fp16 and bf16 data type', 'q_v is
+        only supported for Hopper GPUs' [source: hopper/flash_api.cpp])."""
         major, minor = torch.cuda.get_device_capability(device)
+        if isinstance(spec, MLASpec) and major != 9:
+            # mha_fwd: 'q_v is only supported for Hopper GPUs'; run_mha_fwd builds the hdim 64
+            # x hdimv 256 / 512 kernels for Arch == 90 only [source: hopper/flash_api.cpp]
+            return [
+                f"MLA needs compute capability 9.x (provider {self.name}: FA3's value query "
+                f"runs on Hopper only); this GPU is {major}.{minor}"
+            ]
         if spec.kv_cache_dtype == FP8_KV and major < 9:
             return [
                 f"kv_cache_dtype {FP8_KV!r} needs compute capability 9.x (provider "
@@ -350,6 +403,61 @@ class Provider(abc.ABC):
         host = batch.host_slot_mapping()[: batch.num_actual_tokens].long()
         rows = torch.nonzero(host >= 0).flatten()
         return {"write_rows": rows.to(device), "write_slots": host[rows].to(device)}
+
+    # --- MLA (attnhub_flash.mla), where capabilities.mla is declared -----------------------
+    def mla_kwargs(
+        self,
+        backend: FlashBackend,
+        query_start_loc: torch.Tensor,  # [B + 1] int32, device
+        max_query_len: int,
+        seq_lens: torch.Tensor,  # [B] int32, device
+        max_seq_len: int,
+        block_table: torch.Tensor,  # [B, blocks] int32, contiguous, device
+    ) -> dict[str, Any]:
+        """The keyword arguments of a step's MLA call that every layer passes alike."""
+        raise NotImplementedError(f"provider {self.name} has no MLA call")
+
+    def mla_plan_write(self, batch: BatchMetadata, device: torch.device) -> dict[str, Any]:
+        """The latent write's plan, metadata fields (``mla_plan_slots`` of the step's slots)."""
+        n = batch.num_actual_tokens
+        return self.mla_plan_slots(batch.host_slot_mapping()[:n], batch.slot_mapping, device)
+
+    def mla_plan_slots(
+        self, host: torch.Tensor, slot_mapping: torch.Tensor, device: torch.device
+    ) -> dict[str, Any]:
+        """Default (no write op of the provider's own): the rows that have a slot (-1:
+        padding, never written) and their slots, found on the host, for one scatter."""
+        host = host.long()
+        rows = torch.nonzero(host >= 0).flatten()
+        return {"write_rows": rows.to(device), "write_slots": host[rows].to(device)}
+
+    def mla_write(
+        self,
+        impl: FlashMLAImpl,
+        kv_c: torch.Tensor,  # [>= n, kv_lora_rank]
+        k_pe: torch.Tensor,  # [>= n, rope]
+        cache: LatentKVCache,
+        plan: Mapping[str, Any],  # mla_plan_slots' fields
+    ) -> None:
+        """A step's latent write. Default: one scatter of the planned rows (the kit's
+        ``store_latent_rows``: either layout)."""
+        rows, slots = plan["write_rows"], plan["write_slots"]
+        if rows is not None and rows.numel():
+            store_latent_rows(cache, kv_c.index_select(0, rows), k_pe.index_select(0, rows), slots)
+
+    def mla_call(
+        self,
+        backend: FlashBackend,
+        q: torch.Tensor,  # [n, H, rope]
+        qv: torch.Tensor,  # [n, H, kv_lora_rank]
+        k: torch.Tensor,  # [blocks, block_size, 1, rope]
+        v: torch.Tensor,  # [blocks, block_size, 1, kv_lora_rank]
+        kwargs: dict[str, Any],
+        out: torch.Tensor,  # [n, H, kv_lora_rank]
+        lse: bool,
+    ) -> Result:
+        """One MLA call with FA3's value query over the whole step."""
+        raise NotImplementedError(f"provider {self.name} has no MLA call")
 
     # --- per layer (the impl) -------------------------------------------------------------
     def store_lse(
@@ -443,6 +551,11 @@ class VllmProvider(Provider):
         priority={"cuda": 80},
         graph_capture=GraphSupport.UNIFORM_BATCH,
         graph_capture_reason=_FA2_GRAPH_WHY,
+        mla=MlaSupport(
+            reason="provider vllm: the fork's FA2 kernels (fa_version=2) take no value query "
+            "(its wrapper passes q_v to FA3 and FA4 only) and one head size for q, k and v; "
+            "MLA runs on provider vllm-fa3 (q_v with fa_version=3, as vLLM's FLASH_ATTN_MLA)"
+        ),
     )
     why: ClassVar[Mapping[str, str]] = {
         "block_size": "vLLM's flash-attention fork takes paged blocks in multiples of 16",
@@ -579,6 +692,7 @@ class VllmFA3Provider(VllmProvider):
         graph_capture=GraphSupport.ALWAYS,
         graph_capture_reason=_FA3_GRAPH_WHY + " (get_scheduler_metadata planned into the "
         "graph's persistent buffer before every replay, num_splits 32 as vLLM's graphs)",
+        mla=_fa3_mla(16, "provider vllm-fa3 (vLLM's fork, q_v with fa_version=3)", ("joint",)),
         **FA3_FP8,
     )
     why: ClassVar[Mapping[str, str]] = {
@@ -672,6 +786,88 @@ class VllmFA3Provider(VllmProvider):
         # fork's hopper/flash_api.cpp]
         return None if sinks is None else sinks.to(torch.bfloat16).contiguous()
 
+    def mla_plan_slots(
+        self, host: torch.Tensor, slot_mapping: torch.Tensor, device: torch.device
+    ) -> dict[str, Any]:
+        # concat_and_cache_mla skips slot < 0 itself and reads the slots through a raw int64
+        # pointer: dense int64, as vLLM passes slot_mapping.flatten() [callers; source]
+        return {"slot_mapping": as_contiguous(slot_mapping, torch.int64)}
+
+    def mla_write(
+        self,
+        impl: FlashMLAImpl,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache: LatentKVCache,
+        plan: Mapping[str, Any],
+    ) -> None:
+        """vLLM's ``concat_and_cache_mla`` into the joint plane (``MLACommonImpl.
+        do_kv_cache_update``: model-dtype caches, where ``scale`` is not read) [callers]."""
+        cache_ops = impl.backend.ops.cache_ops
+        assert cache_ops is not None
+        cache_ops.concat_and_cache_mla(
+            kv_c, k_pe, cache.joint, plan["slot_mapping"], "auto", impl.unit_scale
+        )
+
+    def mla_kwargs(
+        self,
+        backend: FlashBackend,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        block_table: torch.Tensor,
+    ) -> dict[str, Any]:
+        """vLLM's FLASH_ATTN_MLA call but the layer's tensors, with FA3's schedule planned as
+        its builder plans it (``_schedule_decode``: one kv head, ``headdim`` the rope size,
+        ``headdim_v`` the latent rank, causal, num_splits 0 outside full graphs) [callers]."""
+        spec = backend.spec
+        assert isinstance(spec, MLASpec)
+        schedule = backend.ops.attention.get_scheduler_metadata(
+            batch_size=int(block_table.shape[0]),
+            max_seqlen_q=max_query_len,
+            max_seqlen_k=max_seq_len,
+            num_heads_q=spec.num_heads,
+            num_heads_kv=1,
+            headdim=spec.qk_rope_head_dim,
+            cache_seqlens=seq_lens,
+            qkv_dtype=spec.dtype,
+            headdim_v=spec.kv_lora_rank,
+            page_size=spec.block_size,
+            cu_seqlens_q=query_start_loc,
+            causal=True,
+            num_splits=NUM_SPLITS,
+        )
+        return dict(
+            max_seqlen_q=max(max_query_len, 1),
+            cu_seqlens_q=query_start_loc,
+            max_seqlen_k=max_seq_len,
+            seqused_k=seq_lens,
+            block_table=block_table,
+            softmax_scale=spec.scale,
+            causal=True,
+            fa_version=3,  # vLLM: "only version 3 is supported"
+            scheduler_metadata=schedule,
+            num_splits=NUM_SPLITS,
+        )
+
+    def mla_call(
+        self,
+        backend: FlashBackend,
+        q: torch.Tensor,
+        qv: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kwargs: dict[str, Any],
+        out: torch.Tensor,
+        lse: bool,
+    ) -> Result:
+        # keywords only, as FLASH_ATTN_MLA calls it; out= written in place [schema]
+        result = backend.ops.attention.flash_attn_varlen_func(
+            q=q, k=k, v=v, q_v=qv, out=out, return_softmax_lse=lse, **kwargs
+        )
+        return result if lse else (result, None)
+
 
 class FA2Provider(Provider):
     """Upstream flash-attn 2."""
@@ -692,6 +888,11 @@ class FA2Provider(Provider):
         priority={"cuda": 70},
         graph_capture=GraphSupport.UNIFORM_BATCH,
         graph_capture_reason=_FA2_GRAPH_WHY,
+        mla=MlaSupport(
+            reason="provider fa2: FlashAttention-2's flash_attn_varlen_func and "
+            "flash_attn_with_kvcache take no value query (no qv argument) and one head size "
+            "for q, k and v (at most 256: the absorbed form's 576-wide keys are beyond it)"
+        ),
     )
     why: ClassVar[Mapping[str, str]] = {
         "block_size": "upstream FA2's paged KV needs page_block_size a multiple of 256",
@@ -819,6 +1020,7 @@ class FA3Provider(Provider):
         graph_capture=GraphSupport.ALWAYS,
         graph_capture_reason=_FA3_GRAPH_WHY + " (no scheduler_metadata passed: the call plans "
         "its schedule inside the graph, on the device [inferred])",
+        mla=_fa3_mla(1, "provider fa3 (flash_attn_with_kvcache's qv)", ("joint", "split")),
         **FA3_FP8,
     )
     why: ClassVar[Mapping[str, str]] = {
@@ -866,6 +1068,43 @@ class FA3Provider(Provider):
         # with the LSE: (out, softmax_lse, *rest), rest the split-KV accumulators [schema]
         return (result[0], result[1]) if lse else (result, None)
 
+    def mla_kwargs(
+        self,
+        backend: FlashBackend,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        block_table: torch.Tensor,
+    ) -> dict[str, Any]:
+        """flash_attn_with_kvcache's paged varlen call, causal, the spec's scale (its default
+        would be (rope + kv_lora_rank) ** -0.5 [schema], not MLA's)."""
+        return dict(
+            cache_seqlens=seq_lens,
+            page_table=block_table,
+            cu_seqlens_q=query_start_loc,
+            max_seqlen_q=max(max_query_len, 1),
+            softmax_scale=backend.spec.scale,
+            causal=True,
+        )
+
+    def mla_call(
+        self,
+        backend: FlashBackend,
+        q: torch.Tensor,
+        qv: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kwargs: dict[str, Any],
+        out: torch.Tensor,
+        lse: bool,
+    ) -> Result:
+        # no out= in FA3's flash_attn_with_kvcache [schema]: the result is copied
+        result = backend.ops.attention.flash_attn_with_kvcache(
+            q, k, v, qv=qv, return_softmax_lse=lse, **kwargs
+        )
+        return (result[0], result[1]) if lse else (result, None)
+
 
 class FA4Provider(Provider):
     """flash-attn-4 (``flash_attn.cute``)."""
@@ -895,6 +1134,13 @@ class FA4Provider(Provider):
         head_size_v=HEAD_SIZE_V_FA4,
         graph_capture=GraphSupport.UNIFORM_BATCH,
         graph_capture_reason=_FA4_GRAPH_WHY,
+        mla=MlaSupport(
+            reason="provider fa4: not wired: FA4 4.0.0b36's flash_attn_varlen_func takes qv, "
+            "but _validate_head_dims accepts MLA's absorbed shape (head_dim 64, head_dim_v 512) "
+            "on SM100/SM110 only (SM90: head_dim_v <= 256), through MLA kernels (1CTA/2CTA "
+            "routing, their own splits) not translated or emulated here; vLLM: 'FA4 CuteDSL "
+            "does NOT currently support MLA's non-standard head dimensions'"
+        ),
     )
     why: ClassVar[Mapping[str, str]] = {
         "alibi": "FA4 has no ALiBi (score_mod could express it; not done)",

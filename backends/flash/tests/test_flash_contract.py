@@ -61,6 +61,11 @@ PUBLISHED = {
         "vllm/_custom_ops.py",
         "reshape_and_cache_flash",
     ),
+    "vllm._custom_ops.concat_and_cache_mla": (
+        flash_schema.VLLM_WHEEL,
+        "vllm/_custom_ops.py",
+        "concat_and_cache_mla",
+    ),
 }
 
 #: The standalone fork's functions, recorded (no published archive to download): the def lines
