@@ -27,16 +27,17 @@ table's width ``W``). Per step, on the host:
 3. on the first step of size ``S``: the gathered backend's ``build_for_graph_capture`` over
    those buffers and the capture of ``step`` (write, head gather, the backend's call, merge:
    the collectives inside);
-4. ``update_graph_params`` (the ascend backend: each captured FIA task re-issued with this
-   rank's ``actual_seq_lengths_kv``, vllm-ascend's ``update_attn_dcp_pcp_params``) on the
-   adaptor's update stream, then the replay. No device-wide synchronize.
+4. ``update_graph_params`` (a backend whose captured kernels take host lengths refreshes
+   each captured task with this rank's lengths) on the adaptor's update stream, then the
+   replay. No device-wide synchronize.
 
 Collectives inside a graph: a captured graph replays the collectives it recorded, so the
 group's must be capturable on the backend's device: NCCL on CUDA, HCCL on an NPU. gloo's are
 not (a gloo collective on device tensors goes through the host); on the host (the eager tape,
-or ascend's emulated graph API) the tape records each collective and runs it again, waited for,
-at every replay (``attnhub.graphs.tape.CollectiveEntry``). Every rank captures and replays the
-same graphs in the same order (they agree on every step), so the collectives match.
+or an emulated graph API built on it) the tape records each collective and runs it again,
+waited for, at every replay (``attnhub.graphs.tape.CollectiveEntry``). Every rank captures
+and replays the same graphs in the same order (they agree on every step), so the collectives
+match.
 """
 
 from __future__ import annotations

@@ -295,7 +295,10 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         slot_mapping: torch.Tensor,  # [n <= num_tokens], -1 = padding
         kv_cache_dtype: str,
         k_scale: torch.Tensor,
+        skip_scale: bool = False,  # vLLM 0.33+: store fp8 latents without dividing by k_scale
     ) -> None:
+        # (skip_scale concerns fp8 latent caches only, which the adapter does not map: every
+        # latent cache it serves is stored in the model dtype, so there is no scale to skip)
         if kv_cache.numel() == 0:  # vLLM's profiling run: no cache bound yet
             return
         impl = self._impl or self._attnhub(kv_c_normed.device)
