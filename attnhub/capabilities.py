@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -121,6 +121,48 @@ class AccuracyBound:
             )
 
 
+def _check_declaration(
+    owner: str, reason: object, kv_cache_dtypes: Iterable[str] | None = None
+) -> None:
+    """A declaration's ``reason`` says why not, and each KV-cache format it names is a
+    canonical name (InvalidInputError / UnknownNameError naming ``owner``)."""
+    if not isinstance(reason, str) or not reason.strip():
+        raise InvalidInputError(f"{owner}.reason = {reason!r} must say why not")
+    for kv in kv_cache_dtypes or ():
+        if canonical_kv_cache_dtype(kv) != kv:
+            raise UnknownNameError(
+                f"{owner} names kv_cache_dtype {kv!r}, which is not a canonical name; "
+                f"known: {', '.join(KV_CACHE_DTYPES)}"
+            )
+
+
+def _dtype_or_format_refusal(
+    spec: AttentionSpec | MLASpec,
+    field_name: str,
+    refused: str,
+    dtypes: frozenset[torch.dtype],
+    kv_cache_dtypes: frozenset[str] | None,
+    reason: str,
+) -> Refusal | None:
+    """Why ``spec`` falls outside a declaration of dtypes and KV-cache formats (None: inside):
+    ``"{refused} for dtype ..."`` or ``"{refused} with kv_cache_dtype ..."``, with ``reason``."""
+    if spec.dtype not in dtypes:
+        return Refusal(
+            f"{refused} for dtype {spec.dtype} ({reason})",
+            field=field_name,
+            value=spec.dtype,
+            supported=dtypes,
+        )
+    if kv_cache_dtypes is not None and spec.kv_cache_dtype not in kv_cache_dtypes:
+        return Refusal(
+            f"{refused} with kv_cache_dtype {spec.kv_cache_dtype!r} ({reason})",
+            field=field_name,
+            value=spec.kv_cache_dtype,
+            supported=kv_cache_dtypes,
+        )
+    return None
+
+
 #: Why a backend that declares nothing of :class:`LseSupport` returns no LSE.
 LSE_NOT_DECLARED = "the backend does not declare that its kernels return it"
 
@@ -143,32 +185,16 @@ class LseSupport:
     sinks: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.reason, str) or not self.reason.strip():
-            raise InvalidInputError(f"LseSupport.reason = {self.reason!r} must say why not")
-        for kv in self.kv_cache_dtypes or ():
-            if canonical_kv_cache_dtype(kv) != kv:
-                raise UnknownNameError(
-                    f"LseSupport names kv_cache_dtype {kv!r}, which is not a canonical name; "
-                    f"known: {', '.join(KV_CACHE_DTYPES)}"
-                )
+        _check_declaration("LseSupport", self.reason, self.kv_cache_dtypes)
 
     def refusal(self, spec: AttentionSpec | MLASpec) -> Refusal | None:
         """Why ``forward`` refuses ``return_lse=True`` for ``spec`` (None: it returns it)."""
-        if spec.dtype not in self.dtypes:
-            return Refusal(
-                f"return_lse: the LSE is not returned for dtype {spec.dtype} ({self.reason})",
-                field="lse",
-                value=spec.dtype,
-                supported=self.dtypes,
-            )
-        if self.kv_cache_dtypes is not None and spec.kv_cache_dtype not in self.kv_cache_dtypes:
-            return Refusal(
-                f"return_lse: the LSE is not returned with kv_cache_dtype "
-                f"{spec.kv_cache_dtype!r} ({self.reason})",
-                field="lse",
-                value=spec.kv_cache_dtype,
-                supported=self.kv_cache_dtypes,
-            )
+        outside = _dtype_or_format_refusal(
+            spec, "lse", "return_lse: the LSE is not returned", self.dtypes,
+            self.kv_cache_dtypes, self.reason,
+        )  # fmt: skip
+        if outside is not None:
+            return outside
         if not self.sinks and getattr(spec, "use_sinks", False):  # (an MLA layer has none)
             return Refusal(
                 f"return_lse: the LSE is not returned with sinks ({self.reason})",
@@ -220,8 +246,7 @@ class MlaSupport:
     def __post_init__(self) -> None:
         from attnhub.mla import LATENT_KV_CACHE_DTYPES, LATENT_LAYOUTS
 
-        if not isinstance(self.reason, str) or not self.reason.strip():
-            raise InvalidInputError(f"MlaSupport.reason = {self.reason!r} must say why not")
+        _check_declaration("MlaSupport", self.reason)
         for kv in self.kv_cache_dtypes:
             if kv not in LATENT_KV_CACHE_DTYPES:
                 raise UnknownNameError(
@@ -364,37 +389,17 @@ class BatchInvariance:
     reason: str = BATCH_INVARIANCE_NOT_DECLARED
 
     def __post_init__(self) -> None:
-        if not isinstance(self.reason, str) or not self.reason.strip():
-            raise InvalidInputError(f"BatchInvariance.reason = {self.reason!r} must say why not")
-        for kv in self.kv_cache_dtypes or ():
-            if canonical_kv_cache_dtype(kv) != kv:
-                raise UnknownNameError(
-                    f"BatchInvariance names kv_cache_dtype {kv!r}, which is not a canonical "
-                    f"name; known: {', '.join(KV_CACHE_DTYPES)}"
-                )
+        _check_declaration("BatchInvariance", self.reason, self.kv_cache_dtypes)
 
     def refusal(self, spec: AttentionSpec) -> Refusal | None:
         """Why a spec with ``batch_invariant=True`` is refused (None: served; a spec that does
         not ask for it is never refused here)."""
         if not spec.batch_invariant:
             return None
-        if spec.dtype not in self.dtypes:
-            return Refusal(
-                f"batch_invariant: outputs are not bitwise batch-invariant for dtype "
-                f"{spec.dtype} ({self.reason})",
-                field="batch_invariant",
-                value=spec.dtype,
-                supported=self.dtypes,
-            )
-        if self.kv_cache_dtypes is not None and spec.kv_cache_dtype not in self.kv_cache_dtypes:
-            return Refusal(
-                f"batch_invariant: outputs are not bitwise batch-invariant with kv_cache_dtype "
-                f"{spec.kv_cache_dtype!r} ({self.reason})",
-                field="batch_invariant",
-                value=spec.kv_cache_dtype,
-                supported=self.kv_cache_dtypes,
-            )
-        return None
+        return _dtype_or_format_refusal(
+            spec, "batch_invariant", "batch_invariant: outputs are not bitwise batch-invariant",
+            self.dtypes, self.kv_cache_dtypes, self.reason,
+        )  # fmt: skip
 
 
 #: Why a backend that declares nothing of :class:`HeadSizeVSupport` refuses a value head size
@@ -444,20 +449,13 @@ class HeadSizeVSupport:
     reason: str = HEAD_SIZE_V_NOT_DECLARED
 
     def __post_init__(self) -> None:
-        if not isinstance(self.reason, str) or not self.reason.strip():
-            raise InvalidInputError(f"HeadSizeVSupport.reason = {self.reason!r} must say why not")
+        _check_declaration("HeadSizeVSupport", self.reason, self.kv_cache_dtypes)
         for pair in self.pairs or ():
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise InvalidInputError(
                     f"HeadSizeVSupport.pairs entry {pair!r} must be (head_size, head_size_v)"
                 )
             _bounds(pair[0]), _bounds(pair[1])
-        for kv in self.kv_cache_dtypes or ():
-            if canonical_kv_cache_dtype(kv) != kv:
-                raise UnknownNameError(
-                    f"HeadSizeVSupport names kv_cache_dtype {kv!r}, which is not a canonical "
-                    f"name; known: {', '.join(KV_CACHE_DTYPES)}"
-                )
 
     @property
     def declared(self) -> bool:
