@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from attnhub import AttentionSpec, BatchMetadata, get_backend
+from attnhub.backend import AttentionMetadata, _metadata_maker, scratch_field
 from attnhub.errors import UnsupportedConfigurationError
 from attnhub.torch_backend import TorchAttentionImpl, TorchBackend, TorchMetadataBuilder
+from attnhub.torch_backend.backend import TorchAttentionMetadata
+from attnhub.torch_backend.mla import TorchMLAMetadata
+
+METADATA_TYPES = [TorchAttentionMetadata, TorchMLAMetadata]
 
 
 def _restricted(**capability_changes: object) -> type[TorchBackend]:
@@ -125,3 +130,44 @@ def test_forward_runs_compute_after_the_checks_and_store_kv_gets_the_step():
     impl.write_kv(k, v, cache, meta=meta)
     impl.write_kv(k, v, cache, batch.slot_mapping)
     assert impl.calls == [("store_kv", meta), ("store_kv", None)]
+
+
+# --- the metadata the base class makes: its constructor's result, made faster ----------------
+@dataclasses.dataclass(frozen=True)
+class _Planned(AttentionMetadata):
+    required: int = dataclasses.field(default=0)
+    table: list[int] = dataclasses.field(default_factory=list)
+    scratch: list[int] = scratch_field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checked(AttentionMetadata):  # made by its constructor: it checks itself
+    width: int = 1
+
+    def __post_init__(self) -> None:
+        if self.width < 1:
+            raise ValueError(f"width {self.width}")
+
+
+@pytest.mark.parametrize("cls", [AttentionMetadata, _Planned, _Checked, *METADATA_TYPES])
+def test_made_metadata_equals_its_constructors(cls: type[AttentionMetadata]) -> None:
+    batch = _batch([1, 3], [9, 3])
+    values = {"batch": batch, "common_prefix_len": 0, "extents": None}
+    made, built = _metadata_maker(cls)(dict(values)), cls(**values)
+    assert type(made) is cls and made == built
+    for f in dataclasses.fields(cls):  # defaults and factories too (not shared between steps)
+        assert getattr(made, f.name) == getattr(built, f.name), f.name
+        if f.default_factory is not dataclasses.MISSING:
+            assert getattr(made, f.name) is not getattr(_metadata_maker(cls)(dict(values)), f.name)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.common_prefix_len = 1  # type: ignore[misc]
+    with pytest.raises(TypeError, match="bogus"):  # the constructor's own error
+        _metadata_maker(cls)({**values, "bogus": 1})
+    with pytest.raises(TypeError, match="batch"):
+        _metadata_maker(cls)({"common_prefix_len": 0})
+
+
+def test_metadata_with_a_post_init_is_made_by_its_constructor() -> None:
+    batch = _batch([1], [1])
+    with pytest.raises(ValueError, match="width 0"):
+        _metadata_maker(_Checked)({"batch": batch, "width": 0})

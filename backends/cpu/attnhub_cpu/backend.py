@@ -424,10 +424,9 @@ class CpuAttentionMetadata(AttentionMetadata):
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in the dtype a kernel reads (attnhub batches may hold int32 or int64), dense."""
-    if t.dtype != dtype:
-        t = t.to(dtype)
-    return t if t.is_contiguous() else t.contiguous()
+    """``t``, a checked step's (dense: ``build`` made it so), in the dtype a kernel reads
+    (attnhub batches may hold int32 or int64)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class CpuMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]):
