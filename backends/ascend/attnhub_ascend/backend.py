@@ -279,9 +279,12 @@ class AscendBackend(AttentionBackend):
             num_heads=frozenset({32, 64, 128}),
             layouts=("split",),  # nope and rope planes apart, as vllm-ascend keeps them
             max_query_len=16,
+            # FIA's MLA form has no softmax_lse_flag [doc]: return_lse goes to ATB's MLA op
+            # (npu_multi_head_latent_attention, calc_type_ring), whose lse is in the model
+            # dtype and converted to float32 (attnhub_ascend.mla; docs/backends/ascend.md)
             lse=LseSupport(
-                reason="FIA's MLA form (query D 512 with query_rope/key_rope) does not support "
-                "softmax_lse_flag"
+                dtypes=frozenset({torch.float16, torch.bfloat16}),
+                reason="ATB's MLA op takes float16 and bfloat16",
             ),
             because={
                 "mla.dtype": "FIA's MLA form takes float16 and bfloat16",

@@ -24,6 +24,7 @@ Emulated ops (the names ``torch_npu`` exposes):
   npu_fusion_attention                              training FA: TND (packed K/V) or BSND
   npu_scatter_pa_kv_cache                           A2/A3 KV-cache write, cache_mode "Norm"
   _npu_reshape_and_cache                            ATB KV-cache write, int32 slots (310P)
+  atb.npu_multi_head_latent_attention               ATB's MLA op with an lse (emulator_atb.py)
   _npu_fused_infer_attention_score(_v2)_get_max_workspace   a FIA workspace for the largest
                                                     lengths (graph capture; sizes: a model)
 
@@ -137,6 +138,11 @@ record_calls = _log.record
 
 def _counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return _log.op(name, fn, binding=f"torch_npu.{name}", route=_route)
+
+
+def _counted_as(name: str, fn: Callable[..., Any], binding: str) -> Callable[..., Any]:
+    """``fn`` counted as ``name``, its binding errors naming ``torch_npu.{binding}``."""
+    return _log.op(name, fn, binding=f"torch_npu.{binding}", route=_route)
 
 
 def _route(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1923,3 +1929,13 @@ OPS: dict[str, OpPacket] = {
         _npu_fused_infer_attention_score_v2_get_max_workspace,
     )
 }
+
+
+def __getattr__(name: str) -> Any:
+    """``atb``: the emulated ``torch_npu.atb`` namespace (``emulator_atb``), loaded on first use
+    (it imports this module's helpers)."""
+    if name == "atb":
+        import importlib
+
+        return importlib.import_module(f"{__package__}.emulator_atb").namespace
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,9 +16,14 @@ The evidence (``shared/callers/``, each a vendor file flattened to one line):
   - ``infinicore-ascend-op-cache-attn-pr.txt`` (InfiniCore): ATB ``ReshapeAndCache`` takes int32
     slots ("ATB ReshapeAndCacheParam requires int32 slot_mapping"; its int64 path casts first).
 
+The wrapper's MLA-DCP update (``update_mla_attn_dcp_pcp_params``: ATB's
+``torch_npu.atb.npu_multi_head_latent_attention`` with ``return_lse=True``,
+``calc_type="calc_type_ring"``, a workspace, ``output=`` / ``lse=``, host context lengths padded
+with zeros by ``torch.cat``) is replayed, with its capture's workspace query.
+
 Not replayed, as attnhub emulates none of these ops: ``npu_incre_flash_attention`` (the
-backend's decode), ``_npu_paged_attention`` / ``_npu_paged_attention_get_workspace`` and
-``torch_npu.atb.npu_multi_head_latent_attention`` (the wrapper's PA and MLA-DCP updates). The
+backend's decode), ``_npu_paged_attention`` / ``_npu_paged_attention_get_workspace`` (the
+wrapper's PA update). The
 MLA FIA form (``query_rope`` / ``key_rope``) is emulated in TND (the wrapper's MTP form); its
 BNSD form is valid and refused as not emulated. Each replay is checked against
 ``attnhub.reference``.
@@ -327,6 +332,60 @@ def test_the_wrappers_mla_update_in_bnsd_is_valid_but_not_emulated() -> None:
             seq_lens_list=[3, 4],
             actual_seq_lengths=None,
         )
+
+
+def test_the_wrappers_mla_dcp_update_atbs_mla_op_with_its_lse() -> None:
+    """update_mla_attn_dcp_pcp_params, in its exact form: the capture's workspace query
+    (``_npu_multi_head_latent_attention_get_workspace(..., return_lse=True,
+    calc_type="calc_type_ring")``), then per step ``npu_multi_head_latent_attention(q_nope, q_pe,
+    k_nope, k_pe, block_table, seq_len, num_heads, scale, num_kv_heads, return_lse=True,
+    calc_type="calc_type_ring", workspace=, output=, lse=)`` with ``seq_len`` the per-rank
+    context lengths padded with zeros to the capture size (``torch.cat`` on their host device),
+    ``output`` ``empty_like(q_nope)`` and ``lse`` ``[T, H, 1]`` in q_nope's dtype."""
+    g = testing.generator(12)
+    runtime_shape, real, heads, nb = 4, [130, 7], 32, 4
+    q_nope = torch.randn(runtime_shape, heads, 512, generator=g).bfloat16()
+    q_pe = torch.randn(runtime_shape, heads, 64, generator=g).bfloat16()
+    # the wrapper's views: k_nope.view(-1, block_size, num_kv_heads, kv_lora_rank)
+    k_nope = torch.randn(nb, BS, 1, 512, generator=g).bfloat16()
+    k_pe = torch.randn(nb, BS, 1, 64, generator=g).bfloat16()
+    block_table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)  # the real decodes' rows
+    seq_len = torch.tensor(real, dtype=torch.int32)
+    pad_length = runtime_shape - len(seq_len)
+    pad_tensor = torch.zeros(pad_length, dtype=seq_len.dtype, device=seq_len.device)
+    seq_len = torch.cat([seq_len, pad_tensor], dim=0)
+    atb = emulator.atb
+    workspace = atb._npu_multi_head_latent_attention_get_workspace(
+        q_nope, q_pe, k_nope, k_pe, block_table, seq_len, heads, SCALE, 1,
+        return_lse=True, calc_type="calc_type_ring",
+    )  # fmt: skip
+    attn_output = torch.empty_like(q_nope)
+    softmax_lse = torch.empty((runtime_shape, heads, 1), dtype=q_nope.dtype)
+    atb.npu_multi_head_latent_attention(
+        q_nope, q_pe, k_nope, k_pe, block_table, seq_len, heads, SCALE, 1,
+        return_lse=True, calc_type="calc_type_ring", workspace=workspace,
+        output=attn_output, lse=softmax_lse,
+    )  # fmt: skip
+    spec = MLASpec(
+        num_heads=heads,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        block_size=BS,
+        scale=SCALE,
+    )
+    cache = LatentKVCache(
+        kv_c=k_nope.view(-1, BS, 512), k_pe=k_pe.view(-1, BS, 64), block_size=BS, layout="split"
+    )
+    batch = BatchMetadata.from_lengths([1, 1], real, block_table, BS)
+    query = torch.cat([q_nope, q_pe], dim=-1)[:2]
+    want, want_lse = reference.paged_mla_absorbed(query, cache, batch, spec)
+    tol = Tolerance(atol=2e-2, rtol=2e-2)
+    assert testing.mismatch(attn_output[:2], want, tol) is None
+    assert testing.mismatch(softmax_lse[:2, :, 0], want_lse.t(), tol) is None
+    # the padded entries (context 0) the wrapper overwrites itself (batch_seq_mask): not defined
+    assert bool(softmax_lse[2:].isnan().all())
 
 
 # --- an Ascend vLLM backend's npu_fusion_attention calls -----------------------------------------
