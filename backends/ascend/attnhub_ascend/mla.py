@@ -63,6 +63,7 @@ from attnhub.capabilities import GraphSupport, Refusal
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kit import FixedShapeWrite, flat_slots, read_slots
 from attnhub_ascend.backend import (
+    FIA_BATCH_LIMIT,
     INT_MAX,
     MAX_FIA_BATCH,
     RESHAPE_AND_CACHE,
@@ -71,6 +72,7 @@ from attnhub_ascend.backend import (
     AscendGraph,
     AscendMetadataBuilder,
     GraphTask,
+    check_batch_size,
     compressed_causal_mask,
     kv_write_rows,
     write_kv_planes,
@@ -146,12 +148,7 @@ class AscendMLAMetadataBuilder(MLAMetadataBuilder):
     def plan(self, step: Step) -> Mapping[str, Any]:
         batch = step.batch
         facts = AscendMetadataBuilder._facts(step)
-        B = batch.num_reqs
-        if B > MAX_FIA_BATCH:
-            raise UnsupportedConfigurationError(
-                self.backend.name,
-                [f"{B} requests in one step: FIA's TND layout takes at most {MAX_FIA_BATCH}"],
-            )
+        check_batch_size(self.backend, batch.num_reqs, MAX_FIA_BATCH, "requests", FIA_BATCH_LIMIT)
         assert facts.seq_lens is not None
         table = batch.block_table
         if table.dtype is not torch.int32 or not table.is_contiguous():

@@ -163,12 +163,117 @@ def test_a_value_other_than_the_nope_plane_is_not_emulated() -> None:
         call.run(value=call.k_nope.clone())
 
 
-def test_the_d128_mla_form_is_valid_but_not_emulated() -> None:
+# --- FIA's forms for MLA's expanded prefill (values narrower than keys) --------------------------
+
+
+class Expanded:
+    """Packed TND K/V for the expanded form: per-head keys 192 wide (128 + a 64 rope part),
+    values 128, as many K/V heads as query heads, bfloat16."""
+
+    def __init__(self, query_lens: list[int], kv_lens: list[int], heads: int = 4) -> None:
+        g = testing.generator(8)
+        T, Tk = sum(query_lens), sum(kv_lens)
+        self.q = torch.randn(T, heads, 192, generator=g).bfloat16()
+        self.k = torch.randn(Tk, heads, 192, generator=g).bfloat16()
+        self.v = torch.randn(Tk, heads, 128, generator=g).bfloat16()
+        self.query_lens, self.kv_lens, self.heads = query_lens, kv_lens, heads
+        self.kwargs: dict[str, Any] = dict(
+            num_heads=heads,
+            num_key_value_heads=heads,
+            input_layout="TND",
+            atten_mask=emulator.compressed_causal_mask(),
+            sparse_mode=3,
+            scale=0.07,
+            block_table=None,
+            block_size=0,
+            actual_seq_lengths=torch.tensor(query_lens).cumsum(0).tolist(),
+            actual_seq_lengths_kv=torch.tensor(kv_lens).cumsum(0).tolist(),
+        )
+
+    def expected(self) -> torch.Tensor:
+        """Bottom-right causal attention per request, in float64 (attnhub.reference)."""
+        outs, qs, ks = [], 0, 0
+        for ql, kl in zip(self.query_lens, self.kv_lens, strict=True):
+            q, k = self.q[qs : qs + ql].double(), self.k[ks : ks + kl].double()
+            s_ = torch.einsum("qhd,khd->hqk", q, k) * 0.07
+            i, j = torch.arange(ql)[:, None], torch.arange(kl)[None, :]
+            s_ = s_.masked_fill(j > i + kl - ql, float("-inf"))
+            outs.append(torch.einsum("hqk,khd->qhd", s_.softmax(-1), self.v[ks : ks + kl].double()))
+            qs, ks = qs + ql, ks + kl
+        return torch.cat(outs)
+
+
+def test_fia_takes_keys_192_with_values_128_in_tnd_without_page_attention() -> None:
+    e = Expanded([3, 5], [7, 5])
+    out, _ = FIA(e.q, e.k, e.v, **e.kwargs)
+    assert tuple(out.shape) == (8, 4, 128)
+    assert testing.mismatch(out, e.expected(), TOL) is None
+
+
+def test_fias_rope_form_with_query_d_128_is_the_same_attention() -> None:
+    """query D 128 + query_rope 64 over keys 128 + key_rope 64, values 128: the split of the
+    same 192-wide dot product (vllm-ascend's MLA prefill without head padding)."""
+    e = Expanded([3, 5], [7, 5])
+    out, lse = FIA(
+        e.q[..., :128].contiguous(),
+        e.k[..., :128].contiguous(),
+        e.v,
+        query_rope=e.q[..., 128:].contiguous(),
+        key_rope=e.k[..., 128:].contiguous(),
+        softmax_lse_flag=True,
+        **e.kwargs,
+    )
+    assert testing.mismatch(out, e.expected(), TOL) is None
+    assert lse.dtype == torch.float32 and tuple(lse.shape) == (8, 4, 1)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ("float16", "bfloat16"),
+        ("gqa", "K/V heads"),
+        ("paged", "without page attention"),
+        ("value_96", "value D 128 or 192"),
+        ("window", "sparse_mode 0 without a mask or 3"),
+    ],
+)
+def test_fias_differing_head_sizes_outside_the_documented_form_are_refused(
+    change: str, match: str
+) -> None:
+    e = Expanded([3, 5], [7, 5])
+    q, k, v, kw = e.q, e.k, e.v, dict(e.kwargs)
+    if change == "float16":
+        q, k, v = q.half(), k.half(), v.half()
+    elif change == "gqa":
+        k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+        kw["num_key_value_heads"] = 2
+    elif change == "paged":
+        kw.update(block_table=torch.zeros(2, 1, dtype=torch.int32), block_size=128)
+        kw["actual_seq_lengths_kv"] = e.kv_lens
+    elif change == "value_96":
+        v = v[..., :96].contiguous()
+    else:
+        kw.update(sparse_mode=4, pre_tokens=2, next_tokens=0)
+    with pytest.raises(NpuOpError, match=match):
+        FIA(q, k, v, **kw)
+
+
+def test_the_rope_form_with_query_d_128_refuses_page_attention_and_float16() -> None:
     call = Call([1], [9])
-    with pytest.raises(NotEmulatedError, match="D=128"):
+    with pytest.raises(NpuOpError, match="page attention"):
         call.run(
             query=torch.zeros(1, N, 128, dtype=torch.bfloat16),
             query_rope=torch.zeros(1, N, 64, dtype=torch.bfloat16),
+        )
+    e = Expanded([2], [2])
+    with pytest.raises(NpuOpError, match="bfloat16"):
+        FIA(
+            e.q[..., :128].half().contiguous(),
+            e.k[..., :128].half().contiguous(),
+            e.v.half(),
+            query_rope=e.q[..., 128:].half().contiguous(),
+            key_rope=e.k[..., 128:].half().contiguous(),
+            **e.kwargs,
         )
 
 
