@@ -105,6 +105,14 @@ def compressed_causal_mask(
     return mask
 
 
+#: Why a value head size other than the key's is served only where it is.
+HEAD_SIZE_V_REASON = (
+    "FIA takes values narrower than keys only in TND without page attention: query and key D "
+    "192 with value D 128 (or 128 + a 64-wide rope part with values 128), bfloat16 only, "
+    "sparse_mode 0 or 3 (no window)"
+)
+
+
 @dataclass(frozen=True)
 class SparseArgs:
     """The spec's mask pattern in the kernels' terms (the same for every step and layer)."""
@@ -147,6 +155,10 @@ class AscendAttentionMetadata(AttentionMetadata):
     #: Packed path: every key is one of this step's new ones (no context, not cross-attention),
     #: so a forward given key/value attends over them directly, without the gather.
     keys_in_step: bool = False
+    #: With ``packed``: a causal step of a spec whose values are narrower than its keys, FIA in
+    #: TND without page attention over the packed keys (``fia_kwargs``), not
+    #: npu_fusion_attention.
+    packed_fia: bool = False
     sparse: SparseArgs = field(default_factory=lambda: SparseArgs(3, INT_MAX, INT_MAX, True))
     #: TND ``actual_seq_lengths`` / ``actual_seq_qlen``: cumulative query ends, one per request
     #: (including the window padding rows of decode requests, see ``query_rows``).
@@ -215,13 +227,14 @@ class AscendBackend(AttentionBackend):
         # through this TND call on hardware (see HEAD_SIZE_SOURCES). D = 512 in TND needs
         # query_rope / key_rope (MLA) [doc]; vllm-ascend routes D = 512 elsewhere.
         head_sizes=frozenset({64, 128, 192, 256}),
-        # FIA's key and value must have one shape [doc]; MLA's expanded prefill passes keys of
-        # the value's size with the rest as key_rope / query_rope [callers: cann-recipes'
-        # DeepSeek-R1 prefill, as quoted publicly; not in shared/callers], a split this backend
-        # does not make yet.
+        # FIA's key and value must have one shape, but in TND without page attention and
+        # without rope it takes Q_D = K_D = 192 with V_D 128 [doc] (MLA's expanded prefill, as
+        # vllm-ascend calls it [callers]): causal steps go there over keys gathered from the
+        # cache (see _packed_fia; more limits in unsupported_reasons).
         head_size_v=HeadSizeVSupport(
-            reason="not wired yet (FIA takes keys as wide as the values plus a separate "
-            "query_rope / key_rope part, e.g. 128 + 64 keys with 128 values)"
+            pairs=((192, 128),),
+            dtypes=frozenset({torch.bfloat16}),
+            reason=HEAD_SIZE_V_REASON,
         ),
         # FIA page attention with query lengths > 1 needs block_size a multiple of 128 in
         # 128..512; one fused call serves prefills too, so decode-only sizes (16-aligned) are
@@ -279,9 +292,12 @@ class AscendBackend(AttentionBackend):
             num_heads=frozenset({32, 64, 128}),
             layouts=("split",),  # nope and rope planes apart, as vllm-ascend keeps them
             max_query_len=16,
+            # FIA's MLA form has no softmax_lse_flag [doc]: return_lse goes to ATB's MLA op
+            # (npu_multi_head_latent_attention, calc_type_ring), whose lse is in the model
+            # dtype and converted to float32 (attnhub_ascend.mla; docs/backends/ascend.md)
             lse=LseSupport(
-                reason="FIA's MLA form (query D 512 with query_rope/key_rope) does not support "
-                "softmax_lse_flag"
+                dtypes=frozenset({torch.float16, torch.bfloat16}),
+                reason="ATB's MLA op takes float16 and bfloat16",
             ),
             because={
                 "mla.dtype": "FIA's MLA form takes float16 and bfloat16",
@@ -344,6 +360,8 @@ class AscendBackend(AttentionBackend):
                     value=spec.head_size,
                 )
             )
+        if spec.head_size_v != spec.head_size:
+            reasons += _head_size_v_refusals(spec)
         # Sinks of a non-causal attention type go to npu_fusion_attention's float32 `sink`
         # alone (CANN >= 8.5) [doc]: no limit of FIA v2's learnable_sink applies to them.
         if spec.use_sinks and spec.causal:
@@ -443,6 +461,8 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         spec = self.spec
         if not spec.causal or (self.pad_window_decodes and spec.window[0] >= 0):
             return GraphSupport.NEVER
+        if spec.head_size_v != spec.head_size:  # keys gathered by host-planned slots
+            return GraphSupport.NEVER
         return super().graph_support
 
     def build_for_graph_capture(self, batch: BatchMetadata) -> AscendAttentionMetadata:
@@ -455,8 +475,8 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
                 self.backend.name,
                 [
                     "graph capture of this spec: a sliding window pads decode rows per step, "
-                    "non-causal attention gathers host-planned key slots (data-dependent "
-                    "shapes); graph_support is NEVER for it"
+                    "non-causal attention and values narrower than keys gather host-planned "
+                    "key slots (data-dependent shapes); graph_support is NEVER for it"
                 ],
             )
         if not batch.causal:
@@ -519,6 +539,8 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
             query_ends = tuple(batch.query_start_loc_cpu.numpy()[1:].tolist())  # host data
         if not causal:  # npu_fusion_attention over packed K/V
             return self._packed(batch, facts, common, query_ends)
+        if self.spec.head_size_v != self.spec.head_size:  # FIA over packed K/V
+            return self._packed_fia(batch, facts, common, query_ends)
         fields = self._paged(batch, facts, common, query_ends)
         fields["fia_kwargs"] = self._fia_kwargs(fields)
         return fields
@@ -531,15 +553,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         query_ends: tuple[int, ...],
     ) -> dict[str, Any]:
         """A non-causal step: npu_fusion_attention over packed K/V."""
-        B = batch.num_reqs
-        if B > MAX_ENCODER_BATCH:
-            raise UnsupportedConfigurationError(
-                self.backend.name,
-                [
-                    f"{B} sequences in one step: npu_fusion_attention's varlen mode takes "
-                    f"at most {MAX_ENCODER_BATCH}"
-                ],
-            )
+        self._check_batch_size(batch, MAX_ENCODER_BATCH, "sequences", ENCODER_BATCH_LIMIT)
         seq_lens, context_lens = facts.seq_lens, facts.context_lens
         assert seq_lens is not None and context_lens is not None  # _facts
         cross = self.spec.attn_type is AttentionType.ENCODER_DECODER
@@ -563,15 +577,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
         query_ends: tuple[int, ...],
     ) -> dict[str, Any]:
         """A causal step: FIA over the paged cache in TND."""
-        B = batch.num_reqs
-        if B > MAX_FIA_BATCH:
-            raise UnsupportedConfigurationError(
-                self.backend.name,
-                [
-                    f"{B} requests in one step: FIA's TND layout takes at most "
-                    f"{MAX_FIA_BATCH} (len(actual_seq_lengths))"
-                ],
-            )
+        self._check_batch_size(batch, MAX_FIA_BATCH, "requests", FIA_BATCH_LIMIT)
         assert facts.seq_lens is not None and facts.context_lens is not None  # _facts
         table = batch.block_table
         if table.dtype is not torch.int32 or not table.is_contiguous():
@@ -593,6 +599,54 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
             block_table=table,
             query_ends=query_ends,
             kv_lengths=kv_lengths,
+        )
+
+    def _check_batch_size(self, batch: BatchMetadata, limit: int, what: str, op: str) -> None:
+        """A step of more than ``limit`` requests is refused, naming the count (the engine
+        splits it)."""
+        check_batch_size(self.backend, batch.num_reqs, limit, what, op)
+
+    def _packed_fia(
+        self,
+        batch: BatchMetadata,
+        facts: StepFacts,
+        common: dict[str, Any],
+        query_ends: tuple[int, ...],
+    ) -> dict[str, Any]:
+        """A causal step of a spec whose values are narrower than its keys: FIA in TND without
+        page attention (its only form with K_D != V_D [doc]) over every request's keys,
+        gathered from the cache after the write (or the step's own where no request has
+        context), cumulative KV ends, sparse_mode 3 with the compressed mask, as many K/V
+        heads as query heads; vllm-ascend's MLA prefill call (``block_table=None``,
+        ``block_size=0``) [callers]."""
+        self._check_batch_size(batch, MAX_FIA_BATCH, "requests", FIA_BATCH_LIMIT)
+        seq_lens, context_lens = facts.seq_lens, facts.context_lens
+        assert seq_lens is not None and context_lens is not None  # _facts
+        kv_ends = tuple(np.cumsum(seq_lens).tolist())
+        spec = self.spec
+        fia_kwargs: dict[str, Any] = dict(
+            atten_mask=common["atten_mask"],
+            block_table=None,
+            block_size=0,
+            num_heads=spec.num_heads,
+            num_key_value_heads=spec.num_heads,
+            input_layout="TND",
+            sparse_mode=3,
+            scale=spec.scale,
+            actual_seq_lengths=query_ends,  # cumulative ends, both [doc: TND]
+            actual_seq_lengths_kv=kv_ends,
+            workspace=None,
+        )
+        return dict(
+            common,
+            packed=True,
+            packed_fia=True,
+            kernel_tokens=batch.num_actual_tokens,
+            query_ends=query_ends,
+            kv_lengths=kv_ends,
+            kv_slots=self._kv_slots(batch, seq_lens),
+            keys_in_step=not bool(_OR(context_lens)),
+            fia_kwargs=fia_kwargs,
         )
 
     def _fia_kwargs(self, fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -836,7 +890,8 @@ class AscendAttentionImpl(AttentionImpl):
                 assert meta.kv_slots is not None
                 k = _flat(cache.key).index_select(0, meta.kv_slots)
                 v = _flat(cache.value).index_select(0, meta.kv_slots)
-            self._attend_packed(query[:n], k, v, meta, out[:n], None if lse is None else lse[:n])
+            attend = self._attend_packed_fia if meta.packed_fia else self._attend_packed
+            attend(query[:n], k, v, meta, out[:n], None if lse is None else lse[:n])
             return
         if meta.query_rows is None:
             if query.shape[0] != n:
@@ -982,6 +1037,43 @@ class AscendAttentionImpl(AttentionImpl):
         handle = npu.graph_task_group_end(stream)
         meta.graph.tasks.append(GraphTask(handle, event, op, args, shared, lists))
 
+    def _attend_packed_fia(
+        self,
+        query: torch.Tensor,  # [n, num_heads, head_size]
+        key: torch.Tensor,  # [sum(seq_lens), num_kv_heads, head_size], request after request
+        value: torch.Tensor,  # [sum(seq_lens), num_kv_heads, head_size_v]
+        meta: AscendAttentionMetadata,
+        out: torch.Tensor,  # [n, num_heads, head_size_v]
+        lse: torch.Tensor | None = None,  # [n, num_heads] float32: return_lse=True
+    ) -> None:
+        """FIA in TND without page attention, keys and values at their own widths [doc]; its
+        LSE flag where asked (float32 (T, N, 1), as on the paged path). That form takes as many
+        K/V heads as query heads ("Q_N、K_N、V_N相等" [doc]): with GQA each K/V head is repeated
+        for its query heads (head h reads K/V head h // group), one copy per layer."""
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        if group > 1:
+            key = key.repeat_interleave(group, dim=1)
+            value = value.repeat_interleave(group, dim=1)
+        direct = out.is_contiguous()
+        target = out if direct else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        if lse is None:
+            softmax_lse, flag = self._lse, _NO_FLAG
+        else:
+            softmax_lse = torch.empty(*out.shape[:2], 1, dtype=torch.float32, device=out.device)
+            flag = {"softmax_lse_flag": True}
+        self.backend.ops.npu_fused_infer_attention_score.out(
+            query.contiguous(),
+            key.contiguous(),
+            value.contiguous(),
+            **meta.fia_kwargs,
+            **flag,
+            out=[target, softmax_lse],
+        )
+        if not direct:
+            out.copy_(target)
+        if lse is not None:
+            lse.copy_(softmax_lse[:, :, 0])
+
     def _attend_packed(
         self,
         query: torch.Tensor,  # [n, num_heads, head_size]
@@ -1021,6 +1113,46 @@ class AscendAttentionImpl(AttentionImpl):
             # max + log(sum), natural log; the 8 copies of a row are equal: take the first
             # [doc: the statistics ring attention merges, MindSpore's ring_attention_update]
             lse.copy_(result[1][:, :, 0] + torch.log(result[2][:, :, 0]))
+
+
+#: The ops whose batch limits ``check_batch_size`` names.
+FIA_BATCH_LIMIT = "FIA's TND layout (len(actual_seq_lengths))"
+ENCODER_BATCH_LIMIT = "npu_fusion_attention's varlen mode"
+
+
+def check_batch_size(backend: AscendBackend, count: int, limit: int, what: str, op: str) -> None:
+    """Refuse a step of more than ``limit`` ``what`` (requests, sequences) for ``op``, naming
+    the count: one sentence for every path (standard, non-causal, MLA)."""
+    if count > limit:
+        raise UnsupportedConfigurationError(
+            backend.name, [f"{count} {what} in one step: {op} takes at most {limit}"]
+        )
+
+
+def _head_size_v_refusals(spec: AttentionSpec) -> list[Refusal]:
+    """What FIA's TND form with differing K/V head sizes does not take beyond the declared
+    pair and dtype: a window (sparse_mode 0 or 3 only) [doc]; sinks (FIA v2 is not wired for
+    it). GQA is served: the gathered K/V heads are repeated to the query's ("Q_N、K_N、V_N相等")."""
+    out = []
+    if spec.window != (-1, -1) and spec.causal:
+        out.append(
+            Refusal(
+                f"head_size_v {spec.head_size_v} != head_size {spec.head_size} with a sliding "
+                "window: FIA's TND form for it takes sparse_mode 0 or 3 only",
+                field="sliding_window",
+                value=spec.window,
+            )
+        )
+    if spec.use_sinks and spec.causal:
+        out.append(
+            Refusal(
+                f"head_size_v {spec.head_size_v} != head_size {spec.head_size} with sinks: "
+                "not wired (FIA v2's learnable_sink on the TND form without page attention)",
+                field="sinks",
+                value=True,
+            )
+        )
+    return out
 
 
 def kv_write_rows(

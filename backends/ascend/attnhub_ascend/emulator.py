@@ -19,11 +19,15 @@ the docs and never calls ``attnhub.reference`` (the conformance suite compares t
 Emulated ops (the names ``torch_npu`` exposes):
   npu_fused_infer_attention_score     (+ ``.out``)  "FIA": TND layout, paged or packed K/V;
                                                     its MLA form (query_rope / key_rope, D 512,
-                                                    paged), see ``_fia_mla``
+                                                    paged), see ``_fia_mla``; in TND without page
+                                                    attention keys 192 with values 128/192
+                                                    (``_check_value_head_size``) and the D 128
+                                                    rope form (``_fia_rope128``)
   npu_fused_infer_attention_score_v2  (+ ``.out``)  FIA v2: the same plus ``learnable_sink``
   npu_fusion_attention                              training FA: TND (packed K/V) or BSND
   npu_scatter_pa_kv_cache                           A2/A3 KV-cache write, cache_mode "Norm"
   _npu_reshape_and_cache                            ATB KV-cache write, int32 slots (310P)
+  atb.npu_multi_head_latent_attention               ATB's MLA op with an lse (emulator_atb.py)
   _npu_fused_infer_attention_score(_v2)_get_max_workspace   a FIA workspace for the largest
                                                     lengths (graph capture; sizes: a model)
 
@@ -137,6 +141,11 @@ record_calls = _log.record
 
 def _counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return _log.op(name, fn, binding=f"torch_npu.{name}", route=_route)
+
+
+def _counted_as(name: str, fn: Callable[..., Any], binding: str) -> Callable[..., Any]:
+    """``fn`` counted as ``name``, its binding errors naming ``torch_npu.{binding}``."""
+    return _log.op(name, fn, binding=f"torch_npu.{binding}", route=_route)
 
 
 def _route(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -527,9 +536,68 @@ def _check_fia_tensors(c: _FiaCall) -> int:
         if t.dtype != q.dtype:
             raise _fail(op, f"{name} dtype {t.dtype} differs from query dtype {q.dtype}")
         if t.shape != c.key.shape:
-            raise _fail(op, f"key and value shapes differ: {list(c.key.shape)} vs {list(t.shape)}")
+            _check_value_head_size(c, kv_heads)
         _check_tensor(op, name, t, t.dim(), dev)
     return kv_heads
+
+
+#: FIA in TND with query D != 512 and no rope: Q_D = K_D = 192 with V_D 128 or 192 [doc].
+TND_QK_DIM = 192
+TND_V_DIMS = (128, 192)
+
+
+def _check_value_head_size(c: _FiaCall, kv_heads: int) -> None:
+    """Key and value of different shapes: only the TND form the doc names for query D != 512
+    without rope ("要求Q_D、K_D等于192；TND场景，V_D等于128/192"), which holds "Q_N、K_N、V_N相等",
+    "数据类型仅支持BFLOAT16", "sparse=0且不传mask，或sparse=3且传入mask" and no page attention;
+    every other pair is refused as the general rule says ("key、value中对应tensor的shape需要完全
+    一致"). vllm-ascend's MLA prefill makes this call (``query = cat(q_nope, q_pe)``,
+    ``block_table=None``, ``num_key_value_heads=num_heads``, bfloat16) [callers: vllm-ascend
+    0.23.0 attention/mla_v1.py]."""
+    op, q, k, v = c.op, c.query, c.key, c.value
+    form = (
+        f"keys {list(k.shape)} and values {list(v.shape)} differ: FIA takes different K/V "
+        f"shapes only in TND without page attention, query and key D {TND_QK_DIM}, value D "
+        f"{' or '.join(map(str, TND_V_DIMS))}, bfloat16, as many K/V heads as query heads"
+    )
+    if (
+        c.block_table is not None
+        or k.dim() != 3
+        or v.dim() != 3
+        or k.shape[:2] != v.shape[:2]
+        or q.shape[2] != TND_QK_DIM
+        or k.shape[2] != TND_QK_DIM
+        or v.shape[2] not in TND_V_DIMS
+    ):
+        raise _fail(op, form)
+    if q.dtype != torch.bfloat16:
+        raise _fail(op, f"{form}; got {q.dtype}")
+    if kv_heads != q.shape[1] or k.shape[1] != q.shape[1]:
+        raise _fail(op, f"{form}; got {q.shape[1]} query heads, {k.shape[1]} K/V heads")
+    _check_tnd_sparse(c)
+
+
+def _check_tnd_sparse(c: _FiaCall) -> None:
+    """TND with query D != 512 without page attention: "sparse模式仅支持sparse=0且不传mask，或
+    sparse=3且传入mask" [doc]."""
+    if c.sparse_mode == 0 and c.atten_mask is None:
+        return
+    if c.sparse_mode == 3 and c.atten_mask is not None:
+        return
+    raise _fail(
+        c.op,
+        f"sparse_mode={c.sparse_mode}"
+        + (" with a mask" if c.atten_mask is not None else " without a mask")
+        + ": this TND form takes sparse_mode 0 without a mask or 3 with the compressed mask",
+    )
+
+
+def _value_dim(c: _FiaCall) -> int:
+    """attention_out's D: the value's ("该入参的D维度与value的D保持一致") [doc]; with a paged
+    cache of (nb, bs, KV_N*D) the query's."""
+    if c.block_table is None and isinstance(c.value, torch.Tensor) and c.value.dim() == 3:
+        return int(c.value.shape[2])
+    return int(c.query.shape[2])
 
 
 def _fia_lengths(c: _FiaCall) -> tuple[list[int], list[int]]:
@@ -638,7 +706,7 @@ def _fia_null(
     q = c.query
     lse_shape = (q.shape[0], q.shape[1], 1)
     return (
-        emulation.preallocated(q.shape, q.dtype, q.device),
+        emulation.preallocated((*q.shape[:2], _value_dim(c)), q.dtype, q.device),
         emulation.preallocated(lse_shape, torch.float32, q.device),
     )
 
@@ -653,7 +721,7 @@ def _fia_math(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, D] (query dtype), lse [T, N, 1] float32
     """FIA's math, every argument checked by ``_fia``."""
     q = c.query
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:2], _value_dim(c)))
     lse = torch.empty(q.shape[0], q.shape[1], 1, dtype=torch.float32, device=q.device)
     start = 0
     for b in range(len(q_lens)):  # the emulator loops; the backend never does
@@ -817,11 +885,8 @@ def _fia_mla(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:
     if q.dtype not in MODEL_DTYPES:
         raise _fail(op, f"query dtype {q.dtype}: the MLA form takes float16, bfloat16")
     T, num_heads, head_dim = q.shape
-    if head_dim == 128:
-        raise NotEmulatedError(
-            f"{op}: query D=128 with query_rope/key_rope (TND without page attention, the "
-            "expanded prefill) is valid but not emulated"
-        )
+    if head_dim == ROPE_FORM_DIM:
+        return _fia_rope128(c)
     if head_dim != MLA_NOPE_DIM:
         raise _fail(op, f"with query_rope/key_rope the query D must be 512 or 128, got {head_dim}")
     if num_heads != c.num_heads:
@@ -854,6 +919,94 @@ def _fia_mla(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:
     _check_mla_sparse(c, longest)
     table = _check_table_reads(c, kv_list, k_nope.shape[0])
     return _fia_mla_math(c, q_lens, kv_list, table, k_nope, k_rope)
+
+
+#: FIA's rope form with query D 128: "inputLayout：TND、NTD_TND", query_rope / key_rope D 64 with
+#: the other dims the query's / key's, Q_D = K_D = V_D = 128, Q_N = K_N = V_N, bfloat16, no page
+#: attention, sparse 0 without a mask or 3 with it, <= 4096 requests [doc]; vllm-ascend's MLA
+#: prefill (q_nope / k_nope 128 wide, q_pe / k_pe as the rope parts) [callers].
+ROPE_FORM_DIM = 128
+
+
+def _fia_rope128(c: _FiaCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """FIA's rope form with query D 128 (MLA's expanded prefill): every argument checked, then
+    ``softmax(scale * (q k^T + q_rope k_rope^T) [causal]) v`` per request over packed K/V."""
+    op, q = c.op, c.query
+    dev = q.device
+    T, N, D = q.shape
+    if q.dtype != torch.bfloat16:
+        raise _fail(op, f"query D 128 with query_rope/key_rope takes bfloat16, got {q.dtype}")
+    if c.block_table is not None:
+        raise _fail(op, "query D 128 with query_rope/key_rope does not take page attention")
+    if c.num_heads != N:
+        raise _fail(op, f"num_heads={c.num_heads} but the TND query has {N} heads")
+    kv_heads = c.num_key_value_heads or N
+    tensors = {"key": c.key, "value": c.value, "query_rope": c.query_rope}
+    tensors["key_rope"] = c.key_rope
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
+        _check_tensor(op, name, t, 3, dev)
+        if t.dtype != q.dtype:
+            raise _fail(op, f"{name} dtype {t.dtype} differs from query dtype {q.dtype}")
+    k, v, qr, kr = c.key, c.value, c.query_rope, c.key_rope
+    assert qr is not None and kr is not None
+    if kv_heads != N or tuple(k.shape[1:]) != (N, D) or v.shape != k.shape:
+        raise _fail(
+            op,
+            f"query D 128 with rope: key and value must be [T_kv, {N}, 128] (Q_N = K_N = V_N, "
+            f"Q_D = K_D = V_D = 128), got {list(k.shape)} / {list(v.shape)}",
+        )
+    if tuple(qr.shape) != (T, N, MLA_ROPE_DIM) or tuple(kr.shape) != (*k.shape[:2], MLA_ROPE_DIM):
+        raise _fail(
+            op,
+            f"query_rope / key_rope must be the query's / key's dims with D 64, got "
+            f"{list(qr.shape)} / {list(kr.shape)}",
+        )
+    _check_tnd_sparse(c)
+    if c.sparse_mode == 3:
+        _check_compressed_mask(op, c.atten_mask, 3, dev)
+    q_lens, kv_list = _fia_lengths(c)
+    kv_lens = _cumulative(op, "actual_seq_lengths_kv", kv_list, k.shape[0])
+    if c.sparse_mode == 3:
+        for b, (ql, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
+            # "当sparse=3时，要求每个batch单独的actualSeqLengths<actualSeqLengthsKv", read as <=:
+            # vllm-ascend's prefill passes equal lists [callers]
+            if ql > kl:
+                raise _fail(op, f"request {b}: sparse_mode=3 needs query length {ql} <= {kl}")
+    return _fia_rope128_math(c, q_lens, kv_lens)
+
+
+def _fia_rope128_null(
+    c: _FiaCall, q_lens: list[int], kv_lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q = c.query
+    return (
+        emulation.preallocated(q.shape, q.dtype, q.device),
+        emulation.preallocated((q.shape[0], q.shape[1], 1), torch.float32, q.device),
+    )
+
+
+@emulation.kernel(null=_fia_rope128_null)
+def _fia_rope128_math(
+    c: _FiaCall, q_lens: list[int], kv_lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, N, 128] (query dtype), lse [T, N, 1] float32
+    q = torch.cat([c.query, c.query_rope], dim=-1)  # type: ignore[list-item]
+    k = torch.cat([c.key, c.key_rope], dim=-1)  # type: ignore[list-item]
+    out = torch.empty_like(c.query)
+    lse = torch.empty(q.shape[0], q.shape[1], 1, dtype=torch.float32, device=q.device)
+    qs = ks = 0
+    for ql, kl in zip(q_lens, kv_lens, strict=True):  # the emulator loops
+        if ql:
+            visible = None if c.sparse_mode == 0 else _visible(ql, kl, 3, INT_MAX, INT_MAX)
+            o, l_ = _attend(q[qs : qs + ql], k[ks : ks + kl], c.value[ks : ks + kl], c.scale,
+                            visible, None, c.sparse_mode == 3 and ql > kl)  # fmt: skip
+            out[qs : qs + ql] = o.to(out.dtype)
+            lse[qs : qs + ql, :, 0] = l_
+        qs, ks = qs + ql, ks + kl
+    out[qs:] = math.nan
+    lse[qs:] = math.nan
+    return out, lse
 
 
 def _mla_caches(c: _FiaCall, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -994,8 +1147,8 @@ def _write_out(
     ):
         raise _fail(
             op,
-            f"attention_out must be a {result.dtype} tensor of the query's shape "
-            f"{list(result.shape)}",
+            f"attention_out must be a {result.dtype} tensor of the query's shape with the "
+            f"value's D, {list(result.shape)}",
         )
     if not attention_out.is_contiguous():
         raise _fail(op, "attention_out must be contiguous")
@@ -1923,3 +2076,13 @@ OPS: dict[str, OpPacket] = {
         _npu_fused_infer_attention_score_v2_get_max_workspace,
     )
 }
+
+
+def __getattr__(name: str) -> Any:
+    """``atb``: the emulated ``torch_npu.atb`` namespace (``emulator_atb``), loaded on first use
+    (it imports this module's helpers)."""
+    if name == "atb":
+        import importlib
+
+        return importlib.import_module(f"{__package__}.emulator_atb").namespace
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

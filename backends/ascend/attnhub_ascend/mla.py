@@ -21,6 +21,17 @@ for the scatter op); per layer the impl makes one write and one FIA call for the
 FIA's MLA form takes query N 32/64/128, 1-16 query tokens per request, blocks of 16 or 128 and
 returns no LSE [doc]: ``Capabilities.mla`` declares exactly that.
 
+The LSE (``forward(..., return_lse=True)``) comes from ATB's MLA op instead, the one
+vllm-ascend's MLA DCP decode calls [callers]:
+``torch_npu.atb.npu_multi_head_latent_attention(q_nope, q_pe, ctkv, k_rope, block_tables,
+context_lens, H, scale, 1, return_lse=True, calc_type="calc_type_ring", output=, lse=)``, the
+planes viewed ``[num_blocks, block_size, 1, D]``. It takes one query token per batch entry
+(no ``qseqlen``), so every query token is its own entry: its context length is its causal
+extent (``seq_len - query_len + i + 1``, host ints) and its block-table row its request's (the
+table's rows repeated per token on the device, once per step, only where a request has
+several tokens). Its lse is ``[T, H, 1]`` in the model dtype [doc, callers], converted to
+attnhub's float32 ``[T, H]``: it carries the model dtype's precision (docs/backends/ascend.md).
+
 Graph capture (uniform batches): the FIA call is recorded in a task group, in one workspace per
 captured graph sized by the max-workspace query, and every step's ``update_graph_params``
 re-issues it with the step's two length lists, then records the task's event, as vllm-ascend's
@@ -36,6 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from attnhub import (
@@ -47,10 +59,11 @@ from attnhub import (
     Step,
 )
 from attnhub.backend import scratch_field
-from attnhub.capabilities import GraphSupport
+from attnhub.capabilities import GraphSupport, Refusal
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kit import FixedShapeWrite, flat_slots, read_slots
 from attnhub_ascend.backend import (
+    FIA_BATCH_LIMIT,
     INT_MAX,
     MAX_FIA_BATCH,
     RESHAPE_AND_CACHE,
@@ -59,10 +72,14 @@ from attnhub_ascend.backend import (
     AscendGraph,
     AscendMetadataBuilder,
     GraphTask,
+    check_batch_size,
     compressed_causal_mask,
     kv_write_rows,
     write_kv_planes,
 )
+
+#: ATB's MLA op: "batch <= 8192" [doc]; the LSE route passes one entry per query token.
+ATB_MLA_MAX_BATCH = 8192
 
 #: FIA's two length lists, which a captured task is re-issued with every step.
 _LISTS = ("actual_seq_lengths", "actual_seq_lengths_kv")
@@ -82,6 +99,9 @@ class AscendMLAMetadata(AttentionMetadata):
     #: Set by build_for_graph_capture: the FIA task groups forward records while captured (one
     #: per layer) and the graph's workspace: scratch layers write into.
     graph: AscendGraph | None = scratch_field()
+    #: ATB's MLA call (the LSE route): its block table and host context lengths, one entry per
+    #: query token, made by the first layer that asks for the LSE in this step
+    atb: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 class AscendMLAMetadataBuilder(MLAMetadataBuilder):
@@ -128,12 +148,7 @@ class AscendMLAMetadataBuilder(MLAMetadataBuilder):
     def plan(self, step: Step) -> Mapping[str, Any]:
         batch = step.batch
         facts = AscendMetadataBuilder._facts(step)
-        B = batch.num_reqs
-        if B > MAX_FIA_BATCH:
-            raise UnsupportedConfigurationError(
-                self.backend.name,
-                [f"{B} requests in one step: FIA's TND layout takes at most {MAX_FIA_BATCH}"],
-            )
+        check_batch_size(self.backend, batch.num_reqs, MAX_FIA_BATCH, "requests", FIA_BATCH_LIMIT)
         assert facts.seq_lens is not None
         table = batch.block_table
         if table.dtype is not torch.int32 or not table.is_contiguous():
@@ -175,6 +190,44 @@ class AscendMLAImpl(MLAImpl):
         # softmax_lse of .out is a reserved output without the LSE flag (as the standard path)
         self._lse = torch.empty(1, dtype=torch.float32, device=backend.device)
         self._checked: tuple[torch.Tensor, torch.Tensor] | None = None
+        scale = self.spec.scale
+        if self._lse_refusal is None and not 0 < scale <= 1:
+            self._lse_refusal = Refusal(
+                f"return_lse: the LSE is not returned for scale {scale} (ATB's MLA op, which "
+                "gives it, takes qk_scale in (0, 1])",
+                field="lse",
+                value=scale,
+            )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_c: torch.Tensor | None,
+        k_pe: torch.Tensor | None,
+        cache: LatentKVCache,
+        meta: AttentionMetadata,
+        *,
+        output: torch.Tensor | None = None,
+        return_lse: bool = False,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The protocol's forward; a step the LSE route cannot take is refused before anything
+        is written: a captured one (ATB's op is not captured here), or one of more tokens than
+        ATB's batch limit (one entry per query token)."""
+        if (return_lse or lse is not None) and isinstance(meta, AscendMLAMetadata):
+            why = None
+            if meta.graph is not None:
+                why = "return_lse on a captured MLA step: ATB's MLA op is not captured here"
+            elif meta.num_actual_tokens > ATB_MLA_MAX_BATCH:
+                why = (
+                    f"return_lse with {meta.num_actual_tokens} query tokens: ATB's MLA op takes "
+                    f"one batch entry per token, at most {ATB_MLA_MAX_BATCH}"
+                )
+            if why is not None:
+                raise UnsupportedConfigurationError(self.backend.name, [why])
+        return super().forward(
+            query, kv_c, k_pe, cache, meta, output=output, return_lse=return_lse, lse=lse
+        )
 
     def check_call(self, cache: LatentKVCache, meta: AttentionMetadata) -> None:
         if not isinstance(meta, AscendMLAMetadata) or (
@@ -272,7 +325,7 @@ class AscendMLAImpl(MLAImpl):
         cache: LatentKVCache,
         meta: AttentionMetadata,
         out: torch.Tensor,  # [T, H, 512]
-        lse: torch.Tensor | None = None,  # never given: capabilities.mla.lse declares none
+        lse: torch.Tensor | None = None,  # [T, H] float32: return_lse=True (ATB's MLA op)
     ) -> None:
         assert isinstance(meta, AscendMLAMetadata)  # check_call
         n = meta.num_actual_tokens
@@ -289,7 +342,9 @@ class AscendMLAImpl(MLAImpl):
         k_nope = cache.kv_c.view(nb, 1, bs, R)
         k_rope = cache.k_pe.view(nb, 1, bs, cache.qk_rope_head_dim)
         args = (q_nope, k_nope, k_nope)  # the values are the nope part [callers]
-        if meta.graph is not None:
+        if lse is not None:
+            self._attend_lse(q_nope, q_pe, cache, meta, target, lse[:n])
+        elif meta.graph is not None:
             self._attend_graph(args, q_pe, k_rope, meta, target)
         else:
             self.backend.ops.npu_fused_infer_attention_score.out(
@@ -297,6 +352,57 @@ class AscendMLAImpl(MLAImpl):
             )
         if target is not dst:
             dst.copy_(target)
+
+    def _attend_lse(
+        self,
+        q_nope: torch.Tensor,  # [n, H, 512]
+        q_pe: torch.Tensor,  # [n, H, 64]
+        cache: LatentKVCache,
+        meta: AscendMLAMetadata,
+        target: torch.Tensor,  # [n, H, 512], dense
+        lse: torch.Tensor,  # [n, H] float32
+    ) -> None:
+        """ATB's MLA op with its ring calc type: the output and each row's LSE, one batch entry
+        per query token (docstring above); the LSE comes in the model dtype and is converted."""
+        table, context_lens = self._atb_plan(meta)
+        nb, bs, R = cache.num_blocks, cache.block_size, self.spec.kv_lora_rank
+        spec = self.spec
+        model_lse = torch.empty(*q_nope.shape[:2], 1, dtype=spec.dtype, device=q_nope.device)
+        self.backend.ops.atb.npu_multi_head_latent_attention(
+            q_nope,
+            q_pe,
+            cache.kv_c.view(nb, bs, 1, R),
+            cache.k_pe.view(nb, bs, 1, cache.qk_rope_head_dim),
+            table,
+            context_lens,
+            spec.num_heads,
+            spec.scale,
+            1,
+            return_lse=True,
+            calc_type="calc_type_ring",
+            output=target,
+            lse=model_lse,
+        )
+        lse.copy_(model_lse[:, :, 0])
+
+    @staticmethod
+    def _atb_plan(meta: AscendMLAMetadata) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Per query token: its request's block-table row and its context length (host ints),
+        made once per step by the first layer that asks."""
+        plan = meta.atb
+        if not plan:
+            batch = meta.batch
+            table = meta.fia_kwargs["block_table"]
+            q = batch.query_lens_cpu.numpy().astype(np.int64)
+            seq = batch.seq_lens_cpu.numpy().astype(np.int64)
+            req = np.repeat(np.arange(q.shape[0]), q)  # each token's request
+            first = np.cumsum(q) - q  # each request's first token
+            # token i of request r sees its context and itself: seq - q + i + 1 keys
+            lens = seq[req] - q[req] + (np.arange(req.shape[0]) - first[req]) + 1
+            if req.shape[0] != table.shape[0] or bool((q != 1).any()):
+                table = table.index_select(0, torch.from_numpy(req).to(table.device))
+            plan.update(table=table, lens=tuple(lens.tolist()))
+        return plan["table"], plan["lens"]
 
     def _attend_graph(
         self,

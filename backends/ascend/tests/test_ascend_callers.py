@@ -16,9 +16,22 @@ The evidence (``shared/callers/``, each a vendor file flattened to one line):
   - ``infinicore-ascend-op-cache-attn-pr.txt`` (InfiniCore): ATB ``ReshapeAndCache`` takes int32
     slots ("ATB ReshapeAndCacheParam requires int32 slot_mapping"; its int64 path casts first).
 
+The wrapper's MLA-DCP update (``update_mla_attn_dcp_pcp_params``: ATB's
+``torch_npu.atb.npu_multi_head_latent_attention`` with ``return_lse=True``,
+``calc_type="calc_type_ring"``, a workspace, ``output=`` / ``lse=``, host context lengths padded
+with zeros by ``torch.cat``) is replayed, with its capture's workspace query.
+
+Beyond ``shared/callers``: vllm-ascend 0.23.0's MLA prefill (the released wheel,
+``vllm_ascend/attention/mla_v1.py`` ``_forward_prefill``): ``npu_fused_infer_attention_score``
+in TND without page attention (``block_table=None``, ``block_size=0``,
+``num_key_value_heads=num_heads``, ``sparse_mode=3`` with its mask, ``softmax_lse_flag=True``,
+both length lists the cumulative query ends), bfloat16, either with ``query_rope`` /
+``key_rope`` (q_nope / k_nope 128 wide) or, with head padding, the parts concatenated
+(keys 192) over values 128: both forms replayed.
+
 Not replayed, as attnhub emulates none of these ops: ``npu_incre_flash_attention`` (the
-backend's decode), ``_npu_paged_attention`` / ``_npu_paged_attention_get_workspace`` and
-``torch_npu.atb.npu_multi_head_latent_attention`` (the wrapper's PA and MLA-DCP updates). The
+backend's decode), ``_npu_paged_attention`` / ``_npu_paged_attention_get_workspace`` (the
+wrapper's PA update). The
 MLA FIA form (``query_rope`` / ``key_rope``) is emulated in TND (the wrapper's MTP form); its
 BNSD form is valid and refused as not emulated. Each replay is checked against
 ``attnhub.reference``.
@@ -35,7 +48,15 @@ import torch
 from attnhub_ascend import emulator, npu_graph
 from attnhub_ascend.emulator import NotEmulatedError, NpuOpError
 
-from attnhub import BatchMetadata, LatentKVCache, MLASpec, reference, testing
+from attnhub import (
+    AttentionSpec,
+    BatchMetadata,
+    LatentKVCache,
+    MLASpec,
+    PagedKVCache,
+    reference,
+    testing,
+)
 from attnhub.capabilities import Tolerance
 
 FIA_OUT = emulator.npu_fused_infer_attention_score.out
@@ -327,6 +348,123 @@ def test_the_wrappers_mla_update_in_bnsd_is_valid_but_not_emulated() -> None:
             seq_lens_list=[3, 4],
             actual_seq_lengths=None,
         )
+
+
+def test_the_wrappers_mla_dcp_update_atbs_mla_op_with_its_lse() -> None:
+    """update_mla_attn_dcp_pcp_params, in its exact form: the capture's workspace query
+    (``_npu_multi_head_latent_attention_get_workspace(..., return_lse=True,
+    calc_type="calc_type_ring")``), then per step ``npu_multi_head_latent_attention(q_nope, q_pe,
+    k_nope, k_pe, block_table, seq_len, num_heads, scale, num_kv_heads, return_lse=True,
+    calc_type="calc_type_ring", workspace=, output=, lse=)`` with ``seq_len`` the per-rank
+    context lengths padded with zeros to the capture size (``torch.cat`` on their host device),
+    ``output`` ``empty_like(q_nope)`` and ``lse`` ``[T, H, 1]`` in q_nope's dtype."""
+    g = testing.generator(12)
+    runtime_shape, real, heads, nb = 4, [130, 7], 32, 4
+    q_nope = torch.randn(runtime_shape, heads, 512, generator=g).bfloat16()
+    q_pe = torch.randn(runtime_shape, heads, 64, generator=g).bfloat16()
+    # the wrapper's views: k_nope.view(-1, block_size, num_kv_heads, kv_lora_rank)
+    k_nope = torch.randn(nb, BS, 1, 512, generator=g).bfloat16()
+    k_pe = torch.randn(nb, BS, 1, 64, generator=g).bfloat16()
+    block_table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)  # the real decodes' rows
+    seq_len = torch.tensor(real, dtype=torch.int32)
+    pad_length = runtime_shape - len(seq_len)
+    pad_tensor = torch.zeros(pad_length, dtype=seq_len.dtype, device=seq_len.device)
+    seq_len = torch.cat([seq_len, pad_tensor], dim=0)
+    atb = emulator.atb
+    workspace = atb._npu_multi_head_latent_attention_get_workspace(
+        q_nope, q_pe, k_nope, k_pe, block_table, seq_len, heads, SCALE, 1,
+        return_lse=True, calc_type="calc_type_ring",
+    )  # fmt: skip
+    attn_output = torch.empty_like(q_nope)
+    softmax_lse = torch.empty((runtime_shape, heads, 1), dtype=q_nope.dtype)
+    atb.npu_multi_head_latent_attention(
+        q_nope, q_pe, k_nope, k_pe, block_table, seq_len, heads, SCALE, 1,
+        return_lse=True, calc_type="calc_type_ring", workspace=workspace,
+        output=attn_output, lse=softmax_lse,
+    )  # fmt: skip
+    spec = MLASpec(
+        num_heads=heads,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        block_size=BS,
+        scale=SCALE,
+    )
+    cache = LatentKVCache(
+        kv_c=k_nope.view(-1, BS, 512), k_pe=k_pe.view(-1, BS, 64), block_size=BS, layout="split"
+    )
+    batch = BatchMetadata.from_lengths([1, 1], real, block_table, BS)
+    query = torch.cat([q_nope, q_pe], dim=-1)[:2]
+    want, want_lse = reference.paged_mla_absorbed(query, cache, batch, spec)
+    tol = Tolerance(atol=2e-2, rtol=2e-2)
+    assert testing.mismatch(attn_output[:2], want, tol) is None
+    assert testing.mismatch(softmax_lse[:2, :, 0], want_lse.t(), tol) is None
+    # the padded entries (context 0) the wrapper overwrites itself (batch_seq_mask): not defined
+    assert bool(softmax_lse[2:].isnan().all())
+
+
+@pytest.mark.parametrize("head_padding", [False, True], ids=["rope-form", "concatenated"])
+def test_vllm_ascends_mla_prefill_fia_in_tnd_without_page_attention(head_padding: bool) -> None:
+    """vllm-ascend 0.23.0's ``_forward_prefill``, in its exact keywords: ``common_kwargs`` with
+    ``actual_seq_lengths_kv = actual_seq_lengths_q.copy()``, then FIA with ``query_rope`` /
+    ``key_rope`` (``k_pe.contiguous()``), or, with head padding, ``cat((q_nope, q_pe))`` and
+    ``cat((k_nope, k_pe))`` as query and key; ``key.contiguous()``, ``value.contiguous()``."""
+    g = testing.generator(13)
+    heads, query_lens = 4, [5, 3]
+    T = sum(query_lens)
+    q_nope = torch.randn(T, heads, 128, generator=g).bfloat16()
+    q_pe = torch.randn(T, heads, 64, generator=g).bfloat16()
+    k_nope = torch.randn(T, heads, 128, generator=g).bfloat16()
+    k_pe = torch.randn(T, heads, 64, generator=g).bfloat16()
+    value = torch.randn(T, heads, 128, generator=g).bfloat16()
+    actual_seq_lengths_q = np.cumsum(query_lens).tolist()
+    actual_seq_lengths_kv = actual_seq_lengths_q.copy()
+    common_kwargs: dict[str, Any] = {
+        "num_heads": heads,
+        "num_key_value_heads": heads,
+        "input_layout": "TND",
+        "atten_mask": emulator.compressed_causal_mask(),
+        "sparse_mode": 3,
+        "scale": SCALE,
+        "antiquant_mode": 0,
+        "antiquant_scale": None,
+        "block_table": None,
+        "block_size": 0,
+        "softmax_lse_flag": True,
+        "actual_seq_lengths": actual_seq_lengths_q,
+        "actual_seq_lengths_kv": actual_seq_lengths_kv,
+    }
+    if head_padding:
+        query = torch.cat((q_nope, q_pe), dim=-1)
+        key = torch.cat((k_nope, k_pe), dim=-1)
+    else:
+        common_kwargs["query_rope"] = q_pe
+        common_kwargs["key_rope"] = k_pe.contiguous()
+        query, key = q_nope, k_nope
+    attn_output, attn_lse = emulator.npu_fused_infer_attention_score(
+        query, key.contiguous(), value.contiguous(), **common_kwargs
+    )
+    spec = AttentionSpec(
+        num_heads=heads, num_kv_heads=heads, head_size=192, head_size_v=128,
+        dtype=torch.bfloat16, block_size=BS,
+        scale=SCALE,
+    )  # fmt: skip
+    q_all, k_all = torch.cat((q_nope, q_pe), -1), torch.cat((k_nope, k_pe), -1)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    outs, lses, start = [], [], 0
+    for ql in query_lens:  # each request over its own keys, in the reference
+        c = PagedKVCache.allocate(1, BS, heads, 192, torch.bfloat16, head_size_v=128)
+        c.key[0, :ql] = k_all[start : start + ql]
+        c.value[0, :ql] = value[start : start + ql]
+        b = BatchMetadata.from_lengths([ql], [ql], table, BS)
+        o, lse = reference.paged_attention(q_all[start : start + ql], c, b, spec)
+        outs.append(o)
+        lses.append(lse)
+        start += ql
+    tol = Tolerance(atol=2e-2, rtol=2e-2)
+    assert testing.mismatch(attn_output, torch.cat(outs), tol) is None
+    assert testing.mismatch(attn_lse[:, :, 0], torch.cat(lses, dim=1).t(), tol) is None
 
 
 # --- an Ascend vLLM backend's npu_fusion_attention calls -----------------------------------------

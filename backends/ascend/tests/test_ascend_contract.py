@@ -135,3 +135,49 @@ def test_npu_fusion_attention_has_a_sink_argument_in_this_wheel(
     carries it so the signature matches, and refuses it as not emulated."""
     (schema,) = {s.text: s for s in yaml["npu_fusion_attention"]}.values()
     assert any(p.name == "sink" and p.default is None for p in schema.params)
+
+
+def _atb_overloads() -> list[tuple[str, object]]:
+    from attnhub_ascend import emulator_atb
+
+    return [
+        (name if key == "default" else f"{name}.{key}", fn)
+        for name, packet in emulator_atb.ATB_OPS.items()
+        for key, fn in packet.overloads.items()
+    ]
+
+
+@pytest.mark.parametrize(("name", "fn"), _atb_overloads(), ids=[n for n, _ in _atb_overloads()])
+def test_emulated_atb_op_matches_its_registration_in_the_atb_library(
+    name: str, fn: object, wheel: object, yaml: dict[str, list[npu_schema.Schema]]
+) -> None:
+    """``torch_npu.atb.*`` (ATB's MLA op and its workspace query) are ``torch.ops.atb``
+    packets: absent from the codegen YAML, registered from schema strings in
+    ``libop_plugin_atb.so``. Each emulated overload matches its string; out arguments are
+    passed by their schema names (``output=``, ``lse=``), as torch binds an op overload and
+    vllm-ascend calls it."""
+    assert name.split(".")[0] not in yaml, f"{name} is in the YAML: check it there instead"
+    schema = npu_schema.atb_schema(wheel, name)  # type: ignore[arg-type]
+    assert schema is not None, f"{name}: not registered in {npu_schema.ATB_LIBRARY}"
+    assert schema.name == name, f"found {schema.name!r} for {name!r}"
+    got = npu_schema.from_signature(inspect.signature(fn))  # type: ignore[arg-type]
+    problems = npu_schema.differences(schema.params, got)
+    assert not problems, (
+        f"emulated torch_npu.atb.{name} differs from {npu_schema.ATB_LIBRARY}:\n  - "
+        + "\n  - ".join(problems)
+        + f"\nschema: {schema.text}"
+    )
+
+
+def test_every_overload_atb_registers_for_the_mla_op_is_emulated(wheel: object) -> None:
+    """The four overloads of npu_multi_head_latent_attention in this wheel (default, out, lse,
+    lse_out) are all emulated, so the packet resolves a call as torch would."""
+    import re
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:  # type: ignore[call-overload]
+        data = z.read(npu_schema.ATB_LIBRARY)
+    found = set(re.findall(rb"\bnpu_multi_head_latent_attention(\.\w+)?\(", data))
+    registered = {("npu_multi_head_latent_attention" + s.decode()) for s in found}
+    emulated = {n for n, _ in _atb_overloads() if n.startswith("npu_multi")}
+    assert registered == emulated

@@ -14,8 +14,9 @@ from attnhub_ascend.backend import (
     compressed_causal_mask,
 )
 
+from attnhub import reference, testing
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
-from attnhub.spec import AttentionType
+from attnhub.spec import AttentionSpec, AttentionType
 
 FIA = "npu_fused_infer_attention_score.out"
 FIA_V2 = "npu_fused_infer_attention_score_v2.out"
@@ -522,3 +523,103 @@ def test_write_kv_with_only_padding_slots_makes_no_write() -> None:
     with emulator.record_calls() as calls:
         st.backend.impl().write_kv(st.key, st.value, st.cache, torch.full((3,), -1))
     assert calls == [] and st.cache.equal(before)
+
+
+# --- values narrower than keys (head_size_v): FIA in TND without page attention -----------------
+
+
+def _hv(**changes: object) -> AttentionSpec:
+    return h.spec(head_size=192, head_size_v=128, **changes)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (4, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("requests", [MIXED, [(7, 7), (3, 3)]], ids=["mixed", "prefill"])
+def test_values_narrower_than_keys_make_one_packed_fia_call(
+    requests: list[tuple[int, int]], heads: tuple[int, int]
+) -> None:
+    """keys 192 / values 128: one write, one FIA call in TND without page attention over the
+    step's keys at their own widths (K/V heads repeated to the query's), causal bottom-right;
+    the output is the reference's."""
+    st = h.step(requests, _hv(num_heads=heads[0], num_kv_heads=heads[1]), padding=2)
+    out, calls = _calls(st)
+    assert [c.name for c in calls] == [WRITE, FIA]
+    fia = _only(calls, FIA)
+    _, k, v = fia.args
+    kw = fia.kwargs
+    assert kw["block_table"] is None and kw["sparse_mode"] == 3 and kw["input_layout"] == "TND"
+    assert kw["num_key_value_heads"] == heads[0] == k.shape[1] == v.shape[1]
+    assert (k.shape[2], v.shape[2]) == (192, 128)
+    seq = [s for _, s in requests]
+    assert list(kw["actual_seq_lengths_kv"]) == torch.tensor(seq).cumsum(0).tolist()
+    assert tuple(out.shape[1:]) == (heads[0], 128)
+    h.assert_matches_reference(st, out)
+    assert bool((out[st.batch.num_actual_tokens :] == 0).all())
+
+
+def test_values_narrower_than_keys_return_the_lse_from_the_same_call() -> None:
+    st = h.step(MIXED, _hv())
+    meta = st.backend.metadata_builder().build(st.batch)
+    with emulator.record_calls() as calls:
+        out, lse = st.backend.impl().forward(
+            st.query, st.key, st.value, st.cache, meta, return_lse=True
+        )
+    assert _only(calls, FIA).kwargs["softmax_lse_flag"] is True
+    n = st.batch.num_actual_tokens
+    want, want_lse = reference.paged_attention(st.query[:n], st.cache, st.batch, st.backend.spec)
+    tol = st.backend.capabilities.tolerance(torch.bfloat16)
+    assert testing.mismatch(out[:n], want, tol) is None
+    assert testing.mismatch(lse[:n], want_lse.t(), tol) is None
+
+
+def test_values_narrower_than_keys_read_the_keys_back_after_write_kv() -> None:
+    """forward(q, None, None, ...) after write_kv: the keys come from the cache."""
+    st = h.step([(5, 5), (2, 2)], _hv())
+    meta = st.backend.metadata_builder().build(st.batch)
+    impl = st.backend.impl()
+    impl.write_kv(st.key, st.value, st.cache, meta=meta)
+    out = impl.forward(st.query, None, None, st.cache, meta)
+    h.assert_matches_reference(st, out)
+
+
+def test_a_non_causal_step_of_such_a_spec_goes_to_npu_fusion_attention() -> None:
+    """npu_fusion_attention takes Dk >= Dv ("Dq=Dk和Dk≥Dv") [doc]."""
+    st = h.step([(4, 9), (3, 3)], _hv(), causal=False)
+    out, calls = _calls(st)
+    assert FA in [c.name for c in calls] and FIA not in [c.name for c in calls]
+    n = st.batch.num_actual_tokens
+    want, _ = reference.paged_attention(st.query[:n], st.cache, st.batch, st.backend.spec)
+    tol = st.backend.capabilities.tolerance(torch.bfloat16)
+    assert testing.mismatch(out[:n], want, tol) is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"dtype": torch.float16}, "head_size_v"),
+        ({"head_size": 128, "head_size_v": 64}, "head_size_v"),
+        ({"sliding_window": 8}, "sliding_window"),
+        ({"use_sinks": True}, "sinks"),
+    ],
+)
+def test_what_fias_differing_head_size_form_does_not_take_is_refused(
+    changes: dict[str, object], field: str
+) -> None:
+    fields: dict[str, object] = {"head_size": 192, "head_size_v": 128, **changes}
+    reasons = AscendBackend.unsupported_reasons(h.spec(**fields))
+    assert field in [r.field for r in reasons], reasons
+
+
+def test_such_a_spec_is_never_captured() -> None:
+    from attnhub.capabilities import GraphSupport
+
+    builder = h.backend(_hv()).metadata_builder()
+    assert builder.graph_support is GraphSupport.NEVER
+
+
+def test_more_requests_than_fia_takes_are_refused_on_every_causal_path() -> None:
+    """One refusal for the paged and the packed FIA steps (and the MLA layers): the count, the
+    op, the limit."""
+    for s in (h.spec(), _hv()):
+        st = h.step([(1, 1)] * 4097, s)
+        with pytest.raises(UnsupportedConfigurationError, match=r"4097 requests.*FIA.*4096"):
+            st.backend.metadata_builder().build(st.batch)
