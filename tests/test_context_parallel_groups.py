@@ -39,8 +39,9 @@ from attnhub.context_parallel import (
     local_slot_mapping,
     token_rank,
 )
-from attnhub.errors import InvalidInputError
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.testing import generator, num_blocks_for, shuffled_block_table
+from attnhub.torch_backend.backend import TorchBackend
 
 BLOCK_SIZE = 4  # per rank
 LOCAL_HEADS = 2  # query heads per rank; the group gathers N of these
@@ -267,6 +268,22 @@ def _outcome(call: Any) -> tuple[str, str]:
     return "no error", ""
 
 
+def _prefill_build(comm: ContextParallelGroup, spec: AttentionSpec) -> Any:
+    """A prefill of 40 tokens split over the group, then a backend's build of the rank's
+    chunks that refuses a sequence of 40 tokens: only rank 0's tail chunk ends there."""
+    batch = BatchMetadata.from_lengths([40], [40], torch.arange(10).reshape(1, 10), BLOCK_SIZE)
+    shard = comm.shard_prefill(batch, world_size=comm.world_size, spec=spec)
+    builder = TorchBackend(spec).metadata_builder()
+
+    def build() -> Any:
+        longest = int(shard.batch.seq_lens_cpu.max())
+        if longest >= 40:
+            raise UnsupportedConfigurationError("torch", [f"seq_len {longest} is 40 or more"])
+        return builder.build(shard.batch)
+
+    return comm.settle(build, "the prefill chunks' metadata build")
+
+
 def _bad_steps(comm: ContextParallelGroup) -> dict[str, tuple[str, str, int]]:
     """Bad input, one case after another on every rank; after each, one all-reduce shows the
     group still in step (no rank left waiting in a collective)."""
@@ -274,6 +291,8 @@ def _bad_steps(comm: ContextParallelGroup) -> dict[str, tuple[str, str, int]]:
     d = _step_data(n, [1, 3], [9, 7], seed=5)
     batch: BatchMetadata = d["batch"]
     other = _step_data(n, [1, 3], [10, 7], seed=5)["batch"]  # request 0 one token longer
+    spec = AttentionSpec(num_heads=4, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                         dtype=torch.float32, block_size=BLOCK_SIZE)  # fmt: skip
     cases = {
         "wrong_group_size": lambda: comm.shard(batch, world_size=n + 1, block_size=BLOCK_SIZE),
         "interleave_not_dividing_block_size": lambda: comm.shard(
@@ -303,6 +322,10 @@ def _bad_steps(comm: ContextParallelGroup) -> dict[str, tuple[str, str, int]]:
             world_size=n,
             block_size=BLOCK_SIZE,
         ),
+        "prefill_ranks_with_other_head_counts": lambda: comm.shard_prefill(
+            batch, world_size=n, spec=replace(spec, num_heads=2) if rank == 0 else spec
+        ),
+        "prefill_build_failing_on_one_rank_only": lambda: _prefill_build(comm, spec),
         "one_rank_without_a_batch": lambda: comm.shard(
             None if rank == n - 1 else batch,  # type: ignore[arg-type]
             world_size=n,
@@ -538,6 +561,33 @@ def test_a_rank_with_no_prefill_rows_still_takes_part(group: tuple[int, dict[int
     assert sum(counts) == 5
     if n == 4:
         assert counts[3] == 0
+
+
+def test_prefill_ranks_whose_layers_have_other_head_counts_all_refuse_the_step(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    n, reports = group
+    shown = ", ".join(f"rank {r}: {2 if r == 0 else 4}" for r in range(n))
+    for kind, message, alive in _refusals(reports, "prefill_ranks_with_other_head_counts"):
+        assert kind == InvalidInputError.__name__, message
+        assert f"spec.num_heads differs between ranks ({shown})" in message
+        assert alive == n
+
+
+def test_a_prefill_build_failing_on_one_rank_only_stops_every_rank(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    """Rank 0's tail chunk ends the 40-token prefill: its build refuses, the others' do not;
+    every rank raises, the others naming rank 0 and its reason."""
+    n, reports = group
+    refusals = _refusals(reports, "prefill_build_failing_on_one_rank_only")
+    assert refusals[0][0] == UnsupportedConfigurationError.__name__
+    assert "seq_len 40 is 40 or more" in refusals[0][1]
+    for kind, message, _ in refusals[1:]:
+        assert kind == InvalidInputError.__name__, message
+        assert "metadata build failed on rank(s) [0]" in message
+        assert "seq_len 40 is 40 or more" in message
+    assert all(alive == n for _, _, alive in refusals)
 
 
 def test_a_non_causal_step_is_refused_for_prefill_context_parallel_on_every_rank(

@@ -18,6 +18,7 @@ from __future__ import annotations
 from attnhub.context_parallel.communication import (
     FINGERPRINT_FIELDS,
     LAYOUT_FIELDS,
+    SPEC_FIELDS,
     AllGatherReduceScatter,
     AllToAll,
     ContextParallelGroup,
@@ -55,6 +56,7 @@ __all__ = [
     "CAPTURABLE_COLLECTIVES",
     "FINGERPRINT_FIELDS",
     "LAYOUT_FIELDS",
+    "SPEC_FIELDS",
     "AllGatherReduceScatter",
     "AllToAll",
     "ContextParallelGroup",

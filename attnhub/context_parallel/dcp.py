@@ -178,11 +178,19 @@ class DecodeContextParallel:
     def plan(self, batch: BatchMetadata) -> DcpStep:
         """This rank's plan of ``batch``: the checks, the step's agreement over the group (one
         fixed-size all-gather), the shard, and the gathered backend's metadata of the rank's
-        decodes. Raises on every rank (before any other collective) where a rank refuses."""
+        decodes, its outcome settled over the group (one more: a build that fails on one
+        rank, over its own lengths, fails on every rank). Raises on every rank (before any
+        other collective) where a rank refuses."""
         shard = self.agree_and_shard(batch)
-        assert self._builder is not None
-        flat, empty = self.flat_step(batch, shard, batch.device)
-        return DcpStep(shard, self._builder.build(flat), empty.to(batch.device))
+        builder = self._builder
+        assert builder is not None
+
+        def build() -> DcpStep:
+            flat, empty = self.flat_step(batch, shard, batch.device)
+            return DcpStep(shard, builder.build(flat), empty.to(batch.device))
+
+        # the build reads the rank's own lengths: it may refuse on one rank only
+        return self.group.settle(build, "the DCP step's metadata build")
 
     def agree_and_shard(
         self, batch: BatchMetadata, refusal: Exception | None = None
@@ -192,7 +200,7 @@ class DecodeContextParallel:
         (besides :attr:`refusal`), raised here after the agreement, the other ranks told."""
         return self.group.shard(
             batch, world_size=self.world_size, block_size=self.spec.block_size,
-            interleave=self.interleave, refusal=self.refusal or refusal,
+            interleave=self.interleave, refusal=self.refusal or refusal, spec=self.spec,
         )  # fmt: skip
 
     def flat_step(
