@@ -13,8 +13,8 @@ A step, on every rank of the group:
      between ranks (a backend's metadata build over the rank's own lengths) goes through
      ``settle``: one more fixed-size all-gather of whether it succeeded, so a failure on one
      rank is raised on every rank.
-  2. per layer, ``gather_heads(query)``: the group's query heads, ``[T, N * Hl, D]``.
-  3. per layer, ``combine(out, lse)``: the rank's partial over its shard, for all ``N * Hl``
+  2. per layer, ``gather_heads(query)``: the group's query heads, ``[T, B * Hl, D]``.
+  3. per layer, ``combine(out, lse)``: the rank's partial over its shard, for all ``B * Hl``
      heads, merged over the group, returned for the rank's own ``Hl`` heads. Two ways:
      :class:`AllGatherReduceScatter` (gather the LSEs, scale the partial, reduce-scatter the
      heads: vLLM's ``cp_lse_ag_out_rs``) and :class:`AllToAll` (each rank receives every
@@ -23,13 +23,15 @@ A step, on every rank of the group:
      Under prefill context parallel, ``exchange(rows, shard)`` instead: every rank's rows (new
      keys and values, or outputs) back in the step's order.
 
-Rank ``r``'s heads are ``r * Hl .. (r + 1) * Hl - 1`` of the gathered ones (vLLM's order).
+Rank ``r``'s heads are ``r * Hl .. (r + 1) * Hl - 1`` of the gathered ones (vLLM's order), and
+``B = N``; where several ranks hold the same heads (a DCP group spanning vLLM's PCP axis:
+``grid``), ``head_owner[r]`` is rank ``r``'s head block and the group has ``B`` distinct ones.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -50,7 +52,14 @@ from attnhub.spec import AttentionSpec
 
 #: What a rank is told about the group, as the step's fingerprint carries it ("kind": 0 for
 #: decode context parallel, 1 for prefill; a field a kind does not use is 0).
-LAYOUT_FIELDS = ("kind", "world_size", "block_size", "interleave", "decode_threshold")
+LAYOUT_FIELDS = (
+    "kind",
+    "world_size",
+    "block_size",
+    "interleave",
+    "decode_threshold",
+    "head_owner",  # a hash
+)
 #: The layer's spec as the fingerprint carries it (``spec.<name>``): ranks whose layers differ
 #: (other head counts, dtype, block size, window, softcap, ALiBi, sinks...) would send tensors
 #: of other shapes or mean other things in the same collectives. Those in :data:`_SPEC_INTS` are
@@ -77,7 +86,7 @@ _SPEC_INTS = frozenset(
      "use_sinks", "batch_invariant")
 )  # fmt: skip
 _HASHED = frozenset(
-    ("query_start_loc", "seq_lens", "block_table", *(f"spec.{f}" for f in SPEC_FIELDS
+    ("query_start_loc", "seq_lens", "block_table", "head_owner", *(f"spec.{f}" for f in SPEC_FIELDS
      if f not in _SPEC_INTS))
 )  # fmt: skip
 #: The fields of a step's fingerprint, in order (one int64 each).
@@ -196,6 +205,14 @@ class ContextParallelGroup:
     rank's accelerator for NCCL or HCCL). ``check_group``: a group over the same ranks for the
     once-per-step fingerprint on host tensors (vLLM's ``cpu_group``, gloo); None checks on
     ``group`` with tensors on ``device``.
+
+    ``head_owner``: each rank's query-head block, by group rank (None: rank ``r`` holds block
+    ``r``, every rank its own heads). A DCP group that spans vLLM's PCP axis holds each
+    tensor-parallel rank's heads ``PCP`` times (``attnhub.context_parallel.grid``): the group
+    gathers and merges each of its ``B`` distinct blocks once, in block order. ``shard_rank``:
+    which share of the KV cache this rank holds (None: its group rank); the engine's own rank
+    in the group where it differs from torch's (vLLM's ``rank_in_group`` is the index in its
+    group's rank list, torch's group rank the index in that list sorted).
     """
 
     def __init__(
@@ -204,12 +221,38 @@ class ContextParallelGroup:
         *,
         device: torch.device | str = "cpu",
         check_group: Any = None,
+        head_owner: Sequence[int] | None = None,
+        shard_rank: int | None = None,
     ) -> None:
         self.group = group
         self.device = torch.device(device)
         self.check_group = check_group
-        self.world_size = dist.get_world_size(group)
+        self.world_size = n = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        owner = tuple(range(n)) if head_owner is None else tuple(head_owner)
+        blocks = sorted(set(owner))
+        if (
+            len(owner) != n
+            or any(isinstance(b, bool) or not isinstance(b, int) for b in owner)
+            or blocks != list(range(len(blocks)))
+            or len({owner.count(b) for b in blocks}) != 1
+        ):
+            raise InvalidInputError(
+                f"head_owner = {head_owner!r} must give each of the group's {n} ranks a head "
+                "block 0..B-1, every block to as many ranks"
+            )
+        if shard_rank is None:
+            shard_rank = self.rank
+        if isinstance(shard_rank, bool) or not isinstance(shard_rank, int) or not (
+            0 <= shard_rank < n
+        ):  # fmt: skip
+            raise InvalidInputError(f"shard_rank = {shard_rank!r} must be an int in 0..{n - 1}")
+        #: Each rank's query-head block, by group rank; the number of blocks; this rank's.
+        self.head_owner = owner
+        self.head_blocks = len(blocks)
+        self.head_block = owner[self.rank]
+        #: The share of the KV cache this rank holds.
+        self.shard_rank = shard_rank
 
     # --- once per step -------------------------------------------------------------------
     def agree(
@@ -307,11 +350,12 @@ class ContextParallelGroup:
         UnsupportedConfigurationError), raised here after the agreement, the others told.
         ``spec``: the rank's layer (ranks whose layers differ are refused; None: not
         checked)."""
-        layout = dict(kind=0, world_size=world_size, block_size=block_size, interleave=interleave)
+        layout = dict(kind=0, world_size=world_size, block_size=block_size, interleave=interleave,
+                      head_owner=_hash(self.head_owner))  # fmt: skip
         shard, error = self._attempt(
             world_size,
             lambda: shard_step(
-                batch, world_size=world_size, rank=self.rank, block_size=block_size,
+                batch, world_size=world_size, rank=self.shard_rank, block_size=block_size,
                 interleave=interleave,
             ),
         )  # fmt: skip
@@ -332,7 +376,8 @@ class ContextParallelGroup:
     ) -> PrefillShard:
         """This rank's rows of a step under prefill context parallel, once the ranks agree on
         the step (as :meth:`shard`; ``refusal`` and ``spec`` likewise)."""
-        layout = dict(kind=1, world_size=world_size, decode_threshold=decode_threshold)
+        layout = dict(kind=1, world_size=world_size, decode_threshold=decode_threshold,
+                      head_owner=_hash(self.head_owner))  # fmt: skip
         shard, error = self._attempt(
             world_size,
             lambda: shard_prefill(
@@ -375,16 +420,20 @@ class ContextParallelGroup:
         dist.all_gather(parts, sent, group=self.group)
         return torch.cat(parts)[shard.restore_rows.to(rows.device)]
 
-    def gather_heads(self, query: torch.Tensor) -> torch.Tensor:  # [T, Hl, D] -> [T, N*Hl, D]
-        """Every rank's query heads, rank by rank."""
+    def gather_heads(self, query: torch.Tensor) -> torch.Tensor:  # [T, Hl, D] -> [T, B*Hl, D]
+        """Every head block's query heads, block by block (by default every rank's, rank by
+        rank)."""
+        if self.head_blocks == 1:  # every rank holds the same heads
+            return query
         parts = [torch.empty_like(query) for _ in range(self.world_size)]
         dist.all_gather(parts, query.contiguous(), group=self.group)
-        return torch.cat(parts, dim=1)
+        first = [self.head_owner.index(b) for b in range(self.head_blocks)]
+        return torch.cat([parts[r] for r in first], dim=1)
 
     def combine(
         self,
-        out: torch.Tensor,  # [T, N * Hl, D]: this rank's partial over its shard
-        lse: torch.Tensor,  # [N * Hl, T], natural log (+-inf: no key)
+        out: torch.Tensor,  # [T, B * Hl, D]: this rank's partial over its shard
+        lse: torch.Tensor,  # [B * Hl, T], natural log (+-inf: no key)
         *,
         sinks: torch.Tensor | None = None,  # [Hl]: this rank's heads' sink logits
         empty_rows: torch.Tensor | None = None,  # [T] bool: rows with no local key
@@ -394,7 +443,7 @@ class ContextParallelGroup:
         heads = self._check_partial(out, lse, sinks, empty_rows)
         if empty_rows is not None:
             lse = mask_empty_rows(lse, empty_rows)
-        merged, merged_lse = self._merge(out, lse, heads // self.world_size)
+        merged, merged_lse = self._merge(out, lse, heads // self.head_blocks)
         if sinks is not None:
             merged, merged_lse = add_sinks(merged, merged_lse, sinks)
         return merged, merged_lse
@@ -418,16 +467,16 @@ class ContextParallelGroup:
                 f"a partial must be out [T, H, D] and lse [H, T], got out "
                 f"{tuple(out.shape)} and lse {tuple(lse.shape)}"
             )
-        heads = int(out.shape[1])
-        if heads % self.world_size:
+        heads, blocks = int(out.shape[1]), self.head_blocks
+        if heads % blocks:
             raise InvalidInputError(
-                f"{heads} query heads cannot be split over {self.world_size} ranks"
+                f"{heads} query heads cannot be split into the group's {blocks} head blocks"
             )
-        local = heads // self.world_size
+        local = heads // blocks
         if sinks is not None and tuple(sinks.shape) != (local,):
             raise InvalidInputError(
-                f"sinks must be [{local}] (this rank's heads: {heads} over {self.world_size} "
-                f"ranks), got shape {tuple(sinks.shape)}"
+                f"sinks must be [{local}] (this rank's heads: {heads} over {blocks} head "
+                f"blocks), got shape {tuple(sinks.shape)}"
             )
         rows = int(out.shape[0])
         if empty_rows is not None and (
@@ -459,10 +508,11 @@ class AllGatherReduceScatter(ContextParallelGroup):
         lses = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(lses, mine, group=self.group)
         share, total = correct_partial(out.to(wire), torch.stack(lses), self.rank)
-        chunks = [c.contiguous() for c in share.split(local_heads, dim=1)]
-        merged = torch.empty_like(chunks[self.rank])
+        blocks = [c.contiguous() for c in share.split(local_heads, dim=1)]
+        chunks = [blocks[b] for b in self.head_owner]
+        merged = torch.empty_like(blocks[self.head_block])
         dist.reduce_scatter(merged, chunks, op=dist.ReduceOp.SUM, group=self.group)
-        heads = slice(self.rank * local_heads, (self.rank + 1) * local_heads)
+        heads = slice(self.head_block * local_heads, (self.head_block + 1) * local_heads)
         return merged, total[heads]
 
 
@@ -475,12 +525,14 @@ class AllToAll(ContextParallelGroup):
         self, out: torch.Tensor, lse: torch.Tensor, local_heads: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t, _, d = out.shape
-        n = self.world_size
+        b = self.head_blocks
         wire = _wire_dtype(out, lse)
-        # [T, N, Hl, D] -> [N, T, Hl, D]; the LSE [N*Hl, T] -> [N, T, Hl, 1]
-        parts = out.to(wire).reshape(t, n, local_heads, d).transpose(0, 1)
-        lses = lse.to(wire).reshape(n, local_heads, t).transpose(1, 2)[..., None]
-        send = torch.cat([parts, lses], dim=-1).contiguous()  # [N, T, Hl, D + 1]
+        # [T, B, Hl, D] -> [B, T, Hl, D]; the LSE [B*Hl, T] -> [B, T, Hl, 1]
+        parts = out.to(wire).reshape(t, b, local_heads, d).transpose(0, 1)
+        lses = lse.to(wire).reshape(b, local_heads, t).transpose(1, 2)[..., None]
+        blocks = torch.cat([parts, lses], dim=-1)  # [B, T, Hl, D + 1]
+        owner = torch.tensor(self.head_owner, device=blocks.device)
+        send = blocks[owner].contiguous()  # [N, T, Hl, D + 1]: rank j's block to rank j
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         got_lse = recv[..., d].transpose(1, 2)  # [N, Hl, T]

@@ -228,7 +228,7 @@ class DcpGraphRunner:
                 "(max_blocks_per_req)"
             )
         shard = shard_step(
-            batch, world_size=dcp.world_size, rank=dcp.group.rank,
+            batch, world_size=dcp.world_size, rank=dcp.group.shard_rank,
             block_size=dcp.spec.block_size, interleave=dcp.interleave,
         )  # fmt: skip
         flat, empty = dcp.flat_step(batch, shard, "cpu")
