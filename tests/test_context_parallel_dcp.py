@@ -28,7 +28,7 @@ from attnhub.context_parallel import (
 )
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.testing import generator, num_blocks_for, shuffled_block_table
-from attnhub.torch_backend.backend import TorchBackend
+from attnhub.torch_backend.backend import TorchBackend, TorchMetadataBuilder
 
 BLOCK_SIZE = 4
 SPEC = AttentionSpec(
@@ -47,6 +47,27 @@ class NoLseTorchBackend(TorchBackend):
     capabilities = replace(
         TorchBackend.capabilities, lse=LseSupport(reason="this test's kernels return none")
     )
+
+
+class LengthLimitedBuilder(TorchMetadataBuilder):
+    """Refuses a step whose longest sequence is over ``9 // N`` tokens (``N``: the default
+    group's size): over the bad-input step's shards ([9, 7] tokens) only rank 0's, which holds
+    ``ceil(9 / N)`` of request 0, is. A refusal that depends on the rank's own lengths."""
+
+    def build(self, batch: BatchMetadata, *, common_prefix_len: int = 0) -> Any:
+        import torch.distributed as dist
+
+        limit = 9 // dist.get_world_size()
+        longest = int(batch.seq_lens_cpu.max())
+        if longest > limit:
+            raise UnsupportedConfigurationError(
+                self.backend.name, [f"seq_len {longest} is over this test's limit {limit}"]
+            )
+        return super().build(batch, common_prefix_len=common_prefix_len)
+
+
+class LengthLimitedTorchBackend(TorchBackend):
+    builder_type = LengthLimitedBuilder
 
 
 # --- what every rank runs after the DCP sub-cases ----------------------------------------------
@@ -91,6 +112,13 @@ def bad_inputs(rank: int, n: int, job: dict[str, Any]) -> dict[str, tuple[str, s
         "one_rank_refuses_its_spec": lambda: plan(
             replace(SPEC, sliding_window=8) if rank == 0 else SPEC
         ),
+        "ranks_with_other_head_counts": lambda: plan(
+            replace(SPEC, num_heads=1) if rank == 0 else SPEC
+        ),
+        "ranks_with_another_dtype": lambda: plan(
+            replace(SPEC, dtype=torch.bfloat16) if rank == n - 1 else SPEC
+        ),
+        "a_build_failing_on_one_rank_only": lambda: plan(backend=LengthLimitedTorchBackend),
         "an_impl_of_another_spec": lambda: DecodeContextParallel(
             torch_backend, comm, world_size=n
         ).forward(
@@ -224,6 +252,48 @@ def test_a_spec_refused_on_one_rank_only_stops_every_rank(
     assert "sliding window" in refusals[0][1]
     assert all(kind == InvalidInputError.__name__ for kind, _, _ in refusals[1:])
     assert all("rank(s) [0]" in message for _, message, _ in refusals[1:])
+    assert all(alive == n for _, _, alive in refusals)
+
+
+def test_ranks_whose_layers_have_other_head_counts_all_refuse_the_step(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    """Their gathered queries and merged heads would differ in shape: the step's agreement
+    carries the layer's spec."""
+    n, reports = group
+    shown = ", ".join(f"rank {r}: {1 if r == 0 else SPEC.num_heads}" for r in range(n))
+    for kind, message, alive in _refusals(reports, "ranks_with_other_head_counts"):
+        assert kind == InvalidInputError.__name__, message
+        assert f"spec.num_heads differs between ranks ({shown})" in message
+        assert alive == n
+
+
+def test_ranks_whose_layers_have_another_dtype_all_refuse_the_step(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    n, reports = group
+    refusals = _refusals(reports, "ranks_with_another_dtype")
+    for kind, message, alive in refusals:
+        assert kind == InvalidInputError.__name__, message
+        assert "spec.dtype differs between ranks" in message and f"ranks [{n - 1}]" in message
+        assert alive == n
+    assert "this rank's: torch.bfloat16" in refusals[n - 1][1]
+    assert "this rank's: torch.float32" in refusals[0][1]
+
+
+def test_a_metadata_build_failing_on_one_rank_only_stops_every_rank(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    """The ranks agree on the step; then rank 0's build over its own (longer) shard refuses:
+    every rank raises before the layer's collectives, the others naming rank 0's reason."""
+    n, reports = group
+    refusals = _refusals(reports, "a_build_failing_on_one_rank_only")
+    limit = f"over this test's limit {9 // n}"
+    assert refusals[0][0] == UnsupportedConfigurationError.__name__
+    assert limit in refusals[0][1]
+    for kind, message, _ in refusals[1:]:
+        assert kind == InvalidInputError.__name__, message
+        assert "metadata build failed on rank(s) [0]" in message and limit in message
     assert all(alive == n for _, _, alive in refusals)
 
 

@@ -1,9 +1,10 @@
 """Context parallel over real process groups: gloo, 2 and 4 processes spawned here.
 
-Each group runs once per world size (a module fixture, bounded in time: a process still
-running at the deadline is killed, and every process is reaped on any failure); the tests
-below read what each rank reported. Every rank builds the same step from one seed, keeps only
-its shard of the KV cache (written through its own slot mapping), attends over that shard with
+Each group runs once per world size (a module fixture, through
+``attnhub_conformance.multi_rank``'s harness: bounded in time, a rank that dies fails the group
+at once, every process reaped on any failure); the tests below read what each rank reported.
+Every rank builds the same step from one seed, keeps only its shard of the KV cache (written
+through its own slot mapping), attends over that shard with
 ``attnhub.reference`` (float64: the partial output and LSE over the local keys), merges through
 ``attnhub.context_parallel`` and compares with the single-rank reference of the whole step.
 
@@ -16,19 +17,13 @@ merged by their LSEs.
 from __future__ import annotations
 
 import math
-import multiprocessing
-import os
-import queue
-import tempfile
-import time
-import traceback
 from dataclasses import replace
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from attnhub_conformance.multi_rank import run_group
 
 import attnhub
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, reference
@@ -39,8 +34,9 @@ from attnhub.context_parallel import (
     local_slot_mapping,
     token_rank,
 )
-from attnhub.errors import InvalidInputError
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.testing import generator, num_blocks_for, shuffled_block_table
+from attnhub.torch_backend.backend import TorchBackend
 
 BLOCK_SIZE = 4  # per rank
 LOCAL_HEADS = 2  # query heads per rank; the group gathers N of these
@@ -267,6 +263,22 @@ def _outcome(call: Any) -> tuple[str, str]:
     return "no error", ""
 
 
+def _prefill_build(comm: ContextParallelGroup, spec: AttentionSpec) -> Any:
+    """A prefill of 40 tokens split over the group, then a backend's build of the rank's
+    chunks that refuses a sequence of 40 tokens: only rank 0's tail chunk ends there."""
+    batch = BatchMetadata.from_lengths([40], [40], torch.arange(10).reshape(1, 10), BLOCK_SIZE)
+    shard = comm.shard_prefill(batch, world_size=comm.world_size, spec=spec)
+    builder = TorchBackend(spec).metadata_builder()
+
+    def build() -> Any:
+        longest = int(shard.batch.seq_lens_cpu.max())
+        if longest >= 40:
+            raise UnsupportedConfigurationError("torch", [f"seq_len {longest} is 40 or more"])
+        return builder.build(shard.batch)
+
+    return comm.settle(build, "the prefill chunks' metadata build")
+
+
 def _bad_steps(comm: ContextParallelGroup) -> dict[str, tuple[str, str, int]]:
     """Bad input, one case after another on every rank; after each, one all-reduce shows the
     group still in step (no rank left waiting in a collective)."""
@@ -274,6 +286,8 @@ def _bad_steps(comm: ContextParallelGroup) -> dict[str, tuple[str, str, int]]:
     d = _step_data(n, [1, 3], [9, 7], seed=5)
     batch: BatchMetadata = d["batch"]
     other = _step_data(n, [1, 3], [10, 7], seed=5)["batch"]  # request 0 one token longer
+    spec = AttentionSpec(num_heads=4, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                         dtype=torch.float32, block_size=BLOCK_SIZE)  # fmt: skip
     cases = {
         "wrong_group_size": lambda: comm.shard(batch, world_size=n + 1, block_size=BLOCK_SIZE),
         "interleave_not_dividing_block_size": lambda: comm.shard(
@@ -303,6 +317,10 @@ def _bad_steps(comm: ContextParallelGroup) -> dict[str, tuple[str, str, int]]:
             world_size=n,
             block_size=BLOCK_SIZE,
         ),
+        "prefill_ranks_with_other_head_counts": lambda: comm.shard_prefill(
+            batch, world_size=n, spec=replace(spec, num_heads=2) if rank == 0 else spec
+        ),
+        "prefill_build_failing_on_one_rank_only": lambda: _prefill_build(comm, spec),
         "one_rank_without_a_batch": lambda: comm.shard(
             None if rank == n - 1 else batch,  # type: ignore[arg-type]
             world_size=n,
@@ -318,67 +336,26 @@ def _bad_steps(comm: ContextParallelGroup) -> dict[str, tuple[str, str, int]]:
     return found
 
 
-def _rank_main(rank: int, n: int, store: str, results: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=rank, world_size=n,
-            timeout=timedelta(seconds=60),
-        )  # fmt: skip
-        report: dict[str, Any] = {"cases": {}, "prefill": {}, "bad": {}}
-        check = dist.new_group(backend="gloo")  # the host group a step is checked on
-        for i, case in enumerate(CASES):
-            variant = VARIANTS[case[2]]
-            comm = variant(check_group=check) if i % 2 else variant()
-            report["cases"][case_id(case)] = _run_case(comm, case, seed=100 + i)
-        for i, step in enumerate(PREFILL_STEPS):
-            report["prefill"][step[0]] = _run_prefill_case(AllToAll(), step, seed=200 + i)
-        report["bad"] = _bad_steps(AllGatherReduceScatter())
-        dist.destroy_process_group()
-        results.put((rank, "ok", report))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def run_group(n: int, deadline_s: float = DEADLINE_S) -> dict[int, Any]:
-    """Run ``_rank_main`` in ``n`` spawned processes; each rank's report. Kills what is still
-    running at the deadline (or on any failure here) and raises with what the ranks said."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, args=(r, n, store, results)) for r in range(n)]
-        reports: dict[int, Any] = {}
-        try:
-            for p in procs:
-                p.start()
-            end = time.monotonic() + deadline_s
-            while len(reports) < n:
-                try:
-                    rank, status, payload = results.get(timeout=max(end - time.monotonic(), 0.1))
-                except queue.Empty:
-                    raise AssertionError(
-                        f"the {n}-rank group did not finish within {deadline_s} s; ranks that "
-                        f"reported: {sorted(reports)}"
-                    ) from None
-                if status != "ok":
-                    raise AssertionError(f"rank {rank} of {n} failed:\n{payload}")
-                reports[rank] = payload
-            for p in procs:
-                p.join(timeout=30)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
-    return reports
+def group_rank(rank: int, n: int, job: dict[str, Any]) -> dict[str, Any]:
+    """Every case on this rank of the default (gloo) group the harness made."""
+    report: dict[str, Any] = {"cases": {}, "prefill": {}, "bad": {}}
+    check = dist.new_group(backend="gloo")  # the host group a step is checked on
+    for i, case in enumerate(CASES):
+        variant = VARIANTS[case[2]]
+        comm = variant(check_group=check) if i % 2 else variant()
+        report["cases"][case_id(case)] = _run_case(comm, case, seed=100 + i)
+    for i, step in enumerate(PREFILL_STEPS):
+        report["prefill"][step[0]] = _run_prefill_case(AllToAll(), step, seed=200 + i)
+    report["bad"] = _bad_steps(AllGatherReduceScatter())
+    return report
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"N{n}")
 def group(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
     n: int = request.param
-    return n, run_group(n)
+    job = dict(backend="torch", spec=None, device="cpu", emulate=False, sub_cases=[],
+               extra=f"{__name__}:group_rank")  # fmt: skip
+    return n, {r: report["extra"] for r, report in run_group(n, job, DEADLINE_S).items()}
 
 
 # --- the specification -----------------------------------------------------------------------
@@ -540,6 +517,33 @@ def test_a_rank_with_no_prefill_rows_still_takes_part(group: tuple[int, dict[int
         assert counts[3] == 0
 
 
+def test_prefill_ranks_whose_layers_have_other_head_counts_all_refuse_the_step(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    n, reports = group
+    shown = ", ".join(f"rank {r}: {2 if r == 0 else 4}" for r in range(n))
+    for kind, message, alive in _refusals(reports, "prefill_ranks_with_other_head_counts"):
+        assert kind == InvalidInputError.__name__, message
+        assert f"spec.num_heads differs between ranks ({shown})" in message
+        assert alive == n
+
+
+def test_a_prefill_build_failing_on_one_rank_only_stops_every_rank(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    """Rank 0's tail chunk ends the 40-token prefill: its build refuses, the others' do not;
+    every rank raises, the others naming rank 0 and its reason."""
+    n, reports = group
+    refusals = _refusals(reports, "prefill_build_failing_on_one_rank_only")
+    assert refusals[0][0] == UnsupportedConfigurationError.__name__
+    assert "seq_len 40 is 40 or more" in refusals[0][1]
+    for kind, message, _ in refusals[1:]:
+        assert kind == InvalidInputError.__name__, message
+        assert "metadata build failed on rank(s) [0]" in message
+        assert "seq_len 40 is 40 or more" in message
+    assert all(alive == n for _, _, alive in refusals)
+
+
 def test_a_non_causal_step_is_refused_for_prefill_context_parallel_on_every_rank(
     group: tuple[int, dict[int, Any]],
 ) -> None:
@@ -558,3 +562,25 @@ def test_ranks_that_disagree_on_decode_or_prefill_context_parallel_all_refuse(
     ):
         assert kind == InvalidInputError.__name__ and "kind differs" in message
         assert alive == n
+
+
+# --- the harness ---------------------------------------------------------------------------
+
+
+def die_on_last_rank(rank: int, n: int, job: dict[str, Any]) -> str:
+    """The last rank exits without a report (as a crashed rank does); the others return."""
+    if rank == n - 1:
+        import os
+
+        os._exit(3)
+    return "done"
+
+
+def test_a_rank_that_dies_fails_its_group_without_waiting_for_the_deadline() -> None:
+    """The harness notices the dead process (its exit code) instead of waiting for a report
+    until the deadline, whose message would be another one."""
+    job = dict(backend="torch", spec=None, device="cpu", emulate=False, sub_cases=[],
+               extra=f"{__name__}:die_on_last_rank")  # fmt: skip
+    with pytest.raises(AssertionError, match=r"rank\(s\) \[1\] of the 2-rank group exited "
+                       r"without a report \(exit codes \[3\]\)"):  # fmt: skip
+        run_group(2, job, DEADLINE_S)

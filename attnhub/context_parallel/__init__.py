@@ -5,6 +5,7 @@
   prefill        prefill context parallel: a long prefill's query tokens split over the ranks
   dcp            decode context parallel through a backend: the layer call over a rank's shard
   graphs         DCP steps captured in device graphs (DcpGraphRunner)
+  grid           DCP x PCP grids: vLLM's rule and group layout, a step over a grid
   merge          the ranks' partial attentions merged by their LSEs; sinks added once
   communication  the collectives of a step over a process group: the step agreement check,
                  the query heads' gather, the merge (all-gather + reduce-scatter, or
@@ -18,6 +19,7 @@ from __future__ import annotations
 from attnhub.context_parallel.communication import (
     FINGERPRINT_FIELDS,
     LAYOUT_FIELDS,
+    SPEC_FIELDS,
     AllGatherReduceScatter,
     AllToAll,
     ContextParallelGroup,
@@ -32,6 +34,15 @@ from attnhub.context_parallel.graphs import (
     CAPTURABLE_COLLECTIVES,
     DcpGraphRunner,
     collective_refusal,
+)
+from attnhub.context_parallel.grid import (
+    VLLM_GRID_RULE,
+    ContextParallelGrid,
+    GridAttention,
+    GridRanks,
+    GridStep,
+    check_grid,
+    grid_ranks,
 )
 from attnhub.context_parallel.merge import (
     add_sinks,
@@ -55,21 +66,29 @@ __all__ = [
     "CAPTURABLE_COLLECTIVES",
     "FINGERPRINT_FIELDS",
     "LAYOUT_FIELDS",
+    "SPEC_FIELDS",
+    "VLLM_GRID_RULE",
     "AllGatherReduceScatter",
     "AllToAll",
+    "ContextParallelGrid",
     "ContextParallelGroup",
     "ContextShard",
     "DcpGraphRunner",
     "DcpStep",
     "DecodeContextParallel",
+    "GridAttention",
+    "GridRanks",
+    "GridStep",
     "PrefillShard",
     "add_sinks",
+    "check_grid",
     "check_layout",
     "collective_refusal",
     "combine_partials",
     "correct_partial",
     "dcp_unsupported_reasons",
     "global_lse",
+    "grid_ranks",
     "local_positions",
     "local_seq_lens",
     "local_slot_mapping",

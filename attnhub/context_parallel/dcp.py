@@ -15,7 +15,8 @@ How one layer runs (docs/context-parallel.md, "A DCP step"):
 
 1. ``write_kv`` of the new tokens through the rank's slot mapping (another rank's token and a
    padding row: slot -1, not written).
-2. ``gather_heads``: the query of the group's ``N Hl`` heads.
+2. ``gather_heads``: the query of the group's ``N Hl`` heads (``B Hl`` where ranks share head
+   blocks: ``ContextParallelGroup.head_owner``).
 3. One ``forward(..., return_lse=True)`` of the backend over the rank's shard, for every head
    of the group, every query row as its own decode: the row of a request whose new token sits
    at global position ``p`` is a request of ``query_len`` 1 whose ``seq_len`` is the number of
@@ -156,7 +157,9 @@ class DecodeContextParallel:
         self._builder: AttentionMetadataBuilder[Any] | None = None
         n = group.world_size
         if not reasons:
-            gathered_spec = replace(spec, num_heads=n * spec.num_heads, use_sinks=False)
+            gathered_spec = replace(
+                spec, num_heads=group.head_blocks * spec.num_heads, use_sinks=False
+            )
             reasons += [
                 Refusal(f"decode context parallel over {n} ranks: the gathered spec "
                         f"({gathered_spec.num_heads} heads): {r.sentence}", field=r.field,
@@ -178,11 +181,19 @@ class DecodeContextParallel:
     def plan(self, batch: BatchMetadata) -> DcpStep:
         """This rank's plan of ``batch``: the checks, the step's agreement over the group (one
         fixed-size all-gather), the shard, and the gathered backend's metadata of the rank's
-        decodes. Raises on every rank (before any other collective) where a rank refuses."""
+        decodes, its outcome settled over the group (one more: a build that fails on one
+        rank, over its own lengths, fails on every rank). Raises on every rank (before any
+        other collective) where a rank refuses."""
         shard = self.agree_and_shard(batch)
-        assert self._builder is not None
-        flat, empty = self.flat_step(batch, shard, batch.device)
-        return DcpStep(shard, self._builder.build(flat), empty.to(batch.device))
+        builder = self._builder
+        assert builder is not None
+
+        def build() -> DcpStep:
+            flat, empty = self.flat_step(batch, shard, batch.device)
+            return DcpStep(shard, builder.build(flat), empty.to(batch.device))
+
+        # the build reads the rank's own lengths: it may refuse on one rank only
+        return self.group.settle(build, "the DCP step's metadata build")
 
     def agree_and_shard(
         self, batch: BatchMetadata, refusal: Exception | None = None
@@ -192,7 +203,7 @@ class DecodeContextParallel:
         (besides :attr:`refusal`), raised here after the agreement, the other ranks told."""
         return self.group.shard(
             batch, world_size=self.world_size, block_size=self.spec.block_size,
-            interleave=self.interleave, refusal=self.refusal or refusal,
+            interleave=self.interleave, refusal=self.refusal or refusal, spec=self.spec,
         )  # fmt: skip
 
     def flat_step(
@@ -250,7 +261,7 @@ class DecodeContextParallel:
             raise InvalidInputError(
                 "impl was made for another spec than this DecodeContextParallel's backend"
             )
-        n, hl = self.group.world_size, self.spec.num_heads
+        blocks, hl = self.group.head_blocks, self.spec.num_heads
         if query.dim() != 3 or tuple(query.shape[1:]) != (hl, self.spec.head_size):
             raise InvalidInputError(
                 f"query must be [num_tokens, {hl}, {self.spec.head_size}] (this rank's heads), "
@@ -263,7 +274,7 @@ class DecodeContextParallel:
         merged, merged_lse = self.group.combine(
             out, lse.t(), sinks=impl.sinks, empty_rows=step.empty_rows
         )
-        assert merged.shape[1] == hl and n * hl == out.shape[1]
+        assert merged.shape[1] == hl and blocks * hl == out.shape[1]
         result = merged.to(query.dtype)
         if return_lse:  # rows past the step: +inf, as forward's (a sink's term is no key)
             lse_rows = merged_lse.t().float().contiguous()

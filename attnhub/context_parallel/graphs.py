@@ -55,10 +55,11 @@ from attnhub.capabilities import GraphSupport
 from attnhub.context_parallel.dcp import DcpStep, DecodeContextParallel
 from attnhub.context_parallel.sharding import ContextShard, shard_step
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
-from attnhub.graphs.adaptor import CapturedGraph, GraphAdaptor
+from attnhub.graphs.adaptor import GraphAdaptor
 from attnhub.graphs.buffers import PersistentBatch, PersistentInputs
 from attnhub.graphs.descriptor import BatchDescriptor
 from attnhub.graphs.padding import pad_batch
+from attnhub.graphs.runner import GraphEntry, capture_or_replay, output_rows
 from attnhub.graphs.sizes import CaptureSizes
 from attnhub.kv_cache import PagedKVCache
 from attnhub.validation import check_extents
@@ -76,12 +77,6 @@ class _Prepared:
     size: int  # the capture size it pads to
     step_batch: BatchMetadata  # over the persistent buffers
     inputs: list[torch.Tensor]  # views of the persistent inputs
-
-
-@dataclass
-class _Entry:
-    meta: AttentionMetadata  # the gathered backend's, built for capture over the buffers
-    graph: CapturedGraph
 
 
 def collective_refusal(dcp: DecodeContextParallel) -> str | None:
@@ -143,7 +138,7 @@ class DcpGraphRunner:
         self.sizes = capture_sizes
         self.width = max_blocks_per_req
         self.kv_caches = list(kv_caches)
-        self.graphs: dict[int, _Entry] = {}
+        self.graphs: dict[int, GraphEntry] = {}
         #: "captures", "replays" so far.
         self.stats: dict[str, int] = {"captures": 0, "replays": 0}
         #: This rank's shard of the last step run (host data; a graph's forward reads none).
@@ -193,21 +188,17 @@ class DcpGraphRunner:
                 refusal = exc
         self.dcp.agree_and_shard(batch, refusal)
         assert prepared is not None and self.builder is not None and self.adaptor is not None
-        size, step_batch = prepared.size, prepared.step_batch
+        size, static = prepared.size, prepared.inputs
         self.last_shard = prepared.shard
-        entry = self.graphs.get(size)
-        if entry is None:
-            meta = self.builder.build_for_graph_capture(step_batch)
-            dcp_step = DcpStep(prepared.shard, meta, self.empty_rows[:size])
-            static = prepared.inputs
-            captured = self.adaptor.capture(lambda: self.step(*static, dcp_step))
-            entry = self.graphs[size] = _Entry(meta, captured)
-            self.stats["captures"] += 1
-        with self.adaptor.updating() as stream:
-            self.builder.update_graph_params(entry.meta, step_batch, stream)
-        self.adaptor.replay(entry.graph)
-        self.stats["replays"] += 1
-        return _rows(entry.graph.output, prepared.rows)
+
+        def step(meta: AttentionMetadata) -> Any:  # captured: the gathered backend's meta
+            return self.step(*static, DcpStep(prepared.shard, meta, self.empty_rows[:size]))
+
+        output = capture_or_replay(
+            self.graphs, size, builder=self.builder, adaptor=self.adaptor,
+            step_batch=prepared.step_batch, step=step, stats=self.stats,
+        )  # fmt: skip
+        return output_rows(output, prepared.rows)
 
     def _prepare(self, batch: BatchMetadata, inputs: Sequence[torch.Tensor]) -> _Prepared:
         """This rank's part of the step, before the agreement: its shard, its one-token rows
@@ -228,7 +219,7 @@ class DcpGraphRunner:
                 "(max_blocks_per_req)"
             )
         shard = shard_step(
-            batch, world_size=dcp.world_size, rank=dcp.group.rank,
+            batch, world_size=dcp.world_size, rank=dcp.group.shard_rank,
             block_size=dcp.spec.block_size, interleave=dcp.interleave,
         )  # fmt: skip
         flat, empty = dcp.flat_step(batch, shard, "cpu")
@@ -243,11 +234,3 @@ class DcpGraphRunner:
         empty_rows[:rows] = empty[:rows]
         self.empty_rows[:size].copy_(empty_rows, non_blocking=True)
         return _Prepared(shard, rows, size, step_batch, static)
-
-
-def _rows(output: Any, n: int) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output[:n]
-    if isinstance(output, (list, tuple)):
-        return type(output)(_rows(o, n) for o in output)
-    return output

@@ -16,13 +16,13 @@ until the next ``run``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from attnhub.backend import AttentionBackend, AttentionMetadata
+from attnhub.backend import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import GraphSupport
 from attnhub.errors import UnsupportedConfigurationError
@@ -40,9 +40,39 @@ StepFn = Callable[..., Any]
 
 
 @dataclass
-class _Entry:
-    meta: AttentionMetadata  # built for capture, over the persistent buffers
+class GraphEntry:
+    """One captured step: its metadata (built for capture, over the persistent buffers) and
+    its graph."""
+
+    meta: AttentionMetadata
     graph: CapturedGraph
+
+
+def capture_or_replay(
+    graphs: MutableMapping[Any, GraphEntry],
+    key: Hashable,
+    *,
+    builder: AttentionMetadataBuilder[Any],
+    adaptor: GraphAdaptor,
+    step_batch: BatchMetadata,
+    step: Callable[[AttentionMetadata], Any],
+    stats: MutableMapping[str, int],
+) -> Any:
+    """The captured step ``key`` run on ``step_batch`` (a batch over the persistent buffers,
+    already checked): on its first use, ``builder.build_for_graph_capture(step_batch)`` and the
+    capture of ``step(meta)``; every time, ``builder.update_graph_params`` inside
+    ``adaptor.updating()`` and the replay. Counts ``stats["captures"]`` and
+    ``stats["replays"]``; returns the graph's output (valid until the next replay)."""
+    entry = graphs.get(key)
+    if entry is None:
+        meta = builder.build_for_graph_capture(step_batch)
+        entry = graphs[key] = GraphEntry(meta, adaptor.capture(lambda: step(meta)))
+        stats["captures"] += 1
+    with adaptor.updating() as stream:
+        builder.update_graph_params(entry.meta, step_batch, stream)
+    adaptor.replay(entry.graph)
+    stats["replays"] += 1
+    return entry.graph.output
 
 
 class GraphRunner:
@@ -81,7 +111,7 @@ class GraphRunner:
             largest, largest, max_blocks_per_req, backend.spec.block_size, backend.device
         )
         self.input_buffers = PersistentInputs(largest)
-        self.graphs: dict[BatchDescriptor, _Entry] = {}
+        self.graphs: dict[BatchDescriptor, GraphEntry] = {}
         #: "captures", "replays", "eager" steps so far.
         self.stats: Counter[str] = Counter()
 
@@ -110,27 +140,22 @@ class GraphRunner:
         for cache in self.kv_caches:
             check_extents(extents, step_batch, cache)
         static = self.input_buffers.load(inputs, padded.num_real_tokens, desc.num_tokens)
-        entry = self.graphs.get(desc)
-        if entry is None:
-            meta = self.builder.build_for_graph_capture(step_batch)
-            captured = self.adaptor.capture(lambda: self.step(*static, meta))
-            entry = self.graphs[desc] = _Entry(meta, captured)
-            self.stats["captures"] += 1
-        with self.adaptor.updating() as stream:
-            self.builder.update_graph_params(entry.meta, step_batch, stream)
-        self.adaptor.replay(entry.graph)
-        self.stats["replays"] += 1
-        return _rows(entry.graph.output, padded.num_real_tokens)
+        output = capture_or_replay(
+            self.graphs, desc, builder=self.builder, adaptor=self.adaptor,
+            step_batch=step_batch, step=lambda meta: self.step(*static, meta), stats=self.stats,
+        )  # fmt: skip
+        return output_rows(output, padded.num_real_tokens)
 
     def _eager(self, batch: BatchMetadata, inputs: Sequence[torch.Tensor]) -> Any:
         self.stats["eager"] += 1
         meta = self.builder.build(batch)
-        return _rows(self.step(*inputs, meta), batch.num_actual_tokens)
+        return output_rows(self.step(*inputs, meta), batch.num_actual_tokens)
 
 
-def _rows(output: Any, n: int) -> Any:
+def output_rows(output: Any, n: int) -> Any:
+    """The first ``n`` rows of a step's output (a tensor, or a tuple/list of them)."""
     if isinstance(output, torch.Tensor):
         return output[:n]
     if isinstance(output, (list, tuple)):
-        return type(output)(_rows(o, n) for o in output)
+        return type(output)(output_rows(o, n) for o in output)
     return output

@@ -306,7 +306,11 @@ def run_group(n: int, job: dict[str, Any], deadline_s: float = DEADLINE_S) -> di
                 try:
                     rank, status, payload = results.get(timeout=1.0)
                 except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if p.exitcode is not None]
+                    dead = [
+                        r
+                        for r, p in enumerate(procs)
+                        if p.exitcode is not None and r not in reports
+                    ]
                     if dead and results.empty():
                         time.sleep(1.0)  # a report sent just before the exit is on its way
                         if results.empty():
