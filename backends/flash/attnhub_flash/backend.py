@@ -141,7 +141,7 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             if blocks and causal and self._wants_cascade(batch, blocks * batch.block_size):
                 fields.update(self._cascade(batch, main, blocks))
         # the KV write's plan: the provider's fields
-        fields.update(kernels.plan_write(batch, backend.device))
+        fields.update(kernels.plan_write(batch, backend.device, backend.spec))
         return fields
 
     def build_for_graph_capture(self, batch: BatchMetadata) -> FlashAttentionMetadata:
