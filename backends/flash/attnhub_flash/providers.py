@@ -1244,7 +1244,7 @@ class FA4Provider(Provider):
         """Also what FA4 refuses on the architecture it selects its kernels by
         (``ops.fa4_arch``: ``FLASH_ATTENTION_ARCH``, else the current GPU, else SM100)."""
         reasons = super().refusals(spec, declared)
-        if any(r.field == "head_size" for r in reasons):
+        if any(r.field in ("head_size", "head_size_v") for r in reasons):
             return reasons
         return reasons + _fa4_refusals(spec, ops.fa4_arch())
 
