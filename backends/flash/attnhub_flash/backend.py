@@ -435,6 +435,12 @@ class FlashBackend(AttentionBackend):
             return declared
         return cls.kernels.refusals(spec, declared)
 
+    @classmethod
+    def mla_unsupported_reasons(cls, spec: MLASpec) -> list[Refusal]:
+        """The declaration's reasons, then what the provider's kernels refuse on the
+        architecture they select (FA4's qv: Blackwell only)."""
+        return super().mla_unsupported_reasons(spec) or cls.kernels.mla_refusals(spec)
+
     def __init__(
         self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False
     ) -> None:

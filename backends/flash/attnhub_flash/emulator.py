@@ -1839,7 +1839,6 @@ def fa4_flash_attn_varlen_func(
     op = "flash_attn.cute.flash_attn_varlen_func"
     _not_emulated(
         op,
-        qv=qv,
         min_seqlen_k=min_seqlen_k,
         seqused_q=seqused_q,
         gather_kv_indices=gather_kv_indices,
@@ -1855,7 +1854,11 @@ def fa4_flash_attn_varlen_func(
     paged = page_table is not None
     arch = _check_fa4_inputs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, paged=paged)
     rules = _fa4_rules(arch)
-    q, k, v = _check_qkv(op, rules, q, k, v, paged=paged)
+    qv_t = None
+    if qv is not None:
+        q, k, v, qv_t = _check_fa4_qv(op, arch, q, k, v, qv, bool(causal), window_size, paged)
+    else:
+        q, k, v = _check_qkv(op, rules, q, k, v, paged=paged)
     if paged:
         _check_fa4_paged_head_dim(op, arch, q, k, v, bool(causal), window_size)
     q_starts, q_lens, kv_starts, kv_lens = _varlen_lengths(
@@ -1867,18 +1870,89 @@ def fa4_flash_attn_varlen_func(
     if max_seqlen_k is not None:
         _max_covers(op, "max_seqlen_k", max_seqlen_k, kv_lens)
     sink = None if learnable_sink is None else _fa4_sink(op, learnable_sink, q)
+    # the default scale: q's head dim, or with qv q's and qv's together [schema]
+    dims = q.shape[-1] + (0 if qv_t is None else v.shape[-1])
     args: dict[str, Any] = dict(
-        scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
+        scale=dims**-0.5 if softmax_scale is None else float(softmax_scale),
         window=_window(op, window_size, bool(causal), none_is_unbounded=True),
         softcap=_softcap(op, softcap),
         slopes=None,
         sink=sink,
     )
+    if qv_t is not None:
+        args["qv"] = qv_t
     if paged:
         res, lse = _paged_call(op, rules, q, k, v, q_starts, kv_lens, page_table, **args)
     else:
         res, lse = _varlen(op, rules, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
+    if qv_t is not None:  # with qv the LSE is (total_q, nheads): "nheads as the contiguous
+        lse = lse.t().contiguous()  # mode" [doc]
     return res.to(q.dtype), (lse if return_lse else None)
+
+
+#: FA4's value query [source: flash-attn-4 4.0.0b36 interface.py, _flash_attn_fwd]: MLA's
+#: absorbed shape only (q/k head dim 64, v and qv 512), on Blackwell.
+FA4_QV_HEAD_DIMS = (64, 512)
+
+
+def _check_fa4_qv(
+    op: str,
+    arch: int,
+    q: object,
+    k: object,
+    v: object,
+    qv: object,
+    causal: bool,
+    window_size: tuple[int | None, int | None] | None,
+    paged: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A call with FA4's ``qv`` (``O = softmax(scale * (Q @ K.T + Qv @ V.T)) @ V`` [doc]), as
+    ``_flash_attn_fwd`` checks it, in its order [source]: one dtype for q, k, v and qv, fp16 or
+    bf16 here (its fp8 MLA path is not emulated); ``_validate_head_dims`` (SM90: head_dim_v
+    <= 256); "only support Blackwell arch with qv"; qv shaped as q but for v's head dim;
+    head_dim_v 512 and head_dim 64; no local window. The interface routes such a call to its
+    MLA kernels (1CTA or 2CTA, by ``_mla_1cta_route``); the math is theirs alike."""
+    if not isinstance(q, torch.Tensor):
+        raise NotEmulatedError(f"{op}: q=None (qv alone) is not emulated")
+    if not paged:
+        raise NotEmulatedError(f"{op}: qv without page_table is not emulated")
+    dev = q.device
+    q = _tensor(op, "q", q, 3, dev)
+    k = _tensor(op, "k", k, 4, dev)
+    v = _tensor(op, "v", v, 4, dev)
+    qv = _tensor(op, "qv", qv, 3, dev)
+    if v.dtype not in MODEL_DTYPES:
+        if v.dtype in (FP8, torch.float8_e5m2):
+            raise NotEmulatedError(f"{op}: fp8 inputs with qv are not emulated")
+        raise AssertionError("inputs must be float16, bfloat16, fp8 e4m3fn, or fp8 e5m2")
+    if any(t.dtype != v.dtype for t in (q, k, qv)):
+        raise AssertionError("q, k, v, and qv must have the same dtype")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise AssertionError(f"k {list(k.shape)} and v {list(v.shape)} must agree but for hdim")
+    num_heads, head_dim = q.shape[1:]
+    head_dim_v = v.shape[-1]
+    if num_heads % v.shape[-2]:
+        raise AssertionError("num_head must be divisible by num_head_kv")
+    if not _fa4_head_dims_ok(arch, head_dim, head_dim_v):
+        raise _fail(
+            op,
+            f"(head_dim, head_dim_v)=({head_dim}, {head_dim_v}) is not supported on "
+            f"SM{arch} (_validate_head_dims)",
+        )
+    if arch // 10 not in (10, 11):
+        raise AssertionError("only support Blackwell arch with qv")
+    if qv.shape[:-1] != q.shape[:-1] or qv.shape[-1] != head_dim_v:
+        raise AssertionError(
+            f"qv must have shape {[*q.shape[:-1], head_dim_v]}, got {list(qv.shape)}"
+        )
+    if (head_dim, head_dim_v) != FA4_QV_HEAD_DIMS:
+        raise AssertionError(
+            f"qv takes head_dim 64 and head_dim_v 512, got {head_dim} and {head_dim_v}"
+        )
+    pair: Any = (None, None) if window_size is None else tuple(window_size)
+    if _fa4_causal_local(causal, pair)[1]:
+        raise AssertionError("local not yet supported with qv")
+    return q, k, v, qv
 
 
 def _check_fa4_inputs(

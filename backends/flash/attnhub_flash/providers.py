@@ -148,6 +148,9 @@ HEAD_SIZE_V_FA4 = HeadSizeVSupport(
 #: kernels: the emulator takes those, attnhub declares the two unpadded shapes];
 #: DeepSeek's (512, 64) among them.
 MLA_LATENT_SIZES = frozenset({(256, 64), (512, 64)})
+#: FA4's qv: head_dim 64 (the rope part) and head_dim_v 512 (kv_lora_rank) only [source:
+#: flash-attn-4 4.0.0b36 interface.py _flash_attn_fwd], DeepSeek's latent.
+FA4_MLA_LATENT = (512, 64)
 _MLA_WHY = {
     "mla.dtype": "FA3's value query takes float16 and bfloat16 ('q_v is only supported for "
     "fp16 and bf16 data type')",
@@ -156,6 +159,53 @@ _MLA_WHY = {
     "mla.latent_size": "FA3's value-query kernels are built for a rope part of 64 with a "
     "kv_lora_rank of 256 or 512 (hdim 64 x hdimv 256 / 512)",
 }
+
+
+def _fa4_mla_refusals(arch: int) -> list[Refusal]:
+    """FA4's qv on ``arch``: "only support Blackwell arch with qv", and on SM90
+    ``_validate_head_dims`` refuses head_dim_v 512 before it [source]."""
+    if arch // 10 in (10, 11):
+        return []
+    return [
+        Refusal(
+            f"MLA is not served on SM{arch} (provider fa4: FA4's qv runs on SM100/SM110 only: "
+            "'only support Blackwell arch with qv')",
+            field="mla",
+            value=arch,
+        )
+    ]
+
+
+def _fa4_mla(arch: int) -> MlaSupport:
+    """The absorbed MLA form through FA4's ``qv`` (provider fa4), declared where FA4 selects
+    Blackwell kernels: ``arch`` is ``FLASH_ATTENTION_ARCH`` when the process sets it, else SM100
+    (``ops.fa4_arch("cpu")``: no GPU is asked at import); a native backend on another GPU
+    refuses an MLA layer at construction (``FA4Provider.device_refusals``)."""
+    if _fa4_mla_refusals(arch):
+        return MlaSupport(
+            reason=f"provider fa4 on SM{arch}: FA4's qv runs on SM100/SM110 only ('only "
+            "support Blackwell arch with qv'; _validate_head_dims refuses head_dim_v 512 on "
+            "SM90)"
+        )
+    return MlaSupport(
+        dtypes=HALF,
+        kv_cache_dtypes=frozenset({"auto"}),
+        latent_sizes=frozenset({FA4_MLA_LATENT}),
+        # k and v are two arguments with strides of their own [schema]: vLLM's joint plane or
+        # two planes; the write is the scatter (FA4 has no write op)
+        layouts=("joint", "split"),
+        max_query_len=None,  # varlen q, causal bottom-right as FA4's other calls [inferred]
+        lse=LseSupport(dtypes=HALF, reason=_COMMON_WHY["dtype"]),
+        tolerances=TOLERANCES,
+        reason="provider fa4 (flash_attn.cute's qv): FA4's MLA kernels serve MLA's absorbed "
+        "form on SM100/SM110",
+        because={
+            "mla.dtype": "FA4's qv here in fp16 and bf16 (its fp8 MLA path is not used)",
+            "mla.kv_cache_dtype": "FA4's fp8 MLA path is not used",
+            "mla.latent_size": "FA4's qv takes head_dim 64 and head_dim_v 512 only ('assert "
+            "head_dim_v == 512', 'assert q is None or head_dim == 64')",
+        },
+    )
 
 
 def _fa3_mla(block_size_multiple: int, where: str, layouts: tuple[str, ...]) -> MlaSupport:
@@ -439,6 +489,11 @@ class Provider(abc.ABC):
     ) -> dict[str, Any]:
         """The keyword arguments of a step's MLA call that every layer passes alike."""
         raise NotImplementedError(f"provider {self.name} has no MLA call")
+
+    def mla_refusals(self, spec: MLASpec) -> list[Refusal]:
+        """What the provider refuses of an MLA layer beyond ``capabilities.mla`` (where its
+        kernels' architecture decides). Default: nothing."""
+        return []
 
     def mla_plan_write(self, batch: BatchMetadata, device: torch.device) -> dict[str, Any]:
         """The latent write's plan, metadata fields (``mla_plan_slots`` of the step's slots)."""
@@ -1225,13 +1280,7 @@ class FA4Provider(Provider):
         head_size_v=HEAD_SIZE_V_FA4,
         graph_capture=GraphSupport.UNIFORM_BATCH,
         graph_capture_reason=_FA4_GRAPH_WHY,
-        mla=MlaSupport(
-            reason="provider fa4: not wired: FA4 4.0.0b36's flash_attn_varlen_func takes qv, "
-            "but _validate_head_dims accepts MLA's absorbed shape (head_dim 64, head_dim_v 512) "
-            "on SM100/SM110 only (SM90: head_dim_v <= 256), through MLA kernels (1CTA/2CTA "
-            "routing, their own splits) not translated or emulated here; vLLM: 'FA4 CuteDSL "
-            "does NOT currently support MLA's non-standard head dimensions'"
-        ),
+        mla=_fa4_mla(ops.fa4_arch("cpu")),
     )
     why: ClassVar[Mapping[str, str]] = {
         "alibi": "FA4 has no ALiBi (score_mod could express it; not done)",
@@ -1249,7 +1298,52 @@ class FA4Provider(Provider):
         return reasons + _fa4_refusals(spec, ops.fa4_arch())
 
     def device_refusals(self, spec: AttentionSpec, device: torch.device) -> list[str]:
-        return [*super().device_refusals(spec, device), *_fa4_refusals(spec, ops.fa4_arch(device))]
+        arch = ops.fa4_arch(device)
+        if isinstance(spec, MLASpec):  # FA4's qv: Blackwell, not FA3's Hopper
+            return [str(r) for r in _fa4_mla_refusals(arch)]
+        return [*super().device_refusals(spec, device), *_fa4_refusals(spec, arch)]
+
+    def mla_refusals(self, spec: MLASpec) -> list[Refusal]:
+        return _fa4_mla_refusals(ops.fa4_arch())
+
+    def mla_kwargs(
+        self,
+        backend: FlashBackend,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        block_table: torch.Tensor,
+    ) -> dict[str, Any]:
+        """flash_attn_varlen_func's paged varlen call with qv, causal, the spec's scale (its
+        default would be (rope + kv_lora_rank) ** -0.5 [schema], not MLA's)."""
+        return dict(
+            cu_seqlens_q=query_start_loc,
+            max_seqlen_q=max(max_query_len, 1),
+            seqused_k=seq_lens,
+            max_seqlen_k=max_seq_len,
+            page_table=block_table,
+            softmax_scale=backend.spec.scale,
+            causal=True,
+        )
+
+    def mla_call(
+        self,
+        backend: FlashBackend,
+        q: torch.Tensor,
+        qv: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kwargs: dict[str, Any],
+        out: torch.Tensor,
+        lse: bool,
+    ) -> Result:
+        # no out= in FA4's flash_attn_varlen_func [schema]: the result is copied; with qv the
+        # LSE is (total_q, nheads) [doc], the varlen calls' (nheads, total_q) transposed
+        result, lse_t = backend.ops.attention.flash_attn_varlen_func(
+            q, k, v, qv=qv, return_lse=lse, **kwargs
+        )
+        return result, (lse_t.t() if lse else None)
 
     def window(self, spec: AttentionSpec) -> tuple[Any, Any]:
         # FA4 spells "no bound" None, and (None, None) when there is no window [schema]
