@@ -141,7 +141,7 @@ class FlashMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
             if blocks and causal and self._wants_cascade(batch, blocks * batch.block_size):
                 fields.update(self._cascade(batch, main, blocks))
         # the KV write's plan: the provider's fields
-        fields.update(kernels.plan_write(batch, backend.device))
+        fields.update(kernels.plan_write(batch, backend.device, backend.spec))
         return fields
 
     def build_for_graph_capture(self, batch: BatchMetadata) -> FlashAttentionMetadata:
@@ -434,6 +434,12 @@ class FlashBackend(AttentionBackend):
         if isinstance(spec, MLASpec):  # Capabilities.mla says it all, with its reasons
             return declared
         return cls.kernels.refusals(spec, declared)
+
+    @classmethod
+    def mla_unsupported_reasons(cls, spec: MLASpec) -> list[Refusal]:
+        """The declaration's reasons, then what the provider's kernels refuse on the
+        architecture they select (FA4's qv: Blackwell only)."""
+        return super().mla_unsupported_reasons(spec) or cls.kernels.mla_refusals(spec)
 
     def __init__(
         self, spec: AttentionSpec, device: torch.device | str = "cpu", *, emulate: bool = False

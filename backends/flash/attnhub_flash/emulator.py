@@ -176,6 +176,62 @@ class _Rules:
     #: FA3 (hopper): a sequence with no key tile (seqlen_k = 0) is stored as zeros with LSE
     #: -inf by ``store_zero``, without the sink (s_aux joins only in ``finalize_aux``) [source]
     empty_sequence_drops_sink: bool = False
+    #: A value head size other than q/k's: None where the kernels take none (v must have k's
+    #: shape: FA2's ``CHECK_SHAPE(v, ..., head_size)``), else the check of a
+    #: ``(head_size, head_size_v)`` pair for q's dtype (raises; ``_fa3_head_size_v``).
+    head_size_v: Callable[[str, int, int, torch.dtype], None] | None = None
+
+
+#: FA3's value head sizes other than q/k's [source: hopper/flash_api.cpp mha_fwd, upstream
+#: 2.8.3 and vLLM's fork alike, whose CMake build keeps both FLASHATTENTION_DISABLE_HDIMDIFF*
+#: commented out]: keys in (128, 192] with values in (96, 128] (the hdim 192 x hdimv 128
+#: kernels), or keys <= 64 with values <= 512 (64 x 64, 64 x 256, 64 x 512).
+FA3_HDIMDIFF_LONG = ((129, 192), (97, 128))
+FA3_HDIMDIFF_SHORT = ((1, 64), (1, 512))
+
+
+def _fa3_head_size_v(op: str, head_size: int, head_size_v: int, dtype: torch.dtype) -> None:
+    """mha_fwd's checks of a V head size other than Q/K's, in its order [source], on Hopper
+    (the emulator is a 9.x GPU: 'Only Hopper supports different V headdim' is the backend's
+    device check). Calls the check passes whose kernel is not the one the host plans for
+    (below) raise NotEmulatedError: valid, but not what attnhub uses or emulates."""
+    (k_lo, k_hi), (v_lo, v_hi) = FA3_HDIMDIFF_LONG
+    long = k_lo <= head_size <= k_hi and v_lo <= head_size_v <= v_hi
+    short = head_size <= FA3_HDIMDIFF_SHORT[0][1] and head_size_v <= FA3_HDIMDIFF_SHORT[1][1]
+    if not (long or short):
+        raise _fail(
+            op,
+            "If V headdim is different from Q/K dim, we only support Q/K headdim in (128, 192] "
+            f"and V headdim in (96, 128], or (Q/K <= 64 and V <= 512); got {head_size} / "
+            f"{head_size_v}",
+        )
+    if head_size_v > 256 and dtype not in MODEL_DTYPES:
+        raise _fail(op, f"HeaddimV > 256 requires fp16 and bf16 data type (got {dtype})")
+    alignment = 16 if dtype == FP8 else 8
+    for name, size in (("head_size", head_size), ("head_size_v", head_size_v)):
+        if size % alignment:
+            raise _fail(op, f"{name} should be a multiple of {alignment}, got {size}")
+    if short and head_size_v > 64:
+        if dtype == FP8:
+            # run_mha_fwd builds e4m3 kernels of hdim 64 x hdimv 64 only: a wider V would run
+            # on a kernel whose V tile is narrower than it [source: run_mha_fwd_constexpr]
+            raise NotEmulatedError(
+                f"{op}: fp8 with head_size {head_size} and head_size_v {head_size_v} passes "
+                "mha_fwd's checks but FA3 builds its fp8 hdim-64 kernels for hdimv 64 only; "
+                "not emulated"
+            )
+        if head_size_v <= 192:
+            # the kernel is 64 x 256, but the host plans its tiles (paged-KV TMA, splits, GQA
+            # packing: 'This needs to match the kernel configs') for hdimv rounded to 128 or
+            # 192, the 64 x 64 kernel's tiles [source: get_pagedkv_tma, get_num_splits,
+            # round_up_headdimv, tile_size_fwd_sm90]; FA3's own tests take hdimv 256 and 512
+            # with hdim <= 64 [source: hopper/test_flash_attn.py dv_vals] [inferred]
+            raise NotEmulatedError(
+                f"{op}: head_size {head_size} with head_size_v {head_size_v} passes mha_fwd's "
+                "checks, but the host plans the tiles of hdimv "
+                f"{128 if head_size_v <= 128 else 192} for the hdim 64 x hdimv 256 kernel it "
+                "runs; not emulated"
+            )
 
 
 def _check_qkv(
@@ -201,7 +257,8 @@ def _check_qkv(
         raise _fail(op, f"{rules.lib} supports only {kinds} here, got q {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise _fail(op, f"query and key/value must have the same dtype: {q.dtype}, {k.dtype}")
-    if k.shape != v.shape:
+    distinct_v = rules.head_size_v is not None and k.shape[:-1] == v.shape[:-1]
+    if k.shape != v.shape and not distinct_v:
         raise _fail(op, f"k {list(k.shape)} and v {list(v.shape)} must have the same shape")
     num_heads, head_size = q.shape[1:]
     num_kv_heads = k.shape[-2]
@@ -209,7 +266,10 @@ def _check_qkv(
         raise _fail(op, f"k head size {k.shape[-1]} != q head size {head_size}")
     if num_heads % num_kv_heads:
         raise _fail(op, f"nheads {num_heads} must be divisible by nheads_k {num_kv_heads}")
-    if not rules.head_ok(head_size):
+    if v.shape[-1] != head_size:  # the pair's own rule (its head size included)
+        assert rules.head_size_v is not None
+        rules.head_size_v(op, head_size, v.shape[-1], q.dtype)
+    elif not rules.head_ok(head_size):
         raise _fail(op, f"head size {head_size}: {rules.lib} supports {rules.head_rule}")
     if q.dtype == FP8 and head_size % 16:  # alignment 16 for fp8, 8 otherwise [source]
         raise _fail(op, f"head_size should be a multiple of 16 (fp8 inputs), got {head_size}")
@@ -652,8 +712,9 @@ def _max_covers(op: str, name: str, given: object, lengths: Sequence[int]) -> No
 def _out(
     op: str, out: object, like: torch.Tensor, head_size_v: int | None = None
 ) -> torch.Tensor | None:
-    """``out=``: q's shape (with ``head_size_v``, v's head size: a value query), and q's
-    dtype (bf16 for fp8 q: "For FP8 input, output must have dtype BF16" [source])."""
+    """``out=``: q's shape but v's head size (``head_size_v``: ``CHECK_SHAPE(out, total_q,
+    num_heads, head_size_v)``), and q's dtype (bf16 for fp8 q: "For FP8 input, output must
+    have dtype BF16" [source])."""
     if out is None:
         return None
     t = _tensor(op, "out", out, like.dim(), like.device)
@@ -700,6 +761,7 @@ _VLLM_FA3_RULES = _Rules(  # fa_version=3: the fork's hopper kernels
     16,
     -math.inf,
     empty_sequence_drops_sink=True,
+    head_size_v=_fa3_head_size_v,  # the fork's mha_fwd: upstream's checks [source]
 )
 #: The fork's FA3 with s_aux [source: the fork's hopper/flash_api.cpp mha_fwd]
 _S_AUX_MAX_HEADS = 64
@@ -799,8 +861,8 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
             causal=bool(causal),
             window=(-1, -1) if window_size is None else tuple(window_size),
         )
-    sink = None if s_aux is None else _s_aux(op, s_aux, q)
-    out_t = _out(op, out, q, None if qv_t is None else v.shape[-1])
+    sink = None if s_aux is None else _s_aux(op, s_aux, q, v.shape[-1])
+    out_t = _out(op, out, q, v.shape[-1])
     args: dict[str, Any] = dict(
         # the fork's default scale is q's head size alone, q_v or not [schema]
         scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
@@ -953,12 +1015,14 @@ def _check_fa3_splits(
             )
 
 
-def _s_aux(op: str, s_aux: object, q: torch.Tensor) -> torch.Tensor:
-    """FA3's sink logits, one per query head (refused on FA2 before this)
-    [source: hopper/flash_api.cpp]."""
+def _s_aux(op: str, s_aux: object, q: torch.Tensor, head_size_v: int) -> torch.Tensor:
+    """FA3's sink logits, one per query head (refused on FA2 before this), with one head size
+    for q, k and v [source: the fork's hopper/flash_api.cpp]."""
     dev = q.device
     if q.shape[1] > _S_AUX_MAX_HEADS:
         raise _fail(op, "We only support query heads <= 64 with S aux")
+    if head_size_v != q.shape[-1]:
+        raise _fail(op, "We don't support S aux with hdim != hdim_v")
     if not isinstance(s_aux, torch.Tensor):
         raise _fail(op, f"s_aux must be a Tensor, got {type(s_aux).__name__}")
     if s_aux.dtype != torch.bfloat16:
@@ -1196,8 +1260,14 @@ def _check_cache_write(
             raise _fail(op, f"key/value must be float32, fp16 or bf16, got {key.dtype}")
     elif key.dtype != kc.dtype or value.dtype != vc.dtype:
         raise _fail(op, f"key {key.dtype} and cache {kc.dtype} differ with kv_cache_dtype 'auto'")
-    if tuple(key.shape[1:]) != tuple(kc.shape[2:]) or kc.shape != vc.shape:
+    # the value plane may be narrower or wider than the key plane (a value head size other
+    # than the key's: vLLM 0.32's FlashAttentionImpl.do_kv_cache_update splits its per-layer
+    # [..., head_size + head_size_v] tensor at head_size and passes both planes [callers]);
+    # each row is written at its own plane's width [inferred]
+    if tuple(key.shape[1:]) != tuple(kc.shape[2:]) or kc.shape[:-1] != vc.shape[:-1]:
         raise _fail(op, f"key {list(key.shape)} does not fit the cache {list(kc.shape)}")
+    if tuple(value.shape[1:]) != tuple(vc.shape[2:]):
+        raise _fail(op, f"value {list(value.shape)} does not fit the cache {list(vc.shape)}")
     if kc.stride(0) != vc.stride(0):
         raise _fail(
             op,
@@ -1210,8 +1280,8 @@ def _check_cache_write(
             f"value_cache strides {list(vc.stride())} differ from key_cache's "
             f"{list(kc.stride())}: the kernel indexes both with key_cache's strides",
         )
-    head_size = key.shape[2]
     for name, src in (("key", key), ("value", value)):
+        head_size = src.shape[2]
         if src.shape[1] > 1 and src.stride(1) != head_size:
             raise _fail(
                 op,
@@ -1419,7 +1489,7 @@ def _padded_batch_call(
     if t.dtype != torch.int32:
         raise _fail(op, f"{table_name} must have dtype torch.int32, got {t.dtype}")
     res, lse = _paged_call(op, rules, qf, kc, vc, starts, kv_lens, t, **math_args)
-    out = res.to(_out_dtype(qf)).view(batch, seqlen, *q.shape[2:])
+    out = res.to(_out_dtype(qf)).view(batch, seqlen, q.shape[2], vc.shape[-1])
     # (H, B * Sq) -> (B, H, Sq)
     return out, lse.view(-1, batch, seqlen).permute(1, 0, 2).contiguous()
 
@@ -1489,6 +1559,7 @@ _FA3_RULES = _Rules(
     1,  # "page_block_size can be arbitrary" [doc]
     -math.inf,  # hopper softmax.h finalize / epilogue store_zero [source]
     empty_sequence_drops_sink=True,  # no sinks in 2.8.3's interface: never reached
+    head_size_v=_fa3_head_size_v,
 )
 
 
@@ -1640,6 +1711,41 @@ def _fa3_rest() -> tuple[torch.Tensor, torch.Tensor]:
 # --- FA4: flash_attn.cute ----------------------------------------------------------------------
 
 
+def _fa4_head_dims_ok(arch: int, head_dim: int, head_dim_v: int) -> bool:
+    """``_validate_head_dims`` for 16-bit dtypes (alignment 8) [source: flash-attn-4 4.0.0b36
+    interface.py]: SM90 any pair in 8..256; SM100/110 both in 8..128, or (192, 128)
+    (DeepSeek), (64, 512) or (d, d) with d = 512 (MLA's absorbed shape), (256, 256)."""
+    aligned = head_dim % 8 == 0 and head_dim_v % 8 == 0
+    if arch // 10 == 9:
+        return aligned and 8 <= head_dim <= 256 and 8 <= head_dim_v <= 256
+    return aligned and (
+        (8 <= head_dim <= 128 and 8 <= head_dim_v <= 128)
+        or (head_dim, head_dim_v) == (192, 128)
+        or ((head_dim == 64 or head_dim == head_dim_v) and head_dim_v == 512)
+        or (head_dim, head_dim_v) == (256, 256)
+    )
+
+
+def _fa4_head_size_v(arch: int) -> Callable[[str, int, int, torch.dtype], None]:
+    """FA4's check of a (head_dim, head_dim_v) pair on ``arch`` (``_validate_head_dims``)."""
+
+    def check(op: str, head_size: int, head_size_v: int, dtype: torch.dtype) -> None:
+        if not _fa4_head_dims_ok(arch, head_size, head_size_v):
+            raise _fail(
+                op,
+                f"(head_dim, head_dim_v)=({head_size}, {head_size_v}) is not supported on "
+                f"SM{arch} (_validate_head_dims)",
+            )
+        if head_size_v == 512:
+            # the MLA absorbed shape: the interface routes it to its MLA kernels with qv
+            # ('assert head_dim_v == 512' there) [source]
+            raise NotEmulatedError(
+                f"{op}: head_dim_v 512 without qv (MLA's absorbed shape) is not emulated"
+            )
+
+    return check
+
+
 def _fa4_rules(arch: int) -> _Rules:
     """FA4's rules on ``arch`` (``_validate_head_dims``, 16-bit dtypes: alignment 8) [source:
     flash-attn-4 4.0.0b36 interface.py]."""
@@ -1650,6 +1756,7 @@ def _fa4_rules(arch: int) -> _Rules:
             "8..256 in multiples of 8 on SM90 (_validate_head_dims)",
             1,  # any page size; the key tile is the TMA path [schema]
             -math.inf,  # empty rows: lse.fill_(-inf) [schema]
+            head_size_v=_fa4_head_size_v(arch),
         )
     return _Rules(
         "flash_attn.cute (FA4)",
@@ -1657,12 +1764,13 @@ def _fa4_rules(arch: int) -> _Rules:
         f"8..128 in multiples of 8, or 256 on SM{arch} (_validate_head_dims)",
         1,
         -math.inf,
+        head_size_v=_fa4_head_size_v(arch),
     )
 
 
-def _fa4_tile_n(arch: int, head_dim: int, *, causal: bool, local: bool) -> int:
+def _fa4_tile_n(arch: int, head_dim: int, head_dim_v: int, *, causal: bool, local: bool) -> int:
     """FA4's key tile: ``FwdConfig(128, 128)`` (SM100/110, SM120 head <= 64), SM120 head > 64
-    64, SM90 ``_tile_size_fwd_sm90`` (head_dim_v = head_dim) [source]."""
+    64, SM90 ``_tile_size_fwd_sm90`` [source]."""
     if arch // 10 == 12:
         return 128 if head_dim <= 64 else 64
     if arch // 10 != 9:
@@ -1672,7 +1780,7 @@ def _fa4_tile_n(arch: int, head_dim: int, *, causal: bool, local: bool) -> int:
     if head_dim <= 96:
         return 128 if causal or local else 144
     if head_dim <= 192:
-        return 96 if local else 112
+        return 96 if local else (128 if head_dim_v <= 128 else 112)
     return 64 if local else 80
 
 
@@ -1731,7 +1839,6 @@ def fa4_flash_attn_varlen_func(
     op = "flash_attn.cute.flash_attn_varlen_func"
     _not_emulated(
         op,
-        qv=qv,
         min_seqlen_k=min_seqlen_k,
         seqused_q=seqused_q,
         gather_kv_indices=gather_kv_indices,
@@ -1747,9 +1854,13 @@ def fa4_flash_attn_varlen_func(
     paged = page_table is not None
     arch = _check_fa4_inputs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, paged=paged)
     rules = _fa4_rules(arch)
-    q, k, v = _check_qkv(op, rules, q, k, v, paged=paged)
+    qv_t = None
+    if qv is not None:
+        q, k, v, qv_t = _check_fa4_qv(op, arch, q, k, v, qv, bool(causal), window_size, paged)
+    else:
+        q, k, v = _check_qkv(op, rules, q, k, v, paged=paged)
     if paged:
-        _check_fa4_paged_head_dim(op, arch, q, k, bool(causal), window_size)
+        _check_fa4_paged_head_dim(op, arch, q, k, v, bool(causal), window_size)
     q_starts, q_lens, kv_starts, kv_lens = _varlen_lengths(
         op, q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, paged=paged, table="page_table"
     )
@@ -1759,18 +1870,89 @@ def fa4_flash_attn_varlen_func(
     if max_seqlen_k is not None:
         _max_covers(op, "max_seqlen_k", max_seqlen_k, kv_lens)
     sink = None if learnable_sink is None else _fa4_sink(op, learnable_sink, q)
+    # the default scale: q's head dim, or with qv q's and qv's together [schema]
+    dims = q.shape[-1] + (0 if qv_t is None else v.shape[-1])
     args: dict[str, Any] = dict(
-        scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
+        scale=dims**-0.5 if softmax_scale is None else float(softmax_scale),
         window=_window(op, window_size, bool(causal), none_is_unbounded=True),
         softcap=_softcap(op, softcap),
         slopes=None,
         sink=sink,
     )
+    if qv_t is not None:
+        args["qv"] = qv_t
     if paged:
         res, lse = _paged_call(op, rules, q, k, v, q_starts, kv_lens, page_table, **args)
     else:
         res, lse = _varlen(op, rules, q, k, v, q_starts, kv_lens, kv_starts, None, **args)
+    if qv_t is not None:  # with qv the LSE is (total_q, nheads): "nheads as the contiguous
+        lse = lse.t().contiguous()  # mode" [doc]
     return res.to(q.dtype), (lse if return_lse else None)
+
+
+#: FA4's value query [source: flash-attn-4 4.0.0b36 interface.py, _flash_attn_fwd]: MLA's
+#: absorbed shape only (q/k head dim 64, v and qv 512), on Blackwell.
+FA4_QV_HEAD_DIMS = (64, 512)
+
+
+def _check_fa4_qv(
+    op: str,
+    arch: int,
+    q: object,
+    k: object,
+    v: object,
+    qv: object,
+    causal: bool,
+    window_size: tuple[int | None, int | None] | None,
+    paged: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A call with FA4's ``qv`` (``O = softmax(scale * (Q @ K.T + Qv @ V.T)) @ V`` [doc]), as
+    ``_flash_attn_fwd`` checks it, in its order [source]: one dtype for q, k, v and qv, fp16 or
+    bf16 here (its fp8 MLA path is not emulated); ``_validate_head_dims`` (SM90: head_dim_v
+    <= 256); "only support Blackwell arch with qv"; qv shaped as q but for v's head dim;
+    head_dim_v 512 and head_dim 64; no local window. The interface routes such a call to its
+    MLA kernels (1CTA or 2CTA, by ``_mla_1cta_route``); the math is theirs alike."""
+    if not isinstance(q, torch.Tensor):
+        raise NotEmulatedError(f"{op}: q=None (qv alone) is not emulated")
+    if not paged:
+        raise NotEmulatedError(f"{op}: qv without page_table is not emulated")
+    dev = q.device
+    q = _tensor(op, "q", q, 3, dev)
+    k = _tensor(op, "k", k, 4, dev)
+    v = _tensor(op, "v", v, 4, dev)
+    qv = _tensor(op, "qv", qv, 3, dev)
+    if v.dtype not in MODEL_DTYPES:
+        if v.dtype in (FP8, torch.float8_e5m2):
+            raise NotEmulatedError(f"{op}: fp8 inputs with qv are not emulated")
+        raise AssertionError("inputs must be float16, bfloat16, fp8 e4m3fn, or fp8 e5m2")
+    if any(t.dtype != v.dtype for t in (q, k, qv)):
+        raise AssertionError("q, k, v, and qv must have the same dtype")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise AssertionError(f"k {list(k.shape)} and v {list(v.shape)} must agree but for hdim")
+    num_heads, head_dim = q.shape[1:]
+    head_dim_v = v.shape[-1]
+    if num_heads % v.shape[-2]:
+        raise AssertionError("num_head must be divisible by num_head_kv")
+    if not _fa4_head_dims_ok(arch, head_dim, head_dim_v):
+        raise _fail(
+            op,
+            f"(head_dim, head_dim_v)=({head_dim}, {head_dim_v}) is not supported on "
+            f"SM{arch} (_validate_head_dims)",
+        )
+    if arch // 10 not in (10, 11):
+        raise AssertionError("only support Blackwell arch with qv")
+    if qv.shape[:-1] != q.shape[:-1] or qv.shape[-1] != head_dim_v:
+        raise AssertionError(
+            f"qv must have shape {[*q.shape[:-1], head_dim_v]}, got {list(qv.shape)}"
+        )
+    if (head_dim, head_dim_v) != FA4_QV_HEAD_DIMS:
+        raise AssertionError(
+            f"qv takes head_dim 64 and head_dim_v 512, got {head_dim} and {head_dim_v}"
+        )
+    pair: Any = (None, None) if window_size is None else tuple(window_size)
+    if _fa4_causal_local(causal, pair)[1]:
+        raise AssertionError("local not yet supported with qv")
+    return q, k, v, qv
 
 
 def _check_fa4_inputs(
@@ -1795,16 +1977,18 @@ def _check_fa4_paged_head_dim(
     arch: int,
     q: torch.Tensor,
     k: torch.Tensor,
+    v: torch.Tensor,
     causal: bool,
     window_size: tuple[int | None, int | None] | None,
 ) -> None:
-    """A head dim that is not a multiple of 16 is padded by the kernel [source]; a paged read
-    of such heads needs a page of exactly one K tile (else the non-TMA path refuses it)."""
-    if q.shape[-1] % 16 == 0:
+    """A head dim (or head_dim_v) that is not a multiple of 16 is padded by the kernel
+    (``check_hdim_oob`` / ``check_hdim_v_oob``) [source]; a paged read of such heads needs a
+    page of exactly one K tile (else the non-TMA path refuses it)."""
+    if q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0:
         return
     pair: Any = (None, None) if window_size is None else tuple(window_size)
     causal_, local = _fa4_causal_local(causal, pair)
-    tile_n = _fa4_tile_n(arch, q.shape[-1], causal=causal_, local=local)
+    tile_n = _fa4_tile_n(arch, q.shape[-1], v.shape[-1], causal=causal_, local=local)
     if k.shape[1] != tile_n:  # a non-TMA paged read ("paged_kv_non_tma")
         raise AssertionError("Paged KV does not support irregular head dim")
 

@@ -1,13 +1,15 @@
 """The ``flash`` backend's MLA layers (the absorbed form) through FlashAttention-3's value
 query: ``q_v`` of vLLM's fork (``fa_version=3``, provider ``vllm-fa3``), ``qv`` of upstream
-FA3's ``flash_attn_with_kvcache`` (provider ``fa3``). The other providers refuse MLA
-(``Capabilities.mla``'s reason: docs/backends/flash.md "MLA").
+FA3's ``flash_attn_with_kvcache`` (provider ``fa3``); and through FA4's ``qv`` of
+``flash_attn.cute.flash_attn_varlen_func`` on SM100/SM110 (provider ``fa4``: latent (512, 64)
+only, its LSE ``(total_q, nheads)``). The FA2 providers refuse MLA (``Capabilities.mla``'s
+reason: docs/backends/flash.md "MLA").
 
 The latent cache is vLLM's joint one (``concat_and_cache_mla``'s layout, what FLASH_ATTN_MLA
 reads): one plane [num_blocks, block_size, kv_lora_rank + rope], ``kv_c`` then ``k_pe`` per
 slot (fa3 also reads a "split" cache: FA3 takes K and V with strides of their own). The write:
-vllm-fa3 calls vLLM's ``concat_and_cache_mla`` (``MLACommonImpl.do_kv_cache_update``), fa3
-(no write op of its own) scatters the rows that have a slot. Per layer, as vLLM's
+vllm-fa3 calls vLLM's ``concat_and_cache_mla`` (``MLACommonImpl.do_kv_cache_update``), fa3 and
+fa4 (no write op of their own) scatter the rows that have a slot. Per layer, as vLLM's
 ``FlashAttnMLAImpl.forward_mqa`` calls it [callers]:
 
   q   = query[..., kv_lora_rank:]          the rope part    [T, H, rope]

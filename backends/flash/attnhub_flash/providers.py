@@ -91,6 +91,7 @@ FA2_PAGE_MULTIPLE = 256
 S_AUX_MAX_HEADS = 64
 HALF = frozenset({torch.float16, torch.bfloat16})
 ALL_TYPES = frozenset(AttentionType)
+VLLM_FA3_NAME = "vllm-fa3"
 FP8_KV = "fp8_e4m3"
 #: FA3's fp8 path (vLLM's fork with fa_version=3, and upstream hopper): q, k and v all fp8
 #: e4m3 with float32 descales; the query quantized with a static scale as vLLM does
@@ -109,17 +110,36 @@ FA3_FP8 = dict(
     probability_quantization={FP8_KV: "fp8_e4m3"},
     quantization_accuracy={FP8_KV: AccuracyBound(max_abs_error=0.3, min_cosine=0.995)},
 )
-#: A value head size other than the key's (``spec.head_size_v``): FA2 checks v's shape against
-#: q's head size (``CHECK_SHAPE(v, ..., head_size)`` [source: csrc/flash_attn/flash_api.cpp]);
-#: FA3 has one for some pairs on Hopper, which attnhub does not translate yet (the emulator
-#: refuses any, as FA2 does).
+#: A value head size other than the key's (``spec.head_size_v``, MLA's expanded prefill among
+#: them): FA2 checks v's shape against q's head size (``CHECK_SHAPE(v, ..., head_size)``
+#: [source: csrc/flash_attn/flash_api.cpp]; vLLM pads v for it); FA3 (upstream hopper and
+#: vLLM's fork, which builds both of its HDIMDIFF kernel families) takes keys in (128, 192]
+#: with values in (96, 128] (the hdim 192 x hdimv 128 kernels: DeepSeek's 192 / 128, which
+#: vLLM's MLA prefill passes unpadded on Hopper [callers]) and keys <= 64 with values <= 512
+#: [source: hopper/flash_api.cpp mha_fwd], on Hopper only. Of the second region attnhub
+#: declares values up to 64 (the hdim 64 x 64 kernel) and in (192, 512] (64 x 256 and
+#: 64 x 512, the pairs FA3's tests run): for values in (64, 192] the host plans its tiles for
+#: hdimv 128 / 192 while the kernel it runs is 64 x 256 [source: get_pagedkv_tma,
+#: round_up_headdimv] [inferred: refused]. fp8: the 192 x 128 kernels exist in e4m3, the
+#: hdim-64 ones as 64 x 64 only (``_head_size_v_refusals``).
+FA3_HEAD_SIZE_V_PAIRS = (((129, 192), (97, 128)), ((8, 64), (8, 64)), ((8, 64), (193, 512)))
 HEAD_SIZE_V_FA2 = HeadSizeVSupport(reason="FlashAttention-2 takes one head size for q, k and v")
 HEAD_SIZE_V_FA3 = HeadSizeVSupport(
-    reason="not wired yet (FlashAttention-3 takes a value head size other than the key's on "
-    "Hopper for keys in (128, 192] with values in (96, 128], or keys <= 64 with values <= 512 "
-    "[source: hopper/flash_api.cpp])"
+    pairs=FA3_HEAD_SIZE_V_PAIRS,
+    reason="FlashAttention-3 takes a value head size other than the key's for keys in "
+    "(128, 192] with values in (96, 128], or keys <= 64 with values <= 512 [source: "
+    "hopper/flash_api.cpp]; of the latter attnhub serves values <= 64 or > 192 (for values "
+    "in (64, 192] the host plans the tiles of another kernel than the 64 x 256 one it runs)",
 )
-HEAD_SIZE_V_FA4 = HeadSizeVSupport(reason="not wired yet (FA4's value head sizes not checked)")
+#: FA4 (``_validate_head_dims`` [source: flash-attn-4 4.0.0b36 interface.py]): any pair in
+#: 8..256 on SM90; both in 8..128, or (192, 128), on SM100/SM110 (``_fa4_refusals``, per
+#: architecture); (64, 512) there is MLA's absorbed shape, which the interface sends to its
+#: MLA kernels with ``qv`` (not declared without it).
+HEAD_SIZE_V_FA4 = HeadSizeVSupport(
+    pairs=(((8, 256), (8, 256)),),
+    reason="FA4 takes value head sizes of 8..256 (SM90), or 8..128 and (192, 128) for keys "
+    "of 192 (SM100/SM110) [source: _validate_head_dims]",
+)
 #: MLA's absorbed form through FA3's value query (``qv`` upstream, ``q_v`` in vLLM's fork;
 #: attnhub_flash.mla): the latent pairs (kv_lora_rank, qk_rope_head_dim) of the kernels FA3
 #: builds for a value query, hdim 64 x hdimv 256 and 512 [source: hopper/flash_api.cpp
@@ -128,6 +148,9 @@ HEAD_SIZE_V_FA4 = HeadSizeVSupport(reason="not wired yet (FA4's value head sizes
 #: kernels: the emulator takes those, attnhub declares the two unpadded shapes];
 #: DeepSeek's (512, 64) among them.
 MLA_LATENT_SIZES = frozenset({(256, 64), (512, 64)})
+#: FA4's qv: head_dim 64 (the rope part) and head_dim_v 512 (kv_lora_rank) only [source:
+#: flash-attn-4 4.0.0b36 interface.py _flash_attn_fwd], DeepSeek's latent.
+FA4_MLA_LATENT = (512, 64)
 _MLA_WHY = {
     "mla.dtype": "FA3's value query takes float16 and bfloat16 ('q_v is only supported for "
     "fp16 and bf16 data type')",
@@ -136,6 +159,53 @@ _MLA_WHY = {
     "mla.latent_size": "FA3's value-query kernels are built for a rope part of 64 with a "
     "kv_lora_rank of 256 or 512 (hdim 64 x hdimv 256 / 512)",
 }
+
+
+def _fa4_mla_refusals(arch: int) -> list[Refusal]:
+    """FA4's qv on ``arch``: "only support Blackwell arch with qv", and on SM90
+    ``_validate_head_dims`` refuses head_dim_v 512 before it [source]."""
+    if arch // 10 in (10, 11):
+        return []
+    return [
+        Refusal(
+            f"MLA is not served on SM{arch} (provider fa4: FA4's qv runs on SM100/SM110 only: "
+            "'only support Blackwell arch with qv')",
+            field="mla",
+            value=arch,
+        )
+    ]
+
+
+def _fa4_mla(arch: int) -> MlaSupport:
+    """The absorbed MLA form through FA4's ``qv`` (provider fa4), declared where FA4 selects
+    Blackwell kernels: ``arch`` is ``FLASH_ATTENTION_ARCH`` when the process sets it, else SM100
+    (``ops.fa4_arch("cpu")``: no GPU is asked at import); a native backend on another GPU
+    refuses an MLA layer at construction (``FA4Provider.device_refusals``)."""
+    if _fa4_mla_refusals(arch):
+        return MlaSupport(
+            reason=f"provider fa4 on SM{arch}: FA4's qv runs on SM100/SM110 only ('only "
+            "support Blackwell arch with qv'; _validate_head_dims refuses head_dim_v 512 on "
+            "SM90)"
+        )
+    return MlaSupport(
+        dtypes=HALF,
+        kv_cache_dtypes=frozenset({"auto"}),
+        latent_sizes=frozenset({FA4_MLA_LATENT}),
+        # k and v are two arguments with strides of their own [schema]: vLLM's joint plane or
+        # two planes; the write is the scatter (FA4 has no write op)
+        layouts=("joint", "split"),
+        max_query_len=None,  # varlen q, causal bottom-right as FA4's other calls [inferred]
+        lse=LseSupport(dtypes=HALF, reason=_COMMON_WHY["dtype"]),
+        tolerances=TOLERANCES,
+        reason="provider fa4 (flash_attn.cute's qv): FA4's MLA kernels serve MLA's absorbed "
+        "form on SM100/SM110",
+        because={
+            "mla.dtype": "FA4's qv here in fp16 and bf16 (its fp8 MLA path is not used)",
+            "mla.kv_cache_dtype": "FA4's fp8 MLA path is not used",
+            "mla.latent_size": "FA4's qv takes head_dim 64 and head_dim_v 512 only ('assert "
+            "head_dim_v == 512', 'assert q is None or head_dim == 64')",
+        },
+    )
 
 
 def _fa3_mla(block_size_multiple: int, where: str, layouts: tuple[str, ...]) -> MlaSupport:
@@ -398,8 +468,11 @@ class Provider(abc.ABC):
         padding), read on the device by the write (``write_step``) at every replay."""
         return {"slot_mapping": as_contiguous(batch.slot_mapping, torch.int64)}
 
-    def plan_write(self, batch: BatchMetadata, device: torch.device) -> dict[str, Any]:
-        """The KV write's plan, metadata fields: the rows that have a slot, and their slots."""
+    def plan_write(
+        self, batch: BatchMetadata, device: torch.device, spec: AttentionSpec | None = None
+    ) -> dict[str, Any]:
+        """The KV write's plan, metadata fields: the rows that have a slot, and their slots
+        (``spec``: the backend's, where a provider's write depends on it)."""
         host = batch.host_slot_mapping()[: batch.num_actual_tokens].long()
         rows = torch.nonzero(host >= 0).flatten()
         return {"write_rows": rows.to(device), "write_slots": host[rows].to(device)}
@@ -416,6 +489,11 @@ class Provider(abc.ABC):
     ) -> dict[str, Any]:
         """The keyword arguments of a step's MLA call that every layer passes alike."""
         raise NotImplementedError(f"provider {self.name} has no MLA call")
+
+    def mla_refusals(self, spec: MLASpec) -> list[Refusal]:
+        """What the provider refuses of an MLA layer beyond ``capabilities.mla`` (where its
+        kernels' architecture decides). Default: nothing."""
+        return []
 
     def mla_plan_write(self, batch: BatchMetadata, device: torch.device) -> dict[str, Any]:
         """The latent write's plan, metadata fields (``mla_plan_slots`` of the step's slots)."""
@@ -576,7 +654,9 @@ class VllmProvider(Provider):
                 "planes with the key plane's strides"
             )
 
-    def plan_write(self, batch: BatchMetadata, device: torch.device) -> dict[str, Any]:
+    def plan_write(
+        self, batch: BatchMetadata, device: torch.device, spec: AttentionSpec | None = None
+    ) -> dict[str, Any]:
         # reshape_and_cache_flash skips slot < 0 itself [schema]; int64 as vLLM passes it, and
         # dense: the kernel reads slot_mapping[i] through a raw pointer, with no stride check,
         # so a strided view would write other slots [source: csrc/cache_kernels.cu]
@@ -667,7 +747,7 @@ class VllmFA3Provider(VllmProvider):
     """vLLM's fork with ``fa_version=3`` (Hopper): sinks as ``s_aux``, fp8 caches, FA3's tile
     schedule planned once per step."""
 
-    name = "vllm-fa3"
+    name = VLLM_FA3_NAME
     empty_lse = -math.inf  # the fork's hopper/softmax.h finalize, epilogue store_zero [source]
     # vLLM's _is_fa3_supported: "FA3 is only supported on devices with compute capability 9.x"
     source = ops.Source(
@@ -711,7 +791,54 @@ class VllmFA3Provider(VllmProvider):
 
     def refusals(self, spec: AttentionSpec, declared: list[Refusal]) -> list[Refusal]:
         reasons = super().refusals(spec, declared)
+        reasons += _head_size_v_refusals(self.name, spec)
         return reasons + _s_aux_refusals(spec) if spec.use_sinks else reasons
+
+    # --- a value head size other than the key's: the KV write -----------------------------
+    # vLLM's reshape_and_cache_flash addresses both planes with the key plane's strides
+    # (``TORCH_CHECK(key_cache.stride(0) == value_cache.stride(0))`` [source]): vLLM passes
+    # two views of one [..., head_size + head_size_v] tensor [callers], attnhub's planes of
+    # two widths are two tensors. Such a spec's write is the other providers' scatter (one
+    # ``index_copy_`` per plane, planned once per step), the attention call the fork's own.
+    def check_planes(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        if key.shape[-1] != value.shape[-1]:  # the scatter writes each plane by its strides
+            Provider.check_planes(self, key, value)
+            return
+        super().check_planes(key, value)
+
+    def plan_write(
+        self, batch: BatchMetadata, device: torch.device, spec: AttentionSpec | None = None
+    ) -> dict[str, Any]:
+        if spec is not None and spec.distinct_head_size_v:
+            return Provider.plan_write(self, batch, device, spec)
+        return super().plan_write(batch, device, spec)
+
+    def write_step(
+        self,
+        impl: FlashAttentionImpl,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        meta: FlashAttentionMetadata | _Slots,
+    ) -> None:
+        if impl.spec.distinct_head_size_v:
+            assert not isinstance(meta, _Slots)
+            Provider.write_step(self, impl, key, value, cache, meta)
+            return
+        super().write_step(impl, key, value, cache, meta)
+
+    def write(
+        self,
+        impl: FlashAttentionImpl,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if impl.spec.distinct_head_size_v:
+            Provider.write(self, impl, key, value, cache, slot_mapping)
+            return
+        super().write(impl, key, value, cache, slot_mapping)
 
     def kernel_args(
         self,
@@ -761,6 +888,9 @@ class VllmFA3Provider(VllmProvider):
             headdim=spec.head_size,
             cache_seqlens=a.seq_lens,
             qkv_dtype=torch.float8_e4m3fn if spec.kv_cache_dtype == FP8_KV else spec.dtype,
+            # the tiles the call runs with (they follow v's head size) [source: the fork's
+            # mha_fwd_get_scheduler_metadata]
+            headdim_v=spec.head_size_v,
             cu_seqlens_q=a.query_start_loc,
             page_size=spec.block_size,
             causal=a.causal,
@@ -1030,6 +1160,22 @@ class FA3Provider(Provider):
         "kv_cache_dtype": "FA3 takes fp8 e4m3 caches only",
     }
 
+    def refusals(self, spec: AttentionSpec, declared: list[Refusal]) -> list[Refusal]:
+        return super().refusals(spec, declared) + _head_size_v_refusals(self.name, spec)
+
+    def device_refusals(self, spec: AttentionSpec, device: torch.device) -> list[str]:
+        """Also a value head size other than the key's: 'Only Hopper supports different V
+        headdim' [source: hopper/flash_api.cpp] (this provider runs on 8.x too)."""
+        reasons = super().device_refusals(spec, device)
+        major, minor = torch.cuda.get_device_capability(device)
+        if isinstance(spec, AttentionSpec) and spec.distinct_head_size_v and major != 9:
+            reasons.append(
+                f"head_size_v {spec.head_size_v} != head_size {spec.head_size} needs compute "
+                f"capability 9.x (provider {self.name}: 'Only Hopper supports different V "
+                f"headdim'); this GPU is {major}.{minor}"
+            )
+        return reasons
+
     def call(
         self,
         impl: FlashAttentionImpl,
@@ -1134,13 +1280,7 @@ class FA4Provider(Provider):
         head_size_v=HEAD_SIZE_V_FA4,
         graph_capture=GraphSupport.UNIFORM_BATCH,
         graph_capture_reason=_FA4_GRAPH_WHY,
-        mla=MlaSupport(
-            reason="provider fa4: not wired: FA4 4.0.0b36's flash_attn_varlen_func takes qv, "
-            "but _validate_head_dims accepts MLA's absorbed shape (head_dim 64, head_dim_v 512) "
-            "on SM100/SM110 only (SM90: head_dim_v <= 256), through MLA kernels (1CTA/2CTA "
-            "routing, their own splits) not translated or emulated here; vLLM: 'FA4 CuteDSL "
-            "does NOT currently support MLA's non-standard head dimensions'"
-        ),
+        mla=_fa4_mla(ops.fa4_arch("cpu")),
     )
     why: ClassVar[Mapping[str, str]] = {
         "alibi": "FA4 has no ALiBi (score_mod could express it; not done)",
@@ -1153,12 +1293,57 @@ class FA4Provider(Provider):
         """Also what FA4 refuses on the architecture it selects its kernels by
         (``ops.fa4_arch``: ``FLASH_ATTENTION_ARCH``, else the current GPU, else SM100)."""
         reasons = super().refusals(spec, declared)
-        if any(r.field == "head_size" for r in reasons):
+        if any(r.field in ("head_size", "head_size_v") for r in reasons):
             return reasons
         return reasons + _fa4_refusals(spec, ops.fa4_arch())
 
     def device_refusals(self, spec: AttentionSpec, device: torch.device) -> list[str]:
-        return [*super().device_refusals(spec, device), *_fa4_refusals(spec, ops.fa4_arch(device))]
+        arch = ops.fa4_arch(device)
+        if isinstance(spec, MLASpec):  # FA4's qv: Blackwell, not FA3's Hopper
+            return [str(r) for r in _fa4_mla_refusals(arch)]
+        return [*super().device_refusals(spec, device), *_fa4_refusals(spec, arch)]
+
+    def mla_refusals(self, spec: MLASpec) -> list[Refusal]:
+        return _fa4_mla_refusals(ops.fa4_arch())
+
+    def mla_kwargs(
+        self,
+        backend: FlashBackend,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        block_table: torch.Tensor,
+    ) -> dict[str, Any]:
+        """flash_attn_varlen_func's paged varlen call with qv, causal, the spec's scale (its
+        default would be (rope + kv_lora_rank) ** -0.5 [schema], not MLA's)."""
+        return dict(
+            cu_seqlens_q=query_start_loc,
+            max_seqlen_q=max(max_query_len, 1),
+            seqused_k=seq_lens,
+            max_seqlen_k=max_seq_len,
+            page_table=block_table,
+            softmax_scale=backend.spec.scale,
+            causal=True,
+        )
+
+    def mla_call(
+        self,
+        backend: FlashBackend,
+        q: torch.Tensor,
+        qv: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kwargs: dict[str, Any],
+        out: torch.Tensor,
+        lse: bool,
+    ) -> Result:
+        # no out= in FA4's flash_attn_varlen_func [schema]: the result is copied; with qv the
+        # LSE is (total_q, nheads) [doc], the varlen calls' (nheads, total_q) transposed
+        result, lse_t = backend.ops.attention.flash_attn_varlen_func(
+            q, k, v, qv=qv, return_lse=lse, **kwargs
+        )
+        return result, (lse_t.t() if lse else None)
 
     def window(self, spec: AttentionSpec) -> tuple[Any, Any]:
         # FA4 spells "no bound" None, and (None, None) when there is no window [schema]
@@ -1230,8 +1415,11 @@ def _s_aux_refusals(spec: AttentionSpec) -> list[Refusal]:
     return reasons
 
 
-def fa4_tile_n(arch: int, head_size: int, *, causal: bool, local: bool) -> int:
-    """The key tile (``tile_n``) FA4's forward picks for a head size (head_dim_v the same) on
+def fa4_tile_n(
+    arch: int, head_size: int, *, causal: bool, local: bool, head_size_v: int | None = None
+) -> int:
+    """The key tile (``tile_n``) FA4's forward picks for a head size (``head_size_v``: the
+    value head size, None: the same) on
     ``arch`` [source: flash-attn-4 4.0.0b36 interface.py: ``FwdConfig(128, 128)`` by default
     (SM100/110), ``_tile_size_fwd_sm90`` on SM90]: a paged cache whose page size is not this
     tile is read without TMA, which FA4 refuses for head sizes that are not multiples of 16
@@ -1244,19 +1432,41 @@ def fa4_tile_n(arch: int, head_size: int, *, causal: bool, local: bool) -> int:
     if head_size <= 96:
         return 128 if causal or local else 144
     if head_size <= 192:
-        return 96 if local else 112
+        return 96 if local else (128 if (head_size_v or head_size) <= 128 else 112)
     return 64 if local else 80
 
 
 def _fa4_refusals(spec: AttentionSpec, arch: int) -> list[Refusal]:
     """What FA4 refuses of ``spec`` on ``arch`` beyond the declared union of head sizes:
-    ``_validate_head_dims`` per architecture, and paged KV with a head size that is not a
-    multiple of 16 unless the page size is FA4's key tile [source]. A step may be causal or
-    not (encoder types, ``causal=False`` steps, a cascade's prefix call), so where the tile
-    depends on it (SM90, head sizes 65..96 without a window) such head sizes are refused."""
-    hs, bs = spec.head_size, spec.block_size
+    ``_validate_head_dims`` per architecture (for the pair with a value head size of its
+    own), and paged KV with a head size or value head size that is not a multiple of 16
+    unless the page size is FA4's key tile [source]. A step may be causal or not (encoder
+    types, ``causal=False`` steps, a cascade's prefix call), so where the tile depends on it
+    (SM90, head sizes 65..96 without a window) such head sizes are refused."""
+    hs, hv, bs = spec.head_size, spec.head_size_v, spec.block_size
     name = f"SM{arch}"
-    if arch // 10 in (10, 11) and 128 < hs < 256:
+    blackwell = arch // 10 in (10, 11)
+    if spec.distinct_head_size_v:
+        if hv % 8:
+            return [
+                Refusal(
+                    f"head_size_v {hv} is not a multiple of 8 (provider fa4: "
+                    "_validate_head_dims: 'divisible by 8')",
+                    field="head_size_v",
+                    value=(hs, hv),
+                )
+            ]
+        if blackwell and not ((hs <= 128 and hv <= 128) or (hs, hv) == (192, 128)):
+            return [
+                Refusal(
+                    f"head_size_v {hv} != head_size {hs} is not supported on {name} (provider "
+                    "fa4: _validate_head_dims: both in 8..128, or (192, 128), on SM100/SM110; "
+                    "its (64, 512) is MLA's absorbed shape, for the MLA kernels with qv)",
+                    field="head_size_v",
+                    value=(hs, hv),
+                )
+            ]
+    elif blackwell and 128 < hs < 256:
         return [
             Refusal(
                 f"head_size {hs} is not supported on {name} (provider fa4: "
@@ -1265,16 +1475,17 @@ def _fa4_refusals(spec: AttentionSpec, arch: int) -> list[Refusal]:
                 value=hs,
             )
         ]
-    if hs % 16 == 0:
+    if hs % 16 == 0 and hv % 16 == 0:
         return []
     local = spec.has_window
-    tiles = {fa4_tile_n(arch, hs, causal=c, local=local) for c in (True, False)}
+    tiles = {fa4_tile_n(arch, hs, causal=c, local=local, head_size_v=hv) for c in (True, False)}
     if tiles == {bs}:
         return []
     want = " or ".join(str(t) for t in sorted(tiles))
+    sizes = f"head_size {hs}" + (f" and head_size_v {hv}" if hv != hs else "")
     return [
         Refusal(
-            f"block_size {bs} with head_size {hs} is not supported on {name} (provider fa4: "
+            f"block_size {bs} with {sizes} is not supported on {name} (provider fa4: "
             "paged KV with a head size that is not a multiple of 16 needs the page size to be "
             f"FA4's key tile, here {want}{' depending on causality' if len(tiles) > 1 else ''}: "
             "'Paged KV does not support irregular head dim')",
@@ -1283,6 +1494,51 @@ def _fa4_refusals(spec: AttentionSpec, arch: int) -> list[Refusal]:
             supported=frozenset(tiles) if len(tiles) == 1 else None,
         )
     ]
+
+
+def _head_size_v_refusals(provider: str, spec: AttentionSpec) -> list[Refusal]:
+    """What FA3 refuses of a declared pair (``HEAD_SIZE_V_FA3``) beyond its regions [source:
+    hopper/flash_api.cpp]: a value head size aligned to 8 (16 for fp8), and fp8 only where
+    run_mha_fwd builds an e4m3 kernel as wide as the values (hdim 192 x hdimv 128, hdim 64 x
+    hdimv 64); vLLM's fork: no s_aux sinks with it ('We don't support S aux with hdim !=
+    hdim_v'; vLLM moves such layers to FA4)."""
+    if not spec.distinct_head_size_v:
+        return []
+    hs, hv = spec.head_size, spec.head_size_v
+    pair = (hs, hv)
+    fp8 = spec.kv_cache_dtype == FP8_KV
+    align = 16 if fp8 else 8
+    reasons = []
+    if hv % align:
+        reasons.append(
+            Refusal(
+                f"head_size_v {hv} is not a multiple of {align} (provider {provider}: "
+                f"'head_size_v should be a multiple of {align}')",
+                field="head_size_v",
+                value=pair,
+            )
+        )
+    if fp8 and hs <= 64 and hv > 64:
+        reasons.append(
+            Refusal(
+                f"head_size_v {hv} != head_size {hs} is not supported with kv_cache_dtype "
+                f"{FP8_KV!r} (provider {provider}: FA3 builds its fp8 kernels of hdim 64 for "
+                "hdimv 64 only)",
+                field="head_size_v",
+                value=pair,
+            )
+        )
+    if spec.use_sinks and provider == VLLM_FA3_NAME:
+        reasons.append(
+            Refusal(
+                f"use_sinks with head_size_v {hv} != head_size {hs} is not supported (provider "
+                f"{provider}: the fork's FA3 takes s_aux with one head size only: 'We don't "
+                "support S aux with hdim != hdim_v')",
+                field="head_size_v",
+                value=pair,
+            )
+        )
+    return reasons
 
 
 def _fp8_refusals(provider: str, spec: AttentionSpec) -> list[Refusal]:

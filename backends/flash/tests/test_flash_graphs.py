@@ -40,8 +40,8 @@ LEVELS = {
 class Model:
     """One layer over a cache of random context, and its step function."""
 
-    def __init__(self, provider: str, seed: int = 0) -> None:
-        self.spec = h.spec(provider)
+    def __init__(self, provider: str, seed: int = 0, **changes: Any) -> None:
+        self.spec = h.spec(provider, **changes)
         self.backend = h.backend(provider, self.spec)
         self.builder = self.backend.metadata_builder()
         self.g = testing.generator(seed)
@@ -93,6 +93,23 @@ def test_a_replay_longer_than_the_capture_step_is_right(provider: str) -> None:
         want = m.reference(batch, q, k, v)
         m.check(runner.run(batch, q, k, v), want, f"replay with seq_lens {seqs}")
     assert runner.stats["captures"] == 1 and runner.stats["replays"] == 3
+
+
+@pytest.mark.parametrize("provider", ["vllm-fa3", "fa3", "fa4"])
+def test_a_value_head_size_of_its_own_replays(provider: str) -> None:
+    """Keys 192, values 128 (MLA's expanded prefill): the captured write is the fixed-shape
+    scatter of each plane at its width (vllm-fa3 too: reshape_and_cache_flash is not used for
+    two planes of two widths), the schedule planned with headdim_v."""
+    m = Model(provider, head_size=192, head_size_v=128)
+    runner = GraphRunner(m.backend, m.step, capture_sizes=[4], max_blocks_per_req=WIDTH)
+    for seqs in ([3, 9, 1, 4], [17, 2, 40, 5]):
+        batch = m.batch([1] * 4, seqs)
+        q, k, v = m.inputs(batch)
+        want = m.reference(batch, q, k, v)
+        out = runner.run(batch, q, k, v)
+        assert out.shape[-1] == 128
+        m.check(out, want, f"seq_lens {seqs}")
+    assert runner.stats["captures"] == 1 and runner.stats["replays"] == 2
 
 
 @pytest.mark.parametrize("provider", ["vllm", "fa4", "vllm-fa3"])

@@ -1,7 +1,8 @@
-"""The flash backend's MLA layers: FA3's value query in the emulator (``q_v`` of vLLM's fork,
-``qv`` of upstream FA3: what flash_api.cpp takes, refused where it refuses) and the backend's
-one latent write and one attention call per layer, each checked against ``attnhub.reference``;
-the providers without the op refuse MLA with their reason."""
+"""The flash backend's MLA layers: the value query in the emulator (``q_v`` of vLLM's fork,
+``qv`` of upstream FA3: what flash_api.cpp takes, refused where it refuses; ``qv`` of FA4 on
+Blackwell: what its interface asserts) and the backend's one latent write and one attention
+call per layer, each checked against ``attnhub.reference``; the providers without the op
+refuse MLA with their reason."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from attnhub.errors import UnsupportedConfigurationError
 
 FORK = emulator.VLLM.flash_attn_varlen_func
 FA3 = emulator.FA3.flash_attn_with_kvcache
+FA4 = emulator.FA4.flash_attn_varlen_func
 H, R, P, NB, BS = 4, 512, 64, 8, 16
 TOL = Tolerance(atol=2e-2, rtol=2e-2)
-MLA_PROVIDERS = ("vllm-fa3", "fa3")
+MLA_PROVIDERS = ("vllm-fa3", "fa3", "fa4")
+FA3_MLA_PROVIDERS = ("vllm-fa3", "fa3")
 
 
 def mla_spec(**changes: Any) -> MLASpec:
@@ -96,6 +99,22 @@ class Call:
         kwargs.update(changes)
         return FA3(kwargs.pop("q", t["q"]), t["k"], kwargs.pop("v", t["v"]), **kwargs)
 
+    def fa4(self, **changes: Any) -> Any:
+        t = self.parts()
+        kwargs: dict[str, Any] = dict(
+            qv=t["qv"],
+            cu_seqlens_q=self.cu,
+            max_seqlen_q=max(self.query_lens),
+            seqused_k=self.seqused,
+            max_seqlen_k=max(self.seq_lens),
+            page_table=self.table,
+            softmax_scale=0.07,
+            causal=True,
+            return_lse=True,
+        )
+        kwargs.update(changes)
+        return FA4(kwargs.pop("q", t["q"]), t["k"], kwargs.pop("v", t["v"]), **kwargs)
+
     def expected(self, scale: float = 0.07) -> tuple[torch.Tensor, torch.Tensor]:
         spec = mla_spec(kv_lora_rank=self.r, qk_rope_head_dim=self.p, scale=scale)
         cache = LatentKVCache.from_joint(self.plane, self.r)
@@ -121,6 +140,45 @@ def test_the_value_query_scores_q_k_plus_qv_v_over_v(
     assert out.shape == (sum(query_lens), H, R) and out.dtype == torch.bfloat16
     assert testing.mismatch(out, want, TOL) is None
     assert torch.allclose(lse, want_lse.float(), atol=1e-3)  # both [H, total_q]
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [([1, 1, 1], [17, 3, 40]), ([2, 1, 16], [20, 9, 33])],
+    ids=["decodes", "short-queries"],
+)
+def test_fa4s_qv_scores_q_k_plus_qv_v_over_v_with_the_lse_heads_last(
+    query_lens: list[int], seq_lens: list[int]
+) -> None:
+    # "O = softmax(scale * (Q @ K.T + Qv @ V.T)) @ V"; lse "(total_q, nheads) if has_qv" [doc]
+    call = Call(query_lens, seq_lens)
+    out, lse = call.fa4()
+    want, want_lse = call.expected()
+    assert out.shape == (sum(query_lens), H, R) and out.dtype == torch.bfloat16
+    assert testing.mismatch(out, want, TOL) is None
+    assert lse.shape == (sum(query_lens), H)
+    assert torch.allclose(lse, want_lse.float().t(), atol=1e-3)
+    # its default scale is q's and qv's head dims together [schema]
+    default = call.fa4(softmax_scale=None)[0]
+    assert testing.mismatch(default, call.expected((P + R) ** -0.5)[0], TOL) is None
+
+
+def test_fa4s_qv_is_refused_where_its_interface_asserts(monkeypatch: pytest.MonkeyPatch) -> None:
+    call = Call([1, 2], [9, 20])
+    with pytest.raises(AssertionError, match="local not yet supported with qv"):
+        call.fa4(window_size=(8, 0))
+    with pytest.raises(AssertionError, match="q, k, v, and qv must have the same dtype"):
+        call.fa4(qv=call.parts()["qv"].half())
+    with pytest.raises(AssertionError, match="qv must have shape"):
+        call.fa4(qv=call.parts()["qv"][:1])
+    with pytest.raises(AssertionError, match="head_dim 64 and head_dim_v 512"):
+        Call([1], [9], r=128, p=64).fa4()
+    monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_90a")
+    with pytest.raises(FlashOpError, match=r"\(64, 512\) is not supported on SM90"):
+        call.fa4()
+    monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_120")
+    with pytest.raises(AssertionError, match=r"Paged KV not supported on SM 12\.0"):
+        call.fa4()
 
 
 def test_the_value_query_is_part_of_the_scores() -> None:
@@ -229,6 +287,7 @@ CALLS = {  # fa3 has no write op: its write is the kit's scatter
         "vllm.vllm_flash_attn.flash_attn_varlen_func",
     ],
     "fa3": ["flash_attn_interface.flash_attn_with_kvcache"],
+    "fa4": ["flash_attn.cute.flash_attn_varlen_func"],
 }
 
 
@@ -279,10 +338,24 @@ def test_write_kv_alone_skips_padding_slots(provider: str) -> None:
     assert cache.equal(want)
 
 
-@pytest.mark.parametrize("provider", ["vllm", "fa2", "fa4"])
+@pytest.mark.parametrize("provider", ["vllm", "fa2"])
 def test_providers_without_a_value_query_refuse_mla_with_their_reason(provider: str) -> None:
     with pytest.raises(UnsupportedConfigurationError, match=f"provider {provider}"):
         BACKENDS[provider](mla_spec(), "cpu", emulate=True)
+
+
+def test_fa4_refuses_mla_off_blackwell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FA4's qv: 'only support Blackwell arch with qv' [source]; the architecture is the one
+    FA4 selects (FLASH_ATTENTION_ARCH, else the GPU), for selection and for a native layer."""
+    kernels = BACKENDS["fa4"].kernels
+    for arch, refused in (("sm_90a", True), ("sm_100a", False), ("sm_110", False)):
+        monkeypatch.setenv("FLASH_ATTENTION_ARCH", arch)
+        reasons = BACKENDS["fa4"].unsupported_reasons(mla_spec())
+        assert [r.field for r in reasons] == (["mla"] if refused else []), arch
+        assert bool(kernels.device_refusals(mla_spec(), torch.device("cuda"))) == refused
+    monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_90a")
+    with pytest.raises(UnsupportedConfigurationError, match="Blackwell"):
+        BACKENDS["fa4"](mla_spec(), "cpu", emulate=True)
 
 
 @pytest.mark.parametrize(
@@ -294,6 +367,7 @@ def test_providers_without_a_value_query_refuse_mla_with_their_reason(provider: 
         ("fa3", {"kv_lora_rank": 384}, "mla.latent_size"),
         ("vllm-fa3", {"kv_cache_dtype": "fp8_e4m3"}, "mla.kv_cache_dtype"),
         ("fa3", {"dtype": torch.float32}, "mla.dtype"),
+        ("fa4", {"kv_lora_rank": 256}, "mla.latent_size"),
     ],
 )
 def test_what_the_value_query_does_not_take_is_refused_with_its_reason(
@@ -301,11 +375,11 @@ def test_what_the_value_query_does_not_take_is_refused_with_its_reason(
 ) -> None:
     reasons = BACKENDS[provider].unsupported_reasons(mla_spec(**changes))
     assert [r.field for r in reasons] == [field]
-    with pytest.raises(UnsupportedConfigurationError, match=r"FA3's value|paged blocks"):
+    with pytest.raises(UnsupportedConfigurationError, match=r"FA3's value|paged blocks|FA4's qv"):
         BACKENDS[provider](mla_spec(**changes), "cpu", emulate=True)
 
 
-@pytest.mark.parametrize("provider", MLA_PROVIDERS)
+@pytest.mark.parametrize("provider", FA3_MLA_PROVIDERS)
 def test_a_native_mla_layer_needs_hopper(provider: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """FA3 (upstream) runs on sm80 too, but its value query only on 9.x."""
     kernels = BACKENDS[provider].kernels
