@@ -16,6 +16,7 @@ from attnhub.graphs import (
     GraphCaptureError,
     GraphRunner,
     NotCapturableBatchError,
+    PaddedStep,
     Tape,
     describe,
     pad_batch,
@@ -86,6 +87,101 @@ def test_padding_adds_dummy_requests_that_every_step_check_accepts() -> None:
     )
     with pytest.raises(InvalidInputError, match=r"request 1 \(seq_len 40\) needs 3 blocks"):
         pad_batch(batch, desc, width=2)
+
+
+def test_an_always_backend_gets_mixed_descriptors() -> None:
+    """A mixed batch under ALWAYS: its requests padded to a capture size, its tokens to one
+    with room for a one-token dummy per missing request."""
+    sizes = CaptureSizes([2, 4, 8, 16])
+    mixed = _batch([1, 3], [5, 40])  # 2 requests, 4 tokens: a size each, no dummy
+    assert describe(mixed, sizes, GraphSupport.ALWAYS) == BatchDescriptor(
+        num_tokens=4, num_reqs=2, uniform_decode=False
+    )
+    three = _batch([1, 1, 5], [5, 40, 9])  # 3 requests -> 4; 7 tokens + 1 dummy -> 8
+    assert describe(three, sizes, GraphSupport.ALWAYS) == BatchDescriptor(
+        num_tokens=8, num_reqs=4, uniform_decode=False
+    )
+    decode = _batch([1, 1, 1], [5, 40, 17])  # uniform batches keep their descriptors
+    assert describe(decode, sizes, GraphSupport.ALWAYS) == BatchDescriptor(
+        num_tokens=4, num_reqs=4, uniform_decode=True
+    )
+    spare = _batch([1, 4], [5, 40])  # 2 requests (a size), 5 tokens: the 3 spare need a dummy
+    desc = describe(spare, sizes, GraphSupport.ALWAYS)
+    assert desc == BatchDescriptor(num_tokens=8, num_reqs=4, uniform_decode=False)
+    assert pad_batch(spare, desc, width=4).query_start_loc.tolist() == [0, 1, 5, 7, 8]
+    full = _batch([1, 15], [5, 40])  # the largest size, every token real
+    assert describe(full, sizes, GraphSupport.ALWAYS) == BatchDescriptor(
+        num_tokens=16, num_reqs=2, uniform_decode=False
+    )
+    with pytest.raises(BatchTooLargeError, match="17 tokens"):
+        describe(_batch([1, 1, 14], [5, 40, 20]), sizes, GraphSupport.ALWAYS)  # 16 + 1 dummy
+
+
+def _padded_batch(padded: PaddedStep, spec: AttentionSpec = SPEC) -> attnhub.BatchMetadata:
+    """``padded`` in a runner's persistent buffers: the batch a captured step runs with."""
+    runner = GraphRunner(
+        TorchBackend(spec, "cpu"),
+        lambda *a: None,
+        capture_sizes=[int(padded.slot_mapping.shape[0])],
+        max_blocks_per_req=int(padded.block_table.shape[1]),
+    )
+    return runner.batch_buffers.load(padded)
+
+
+def test_mixed_padding_adds_dummies_for_spare_tokens() -> None:
+    batch = _batch([1, 3], [5, 40])
+    desc = BatchDescriptor(num_tokens=8, num_reqs=4, uniform_decode=False)
+    padded = pad_batch(batch, desc, width=4)
+    assert padded.query_start_loc.tolist() == [0, 1, 4, 6, 8]  # the 4 spare tokens: 2 + 2
+    assert padded.seq_lens.tolist() == [5, 40, 2, 2]
+    assert padded.slot_mapping[:4].tolist() == batch.slot_mapping.tolist()
+    assert padded.slot_mapping[4:].tolist() == [-1] * 4
+    assert padded.block_table[2:].eq(0).all()
+    assert (padded.num_real_tokens, padded.max_query_len, padded.max_seq_len) == (4, 3, 40)
+    check_step(SPEC, _padded_batch(padded), torch.device("cpu"))
+
+
+def test_mixed_padding_splits_causal_requests_and_changes_no_answer() -> None:
+    """Requests the dummies cannot make up: the last requests' last tokens become requests
+    of their own over the same blocks; the reference gives every real row the same answer."""
+    batch = _batch([1, 6], [5, 40], seed=3)
+    desc = BatchDescriptor(num_tokens=8, num_reqs=6, uniform_decode=False)
+    padded = pad_batch(batch, desc, width=4)
+    # 1 spare token: one dummy; 3 more requests: the 6-token request's last 3 tokens
+    assert padded.query_start_loc.tolist() == [0, 1, 4, 5, 6, 7, 8]
+    assert padded.seq_lens.tolist() == [5, 37, 38, 39, 40, 1]
+    table = batch.block_table
+    for r, owner in enumerate([0, 1, 1, 1, 1]):
+        assert torch.equal(padded.block_table[r, : table.shape[1]], table[owner])
+    assert padded.slot_mapping[:7].tolist() == batch.slot_mapping.tolist()
+    step = _padded_batch(padded)
+    check_step(SPEC, step, torch.device("cpu"))
+    backend = TorchBackend(SPEC, "cpu")
+    cache = backend.allocate_kv_cache(64)
+    testing.fill_cache_random(cache, testing.generator(5))
+    query = torch.randn(8, SPEC.num_heads, SPEC.head_size, generator=testing.generator(6))
+    want, _ = attnhub.reference.paged_attention(query[:7], cache, batch, SPEC)
+    got, _ = attnhub.reference.paged_attention(query, cache, step, SPEC)
+    torch.testing.assert_close(got[:7], want, rtol=1e-12, atol=1e-12)
+    # every token its own request (R == T): a full split
+    full = pad_batch(batch, BatchDescriptor(8, 8, uniform_decode=False), width=4)
+    assert full.query_start_loc.tolist() == list(range(9))
+    assert full.seq_lens.tolist() == [5, 35, 36, 37, 38, 39, 40, 1]
+
+
+def test_mixed_padding_refuses_what_it_cannot_pad() -> None:
+    batch = _batch([1, 6], [5, 40])
+    with pytest.raises(InvalidInputError, match="spare tokens need a padding request"):
+        pad_batch(batch, BatchDescriptor(8, 2, uniform_decode=False), width=4)
+    with pytest.raises(InvalidInputError, match="does not fit"):
+        pad_batch(batch, BatchDescriptor(8, 9, uniform_decode=False), width=4)
+    noncausal, _ = testing.make_batch([1, 6], [5, 40], BS, 64, causal=False)
+    with pytest.raises(InvalidInputError, match="only causal queries can be split"):
+        pad_batch(noncausal, BatchDescriptor(8, 6, uniform_decode=False), width=4)
+    with pytest.raises(InvalidInputError, match=r"request 1 \(seq_len 40\) needs 3 blocks"):
+        pad_batch(batch, BatchDescriptor(8, 3, uniform_decode=False), width=2)
+    with pytest.raises(InvalidInputError, match="a padding request of 53 tokens needs 4 blocks"):
+        pad_batch(batch, BatchDescriptor(60, 3, uniform_decode=False), width=3)
 
 
 # --- the tape -----------------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 A device graph fixes every shape of the step it captured, so one graph serves every batch that
 pads to the same descriptor: the padded token count, the padded request count and whether every
 request has the same query length (a uniform decode; the query length is then
-``num_tokens // num_reqs``: 1 for plain decode, 1 + k with k speculative tokens).
+``num_tokens // num_reqs``: 1 for plain decode, 1 + k with k speculative tokens). A backend that
+captures any batch (``GraphSupport.ALWAYS``) also gets *mixed* descriptors (``uniform_decode``
+False): its requests padded to a capture size R, its tokens to a capture size with room for a
+one-token dummy per missing request.
 """
 
 from __future__ import annotations
@@ -56,9 +59,18 @@ def describe(
                 f"its requests have different query lengths; the backend captures "
                 f"{level.name.lower()} batches"
             )
-        return (
-            "its requests have different query lengths: the runner captures uniform batches "
-            "only (padding mixed batches is not implemented; see docs/graphs.md)"
+        # a mixed graph: the requests padded to a capture size, the tokens to one with room
+        # for a one-token dummy per missing request (padding.py); spare tokens need a dummy
+        # request, so a batch whose request count is a size but whose token count is not
+        # takes the next request size
+        n, t = batch.num_reqs, batch.num_actual_tokens
+        reqs = sizes.size_for(n)
+        size = sizes.size_for(t + reqs - n)
+        if size > t and reqs == n:
+            reqs = sizes.size_for(n + 1)
+            size = sizes.size_for(t + reqs - n)
+        return BatchDescriptor(
+            num_tokens=size, num_reqs=reqs, uniform_decode=False, causal=batch.causal
         )
     if q > 1 and level < GraphSupport.UNIFORM_BATCH:
         return f"its requests have {q} query tokens each; the backend captures one-token decodes"

@@ -285,7 +285,7 @@ class TorchBackend(AttentionBackend):
             "uniform batches: the static-shape path (graph.py) lays a step out as R requests "
             "x Q query tokens, each request's keys gathered once for its Q rows; a mixed batch "
             "has no such grid (each token would gather its own request's W x block_size keys, "
-            "T instead of R gathers), and attnhub's graph runner pads uniform batches only"
+            "T instead of R gathers)"
         ),
         tolerances={
             torch.float32: Tolerance(atol=2e-5, rtol=2e-5),

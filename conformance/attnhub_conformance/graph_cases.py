@@ -46,6 +46,8 @@ def graph_cases(target: Target, scope: Scope) -> list[Case]:
         "replay like eager forward and the reference, write the cache as eager does, with "
         "no host sync inside capture"
     )
+    if level == GraphSupport.ALWAYS:
+        proves += "; mixed batches (decodes beside longer queries) through mixed descriptors too"
     configs = [base]
     combined = ax.combined_features(base)
     configs += [combined] if combined else []

@@ -2,16 +2,18 @@
 own graph adaptor, what eager forward and the reference give.
 
 For each query length the backend's level captures (1; 2 as well from UNIFORM_BATCH with
-multi-token decode), a two-layer model is captured at three sizes and replayed with many
-batches that pad to the same descriptors: each with new sequence lengths, block tables and
-inputs. Every replay is compared with the reference (per layer, within the declared tolerance)
-and with an eager twin of the model (ordinary build + forward), and the caches must hold the
-same bytes as the twin's. The reference takes the query as the backend's kernels do (quantized
-where it declares ``query_quantization`` for the cache) and allows what a declared probability
-rounding can change, as the suite's other same-inputs comparisons do. Each layer runs under the
-host-sync guard, so capture itself proves forward reads no device data on the host. A backend
-that refreshes host-side kernel arguments per step (``update_graph_params``) must also show that
-the refresh matters: replaying without it raises or gives a wrong answer.
+multi-token decode), a two-layer model is captured at three sizes and replayed with many batches
+that pad to the same descriptors: each with new sequence lengths, block tables and inputs. A
+backend that captures any batch (ALWAYS) also replays mixed batches (decodes and longer queries
+together) through the runner's mixed descriptors. Every replay is compared with the reference
+(per layer, within the declared tolerance) and with an eager twin of the model (ordinary build +
+forward), and the caches must hold the same bytes as the twin's. The reference takes the query
+as the backend's kernels do (quantized where it declares ``query_quantization`` for the cache)
+and allows what a declared probability rounding can change, as the suite's other same-inputs
+comparisons do. Each layer runs under the host-sync guard, so capture itself proves forward
+reads no device data on the host. A backend that refreshes host-side kernel arguments per step
+(``update_graph_params``) must also show that the refresh matters: replaying without it raises
+or gives a wrong answer.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ WIDTH = 3  # blocks per request in the runner's persistent block table
 MAX_REQS = 8
 #: Requests per step: every size of the capture sizes (2, 4, 8 requests) is hit several times.
 STEPS = (3, 4, 2, 7, 5, 1, 8, 6, 3)
+#: Requests per mixed step (ALWAYS): each count twice, with other query lengths.
+MIXED_STEPS = (3, 3, 2, 2, 5, 8, 5, 8)
+MIXED_SIZES = (2, 4, 8, 16, 32)  # requests pad to a size, tokens (+ dummies) to a size
 
 
 class Model:
@@ -86,11 +91,26 @@ class Model:
             self.backend.device,
         )
 
-    def runner(self, query_len: int) -> GraphRunner:
+    def mixed_batch(self, num_reqs: int, g: torch.Generator) -> BatchMetadata:
+        """``num_reqs`` requests (two at least) of 1 to 3 query tokens, not all alike,
+        shortest first (decodes before longer queries, as engines order a batch)."""
+        longest = WIDTH * self.spec.block_size
+        query = torch.randint(1, 4, (num_reqs,), generator=g).sort().values.tolist()
+        if len(set(query)) == 1:
+            query[-1] = query[0] % 3 + 1
+            query.sort()
+        seqs = [int(torch.randint(q, longest + 1, (1,), generator=g)) for q in query]
+        return BatchMetadata.from_lengths(
+            query, seqs, self.table[:num_reqs], self.spec.block_size, self.backend.device
+        )
+
+    def runner(self, query_len: int | None) -> GraphRunner:
+        """Capture sizes of 2, 4 and 8 requests of ``query_len``; None: mixed batches'."""
+        sizes = MIXED_SIZES if query_len is None else [2 * query_len, 4 * query_len, 8 * query_len]
         return GraphRunner(
             self.backend,
             self.graph_step,
-            capture_sizes=[2 * query_len, 4 * query_len, 8 * query_len],
+            capture_sizes=sizes,
             max_blocks_per_req=WIDTH,
             kv_caches=self.caches,
         )
@@ -153,41 +173,58 @@ def _inputs(model: Model, batch: BatchMetadata, g: torch.Generator) -> tuple[tor
     return testing.random_qkv(model.spec, batch.num_tokens, g, device=model.backend.device)
 
 
+def _replay_and_compare(
+    graphed: Model, twin: Model, runner: GraphRunner, batch: BatchMetadata, g: Any, what: str
+) -> None:
+    """One step through ``runner`` and through the eager twin: every layer's rows within the
+    tolerance of the reference and of the twin, the caches byte-equal to the twin's."""
+    tol = _tolerance(graphed)
+    q, k, v = _inputs(graphed, batch, g)
+    expected = [_reference(graphed, i, batch, q, k, v) for i in range(len(graphed.layers))]
+    outs = [o.clone() for o in runner.run(batch, q, k, v)]
+    eager = twin.eager_step(batch, q, k, v)
+    for layer, (out, want, (ref, allow)) in enumerate(zip(outs, eager, expected, strict=True)):
+        n = batch.num_actual_tokens
+        out_cpu = out.to("cpu")
+        why = testing.mismatch(out_cpu, ref, tol, batch, allowance=allow)
+        assert why is None, f"{what}, layer {layer} vs reference: {why}"
+        testing.assert_within(out_cpu, want[:n].to("cpu"), tol, f"{what}, layer {layer} vs eager")
+    for layer, (a, b) in enumerate(zip(graphed.caches, twin.caches, strict=True)):
+        for name, plane in a.planes().items():
+            assert torch.equal(plane, b.planes()[name]), (
+                f"{what}: layer {layer}'s cache {name} differs from the eager twin's"
+            )
+
+
 @pytest.mark.attnhub_cases("graphs")
 def test_graph_replays_match_eager_and_the_reference(case: Case) -> None:
     graphed, twin = _models(case)
-    tol = _tolerance(graphed)
     caps = graphed.backend.capabilities
     g = testing.generator(testing.seed_of(case.id) + 1)
     for query_len in query_lens_for(graphed.builder.graph_support, caps.multi_token_decode):
         runner = graphed.runner(query_len)
         for i, num_reqs in enumerate(STEPS):
             batch = graphed.batch(num_reqs, query_len, g)
-            q, k, v = _inputs(graphed, batch, g)
-            expected = [_reference(graphed, i, batch, q, k, v) for i in range(len(graphed.layers))]
-            outs = [o.clone() for o in runner.run(batch, q, k, v)]
-            eager = twin.eager_step(batch, q, k, v)
             what = f"{case.id}: query_len {query_len}, step {i} ({num_reqs} requests)"
-            for layer, (out, want, (ref, allow)) in enumerate(
-                zip(outs, eager, expected, strict=True)
-            ):
-                n = batch.num_actual_tokens
-                out_cpu = out.to("cpu")
-                why = testing.mismatch(out_cpu, ref, tol, batch, allowance=allow)
-                assert why is None, f"{what}, layer {layer} vs reference: {why}"
-                testing.assert_within(
-                    out_cpu, want[:n].to("cpu"), tol, f"{what}, layer {layer} vs eager"
-                )
-            for layer, (a, b) in enumerate(zip(graphed.caches, twin.caches, strict=True)):
-                for name, plane in a.planes().items():
-                    assert torch.equal(plane, b.planes()[name]), (
-                        f"{what}: layer {layer}'s cache {name} differs from the eager twin's"
-                    )
+            _replay_and_compare(graphed, twin, runner, batch, g, what)
         assert runner.stats["replays"] == len(STEPS)
         assert runner.stats["captures"] == len(runner.graphs) == 3, (
             f"{case.id}: {len(STEPS)} steps over capture sizes of 2, 4 and 8 requests should "
             f"capture 3 graphs, captured {runner.stats['captures']}"
         )
+    if graphed.builder.graph_support < GraphSupport.ALWAYS:
+        return
+    runner = graphed.runner(None)
+    for i, num_reqs in enumerate(MIXED_STEPS):
+        batch = graphed.mixed_batch(num_reqs, g)
+        lens = batch.query_lens_cpu.tolist()
+        what = f"{case.id}: mixed step {i} (query lengths {lens})"
+        _replay_and_compare(graphed, twin, runner, batch, g, what)
+    assert runner.stats["replays"] == len(MIXED_STEPS) and not runner.stats["eager"]
+    assert runner.stats["captures"] == len(runner.graphs) < len(MIXED_STEPS)
+    assert not any(d.uniform_decode for d in runner.graphs), (
+        f"{case.id}: mixed steps ran on uniform graphs ({list(runner.graphs)})"
+    )
 
 
 @pytest.mark.attnhub_cases("graphs")

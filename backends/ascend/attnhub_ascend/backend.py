@@ -260,8 +260,8 @@ class AscendBackend(AttentionBackend):
             "uniform batches of causal specs without a window (NEVER for the others: window "
             "decodes are padded per step, a data-dependent size; non-causal steps run "
             "npu_fusion_attention over host-planned key slots); FIA's length lists are "
-            "refreshed per step by task-group updates; attnhub's graph runner pads uniform "
-            "batches only"
+            "refreshed per step by task-group updates; mixed batches are not declared (the "
+            "seed's vLLM builder declares UNIFORM_SINGLE_TOKEN_DECODE)"
         ),
         # The emulator computes in float32 and rounds once; the kernels accumulate in float32
         # with float16/bfloat16 operands.

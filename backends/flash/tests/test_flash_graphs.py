@@ -170,8 +170,8 @@ def test_vllm_fa3_plans_the_schedule_again_before_every_replay() -> None:
 def test_always_providers_replay_mixed_batches_captured_once(provider: str) -> None:
     """A mixed batch (decodes and a chunk of prefill) captured once at (T tokens, R requests)
     and replayed with other mixed batches of that shape: max_seqlen_q is T, the schedule (where
-    planned) refreshed; each replay matches the reference. Driven without the runner, which
-    pads uniform batches only (docs/graphs.md)."""
+    planned) refreshed; each replay matches the reference. Driven without the runner (its
+    mixed descriptors: the conformance suite's graph cases)."""
     m = Model(provider)
     bs = m.spec.block_size
     buffers = PersistentBatch(8, 4, WIDTH, bs, m.backend.device)

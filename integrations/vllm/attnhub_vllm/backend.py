@@ -472,32 +472,49 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata
     ) -> AttnhubVllmMetadata:
-        """vLLM's capture of a FULL graph of this batch's shape (its dummy uniform batch of
-        ``num_reqs`` requests of its uniform-decode query length, ``num_actual_tokens`` a
-        capture size): the attnhub batch padded the attnhub way (dummy requests of that
-        query length, slot -1) into persistent buffers sized to vLLM's largest capture size,
-        and each builder's ``build_for_graph_capture`` over them. Refused (typed, naming the
-        batch) beyond the backends' graph level."""
+        """vLLM's capture of a FULL graph of this batch's shape (``num_actual_tokens`` a
+        capture size T, ``num_reqs`` its descriptor's R): the attnhub batch padded the attnhub
+        way into persistent buffers sized to vLLM's largest capture size, and each builder's
+        ``build_for_graph_capture`` over them. Two kinds (``_dummy_run``): a uniform batch
+        (R requests of the uniform-decode query length; dummy requests of that length pad a
+        later step), or, for an ``ALWAYS`` backend under vLLM's ``FULL``, a mixed one (vLLM's
+        ``max_query_len`` is then T: any batch of at most T tokens and R requests replays it).
+        A mixed graph holds R requests where R == T, else R + 1: a later step's spare tokens
+        need a dummy request of their own and vLLM's padding requests (no query token) are
+        not attnhub requests; where dummies cannot make up the requests, causal requests are
+        split (``attnhub.graphs.pad_batch``). Refused (typed, naming the batch) beyond the
+        backends' graph level."""
         cm = common_attn_metadata
         key = (int(cm.num_actual_tokens), int(cm.num_reqs))
         tokens, reqs = key
         batch = batch_from_common(cm, self.block_size, num_reqs=real_requests(cm))
         q = uniform_query_len(batch)
+        mixed = q is None or int(cm.max_query_len) > q or tokens != reqs * q
+        level = self.graph_support
         if (
-            self.graph_support == GraphSupport.NEVER
-            or q is None
-            or tokens != reqs * q
-            or (self.graph_support == GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE and q != 1)
+            level == GraphSupport.NEVER
+            or (mixed and level < GraphSupport.ALWAYS)
+            or (level == GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE and q != 1)
         ):
             raise AttnhubConfigurationError(
                 f"attnhub-vllm: vLLM asks to capture a FULL graph of {tokens} tokens in {reqs} "
-                f"requests (query lengths "
-                f"{batch.query_lens_cpu.tolist()}); the attnhub backends "
+                f"requests (query lengths {batch.query_lens_cpu.tolist()}"
+                f"{', a mixed batch' if mixed else ''}); the attnhub backends "
                 f"({', '.join(b.backend.name for b in self._builders)}) capture "
-                f"{self.graph_support.name.lower()} batches, and the adapter uniform batches "
-                "only (a mixed batch's padding is not implemented: docs/graphs.md)"
+                f"{level.name.lower()} batches"
             )
-        desc = GraphDescriptor(tokens, reqs, uniform_decode=True, causal=batch.causal)
+        if mixed and not batch.causal:
+            raise AttnhubConfigurationError(
+                f"attnhub-vllm: vLLM asks to capture a FULL graph of a mixed non-causal batch "
+                f"({tokens} tokens in {reqs} requests); the adapter's mixed graphs split "
+                "requests, which only causal attention allows"
+            )
+        if mixed:
+            desc = GraphDescriptor(
+                tokens, reqs if reqs == tokens else reqs + 1, uniform_decode=False, causal=True
+            )
+        else:
+            desc = GraphDescriptor(tokens, reqs, uniform_decode=True, causal=batch.causal)
         step = self._load(desc, batch)
         graph = _Graph(desc, [b.build_for_graph_capture(step) for b in self._builders])
         self._graphs[key] = graph
@@ -522,8 +539,9 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
 
     def _graph_step(self, cm: CommonAttentionMetadata) -> AttnhubVllmMetadata | None:
         """The step of a captured graph when ``cm`` has its shape (vLLM pads a FULL step to
-        its descriptor's token and request counts) and its real requests are uniform with the
-        graph's query length; else None."""
+        its descriptor's token and request counts) and, for a uniform graph, its real requests
+        are uniform with the graph's query length (a mixed graph takes any causal batch of
+        its shape); else None."""
         graph = self._graphs.get((int(cm.num_actual_tokens), int(cm.num_reqs)))
         if graph is None:
             return None
@@ -532,7 +550,9 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
             return None
         batch = batch_from_common(cm, self.block_size, num_reqs=n)
         desc = graph.descriptor
-        if uniform_query_len(batch) != desc.query_len or batch.causal != desc.causal:
+        if batch.causal != desc.causal:
+            return None
+        if desc.uniform_decode and uniform_query_len(batch) != desc.query_len:
             return None
         step = self._load(desc, batch)
         fences = [_fence(a) for a in self._adaptors]

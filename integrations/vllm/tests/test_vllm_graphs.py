@@ -13,6 +13,7 @@ with ``attnhub.reference``.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,7 +110,11 @@ def _kv_spec(config: VllmConfig) -> FullAttentionSpec:
 
 
 def _resolve(
-    config: VllmConfig, mode: CUDAGraphMode, query_len: int = 1
+    config: VllmConfig,
+    mode: CUDAGraphMode,
+    query_len: int = 1,
+    sizes: list[int] = SIZES,
+    max_num_seqs: int | None = None,
 ) -> tuple[CUDAGraphMode, CudagraphDispatcher]:
     """vLLM's resolution of ``mode`` with the level the adapter reports
     (``GPUModelRunner._check_and_update_cudagraph_mode``), and its dispatcher's keys. The CPU
@@ -121,9 +126,9 @@ def _resolve(
     comp.mode = CompilationMode.VLLM_COMPILE
     comp.splitting_ops = list(comp._attention_ops)
     comp.cudagraph_mode = mode
-    comp.cudagraph_capture_sizes = list(SIZES)
-    comp.max_cudagraph_capture_size = max(SIZES)
-    config.scheduler_config.max_num_seqs = max(SIZES)
+    comp.cudagraph_capture_sizes = list(sizes)
+    comp.max_cudagraph_capture_size = max(sizes)
+    config.scheduler_config.max_num_seqs = max_num_seqs or max(sizes)
     support = AttnhubVllmMetadataBuilder.get_cudagraph_support(config, _kv_spec(config))
     resolved = comp.resolve_cudagraph_mode_and_sizes(support, "attnhub", query_len)
     dispatcher.initialize_cudagraph_keys(resolved, query_len)
@@ -161,10 +166,51 @@ def _level(backend: str) -> GraphSupport:
     return graph_level(spec, "cpu", (backend, emulate))
 
 
-@pytest.mark.parametrize("backend", sorted(SERVED))
-def test_vllm_sees_each_backends_own_level(model_dir: str, backend: str) -> None:
+def _flash_providers() -> tuple[str, ...]:
+    try:
+        from attnhub_flash.backend import BACKENDS
+    except ImportError:  # the flash backend is not installed: its cases skip
+        return ("vllm",)
+    return tuple(BACKENDS)
+
+
+#: the block size each flash provider's paged kernels take (FA2's upstream kernel: 256)
+FLASH_BLOCK = {"fa2": 256}
+
+
+def _use_flash_provider(monkeypatch: pytest.MonkeyPatch, provider: str) -> None:
+    """The ``flash`` backend served by ``provider`` for this test, as a process started with
+    ``ATTNHUB_FLASH_PROVIDER`` has it (backends/flash's tests select providers the same way): a
+    fresh registry (the plugin registers the provider's class when discovered), the
+    adapter's per-process caches emptied, the provider's block size in ``SERVED``."""
+    import attnhub_vllm.backend as adapter
+
+    import attnhub.registry as registry
+
+    monkeypatch.setenv("ATTNHUB_FLASH_PROVIDER", provider)
+    monkeypatch.setattr(registry, "_REGISTRY", registry.Registry())
+    monkeypatch.setattr(adapter, "_BACKENDS", {})
+    monkeypatch.setattr(adapter, "_LEVELS", {})
+    emulate, dtype, _ = SERVED["flash"]
+    block_size = FLASH_BLOCK.get(provider, SERVED["flash"][2])
+    monkeypatch.setitem(SERVED, "flash", (emulate, dtype, block_size))
+
+
+LEVEL_CASES = [b for b in sorted(SERVED) if b != "flash"] + [
+    f"flash/{p}" for p in _flash_providers()
+]
+
+
+@pytest.mark.parametrize("case", LEVEL_CASES)
+def test_vllm_sees_each_backends_own_level(
+    model_dir: str, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The level vLLM reads before any builder exists is the attnhub builder's, for the spec
-    of the model's layers (every backend, emulated where its kernels are absent)."""
+    of the model's layers, and the level the backend declares (every backend, every flash
+    provider, emulated where its kernels are absent)."""
+    backend, _, provider = case.partition("/")
+    if provider:
+        _use_flash_provider(monkeypatch, provider)
     _level(backend)  # skips a backend this machine cannot run
     config = _config(model_dir, backend)
     emulate, dtype, block_size = SERVED[backend]
@@ -178,13 +224,42 @@ def test_vllm_sees_each_backends_own_level(model_dir: str, backend: str) -> None
     )
     assert spec is not None
     own = attnhub.select_backend(spec, "cpu", prefer=backend, emulate=emulate)
+    if provider:
+        assert getattr(type(own), "provider", None) == provider
     level = own.metadata_builder().graph_support
+    assert level == type(own).capabilities.graph_capture  # none of these specs is lowered
     assert graph_level(spec, "cpu", (backend, emulate)) == level
     got = AttnhubVllmMetadataBuilder.get_cudagraph_support(config, _kv_spec(config))
     assert got == cg_support(level)
     with set_current_vllm_config(config):
         builder = AttnhubVllmMetadataBuilder(_kv_spec(config), LAYERS, config, torch.device("cpu"))
     assert builder.graph_support == level
+    assert {type(b.backend) for b in builder._builders} == {type(own)}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int8_k"])
+def test_vllm_sees_iluvatars_level_in_every_cache_mode(kv_cache_dtype: str) -> None:
+    """Iluvatar's three cache modes (ixformer's 0, 1 and 2): the level the adapter reports
+    for a layer of that spec (``graph_level``, what ``get_cudagraph_support`` takes the lowest
+    of) is the backend's own. vLLM 0.32 has no int8 cache dtype (its ``CacheDType``), so a
+    vLLM config cannot name the int8 modes: the spec is attnhub's, as a vLLM fork that maps
+    its int8 option onto attnhub's spec would hand it."""
+    _level("iluvatar")  # skips where the backend cannot run
+    emulate, dtype, block_size = SERVED["iluvatar"]
+    spec, _ = spec_from_vllm(
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_size=HEAD,
+        dtype=dtype,
+        block_size=block_size,
+        scale=HEAD**-0.5,
+    )
+    assert spec is not None
+    spec = dataclasses.replace(spec, kv_cache_dtype=kv_cache_dtype)
+    own = attnhub.select_backend(spec, "cpu", prefer="iluvatar", emulate=emulate)
+    level = own.metadata_builder().graph_support
+    assert level == type(own).capabilities.graph_capture
+    assert cg_support(graph_level(spec, "cpu", ("iluvatar", emulate))) == cg_support(level)
 
 
 def test_a_level_that_depends_on_the_spec_reaches_vllm(model_dir: str) -> None:
@@ -197,16 +272,17 @@ def test_a_level_that_depends_on_the_spec_reaches_vllm(model_dir: str) -> None:
     assert got == AttentionCGSupport.UNIFORM_BATCH
 
 
-@pytest.mark.parametrize("backend", ["flash", "iluvatar"])
+@pytest.mark.parametrize(("backend", "window"), [("cpu", None), ("ascend", 64)])
 @pytest.mark.parametrize("mode", [CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY])
 def test_never_backends_are_never_captured(
-    model_dir: str, backend: str, mode: CUDAGraphMode
+    model_dir: str, backend: str, window: int | None, mode: CUDAGraphMode
 ) -> None:
-    config = _config(model_dir, backend)
-    if AttnhubVllmMetadataBuilder.get_cudagraph_support(config, _kv_spec(config)) != (
-        AttentionCGSupport.NEVER
-    ):
-        pytest.skip(f"{backend} declares a graph level now: its graph steps are tested below")
+    """A NEVER level (cpu; ascend for a sliding window) gets no FULL graph from vLLM, and a
+    capture asked all the same is refused."""
+    _level(backend)  # skips a backend this machine cannot run
+    config = _config(model_dir, backend, sliding_window=window)
+    got = AttnhubVllmMetadataBuilder.get_cudagraph_support(config, _kv_spec(config))
+    assert got == AttentionCGSupport.NEVER
     resolved, dispatcher = _resolve(config, mode)
     assert not resolved.has_full_cudagraphs()  # vLLM falls back (PIECEWISE or NONE)
     assert not dispatcher.cudagraph_keys[CUDAGraphMode.FULL]
@@ -239,7 +315,7 @@ class _Runner:
         self.layers = {n: config.compilation_config.static_forward_context[n] for n in LAYERS}
         block_size = config.cache_config.block_size
         dtype = config.model_config.dtype
-        tokens, reqs = max(SIZES), max(SIZES)
+        tokens = reqs = config.compilation_config.max_cudagraph_capture_size or max(SIZES)
         width = -(-MAX_MODEL_LEN // block_size)
         self.qsl = torch.zeros(reqs + 1, dtype=torch.int32)
         self.qsl_cpu = torch.zeros(reqs + 1, dtype=torch.int32)
@@ -270,6 +346,7 @@ class _Runner:
         table: list[list[int]],
         reqs: int,
         tokens: int,
+        max_query_len: int | None = None,
     ) -> CommonAttentionMetadata:
         n, total = len(query_lens), sum(query_lens)
         ends = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0)
@@ -294,7 +371,7 @@ class _Runner:
             seq_lens=self.seq_lens[:reqs],
             num_reqs=reqs,
             num_actual_tokens=tokens,
-            max_query_len=max(query_lens),
+            max_query_len=max_query_len or max(query_lens),
             max_seq_len=max(seq_lens),
             block_table_tensor=self.block_table[:reqs],
             slot_mapping=self.slots[:tokens],
@@ -307,6 +384,16 @@ class _Runner:
         every slot -1 (it writes nothing)."""
         reqs = tokens // query_len
         cm = self._common([query_len] * reqs, [query_len] * reqs, [[0]] * reqs, reqs, tokens)
+        self.slots.fill_(-1)
+        return cm
+
+    def mixed_dummy(self, tokens: int, reqs: int) -> CommonAttentionMetadata:
+        """``_dummy_run``'s batch for capturing a mixed FULL graph (``uniform_decode`` False):
+        ``reqs`` requests sharing ``tokens`` (``tokens // reqs`` each, the remainder on the
+        last), every sequence ``tokens`` long, ``max_query_len`` ``tokens``, every slot -1."""
+        lens = [tokens // reqs] * reqs
+        lens[-1] += tokens % reqs
+        cm = self._common(lens, [tokens] * reqs, [[0]] * reqs, reqs, tokens, tokens)
         self.slots.fill_(-1)
         return cm
 
@@ -449,15 +536,7 @@ def test_vllm_captures_and_replays_full_graphs_through_attnhub(
         for desc in descs:
             if capture_mode != CUDAGraphMode.FULL:
                 continue  # piecewise graphs hold no attention
-            if not desc.uniform:  # an ALWAYS backend under FULL: the adapter refuses
-                mixed = runner.step(
-                    [1] * (desc.num_reqs - 1) + [2],
-                    [5] * desc.num_reqs,
-                    [[1]] * desc.num_reqs,
-                    None,
-                )
-                with pytest.raises(AttnhubConfigurationError, match="uniform batches only"):
-                    builder.build_for_cudagraph_capture(mixed)
+            if not desc.uniform:  # an ALWAYS backend under FULL: the mixed test below
                 continue
             assert desc.num_tokens == desc.num_reqs * query_len
             md = builder.build_for_cudagraph_capture(runner.dummy(desc.num_tokens, query_len))
@@ -525,16 +604,130 @@ def test_vllm_captures_and_replays_full_graphs_through_attnhub(
     assert replays == len(STEP_SEEDS)
 
 
-def test_a_mixed_capture_is_refused_naming_the_batch(model_dir: str) -> None:
-    """The adapter pads uniform batches only: vLLM's capture of a mixed batch (it asks for one
-    under FULL from an ALWAYS backend) is refused at engine start, with the query lengths."""
+def test_a_mixed_capture_below_always_is_refused_naming_the_batch(model_dir: str) -> None:
+    """A backend below ALWAYS (torch: UNIFORM_BATCH) captures no mixed batch: a capture of
+    one (vLLM lowers FULL for it, so only a wrong engine asks) is refused with the query
+    lengths and the level; so is vLLM's mixed dummy whose requests happen to be uniform
+    (``max_query_len`` the token count)."""
     config = _config(model_dir, "torch")
+    _resolve(config, CUDAGraphMode.FULL_AND_PIECEWISE)
     with set_current_vllm_config(config):
         builder = AttnhubVllmMetadataBuilder(_kv_spec(config), LAYERS, config, torch.device("cpu"))
     runner = _Runner(config, builder)
     mixed = runner.step([1, 1, 2], [5, 5, 5], [[1], [2], [3]], None)
-    with pytest.raises(AttnhubConfigurationError, match=r"query lengths \[1, 1, 2\]"):
+    with pytest.raises(AttnhubConfigurationError, match=r"query lengths \[1, 1, 2\].*uniform_b"):
         builder.build_for_cudagraph_capture(mixed)
+    with pytest.raises(AttnhubConfigurationError, match=r"\[1, 1, 1, 1\], a mixed batch"):
+        builder.build_for_cudagraph_capture(runner.mixed_dummy(4, 4))
+    assert not builder._graphs
+
+
+MIXED_STEPS = [  # (query lengths, sequence lengths): decodes first, as vLLM orders a batch
+    ([1, 1, 5], [9, 40, 60]),
+    ([7], [20]),  # one prefill chunk filling most of its graph: split where requests are short
+    ([1, 1, 1, 1, 1, 1, 1, 1], [5, 9, 13, 17, 21, 25, 29, 33]),  # a uniform decode
+    ([2, 6], [2, 200]),  # a new prompt beside a long chunk
+    ([1, 3], [130, 3]),
+    ([1, 1, 14], [70, 90, 250]),  # 16 tokens: the largest graph where 16 is a size
+    ([4, 4, 4, 4], [64, 65, 66, 67]),
+    ([1, 2, 3, 4, 5], [1, 2, 3, 4, 260]),
+]
+
+
+@pytest.mark.parametrize("provider", ["vllm-fa3", "fa3"])
+@pytest.mark.parametrize(
+    ("sizes", "max_num_seqs"),
+    [([1, 2, 4, 8], 8), ([1, 2, 4, 8, 16], 4)],
+    ids=["seqs-at-sizes", "seqs-below-sizes"],
+)
+def test_vllm_full_mode_captures_and_replays_mixed_batches(
+    model_dir: str,
+    provider: str,
+    sizes: list[int],
+    max_num_seqs: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's ``FULL`` with an ALWAYS provider (flash: vllm-fa3, fa3): vLLM captures every
+    capture size as a mixed batch (``_dummy_run``'s ``uniform_decode=False`` dummy) and
+    replays it for every step it pads to that size, prefills and decodes together. The
+    adapter captures through its builder's ``build_for_cudagraph_capture`` and, per replayed
+    step (new lengths, request counts and blocks), refills the persistent buffers and refreshes
+    the provider's planned arguments (vllm-fa3's FA3 schedule); the eager tape's replay (no
+    Python) gives the reference answer. Capture sizes at and above ``max_num_seqs`` (vLLM's
+    request count of a mixed graph is min(size, max_num_seqs))."""
+    _use_flash_provider(monkeypatch, provider)
+    level = _level("flash")
+    assert level == GraphSupport.ALWAYS
+    config = _config(model_dir, "flash")
+    resolved, dispatcher = _resolve(
+        config, CUDAGraphMode.FULL, sizes=sizes, max_num_seqs=max_num_seqs
+    )
+    assert resolved == CUDAGraphMode.FULL and resolved.mixed_mode() == CUDAGraphMode.FULL
+    with set_current_vllm_config(config):
+        builder = AttnhubVllmMetadataBuilder(_kv_spec(config), LAYERS, config, torch.device("cpu"))
+    runner = _Runner(config, builder)
+    _fill_context(runner, seed=3)
+    adaptor = EagerAdaptor()
+
+    graphs = {}
+    for capture_mode, descs in dispatcher.get_capture_descs():
+        for desc in descs:
+            assert capture_mode == CUDAGraphMode.FULL and not desc.uniform
+            md = builder.build_for_cudagraph_capture(
+                runner.mixed_dummy(desc.num_tokens, desc.num_reqs)
+            )
+            graphs[desc] = adaptor.capture(
+                lambda md=md, desc=desc: runner.forward(
+                    md, desc.num_tokens, CUDAGraphMode.FULL, desc
+                )
+            )
+    assert sorted(d.num_tokens for d in graphs) == sorted(sizes)
+
+    g = generator(11)
+    steps = [(q, s) for q, s in MIXED_STEPS if sum(q) <= max(sizes) and len(q) <= max_num_seqs]
+    for _ in range(4):  # and random ones: requests <= max_num_seqs, tokens <= the largest size
+        n = int(torch.randint(1, max_num_seqs + 1, (1,), generator=g))
+        q = torch.randint(1, max(sizes) // n + 1, (n,), generator=g).sort().values.tolist()
+        steps.append((q, [x + int(torch.randint(0, 200, (1,), generator=g)) for x in q]))
+    for seed, (query_lens, seq_lens) in enumerate(steps):
+        n = len(query_lens)
+        blocks = torch.randperm(NUM_BLOCKS - 1, generator=g)[: 3 * n] + 1
+        table = [blocks[3 * r : 3 * r + 3].tolist() for r in range(n)]
+        for x in (runner.query, runner.key, runner.value):
+            x.copy_(torch.randn(x.shape, generator=generator(200 + seed)).to(x.dtype))
+        uniform = len(set(query_lens)) == 1 and query_lens[0] == 1
+        run_mode, desc = dispatcher.dispatch(sum(query_lens), uniform_decode=uniform)
+        assert run_mode == CUDAGraphMode.FULL and desc in graphs, (query_lens, desc)
+        md = builder.build(0, runner.step(query_lens, seq_lens, table, desc))
+        assert md.graph is not None, (query_lens, desc)
+        graphs[desc].graph.replay()  # vLLM's wrapper: entry.cudagraph.replay()
+        _check_against_reference(runner, query_lens, seq_lens, table)
+
+
+def test_a_mixed_replay_without_the_schedule_update_is_caught(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-fa3's captured call reads FA3's schedule from a persistent buffer the builder
+    plans per step (``update_graph_params``); a mixed replay whose step skipped it runs the
+    captured step's schedule, which the emulated kernel refuses (the test above would fail if
+    the adapter dropped the update)."""
+    _use_flash_provider(monkeypatch, "vllm-fa3")
+    config = _config(model_dir, "flash")
+    _, dispatcher = _resolve(config, CUDAGraphMode.FULL)
+    with set_current_vllm_config(config):
+        builder = AttnhubVllmMetadataBuilder(_kv_spec(config), LAYERS, config, torch.device("cpu"))
+    runner = _Runner(config, builder)
+    _fill_context(runner, seed=4)
+    run_mode, desc = dispatcher.dispatch(7, uniform_decode=False)
+    md = builder.build_for_cudagraph_capture(runner.mixed_dummy(desc.num_tokens, desc.num_reqs))
+    graph = EagerAdaptor().capture(lambda: runner.forward(md, desc.num_tokens, run_mode, desc))
+    skipped = []
+    for b in builder._builders:
+        monkeypatch.setattr(b, "update_graph_params", lambda *a: skipped.append(a))
+    builder.build(0, runner.step([1, 1, 5], [9, 40, 60], [[3], [4], [5]], desc))
+    assert skipped
+    with pytest.raises(Exception, match="scheduler_metadata was planned for other"):
+        graph.graph.replay()
 
 
 def test_a_skipped_update_is_caught_by_the_emulated_graph(model_dir: str) -> None:
