@@ -86,6 +86,39 @@ def _mode(name: str, value: object, allowed: tuple[str, ...], default: str) -> s
     return str(value)
 
 
+def _check_modes(
+    return_lse: bool,
+    mask: object,
+    qseqlen: object,
+    qk_descale: object,
+    pv_descale: object,
+    mask_type: object,
+    calc_type: object,
+    cache_mode: object,
+) -> None:
+    """The op's mode arguments: the cache, mask and calc types, and what each mode needs."""
+    cache = _mode("cache_mode", cache_mode, CACHE_MODES, "krope_ctkv")
+    if cache != "krope_ctkv":
+        raise NotEmulatedError(f"{OP}: cache_mode={cache!r} (NZ caches) is valid but not emulated")
+    masking = _mode("mask_type", mask_type, MASK_TYPES, "undefined")
+    calc = _mode("calc_type", calc_type, CALC_TYPES, "calc_type_undefined")
+    spec_decode = calc == "calc_type_spec" or masking != "undefined"
+    if spec_decode or mask is not None or qseqlen is not None:
+        raise NotEmulatedError(
+            f"{OP}: calc_type_spec / masks / qseqlen (speculative decoding) are valid but not "
+            "emulated"
+        )
+    if qk_descale is not None or pv_descale is not None:
+        raise NotEmulatedError(f"{OP}: qk_descale / pv_descale (int8 caches) are not emulated")
+    if return_lse and calc != "calc_type_ring":
+        raise NotEmulatedError(
+            f"{OP}: return_lse=True with calc_type={calc!r}: the docs name the lse output for "
+            "the ring calc types only; not emulated"
+        )
+    if calc == "calc_type_ring" and not return_lse:
+        raise _fail(OP, "calc_type='calc_type_ring' needs the lse output (return_lse=True)")
+
+
 def _check(
     return_lse: bool,
     q_nope: object,
@@ -114,26 +147,9 @@ def _check(
     assert isinstance(q_nope, torch.Tensor) and isinstance(q_rope, torch.Tensor)
     assert isinstance(ctkv, torch.Tensor) and isinstance(k_rope, torch.Tensor)
     assert isinstance(block_tables, torch.Tensor)
-    cache = _mode("cache_mode", cache_mode, CACHE_MODES, "krope_ctkv")
-    if cache != "krope_ctkv":
-        raise NotEmulatedError(f"{OP}: cache_mode={cache!r} (NZ caches) is valid but not emulated")
-    masking = _mode("mask_type", mask_type, MASK_TYPES, "undefined")
-    calc = _mode("calc_type", calc_type, CALC_TYPES, "calc_type_undefined")
-    spec_decode = calc == "calc_type_spec" or masking != "undefined"
-    if spec_decode or mask is not None or qseqlen is not None:
-        raise NotEmulatedError(
-            f"{OP}: calc_type_spec / masks / qseqlen (speculative decoding) are valid but not "
-            "emulated"
-        )
-    if qk_descale is not None or pv_descale is not None:
-        raise NotEmulatedError(f"{OP}: qk_descale / pv_descale (int8 caches) are not emulated")
-    if return_lse and calc != "calc_type_ring":
-        raise NotEmulatedError(
-            f"{OP}: return_lse=True with calc_type={calc!r}: the docs name the lse output for "
-            "the ring calc types only; not emulated"
-        )
-    if calc == "calc_type_ring" and not return_lse:
-        raise _fail(OP, "calc_type='calc_type_ring' needs the lse output (return_lse=True)")
+    _check_modes(
+        return_lse, mask, qseqlen, qk_descale, pv_descale, mask_type, calc_type, cache_mode
+    )
     dev = q_nope.device
     for name, t in tensors.items():
         assert isinstance(t, torch.Tensor)
@@ -175,6 +191,11 @@ def _check(
         assert isinstance(t, torch.Tensor)
         if not t.is_contiguous():
             raise _fail(OP, f"{name} must be contiguous")
+    return _check_lengths(context_lens, block_tables, T)
+
+
+def _check_lengths(context_lens: object, block_tables: torch.Tensor, T: int) -> list[int]:
+    """The host context lengths (one batch entry per query token) and the block table."""
     lens = _int_list(OP, "context_lens", context_lens, required=True)
     assert lens is not None
     batch = len(lens)
