@@ -25,9 +25,11 @@ import sys
 import time
 
 
-def write_tiny_llama(path: str, seed: int = 0) -> str:
-    """A 2-layer Llama (hidden 256, 8 query / 2 KV heads, head 64, vocab 1000), random weights
-    in safetensors. Larger-than-default init makes greedy choices robust to rounding ties."""
+def write_tiny_llama(path: str, seed: int = 0, num_kv_heads: int = 2) -> str:
+    """A 2-layer Llama (hidden 256, 8 query / ``num_kv_heads`` KV heads, head 64, vocab 1000),
+    random weights in safetensors. Larger-than-default init makes greedy choices robust to
+    rounding ties. ``num_kv_heads=1`` (MQA) is the model vLLM allows decode context parallel
+    for at ``tensor_parallel_size=2`` (vllm/config/model.py: TP must exceed the KV heads)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -39,7 +41,7 @@ def write_tiny_llama(path: str, seed: int = 0) -> str:
         intermediate_size=512,
         num_hidden_layers=2,
         num_attention_heads=8,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         head_dim=64,  # a head size every in-repo backend declares (ascend: 64, 128, 192, 256)
         max_position_embeddings=1024,
         initializer_range=0.08,
@@ -325,6 +327,14 @@ def main() -> int:
     )
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=6)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument(
+        "--decode-context-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM's decode_context_parallel_size (within the tensor-parallel group)",
+    )
+    ap.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
     ap.add_argument("--out", required=True, help="where to write the JSON result")
     ap.add_argument(
         "--summary", action="store_true", help="print host times per step and per layer"
@@ -400,6 +410,9 @@ def main() -> int:
         kv_cache_memory_bytes=64 << 20,  # a small cache: no GBs of page faults at start
         max_logprobs=max(args.logprobs, 20) if args.logprobs >= 0 else -1,
         additional_config=additional_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        decode_context_parallel_size=args.decode_context_parallel_size,
+        cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
     )
     start_s = time.perf_counter() - t0
     steps.clear()  # drop the warm-up / profiling steps
