@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 
 import attnhub
 from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
@@ -45,6 +46,8 @@ from attnhub.context_parallel import (
     shard_step,
 )
 from attnhub_vllm.mapping import AttnhubConfigurationError, batch_from_common
+
+logger = init_logger("vllm.attnhub_vllm")
 
 
 def declares_lse(backend: attnhub.AttentionBackend, spec: AttentionSpec) -> bool:
@@ -128,6 +131,11 @@ class DcpPlanner:
         self.builders = [None if g is None else g.metadata_builder() for g in gathered]
         self.block_size = backends[0].spec.block_size if backends else 0
         self.rank = group.rank
+        logger.info_once(
+            "attnhub-vllm: decode context parallel through attnhub: rank %d of %d, interleave "
+            "%d, %s over vLLM's DCP group",
+            self.rank, self.world_size, self.interleave, variant.__name__,
+        )  # fmt: skip
 
     def plan(self, cm: Any, exact_maxima: bool) -> tuple[int, list[DcpLayerStep]]:
         """The step's plan for every spec, on every rank (``DecodeContextParallel.plan``, with
