@@ -78,6 +78,60 @@ def mqa_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_tiny_llama(str(tmp_path_factory.mktemp("tiny-mqa")), num_kv_heads=1)
 
 
+def _layer(model: str, backend: str, dcp: int, monkeypatch: pytest.MonkeyPatch, **kw: object):  # type: ignore[no-untyped-def]
+    """A vLLM ``Attention`` layer through attnhub ``backend`` (float32, block 32) as a rank of
+    a DCP group of ``dcp`` sees it: vLLM's impl base reads the group's size at construction
+    (``get_dcp_world_size_and_rank``), stood in for here (no group in this process)."""
+    from attnhub_vllm.backend import AttnhubVllmBackend
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers.attention import Attention
+
+    monkeypatch.setattr(
+        parallel_state, "get_dcp_world_size_and_rank", lambda enabled=True: (dcp, 0)
+    )
+    config = VllmConfig(
+        model_config=ModelConfig(model=model, dtype="float32", max_model_len=512),
+        cache_config=CacheConfig(block_size=32),
+        additional_config={"attnhub": {"backend": backend}},
+    )
+    with set_current_vllm_config(config):
+        return Attention(
+            4, 64, 0.125, num_kv_heads=1, cache_config=config.cache_config,
+            prefix=f"{backend}.{dcp}.{len(kw)}.attn", attn_backend=AttnhubVllmBackend, **kw,
+        )  # fmt: skip
+
+
+def test_layers_declare_the_lse_of_their_backend(
+    mqa_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``can_return_lse_for_decode`` is the backend's ``Capabilities.lse`` (torch: declared;
+    cpu: vLLM's CPU kernels return none), and ``need_to_return_lse_for_decode`` follows it
+    under DCP only, as vLLM's base computes it."""
+    torch_layer = _layer(mqa_model, "torch", 1, monkeypatch).impl
+    assert torch_layer.can_return_lse_for_decode and not torch_layer.need_to_return_lse_for_decode
+    torch_dcp = _layer(mqa_model, "torch", 2, monkeypatch).impl
+    assert torch_dcp.can_return_lse_for_decode and torch_dcp.need_to_return_lse_for_decode
+    cpu_layer = _layer(mqa_model, "cpu", 1, monkeypatch).impl
+    assert not cpu_layer.can_return_lse_for_decode
+    assert not cpu_layer.need_to_return_lse_for_decode
+
+
+def test_dcp_refused_at_engine_start_with_attnhubs_reasons(
+    mqa_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under DCP a layer whose backend cannot serve it refuses at construction, naming why
+    (before vLLM's own check, which names only a missing LSE)."""
+    from attnhub_vllm.mapping import AttnhubConfigurationError
+
+    with pytest.raises(AttnhubConfigurationError, match="decode context parallel needs the LSE"):
+        _layer(mqa_model, "cpu", 2, monkeypatch)
+    with pytest.raises(
+        AttnhubConfigurationError, match=r"a sliding window \(\(15, 0\)\) needs each key's global"
+    ):
+        _layer(mqa_model, "torch", 2, monkeypatch, per_layer_sliding_window=16)
+
+
 def test_adapter_dcp_with_vllms_group_matches_single_rank(mqa_model: str) -> None:
     """2 gloo ranks (tensor_parallel_size = decode_context_parallel_size = 2), the torch
     backend, float32, per-rank block 4: interleave 1 with all-gather + reduce-scatter, and
