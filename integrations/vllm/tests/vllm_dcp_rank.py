@@ -23,7 +23,6 @@ all-gather and reduce-scatter on gloo).
 from __future__ import annotations
 
 import os
-import types
 from typing import Any
 
 HEADS, KV_HEADS, HEAD = 8, 1, 64  # the MQA tiny Llama's attention (vLLM: TP must exceed KV heads)
@@ -34,19 +33,10 @@ STEPS = [([5, 1, 9, 3], [5, 1, 9, 3]), ([1, 3, 6, 1], [6, 4, 15, 4])]
 
 
 def _interpreted(cls: Any) -> Any:
-    """``cls.kernel`` (a vLLM Triton kernel's source) under the real ``triton.jit``, run by
-    Triton's interpreter on the CPU (vLLM's CPU build stubs Triton out)."""
-    import triton
+    """``cls.kernel`` (a vLLM Triton kernel's source) run by Triton's interpreter."""
+    from vllm_generate import interpreted_kernel
 
-    source = cls.kernel
-    source = getattr(source, "fn", source)
-    scope = {**source.__globals__, "tl": triton.language, "triton": triton}
-    fn = types.FunctionType(source.__code__, scope, source.__name__, source.__defaults__)
-    fn.__module__, fn.__qualname__ = source.__module__, source.__qualname__
-    kernel = triton.jit(fn)
-    if not hasattr(kernel, "constexprs"):  # read by vLLM's launcher; every argument positional
-        kernel.constexprs = []
-    return kernel
+    return interpreted_kernel(cls.__dict__["kernel"].__func__)
 
 
 def _config(job: dict[str, Any], dcp: int, interleave: int, comm: str) -> Any:
