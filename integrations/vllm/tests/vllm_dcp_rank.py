@@ -205,7 +205,11 @@ def _sub_case(rank: int, n: int, job: dict[str, Any], interleave: int, comm: str
         report[f"{tag}-step{i}"] = {
             "vs_single_rank": (got.double() - want.double()).abs().max().item(),
             "vs_reference": (got.double() - ref).abs().max().item(),
-            "vllm_merge_vs_adapter": (vllm_merged.double() - got.double()).abs().max().item(),
+            # vLLM's merge as its backends write it: into the layer's output, its dtype
+            "vllm_merge_vs_adapter": (vllm_merged.to(got.dtype).double() - got.double())
+            .abs()
+            .max()
+            .item(),
             "tolerance": (tol.atol, tol.rtol),
             "finite": bool(torch.isfinite(got).all()),
             "tokens": t,
