@@ -723,7 +723,7 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         impl = self._impl or self._attnhub(key.device)
         cache = self._paged(kv_cache, impl, layer)
         meta = self._step_meta(layer, slot_mapping)
-        if isinstance(meta, dcp_.DcpLayerStep):  # this rank's shard, vLLM's slots
+        if isinstance(meta, dcp_.DcpLayerStep):  # the shard's planned write (vLLM's slots)
             meta.write(key, value, cache)
             return
         if meta is not None:  # the planned write, slots checked once per step: no sync here
@@ -746,9 +746,8 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
             # adapter copied into the graph's; the captured write reads the graph's
             return metas[self.meta_index]
         meta = metas[self.meta_index]
-        if isinstance(meta, dcp_.DcpLayerStep):  # its slots are the shard's, checked in build
-            return meta
-        return meta if same_view(slot_mapping, meta.batch.slot_mapping) else None
+        slots = meta.slots if isinstance(meta, dcp_.DcpLayerStep) else meta.batch.slot_mapping
+        return meta if same_view(slot_mapping, slots) else None
 
     def forward(
         self,

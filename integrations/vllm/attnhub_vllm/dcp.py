@@ -85,6 +85,10 @@ class DcpLayerStep:
     dcp: DecodeContextParallel
     gathered_impl: Any  # the gathered backend's impl (no sinks): its write and its call
     step: DcpStep
+    #: vLLM's DCP-local slot mapping of the step (``CommonAttentionMetadata.slot_mapping``),
+    #: equal to the shard's (checked in ``plan``): a KV write vLLM hands these slots takes
+    #: the planned write; any other slots, the checked write through them
+    slots: torch.Tensor
 
     def write(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache) -> None:
         """The shard's KV write: the planned one (slots checked once per step in ``plan``)."""
@@ -149,7 +153,7 @@ class DcpPlanner:
             assert builder is not None  # a refused backend raised in the agreement
             flat, empty = dcp.flat_step(batch, shard, batch.device)
             step = DcpStep(shard, builder.build(flat), empty.to(batch.device))
-            steps.append(DcpLayerStep(dcp, impl, step))
+            steps.append(DcpLayerStep(dcp, impl, step, batch.slot_mapping))
         return batch.num_actual_tokens, steps
 
     def _slot_refusal(self, batch: BatchMetadata) -> Exception | None:
