@@ -52,6 +52,7 @@ from attnhub.errors import AttnhubError
 from attnhub.graphs import BatchDescriptor as GraphDescriptor
 from attnhub.kit import GraphAdaptor, PersistentBatch, pad_batch, same_view, uniform_query_len
 from attnhub.mla import MLASpec
+from attnhub_vllm import dcp as dcp_
 from attnhub_vllm.mapping import (
     KV_CACHE_DTYPES,
     AttnhubConfigurationError,
@@ -412,6 +413,8 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
         """The attnhub builders' ``graph_support`` for this config's layers as vLLM's
         level (the lowest where layers differ): vLLM resolves its ``cudagraph_mode`` with it
         before any builder exists."""
+        if dcp_.dcp_size(vllm_config) > 1:  # the DCP path is not captured (docs: vLLM settings)
+            return AttentionCGSupport.NEVER
         return cg_support(graph_level_of_config(vllm_config, int(kv_cache_spec.block_size)))
 
     def __init__(
@@ -439,6 +442,12 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
                 builders[spec].checks = checks
             impl.meta_index = list(builders).index(spec)
         self._builders = list(builders.values())
+        #: vLLM's decode context parallel: attnhub's sharding over vLLM's DCP group
+        self._dcp = (
+            dcp_.DcpPlanner([b.backend for b in self._builders], vllm_config, device)
+            if dcp_.dcp_size(vllm_config) > 1
+            else None
+        )
         # vLLM's max_query_len / max_seq_len are exact unless speculative decoding makes
         # max_seq_len an optimistic bound: then the adapter reduces the lengths itself.
         self._exact_maxima = getattr(vllm_config, "speculative_config", None) is None
@@ -567,6 +576,9 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> AttnhubVllmMetadata:
+        if self._dcp is not None:  # every rank, every step: the shard's plan (no graphs)
+            tokens, steps = self._dcp.plan(common_attn_metadata, self._exact_maxima)
+            return AttnhubVllmMetadata(tokens, list(steps))
         if self._graphs:
             graph_step = self._graph_step(common_attn_metadata)
             if graph_step is not None:
@@ -581,6 +593,13 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
 
 
 class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
+    #: The adapter serves vLLM's decode context parallel (attnhub_vllm.dcp) wherever the
+    #: attnhub backend declares the LSE: each layer refuses at construction otherwise, and
+    #: sets ``can_return_lse_for_decode`` from the declaration (``_declare_lse``). Any
+    #: interleave with multi-token rows: every query row is its own decode over the shard.
+    supports_dcp: ClassVar[bool] = True
+    supports_mtp_with_cp_non_trivial_interleave_size: ClassVar[bool] = True
+
     def __init__(
         self,
         num_heads: int,
@@ -620,6 +639,22 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         block_size = config.cache_config.block_size
         if block_size:
             self.bind(int(block_size), "cpu" if config.device_config is None else None)
+            self._declare_lse(config)
+
+    def _declare_lse(self, config: VllmConfig) -> None:
+        """vLLM's ``can_return_lse_for_decode`` from the attnhub backend's ``Capabilities.lse``
+        for this layer, and ``need_to_return_lse_for_decode`` as vLLM's base computes it (its
+        ``__new__`` read the class default, False); under decode context parallel, refuse at
+        engine start with attnhub's reasons where the backend cannot serve it."""
+        assert self.spec is not None
+        device = config.device_config.device if config.device_config is not None else None
+        backend = backend_for(self.spec, device or "cpu", self.choice)
+        self.can_return_lse_for_decode = dcp_.declares_lse(backend, self.spec)
+        self.need_to_return_lse_for_decode = (
+            self.dcp_world_size > 1 and self.can_return_lse_for_decode
+        )
+        if self.dcp_world_size > 1:
+            dcp_.refuse_unserved(backend, self.spec, self.dcp_world_size)
 
     @staticmethod
     def update_graph_params(
@@ -708,6 +743,9 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         impl = self._impl or self._attnhub(key.device)
         cache = self._paged(kv_cache, impl, layer)
         meta = self._step_meta(layer, slot_mapping)
+        if isinstance(meta, dcp_.DcpLayerStep):  # the shard's planned write (vLLM's slots)
+            meta.write(key, value, cache)
+            return
         if meta is not None:  # the planned write, slots checked once per step: no sync here
             impl.write_kv(key, value, cache, meta=meta)
             return
@@ -728,7 +766,8 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
             # adapter copied into the graph's; the captured write reads the graph's
             return metas[self.meta_index]
         meta = metas[self.meta_index]
-        return meta if same_view(slot_mapping, meta.batch.slot_mapping) else None
+        slots = meta.slots if isinstance(meta, dcp_.DcpLayerStep) else meta.batch.slot_mapping
+        return meta if same_view(slot_mapping, slots) else None
 
     def forward(
         self,
@@ -754,5 +793,9 @@ class AttnhubVllmImpl(AttentionImpl[AttnhubVllmMetadata]):
         else:
             meta = attn_metadata.layer_metas()[self.meta_index]
         out = output.view(-1, self.num_heads, self.head_size)
-        impl.forward(query, None, None, self._paged(kv_cache, impl, layer), meta, output=out)
+        cache = self._paged(kv_cache, impl, layer)
+        if isinstance(meta, dcp_.DcpLayerStep):  # decode context parallel (attnhub_vllm.dcp)
+            meta.forward(impl, query.view(out.shape), cache, out)
+            return output
+        impl.forward(query, None, None, cache, meta, output=out)
         return output

@@ -25,9 +25,11 @@ import sys
 import time
 
 
-def write_tiny_llama(path: str, seed: int = 0) -> str:
-    """A 2-layer Llama (hidden 256, 8 query / 2 KV heads, head 64, vocab 1000), random weights
-    in safetensors. Larger-than-default init makes greedy choices robust to rounding ties."""
+def write_tiny_llama(path: str, seed: int = 0, num_kv_heads: int = 2) -> str:
+    """A 2-layer Llama (hidden 256, 8 query / ``num_kv_heads`` KV heads, head 64, vocab 1000),
+    random weights in safetensors. Larger-than-default init makes greedy choices robust to
+    rounding ties. ``num_kv_heads=1`` (MQA) is the model vLLM allows decode context parallel
+    for at ``tensor_parallel_size=2`` (vllm/config/model.py: TP must exceed the KV heads)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -39,7 +41,7 @@ def write_tiny_llama(path: str, seed: int = 0) -> str:
         intermediate_size=512,
         num_hidden_layers=2,
         num_attention_heads=8,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         head_dim=64,  # a head size every in-repo backend declares (ascend: 64, 128, 192, 256)
         max_position_embeddings=1024,
         initializer_range=0.08,
@@ -91,6 +93,46 @@ def write_tiny_deepseek_v2(path: str, seed: int = 0) -> str:
     model = DeepseekV2ForCausalLM(config).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def interpreted_kernel(source: object) -> object:
+    """A vLLM Triton kernel's source under the real ``triton.jit``, run by Triton's
+    interpreter on the CPU (vLLM's CPU build stubs Triton out: its kernels are plain
+    functions there). Sets ``TRITON_INTERPRET=1`` for this process."""
+    import types
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+
+    fn = getattr(source, "fn", source)
+    scope = {**fn.__globals__, "tl": triton.language, "triton": triton}  # type: ignore[attr-defined]
+    plain = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)  # type: ignore[attr-defined]
+    plain.__module__, plain.__qualname__ = fn.__module__, fn.__qualname__  # type: ignore[attr-defined]
+    kernel = triton.jit(plain)
+    if not hasattr(kernel, "constexprs"):  # read by vLLM's launchers: every argument positional
+        kernel.constexprs = []
+    return kernel
+
+
+def interpret_dcp_slot_mapping() -> None:
+    """Run vLLM's own DCP slot-mapping Triton kernel (``ComputeSlotMappingKernel``, what its
+    GPU build runs) through Triton's interpreter in every worker, in place of the CPU fallback
+    vLLM's CPU platform registers (``vllm/utils/cpu_triton_utils.py``), which refuses a
+    context-parallel world above 1. A test stand-in for what vLLM lacks on CPU, nothing of
+    attnhub's. vLLM's CPU platform spawns its workers (``VLLM_WORKER_MULTIPROC_METHOD=spawn``),
+    which import this script as ``__mp_main__``: with ``INTERPRET_ENV`` set, each patches its
+    platform there, before its worker registers the overrides (then this kernel)."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.worker.block_table import ComputeSlotMappingKernel
+
+    kernel = interpreted_kernel(ComputeSlotMappingKernel.__dict__["kernel"].__func__)
+    register = CpuPlatform.register_triton_kernel_overrides.__func__  # type: ignore[attr-defined]
+
+    def overrides(cls: type) -> None:
+        register(cls)
+        ComputeSlotMappingKernel.kernel = staticmethod(kernel)  # type: ignore[assignment]
+
+    CpuPlatform.register_triton_kernel_overrides = classmethod(overrides)  # type: ignore[assignment]
 
 
 def is_mla_model(path: str) -> bool:
@@ -325,6 +367,20 @@ def main() -> int:
     )
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=6)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument(
+        "--decode-context-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM's decode_context_parallel_size (within the tensor-parallel group)",
+    )
+    ap.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
+    ap.add_argument(
+        "--interpret-dcp-slot-mapping",
+        action="store_true",
+        help="vLLM's own DCP slot-mapping Triton kernel, interpreted, in place of the CPU "
+        "fallback that refuses decode context parallel (interpret_dcp_slot_mapping)",
+    )
     ap.add_argument("--out", required=True, help="where to write the JSON result")
     ap.add_argument(
         "--summary", action="store_true", help="print host times per step and per layer"
@@ -355,6 +411,10 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    if args.interpret_dcp_slot_mapping:
+        os.environ[INTERPRET_ENV] = "1"  # the workers' (spawned) copy of this script patches
+        interpret_dcp_slot_mapping()
 
     steps: list[dict] = []
     mla = is_mla_model(args.model)
@@ -400,6 +460,9 @@ def main() -> int:
         kv_cache_memory_bytes=64 << 20,  # a small cache: no GBs of page faults at start
         max_logprobs=max(args.logprobs, 20) if args.logprobs >= 0 else -1,
         additional_config=additional_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        decode_context_parallel_size=args.decode_context_parallel_size,
+        cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
     )
     start_s = time.perf_counter() - t0
     steps.clear()  # drop the warm-up / profiling steps
@@ -459,6 +522,12 @@ def main() -> int:
             print(summary(result, outside=True))
     return 0
 
+
+#: Set by ``--interpret-dcp-slot-mapping`` for vLLM's spawned workers.
+INTERPRET_ENV = "ATTNHUB_TEST_INTERPRET_DCP_SLOT_MAPPING"
+
+if __name__ == "__mp_main__" and os.environ.get(INTERPRET_ENV) == "1":
+    interpret_dcp_slot_mapping()  # a vLLM worker this script's engine spawned
 
 if __name__ == "__main__":
     sys.exit(main())
