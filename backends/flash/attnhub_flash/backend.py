@@ -467,6 +467,10 @@ class FlashVllmFA3Backend(FlashBackend):
     kernels = providers.VLLM_FA3
 
 
+class FlashVllmFlashMLABackend(FlashBackend):
+    kernels = providers.VLLM_FLASHMLA
+
+
 class FlashFA2Backend(FlashBackend):
     kernels = providers.FA2
 
@@ -489,6 +493,7 @@ BACKENDS: dict[str, type[FlashBackend]] = {
     for cls in (
         FlashVllmBackend,
         FlashVllmFA3Backend,
+        FlashVllmFlashMLABackend,
         FlashFA2Backend,
         FlashFA3Backend,
         FlashFA4Backend,
