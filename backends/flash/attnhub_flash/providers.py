@@ -817,7 +817,7 @@ class VllmFA3Provider(VllmProvider):
 
     def refusals(self, spec: AttentionSpec, declared: list[Refusal]) -> list[Refusal]:
         reasons = super().refusals(spec, declared)
-        reasons += _head_size_v_refusals(self.name, spec)
+        reasons += _head_size_v_refusals(self.name, spec, s_aux=True)
         return reasons + _s_aux_refusals(spec) if spec.use_sinks else reasons
 
     # --- a value head size other than the key's: the KV write -----------------------------
@@ -1651,12 +1651,14 @@ def _fa4_refusals(spec: AttentionSpec, arch: int) -> list[Refusal]:
     ]
 
 
-def _head_size_v_refusals(provider: str, spec: AttentionSpec) -> list[Refusal]:
+def _head_size_v_refusals(
+    provider: str, spec: AttentionSpec, *, s_aux: bool = False
+) -> list[Refusal]:
     """What FA3 refuses of a declared pair (``HEAD_SIZE_V_FA3``) beyond its regions [source:
     hopper/flash_api.cpp]: a value head size aligned to 8 (16 for fp8), and fp8 only where
     run_mha_fwd builds an e4m3 kernel as wide as the values (hdim 192 x hdimv 128, hdim 64 x
     hdimv 64); vLLM's fork: no s_aux sinks with it ('We don't support S aux with hdim !=
-    hdim_v'; vLLM moves such layers to FA4)."""
+    hdim_v'; vLLM moves such layers to FA4), where the provider passes sinks as ``s_aux``."""
     if not spec.distinct_head_size_v:
         return []
     hs, hv = spec.head_size, spec.head_size_v
@@ -1683,7 +1685,7 @@ def _head_size_v_refusals(provider: str, spec: AttentionSpec) -> list[Refusal]:
                 value=pair,
             )
         )
-    if spec.use_sinks and provider == VLLM_FA3_NAME:
+    if spec.use_sinks and s_aux:
         reasons.append(
             Refusal(
                 f"use_sinks with head_size_v {hv} != head_size {hs} is not supported (provider "

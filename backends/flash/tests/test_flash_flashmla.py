@@ -13,7 +13,7 @@ import torch
 from attnhub_flash import BACKENDS, emulator
 from attnhub_flash.emulator import FlashOpError, NotEmulatedError
 
-from attnhub import BatchMetadata, LatentKVCache, MLASpec, reference, testing
+from attnhub import AttentionSpec, BatchMetadata, LatentKVCache, MLASpec, reference, testing
 from attnhub.capabilities import Tolerance
 from attnhub.errors import UnsupportedConfigurationError
 
@@ -278,6 +278,28 @@ def test_what_flashmla_does_not_take_is_refused_with_its_reason(
     assert [r.field for r in reasons] == [field]
     with pytest.raises(UnsupportedConfigurationError, match=match):
         BACKENDS["vllm-flashmla"](mla_spec(**changes), "cpu", emulate=True)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(head_size=192, head_size_v=128, use_sinks=True),  # no s_aux with hdim != hdim_v
+        dict(head_size=64, head_size_v=512, kv_cache_dtype="fp8_e4m3"),
+        dict(use_alibi=True),
+        dict(block_size=8),
+        dict(kv_cache_dtype="fp8_e4m3", dtype=torch.float16),
+        dict(head_size=128),
+    ],
+)
+def test_standard_layers_are_refused_and_served_as_on_vllm_fa3(changes: dict[str, Any]) -> None:
+    fields: dict[str, Any] = dict(
+        num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, block_size=16
+    )
+    fields.update(changes)
+    spec = AttentionSpec(**fields)
+    want = [str(r) for r in BACKENDS["vllm-fa3"].unsupported_reasons(spec)]
+    got = [str(r) for r in BACKENDS["vllm-flashmla"].unsupported_reasons(spec)]
+    assert got == [w.replace("vllm-fa3", "vllm-flashmla") for w in want]
 
 
 def test_standard_attention_is_vllm_fa3s() -> None:
