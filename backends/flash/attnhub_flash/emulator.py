@@ -2138,6 +2138,55 @@ def flash_mla_with_kvcache(  # FlashMLA's interface (vLLM 0.33)
     and the arguments with it), ``out=`` and fp8 caches are valid but not emulated."""
     op = "flashmla.flash_mla_with_kvcache"
     sched_meta = tile_scheduler_metadata
+    _flashmla_interface_checks(
+        op,
+        q,
+        k_cache,
+        sched_meta,
+        num_splits,
+        indices,
+        (causal, is_fp8_kvcache, extra_k_cache, enable_batch_invariant),
+    )
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** (-0.5)
+    dense_extra = (attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length)
+    if any(x is not None for x in (*dense_extra, extra_topk_length)):
+        raise AssertionError(
+            "indices_in_kvcache, attn_sink, extra_k_cache, extra_indices_in_kvcache, "
+            "topk_length and extra_topk_length must be None when dense attention is used."
+        )
+    if block_table is None or cache_seqlens is None:
+        raise AssertionError(
+            "block_table and cache_seqlens must be provided when dense attention is used."
+        )
+    _not_emulated(op, out=out)
+    rows, kv_lens, parts = _flashmla_kernel_checks(
+        op, q, k_cache, head_dim_v, cache_seqlens, block_table, sched_meta
+    )
+    schedule: tuple[torch.Tensor | None, torch.Tensor | None] = (
+        _flashmla_schedule(parts, kv_lens, q.device)  # the kernel plans it on its first call
+        if sched_meta.tile_scheduler_metadata is None
+        else (sched_meta.tile_scheduler_metadata, sched_meta.num_splits)
+    )
+    causal = bool(causal) and q.shape[1] > 1  # "if (seqlen_q_ori == 1) { is_causal = false; }"
+    result, lse = _flashmla_math(
+        q, k_cache, rows, kv_lens, head_dim_v, float(softmax_scale), causal
+    )
+    sched_meta.tile_scheduler_metadata, sched_meta.num_splits = schedule
+    return result.to(q.dtype), lse
+
+
+def _flashmla_interface_checks(
+    op: str,
+    q: object,
+    k_cache: object,
+    sched_meta: object,
+    num_splits: object,
+    indices: object,
+    flags: tuple[bool, bool, torch.Tensor | None, bool],  # causal, fp8, extra_k_cache, invariant
+) -> None:
+    """The interface's asserts before the dense path, in its order, and its first invocation's
+    record of the config (a later one is checked against it) [source]."""
     if not isinstance(sched_meta, FlashMLASchedMeta):
         raise AssertionError("tile_scheduler_metadata must be of type FlashMLASchedMeta")
     if num_splits is not None:
@@ -2152,6 +2201,7 @@ def flash_mla_with_kvcache(  # FlashMLA's interface (vLLM 0.33)
         raise _fail(
             op, f"k_cache must be (num_blocks, page_block_size, num_heads_k, head_dim), got {got}"
         )
+    causal, is_fp8_kvcache, extra_k_cache, enable_batch_invariant = flags
     cfg = FlashMLASchedMeta.Config(
         q.shape[0],
         q.shape[1],
@@ -2170,20 +2220,20 @@ def flash_mla_with_kvcache(  # FlashMLA's interface (vLLM 0.33)
         sched_meta.config = cfg
     else:
         _flashmla_check_config(sched_meta, cfg)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** (-0.5)
-    dense_extra = (attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length)
-    if any(x is not None for x in (*dense_extra, extra_topk_length)):
-        raise AssertionError(
-            "indices_in_kvcache, attn_sink, extra_k_cache, extra_indices_in_kvcache, "
-            "topk_length and extra_topk_length must be None when dense attention is used."
-        )
-    if block_table is None or cache_seqlens is None:
-        raise AssertionError(
-            "block_table and cache_seqlens must be provided when dense attention is used."
-        )
-    _not_emulated(op, out=out)
-    # --- torch.ops._flashmla_C.dense_decode_fwd [source: csrc/api/dense_decode] -------------
+
+
+def _flashmla_kernel_checks(
+    op: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    head_dim_v: int,
+    cache_seqlens: object,
+    block_table: object,
+    sched_meta: FlashMLASchedMeta,
+) -> tuple[list[list[int]], list[int], int]:
+    """``torch.ops._flashmla_C.dense_decode_fwd``'s checks [source: csrc/api/dense_decode],
+    then the reads of the table and lengths (device code) with what the GPU would read
+    undefined refused [inferred]: (table rows, key lengths, num_sm_parts)."""
     if q.dtype not in MODEL_DTYPES:
         raise _fail(
             op, f"Expected q_dtype == torch::kBFloat16 || q_dtype == torch::kHalf (got {q.dtype})"
@@ -2244,19 +2294,8 @@ def flash_mla_with_kvcache(  # FlashMLA's interface (vLLM 0.33)
             "kernel takes 576",
         )
     rows = table.tolist()
-    starts = list(range(batch + 1))  # every sequence has queries
-    _check_table(op, k_cache, rows, kv_lens, starts)
-    schedule: tuple[torch.Tensor | None, torch.Tensor | None] = (
-        _flashmla_schedule(parts, kv_lens, dev)  # the kernel plans it on its first call
-        if sched_meta.tile_scheduler_metadata is None
-        else (sched_meta.tile_scheduler_metadata, sched_meta.num_splits)
-    )
-    causal = bool(causal) and s_q > 1  # "if (seqlen_q_ori == 1) { is_causal = false; }"
-    result, lse = _flashmla_math(
-        q, k_cache, rows, kv_lens, head_dim_v, float(softmax_scale), causal
-    )
-    sched_meta.tile_scheduler_metadata, sched_meta.num_splits = schedule
-    return result.to(q.dtype), lse
+    _check_table(op, k_cache, rows, kv_lens, list(range(batch + 1)))  # all have queries
+    return rows, kv_lens, parts
 
 
 def _flashmla_schedule(
