@@ -308,3 +308,33 @@ def test_standard_attention_is_vllm_fa3s() -> None:
     assert {f: getattr(fa3, f) for f in ("dtypes", "block_size_multiple", "sinks")} == {
         f: getattr(flashmla, f) for f in ("dtypes", "block_size_multiple", "sinks")
     }
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        ((True, None), None),
+        (
+            (False, "FlashMLA Dense is only supported on Hopper devices."),
+            "only supported on Hopper",
+        ),
+    ],
+)
+def test_a_native_provider_asks_vllm_whether_flashmla_dense_runs(
+    answer: tuple[bool, str | None], expected: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On ``cuda`` the provider needs vLLM's FA3 (as vllm-fa3) and vLLM's own
+    ``is_flashmla_dense_supported()`` (the module's probe of ``vllm._flashmla_C`` and Hopper)."""
+    from types import SimpleNamespace
+
+    from attnhub_flash import ops, providers
+
+    fork = SimpleNamespace(fa_version_unsupported_reason=lambda fa_version: None)
+    flashmla = SimpleNamespace(is_flashmla_dense_supported=lambda: answer)
+    modules = {"vllm.vllm_flash_attn": fork, "vllm.v1.attention.ops.flashmla": flashmla}
+    monkeypatch.setattr(ops, "import_once", lambda name: (modules[name], None))
+    why = providers.VLLM_FLASHMLA.native_reason(torch.device("cuda"))
+    if expected is None:
+        assert why is None
+    else:
+        assert why is not None and expected in why and "vllm-flashmla" in why
