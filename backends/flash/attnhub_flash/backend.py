@@ -1,6 +1,6 @@
 """The ``flash`` backend: attnhub's protocol translated into FlashAttention's calling conventions.
 
-One backend name, five providers (``providers.py``: one object each, carrying its
+One backend name, six providers (``providers.py``: one object each, carrying its
 capabilities, refusals, kernel arguments, KV write and call; ``ops.py``: where their functions
 come from). A backend class per provider (its ``kernels``) declares what that provider's
 kernels can do, because the conformance suite and selection read ``capabilities`` from the

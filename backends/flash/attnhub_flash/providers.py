@@ -1,4 +1,4 @@
-"""The five FlashAttention providers, one object each: where its functions live, what its
+"""The six FlashAttention providers, one object each: where its functions live, what its
 kernels take and why they refuse the rest, the arguments it needs planned once per step, the
 KV write and the attention call. The backend (``backend.py``) never names a provider: its
 builder asks the provider for a call's arguments and the write's plan, its impl for the write
@@ -10,6 +10,9 @@ and the call; ``ops.py`` resolves the provider's modules (or the emulator's stan
   vllm-fa3  VLLM_FA3  the same with fa_version=3, s_aux= (sinks) and scheduler_metadata= (FA3's
                       tile schedule, planned once per step by get_scheduler_metadata, as vLLM
                       does)
+  vllm-flashmla  VLLM_FLASHMLA  as vllm-fa3; MLA layers: FlashMLA's dense decode
+                      (vllm.v1.attention.ops.flashmla: get_mla_metadata once per step,
+                      flash_mla_with_kvcache per layer) instead of FA3's value query
   fa2       FA2       flash_attn_varlen_func(block_table=, cu_seqlens_k=cumulative KV lengths);
                       decode-only steps: flash_attn_with_kvcache(q (B, 1, H, D), cache_seqlens=)
   fa3       FA3       flash_attn_with_kvcache(page_table=, cache_seqlens=, cu_seqlens_q=,
@@ -17,8 +20,9 @@ and the call; ``ops.py`` resolves the provider's modules (or the emulator's stan
                       q (B, 1, H, D)
   fa4       FA4       flash_attn_varlen_func(page_table=, seqused_k=, window_size=(None, None)
                       when off, learnable_sink=)
-  KV write  vllm and vllm-fa3: reshape_and_cache_flash (slot < 0 skipped by the op); the others
-            (the base class): one index_copy_ of the rows with a slot, planned once per step
+  KV write  vllm, vllm-fa3 and vllm-flashmla: reshape_and_cache_flash (slot < 0 skipped by the
+            op); the others (the base class): one index_copy_ of the rows with a slot, planned
+            once per step
 
 Each provider is a subclass of ``Provider`` that sets its class attributes and overrides the
 hooks where its kernels differ, and one instance of it (``VLLM`` ... ``FA4``; ``PROVIDERS`` by
