@@ -13,6 +13,7 @@ from attnhub_flash.backend import (
     FlashMetadataBuilder,
     FlashVllmBackend,
     FlashVllmFA3Backend,
+    FlashVllmFlashMLABackend,
     backend_class,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "FlashMetadataBuilder",
     "FlashVllmBackend",
     "FlashVllmFA3Backend",
+    "FlashVllmFlashMLABackend",
     "__version__",
     "backend_class",
 ]

@@ -1,6 +1,6 @@
 """The ``flash`` backend: attnhub's protocol translated into FlashAttention's calling conventions.
 
-One backend name, five providers (``providers.py``: one object each, carrying its
+One backend name, six providers (``providers.py``: one object each, carrying its
 capabilities, refusals, kernel arguments, KV write and call; ``ops.py``: where their functions
 come from). A backend class per provider (its ``kernels``) declares what that provider's
 kernels can do, because the conformance suite and selection read ``capabilities`` from the
@@ -467,6 +467,10 @@ class FlashVllmFA3Backend(FlashBackend):
     kernels = providers.VLLM_FA3
 
 
+class FlashVllmFlashMLABackend(FlashBackend):
+    kernels = providers.VLLM_FLASHMLA
+
+
 class FlashFA2Backend(FlashBackend):
     kernels = providers.FA2
 
@@ -489,6 +493,7 @@ BACKENDS: dict[str, type[FlashBackend]] = {
     for cls in (
         FlashVllmBackend,
         FlashVllmFA3Backend,
+        FlashVllmFlashMLABackend,
         FlashFA2Backend,
         FlashFA3Backend,
         FlashFA4Backend,

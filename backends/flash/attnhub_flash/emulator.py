@@ -12,6 +12,8 @@ return values:
   FA2   ``flash_attn``            flash_attn_varlen_func, flash_attn_with_kvcache (2.8.3)
   FA3   ``flash_attn_interface``  flash_attn_with_kvcache (hopper, 2.8.3: ``page_table``)
   FA4   ``flash_attn.cute``       flash_attn_varlen_func (4.0.0b36: ``page_table``)
+  FLASHMLA ``vllm.v1.attention.ops.flashmla``  get_mla_metadata, flash_mla_with_kvcache
+        (vLLM 0.33's FlashMLA interface: the dense decode of MLA's absorbed form, SM90)
 
 Conventions, as the interfaces' docstrings and asserts state them (``[inferred]`` marks our
 reading where they are silent; docs/backends/flash.md lists every one):
@@ -68,6 +70,7 @@ __all__ = [
     "FA2",
     "FA3",
     "FA4",
+    "FLASHMLA",
     "VLLM",
     "VLLM_CACHE_OPS",
     "Call",
@@ -2003,6 +2006,384 @@ def _fa4_sink(op: str, learnable_sink: object, q: torch.Tensor) -> torch.Tensor:
     return sink
 
 
+# --- FlashMLA: vLLM's vllm.v1.attention.ops.flashmla (dense decode) ----------------------------
+# vLLM 0.33's ops/flashmla.py re-exports ``get_mla_metadata``, ``flash_mla_with_kvcache`` and
+# ``FlashMLASchedMeta`` from ``vllm/third_party/flashmla/flash_mla_interface.py`` (FlashMLA's
+# Python interface, vendored), whose dense path calls ``torch.ops._flashmla_C.dense_decode_fwd``
+# (FlashMLA's csrc/api/dense_decode: the SM90 kernel ``sm90::decode::dense``) [source].
+
+#: The SM90 dense decode kernel's shapes: ``Config::PAGE_BLOCK_SIZE = 64``, ``HEAD_DIM_K =
+#: 576``, ``HEAD_DIM_V = 512`` (``run_flash_splitkv_mla_kernel`` asserts ``params.d ==
+#: HEAD_DIM_K``, though the interface's check lets 512 through) [source].
+FLASHMLA_PAGE_BLOCK_SIZE = 64
+FLASHMLA_HEAD_DIM = 576
+FLASHMLA_HEAD_DIM_V = 512
+#: The scheduler's row tile (``Config::BLOCK_SIZE_M``) and the emulated GPU's SM count (an H100
+#: or H200 SXM: 132), which size ``tile_scheduler_metadata`` as ``num_sm_parts x 8`` [source:
+#: dense_decode ``num_sm_parts``; the SM count inferred].
+_FLASHMLA_BLOCK_M = 64
+_FLASHMLA_NUM_SMS = 132
+_FLASHMLA_SCHED_META_INTS = 8  # sizeof(DecodingSchedMeta) / 4
+
+
+@dataclass
+class FlashMLASchedMeta:
+    """FlashMLA's tile scheduler metadata, as its interface defines it: empty from
+    ``get_mla_metadata``, filled by the first ``flash_mla_with_kvcache`` call that takes it
+    (``config`` and the kernel's ``tile_scheduler_metadata`` / ``num_splits``), checked by
+    every later call [source]."""
+
+    @dataclass
+    class Config:
+        b: int
+        s_q: int
+        h_q: int
+        page_block_size: int
+        h_k: int
+
+        causal: bool
+        is_fp8_kvcache: bool
+        topk: Optional[int]  # noqa: UP045 (the vendor's annotation)
+
+        extra_page_block_size: Optional[int]  # noqa: UP045
+        extra_topk: Optional[int]  # noqa: UP045
+
+        enable_batch_invariant: bool
+
+    have_initialized: bool = False
+
+    config: Optional[Config] = None  # noqa: UP045
+
+    tile_scheduler_metadata: Optional[torch.Tensor] = None  # noqa: UP045
+    num_splits: Optional[torch.Tensor] = None  # noqa: UP045
+
+
+def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:  # type: ignore[no-untyped-def]
+    """An empty ``FlashMLASchedMeta`` (the arguments are ignored: "we keep *args and **kwargs
+    to be compatible with the old interface"); the schedule is made by the first call that
+    takes it [doc]."""
+    return FlashMLASchedMeta(), None
+
+
+def _flashmla_num_sm_parts(s_q: int, h_q: int, h_k: int) -> int:
+    """dense_decode's ``max(num_sms / h_k / ceil_div(s_q * h_q / h_k, 64), 1)`` [source]."""
+    return max(_FLASHMLA_NUM_SMS // h_k // -(-(s_q * h_q // h_k) // _FLASHMLA_BLOCK_M), 1)
+
+
+def _flashmla_check_config(meta: FlashMLASchedMeta, cfg: FlashMLASchedMeta.Config) -> None:
+    """The interface's checks of a reused ``sched_meta`` against this call, in its order."""
+    assert meta.config is not None
+    help_ = (
+        " Your input arguments are inconsistent with sched_meta. Please make sure the input "
+        "arguments are consistent across different invocations of flash_mla_with_kvcache on "
+        "the same sched_meta."
+    )
+    for name, what in (
+        ("b", "batch_size"),
+        ("s_q", "seq_len_q"),
+        ("h_q", "num_heads_q"),
+        ("page_block_size", "page_block_size"),
+        ("h_k", "num_heads_k"),
+        ("causal", "causal"),
+        ("is_fp8_kvcache", "is_fp8_kvcache"),
+        ("topk", "the last dim of indices_in_kvcache"),
+        ("extra_page_block_size", "the page_block_size of extra_k_cache"),
+        ("extra_topk", "the last dim of extra_indices_in_kvcache"),
+        ("enable_batch_invariant", "enable_batch_invariant"),
+    ):
+        if getattr(meta.config, name) != getattr(cfg, name):
+            raise AssertionError(f"sched_meta.config.{name} must be equal to {what}." + help_)
+
+
+def flash_mla_with_kvcache(  # FlashMLA's interface (vLLM 0.33)
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: Optional[torch.Tensor],  # noqa: UP045
+    cache_seqlens: Optional[torch.Tensor],  # noqa: UP045
+    head_dim_v: int,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    num_splits: None = None,
+    softmax_scale: Optional[float] = None,  # noqa: UP045
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: Optional[torch.Tensor] = None,  # noqa: UP045
+    attn_sink: Optional[torch.Tensor] = None,  # noqa: UP045
+    extra_k_cache: Optional[torch.Tensor] = None,  # noqa: UP045
+    extra_indices_in_kvcache: Optional[torch.Tensor] = None,  # noqa: UP045
+    topk_length: Optional[torch.Tensor] = None,  # noqa: UP045
+    extra_topk_length: Optional[torch.Tensor] = None,  # noqa: UP045
+    out: Optional[torch.Tensor] = None,  # noqa: UP045
+    enable_batch_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's dense decode, as vLLM's FLASHMLA backend calls it (``forward_mqa``: q
+    ``(batch, seq_len_q, num_heads_q, 576)`` = ``[q_nope @ W_UK ; q_pe]``, k_cache the joint
+    latent plane ``(num_blocks, 64, 1, 576)``, ``head_dim_v`` = kv_lora_rank = 512, causal):
+    multi-query attention over keys ``k_cache[..., :576]`` with values ``k_cache[..., :512]``,
+    causal bottom-right (query i of s_q sees ``seqlen_k - (s_q - 1 - i)`` keys: the kernel's
+    ``get_mask_len``; with s_q = 1 the kernel drops ``causal``) [source: flash_mla_interface.py,
+    csrc/api/dense_decode, sm90/decode/dense/splitkv_mla.cuh].
+
+    Returns ``out (batch, seq_len_q, num_heads_q, 512)`` in q's dtype and ``softmax_lse
+    (batch, num_heads_q, seq_len_q)`` float32, natural log; a row that sees no key: output 0,
+    LSE +inf (``cur_L == 0 ? INFINITY``) [source]. Checks, as the interface asserts
+    (AssertionError) and the kernel checks (FlashOpError) [source]: the sched_meta's type and
+    its config on reuse; ``num_splits`` None; block_table and cache_seqlens given; q fp16 /
+    bf16, k_cache of q's dtype; int32 lengths and table; contiguous last dims (lengths
+    contiguous); head_size_k 576 (the interface also lets 512 through, which the SM90 kernel's
+    ``FLASH_ASSERT(params.d == HEAD_DIM_K)`` refuses); head_dim_v 512; page_block_size 64;
+    batch_size > 0; num_heads_k dividing num_heads_q; the shapes of k_cache, cache_seqlens,
+    block_table and (reused) the schedule. The block table's pages must lie in the cache and a
+    reused schedule must have been made for these lengths (the kernel would read outside the
+    cache, or run a stale schedule: undefined there) [inferred]. The sparse path (``indices``
+    and the arguments with it), ``out=`` and fp8 caches are valid but not emulated."""
+    op = "flashmla.flash_mla_with_kvcache"
+    sched_meta = tile_scheduler_metadata
+    _flashmla_interface_checks(
+        op,
+        q,
+        k_cache,
+        sched_meta,
+        num_splits,
+        indices,
+        (causal, is_fp8_kvcache, extra_k_cache, enable_batch_invariant),
+    )
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** (-0.5)
+    dense_extra = (attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length)
+    if any(x is not None for x in (*dense_extra, extra_topk_length)):
+        raise AssertionError(
+            "indices_in_kvcache, attn_sink, extra_k_cache, extra_indices_in_kvcache, "
+            "topk_length and extra_topk_length must be None when dense attention is used."
+        )
+    if block_table is None or cache_seqlens is None:
+        raise AssertionError(
+            "block_table and cache_seqlens must be provided when dense attention is used."
+        )
+    _not_emulated(op, out=out)
+    rows, kv_lens, parts = _flashmla_kernel_checks(
+        op, q, k_cache, head_dim_v, cache_seqlens, block_table, sched_meta
+    )
+    schedule: tuple[torch.Tensor | None, torch.Tensor | None] = (
+        _flashmla_schedule(parts, kv_lens, q.device)  # the kernel plans it on its first call
+        if sched_meta.tile_scheduler_metadata is None
+        else (sched_meta.tile_scheduler_metadata, sched_meta.num_splits)
+    )
+    causal = bool(causal) and q.shape[1] > 1  # "if (seqlen_q_ori == 1) { is_causal = false; }"
+    result, lse = _flashmla_math(
+        q, k_cache, rows, kv_lens, head_dim_v, float(softmax_scale), causal
+    )
+    sched_meta.tile_scheduler_metadata, sched_meta.num_splits = schedule
+    return result.to(q.dtype), lse
+
+
+def _flashmla_interface_checks(
+    op: str,
+    q: object,
+    k_cache: object,
+    sched_meta: object,
+    num_splits: object,
+    indices: object,
+    flags: tuple[bool, bool, torch.Tensor | None, bool],  # causal, fp8, extra_k_cache, invariant
+) -> None:
+    """The interface's asserts before the dense path, in its order, and its first invocation's
+    record of the config (a later one is checked against it) [source]."""
+    if not isinstance(sched_meta, FlashMLASchedMeta):
+        raise AssertionError("tile_scheduler_metadata must be of type FlashMLASchedMeta")
+    if num_splits is not None:
+        raise AssertionError("num_splits must be None")
+    if indices is not None:
+        raise NotEmulatedError(f"{op}: sparse attention (indices) is valid but not emulated")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        got = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise _fail(op, f"q must be (batch_size, seq_len_q, num_heads_q, head_dim), got {got}")
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        got = list(k_cache.shape) if isinstance(k_cache, torch.Tensor) else type(k_cache).__name__
+        raise _fail(
+            op, f"k_cache must be (num_blocks, page_block_size, num_heads_k, head_dim), got {got}"
+        )
+    causal, is_fp8_kvcache, extra_k_cache, enable_batch_invariant = flags
+    cfg = FlashMLASchedMeta.Config(
+        q.shape[0],
+        q.shape[1],
+        q.shape[2],
+        k_cache.shape[1],
+        k_cache.shape[2],
+        causal,
+        is_fp8_kvcache,
+        None,
+        None if extra_k_cache is None else extra_k_cache.shape[1],
+        None,
+        enable_batch_invariant,
+    )
+    if not sched_meta.have_initialized:  # the interface's first invocation: its config
+        sched_meta.have_initialized = True
+        sched_meta.config = cfg
+    else:
+        _flashmla_check_config(sched_meta, cfg)
+
+
+def _flashmla_kernel_checks(
+    op: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    head_dim_v: int,
+    cache_seqlens: object,
+    block_table: object,
+    sched_meta: FlashMLASchedMeta,
+) -> tuple[list[list[int]], list[int], int]:
+    """``torch.ops._flashmla_C.dense_decode_fwd``'s checks [source: csrc/api/dense_decode],
+    then the reads of the table and lengths (device code) with what the GPU would read
+    undefined refused [inferred]: (table rows, key lengths, num_sm_parts)."""
+    if q.dtype not in MODEL_DTYPES:
+        raise _fail(
+            op, f"Expected q_dtype == torch::kBFloat16 || q_dtype == torch::kHalf (got {q.dtype})"
+        )
+    if k_cache.dtype != q.dtype:
+        raise _fail(op, f"query and key must have the same dtype ({q.dtype}, {k_cache.dtype})")
+    dev = q.device
+    for name, t in (("seqlens_k", cache_seqlens), ("block_table", block_table)):
+        if not isinstance(t, torch.Tensor):
+            raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise _fail(
+                op,
+                f"{name} must have dtype {'int32' if name == 'seqlens_k' else 'torch.int32'}, "
+                f"got {t.dtype}",
+            )
+    _tensor(op, "kcache", k_cache, 4, dev)
+    seqlens = _tensor(op, "seqlens_k", cache_seqlens, 1, dev, contiguous=True)
+    table = _tensor(op, "block_table", block_table, 2, dev)
+    if q.stride(-1) != 1:
+        raise _fail(op, "q must have contiguous last dimension")
+    batch, s_q, h_q, head_size_k = q.shape
+    if head_size_k not in (FLASHMLA_HEAD_DIM, 512):
+        raise _fail(op, "Only head_size_k == 576 or 512 is supported")
+    if head_dim_v != FLASHMLA_HEAD_DIM_V:
+        raise _fail(op, "Only head_size_v == 576 is supported")  # the vendor's text
+    num_blocks, page, h_k = k_cache.shape[:3]
+    if page != FLASHMLA_PAGE_BLOCK_SIZE:
+        raise _fail(op, f"Currently page_block_size must be 64 (got {page})")
+    if batch <= 0:
+        raise _fail(op, "batch size must be positive")
+    if h_k <= 0 or h_q % h_k:
+        raise _fail(op, "Number of heads in key/value must divide number of heads in query")
+    if k_cache.shape[3] != head_size_k:
+        raise _fail(
+            op,
+            f"kcache must have shape {[num_blocks, page, h_k, head_size_k]}, got "
+            f"{list(k_cache.shape)}",
+        )
+    if tuple(seqlens.shape) != (batch,):
+        raise _fail(op, f"seqlens_k must have shape [{batch}], got {list(seqlens.shape)}")
+    if table.shape[0] != batch:
+        raise _fail(
+            op,
+            f"block_table must have shape [{batch}, max_num_blocks_per_seq], got "
+            f"{list(table.shape)}",
+        )
+    parts = _flashmla_num_sm_parts(s_q, h_q, h_k)
+    kv_lens = seqlens.tolist()
+    if kv_lens and min(kv_lens) < 0:
+        raise _fail(op, f"seqlens_k holds {min(kv_lens)}: a length is >= 0")  # [inferred]
+    if sched_meta.tile_scheduler_metadata is not None:
+        _flashmla_check_schedule(op, sched_meta, parts, batch, kv_lens, dev)
+    if head_size_k != FLASHMLA_HEAD_DIM:  # run_flash_splitkv_mla_kernel
+        raise _fail(
+            op,
+            f"FLASH_ASSERT(params.d == Config::HEAD_DIM_K): d = {head_size_k}, the SM90 dense "
+            "kernel takes 576",
+        )
+    rows = table.tolist()
+    _check_table(op, k_cache, rows, kv_lens, list(range(batch + 1)))  # all have queries
+    return rows, kv_lens, parts
+
+
+def _flashmla_schedule(
+    parts: int, kv_lens: list[int], dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The schedule the kernel plans on a call without one (``get_decoding_sched_meta``):
+    ``tile_scheduler_metadata (num_sm_parts, 8)`` and ``num_splits (batch + 1)``, int32. On the
+    GPU they hold each SM part's request and block range and each request's first split; the
+    emulator, which splits nothing, holds the key lengths it was planned for in
+    ``num_splits[1:]`` [inferred: a stand-in], so that a reused schedule made for other lengths
+    is refused (the kernel would run it: undefined)."""
+    meta = torch.zeros(parts, _FLASHMLA_SCHED_META_INTS, dtype=torch.int32, device=dev)
+    splits = torch.tensor([0, *kv_lens], dtype=torch.int32, device=dev)
+    return meta, splits
+
+
+def _flashmla_check_schedule(
+    op: str,
+    sched_meta: FlashMLASchedMeta,
+    parts: int,
+    batch: int,
+    kv_lens: list[int],
+    dev: torch.device,
+) -> None:
+    """dense_decode's checks of a given schedule (dtype, device, contiguity, shapes) [source],
+    then that it was made for these lengths [inferred]."""
+    for name, t, shape in (
+        ("tile_scheduler_metadata", sched_meta.tile_scheduler_metadata, (parts, 8)),
+        ("num_splits", sched_meta.num_splits, (batch + 1,)),
+    ):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            raise _fail(op, f"{name} must have dtype int32")
+        if t.device != dev or not t.is_contiguous():
+            raise _fail(op, f"{name} must be a contiguous tensor on {dev}")
+        if tuple(t.shape) != shape:
+            raise _fail(op, f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    assert sched_meta.num_splits is not None
+    if sched_meta.num_splits[1:].tolist() != kv_lens:
+        raise _fail(
+            op,
+            "sched_meta was made for other cache_seqlens (reuse it only while the values of "
+            "cache_seqlens remain the same)",
+        )
+
+
+def _flashmla_null(
+    q: torch.Tensor, k_cache: torch.Tensor, rows: Any, kv_lens: Any, head_dim_v: int, *rest: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, s_q, h_q = q.shape[:3]
+    return (
+        emulation.preallocated((batch, s_q, h_q, head_dim_v), torch.float32, q.device),
+        emulation.preallocated((batch, h_q, s_q), torch.float32, q.device),
+    )
+
+
+@emulation.kernel(null=_flashmla_null)
+def _flashmla_math(
+    q: torch.Tensor,  # [B, s_q, h_q, 576]
+    k_cache: torch.Tensor,  # [num_blocks, 64, h_k, 576]
+    rows: list[list[int]],  # the block table (host data: device code), checked
+    kv_lens: list[int],
+    head_dim_v: int,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, s_q, h_q, Dv] f32, lse [B, h_q, s_q] f32
+    """``flash_mla_with_kvcache``'s math, every argument checked by it: per request, the
+    softmax of ``scale * q . k`` over its keys (bottom-right causal where asked) times the
+    values ``k[..., :head_dim_v]``; a row without keys: 0, LSE +inf."""
+    batch, s_q, h_q, _ = q.shape
+    out = torch.zeros(batch, s_q, h_q, head_dim_v, dtype=torch.float32)
+    lse = torch.full((batch, h_q, s_q), math.inf, dtype=torch.float32)
+    for b, kv_len in enumerate(kv_lens):
+        keys = _paged_rows(k_cache, rows[b], kv_len)  # [kv_len, h_k, 576]
+        o, l_ = _attend(
+            q[b],
+            keys,
+            keys[..., :head_dim_v],
+            scale=scale,
+            window=(-1, 0) if causal else (-1, -1),
+            softcap=0.0,
+            slopes=None,
+            sink=None,
+            empty_lse=math.inf,
+        )
+        out[b], lse[b] = o, l_
+    return out, lse
+
+
 # --- the namespaces ops.py hands out -----------------------------------------------------------
 
 
@@ -2039,6 +2420,12 @@ FA3 = _namespace(
     "flash_attn_interface",
     flash_attn_with_kvcache=_renamed(fa3_flash_attn_with_kvcache, "flash_attn_with_kvcache"),
 )
+FLASHMLA = _namespace(
+    "vllm.v1.attention.ops.flashmla",
+    get_mla_metadata=get_mla_metadata,
+    flash_mla_with_kvcache=flash_mla_with_kvcache,
+)
+FLASHMLA.FlashMLASchedMeta = FlashMLASchedMeta
 FA4 = _namespace(
     "flash_attn.cute",
     flash_attn_varlen_func=_renamed(fa4_flash_attn_varlen_func, "flash_attn_varlen_func"),
@@ -2050,6 +2437,7 @@ MODULES: dict[str, SimpleNamespace] = {
     "flash_attn": FA2,
     "flash_attn_interface": FA3,
     "flash_attn.cute": FA4,
+    "vllm.v1.attention.ops.flashmla": FLASHMLA,
 }
 
 #: Every emulated function, by its vendor path: what the contract test checks.
@@ -2062,4 +2450,6 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "flash_attn.flash_attn_with_kvcache": fa2_flash_attn_with_kvcache,
     "flash_attn_interface.flash_attn_with_kvcache": fa3_flash_attn_with_kvcache,
     "flash_attn.cute.flash_attn_varlen_func": fa4_flash_attn_varlen_func,
+    "vllm.v1.attention.ops.flashmla.get_mla_metadata": get_mla_metadata,
+    "vllm.v1.attention.ops.flashmla.flash_mla_with_kvcache": flash_mla_with_kvcache,
 }

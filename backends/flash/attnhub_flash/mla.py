@@ -126,18 +126,10 @@ class FlashMLAImpl(MLAImpl):
         n = meta.num_actual_tokens
         if n == 0:
             return
-        R = self.spec.kv_lora_rank
-        q, o = query[:n], out[:n]
+        o = out[:n]
         kernels = self.backend.kernels
-        result, kernel_lse = kernels.mla_call(
-            self.backend,
-            q[..., R:],  # q: the rope part
-            q[..., :R],  # the value query: the latent part
-            cache.k_pe.unsqueeze(-2),  # k: the rope plane, one kv head
-            cache.kv_c.unsqueeze(-2),  # v: the latent plane
-            meta.kwargs,
-            o,
-            lse is not None,
+        result, kernel_lse = kernels.mla_attend(
+            self.backend, query[:n], cache, meta.kwargs, o, lse is not None
         )
         if result is not o:
             o.copy_(result)

@@ -7,6 +7,8 @@ them, and says why a provider cannot run where it cannot.
   vllm      vllm.vllm_flash_attn    flash_attn_varlen_func (fa_version=2); KV write:
             vllm._custom_ops        reshape_and_cache_flash
   vllm-fa3  the same modules        the same, fa_version=3 (s_aux sinks; Hopper)
+  vllm-flashmla  the same modules   as vllm-fa3; MLA layers: get_mla_metadata,
+            vllm.v1.attention.ops.flashmla  flash_mla_with_kvcache (FlashMLA's dense decode)
   fa2       flash_attn              flash_attn_varlen_func, flash_attn_with_kvcache
   fa3       flash_attn_interface    flash_attn_with_kvcache (page_table, varlen q)
   fa4       flash_attn.cute         flash_attn_varlen_func (page_table + seqused_k)
@@ -56,6 +58,8 @@ class Source:
     max_major: int | None
     #: why the provider stops at ``max_major`` (None: no upper bound)
     max_why: str | None = None
+    #: module holding the MLA kernels of a provider with its own (FlashMLA's ops), else None
+    mla_ops: str | None = None
 
 
 #: The functions the backend calls in each module: a module that imports without them is not
@@ -67,6 +71,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
     "flash_attn": ("flash_attn_varlen_func", "flash_attn_with_kvcache"),
     "flash_attn_interface": ("flash_attn_with_kvcache",),
     "flash_attn.cute": ("flash_attn_varlen_func",),
+    "vllm.v1.attention.ops.flashmla": ("get_mla_metadata", "flash_mla_with_kvcache"),
 }
 
 
@@ -110,7 +115,7 @@ def _probe(provider: Provider, device: torch.device | str) -> str | None:
     the GPU be in its range of compute capabilities, and the provider's own probe
     (``native_reason``) pass."""
     src, name = provider.source, provider.name
-    for module in (src.attention, src.cache_ops):
+    for module in (src.attention, src.cache_ops, src.mla_ops):
         if module is None:
             continue
         found, error = import_once(module)
@@ -185,24 +190,30 @@ def fa4_arch(device: torch.device | str | None = None) -> int:
 
 @dataclass(frozen=True)
 class ProviderOps:
-    """The two namespaces the backend calls into: attention functions and (vLLM) cache ops."""
+    """The namespaces the backend calls into: attention functions, (vLLM) cache ops and (a
+    provider with MLA kernels of its own) the MLA ops."""
 
     provider: str
     attention: Any
     cache_ops: Any | None
     emulated: bool
+    mla_ops: Any | None = None
 
 
 def _modules(provider: Provider, native: bool) -> ProviderOps:
     """The provider's modules natively, else the emulator's stand-ins for the same modules
     (``emulator.MODULES``)."""
     src = provider.source
+    names = (src.attention, src.cache_ops, src.mla_ops)
     if native:
-        modules: Any = {m: import_once(m)[0] for m in (src.attention, src.cache_ops) if m}
+        modules: Any = {m: import_once(m)[0] for m in names if m}
     else:
         from attnhub_flash.emulator import MODULES as modules
     cache_ops = None if src.cache_ops is None else modules[src.cache_ops]
-    return ProviderOps(provider.name, modules[src.attention], cache_ops, emulated=not native)
+    mla_ops = None if src.mla_ops is None else modules[src.mla_ops]
+    return ProviderOps(
+        provider.name, modules[src.attention], cache_ops, emulated=not native, mla_ops=mla_ops
+    )
 
 
 def library(provider: Provider) -> VendorLibrary:

@@ -1,4 +1,4 @@
-"""The five FlashAttention providers, one object each: where its functions live, what its
+"""The six FlashAttention providers, one object each: where its functions live, what its
 kernels take and why they refuse the rest, the arguments it needs planned once per step, the
 KV write and the attention call. The backend (``backend.py``) never names a provider: its
 builder asks the provider for a call's arguments and the write's plan, its impl for the write
@@ -10,6 +10,9 @@ and the call; ``ops.py`` resolves the provider's modules (or the emulator's stan
   vllm-fa3  VLLM_FA3  the same with fa_version=3, s_aux= (sinks) and scheduler_metadata= (FA3's
                       tile schedule, planned once per step by get_scheduler_metadata, as vLLM
                       does)
+  vllm-flashmla  VLLM_FLASHMLA  as vllm-fa3; MLA layers: FlashMLA's dense decode
+                      (vllm.v1.attention.ops.flashmla: get_mla_metadata once per step,
+                      flash_mla_with_kvcache per layer) instead of FA3's value query
   fa2       FA2       flash_attn_varlen_func(block_table=, cu_seqlens_k=cumulative KV lengths);
                       decode-only steps: flash_attn_with_kvcache(q (B, 1, H, D), cache_seqlens=)
   fa3       FA3       flash_attn_with_kvcache(page_table=, cache_seqlens=, cu_seqlens_q=,
@@ -17,8 +20,9 @@ and the call; ``ops.py`` resolves the provider's modules (or the emulator's stan
                       q (B, 1, H, D)
   fa4       FA4       flash_attn_varlen_func(page_table=, seqused_k=, window_size=(None, None)
                       when off, learnable_sink=)
-  KV write  vllm and vllm-fa3: reshape_and_cache_flash (slot < 0 skipped by the op); the others
-            (the base class): one index_copy_ of the rows with a slot, planned once per step
+  KV write  vllm, vllm-fa3 and vllm-flashmla: reshape_and_cache_flash (slot < 0 skipped by the
+            op); the others (the base class): one index_copy_ of the rows with a slot, planned
+            once per step
 
 Each provider is a subclass of ``Provider`` that sets its class attributes and overrides the
 hooks where its kernels differ, and one instance of it (``VLLM`` ... ``FA4``; ``PROVIDERS`` by
@@ -92,6 +96,7 @@ S_AUX_MAX_HEADS = 64
 HALF = frozenset({torch.float16, torch.bfloat16})
 ALL_TYPES = frozenset(AttentionType)
 VLLM_FA3_NAME = "vllm-fa3"
+VLLM_FLASHMLA_NAME = "vllm-flashmla"
 FP8_KV = "fp8_e4m3"
 #: FA3's fp8 path (vLLM's fork with fa_version=3, and upstream hopper): q, k and v all fp8
 #: e4m3 with float32 descales; the query quantized with a static scale as vLLM does
@@ -523,6 +528,31 @@ class Provider(abc.ABC):
         if rows is not None and rows.numel():
             store_latent_rows(cache, kv_c.index_select(0, rows), k_pe.index_select(0, rows), slots)
 
+    def mla_attend(
+        self,
+        backend: FlashBackend,
+        query: torch.Tensor,  # [n, H, kv_lora_rank + rope]
+        cache: LatentKVCache,
+        kwargs: dict[str, Any],
+        out: torch.Tensor,  # [n, H, kv_lora_rank]
+        lse: bool,
+    ) -> Result:
+        """A step's one MLA call for a layer. Default: FA3's / FA4's value query (``mla_call``)
+        with the query's rope part as ``q``, its latent part as the value query, the rope plane
+        as ``k`` and the latent plane as ``v`` (one kv head), as vLLM's
+        ``FlashAttnMLAImpl.forward_mqa`` splits them [callers]."""
+        R = cache.kv_c.shape[-1]
+        return self.mla_call(
+            backend,
+            query[..., R:],  # q: the rope part
+            query[..., :R],  # the value query: the latent part
+            cache.k_pe.unsqueeze(-2),  # k: the rope plane, one kv head
+            cache.kv_c.unsqueeze(-2),  # v: the latent plane
+            kwargs,
+            out,
+            lse,
+        )
+
     def mla_call(
         self,
         backend: FlashBackend,
@@ -791,7 +821,7 @@ class VllmFA3Provider(VllmProvider):
 
     def refusals(self, spec: AttentionSpec, declared: list[Refusal]) -> list[Refusal]:
         reasons = super().refusals(spec, declared)
-        reasons += _head_size_v_refusals(self.name, spec)
+        reasons += _head_size_v_refusals(self.name, spec, s_aux=True)
         return reasons + _s_aux_refusals(spec) if spec.use_sinks else reasons
 
     # --- a value head size other than the key's: the KV write -----------------------------
@@ -997,6 +1027,135 @@ class VllmFA3Provider(VllmProvider):
             q=q, k=k, v=v, q_v=qv, out=out, return_softmax_lse=lse, **kwargs
         )
         return result if lse else (result, None)
+
+
+#: FlashMLA's dense decode (vLLM's FLASHMLA backend) [source: vLLM 0.33
+#: vllm/third_party/flashmla/flash_mla_interface.py, FlashMLA csrc/api/dense_decode and
+#: sm90/decode/dense/config.h; callers: vllm/v1/attention/backends/mla/flashmla.py]
+FLASHMLA_BLOCK_SIZE = 64  # "Currently page_block_size must be 64"; FLASHMLA's [64]
+FLASHMLA_LATENT = (512, 64)  # head_size_k 576 (HEAD_DIM_K) = 512 + 64, head_size_v 512
+
+
+def _flashmla_mla() -> MlaSupport:
+    """The absorbed MLA form through FlashMLA's dense decode (provider vllm-flashmla)."""
+    where = "provider vllm-flashmla (FlashMLA's dense decode, as vLLM's FLASHMLA)"
+    return MlaSupport(
+        dtypes=HALF,  # "TORCH_CHECK(q_dtype == torch::kBFloat16 || q_dtype == torch::kHalf)"
+        kv_cache_dtypes=frozenset({"auto"}),  # the fp8 path (a kernel of its own) is not wired
+        block_sizes=frozenset({FLASHMLA_BLOCK_SIZE}),
+        latent_sizes=frozenset({FLASHMLA_LATENT}),
+        num_heads=None,  # any count: "num_heads_q % num_heads_k == 0" with one kv head
+        layouts=("joint",),  # k_cache: the joint plane concat_and_cache_mla writes, unsqueezed
+        # q is (batch, seq_len_q, heads, 576): one query length for every request of a call
+        # (vLLM: QueryLenSupport.UNIFORM); attnhub's steps mix lengths, so decodes only
+        max_query_len=1,
+        lse=LseSupport(dtypes=HALF, reason=_COMMON_WHY["dtype"]),
+        tolerances=TOLERANCES,
+        reason=f"{where}: FlashMLA serves MLA's absorbed form in decode steps",
+        because={
+            "mla.dtype": "FlashMLA's dense decode takes float16 and bfloat16",
+            "mla.kv_cache_dtype": "FlashMLA's fp8 dense decode (flash_mla_with_kvcache_fp8) is "
+            "not wired",
+            "mla.block_size": "FlashMLA's dense decode pages by 64 ('Currently page_block_size "
+            "must be 64'; vLLM's FLASHMLA declares block size 64)",
+            "mla.latent_size": "FlashMLA's SM90 dense kernel is built for head_dim 576 (512 + "
+            "64) and head_dim_v 512",
+        },
+    )
+
+
+class VllmFlashMLAProvider(VllmFA3Provider):
+    """``vllm-fa3`` with MLA layers through FlashMLA (``vllm.v1.attention.ops.flashmla``, the
+    ops vLLM's FLASHMLA backend calls) instead of FA3's value query: the same standard
+    attention, KV writes and latent write (``concat_and_cache_mla``); per step the builder
+    makes one empty ``FlashMLASchedMeta`` (``get_mla_metadata``, as vLLM's builder), which the
+    step's first layer call fills with the kernel's tile schedule and every later layer reuses;
+    per layer one ``flash_mla_with_kvcache`` call over the joint plane. Why a provider of its
+    own: docs/backends/flash.md "FlashMLA"."""
+
+    name = VLLM_FLASHMLA_NAME
+    empty_lse = -math.inf  # the standard path is vllm-fa3's; FlashMLA's empty rows are +inf
+    source = ops.Source(
+        "vllm.vllm_flash_attn",
+        "vllm._custom_ops",
+        "vllm",
+        9,
+        9,
+        "vLLM: 'FlashMLA Dense is only supported on Hopper devices.'",
+        mla_ops="vllm.v1.attention.ops.flashmla",
+    )
+    capabilities = dataclasses.replace(VllmFA3Provider.capabilities, mla=_flashmla_mla())
+
+    def native_reason(self, device: torch.device) -> str | None:
+        why = super().native_reason(device)
+        if why:
+            return why.replace(VLLM_FA3_NAME, self.name, 1)
+        assert self.source.mla_ops is not None
+        flashmla, error = ops.import_once(self.source.mla_ops)
+        if flashmla is None:
+            return f"provider {self.name!r}: {self.source.mla_ops} is not importable: {error}"
+        try:
+            supported, reason = flashmla.is_flashmla_dense_supported()
+        except Exception as exc:
+            return f"provider {self.name!r}: is_flashmla_dense_supported() raised {exc!r}"
+        return None if supported else f"provider {self.name!r}: vLLM says {reason}"
+
+    def mla_kwargs(
+        self,
+        backend: FlashBackend,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        block_table: torch.Tensor,
+    ) -> dict[str, Any]:
+        """vLLM's FLASHMLA call but the layer's tensors: one ``FlashMLASchedMeta`` for the
+        step from ``get_mla_metadata(seq_lens, max_query_len * num_heads, 1)`` as its
+        ``FlashMLAMetadataBuilder._build_decode`` asks it (the interface ignores the arguments
+        and returns an empty one; the step's first call plans the kernel's tile schedule into
+        it and the other layers reuse it, valid while the lengths stay those of this step
+        [doc]) [callers]."""
+        spec = backend.spec
+        assert isinstance(spec, MLASpec)
+        mla_ops = backend.ops.mla_ops
+        assert mla_ops is not None
+        schedule, _ = mla_ops.get_mla_metadata(
+            seq_lens, max_query_len * spec.num_heads, 1, is_fp8_kvcache=False
+        )
+        return dict(
+            block_table=block_table,
+            cache_seqlens=seq_lens,
+            head_dim_v=spec.kv_lora_rank,
+            tile_scheduler_metadata=schedule,
+            softmax_scale=spec.scale,
+            causal=True,
+            is_fp8_kvcache=False,
+        )
+
+    def mla_attend(
+        self,
+        backend: FlashBackend,
+        query: torch.Tensor,  # [n, H, kv_lora_rank + rope]: one token per request
+        cache: LatentKVCache,
+        kwargs: dict[str, Any],
+        out: torch.Tensor,
+        lse: bool,
+    ) -> Result:
+        """``flash_mla_with_kvcache`` as vLLM's ``FlashMLAImpl.forward_mqa`` calls it: q the
+        whole query viewed ``(batch, n / batch, H, 576)`` (``reshape_query_for_spec_decode``),
+        k_cache the joint plane with a head dim of 1, keywords only [callers]. Its output
+        ``(batch, s_q, H, 512)`` is a fresh tensor (``out=`` is not passed, as vLLM), its LSE
+        ``(batch, H, s_q)`` is returned as ``[H, n]``."""
+        mla_ops = backend.ops.mla_ops
+        assert mla_ops is not None
+        n, num_heads, width = query.shape
+        batch = int(kwargs["cache_seqlens"].shape[0])
+        q = query.view(batch, n // batch, num_heads, width)
+        result, kernel_lse = mla_ops.flash_mla_with_kvcache(
+            q=q, k_cache=cache.joint.unsqueeze(-2), **kwargs
+        )
+        result = result.view(n, num_heads, -1)
+        return result, kernel_lse.permute(1, 0, 2).reshape(num_heads, n) if lse else None
 
 
 class FA2Provider(Provider):
@@ -1496,12 +1655,14 @@ def _fa4_refusals(spec: AttentionSpec, arch: int) -> list[Refusal]:
     ]
 
 
-def _head_size_v_refusals(provider: str, spec: AttentionSpec) -> list[Refusal]:
+def _head_size_v_refusals(
+    provider: str, spec: AttentionSpec, *, s_aux: bool = False
+) -> list[Refusal]:
     """What FA3 refuses of a declared pair (``HEAD_SIZE_V_FA3``) beyond its regions [source:
     hopper/flash_api.cpp]: a value head size aligned to 8 (16 for fp8), and fp8 only where
     run_mha_fwd builds an e4m3 kernel as wide as the values (hdim 192 x hdimv 128, hdim 64 x
     hdimv 64); vLLM's fork: no s_aux sinks with it ('We don't support S aux with hdim !=
-    hdim_v'; vLLM moves such layers to FA4)."""
+    hdim_v'; vLLM moves such layers to FA4), where the provider passes sinks as ``s_aux``."""
     if not spec.distinct_head_size_v:
         return []
     hs, hv = spec.head_size, spec.head_size_v
@@ -1528,7 +1689,7 @@ def _head_size_v_refusals(provider: str, spec: AttentionSpec) -> list[Refusal]:
                 value=pair,
             )
         )
-    if spec.use_sinks and provider == VLLM_FA3_NAME:
+    if spec.use_sinks and s_aux:
         reasons.append(
             Refusal(
                 f"use_sinks with head_size_v {hv} != head_size {hs} is not supported (provider "
@@ -1623,13 +1784,14 @@ def _dense_rows(t: torch.Tensor) -> torch.Tensor:
 
 VLLM = VllmProvider()
 VLLM_FA3 = VllmFA3Provider()
+VLLM_FLASHMLA = VllmFlashMLAProvider()
 FA2 = FA2Provider()
 FA3 = FA3Provider()
 FA4 = FA4Provider()
-PROVIDERS: dict[str, Provider] = {p.name: p for p in (VLLM, VLLM_FA3, FA2, FA3, FA4)}
+PROVIDERS: dict[str, Provider] = {p.name: p for p in (VLLM, VLLM_FA3, VLLM_FLASHMLA, FA2, FA3, FA4)}
 #: Best first when several are importable: FA4 and FA3 are the newer kernels; vLLM's fork ships
-#: with engines; upstream FA2 last. ``vllm-fa3`` only when named: whether vLLM's build holds
-#: its FA3 kernels is known only by importing it.
+#: with engines; upstream FA2 last. ``vllm-fa3`` and ``vllm-flashmla`` only when named: whether
+#: vLLM's build holds its FA3 (and FlashMLA) kernels is known only by importing it.
 PREFERENCE = ("fa4", "fa3", "vllm", "fa2")
 #: What engines ship; on a machine without any provider, the emulated default.
 DEFAULT = VLLM.name

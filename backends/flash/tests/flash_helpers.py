@@ -13,7 +13,7 @@ from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, reference, testi
 
 PROVIDERS = tuple(BACKENDS)
 #: the smallest block size each provider's paged kernels take
-BLOCK_SIZE = {"vllm": 16, "vllm-fa3": 16, "fa2": 256, "fa3": 16, "fa4": 16}
+BLOCK_SIZE = {"vllm": 16, "vllm-fa3": 16, "vllm-flashmla": 16, "fa2": 256, "fa3": 16, "fa4": 16}
 
 
 def spec(provider: str = "vllm", **changes: object) -> AttentionSpec:

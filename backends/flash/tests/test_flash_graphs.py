@@ -31,6 +31,7 @@ SCHEDULE = "vllm.vllm_flash_attn.get_scheduler_metadata"
 LEVELS = {
     "vllm": GraphSupport.UNIFORM_BATCH,
     "vllm-fa3": GraphSupport.ALWAYS,
+    "vllm-flashmla": GraphSupport.ALWAYS,  # its standard attention is vllm-fa3's
     "fa2": GraphSupport.UNIFORM_BATCH,
     "fa3": GraphSupport.ALWAYS,
     "fa4": GraphSupport.UNIFORM_BATCH,

@@ -21,7 +21,14 @@ FA2 = "flash_attn.flash_attn_varlen_func"
 FA2_DECODE = "flash_attn.flash_attn_with_kvcache"
 FA3 = "flash_attn_interface.flash_attn_with_kvcache"
 FA4 = "flash_attn.cute.flash_attn_varlen_func"
-ATTENTION = {"vllm": VLLM, "vllm-fa3": VLLM, "fa2": FA2, "fa3": FA3, "fa4": FA4}
+ATTENTION = {
+    "vllm": VLLM,
+    "vllm-fa3": VLLM,
+    "vllm-flashmla": VLLM,
+    "fa2": FA2,
+    "fa3": FA3,
+    "fa4": FA4,
+}
 
 #: decodes, a multi-token decode, a chunked prefill, a fresh prefill: every kind in one step
 MIXED = [(1, 40), (3, 35), (1, 9), (20, 70), (33, 33)]
@@ -56,7 +63,7 @@ def test_a_mixed_batch_is_one_attention_call(provider: str) -> None:
     expected = {ATTENTION[provider]: 1}
     if provider.startswith("vllm"):
         expected[WRITE] = 1
-    if provider == "vllm-fa3":  # FA3's schedule, planned by the builder
+    if provider in ("vllm-fa3", "vllm-flashmla"):  # FA3's schedule, planned by the builder
         expected[SCHEDULE] = 1
     assert dict(emulator.call_counts) == expected
     h.assert_matches_reference(st, out)
@@ -328,7 +335,9 @@ def test_forward_and_write_kv_read_no_device_tensor_on_the_host(provider: str) -
     emulated functions are the device (emulator.py is marked ``__attnhub_device_code__``)."""
     hostsync = pytest.importorskip("attnhub_conformance.hostsync")
     sinks = dict(use_sinks=True)
-    features = {"fa4": sinks, "vllm-fa3": sinks, "fa3": {}}.get(provider, dict(use_alibi=True))
+    features = {"fa4": sinks, "vllm-fa3": sinks, "vllm-flashmla": sinks, "fa3": {}}.get(
+        provider, dict(use_alibi=True)
+    )
     for s in (h.spec(provider), h.spec(provider, sliding_window=40, **features)):
         for requests in (_mixed(provider), [(1, 30), (1, 7)]):
             st = h.step(requests, provider, s, padding=2)
