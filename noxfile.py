@@ -115,7 +115,7 @@ CONFORMANCE_TARGETS: dict[str, tuple[str, dict[str, str]]] = {
     "iluvatar": ("iluvatar", {}),
     **{
         f"flash-{p}": ("flash", {"ATTNHUB_FLASH_PROVIDER": p})
-        for p in ("vllm", "vllm-fa3", "fa2", "fa3", "fa4")
+        for p in ("vllm", "vllm-fa3", "vllm-flashmla", "fa2", "fa3", "fa4")
     },
 }
 #: The vendor backend packages (mypy runs on each).
