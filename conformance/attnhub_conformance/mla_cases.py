@@ -108,6 +108,7 @@ INVALID = {
     "output_wrong_width": "an output buffer of v_head_dim instead of kv_lora_rank",
     "cache_other_block_size": "a latent cache of another block size",
     "cache_undeclared_layout": "a latent cache in a layout the backend does not declare",
+    "cache_other_format": "a latent cache in another format (auto / fp8) than the spec's",
     "meta_of_other_spec": "metadata built for an MLA layer of another block size",
     "write_kv_slot_outside": "write_kv with a slot past the cache's last",
 }
@@ -216,17 +217,22 @@ def mla_cases(target: Target, scope: Scope) -> list[Case]:
             entry="lse" if declared else "lse_refused",
             not_supported=not declared,
         )
-    for entry, what in INVALID.items():
-        if entry == "cache_undeclared_layout" and set(mla.layouts) == set(LATENT_LAYOUTS):
-            continue
-        add(
-            f"{ROW} invalid inputs",
-            f"invalid-{entry}",
-            f"{what}: a typed error, the cache byte-identical",
-            mla=base,
-            batch_plan=shapes[main],
-            entry=entry,
-        )
+    # bad input over the first layout's cache, and over an fp8 one (its bytes and its scale
+    # untouched) where one is declared
+    fp8 = sorted(mla.kv_cache_dtypes - {"auto"})
+    for config in [base, *(replace(base, kv_cache_dtype=kv) for kv in fp8[:1])]:
+        suffix = "" if config.kv_cache_dtype == "auto" else f"-kv_{config.kv_cache_dtype}"
+        for entry, what in INVALID.items():
+            if entry == "cache_undeclared_layout" and set(mla.layouts) == set(LATENT_LAYOUTS):
+                continue
+            add(
+                f"{ROW} invalid inputs",
+                f"invalid-{entry}{suffix}",
+                f"{what}: a typed error, the cache byte-identical",
+                mla=config,
+                batch_plan=shapes[main],
+                entry=entry,
+            )
     _refusal_cases(add, base, mla, shapes)
     return list(cases.values())
 

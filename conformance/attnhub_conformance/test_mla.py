@@ -298,6 +298,13 @@ def _provoke(step: MLAStep, meta: Any, entry: str) -> None:
         layout = next(x for x in LATENT_LAYOUTS if x not in layouts)
         undeclared = LatentKVCache.for_spec(s, cache.num_blocks, dev, layout=layout)
         impl.forward(q, kv_c, k_pe, undeclared, meta)
+    elif entry == "cache_other_format":
+        other = "fp8_e4m3" if s.kv_cache_dtype == "auto" else "auto"
+        wrong = LatentKVCache.allocate(
+            cache.num_blocks, s.block_size, s.kv_lora_rank, s.qk_rope_head_dim, s.dtype,
+            dev, layout=cache.layout, kv_cache_dtype=other,
+        )  # fmt: skip
+        impl.forward(q, kv_c, k_pe, wrong, meta)
     elif entry == "meta_of_other_spec":
         other_spec = replace(s, block_size=s.block_size * 2)
         other_backend = step.case.target.create(other_spec)  # type: ignore[arg-type]
