@@ -29,8 +29,14 @@ Cache layouts (``LatentKVCache.layout``), slot ``s`` = block ``s // block_size``
   "split": two planes, ``kv_c`` [num_blocks, block_size, kv_lora_rank] and ``k_pe``
            [num_blocks, block_size, qk_rope_head_dim] (vendors that keep the nope and rope
            parts apart).
-fp8 (``kv_cache_dtype="fp8_e4m3"``): both parts stored ``fp8(x / scale)`` with one per-tensor
-float32 ``scale`` for the whole entry (vLLM's ``concat_and_cache_mla`` with its ``k_scale``).
+fp8 (``kv_cache_dtype`` "fp8_e4m3", alias "fp8", or "fp8_e5m2"): both parts, the rope part
+too, stored ``fp8(x / scale)`` with one per-tensor float32 ``scale`` for the whole entry, as
+vLLM's ``concat_and_cache_mla`` writes them with the layer's ``_k_scale`` (its kernel applies
+``fp8::scaled_convert(x, *scale)`` to ``kv_c`` and to ``k_pe``): ``x`` widened to float32,
+divided by the scale in float32, rounded to the nearest fp8 value (ties to even) and saturated
+at the format's largest finite value (``__NV_SATFINITE``: +-448 for e4m3, +-57344 for e5m2;
+NaN stays NaN). Read back as vLLM's kernels read it (:func:`dequantize_latent`): ``fp8 * scale``
+in float32, rounded to the model dtype.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ __all__ = [
     "check_latent_cache",
     "check_latent_kv",
     "check_latent_slots",
+    "dequantize_latent",
     "store_latent_rows",
     "write_latent_kv",
 ]
@@ -63,10 +70,14 @@ __all__ = [
 LATENT_LAYOUTS = ("joint", "split")
 
 #: The KV-cache formats a latent cache can hold (names of ``attnhub.spec.KV_CACHE_DTYPES``):
-#: the model dtype, or fp8 e4m3 with one per-tensor scale (vLLM's MLA caches). The int8 rows
-#: scale per kv head (a latent cache has none) or per value channel (the latent is no value
-#: until ``W_UV``), so they have no latent form; no MLA kernel stores fp8 e5m2.
-LATENT_KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+#: the model dtype, or fp8 (e4m3 or e5m2) with one per-tensor scale for the whole entry, the
+#: formats vLLM's ``concat_and_cache_mla`` writes (its ``DISPATCH_BY_KV_CACHE_DTYPE``: "fp8" /
+#: "fp8_e4m3" and "fp8_e5m2"; vLLM 0.32's CUTLASS_MLA, FLASHINFER_MLA, FLASHMLA and TRITON_MLA
+#: declare "fp8" / "fp8_e4m3", ROCM_AITER_MLA "fp8_e5m2" too, CPU_MLA "auto" only). The int8
+#: rows scale per kv head (a latent cache has none) or per value channel (the latent is no
+#: value until ``W_UV``), so they have no latent form. FlashMLA's sparse "fp8_ds_mla" entry
+#: (656 bytes: per-tile scales, a bf16 rope part) is another layout, not one of these.
+LATENT_KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 def _short(value: object) -> str:
@@ -513,6 +524,20 @@ def write_latent_kv(
     store_latent_rows(
         cache, kv_c.index_select(0, rows), k_pe.index_select(0, rows), slots.index_select(0, rows)
     )
+
+
+def dequantize_latent(
+    raw: torch.Tensor,  # a gathered part of a latent cache, in its storage dtype
+    scale: torch.Tensor | None,  # the cache's float32 scale (None: not quantized)
+    dtype: torch.dtype,  # the model dtype
+) -> torch.Tensor:  # float32, the same shape
+    """Latents as vLLM's kernels read them, in float32: fp8 ``(fp8 * scale)`` computed in float32
+    and rounded to the model dtype, as TRITON_MLA's decode kernel does (``(k.to(tl.float32) *
+    ks).to(q.dtype)`` for ``kv_c`` and ``k_pe`` alike) and as ``gather_and_maybe_dequant_cache``
+    does for the context of vLLM's expanded prefill; a model-dtype cache as stored."""
+    if scale is None:
+        return raw.float()
+    return (raw.float() * scale).to(dtype).float()
 
 
 def store_latent_rows(

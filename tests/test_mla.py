@@ -62,6 +62,8 @@ def test_spec_default_scale_is_the_expanded_forms_not_the_latent_widths() -> Non
 def test_spec_keeps_a_given_scale_and_normalizes_fp8_alias() -> None:
     s = spec(scale=0.125, kv_cache_dtype="fp8")
     assert s.scale == 0.125 and s.kv_cache_dtype == "fp8_e4m3"
+    e5m2 = spec(kv_cache_dtype="fp8_e5m2")
+    assert e5m2.cache_storage_dtype is torch.float8_e5m2
     assert s.cache_storage_dtype is torch.float8_e4m3fn
 
 
@@ -120,9 +122,12 @@ def test_a_joint_cache_whose_parts_are_not_one_plane_is_refused() -> None:
         LatentKVCache(torch.zeros(NB, BS, L), torch.zeros(NB, BS, R), BS, layout="joint")
 
 
-def test_fp8_cache_holds_fp8_planes_and_a_scalar_scale() -> None:
-    cache = LatentKVCache.for_spec(spec(kv_cache_dtype="fp8_e4m3"), NB)
-    assert cache.joint.dtype is torch.float8_e4m3fn
+@pytest.mark.parametrize(
+    ("kv", "stored"), [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)]
+)
+def test_fp8_cache_holds_fp8_planes_and_a_scalar_scale(kv: str, stored: torch.dtype) -> None:
+    cache = LatentKVCache.for_spec(spec(kv_cache_dtype=kv), NB)
+    assert cache.joint.dtype is stored
     assert cache.scale is not None and cache.scale.shape == () and float(cache.scale) == 1.0
     with pytest.raises(InvalidInputError, match="needs scale"):
         replace(cache, scale=None)
@@ -211,7 +216,7 @@ def test_check_latent_cache_names_a_geometry_the_spec_does_not_have() -> None:
 
 
 @pytest.mark.parametrize("layout", ["joint", "split"])
-@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_matches_the_reference_write_byte_for_byte(
     layout: str, kv: str, dtype: torch.dtype
@@ -241,19 +246,59 @@ def test_write_puts_each_token_at_its_slot_and_skips_padding() -> None:
     assert torch.equal(cache.joint[~written], before.joint[~written])
 
 
-def test_fp8_write_stores_each_part_over_the_one_scale() -> None:
-    s = spec(kv_cache_dtype="fp8")
-    cache = LatentKVCache.for_spec(s, NB, layout="split")
+@pytest.mark.parametrize(
+    ("kv", "stored", "mantissa_bits"),
+    [("fp8", torch.float8_e4m3fn, 3), ("fp8_e5m2", torch.float8_e5m2, 2)],
+)
+@pytest.mark.parametrize("layout", ["joint", "split"])
+def test_fp8_write_stores_each_part_over_the_one_scale(
+    kv: str, stored: torch.dtype, mantissa_bits: int, layout: str
+) -> None:
+    """vLLM's concat_and_cache_mla: kv_c and the rope part k_pe alike, fp8(x / scale)."""
+    s = spec(kv_cache_dtype=kv)
+    cache = LatentKVCache.for_spec(s, NB, layout=layout)
     assert cache.scale is not None
     cache.scale.fill_(0.5)
     kv_c, k_pe = latents(1, seed=4)
     write_latent_kv(s, cache, kv_c, k_pe, torch.tensor([5]))
     back = dequantize_fp8(cache.kv_c[1, 1], cache.scale)
-    torch.testing.assert_close(back, kv_c[0], atol=0, rtol=2**-3)  # e4m3: 3 mantissa bits
+    torch.testing.assert_close(back, kv_c[0], atol=0, rtol=2.0**-mantissa_bits)
     assert torch.equal(
-        cache.k_pe[1, 1].view(torch.uint8),
-        (k_pe[0] / 0.5).to(torch.float8_e4m3fn).view(torch.uint8),
+        cache.k_pe[1, 1].view(torch.uint8), (k_pe[0] / 0.5).to(stored).view(torch.uint8)
     )
+
+
+@pytest.mark.parametrize(("kv", "largest"), [("fp8_e4m3", 448.0), ("fp8_e5m2", 57344.0)])
+def test_fp8_write_saturates_both_parts_at_the_largest_finite_value(
+    kv: str, largest: float
+) -> None:
+    """__NV_SATFINITE: beyond the range (inf too) the largest finite value with its sign, in
+    kv_c and in the rope part; never NaN or inf."""
+    s = spec(kv_cache_dtype=kv)
+    cache = LatentKVCache.for_spec(s, NB, layout="joint")
+    assert cache.scale is not None
+    cache.scale.fill_(0.25)
+    big = torch.tensor([largest, 2 * largest, -4 * largest, math.inf]) * 0.25
+    kv_c = torch.cat([big, torch.zeros(L - 4)])[None]
+    k_pe = -big[None, :R]
+    write_latent_kv(s, cache, kv_c, k_pe, torch.tensor([0]))
+    row = cache.joint[0, 0].float()
+    assert row[:4].tolist() == [largest, largest, -largest, largest]
+    assert row[L : L + 4].tolist() == [-largest, -largest, largest, -largest]
+
+
+def test_dequantize_latent_rounds_to_the_model_dtype_as_vllms_kernels() -> None:
+    from attnhub.mla import dequantize_latent
+
+    raw = torch.tensor([1.125, -3.0, 0.0]).to(torch.float8_e4m3fn)
+    scale = torch.tensor(0.1, dtype=torch.float32)
+    f32 = dequantize_latent(raw, scale, torch.float32)
+    bf16 = dequantize_latent(raw, scale, torch.bfloat16)
+    assert f32.dtype == bf16.dtype == torch.float32
+    assert f32[0] == torch.tensor(1.125, dtype=torch.float32) * scale  # a float32 product
+    assert bf16[0] == f32[0].to(torch.bfloat16).float() and bf16[0] != f32[0]
+    plain = torch.tensor([1.5, 2.0], dtype=torch.bfloat16)
+    assert torch.equal(dequantize_latent(plain, None, torch.bfloat16), plain.float())
 
 
 def _bad_writes() -> list[tuple[str, dict[str, object], str]]:

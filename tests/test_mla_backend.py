@@ -159,7 +159,7 @@ def _step(spec: MLASpec, q_lens: list[int], seq_lens: list[int], layout: str = "
 
 
 @pytest.mark.parametrize("layout", ["joint", "split"])
-@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])
 def test_torch_forward_is_the_reference_absorbed_form_with_its_lse(layout: str, kv: str) -> None:
     spec = mla_spec(dtype=torch.float32, block_size=8, kv_cache_dtype=kv)
     backend = TorchBackend(spec)
@@ -177,6 +177,44 @@ def test_torch_forward_is_the_reference_absorbed_form_with_its_lse(layout: str, 
     assert testing.mismatch(out[:n], want, tol) is None
     assert testing.mismatch(lse[:n], want_lse.t(), tol) is None
     assert bool((out[n:] == 0).all()) and bool(torch.isposinf(lse[n:]).all())
+
+
+@pytest.mark.parametrize("layout", ["joint", "split"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_torch_reads_fp8_latents_as_vllm_triton_mla_does(layout: str, kv: str) -> None:
+    """fp8 latents read back as vLLM's TRITON_MLA decode kernel reads them: ``(fp8 in float32 *
+    k_scale).to(model dtype)`` for kv_c and k_pe (triton_decode_attention.py), not the exact
+    ``fp8 * scale``. The float32 LSE shows the difference: the exact read is ~1e-3 off."""
+    spec = mla_spec(dtype=torch.bfloat16, block_size=8, kv_cache_dtype=kv)
+    backend = TorchBackend(spec)
+    batch, cache, q, _, _ = _step(spec, [1, 1, 1, 2], [13, 40, 7, 21], layout)
+    meta = backend.metadata_builder().build(batch)
+    _, lse = backend.impl().forward(q, None, None, cache, meta, return_lse=True)
+    assert cache.scale is not None and float(cache.scale) != 1.0
+
+    scale = cache.scale
+
+    def vllm_read(plane: torch.Tensor) -> torch.Tensor:  # the kernel's dequantization
+        return (plane.to(torch.float32) * scale).to(torch.bfloat16).double()
+
+    def exact_read(plane: torch.Tensor) -> torch.Tensor:
+        return plane.double() * scale.double()
+
+    worst = {}
+    for name, read in (("vllm", vllm_read), ("exact", exact_read)):
+        kv_c_plane, k_pe_plane = read(cache.kv_c), read(cache.k_pe)
+        errors = []
+        for r in range(batch.num_reqs):
+            lo, hi = int(batch.query_start_loc_cpu[r]), int(batch.query_start_loc_cpu[r + 1])
+            pos = torch.arange(int(batch.seq_lens_cpu[r]))
+            blocks, offsets = batch.block_table[r].long()[pos // 8], pos % 8
+            kv_c, k_pe = kv_c_plane[blocks, offsets], k_pe_plane[blocks, offsets]
+            _, want = reference.mla_absorbed(q[lo:hi], kv_c, k_pe, scale=spec.scale)
+            errors.append(float((lse[lo:hi].double() - want.t()).abs().max()))
+        worst[name] = max(errors)
+    tight = 1e-5  # float32 scores and sums over <= 40 keys
+    assert worst["vllm"] < tight, worst
+    assert worst["exact"] > 10 * tight, f"the test cannot tell the two reads apart: {worst}"
 
 
 def test_torch_chunks_decodes_and_tiles_long_queries_within_its_budgets(

@@ -300,7 +300,7 @@ class TorchBackend(AttentionBackend):
         # latents, any query length (causal bottom-right), the LSE from the same pass
         mla=MlaSupport(
             dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
-            kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
+            kv_cache_dtypes=frozenset({"auto", "fp8_e4m3", "fp8_e5m2"}),
             layouts=("joint", "split"),
             lse=LseSupport(dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16})),
         ),

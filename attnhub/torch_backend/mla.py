@@ -1,5 +1,5 @@
 """The ``torch`` backend's MLA layers, absorbed form: any dtype, block size, query length,
-latent layout and latent format (``auto``, fp8 e4m3), with the LSE.
+latent layout and latent format (``auto``, fp8 e4m3 and e5m2), with the LSE.
 
 Per step the builder plans chunks on host data: decodes (query_len <= 16) sorted by length and
 packed several to a chunk, each longer request alone in tiles of query rows, every chunk within
@@ -7,8 +7,8 @@ a budget of gathered keys and scores; per chunk, each member's block ids (entrie
 blocks replaced by block 0, never read), the row of each of its query tokens and the causal
 bottom-right mask [members, rows, keys]. Per layer the impl writes the step's latents (padding
 rows removed on the host) and, per chunk, makes a handful of tensor ops: gather the blocks,
-dequantize, scores of every head in float32, softmax, ``P @ kv_c``. Portable rather than fast
-(docs/backends/torch.md).
+dequantize (fp8: as vLLM's TRITON_MLA, ``attnhub.mla.dequantize_latent``), scores of every
+head in float32, softmax, ``P @ kv_c``. Portable rather than fast (docs/backends/torch.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from attnhub.backend import AttentionMetadata, Step
 from attnhub.errors import InvalidInputError
-from attnhub.mla import LatentKVCache, store_latent_rows
+from attnhub.mla import LatentKVCache, dequantize_latent, store_latent_rows
 from attnhub.mla_backend import MLAImpl, MLAMetadataBuilder
 from attnhub.torch_backend.plan import SlotWrite, plan_slot_write
 from attnhub.validation import StepFacts
@@ -193,11 +193,12 @@ class TorchMLAImpl(MLAImpl):
         spec = self.spec
         b, R, H = chunk.block_ids.shape[0], spec.kv_lora_rank, spec.num_heads
         ids = chunk.block_ids.reshape(-1)
-        # [b, keys, R] and [b, keys, P]: each member's latents, in float32
-        kv_c = cache.kv_c.index_select(0, ids).reshape(b, -1, R).float()
-        k_pe = cache.k_pe.index_select(0, ids).reshape(b, -1, spec.qk_rope_head_dim).float()
-        if cache.scale is not None:  # fp8: stored fp8(x / scale)
-            kv_c, k_pe = kv_c * cache.scale, k_pe * cache.scale
+        # [b, keys, R] and [b, keys, P]: each member's latents in float32, fp8 dequantized as
+        # vLLM's TRITON_MLA reads them (fp8 * scale in float32, rounded to the model dtype)
+        kv_c = cache.kv_c.index_select(0, ids).reshape(b, -1, R)
+        k_pe = cache.k_pe.index_select(0, ids).reshape(b, -1, spec.qk_rope_head_dim)
+        kv_c = dequantize_latent(kv_c, cache.scale, spec.dtype)
+        k_pe = dequantize_latent(k_pe, cache.scale, spec.dtype)
         q = query.index_select(0, chunk.token_rows.reshape(-1)).float()
         q = q.reshape(b, -1, H, spec.latent_size)  # [b, lq, H, R + P]
         scores = torch.einsum("bqhd,bkd->bhqk", q[..., :R], kv_c)

@@ -3,7 +3,9 @@
 Where MLA is declared: batch shapes within ``max_query_len`` (decode, prefill, chunked prefill
 with context, mixed with padding), every declared dtype, block sizes, latent layouts, latent
 formats (fp8), the DeepSeek latent size where served, each checked against
-``attnhub.reference.paged_mla_absorbed`` with the KV write byte-exact; the LSE where declared
+``attnhub.reference.paged_mla_absorbed`` with the KV write byte-exact (fp8: also against vLLM's
+bytes from first principles, ``attnhub_conformance.mla_fp8``, with a write of edge values:
+ties, saturation, subnormals); the LSE where declared
 (refused with a typed error elsewhere); bad input (a latent of the wrong width, a rope part
 missing, an undeclared layout ...) a typed error with the cache byte-identical; what is not
 declared refused with reasons. Where it is not declared: MLA specs refused, with the reason.
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from attnhub.mla import LATENT_LAYOUTS, MLASpec
+from attnhub.mla import LATENT_KV_CACHE_DTYPES, LATENT_LAYOUTS, MLASpec
 from attnhub_conformance.cases import (
     DTYPE_NAMES,
     DTYPE_PREFERENCE,
@@ -106,6 +108,7 @@ INVALID = {
     "output_wrong_width": "an output buffer of v_head_dim instead of kv_lora_rank",
     "cache_other_block_size": "a latent cache of another block size",
     "cache_undeclared_layout": "a latent cache in a layout the backend does not declare",
+    "cache_other_format": "a latent cache in another format (auto / fp8) than the spec's",
     "meta_of_other_spec": "metadata built for an MLA layer of another block size",
     "write_kv_slot_outside": "write_kv with a slot past the cache's last",
 }
@@ -186,6 +189,14 @@ def mla_cases(target: Target, scope: Scope) -> list[Case]:
         for layout in mla.layouts:
             config = replace(base, layout=layout, kv_cache_dtype=kv)
             out_case(f"{ROW} fp8 latent", config, main, "fp8 latent caches, as stored")
+            add(
+                f"{ROW} fp8 kv writes",
+                f"kv_write-{config.id}",
+                "an fp8 latent write stores vLLM's bytes (concat_and_cache_mla): x / scale "
+                "rounded to nearest even, saturated, the rope part over the one scale too",
+                mla=config,
+                entry="kv_write_fp8",
+            )
     if base.latent != DEEPSEEK_LATENT and (
         mla.latent_sizes is None or DEEPSEEK_LATENT in mla.latent_sizes
     ):
@@ -206,17 +217,22 @@ def mla_cases(target: Target, scope: Scope) -> list[Case]:
             entry="lse" if declared else "lse_refused",
             not_supported=not declared,
         )
-    for entry, what in INVALID.items():
-        if entry == "cache_undeclared_layout" and set(mla.layouts) == set(LATENT_LAYOUTS):
-            continue
-        add(
-            f"{ROW} invalid inputs",
-            f"invalid-{entry}",
-            f"{what}: a typed error, the cache byte-identical",
-            mla=base,
-            batch_plan=shapes[main],
-            entry=entry,
-        )
+    # bad input over the first layout's cache, and over an fp8 one (its bytes and its scale
+    # untouched) where one is declared
+    fp8 = sorted(mla.kv_cache_dtypes - {"auto"})
+    for config in [base, *(replace(base, kv_cache_dtype=kv) for kv in fp8[:1])]:
+        suffix = "" if config.kv_cache_dtype == "auto" else f"-kv_{config.kv_cache_dtype}"
+        for entry, what in INVALID.items():
+            if entry == "cache_undeclared_layout" and set(mla.layouts) == set(LATENT_LAYOUTS):
+                continue
+            add(
+                f"{ROW} invalid inputs",
+                f"invalid-{entry}{suffix}",
+                f"{what}: a typed error, the cache byte-identical",
+                mla=config,
+                batch_plan=shapes[main],
+                entry=entry,
+            )
     _refusal_cases(add, base, mla, shapes)
     return list(cases.values())
 
@@ -228,8 +244,9 @@ def _refusal_cases(add: Any, base: MLAConfig, mla: Any, shapes: dict[str, BatchP
     other = [d for d in DTYPE_PREFERENCE if d not in mla.dtypes]
     if other:
         refused.append(("dtype", replace(base, dtype=other[0])))
-    if "fp8_e4m3" not in mla.kv_cache_dtypes:
-        refused.append(("kv_cache_dtype", replace(base, kv_cache_dtype="fp8_e4m3")))
+    for kv in LATENT_KV_CACHE_DTYPES:
+        if kv not in mla.kv_cache_dtypes:
+            refused.append(("kv_cache_dtype", replace(base, kv_cache_dtype=kv)))
     for b in (24, 1, 8, 32, 64):
         if (
             mla.block_sizes is not None and b not in mla.block_sizes

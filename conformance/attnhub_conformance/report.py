@@ -105,6 +105,7 @@ _ORDER_WITHIN = {
         "block sizes",
         "layouts",
         "fp8 latent",
+        "fp8 kv writes",
         "kv writes",
         "lse",
         "invalid inputs",

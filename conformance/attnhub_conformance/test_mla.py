@@ -1,7 +1,8 @@
 """MLA layers, the absorbed form (``Capabilities.mla``): outputs and LSE against
 ``attnhub.reference.paged_mla_absorbed``, the latent write byte for byte against
-``attnhub.reference.write_latent_kv``, bad input refused with the cache byte-identical, and what
-is not declared refused with reasons (cases: ``attnhub_conformance.mla_cases``)."""
+``attnhub.reference.write_latent_kv`` (fp8: and against vLLM's bytes, ``mla_fp8``), bad input
+refused with the cache byte-identical, and what is not declared refused with reasons (cases:
+``attnhub_conformance.mla_cases``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from attnhub.errors import (
     UnsupportedConfigurationError,
 )
 from attnhub.mla import LATENT_LAYOUTS, MLASpec
+from attnhub_conformance import mla_fp8
 from attnhub_conformance.mla_cases import MLACase
 
 SPARE_BLOCKS = 2  # blocks no request uses: stale data the step must neither read nor write
@@ -101,6 +103,40 @@ def assert_written_exactly(step: MLAStep, want: LatentKVCache) -> None:
         f"{step.label}: the latent cache differs from attnhub.reference.write_latent_kv's "
         "(each token's (kv_c, k_pe) at its slot, padding skipped, nothing else touched)"
     )
+    assert_vllm_fp8_bytes(step.label, got, step.kv_c, step.k_pe, step.batch.slot_mapping)
+
+
+def assert_vllm_fp8_bytes(
+    label: str,
+    got: LatentKVCache,  # on the host
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """fp8: each written slot holds the bytes vLLM's ``concat_and_cache_mla`` stores for its
+    token (``attnhub_conformance.mla_fp8``, apart from ``attnhub.quant``)."""
+    if got.scale is None:
+        return
+    fmt = mla_fp8.FP8_FORMATS[got.kv_cache_dtype]
+    slots = slot_mapping.to("cpu").long()
+    rows = (slots >= 0).nonzero()[:, 0]
+    slots = slots[rows]
+    blocks, offsets = slots // got.block_size, slots % got.block_size
+    scale = float(got.scale)
+    for name, new, plane in (("kv_c", kv_c, got.kv_c), ("k_pe", k_pe, got.k_pe)):
+        want = mla_fp8.encode(new.to("cpu")[rows], scale, fmt)
+        stored = plane.view(torch.uint8)[blocks, offsets]
+        bad = (stored != want).nonzero()
+        if bad.numel():
+            i, j = (int(x) for x in bad[0])
+            value = float(new.to("cpu")[rows[i], j])
+            raise AssertionError(
+                f"{label}: {(stored != want).sum()} bytes of the written {name} differ from "
+                f"vLLM's fp8 write (concat_and_cache_mla: fp8(x / scale), nearest even, "
+                f"saturated); first: token {int(rows[i])} column {j}, x = {value!r}, scale "
+                f"{scale!r}: stored 0x{int(stored[i, j]):02x} ({fmt.decode(int(stored[i, j]))!r})"
+                f", vLLM stores 0x{int(want[i, j]):02x} ({fmt.decode(int(want[i, j]))!r})"
+            )
 
 
 def assert_output(step: MLAStep, out: torch.Tensor) -> None:
@@ -126,6 +162,9 @@ def test_mla(case: MLACase) -> None:
     entry = case.entry
     if entry in ("undeclared", "refused"):
         _check_refused(case)
+        return
+    if entry == "kv_write_fp8":
+        _check_fp8_write(case)
         return
     step = prepare(case)
     meta_builder = step.backend.metadata_builder()
@@ -155,6 +194,46 @@ def _check_refused(case: MLACase) -> None:
         case.target.create(spec)  # type: ignore[arg-type]
     assert str(reasons[0]) in str(err.value), (
         f"{case.id}: construction refused without the reason {reasons[0]!r}: {err.value}"
+    )
+
+
+#: The fp8 edge-value write's cache scale: not 1 (a write that ignores it fails), a power of two
+#: (``x / scale`` exact, so that the ties between two fp8 values stay ties).
+EDGE_SCALE = 0.125
+
+
+def _check_fp8_write(case: MLACase) -> None:
+    """``write_kv`` of edge values (every fp8 value, every midpoint, beyond the largest value,
+    below the smallest) over a random fp8 latent cache: the bytes vLLM stores, nothing else
+    touched."""
+    assert case.mla is not None
+    spec, device = case.mla.spec(), case.target.device
+    backend = case.target.create(spec)  # type: ignore[arg-type]
+    fmt = mla_fp8.FP8_FORMATS[spec.kv_cache_dtype]
+    edges = mla_fp8.edge_values(fmt, EDGE_SCALE)
+    g = testing.generator(testing.seed_of(f"mla-{case.name}"))
+    width = spec.latent_size
+    n = -(-edges.numel() // width)  # written tokens: every edge value at least once
+    values = edges[torch.arange(n * width) % edges.numel()]
+    values = values[torch.randperm(values.numel(), generator=g)].reshape(n, width)
+    values = torch.cat([values[:1], -values]).to(spec.dtype)  # row 0: padding, not written
+    kv_c = values[:, : spec.kv_lora_rank].contiguous().to(device)
+    k_pe = values[:, spec.kv_lora_rank :].contiguous().to(device)
+    num_blocks = -(-(n + 3) // spec.block_size) + 1  # spare slots: stale data to leave alone
+    cache = LatentKVCache.for_spec(spec, num_blocks, device, layout=case.mla.layout)
+    testing.fill_latent_cache_random(cache, g, fp8_scale=EDGE_SCALE)
+    picked = torch.randperm(cache.num_slots, generator=g)[:n]
+    slots = torch.cat([torch.tensor([-1]), picked]).to(device)
+    label = case.id
+    want = _on_host(cache)
+    reference.write_latent_kv(want, kv_c.to("cpu"), k_pe.to("cpu"), slots.to("cpu"))
+    impl: Any = backend.impl()  # an MLAImpl (the spec is an MLASpec)
+    impl.write_kv(kv_c, k_pe, cache, slots)
+    got = _on_host(cache)
+    assert_vllm_fp8_bytes(label, got, kv_c, k_pe, slots)
+    assert got.equal(want), (
+        f"{label}: the fp8 latent cache differs from attnhub.reference.write_latent_kv's "
+        "outside the written slots or in its scale"
     )
 
 
@@ -219,6 +298,13 @@ def _provoke(step: MLAStep, meta: Any, entry: str) -> None:
         layout = next(x for x in LATENT_LAYOUTS if x not in layouts)
         undeclared = LatentKVCache.for_spec(s, cache.num_blocks, dev, layout=layout)
         impl.forward(q, kv_c, k_pe, undeclared, meta)
+    elif entry == "cache_other_format":
+        other = "fp8_e4m3" if s.kv_cache_dtype == "auto" else "auto"
+        wrong = LatentKVCache.allocate(
+            cache.num_blocks, s.block_size, s.kv_lora_rank, s.qk_rope_head_dim, s.dtype,
+            dev, layout=cache.layout, kv_cache_dtype=other,
+        )  # fmt: skip
+        impl.forward(q, kv_c, k_pe, wrong, meta)
     elif entry == "meta_of_other_spec":
         other_spec = replace(s, block_size=s.block_size * 2)
         other_backend = step.case.target.create(other_spec)  # type: ignore[arg-type]

@@ -584,6 +584,63 @@ class MlaDropsFp8ScaleBackend(TorchBackend):
     mla_impl_type = DropsFp8ScaleImpl
 
 
+class UnsaturatedFp8WriteImpl(TorchMLAImpl):
+    def store_kv(  # type: ignore[override]
+        self,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache: LatentKVCache,
+        slot_mapping: torch.Tensor,
+        meta: AttentionMetadata | None = None,
+    ) -> None:
+        if cache.scale is None:
+            super().store_kv(kv_c, k_pe, cache, slot_mapping, meta)
+            return
+        slots = slot_mapping.long()
+        rows = (slots >= 0).nonzero()[:, 0]
+        blocks, offsets = slots[rows] // cache.block_size, slots[rows] % cache.block_size
+        f = torch.finfo(cache.kv_c.dtype)
+        beyond = f.max + 2.0 ** math.floor(math.log2(f.max)) * f.eps / 2  # max + half its ulp
+        special = math.nan if cache.kv_c.dtype == torch.float8_e4m3fn else math.inf
+        for plane, new in ((cache.kv_c, kv_c), (cache.k_pe, k_pe)):
+            y = new.index_select(0, rows).float() / cache.scale
+            # the bug: the conversion without saturation (CUDA's __NV_NOSAT, not __NV_SATFINITE):
+            # what rounds past the largest finite value is stored as NaN (e4m3, which has no
+            # infinity) or +-inf (e5m2); right for every value within the range
+            y = torch.where(y.abs() > beyond, torch.full_like(y, special).copysign(y), y)
+            plane.view(torch.uint8)[blocks, offsets] = y.to(plane.dtype).view(torch.uint8)
+
+
+class MlaUnsaturatedFp8Backend(TorchBackend):
+    """Writes fp8 latents without saturating at the format's largest value (NaN / inf)."""
+
+    name = "mla_fp8_unsaturated"
+    mla_impl_type = UnsaturatedFp8WriteImpl
+
+
+class Fp8RopeUnscaledImpl(TorchMLAImpl):
+    def store_kv(  # type: ignore[override]
+        self,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache: LatentKVCache,
+        slot_mapping: torch.Tensor,
+        meta: AttentionMetadata | None = None,
+    ) -> None:
+        if cache.scale is not None:
+            # the bug: the rope part stored as fp8(k_pe), outside the one scale (as FlashMLA's
+            # fp8_ds_mla entry keeps its rope apart), where concat_and_cache_mla scales it too
+            k_pe = (k_pe.float() * cache.scale).to(k_pe.dtype)
+        super().store_kv(kv_c, k_pe, cache, slot_mapping, meta)
+
+
+class MlaFp8RopeUnscaledBackend(TorchBackend):
+    """Quantizes an fp8 latent's rope part without the per-tensor scale."""
+
+    name = "mla_fp8_rope_unscaled"
+    mla_impl_type = Fp8RopeUnscaledImpl
+
+
 F32 = torch.float32
 
 
@@ -680,6 +737,8 @@ MUTANTS = (
     MlaIgnoresRopeBackend,
     MlaLatentScaleBackend,
     MlaDropsFp8ScaleBackend,
+    MlaUnsaturatedFp8Backend,
+    MlaFp8RopeUnscaledBackend,
     TopLeftCausalBackend,
     WritesPaddingBackend,
     IgnoresWindowBackend,

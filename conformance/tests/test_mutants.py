@@ -151,6 +151,22 @@ MUTANT_RUNS = [
         id="mla_drops_fp8_scale",
     ),
     pytest.param(
+        "mla_fp8_unsaturated",
+        "test_mla and kv_write",
+        "test_mla[mla_fp8_unsaturated-kv_write-bf16-r64+16-h8-bs16-joint-kv_fp8_e4m3]",
+        "differ from vLLM's fp8 write",
+        "mla: fp8 kv writes",
+        id="mla_fp8_unsaturated",
+    ),
+    pytest.param(
+        "mla_fp8_rope_unscaled",
+        "test_mla and kv_fp8",
+        "test_mla[mla_fp8_rope_unscaled-mixed-bf16-r64+16-h8-bs16-joint-kv_fp8_e4m3]",
+        "differs from attnhub.reference.write_latent_kv's",
+        "mla: fp8 latent",
+        id="mla_fp8_rope_unscaled",
+    ),
+    pytest.param(
         "batch_dependent_splits",
         "test_a_request_gives_the_same_output_wherever_it_sits",
         "test_a_request_gives_the_same_output_wherever_it_sits[batch_dependent_splits-bitwise-fp32-h64-gqa4-bs16-batch_invariant]",

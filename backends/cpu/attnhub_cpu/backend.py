@@ -147,7 +147,11 @@ MLA_WHY = {
         "vLLM's mla_decode_kvcache is compiled for kv_lora_rank 512 + qk_rope_head_dim 64 only"
     ),
     "mla.block_size": "vLLM's mla_decode_kvcache is compiled for block 16 only",
-    "mla.kv_cache_dtype": "vLLM's CPU_MLA takes kv_cache_dtype 'auto' only",
+    "mla.kv_cache_dtype": (
+        "vLLM's CPU_MLA takes kv_cache_dtype 'auto' only (supported_kv_cache_dtypes = ['auto'] "
+        "in vllm/v1/attention/backends/mla/cpu_mla.py; AMX_MLA's cache write asserts 'auto': "
+        "'fp8 KV cache for CPU MLA is not yet implemented')"
+    ),
 }
 MLA_LSE_REASON = (
     "vLLM's CPU kernel _C::mla_decode_kvcache writes the output alone and returns no LSE "

@@ -54,6 +54,7 @@ def test_mla_declares_what_mla_decode_kvcache_is_compiled_for(
         (deepseek(block_size=32), "compiled for block 16 only"),
         (deepseek(kv_lora_rank=256), "compiled for kv_lora_rank 512 + qk_rope_head_dim 64"),
         (deepseek(kv_cache_dtype="fp8"), "'auto' only"),
+        (deepseek(kv_cache_dtype="fp8_e5m2"), "supported_kv_cache_dtypes = ['auto'] in vllm/"),
     ],
 )
 def test_mla_beyond_the_kernel_is_refused_with_vllms_reason(spec: MLASpec, words: str) -> None:
