@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import attnhub
+import attnhub.context_parallel
 import attnhub.kit
 from attnhub import reference
 
@@ -21,6 +22,9 @@ PACKAGES = sorted([*ROOT.glob("backends/*/attnhub_*"), *ROOT.glob("integrations/
 #: Public modules a backend may import whole or from: the kit and the modules the design
 #: names (errors, reference, testing).
 MODULES = {"attnhub.kit", "attnhub.errors", "attnhub.reference", "attnhub.testing"}
+#: Public subpackages with an API of their own (their ``__all__``, documented on their page:
+#: docs/context-parallel.md), which an engine integration drives.
+SUBPACKAGES = {"attnhub.context_parallel": set(attnhub.context_parallel.__all__)}
 #: What ``from attnhub import X`` / ``attnhub.X`` may name.
 TOP = {*attnhub.__all__, "kit", "testing"}
 
@@ -43,6 +47,8 @@ def forbidden_imports(source: str) -> list[str]:
                     ok = name in attnhub.kit.__all__
                 elif module in MODULES:
                     ok = True
+                elif module in SUBPACKAGES:
+                    ok = name in SUBPACKAGES[module]
                 else:
                     ok = attnhub._HOME.get(name) == module
                 if not ok:
