@@ -25,6 +25,7 @@ from attnhub_conformance.multi_rank import DCP_STEPS, SubCase, run_group, sub_ca
 from attnhub import AttentionSpec, BatchMetadata, LseSupport
 from attnhub.context_parallel import (
     AllGatherReduceScatter,
+    DcpGraphRunner,
     DecodeContextParallel,
     dcp_unsupported_reasons,
 )
@@ -113,6 +114,11 @@ def bad_inputs(rank: int, n: int, job: dict[str, Any]) -> dict[str, tuple[str, s
         dcp = DecodeContextParallel(backend, comm, world_size=n)
         return dcp.forward(backend.impl(), dcp.plan(batch), query, kv_c, k_pe, cache)
 
+    def captured(query: torch.Tensor) -> Any:
+        dcp = DecodeContextParallel(backend, comm, world_size=n)
+        runner = DcpGraphRunner(dcp, lambda *a: a[0], capture_sizes=[4], max_blocks_per_req=2)
+        return runner.run(batch, query, latent, rope)
+
     t, hl = 4, spec.num_heads
     latent = torch.zeros(t, spec.kv_lora_rank)
     rope = torch.zeros(t, spec.qk_rope_head_dim)
@@ -137,6 +143,7 @@ def bad_inputs(rank: int, n: int, job: dict[str, Any]) -> dict[str, tuple[str, s
             torch.zeros(t, hl, spec.qk_head_dim), latent, rope
         ),
         "rope_part_missing": lambda: forward(torch.zeros(t, hl, spec.latent_size), latent, None),
+        "captured_mla_steps": lambda: captured(torch.zeros(t, hl, spec.latent_size)),
         "latent_too_wide": lambda: forward(
             torch.zeros(t, hl, spec.latent_size), torch.zeros(t, spec.kv_lora_rank + 1), rope
         ),
@@ -217,6 +224,7 @@ def _refusals(group: tuple[str, int, dict[int, Any]], case: str) -> list[Any]:
         ("query_of_the_expanded_width", InvalidInputError, "query must be [num_tokens, 2, 40]"),
         ("rope_part_missing", InvalidInputError, "both given or both None"),
         ("latent_too_wide", InvalidInputError, "kv_c"),
+        ("captured_mla_steps", UnsupportedConfigurationError, "captures no one-token decodes"),
     ],
 )
 def test_bad_mla_input_is_a_typed_error_on_every_rank_the_cache_untouched(
