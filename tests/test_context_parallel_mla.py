@@ -158,6 +158,36 @@ def bad_inputs(rank: int, n: int, job: dict[str, Any]) -> dict[str, tuple[str, s
     return found
 
 
+def ascend_refusals(rank: int, n: int, job: dict[str, Any]) -> dict[str, tuple[str, str, int]]:
+    """What the ascend backend refuses of an MLA DCP layer beyond the MLA LSE's declaration:
+    a scale ATB's op does not take (the impl's own LSE refusal), and a gathered head count
+    FIA's MLA form does not take (128 per rank, served alone: 256 or 512 gathered)."""
+    import torch.distributed as dist
+    from attnhub_ascend import AscendBackend
+
+    g = generator(9)
+    spec = ASCEND_SPEC
+    virtual = n * spec.block_size
+    table = shuffled_block_table([20], virtual, num_blocks_for([20], virtual), g)
+    batch = BatchMetadata.from_lengths([1], [20], table, virtual)
+
+    def plan(layer: MLASpec) -> Any:
+        backend = AscendBackend(layer, "cpu", emulate=True)
+        return DecodeContextParallel(backend, AllGatherReduceScatter(), world_size=n).plan(batch)
+
+    cases = {
+        "scale_outside_atb": lambda: plan(replace(spec, scale=2.0)),
+        "gathered_heads_not_fia": lambda: plan(replace(spec, num_heads=128)),
+    }
+    found = {}
+    for name, call in cases.items():
+        kind, message = _outcome(call)
+        alive = torch.ones(1)
+        dist.all_reduce(alive)
+        found[name] = (kind, message, int(alive.item()))
+    return found
+
+
 @pytest.fixture(scope="module", params=GROUPS, ids=lambda p: f"{p[0]}-N{p[1]}")
 def group(request: pytest.FixtureRequest) -> tuple[str, int, dict[int, Any]]:
     name, n = request.param
@@ -169,7 +199,7 @@ def group(request: pytest.FixtureRequest) -> tuple[str, int, dict[int, Any]]:
         device="cpu",
         emulate=name != "torch",
         sub_cases=sub_cases(spec.block_size, sinks=False),
-        extra=f"{__name__}:bad_inputs" if name == "torch" else None,
+        extra=f"{__name__}:{'bad_inputs' if name == 'torch' else 'ascend_refusals'}",
     )
     return name, n, run_group(n, job)
 
@@ -243,6 +273,26 @@ def test_ranks_with_other_mla_widths_name_this_ranks_value(
     refusals = _refusals(group, "ranks_with_other_mla_widths")
     assert "this rank's: (8, 8, 16)" in refusals[-1][1]
     assert "this rank's: (8, 16, 16)" in refusals[0][1]
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("scale_outside_atb", "qk_scale in (0, 1]"),
+        ("gathered_heads_not_fia", "FIA's MLA form takes query N 32, 64 or 128"),
+    ],
+)
+def test_what_ascend_cannot_serve_is_refused_with_its_reason_on_every_rank(
+    group: tuple[str, int, dict[int, Any]], case: str, words: str
+) -> None:
+    name, n, reports = group
+    if name != "ascend":
+        pytest.skip("the ascend groups run these")
+    for rank in range(n):
+        kind, message, alive = reports[rank]["extra"][case]
+        assert kind == UnsupportedConfigurationError.__name__, message
+        assert words in message and "decode context parallel" in message
+        assert alive == n
 
 
 # --- without processes -----------------------------------------------------------------------
