@@ -144,6 +144,8 @@ def bad_inputs(rank: int, n: int, job: dict[str, Any]) -> dict[str, tuple[str, s
         ),
         "rope_part_missing": lambda: forward(torch.zeros(t, hl, spec.latent_size), latent, None),
         "captured_mla_steps": lambda: captured(torch.zeros(t, hl, spec.latent_size)),
+        # not bad input: nothing new to write (vLLM writes latents apart), the cache untouched
+        "nothing_new_to_write": lambda: forward(torch.zeros(t, hl, spec.latent_size), None, None),
         "latent_too_wide": lambda: forward(
             torch.zeros(t, hl, spec.latent_size), torch.zeros(t, spec.kv_lora_rank + 1), rope
         ),
@@ -264,6 +266,16 @@ def test_bad_mla_input_is_a_typed_error_on_every_rank_the_cache_untouched(
     for found_kind, message, alive, untouched in _refusals(group, case):
         assert found_kind == kind.__name__, message
         assert words in message
+        assert alive == n and untouched
+
+
+def test_a_step_with_nothing_new_to_write_leaves_the_latent_cache_as_it_was(
+    group: tuple[str, int, dict[int, Any]],
+) -> None:
+    """kv_c and k_pe both None (vLLM writes the latents apart, ``do_kv_cache_update``)."""
+    n = group[1]
+    for kind, message, alive, untouched in _refusals(group, "nothing_new_to_write"):
+        assert kind == "no error", message
         assert alive == n and untouched
 
 

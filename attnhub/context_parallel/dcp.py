@@ -14,7 +14,7 @@ virtual blocks of ``N x B`` tokens); ``query`` the rank's heads ``[T, Hl, D]``, 
 How one layer runs (docs/context-parallel.md, "A DCP step"):
 
 1. ``write_kv`` of the new tokens through the rank's slot mapping (another rank's token and a
-   padding row: slot -1, not written).
+   padding row: slot -1, not written); none where ``key`` and ``value`` are both None.
 2. ``gather_heads``: the query of the group's ``N Hl`` heads (``B Hl`` where ranks share head
    blocks: ``ContextParallelGroup.head_owner``).
 3. One ``forward(..., return_lse=True)`` of the backend over the rank's shard, for every head
