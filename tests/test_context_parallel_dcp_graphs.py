@@ -207,6 +207,61 @@ def _keep_buffers(runner: DcpGraphRunner) -> None:
     buffers.load = stale  # type: ignore[method-assign,assignment]
 
 
+def _outcome(call: Any) -> tuple[str, str]:
+    try:
+        call()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+def _capture_refusals(model: Model, rank: int, alive: Any) -> dict[str, Any]:
+    """On fresh runners (nothing captured yet): a capture-time build that fails on rank 0
+    only, then the same step again with the build restored; ranks configured with other
+    capture sizes. After each, whether the group is still in step."""
+    found: dict[str, Any] = {}
+    caches = [layer["graph"] for layer in model.layers]
+    runner = DcpGraphRunner(model.dcp, model.graph_step, capture_sizes=[8],
+                            max_blocks_per_req=WIDTH, kv_caches=caches)  # fmt: skip
+    builder = runner.builder
+    assert builder is not None
+    build = builder.build_for_graph_capture
+
+    def fails_on_rank_0(step_batch: Any) -> Any:
+        if rank == 0:
+            raise RuntimeError("this test's capture-time build fails on rank 0")
+        return build(step_batch)
+
+    builder.build_for_graph_capture = fails_on_rank_0  # type: ignore[method-assign]
+    before = [_bits(c.key).clone() for c in caches]
+    batch, q, k, v, rows = model.batch(500, 3)
+    local_q = q[:, model.heads].contiguous()
+    found["build_fails"] = _outcome(lambda: runner.run(batch, local_q, k, v))
+    found["build_fails_alive"] = alive()
+    found["build_fails_untouched"] = all(
+        torch.equal(b, _bits(c.key)) for b, c in zip(before, caches, strict=True)
+    )
+    found["build_fails_graphs"] = len(runner.graphs)
+    del builder.build_for_graph_capture  # restored: the same step captures on every rank
+    model.runner, kept = runner, model.runner
+    found["after_build_fails"] = model.check(batch, q, k, v, rows)
+    found["after_build_fails_stats"] = dict(runner.stats)
+    model.runner = kept
+    found["after_build_fails_alive"] = alive()
+
+    other = DcpGraphRunner(model.dcp, model.graph_step,
+                           capture_sizes=[2, 4] if rank == 0 else [4, 8],
+                           max_blocks_per_req=WIDTH, kv_caches=caches)  # fmt: skip
+    batch, q, k, v, _ = model.batch(600, 3, runs=False)
+    before = [_bits(c.key).clone() for c in caches]
+    found["sizes_differ"] = _outcome(lambda: other.run(batch, q[:, model.heads].contiguous(), k, v))
+    found["sizes_differ_alive"] = alive()
+    found["sizes_differ_untouched"] = all(
+        torch.equal(b, _bits(c.key)) for b, c in zip(before, caches, strict=True)
+    )
+    return found
+
+
 def graph_rank(rank: int, n: int, job: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -259,6 +314,8 @@ def graph_rank(rank: int, n: int, job: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:
             report["one_rank_refuses"] = (type(exc).__name__, str(exc))
         report["one_rank_refuses_alive"] = alive()
+        if name == "torch":  # before the skipped update below leaves the caches stale
+            report.update(_capture_refusals(model, rank, alive))
 
         # a replay whose update is skipped
         if name == "ascend":
@@ -357,3 +414,40 @@ def test_gloo_collectives_are_refused_in_a_device_graph(reports: dict[int, Any])
         assert found["cpu"] is None
         assert "gloo collectives cannot be captured on cuda (nccl's can)" in found["cuda"]
         assert "gloo collectives cannot be captured on npu (hccl's can)" in found["npu"]
+
+
+def test_a_capture_time_build_failing_on_one_rank_is_raised_on_every_rank(
+    reports: dict[int, Any],
+) -> None:
+    """The first step of a size builds the gathered backend's capture metadata over the
+    rank's own lengths: a failure on rank 0 only is settled over the group, every rank raises
+    before the capture's collectives (no graph kept, caches untouched), and the same step
+    captures and replays on every rank afterwards."""
+    found = [reports[r]["torch"] for r in range(N)]
+    kind, message = found[0]["build_fails"]
+    assert kind == "InvalidInputError" and "capture-time build failed on this rank" in message
+    assert "this test's capture-time build fails on rank 0" in message
+    for other in found[1:]:
+        kind, message = other["build_fails"]
+        assert kind == "InvalidInputError", message
+        assert "capture-time build failed on rank(s) [0]" in message
+        assert "this test's capture-time build fails on rank 0" in message
+    for report in found:
+        assert report["build_fails_alive"] == N and report["build_fails_untouched"]
+        assert report["build_fails_graphs"] == 0
+        assert report["after_build_fails"] == []
+        assert report["after_build_fails_stats"] == {"captures": 1, "replays": 1}
+        assert report["after_build_fails_alive"] == N
+
+
+def test_ranks_configured_with_other_capture_sizes_all_refuse_the_step(
+    reports: dict[int, Any],
+) -> None:
+    """They would pad the step to other row counts and meet in collectives of other shapes:
+    the step's agreement carries the capture sizes."""
+    for rank in range(N):
+        report = reports[rank]["torch"]
+        kind, message = report["sizes_differ"]
+        assert kind == "InvalidInputError", message
+        assert "capture_sizes differs between ranks" in message
+        assert report["sizes_differ_alive"] == N and report["sizes_differ_untouched"]

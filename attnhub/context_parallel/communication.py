@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -48,6 +48,7 @@ from attnhub.context_parallel.merge import (
 from attnhub.context_parallel.prefill import PrefillShard, shard_prefill
 from attnhub.context_parallel.sharding import ContextShard, shard_step
 from attnhub.errors import AttnhubError, InvalidInputError
+from attnhub.mla import MLASpec
 from attnhub.spec import AttentionSpec
 
 #: What a rank is told about the group, as the step's fingerprint carries it ("kind": 0 for
@@ -59,12 +60,16 @@ LAYOUT_FIELDS = (
     "interleave",
     "decode_threshold",
     "head_owner",  # a hash
+    "capture_sizes",  # a hash of a DcpGraphRunner's capture sizes (0: an eager step)
 )
 #: The layer's spec as the fingerprint carries it (``spec.<name>``): ranks whose layers differ
 #: (other head counts, dtype, block size, window, softcap, ALiBi, sinks...) would send tensors
 #: of other shapes or mean other things in the same collectives. Those in :data:`_SPEC_INTS` are
 #: carried as they are, the others as a hash of their ``repr``; every field 0 where the caller
-#: gives no spec.
+#: gives no spec. An MLA layer (:class:`attnhub.mla.MLASpec`) fills them as the absorbed form's
+#: attention (:func:`spec_field_values`): one kv head, ``head_size`` the latent
+#: (``kv_lora_rank + qk_rope_head_dim``), ``head_size_v`` ``kv_lora_rank``, ``attn_type``
+#: ``"mla"``, and ``mla`` its own widths (None for standard attention).
 SPEC_FIELDS = (
     "num_heads",
     "num_kv_heads",
@@ -80,14 +85,15 @@ SPEC_FIELDS = (
     "use_alibi",
     "use_sinks",
     "batch_invariant",
+    "mla",  # an MLA layer's (qk_rope_head_dim, qk_nope_head_dim, v_head_dim); None otherwise
 )
 _SPEC_INTS = frozenset(
     ("num_heads", "num_kv_heads", "head_size", "head_size_v", "block_size", "use_alibi",
      "use_sinks", "batch_invariant")
 )  # fmt: skip
 _HASHED = frozenset(
-    ("query_start_loc", "seq_lens", "block_table", "head_owner", *(f"spec.{f}" for f in SPEC_FIELDS
-     if f not in _SPEC_INTS))
+    ("query_start_loc", "seq_lens", "block_table", "head_owner", "capture_sizes",
+     *(f"spec.{f}" for f in SPEC_FIELDS if f not in _SPEC_INTS))
 )  # fmt: skip
 #: The fields of a step's fingerprint, in order (one int64 each).
 FINGERPRINT_FIELDS = (
@@ -128,16 +134,33 @@ def _hash(value: object) -> int:
     return int.from_bytes(h, "little") >> 2
 
 
+def spec_field_values(spec: AttentionSpec | MLASpec) -> dict[str, object]:
+    """The :data:`SPEC_FIELDS` of a layer's spec, by name (an MLA layer's as the absorbed
+    form's attention: see :data:`SPEC_FIELDS`)."""
+    if isinstance(spec, MLASpec):
+        return dict(
+            num_heads=spec.num_heads, num_kv_heads=1, head_size=spec.latent_size,
+            head_size_v=spec.kv_lora_rank, block_size=spec.block_size, dtype=spec.dtype,
+            kv_cache_dtype=spec.kv_cache_dtype, scale=spec.scale, attn_type="mla", window=None,
+            logits_soft_cap=None, use_alibi=False, use_sinks=False, batch_invariant=False,
+            mla=(spec.qk_rope_head_dim, spec.qk_nope_head_dim, spec.v_head_dim),
+        )  # fmt: skip
+    values = {f: getattr(spec, f) for f in SPEC_FIELDS if f != "mla"}
+    values["mla"] = None
+    return values
+
+
 def _spec_values(spec: object) -> list[int]:
     """:data:`SPEC_FIELDS` of ``spec`` (zeros for None). Raises InvalidInputError for what is
-    not an AttentionSpec."""
+    neither an AttentionSpec nor an MLASpec."""
     if spec is None:
         return [0] * len(SPEC_FIELDS)
-    if not isinstance(spec, AttentionSpec):
-        raise InvalidInputError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
-    return [
-        int(getattr(spec, f)) if f in _SPEC_INTS else _hash(getattr(spec, f)) for f in SPEC_FIELDS
-    ]
+    if not isinstance(spec, (AttentionSpec, MLASpec)):
+        raise InvalidInputError(
+            f"spec must be an AttentionSpec or an MLASpec, got {type(spec).__name__}"
+        )
+    values = spec_field_values(spec)
+    return [int(cast(int, values[f])) if f in _SPEC_INTS else _hash(values[f]) for f in SPEC_FIELDS]
 
 
 def step_fingerprint(
@@ -189,8 +212,8 @@ def _describe(field: str, values: list[int], spec: object = None) -> str:
             groups.setdefault(v, []).append(rank)
         sets = "; ".join(f"ranks {ranks}" for ranks in groups.values())
         own = ""
-        if field.startswith("spec.") and isinstance(spec, AttentionSpec):
-            own = f"; this rank's: {getattr(spec, field[5:])!r}"
+        if field.startswith("spec.") and isinstance(spec, (AttentionSpec, MLASpec)):
+            own = f"; this rank's: {spec_field_values(spec)[field[5:]]!r}"
         return f"{field} differs between ranks (the same on {sets}{own})"
     shown = ", ".join(
         f"rank {rank}: {'unreadable' if v == _UNREADABLE else v}" for rank, v in enumerate(values)
@@ -340,7 +363,8 @@ class ContextParallelGroup:
         block_size: int,
         interleave: int = 1,
         refusal: Exception | None = None,
-        spec: AttentionSpec | None = None,
+        spec: AttentionSpec | MLASpec | None = None,
+        capture_sizes: Sequence[int] | None = None,
     ) -> ContextShard:
         """This rank's share of the step, once the ranks agree on it (see the module
         docstring). ``world_size`` is the group size the caller configured (vLLM's
@@ -349,9 +373,11 @@ class ContextParallelGroup:
         caller refuses the step on this rank (e.g. the backend's
         UnsupportedConfigurationError), raised here after the agreement, the others told.
         ``spec``: the rank's layer (ranks whose layers differ are refused; None: not
-        checked)."""
+        checked). ``capture_sizes``: a graph runner's capture sizes (ranks configured with
+        others would pad the step to other row counts: refused; None: an eager step)."""
+        sizes = 0 if capture_sizes is None else _hash(tuple(int(x) for x in capture_sizes))
         layout = dict(kind=0, world_size=world_size, block_size=block_size, interleave=interleave,
-                      head_owner=_hash(self.head_owner))  # fmt: skip
+                      head_owner=_hash(self.head_owner), capture_sizes=sizes)  # fmt: skip
         shard, error = self._attempt(
             world_size,
             lambda: shard_step(
@@ -372,7 +398,7 @@ class ContextParallelGroup:
         world_size: int,
         decode_threshold: int = 1,
         refusal: Exception | None = None,
-        spec: AttentionSpec | None = None,
+        spec: AttentionSpec | MLASpec | None = None,
     ) -> PrefillShard:
         """This rank's rows of a step under prefill context parallel, once the ranks agree on
         the step (as :meth:`shard`; ``refusal`` and ``spec`` likewise)."""

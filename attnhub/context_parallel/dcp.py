@@ -14,7 +14,7 @@ virtual blocks of ``N x B`` tokens); ``query`` the rank's heads ``[T, Hl, D]``, 
 How one layer runs (docs/context-parallel.md, "A DCP step"):
 
 1. ``write_kv`` of the new tokens through the rank's slot mapping (another rank's token and a
-   padding row: slot -1, not written).
+   padding row: slot -1, not written); none where ``key`` and ``value`` are both None.
 2. ``gather_heads``: the query of the group's ``N Hl`` heads (``B Hl`` where ranks share head
    blocks: ``ContextParallelGroup.head_owner``).
 3. One ``forward(..., return_lse=True)`` of the backend over the rank's shard, for every head
@@ -43,16 +43,31 @@ context once per row (vLLM's GQA backends read it once per request, in a non-cau
 a long chunked prefill in a DCP step reads its context once per new token; and the step's
 block table is copied once per row (host, once per step).
 
+MLA layers (the absorbed form; docs/context-parallel.md, "MLA layers") take the same call:
+``backend`` is the rank's backend for its :class:`~attnhub.mla.MLASpec` (``Hl`` heads), ``impl``
+its ``MLAImpl``, ``query`` ``[T, Hl, kv_lora_rank + qk_rope_head_dim]`` (``[q_nope @ W_UK ;
+q_pe]``), ``key`` and ``value`` the step's ``kv_c`` ``[T, kv_lora_rank]`` and ``k_pe`` ``[T,
+qk_rope_head_dim]``, ``cache`` the rank's shard of the latent cache; the output is the latent
+``[T, Hl, kv_lora_rank]`` (the engine applies ``W_UV``). The latent cache has no kv heads: every
+rank holds the latents of its own tokens (the same sharding arithmetic), the query heads are
+gathered as vLLM's MLA DCP does (``query_gather``: an all-gather over the group's heads), the
+gathered MLA backend (``N Hl`` heads) makes the rank's call with ``return_lse``, and the partial
+latent outputs merge by the LSEs (vLLM's ``cp_lse_ag_out_rs`` on the latent output, or the
+all-to-all). It needs the declared MLA LSE (``Capabilities.mla.lse``); MLA has no window, ALiBi
+or sinks.
+
 Refused, with :class:`UnsupportedConfigurationError` naming the reason, on every rank before
 any collective: a backend that does not declare the LSE for the spec (``Capabilities.lse``,
-its reason), a sliding window or ALiBi (both need a key's global position; a shard's kernel
-sees local positions), attention that is not causal decoder attention, and a gathered spec
-(``N Hl`` heads) the backend refuses. Softcap is per score and needs nothing.
+or ``Capabilities.mla.lse`` for an MLA layer: its reason), an impl that refuses the LSE beyond
+the declaration (its reason), a sliding window or ALiBi (both need a key's global position; a
+shard's kernel sees local positions), attention that is not causal decoder attention, and a
+gathered spec (``N Hl`` heads) the backend refuses. Softcap is per score and needs nothing.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -71,14 +86,29 @@ from attnhub.context_parallel.communication import ContextParallelGroup
 from attnhub.context_parallel.sharding import ContextShard, local_seq_lens
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.kv_cache import PagedKVCache
+from attnhub.mla import LatentKVCache, MLASpec
+from attnhub.mla_backend import MLAImpl
 from attnhub.spec import AttentionSpec, AttentionType
 
 
-def dcp_unsupported_reasons(backend: type[AttentionBackend], spec: AttentionSpec) -> list[Refusal]:
+def dcp_unsupported_reasons(
+    backend: type[AttentionBackend], spec: AttentionSpec | MLASpec
+) -> list[Refusal]:
     """Why ``backend`` cannot serve decode context parallel for the rank's ``spec`` (empty:
     it can), whatever the group size. The gathered spec (more heads) is checked by
-    :class:`DecodeContextParallel` itself."""
+    :class:`DecodeContextParallel` itself. An MLA layer needs only the declared MLA LSE
+    (``Capabilities.mla.lse``): it has no window, ALiBi or sinks, and is causal decoder
+    attention."""
     reasons: list[Refusal] = []
+    if isinstance(spec, MLASpec):
+        mla_lse = backend.capabilities.mla.lse.refusal(spec)
+        if mla_lse is not None:
+            reasons.append(
+                Refusal(f"decode context parallel of an MLA layer needs the LSE: "
+                        f"{mla_lse.sentence}", field="mla.lse", value=mla_lse.value,
+                        supported=mla_lse.supported)
+            )  # fmt: skip
+        return reasons
     # the kernel runs without the sinks (they enter once, in the merge): an LSE declared
     # without sinks serves
     lse = backend.capabilities.lse.refusal(replace(spec, use_sinks=False))
@@ -148,17 +178,23 @@ class DecodeContextParallel:
         self.group = group
         self.world_size = world_size
         self.interleave = interleave
-        self.spec = spec = backend.spec
+        self.spec: AttentionSpec | MLASpec = backend.spec
+        spec = self.spec
+        #: Whether the layer is an MLA layer (its spec an MLASpec: the absorbed form).
+        self.is_mla = isinstance(spec, MLASpec)
         reasons = dcp_unsupported_reasons(type(backend), spec)
         #: The backend serving the group's heads over the shard (no sinks: they enter once,
         #: in the merge); None where refused.
         self.gathered: AttentionBackend | None = None
-        self._impl: AttentionImpl | None = None
+        self._impl: Any = None  # the gathered backend's AttentionImpl or MLAImpl
         self._builder: AttentionMetadataBuilder[Any] | None = None
         n = group.world_size
         if not reasons:
-            gathered_spec = replace(
-                spec, num_heads=group.head_blocks * spec.num_heads, use_sinks=False
+            heads = group.head_blocks * spec.num_heads
+            gathered_spec = (
+                replace(spec, num_heads=heads)
+                if isinstance(spec, MLASpec)
+                else replace(spec, num_heads=heads, use_sinks=False)
             )
             reasons += [
                 Refusal(f"decode context parallel over {n} ranks: the gathered spec "
@@ -171,11 +207,27 @@ class DecodeContextParallel:
                     gathered_spec, backend.device, emulate=backend.emulate
                 )
                 self._impl = self.gathered.impl()
-                self._builder = self.gathered.metadata_builder()
+                # an impl may refuse the LSE beyond the declaration (e.g. for its scale)
+                why = getattr(self._impl, "_lse_refusal", None)
+                if why is not None:
+                    reasons.append(
+                        Refusal(f"decode context parallel needs the LSE: {why.sentence}",
+                                field=why.field, value=why.value, supported=why.supported)
+                    )  # fmt: skip
+                    self.gathered = self._impl = None
+                else:
+                    self._builder = self.gathered.metadata_builder()
         #: Why this backend cannot serve DCP for its spec (None: it can).
         self.refusal: UnsupportedConfigurationError | None = (
             UnsupportedConfigurationError(backend.name, reasons) if reasons else None
         )
+
+    @property
+    def query_width(self) -> int:
+        """A query head's width: the head size (an MLA layer's: ``kv_lora_rank +
+        qk_rope_head_dim``, the absorbed form's)."""
+        spec = self.spec
+        return spec.latent_size if isinstance(spec, MLASpec) else spec.head_size
 
     # --- once per step -----------------------------------------------------------------------
     def plan(self, batch: BatchMetadata) -> DcpStep:
@@ -196,14 +248,20 @@ class DecodeContextParallel:
         return self.group.settle(build, "the DCP step's metadata build")
 
     def agree_and_shard(
-        self, batch: BatchMetadata, refusal: Exception | None = None
+        self,
+        batch: BatchMetadata,
+        refusal: Exception | None = None,
+        *,
+        capture_sizes: Sequence[int] | None = None,
     ) -> ContextShard:
         """The step's agreement over the group and this rank's shard (host work and one
         fixed-size all-gather). ``refusal``: why the caller refuses the step on this rank
-        (besides :attr:`refusal`), raised here after the agreement, the other ranks told."""
+        (besides :attr:`refusal`), raised here after the agreement, the other ranks told.
+        ``capture_sizes``: a graph runner's, part of what the ranks agree on."""
         return self.group.shard(
             batch, world_size=self.world_size, block_size=self.spec.block_size,
             interleave=self.interleave, refusal=self.refusal or refusal, spec=self.spec,
+            capture_sizes=capture_sizes,
         )  # fmt: skip
 
     def flat_step(
@@ -244,35 +302,42 @@ class DecodeContextParallel:
     # --- per layer -----------------------------------------------------------------------------
     def forward(
         self,
-        impl: AttentionImpl,
+        impl: AttentionImpl | MLAImpl,
         step: DcpStep,
-        query: torch.Tensor,  # [T, Hl, D]: this rank's heads
-        key: torch.Tensor,  # [T, K, D]: the step's new tokens
-        value: torch.Tensor,
-        cache: PagedKVCache,  # this rank's shard
+        query: torch.Tensor,  # [T, Hl, D]: this rank's heads (MLA: D = kv_lora_rank + rope)
+        key: torch.Tensor | None,  # [T, K, D]: the step's new tokens (MLA: kv_c [T, R])
+        value: torch.Tensor | None,  # [T, K, D] (MLA: k_pe [T, rope])
+        cache: PagedKVCache | LatentKVCache,  # this rank's shard
         *,
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The layer's attention for this rank's heads, ``[T, Hl, D]`` in the query's dtype
-        (with ``return_lse``: and its LSE ``[T, Hl]`` float32, +inf where no key), equal to the
-        single-rank attention of the whole step. ``impl`` is the rank's layer (its sinks, for
-        its heads, are added once in the merge)."""
+        (an MLA layer's: the latent output ``[T, Hl, kv_lora_rank]``, which the engine
+        multiplies by ``W_UV``; with ``return_lse``: and its LSE ``[T, Hl]`` float32, +inf
+        where no key), equal to the single-rank attention of the whole step. ``impl`` is the
+        rank's layer (its sinks, for its heads, are added once in the merge). ``key`` and
+        ``value`` (an MLA layer's ``kv_c`` and ``k_pe``) both None: nothing new to write."""
         if impl.spec != self.spec:
             raise InvalidInputError(
                 "impl was made for another spec than this DecodeContextParallel's backend"
             )
-        blocks, hl = self.group.head_blocks, self.spec.num_heads
-        if query.dim() != 3 or tuple(query.shape[1:]) != (hl, self.spec.head_size):
+        blocks, hl, width = self.group.head_blocks, self.spec.num_heads, self.query_width
+        if query.dim() != 3 or tuple(query.shape[1:]) != (hl, width):
             raise InvalidInputError(
-                f"query must be [num_tokens, {hl}, {self.spec.head_size}] (this rank's heads), "
+                f"query must be [num_tokens, {hl}, {width}] (this rank's heads), "
                 f"got {list(query.shape)}"
             )
+        if (key is None) != (value is None):
+            raise InvalidInputError(
+                "key and value (an MLA layer's kv_c and k_pe): both given or both None"
+            )
         assert self._impl is not None  # a refused backend never plans a step
-        self._impl.write_kv(key, value, cache, meta=step.meta)
+        if key is not None:
+            self._impl.write_kv(key, value, cache, meta=step.meta)
         gathered = self.group.gather_heads(query)
         out, lse = self._impl.forward(gathered, None, None, cache, step.meta, return_lse=True)
         merged, merged_lse = self.group.combine(
-            out, lse.t(), sinks=impl.sinks, empty_rows=step.empty_rows
+            out, lse.t(), sinks=getattr(impl, "sinks", None), empty_rows=step.empty_rows
         )
         assert merged.shape[1] == hl and blocks * hl == out.shape[1]
         result = merged.to(query.dtype)

@@ -22,14 +22,24 @@ table's width ``W``). Per step, on the host:
    ``check_graph_step``, every cache's extents), with the rows that see no key of this rank
    (``empty_rows``: padding rows too) and the inputs;
 2. the step's agreement (``agree_and_shard``: one fixed-size all-gather of a fingerprint,
-   outside any graph): whatever a rank refused in 1 (a batch larger than the largest capture
-   size included) or the runner refuses is raised there on every rank;
-3. on the first step of size ``S``: the gathered backend's ``build_for_graph_capture`` over
-   those buffers and the capture of ``step`` (write, head gather, the backend's call, merge:
-   the collectives inside);
+   outside any graph, which carries the runner's capture sizes: ranks configured with others
+   would pad the step to other row counts and meet in collectives of other shapes): whatever
+   a rank refused in 1 (a batch larger than the largest capture size included) or the runner
+   refuses, or capture sizes that differ, is raised there on every rank;
+3. on the first step of size ``S`` (the same step on every rank: they agree on every step and
+   its size): the gathered backend's ``build_for_graph_capture`` over those buffers, its
+   outcome settled over the group (``ContextParallelGroup.settle``: one more fixed-size
+   all-gather, so a build that fails on one rank, over its own lengths, is raised on every
+   rank before the capture's collectives), then the capture of ``step`` (write, head gather,
+   the backend's call, merge: the collectives inside);
 4. ``update_graph_params`` (a backend whose captured kernels take host lengths refreshes
    each captured task with this rank's lengths) on the adaptor's update stream, then the
    replay. No device-wide synchronize.
+
+What is not settled: a failure inside the capture of ``step`` itself (the layers' calls,
+between the collectives) on one rank only. Every check of a layer call that depends on the
+rank's own data runs before the agreement or in the settled build; what ``step`` checks is
+the same on every rank of an agreed step (shapes, specs), so it fails on all or none.
 
 Collectives inside a graph: a captured graph replays the collectives it recorded, so the
 group's must be capturable on the backend's device: NCCL on CUDA, HCCL on an NPU. gloo's are
@@ -186,7 +196,7 @@ class DcpGraphRunner:
                 prepared = self._prepare(batch, inputs)
             except Exception as exc:  # told to the other ranks by the agreement
                 refusal = exc
-        self.dcp.agree_and_shard(batch, refusal)
+        self.dcp.agree_and_shard(batch, refusal, capture_sizes=self.sizes.sizes)
         assert prepared is not None and self.builder is not None and self.adaptor is not None
         size, static = prepared.size, prepared.inputs
         self.last_shard = prepared.shard
@@ -194,6 +204,16 @@ class DcpGraphRunner:
         def step(meta: AttentionMetadata) -> Any:  # captured: the gathered backend's meta
             return self.step(*static, DcpStep(prepared.shard, meta, self.empty_rows[:size]))
 
+        if size not in self.graphs:  # the first step of this size, on every rank alike
+            builder, step_batch = self.builder, prepared.step_batch
+            # the capture-time build reads the rank's own lengths: it may fail on one rank
+            # only, which every rank then raises, before the capture's collectives
+            meta = self.dcp.group.settle(
+                lambda: builder.build_for_graph_capture(step_batch),
+                "the DCP graph's capture-time build",
+            )
+            self.graphs[size] = GraphEntry(meta, self.adaptor.capture(lambda: step(meta)))
+            self.stats["captures"] += 1
         output = capture_or_replay(
             self.graphs, size, builder=self.builder, adaptor=self.adaptor,
             step_batch=prepared.step_batch, step=step, stats=self.stats,

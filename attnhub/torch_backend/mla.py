@@ -208,6 +208,9 @@ class TorchMLAImpl(MLAImpl):
         top = scores.amax(dim=-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
         p = torch.exp(scores - top)
         denom = p.sum(dim=-1, keepdim=True)
+        # keys no row of the member sees (the rest of its last block, block 0 past its own)
+        # may hold anything, NaN included (an unwritten slot): p is 0 there, 0 * NaN is not
+        kv_c = kv_c.masked_fill(~chunk.mask.any(dim=1)[..., None], 0.0)
         o = torch.einsum("bhqk,bkd->bqhd", p / denom.clamp_min(1e-30), kv_c)  # [b, lq, H, R]
         o = o.reshape(-1, H, R).index_select(0, chunk.picked)
         out.index_copy_(0, chunk.out_rows, o.to(out.dtype))

@@ -1463,3 +1463,84 @@ def multi_rank_cases(target: Target, scope: Scope) -> list[Case]:
 
 
 GENERATORS["multi_rank"] = multi_rank_cases
+#: The MLA multi-rank cases' matrix row prefix (a row per group size).
+MULTI_RANK_MLA_ROW = "multi-rank: decode context parallel of MLA layers"
+#: Query heads per rank an MLA case tries, fewest first (the quick cases' 2 where any serve).
+MULTI_RANK_MLA_HEADS = (2, 4, 8, 16, 32, 64, 128)
+
+
+def multi_rank_mla_cases(target: Target, scope: Scope) -> list[Case]:
+    """Decode context parallel of MLA layers in the absorbed form through the backend over
+    real gloo process groups (the ``multi_rank`` marker, ``attnhub_conformance.multi_rank``'s
+    ``mla_dcp_sub_case``), for any backend that declares the MLA LSE
+    (``Capabilities.mla.lse``): a case per group size, the same steps as the standard cases
+    (interleave 1 and the block size, both communication variants) over a declared MLA layer
+    whose per-rank and gathered head counts the backend both serves. Where it cannot serve
+    it: a skip that gives the declaration's reason. No case where MLA is not declared."""
+    from attnhub.context_parallel import dcp_unsupported_reasons
+    from attnhub_conformance.mla_cases import SMALL_LATENT, MLACase, MLAConfig
+
+    mla = target.capabilities.mla
+    if not mla.declared or target.backend is None:
+        return []
+    backend = target.backend
+    # the finest declared dtype the MLA LSE is declared for: the merge scales each rank's
+    # partial by exp(lse_r - L), so an LSE returned in the model dtype (ascend's ATB route)
+    # carries that dtype's rounding into every weight (docs/context-parallel.md, "MLA layers")
+    dtypes = [d for d in (torch.float32, torch.float16, torch.bfloat16) if d in mla.dtypes]
+    lse_dtypes = [
+        d for d in dtypes
+        if mla.lse.refusal(MLAConfig(d, 16, SMALL_LATENT, "joint").spec()) is None
+    ]  # fmt: skip
+    if not dtypes:
+        return []
+    dtype = (lse_dtypes or dtypes)[0]
+    blocks = [
+        b
+        for b in dict.fromkeys([*scope.block_sizes, *sorted(mla.block_sizes or ())])
+        if (mla.block_sizes is None or b in mla.block_sizes) and b % mla.block_size_multiple == 0
+    ]
+    if not blocks:
+        return []
+    latent = sorted(mla.latent_sizes)[0] if mla.latent_sizes is not None else SMALL_LATENT
+    out: list[Case] = []
+    for n in MULTI_RANK_SIZES[scope.full]:
+        row = f"{MULTI_RANK_MLA_ROW} {n} ranks"
+        reasons: list[str] = []
+        config = None
+        for heads in MULTI_RANK_MLA_HEADS:  # a head count served per rank and gathered
+            config = MLAConfig(dtype, blocks[0], latent, mla.layouts[0], num_heads=heads)
+            spec = config.spec()
+            why = [str(r) for r in dcp_unsupported_reasons(backend, spec)]
+            why += [str(r) for r in backend.mla_unsupported_reasons(spec)]
+            why += [
+                f"the gathered spec ({n * heads} heads): {r}"
+                for r in backend.mla_unsupported_reasons(replace(spec, num_heads=n * heads))
+            ]
+            reasons = why
+            if not why:
+                break
+        assert config is not None
+        if not reasons and target.device != "cpu":
+            reasons = [
+                f"the multi-rank cases run gloo groups on the host (device cpu), not "
+                f"{target.device}"
+            ]
+        proves = (
+            "decode context parallel of an MLA layer is refused with the declaration's reason"
+            if reasons
+            else f"decode context parallel of an MLA layer over {n} gloo ranks (decodes, a "
+            "multi-token decode, chunked prefill; interleave 1 and the block size) equals the "
+            "reference's absorbed form and the single-rank MLA run; each rank's latent cache "
+            "holds exactly its shard"
+        )
+        case = MLACase(
+            target=target, kind="multi_rank_mla", name=f"mla-dcp-N{n}-{config.id}", rows=(row,),
+            proves=proves, scope=scope, mla=config, entry=str(n),
+            skip="; ".join(reasons) or None, not_supported=bool(reasons),
+        )  # fmt: skip
+        out.append(case)
+    return out
+
+
+GENERATORS["multi_rank_mla"] = multi_rank_mla_cases

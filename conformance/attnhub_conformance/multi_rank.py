@@ -1,5 +1,6 @@
 """Multi-rank cases: decode context parallel (``attnhub.context_parallel.DecodeContextParallel``)
-through a backend, over real ``torch.distributed`` gloo groups spawned here.
+through a backend, over real ``torch.distributed`` gloo groups spawned here; standard layers
+(:func:`dcp_sub_case`) and MLA layers in the absorbed form (:func:`mla_dcp_sub_case`).
 
 Every rank of a group builds the same step from one seed (decodes, a multi-token decode, a first
 prefill chunk and a chunked prefill with context, in one step), keeps only its shard of the KV
@@ -241,6 +242,141 @@ def dcp_sub_case(
     return found
 
 
+def mla_dcp_sub_case(
+    comm: Any,
+    backend_cls: type[Any],
+    spec: Any,  # the rank's MLASpec (its heads)
+    device: str,
+    emulate: bool,
+    sub: SubCase,
+    seed: int,
+) -> dict[str, Any]:
+    """One DCP step of an MLA layer (the absorbed form) on this rank, as :func:`dcp_sub_case`:
+    the rank keeps its shard of the latent cache (every rank holds the latents of its
+    tokens: no kv heads), the query heads are gathered, the rank's MLA call returns its LSE,
+    the partials merge by it. The latent output against ``reference.paged_mla_absorbed`` and
+    the same backend's single-rank MLA run of the step; each rank's latent cache against the
+    single-rank one."""
+    from attnhub import BatchMetadata, reference, testing
+    from attnhub.context_parallel import DecodeContextParallel, local_slot_mapping, token_rank
+    from attnhub.errors import UnsupportedConfigurationError
+
+    n, rank = comm.world_size, comm.rank
+    b, hl, rank_width = spec.block_size, spec.num_heads, spec.kv_lora_rank
+    query_lens, seq_lens = DCP_STEPS[sub.step](b, n)
+    g = testing.generator(seed)
+    virtual = n * b
+    num_blocks = testing.num_blocks_for(seq_lens, virtual)
+    table = testing.shuffled_block_table(seq_lens, virtual, num_blocks, g)
+    tokens = sum(query_lens)
+    batch = BatchMetadata.from_lengths(
+        query_lens, seq_lens, table, virtual, device, num_tokens=tokens + PADDING_ROWS
+    )
+    kv_c = [torch.randn(s, rank_width, generator=g).to(spec.dtype) for s in seq_lens]
+    k_pe = [torch.randn(s, spec.qk_rope_head_dim, generator=g).to(spec.dtype) for s in seq_lens]
+    query = torch.randn(tokens + PADDING_ROWS, n * hl, spec.latent_size, generator=g)
+    query = query.to(spec.dtype)
+    heads = slice(rank * hl, (rank + 1) * hl)
+    dev = torch.device(device)
+
+    def new_rows(planes: list[torch.Tensor]) -> torch.Tensor:
+        rows = [p[s - q :] for p, q, s in zip(planes, query_lens, seq_lens, strict=True)]
+        packed = torch.cat(rows)
+        return torch.cat([packed, packed.new_zeros(PADDING_ROWS, *packed.shape[1:])]).to(dev)
+
+    backend = backend_cls(spec, device, emulate=emulate)
+    impl = backend.impl()
+    dcp = DecodeContextParallel(backend, comm, world_size=n, interleave=sub.interleave)
+    cache = backend.allocate_kv_cache(num_blocks)
+    seeded_nan = not backend_cls.capabilities.finite_stale_slots
+    if seeded_nan:
+        cache.kv_c.fill_(math.nan)
+        cache.k_pe.fill_(math.nan)
+    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):  # earlier steps' latents
+        if s == q:
+            continue
+        pos = torch.arange(s - q)
+        slots = local_slot_mapping(pos, torch.full_like(pos, r), table, b, n, rank, sub.interleave)
+        impl.write_kv(kv_c[r][: s - q].to(dev), k_pe[r][: s - q].to(dev), cache,
+                      torch.from_numpy(slots).to(dev))  # fmt: skip
+    step = dcp.plan(batch)
+    out, lse = dcp.forward(
+        impl, step, query[:, heads].to(dev), new_rows(kv_c), new_rows(k_pe), cache,
+        return_lse=True,
+    )  # fmt: skip
+    out, lse = out.to("cpu"), lse.to("cpu")
+
+    # The same step on one rank: every head, the whole latent cache, the same backend.
+    single_spec = replace(spec, num_heads=n * hl)
+    single = backend_cls(single_spec, device, emulate=emulate)
+    s_table = torch.zeros(len(seq_lens), max(-(-s // b) for s in seq_lens), dtype=torch.int32)
+    nxt = 1
+    for r, s in enumerate(seq_lens):
+        for j in range(-(-s // b)):
+            s_table[r, j], nxt = nxt, nxt + 1
+    s_batch = BatchMetadata.from_lengths(
+        query_lens, seq_lens, s_table, b, device, num_tokens=tokens + PADDING_ROWS
+    )
+    s_cache = single.allocate_kv_cache(nxt + 1)
+    s_impl = single.impl()
+    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        if s == q:
+            continue
+        pos = torch.arange(s - q)
+        slots = s_table[r, pos // b].long() * b + pos % b
+        s_impl.write_kv(kv_c[r][: s - q].to(dev), k_pe[r][: s - q].to(dev), s_cache,
+                        slots.to(dev))  # fmt: skip
+    want: torch.Tensor | None = None
+    try:  # a backend whose MLA kernels take shorter queries refuses the step
+        meta = single.metadata_builder().build(s_batch)
+    except UnsupportedConfigurationError:  # DCP serves it (decodes only): the reference judges
+        s_impl.write_kv(new_rows(kv_c), new_rows(k_pe), s_cache, s_batch.slot_mapping)
+    else:
+        want = s_impl.forward(query.to(dev), new_rows(kv_c), new_rows(k_pe), s_cache, meta)
+        want = want.to("cpu")[:, heads]
+    ref, ref_lse = reference.paged_mla_absorbed(query, s_cache, s_batch, single_spec)
+    caps = backend_cls.capabilities
+    tol = caps.mla.tolerances.get(spec.dtype) or caps.tolerances.get(spec.dtype)
+    found: dict[str, Any] = {}
+    if tol is None:
+        found["errors"] = [f"the backend declares no MLA tolerance for {spec.dtype}"]
+        return found
+    errors = []
+    compared = [("the reference", ref[:, heads])]
+    if want is not None:
+        compared.append(("the single-rank MLA run", want))
+    for what, expected in compared:
+        why = testing.mismatch(out[:tokens], expected[:tokens].double(), tol)
+        if why is not None:
+            errors.append(f"MLA DCP output vs {what} (atol={tol.atol:g} rtol={tol.rtol:g}): {why}")
+    why = testing.mismatch(lse[:tokens], ref_lse[heads].t()[:tokens], tol)
+    if why is not None:
+        errors.append(f"the merged LSE vs the reference's: {why}")
+    if not bool((out[tokens:] == 0).all()) or not bool(torch.isposinf(lse[tokens:]).all()):
+        errors.append("padding rows are not zero (output) and +inf (LSE)")
+    if not bool(torch.isfinite(out).all()):
+        errors.append("the output holds a non-finite value")
+    # The rank's latent cache holds exactly its shard: the single-rank cache's tokens of this rank.
+    local = [int(x) for x in step.shard.seq_lens]
+    for r, s in enumerate(seq_lens):
+        mine = torch.from_numpy(token_rank(torch.arange(s), n, sub.interleave) == rank)
+        c, pe = reference.read_latent_sequence(cache, table[r], local[r])
+        c_all, pe_all = reference.read_latent_sequence(s_cache, s_table[r], s)
+        if not (torch.equal(c, c_all[mine]) and torch.equal(pe, pe_all[mine])):
+            errors.append(f"request {r}: the rank's latent cache does not hold exactly its shard")
+    if seeded_nan:
+        rows_c = cache.kv_c.to("cpu").reshape(-1, rank_width).float()
+        rows_pe = cache.k_pe.to("cpu").reshape(-1, spec.qk_rope_head_dim).float()
+        finite = torch.isfinite(rows_c).all(dim=1) & torch.isfinite(rows_pe).all(dim=1)
+        if int(finite.sum()) != sum(local):
+            errors.append(f"{int(finite.sum())} slots written on this rank, its shard has "
+                          f"{sum(local)}")  # fmt: skip
+    found.update(
+        errors=errors, local_seq_lens=local, seeded_nan=seeded_nan, single_rank=want is not None
+    )
+    return found
+
+
 def _per_rank_sinks_error(
     dcp: Any, step: Any, comm: Any, query: torch.Tensor, cache: Any, sinks: torch.Tensor,
     heads: slice, ref: torch.Tensor, tokens: int,
@@ -257,7 +393,8 @@ def _per_rank_sinks_error(
 
 
 def _dcp_rank_main(rank: int, n: int, store: str, results: Any, job: dict[str, Any]) -> None:
-    """A rank's run of ``job`` (backend, spec, device, emulate, sub-cases)."""
+    """A rank's run of ``job`` (backend, spec, device, emulate, sub-cases; ``layer="mla"``:
+    the spec an MLASpec, :func:`mla_dcp_sub_case`)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -272,8 +409,14 @@ def _dcp_rank_main(rank: int, n: int, store: str, results: Any, job: dict[str, A
         variants = {"all_gather_reduce_scatter": AllGatherReduceScatter, "all_to_all": AllToAll}
         backend_cls = load_backend(job["backend"])
         report = {}
+        mla = job.get("layer") == "mla"
         for i, sub in enumerate(job["sub_cases"]):
             comm = variants[sub.variant]()
+            if mla:
+                report[sub.id] = mla_dcp_sub_case(
+                    comm, backend_cls, job["spec"], job["device"], job["emulate"], sub, 100 + i
+                )
+                continue
             report[sub.id] = dcp_sub_case(
                 comm, backend_cls, job["spec"], job["device"], job["emulate"], sub, 100 + i,
                 per_rank_sinks=job.get("per_rank_sinks", False),

@@ -1,5 +1,6 @@
 """Multi-rank cases (marker ``multi_rank``): decode context parallel through the backend over
-real gloo process groups spawned per case, for any backend that declares the LSE
+real gloo process groups spawned per case, for any backend that declares the LSE, and of MLA
+layers (the absorbed form) for any backend that declares the MLA LSE
 (``attnhub_conformance.multi_rank``). Deselect with ``-m "not multi_rank"``."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from attnhub_conformance.cases import Case
+from attnhub_conformance.mla_cases import MLACase
 from attnhub_conformance.multi_rank import backend_ref, run_group, sub_cases
 
 
@@ -37,4 +39,31 @@ def test_decode_context_parallel(case: Case) -> None:
     ]
     assert not failures, f"{target.name}, decode context parallel over {n} ranks:\n" + "\n".join(
         failures
+    )
+
+
+@pytest.mark.multi_rank
+@pytest.mark.attnhub_cases("multi_rank_mla")
+def test_mla_decode_context_parallel(case: MLACase) -> None:
+    target = case.target
+    assert case.mla is not None and case.entry is not None and target.backend is not None
+    spec, n = case.mla.spec(), int(case.entry)
+    job = dict(
+        backend=backend_ref(target.backend, target.name),
+        layer="mla",
+        spec=spec,
+        device=target.device,
+        emulate=target.emulate,
+        sub_cases=sub_cases(spec.block_size, sinks=False),
+    )
+    reports = run_group(n, job)
+    failures = [
+        f"rank {rank}, {sub}: {error}"
+        for rank, report in sorted(reports.items())
+        for sub, found in report.items()
+        for error in found["errors"]
+    ]
+    assert not failures, (
+        f"{target.name}, decode context parallel of an MLA layer over {n} ranks:\n"
+        + "\n".join(failures)
     )

@@ -257,3 +257,39 @@ def test_multi_rank_cases_follow_the_lse_declaration() -> None:
     # the groups are gloo's, on the host
     (elsewhere,) = generate("multi_rank", replace(target_for(TorchBackend), device="meta"), QUICK)
     assert elsewhere.skip is not None and "gloo" in elsewhere.skip
+
+
+def test_multi_rank_mla_cases_follow_the_mla_lse_declaration() -> None:
+    """A case per group size where the MLA LSE is declared, in the finest declared dtype, with
+    a head count the backend serves per rank and gathered; the MLA LSE refused: skipped with
+    its reason; no MLA declared: no case."""
+    from attnhub import MlaSupport
+
+    quick = generate("multi_rank_mla", target_for(TorchBackend), QUICK)
+    assert [(c.entry, c.skip, c.rows) for c in quick] == [
+        ("2", None, ("multi-rank: decode context parallel of MLA layers 2 ranks",))
+    ]
+    assert quick[0].mla.dtype == torch.float32 and quick[0].mla.num_heads == 2
+    full = generate("multi_rank_mla", target_for(TorchBackend), FULL)
+    assert [c.entry for c in full] == ["2", "4"]
+    # the kernels take 32, 64 and 128 heads: 32 per rank, 64 or 128 gathered
+    tiles = replace(
+        TorchBackend.capabilities,
+        mla=replace(TorchBackend.capabilities.mla, num_heads=frozenset({32, 64, 128})),
+    )
+    tiled = type("Tiled", (TorchBackend,), {"name": "tiled", "capabilities": tiles})
+    heads = [c.mla.num_heads for c in generate("multi_rank_mla", target_for(tiled), FULL)]
+    assert heads == [32, 32]
+    no_lse = replace(
+        TorchBackend.capabilities,
+        mla=replace(TorchBackend.capabilities.mla, lse=LseSupport(reason="no MLA LSE here")),
+    )
+    quiet = type("NoMlaLse", (TorchBackend,), {"name": "no_mla_lse", "capabilities": no_lse})
+    (refused,) = generate("multi_rank_mla", target_for(quiet), QUICK)
+    assert refused.not_supported and "no MLA LSE here" in refused.skip
+    none = replace(TorchBackend.capabilities, mla=MlaSupport())
+    plain = type("NoMla", (TorchBackend,), {"name": "no_mla", "capabilities": none})
+    assert generate("multi_rank_mla", target_for(plain), QUICK) == []
+    on_meta = replace(target_for(TorchBackend), device="meta")
+    (elsewhere,) = generate("multi_rank_mla", on_meta, QUICK)
+    assert elsewhere.skip is not None and "gloo" in elsewhere.skip
