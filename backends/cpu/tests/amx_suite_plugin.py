@@ -2,7 +2,9 @@
 backend's amx path on any CPU vLLM's ``_C`` build loads on: registers ``cpu-amx``, the backend
 as on an AMX CPU (``amx_standin.AmxCpuBackend``), declaring exactly the specs vLLM runs on
 ``amx`` (bfloat16, blocks in multiples of 32, head sizes in multiples of 32), so every case of
-the suite runs vLLM's amx KV write into an AMX-packed cache and the amx scheduler plan."""
+the suite runs vLLM's amx KV write into an AMX-packed cache and the amx scheduler plan; its MLA
+cases run on ``AMX_MLA`` (bfloat16, blocks in multiples of 32, ``capabilities.mla`` as vLLM's
+pick on an AMX CPU declares it), through vLLM's own write and decode ops."""
 
 from __future__ import annotations
 

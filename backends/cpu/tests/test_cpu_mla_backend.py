@@ -1,18 +1,29 @@
-"""The cpu backend's MLA layers (``attnhub_cpu.mla``): what it declares per CPU kind (features
-injected, decided on any machine), its forward byte for byte the direct ``mla_decode_kvcache``
-call over the latents it wrote, and what it refuses, with vLLM's reasons."""
+"""The cpu backend's MLA layers on ``CPU_MLA`` (``attnhub_cpu.mla``): what it declares per CPU
+kind (features injected, decided on any machine), its forward byte for byte the direct
+``mla_decode_kvcache`` call over the latents it wrote, and what it refuses, with vLLM's reasons.
+The backend is this CPU's with AMX taken away (``CpuMlaBackend``): vLLM runs ``CPU_MLA`` there,
+so these tests run the same path on AMX CPUs too (``AMX_MLA``: ``test_cpu_amx_mla.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from attnhub_cpu import CpuBackend, mla_ops
-from attnhub_cpu.backend import mla_support
+from attnhub_cpu import CpuBackend, mla_ops, ops
+from attnhub_cpu.backend import capabilities_for, mla_support
 from attnhub_cpu.ops import CpuFeatures
 
 from attnhub import reference, testing
 from attnhub.errors import UnsupportedConfigurationError
 from attnhub.mla import LatentKVCache, MLASpec
+
+
+class CpuMlaBackend(CpuBackend):
+    """This CPU's backend without AMX: where vLLM picks ``CPU_MLA``."""
+
+    features = dataclasses.replace(ops.detect(), amx=False)
+    capabilities = capabilities_for(features)
 
 
 @pytest.fixture
@@ -58,7 +69,7 @@ def test_mla_declares_what_mla_decode_kvcache_is_compiled_for(
     ],
 )
 def test_mla_beyond_the_kernel_is_refused_with_vllms_reason(spec: MLASpec, words: str) -> None:
-    reasons = CpuBackend.unsupported_reasons(spec)
+    reasons = CpuMlaBackend.unsupported_reasons(spec)
     assert any(words in r for r in reasons), reasons
 
 
@@ -67,7 +78,8 @@ def test_forward_is_the_direct_kernel_call_over_what_it_wrote(
     mla_kernel: None, dtype: torch.dtype
 ) -> None:
     spec = deepseek(dtype=dtype)
-    backend = CpuBackend(spec)
+    backend = CpuMlaBackend(spec)
+    assert backend.mla_path == "CPU_MLA"
     seq_lens = [5, 37, 16, 1]
     batch, nb = testing.make_batch([1] * 4, seq_lens, 16, seed=4, num_tokens=6)
     cache = backend.allocate_kv_cache(nb + 2)
@@ -90,7 +102,7 @@ def test_forward_is_the_direct_kernel_call_over_what_it_wrote(
 
 
 def test_a_prefill_is_refused_at_build_naming_the_request(mla_kernel: None) -> None:
-    backend = CpuBackend(deepseek(dtype=torch.float32))
+    backend = CpuMlaBackend(deepseek(dtype=torch.float32))
     batch, _ = testing.make_batch([1, 4], [9, 4], 16, seed=1)
     with pytest.raises(
         UnsupportedConfigurationError, match=r"request 1 .* prefill.*\(decode only\)"
