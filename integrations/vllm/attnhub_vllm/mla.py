@@ -224,6 +224,10 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         self._impl: Any = None
         self._cache_key: tuple[int, torch.Size] | None = None
         self._cache: LatentKVCache | None = None
+        # vLLM's MLAAttention quantizes the decode query to fp8 for an fp8 cache where the impl
+        # takes one (MLACommonImpl: True); attnhub's MLA forward takes the model-dtype query
+        # over an fp8 latent (dequantized as vLLM's kernels read it), as vLLM's CPU_MLA does
+        self.supports_quant_query_input = False
         block_size = config.cache_config.block_size
         if block_size:  # refuse at model construction where the block size is known
             self.bind(int(block_size), "cpu" if config.device_config is None else None)
@@ -271,12 +275,14 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         self._impl = backend_for(self.spec, device, self.choice).impl()
         return self._impl
 
-    def _latent(self, kv_cache: torch.Tensor, impl: Any) -> LatentKVCache:
-        """attnhub's view of vLLM's joint latent plane (made once per layer and cache)."""
+    def _latent(self, kv_cache: torch.Tensor, impl: Any, k_scale: torch.Tensor) -> LatentKVCache:
+        """attnhub's view of vLLM's joint latent plane (made once per layer and cache; an fp8
+        cache with the layer's ``_k_scale``, the tensor itself: a scale vLLM loads later is
+        the one read)."""
         key = (kv_cache.data_ptr(), kv_cache.shape)
         if key != self._cache_key:
             assert self.spec is not None
-            self._cache, self._cache_key = latent_cache(kv_cache, self.spec), key
+            self._cache, self._cache_key = latent_cache(kv_cache, self.spec, k_scale), key
             logger.info_once(
                 "attnhub-vllm: backend %r MLA KV cache per layer: %d bytes in vLLM's tensor, "
                 "%d bytes extra",
@@ -297,12 +303,15 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         k_scale: torch.Tensor,
         skip_scale: bool = False,  # vLLM 0.33+: store fp8 latents without dividing by k_scale
     ) -> None:
-        # (skip_scale concerns fp8 latent caches only, which the adapter does not map: every
-        # latent cache it serves is stored in the model dtype, so there is no scale to skip)
         if kv_cache.numel() == 0:  # vLLM's profiling run: no cache bound yet
             return
+        if skip_scale and self.kv_cache_dtype.startswith("fp8"):
+            raise AttnhubConfigurationError(
+                "attnhub-vllm: an fp8 latent written without its scale (skip_scale, vLLM 0.33+) "
+                "is not mapped: attnhub's fp8 latents are stored fp8(x / k_scale)"
+            )
         impl = self._impl or self._attnhub(kv_c_normed.device)
-        cache = self._latent(kv_cache, impl)
+        cache = self._latent(kv_cache, impl, k_scale)
         k_pe = k_pe.reshape(k_pe.shape[0], -1)
         meta = self._decode_step_meta(slot_mapping)
         if meta is not None:  # a decode-only step: its slots were checked once, in build
@@ -340,5 +349,6 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             q = q.contiguous()
         impl = self._impl or self._attnhub(q.device)
         meta = attn_metadata.attnhub[self.meta_index]
-        out = impl.forward(q, None, None, self._latent(kv_c_and_k_pe_cache, impl), meta)
+        cache = self._latent(kv_c_and_k_pe_cache, impl, layer._k_scale)
+        out = impl.forward(q, None, None, cache, meta)
         return out, None

@@ -410,9 +410,20 @@ def test_mla_spec_from_vllm_maps_an_mla_layer() -> None:
 
 
 @pytest.mark.parametrize(
+    ("vllm_dtype", "latent"),
+    [("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2"), ("auto", "auto")],
+)
+def test_mla_spec_from_vllm_maps_fp8_latent_caches(vllm_dtype: str, latent: str) -> None:
+    """vLLM's fp8 kv cache dtypes become attnhub's fp8 latents (one per-layer scale)."""
+    spec, reasons = mla_spec_from_vllm(**MLA_LAYER, kv_cache_dtype=vllm_dtype)
+    assert reasons == [] and spec is not None and spec.kv_cache_dtype == latent
+
+
+@pytest.mark.parametrize(
     ("extra", "named"),
     [
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
+        ({"kv_cache_dtype": "fp8_inc"}, "kv_cache_dtype 'fp8_inc'"),
+        ({"kv_cache_dtype": "fp8_ds_mla"}, "kv_cache_dtype 'fp8_ds_mla'"),
         ({"sliding_window": 128}, "sliding_window 128"),
         ({"logits_soft_cap": 30.0}, "logits_soft_cap 30.0"),
         ({"use_alibi": True}, "ALiBi"),
