@@ -143,7 +143,6 @@ def mla_spec_from_vllm(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     use_alibi: bool = False,
-    dcp_world_size: int = 1,
 ) -> tuple[MLASpec | None, list[str]]:
     """The attnhub spec of one vLLM MLA layer (``MLAAttention``'s arguments), or None and the
     adapter's reasons."""
@@ -162,11 +161,6 @@ def mla_spec_from_vllm(
         reasons.append(f"an MLA layer with logits_soft_cap {logits_soft_cap} is not mapped")
     if use_alibi:
         reasons.append("an MLA layer with ALiBi slopes is not mapped")
-    if dcp_world_size > 1:
-        reasons.append(
-            f"decode context parallel (world size {dcp_world_size}) is not mapped for MLA "
-            "layers (the adapter's MLA decode returns no LSE to vLLM)"
-        )
     if reasons:
         return None, reasons
     try:

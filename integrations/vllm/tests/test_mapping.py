@@ -427,7 +427,6 @@ def test_mla_spec_from_vllm_maps_fp8_latent_caches(vllm_dtype: str, latent: str)
         ({"sliding_window": 128}, "sliding_window 128"),
         ({"logits_soft_cap": 30.0}, "logits_soft_cap 30.0"),
         ({"use_alibi": True}, "ALiBi"),
-        ({"dcp_world_size": 2}, "world size 2"),
         ({"attn_type": "encoder_only"}, "'encoder_only'"),
         ({"block_size": 0}, "block_size = 0"),
     ],
