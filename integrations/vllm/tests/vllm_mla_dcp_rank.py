@@ -10,14 +10,14 @@ DCP groups on gloo) for ``tensor_parallel_size = decode_context_parallel_size = 
 adapter's MLA impl for this rank's ``Hl`` heads of the tiny DeepSeek-V2 (kv_lora_rank 512, rope
 64) and its metadata builder (vLLM's ``MLACommonMetadataBuilder`` subclassed), beside a stand-in
 for the layer holding what the builder reads of it (its MLA dimensions and vLLM's own
-``MLADCPManager``, which ``MLAAttention`` builds under DCP); then two steps as the model runner
+``MLADCPManager``, which ``MLAAttention`` builds under DCP); then three steps as the model runner
 hands them over (vLLM's DCP-local slot mapping from its own Triton kernel, interpreted, and
 ``get_dcp_local_seq_lens``): first prefills beside a one-token request (a decode whose shard
-is empty on rank 1 at interleave 1), then decodes beside a new prefill. Per step: ``build``,
-the latent write (``do_kv_cache_update``), and for the decode tokens what ``forward_impl``
-does: ``dcp_manager.query_gather`` of the rank's absorbed query, ``forward_mqa`` (the
-adapter's partial and LSE over the shard), ``dcp_manager.combine`` (vLLM's
-``cp_lse_ag_out_rs`` with its correction kernel interpreted, or its all-to-all reduce). The
+is empty on rank 1 at interleave 1), then decodes beside a new prefill, then decodes only.
+Per step: ``build``, the latent write (``do_kv_cache_update``), and for the decode tokens
+what ``forward_impl`` does: ``dcp_manager.query_gather`` of the rank's absorbed query,
+``forward_mqa`` (the adapter's partial and LSE over the shard), ``dcp_manager.combine``
+(vLLM's ``cp_lse_ag_out_rs`` with its correction kernel interpreted). The
 merged latent output of the rank's heads is compared with the single-rank run of the same
 attnhub backend over one cache holding every token, with the float64 reference, and with
 attnhub's own merge of the same partials (``DecodeContextParallel``'s group ``combine``).
@@ -30,9 +30,14 @@ import os
 from typing import Any
 
 HEADS, R, P, NOPE, V = 4, 512, 64, 32, 32  # the tiny DeepSeek-V2's MLA layer (vllm_generate.py)
-#: (query_lens, seq_lens) of the two steps: prefills beside a one-token request (vLLM's MLA
-#: builder counts it a decode), then four decodes beside a new prefill
-STEPS = [([1, 5, 9, 3], [1, 5, 9, 3]), ([1, 1, 1, 1, 7], [2, 6, 10, 4, 7])]
+#: (query_lens, seq_lens) of the three steps: prefills beside a one-token request (vLLM's MLA
+#: builder counts it a decode), then four decodes beside a new prefill (both: the latent write
+#: through vLLM's DCP slots), then decodes only (the shard's planned write)
+STEPS = [
+    ([1, 5, 9, 3], [1, 5, 9, 3]),
+    ([1, 1, 1, 1, 7], [2, 6, 10, 4, 7]),
+    ([1, 1, 1, 1, 1], [3, 7, 11, 5, 8]),
+]
 
 
 def _config(job: dict[str, Any], interleave: int, comm: str) -> Any:
@@ -103,6 +108,7 @@ def _engine(job: dict[str, Any], config: Any, name: str) -> tuple[Any, Any, Any]
 
 def _sub_case(rank: int, n: int, job: dict[str, Any], interleave: int, comm: str) -> dict:
     import torch
+    from attnhub_vllm.dcp import DcpLayerStep
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
     from vllm.v1.worker.block_table import ComputeSlotMappingKernel
@@ -145,6 +151,8 @@ def _sub_case(rank: int, n: int, job: dict[str, Any], interleave: int, comm: str
         with set_current_vllm_config(config):
             md = builder.build(0, cm)
             with set_forward_context({name: md}, config, slot_mapping={name: slots}):
+                # which write the adapter takes: the shard's planned one (decodes only)
+                planned = isinstance(impl._decode_step_meta(slots), DcpLayerStep)
                 impl.do_kv_cache_update(kv_c, k_pe, plane, slots, "auto", layer._k_scale)
                 d = md.num_decode_tokens
                 if d:  # MLAAttention.forward_impl's decode under DCP
@@ -165,7 +173,7 @@ def _sub_case(rank: int, n: int, job: dict[str, Any], interleave: int, comm: str
         ref, _ = reference.paged_mla_absorbed(q_all, full, batch, full_spec)
         shard = _holds_shard(plane, full, table, seq_lens, n, rank, interleave, block)
         entry: dict[str, Any] = {
-            "decode_tokens": d, "holds_its_shard": shard,
+            "decode_tokens": d, "holds_its_shard": shard, "planned_write": planned,
             "local_seq_lens": local_seq_lens(seq_lens, n, rank, interleave).tolist(),
             "vllm_local_seq_lens": cm.dcp_local_seq_lens.tolist(),
         }  # fmt: skip
