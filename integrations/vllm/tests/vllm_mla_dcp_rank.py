@@ -131,7 +131,8 @@ def _sub_case(rank: int, n: int, job: dict[str, Any], interleave: int, comm: str
     # the single-rank run: the same attnhub backend for the group's heads, one cache of
     # N x B blocks holding every token
     full_spec = dataclasses.replace(impl.spec, num_heads=HEADS, block_size=n * block)
-    single = select_backend(full_spec, "cpu")
+    single = select_backend(full_spec, "cpu", prefer=job["backend"], emulate=job["emulate"])
+    assert single.name == job["backend"], single
     single_impl, single_builder = single.impl(), single.metadata_builder()
     full = LatentKVCache.from_joint(torch.zeros((blocks, n * block, R + P), dtype=dtype), R)
     table = shuffled_block_table(STEPS[-1][1], n * block, blocks, generator(7)).to(torch.int32)
