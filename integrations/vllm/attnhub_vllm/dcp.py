@@ -45,7 +45,8 @@ from attnhub.context_parallel import (
     dcp_unsupported_reasons,
     shard_step,
 )
-from attnhub_vllm.mapping import AttnhubConfigurationError, batch_from_common
+from attnhub.mla import LatentKVCache
+from attnhub_vllm.mapping import AttnhubConfigurationError, batch_from_common, decode_batch
 
 logger = init_logger("vllm.attnhub_vllm")
 
@@ -64,7 +65,7 @@ def dcp_size(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
 
 
-def refuse_unserved(backend: attnhub.AttentionBackend, spec: AttentionSpec, n: int) -> None:
+def refuse_unserved(backend: attnhub.AttentionBackend, spec: Any, n: int) -> None:
     """At engine start (the layer's construction): why ``backend`` cannot serve ``spec`` under
     decode context parallel over ``n`` ranks, raised with every reason. vLLM's own check
     (vllm/v1/worker/cp_utils.py, ``check_attention_cp_compatibility``) would otherwise stop
@@ -90,9 +91,26 @@ class DcpLayerStep:
     #: the planned write; any other slots, the checked write through them
     slots: torch.Tensor
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache) -> None:
-        """The shard's KV write: the planned one (slots checked once per step in ``plan``)."""
+    def write(
+        self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache | LatentKVCache
+    ) -> None:
+        """The shard's KV write: the planned one (slots checked once per step in ``plan``; an
+        MLA layer's: ``kv_c``, ``k_pe`` into its latent cache)."""
         self.gathered_impl.write_kv(key, value, cache, meta=self.step.meta)
+
+    def partial(self, gathered: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rank's partial over its shard for the group's heads, as vLLM's MLA layer asks of
+        ``forward_mqa`` under DCP (its layer gathers the query and merges: ``MLADCPManager``):
+        ``gathered`` ``[T, N Hl, D]`` -> (output ``[T, N Hl, Dv]``, LSE ``[T, N Hl]`` float32,
+        natural log). Rows that see no key of this rank: output 0 and LSE -inf (vLLM's merge
+        weighs them 0; its ``mask_dcp_empty_shards_`` masks only whole empty requests)."""
+        part, lse = self.gathered_impl.forward(
+            gathered, None, None, cache, self.step.meta, return_lse=True
+        )
+        t = gathered.shape[0]
+        empty = self.step.empty_rows[:t].to(part.device)
+        lse = lse[:t].float().masked_fill(empty[:, None], float("-inf"))  # [T, N Hl]
+        return part[:t].masked_fill(empty[:, None, None], 0), lse
 
     def forward(
         self, impl: Any, query: torch.Tensor, cache: PagedKVCache, out: torch.Tensor
@@ -113,9 +131,7 @@ class DcpPlanner:
     """The builder's DCP side: one ``DecodeContextParallel`` per distinct layer spec over
     vLLM's DCP group, planned once per step for every layer."""
 
-    def __init__(
-        self, backends: list[attnhub.AttentionBackend], vllm_config: Any, device: torch.device
-    ) -> None:
+    def __init__(self, backends: list[Any], vllm_config: Any, device: torch.device) -> None:
         from vllm.distributed.parallel_state import get_dcp_group
 
         parallel = vllm_config.parallel_config
@@ -141,12 +157,20 @@ class DcpPlanner:
             self.rank, self.world_size, self.interleave, variant.__name__,
         )  # fmt: skip
 
-    def plan(self, cm: Any, exact_maxima: bool) -> tuple[int, list[DcpLayerStep]]:
+    def plan(
+        self, cm: Any, exact_maxima: bool, decodes: tuple[int, int] | None = None
+    ) -> tuple[int, list[DcpLayerStep]]:
         """The step's plan for every spec, on every rank (``DecodeContextParallel.plan``, with
         one more check shared in the step's agreement: attnhub's local slot mapping is the
         one vLLM's model runner computed). A refusal, the step's or a spec's backend's, is
-        raised on every rank before any collective of a layer."""
-        batch = batch_from_common(cm, self.world_size * self.block_size, exact_maxima=exact_maxima)
+        raised on every rank before any collective of a layer. ``decodes`` = (requests,
+        tokens): the step's first requests only (an MLA layer's decodes, which vLLM's MLA
+        builder puts first: ``mapping.decode_batch``)."""
+        virtual = self.world_size * self.block_size
+        if decodes is None:
+            batch = batch_from_common(cm, virtual, exact_maxima=exact_maxima)
+        else:
+            batch = decode_batch(cm, virtual, *decodes)
         steps = []
         for dcp, impl, builder in zip(self.dcps, self.impls, self.builders, strict=True):
             shard = dcp.agree_and_shard(batch, refusal=self._slot_refusal(batch))

@@ -112,10 +112,20 @@ def spec_from_vllm(
     return spec, []
 
 
-#: vLLM ``cache_dtype`` -> attnhub latent ``kv_cache_dtype`` for MLA layers: the model dtype
-#: only (vLLM's fp8 MLA caches quantize the query too, ``supports_quant_query_input``, which
-#: the adapter does not map yet).
-MLA_KV_CACHE_DTYPES = {"auto": "auto", "bfloat16": "auto", "float16": "auto"}
+#: vLLM ``cache_dtype`` -> attnhub latent ``kv_cache_dtype`` for MLA layers: the model dtype,
+#: or fp8 latents with the layer's one ``_k_scale`` (what vLLM's ``concat_and_cache_mla``
+#: writes; ``"fp8"`` is e4m3). vLLM allocates fp8 caches as uint8: ``latent_cache`` views the
+#: plane in the fp8 dtype. The query stays in the model dtype (the adapter's impl sets
+#: ``supports_quant_query_input = False``, as vLLM's CPU_MLA does). Whether the chosen backend
+#: serves an fp8 latent is its ``Capabilities.mla.kv_cache_dtypes`` (refused at engine start).
+MLA_KV_CACHE_DTYPES = {
+    "auto": "auto",
+    "bfloat16": "auto",
+    "float16": "auto",
+    "fp8": "fp8_e4m3",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+}
 
 
 def mla_spec_from_vllm(
@@ -133,7 +143,6 @@ def mla_spec_from_vllm(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     use_alibi: bool = False,
-    dcp_world_size: int = 1,
 ) -> tuple[MLASpec | None, list[str]]:
     """The attnhub spec of one vLLM MLA layer (``MLAAttention``'s arguments), or None and the
     adapter's reasons."""
@@ -152,11 +161,6 @@ def mla_spec_from_vllm(
         reasons.append(f"an MLA layer with logits_soft_cap {logits_soft_cap} is not mapped")
     if use_alibi:
         reasons.append("an MLA layer with ALiBi slopes is not mapped")
-    if dcp_world_size > 1:
-        reasons.append(
-            f"decode context parallel (world size {dcp_world_size}) is not mapped for MLA "
-            "layers (the adapter's MLA decode returns no LSE to vLLM)"
-        )
     if reasons:
         return None, reasons
     try:
@@ -193,11 +197,31 @@ def decode_batch(
     )
 
 
-def latent_cache(kv_cache: torch.Tensor, spec: MLASpec) -> LatentKVCache:
+def latent_cache(
+    kv_cache: torch.Tensor, spec: MLASpec, scale: torch.Tensor | None = None
+) -> LatentKVCache:
     """attnhub's latent cache over vLLM's MLA cache tensor of one layer, ``[num_blocks,
     block_size, kv_lora_rank + qk_rope_head_dim]`` (``MLAAttention.kv_cache``): the "joint"
-    layout, as it is (no copy: ``LatentKVCache.from_joint``)."""
-    return LatentKVCache.from_joint(kv_cache, spec.kv_lora_rank, kv_cache_dtype=spec.kv_cache_dtype)
+    layout, as it is (no copy: ``LatentKVCache.from_joint``). An fp8 spec: vLLM's uint8 (or
+    ``float8_e4m3fn``, as ``MLAAttention.forward_impl`` views it whatever the fp8 format) plane
+    viewed in the spec's fp8 dtype (the same bytes), ``scale`` the layer's ``_k_scale`` (a
+    float32 scalar, shared: vLLM's calibrated value as it is now)."""
+    if not KV_CACHE_FORMATS[spec.kv_cache_dtype].is_quantized:
+        return LatentKVCache.from_joint(kv_cache, spec.kv_lora_rank)
+    storage = _latent_storage(spec)
+    if kv_cache.dtype != storage and kv_cache.element_size() == storage.itemsize:
+        kv_cache = kv_cache.view(storage)
+    if scale is not None and scale.dim() != 0 and scale.numel() == 1:
+        scale = scale.view(())  # vLLM's _k_scale: a one-element float32 tensor
+    return LatentKVCache.from_joint(
+        kv_cache, spec.kv_lora_rank, kv_cache_dtype=spec.kv_cache_dtype, scale=scale
+    )
+
+
+def _latent_storage(spec: MLASpec) -> torch.dtype:
+    """The storage dtype of an fp8 latent of ``spec``."""
+    storage, _ = KV_CACHE_FORMATS[spec.kv_cache_dtype].storage_dtypes(spec.dtype)
+    return storage
 
 
 def mla_layout_refusal(backend: str, layouts: tuple[str, ...]) -> str | None:

@@ -27,6 +27,15 @@ builder ``build``         -> vLLM's ``MLACommonMetadataBuilder.build`` (its deco
 ``forward_mha``           -> vLLM's own (``MLACommonBaseImpl.forward_mha``): attnhub's backends
                              serve the absorbed form only (docs/mla.md)
 
+fp8 latent caches (vLLM ``kv_cache_dtype`` fp8 / fp8_e4m3 / fp8_e5m2): vLLM's uint8 plane viewed
+in the fp8 dtype, the layer's ``_k_scale`` as the latent's scale, the decode query in the model
+dtype (``supports_quant_query_input = False``), where the backend declares the format.
+
+Decode context parallel: ``can_return_lse_for_decode`` from ``Capabilities.mla.lse``; the
+builder plans the decode requests with the adapter's DCP planner (``attnhub_vllm.dcp``); vLLM's
+layer gathers the query over the DCP group's heads and merges by the LSEs itself
+(``MLADCPManager``), so ``forward_mqa`` returns the rank's partial over its shard and its LSE.
+
 Unsupported configurations fail at engine start (impl construction) with attnhub's reasons.
 """
 
@@ -50,6 +59,7 @@ from vllm.v1.attention.backend import AttentionLayer, CommonAttentionMetadata
 
 from attnhub.kit import same_view
 from attnhub.mla import LatentKVCache, MLASpec
+from attnhub_vllm import dcp as dcp_
 from attnhub_vllm.backend import backend_for, configured_checks, configured_choice
 from attnhub_vllm.mapping import (
     MLA_KV_CACHE_DTYPES,
@@ -122,6 +132,7 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
         self.block_size = int(kv_cache_spec.block_size)
         ctx = vllm_config.compilation_config.static_forward_context
         builders: dict[MLASpec, Any] = {}
+        backends: dict[MLASpec, Any] = {}
         checks = configured_checks(vllm_config)  # additional_config["attnhub"]["checks"]
         for name in layer_names:
             impl = ctx[name].impl
@@ -133,10 +144,18 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
             impl.layer_name = name  # where its step metadata is in vLLM's forward context
             spec = impl.bind(self.block_size, device)
             if spec not in builders:
-                builders[spec] = backend_for(spec, device, impl.choice).metadata_builder()
+                backends[spec] = backend_for(spec, device, impl.choice)
+                builders[spec] = backends[spec].metadata_builder()
                 builders[spec].checks = checks
             impl.meta_index = list(builders).index(spec)
         self._attnhub_builders = list(builders.values())
+        # decode context parallel: the adapter's DCP planner (attnhub_vllm.dcp, shared with
+        # standard layers) over vLLM's DCP group, one DecodeContextParallel per MLA spec
+        self._dcp = (
+            dcp_.DcpPlanner(list(backends.values()), vllm_config, device)
+            if dcp_.dcp_size(vllm_config) > 1
+            else None
+        )
 
     def build(
         self,
@@ -145,7 +164,10 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
         fast_build: bool = False,
     ) -> AttnhubVllmMLAMetadata:
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if md.num_decodes:
+        if md.num_decodes and self._dcp is not None:  # every rank: the decodes' shard plan
+            decodes = (md.num_decodes, md.num_decode_tokens)
+            _, md.attnhub = self._dcp.plan(common_attn_metadata, False, decodes)
+        elif md.num_decodes:
             batch = decode_batch(
                 common_attn_metadata, self.block_size, md.num_decodes, md.num_decode_tokens
             )
@@ -157,8 +179,8 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
     """``MLACommonImpl`` with its decode and its latent write through attnhub; its prefill
     (``forward_mha``) is vLLM's own."""
 
-    #: vLLM asks an impl for the decode's LSE only under decode context parallel, which the
-    #: adapter refuses for MLA layers (mapping.mla_spec_from_vllm).
+    #: vLLM asks an impl for the decode's LSE only under decode context parallel; set per
+    #: layer from the backend's ``Capabilities.mla.lse`` (``_declare_lse``).
     can_return_lse_for_decode: bool = False
 
     def __init__(
@@ -224,9 +246,30 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         self._impl: Any = None
         self._cache_key: tuple[int, torch.Size] | None = None
         self._cache: LatentKVCache | None = None
+        # vLLM's MLAAttention quantizes the decode query to fp8 for an fp8 cache where the impl
+        # takes one (MLACommonImpl: True); attnhub's MLA forward takes the model-dtype query
+        # over an fp8 latent (dequantized as vLLM's kernels read it), as vLLM's CPU_MLA does
+        self.supports_quant_query_input = False
         block_size = config.cache_config.block_size
         if block_size:  # refuse at model construction where the block size is known
             self.bind(int(block_size), "cpu" if config.device_config is None else None)
+            self._declare_lse(config)
+
+    def _declare_lse(self, config: VllmConfig) -> None:
+        """vLLM's ``can_return_lse_for_decode`` from the attnhub backend's ``Capabilities.mla.lse``
+        for this layer, and ``need_to_return_lse_for_decode`` as vLLM's base computes it (its
+        ``__new__`` read the class default); under decode context parallel, refuse at engine
+        start with attnhub's reasons where the backend cannot serve it (before vLLM's own
+        ``check_attention_cp_compatibility``, which names only a missing LSE)."""
+        assert self.spec is not None
+        device = config.device_config.device if config.device_config is not None else None
+        backend = backend_for(self.spec, device or "cpu", self.choice)
+        self.can_return_lse_for_decode = backend.capabilities.mla.lse.refusal(self.spec) is None
+        self.need_to_return_lse_for_decode = (
+            self.dcp_world_size > 1 and self.can_return_lse_for_decode
+        )
+        if self.dcp_world_size > 1:
+            dcp_.refuse_unserved(backend, self.spec, self.dcp_world_size)
 
     def _spec(self, block_size: int) -> MLASpec:
         spec, reasons = mla_spec_from_vllm(
@@ -243,7 +286,6 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
             use_alibi=self.alibi_slopes is not None,
-            dcp_world_size=self.dcp_world_size,
         )
         if spec is None:
             raise AttnhubConfigurationError(
@@ -271,12 +313,14 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         self._impl = backend_for(self.spec, device, self.choice).impl()
         return self._impl
 
-    def _latent(self, kv_cache: torch.Tensor, impl: Any) -> LatentKVCache:
-        """attnhub's view of vLLM's joint latent plane (made once per layer and cache)."""
+    def _latent(self, kv_cache: torch.Tensor, impl: Any, k_scale: torch.Tensor) -> LatentKVCache:
+        """attnhub's view of vLLM's joint latent plane (made once per layer and cache; an fp8
+        cache with the layer's ``_k_scale``, the tensor itself: a scale vLLM loads later is
+        the one read)."""
         key = (kv_cache.data_ptr(), kv_cache.shape)
         if key != self._cache_key:
             assert self.spec is not None
-            self._cache, self._cache_key = latent_cache(kv_cache, self.spec), key
+            self._cache, self._cache_key = latent_cache(kv_cache, self.spec, k_scale), key
             logger.info_once(
                 "attnhub-vllm: backend %r MLA KV cache per layer: %d bytes in vLLM's tensor, "
                 "%d bytes extra",
@@ -297,14 +341,20 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         k_scale: torch.Tensor,
         skip_scale: bool = False,  # vLLM 0.33+: store fp8 latents without dividing by k_scale
     ) -> None:
-        # (skip_scale concerns fp8 latent caches only, which the adapter does not map: every
-        # latent cache it serves is stored in the model dtype, so there is no scale to skip)
         if kv_cache.numel() == 0:  # vLLM's profiling run: no cache bound yet
             return
+        if skip_scale and self.kv_cache_dtype.startswith("fp8"):
+            raise AttnhubConfigurationError(
+                "attnhub-vllm: an fp8 latent written without its scale (skip_scale, vLLM 0.33+) "
+                "is not mapped: attnhub's fp8 latents are stored fp8(x / k_scale)"
+            )
         impl = self._impl or self._attnhub(kv_c_normed.device)
-        cache = self._latent(kv_cache, impl)
+        cache = self._latent(kv_cache, impl, k_scale)
         k_pe = k_pe.reshape(k_pe.shape[0], -1)
         meta = self._decode_step_meta(slot_mapping)
+        if isinstance(meta, dcp_.DcpLayerStep):  # DCP, decodes only: the shard's planned write
+            meta.write(kv_c_normed, k_pe, cache)
+            return
         if meta is not None:  # a decode-only step: its slots were checked once, in build
             impl.write_kv(kv_c_normed, k_pe, cache, meta=meta)
             return
@@ -322,7 +372,8 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         if not isinstance(md, AttnhubVllmMLAMetadata) or md.num_prefills or not md.attnhub:
             return None
         meta = md.attnhub[self.meta_index]
-        return meta if same_view(slot_mapping, meta.batch.slot_mapping) else None
+        slots = meta.slots if isinstance(meta, dcp_.DcpLayerStep) else meta.batch.slot_mapping
+        return meta if same_view(slot_mapping, slots) else None
 
     def forward_mqa(
         self,
@@ -340,5 +391,12 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             q = q.contiguous()
         impl = self._impl or self._attnhub(q.device)
         meta = attn_metadata.attnhub[self.meta_index]
-        out = impl.forward(q, None, None, self._latent(kv_c_and_k_pe_cache, impl), meta)
+        cache = self._latent(kv_c_and_k_pe_cache, impl, layer._k_scale)
+        if isinstance(meta, dcp_.DcpLayerStep):
+            # decode context parallel: vLLM's layer gathered the query over its DCP group's
+            # heads (MLADCPManager.query_gather) and merges what this returns by the LSEs
+            # (its combine: cp_lse_ag_out_rs or the all-to-all) before W_UV: the partial over
+            # this rank's shard for the group's heads, and its LSE
+            return meta.partial(q, cache)
+        out = impl.forward(q, None, None, cache, meta)
         return out, None

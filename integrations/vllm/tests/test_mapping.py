@@ -410,13 +410,23 @@ def test_mla_spec_from_vllm_maps_an_mla_layer() -> None:
 
 
 @pytest.mark.parametrize(
+    ("vllm_dtype", "latent"),
+    [("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2"), ("auto", "auto")],
+)
+def test_mla_spec_from_vllm_maps_fp8_latent_caches(vllm_dtype: str, latent: str) -> None:
+    """vLLM's fp8 kv cache dtypes become attnhub's fp8 latents (one per-layer scale)."""
+    spec, reasons = mla_spec_from_vllm(**MLA_LAYER, kv_cache_dtype=vllm_dtype)
+    assert reasons == [] and spec is not None and spec.kv_cache_dtype == latent
+
+
+@pytest.mark.parametrize(
     ("extra", "named"),
     [
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
+        ({"kv_cache_dtype": "fp8_inc"}, "kv_cache_dtype 'fp8_inc'"),
+        ({"kv_cache_dtype": "fp8_ds_mla"}, "kv_cache_dtype 'fp8_ds_mla'"),
         ({"sliding_window": 128}, "sliding_window 128"),
         ({"logits_soft_cap": 30.0}, "logits_soft_cap 30.0"),
         ({"use_alibi": True}, "ALiBi"),
-        ({"dcp_world_size": 2}, "world size 2"),
         ({"attn_type": "encoder_only"}, "'encoder_only'"),
         ({"block_size": 0}, "block_size = 0"),
     ],
@@ -460,3 +470,20 @@ def test_mla_backends_must_read_vllms_joint_plane() -> None:
     assert mla_layout_refusal("torch", ("joint", "split")) is None
     why = mla_layout_refusal("npu", ("split",))
     assert why is not None and "'npu'" in why and "split only" in why
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_latent_cache_views_vllms_fp8_plane_in_the_specs_format(fmt: str) -> None:
+    """vLLM allocates an fp8 MLA cache as uint8 and ``MLAAttention.forward_impl`` views it as
+    ``float8_e4m3fn`` whatever the format: either way attnhub's view is the spec's fp8 dtype
+    over the same bytes, with the layer's ``_k_scale`` (a one-element tensor: as a scalar)."""
+    spec, _ = mla_spec_from_vllm(**(MLA_LAYER | {"dtype": torch.bfloat16}), kv_cache_dtype=fmt)
+    assert spec is not None and spec.kv_cache_dtype == fmt
+    plane = torch.randint(0, 256, (3, 16, 576), dtype=torch.uint8)
+    storage = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
+    for given in (plane, plane.view(torch.float8_e4m3fn)):
+        cache = latent_cache(given, spec, torch.tensor([0.5]))
+        assert cache.kv_c.dtype == cache.k_pe.dtype == storage
+        assert cache.joint.data_ptr() == plane.data_ptr()
+        assert torch.equal(cache.joint.view(torch.uint8), plane)
+        assert cache.scale is not None and cache.scale.dim() == 0 and float(cache.scale) == 0.5
