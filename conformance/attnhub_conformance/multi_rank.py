@@ -102,6 +102,37 @@ def load_backend(ref: str) -> type[Any]:
 # --- what every rank runs ----------------------------------------------------------------------
 
 
+def _single_rank_table(seq_lens: list[int], b: int) -> tuple[torch.Tensor, int]:
+    """The single-rank run's block table (distinct blocks from 1, in order) and the number of
+    blocks its cache needs, less one."""
+    table = torch.zeros(len(seq_lens), max(-(-s // b) for s in seq_lens), dtype=torch.int32)
+    nxt = 1
+    for r, s in enumerate(seq_lens):
+        for j in range(-(-s // b)):
+            table[r, j], nxt = nxt, nxt + 1
+    return table, nxt
+
+
+def _write_context(
+    impl: Any,
+    cache: Any,
+    query_lens: list[int],
+    seq_lens: list[int],
+    first: list[torch.Tensor],
+    second: list[torch.Tensor],
+    dev: Any,
+    slots_of: Any,
+) -> None:
+    """Write each request's context (its tokens before the step: keys and values, or latents
+    and rope parts) at ``slots_of(request, positions)``, one ``write_kv`` per request."""
+    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        if s == q:
+            continue
+        pos = torch.arange(s - q)
+        impl.write_kv(first[r][: s - q].to(dev), second[r][: s - q].to(dev), cache,
+                      slots_of(r, pos).to(dev))  # fmt: skip
+
+
 def dcp_sub_case(
     comm: Any,
     backend_cls: type[Any],
@@ -153,13 +184,12 @@ def dcp_sub_case(
         with cache.edit() as plain:
             plain.key.fill_(math.nan)
             plain.value.fill_(math.nan)
-    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):  # earlier steps' keys
-        if s == q:
-            continue
-        pos = torch.arange(s - q)
-        slots = local_slot_mapping(pos, torch.full_like(pos, r), table, b, n, rank, sub.interleave)
-        impl.write_kv(keys[r][: s - q].to(dev), values[r][: s - q].to(dev), cache,
-                      torch.from_numpy(slots).to(dev))  # fmt: skip
+    _write_context(  # earlier steps' keys, this rank's shard of them
+        impl, cache, query_lens, seq_lens, keys, values, dev,
+        lambda r, pos: torch.from_numpy(
+            local_slot_mapping(pos, torch.full_like(pos, r), table, b, n, rank, sub.interleave)
+        ),
+    )  # fmt: skip
     step = dcp.plan(batch)
     out, lse = dcp.forward(
         impl, step, query[:, heads].to(dev), new_rows(keys), new_rows(values), cache,
@@ -170,23 +200,16 @@ def dcp_sub_case(
     # The same step on one rank: every head, the whole cache, the same backend.
     single_spec = replace(spec, num_heads=n * hl)
     single = backend_cls(single_spec, device, emulate=emulate)
-    s_table = torch.zeros(len(seq_lens), max(-(-s // b) for s in seq_lens), dtype=torch.int32)
-    nxt = 1
-    for r, s in enumerate(seq_lens):
-        for j in range(-(-s // b)):
-            s_table[r, j], nxt = nxt, nxt + 1
+    s_table, nxt = _single_rank_table(seq_lens, b)
     s_batch = BatchMetadata.from_lengths(
         query_lens, seq_lens, s_table, b, device, num_tokens=tokens + PADDING_ROWS
     )
     s_cache = single.allocate_kv_cache(nxt + 1)
     s_impl = single.impl(sinks=all_sinks if sub.sinks else None)
-    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        if s == q:
-            continue
-        pos = torch.arange(s - q)
-        slots = s_table[r, pos // b].long() * b + pos % b
-        s_impl.write_kv(keys[r][: s - q].to(dev), values[r][: s - q].to(dev), s_cache,
-                        slots.to(dev))  # fmt: skip
+    _write_context(
+        s_impl, s_cache, query_lens, seq_lens, keys, values, dev,
+        lambda r, pos: s_table[r, pos // b].long() * b + pos % b,
+    )  # fmt: skip
     want: torch.Tensor | None = None
     try:  # a backend that declares no chunked prefill or multi-token decode refuses the step
         meta = single.metadata_builder().build(s_batch)
@@ -292,13 +315,12 @@ def mla_dcp_sub_case(
     if seeded_nan:
         cache.kv_c.fill_(math.nan)
         cache.k_pe.fill_(math.nan)
-    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):  # earlier steps' latents
-        if s == q:
-            continue
-        pos = torch.arange(s - q)
-        slots = local_slot_mapping(pos, torch.full_like(pos, r), table, b, n, rank, sub.interleave)
-        impl.write_kv(kv_c[r][: s - q].to(dev), k_pe[r][: s - q].to(dev), cache,
-                      torch.from_numpy(slots).to(dev))  # fmt: skip
+    _write_context(  # earlier steps' latents, this rank's shard of them
+        impl, cache, query_lens, seq_lens, kv_c, k_pe, dev,
+        lambda r, pos: torch.from_numpy(
+            local_slot_mapping(pos, torch.full_like(pos, r), table, b, n, rank, sub.interleave)
+        ),
+    )  # fmt: skip
     step = dcp.plan(batch)
     out, lse = dcp.forward(
         impl, step, query[:, heads].to(dev), new_rows(kv_c), new_rows(k_pe), cache,
@@ -309,23 +331,16 @@ def mla_dcp_sub_case(
     # The same step on one rank: every head, the whole latent cache, the same backend.
     single_spec = replace(spec, num_heads=n * hl)
     single = backend_cls(single_spec, device, emulate=emulate)
-    s_table = torch.zeros(len(seq_lens), max(-(-s // b) for s in seq_lens), dtype=torch.int32)
-    nxt = 1
-    for r, s in enumerate(seq_lens):
-        for j in range(-(-s // b)):
-            s_table[r, j], nxt = nxt, nxt + 1
+    s_table, nxt = _single_rank_table(seq_lens, b)
     s_batch = BatchMetadata.from_lengths(
         query_lens, seq_lens, s_table, b, device, num_tokens=tokens + PADDING_ROWS
     )
     s_cache = single.allocate_kv_cache(nxt + 1)
     s_impl = single.impl()
-    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        if s == q:
-            continue
-        pos = torch.arange(s - q)
-        slots = s_table[r, pos // b].long() * b + pos % b
-        s_impl.write_kv(kv_c[r][: s - q].to(dev), k_pe[r][: s - q].to(dev), s_cache,
-                        slots.to(dev))  # fmt: skip
+    _write_context(
+        s_impl, s_cache, query_lens, seq_lens, kv_c, k_pe, dev,
+        lambda r, pos: s_table[r, pos // b].long() * b + pos % b,
+    )  # fmt: skip
     want: torch.Tensor | None = None
     try:  # a backend whose MLA kernels take shorter queries refuses the step
         meta = single.metadata_builder().build(s_batch)
