@@ -133,6 +133,65 @@ def _write_context(
                       slots_of(r, pos).to(dev))  # fmt: skip
 
 
+def _single_rank_run(
+    single: Any,
+    s_impl: Any,
+    s_cache: Any,
+    s_batch: Any,  # BatchMetadata
+    query: torch.Tensor,
+    new_a: torch.Tensor,
+    new_b: torch.Tensor,
+    heads: slice,
+) -> torch.Tensor | None:
+    """The step on one rank (every head, the whole cache): this rank's heads of its output, or
+    None where the backend refuses the step at build (one that declares no chunked prefill or
+    multi-token decode, or whose MLA kernels take shorter queries: DCP serves it, decodes only,
+    and the reference judges). Either way the step's new rows (``new_a``, ``new_b``: keys and
+    values, or kv_c and k_pe) are in ``s_cache`` afterwards."""
+    from attnhub.errors import UnsupportedConfigurationError
+
+    try:
+        meta = single.metadata_builder().build(s_batch)
+    except UnsupportedConfigurationError:
+        s_impl.write_kv(new_a, new_b, s_cache, s_batch.slot_mapping)
+        return None
+    want = s_impl.forward(query, new_a, new_b, s_cache, meta)
+    return want.to("cpu")[:, heads]
+
+
+def _output_errors(
+    what: str,
+    out: torch.Tensor,  # [tokens + padding, heads of this rank, head_size_v]
+    lse: torch.Tensor,  # [tokens + padding, heads of this rank]
+    tokens: int,
+    ref: torch.Tensor,  # the reference's output, this rank's heads
+    ref_lse: torch.Tensor,  # [heads of this rank, tokens]
+    single_rank: torch.Tensor | None,
+    tol: Any,
+) -> list[str]:
+    """What is wrong with a rank's merged output and LSE: against the reference and the
+    single-rank run (where there is one) within ``tol``, padding rows zero (output) and +inf
+    (LSE), every value finite."""
+    from attnhub import testing
+
+    errors = []
+    compared = [("the reference", ref)]
+    if single_rank is not None:
+        compared.append(("the single-rank run", single_rank))
+    for name, expected in compared:
+        why = testing.mismatch(out[:tokens], expected[:tokens].double(), tol)
+        if why is not None:
+            errors.append(f"{what} output vs {name} (atol={tol.atol:g} rtol={tol.rtol:g}): {why}")
+    why = testing.mismatch(lse[:tokens], ref_lse.t()[:tokens], tol)
+    if why is not None:
+        errors.append(f"the merged LSE vs the reference's: {why}")
+    if not bool((out[tokens:] == 0).all()) or not bool(torch.isposinf(lse[tokens:]).all()):
+        errors.append("padding rows are not zero (output) and +inf (LSE)")
+    if not bool(torch.isfinite(out).all()):
+        errors.append("the output holds a non-finite value")
+    return errors
+
+
 def dcp_sub_case(
     comm: Any,
     backend_cls: type[Any],
@@ -149,7 +208,6 @@ def dcp_sub_case(
     check's sensitivity)."""
     from attnhub import BatchMetadata, reference, testing
     from attnhub.context_parallel import DecodeContextParallel, local_slot_mapping, token_rank
-    from attnhub.errors import UnsupportedConfigurationError
 
     n, rank = comm.world_size, comm.rank
     b, hl, kv, d = spec.block_size, spec.num_heads, spec.num_kv_heads, spec.head_size
@@ -210,14 +268,9 @@ def dcp_sub_case(
         s_impl, s_cache, query_lens, seq_lens, keys, values, dev,
         lambda r, pos: s_table[r, pos // b].long() * b + pos % b,
     )  # fmt: skip
-    want: torch.Tensor | None = None
-    try:  # a backend that declares no chunked prefill or multi-token decode refuses the step
-        meta = single.metadata_builder().build(s_batch)
-    except UnsupportedConfigurationError:  # DCP serves it (decodes only): the reference judges
-        s_impl.write_kv(new_rows(keys), new_rows(values), s_cache, s_batch.slot_mapping)
-    else:
-        want = s_impl.forward(query.to(dev), new_rows(keys), new_rows(values), s_cache, meta)
-        want = want.to("cpu")[:, heads]
+    want = _single_rank_run(
+        single, s_impl, s_cache, s_batch, query.to(dev), new_rows(keys), new_rows(values), heads
+    )
     ref, ref_lse = reference.paged_attention(
         query, s_cache, s_batch, single_spec, sinks=all_sinks if sub.sinks else None
     )
@@ -226,21 +279,7 @@ def dcp_sub_case(
     if tol is None:
         found["errors"] = [f"the backend declares no tolerance for {spec.dtype}"]
         return found
-    errors = []
-    compared = [("the reference", ref[:, heads])]
-    if want is not None:
-        compared.append(("the single-rank run", want))
-    for what, expected in compared:
-        why = testing.mismatch(out[:tokens], expected[:tokens].double(), tol)
-        if why is not None:
-            errors.append(f"DCP output vs {what} (atol={tol.atol:g} rtol={tol.rtol:g}): {why}")
-    why = testing.mismatch(lse[:tokens], ref_lse[heads].t()[:tokens], tol)
-    if why is not None:
-        errors.append(f"the merged LSE vs the reference's: {why}")
-    if not bool((out[tokens:] == 0).all()) or not bool(torch.isposinf(lse[tokens:]).all()):
-        errors.append("padding rows are not zero (output) and +inf (LSE)")
-    if not bool(torch.isfinite(out).all()):
-        errors.append("the output holds a non-finite value")
+    errors = _output_errors("DCP", out, lse, tokens, ref[:, heads], ref_lse[heads], want, tol)
     # The rank's cache holds exactly its shard: the single-rank cache's tokens of this rank.
     local = [int(x) for x in step.shard.seq_lens]
     for r, s in enumerate(seq_lens):
@@ -282,7 +321,6 @@ def mla_dcp_sub_case(
     single-rank one."""
     from attnhub import BatchMetadata, reference, testing
     from attnhub.context_parallel import DecodeContextParallel, local_slot_mapping, token_rank
-    from attnhub.errors import UnsupportedConfigurationError
 
     n, rank = comm.world_size, comm.rank
     b, hl, rank_width = spec.block_size, spec.num_heads, spec.kv_lora_rank
@@ -341,14 +379,9 @@ def mla_dcp_sub_case(
         s_impl, s_cache, query_lens, seq_lens, kv_c, k_pe, dev,
         lambda r, pos: s_table[r, pos // b].long() * b + pos % b,
     )  # fmt: skip
-    want: torch.Tensor | None = None
-    try:  # a backend whose MLA kernels take shorter queries refuses the step
-        meta = single.metadata_builder().build(s_batch)
-    except UnsupportedConfigurationError:  # DCP serves it (decodes only): the reference judges
-        s_impl.write_kv(new_rows(kv_c), new_rows(k_pe), s_cache, s_batch.slot_mapping)
-    else:
-        want = s_impl.forward(query.to(dev), new_rows(kv_c), new_rows(k_pe), s_cache, meta)
-        want = want.to("cpu")[:, heads]
+    want = _single_rank_run(
+        single, s_impl, s_cache, s_batch, query.to(dev), new_rows(kv_c), new_rows(k_pe), heads
+    )
     ref, ref_lse = reference.paged_mla_absorbed(query, s_cache, s_batch, single_spec)
     caps = backend_cls.capabilities
     tol = caps.mla.tolerances.get(spec.dtype) or caps.tolerances.get(spec.dtype)
@@ -356,21 +389,7 @@ def mla_dcp_sub_case(
     if tol is None:
         found["errors"] = [f"the backend declares no MLA tolerance for {spec.dtype}"]
         return found
-    errors = []
-    compared = [("the reference", ref[:, heads])]
-    if want is not None:
-        compared.append(("the single-rank MLA run", want))
-    for what, expected in compared:
-        why = testing.mismatch(out[:tokens], expected[:tokens].double(), tol)
-        if why is not None:
-            errors.append(f"MLA DCP output vs {what} (atol={tol.atol:g} rtol={tol.rtol:g}): {why}")
-    why = testing.mismatch(lse[:tokens], ref_lse[heads].t()[:tokens], tol)
-    if why is not None:
-        errors.append(f"the merged LSE vs the reference's: {why}")
-    if not bool((out[tokens:] == 0).all()) or not bool(torch.isposinf(lse[tokens:]).all()):
-        errors.append("padding rows are not zero (output) and +inf (LSE)")
-    if not bool(torch.isfinite(out).all()):
-        errors.append("the output holds a non-finite value")
+    errors = _output_errors("MLA DCP", out, lse, tokens, ref[:, heads], ref_lse[heads], want, tol)
     # The rank's latent cache holds exactly its shard: the single-rank cache's tokens of this rank.
     local = [int(x) for x in step.shard.seq_lens]
     for r, s in enumerate(seq_lens):
