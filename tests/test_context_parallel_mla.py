@@ -196,7 +196,6 @@ def group(request: pytest.FixtureRequest) -> tuple[str, int, dict[int, Any]]:
     spec = SPECS[name]
     job = dict(
         backend=name,
-        layer="mla",
         spec=spec,
         device="cpu",
         emulate=name != "torch",

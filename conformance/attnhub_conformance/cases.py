@@ -1472,7 +1472,7 @@ MULTI_RANK_MLA_HEADS = (2, 4, 8, 16, 32, 64, 128)
 def multi_rank_mla_cases(target: Target, scope: Scope) -> list[Case]:
     """Decode context parallel of MLA layers in the absorbed form through the backend over
     real gloo process groups (the ``multi_rank`` marker, ``attnhub_conformance.multi_rank``'s
-    ``mla_dcp_sub_case``), for any backend that declares the MLA LSE
+    ``dcp_sub_case``), for any backend that declares the MLA LSE
     (``Capabilities.mla.lse``): a case per group size, the same steps as the standard cases
     (interleave 1 and the block size, both communication variants) over a declared MLA layer
     whose per-rank and gathered head counts the backend both serves. Where it cannot serve

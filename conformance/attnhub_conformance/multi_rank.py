@@ -1,6 +1,6 @@
 """Multi-rank cases: decode context parallel (``attnhub.context_parallel.DecodeContextParallel``)
-through a backend, over real ``torch.distributed`` gloo groups spawned here; standard layers
-(:func:`dcp_sub_case`) and MLA layers in the absorbed form (:func:`mla_dcp_sub_case`).
+through a backend, over real ``torch.distributed`` gloo groups spawned here: standard layers and
+MLA layers in the absorbed form, both through :func:`dcp_sub_case`.
 
 Every rank of a group builds the same step from one seed (decodes, a multi-token decode, a first
 prefill chunk and a chunked prefill with context, in one step), keeps only its shard of the KV
@@ -192,10 +192,97 @@ def _output_errors(
     return errors
 
 
+class _StandardLayer:
+    """What a DCP sub-case needs to know of a standard layer: keys and values per request (kv
+    heads), sinks where the sub-case has them, a paged KV cache."""
+
+    label = "DCP"
+
+    def __init__(self, spec: Any, sinks: bool) -> None:
+        self.spec = replace(spec, use_sinks=sinks)
+
+    def planes(self, seq_lens: list[int], g: torch.Generator) -> tuple[list[torch.Tensor], ...]:
+        shape = (self.spec.num_kv_heads, self.spec.head_size)
+        return tuple(
+            [torch.randn(s, *shape, generator=g).to(self.spec.dtype) for s in seq_lens]
+            for _ in range(2)
+        )
+
+    def query_width(self) -> int:
+        return int(self.spec.head_size)
+
+    def seed_nan(self, cache: Any) -> None:
+        with cache.edit() as plain:
+            plain.key.fill_(math.nan)
+            plain.value.fill_(math.nan)
+
+    def reference(self, query: torch.Tensor, cache: Any, batch: Any, spec: Any, sinks: Any) -> Any:
+        from attnhub import reference
+
+        return reference.paged_attention(query, cache, batch, spec, sinks=sinks)
+
+    def tolerance(self, caps: Any) -> Any:
+        return caps.tolerances.get(self.spec.dtype)
+
+    def read(self, cache: Any, table_row: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
+        from attnhub import reference
+
+        return tuple(reference.read_sequence(cache, table_row, length))
+
+    def finite_slots(self, cache: Any) -> int:
+        with cache.edit() as plain:
+            rows = (
+                plain.key_nhd().to("cpu").reshape(-1, self.spec.num_kv_heads * self.spec.head_size)
+            )
+        return int(torch.isfinite(rows.float()).all(dim=1).sum())
+
+
+class _LatentLayer:
+    """The same for an MLA layer in the absorbed form: latents and rope parts per request (no
+    kv heads: every rank holds the latents of its tokens), no sinks, a latent cache."""
+
+    label = "MLA DCP"
+
+    def __init__(self, spec: Any, sinks: bool) -> None:
+        assert not sinks, "MLA layers have no sinks"
+        self.spec = spec
+
+    def planes(self, seq_lens: list[int], g: torch.Generator) -> tuple[list[torch.Tensor], ...]:
+        widths = (self.spec.kv_lora_rank, self.spec.qk_rope_head_dim)
+        return tuple(
+            [torch.randn(s, w, generator=g).to(self.spec.dtype) for s in seq_lens] for w in widths
+        )
+
+    def query_width(self) -> int:
+        return int(self.spec.latent_size)
+
+    def seed_nan(self, cache: Any) -> None:
+        cache.kv_c.fill_(math.nan)
+        cache.k_pe.fill_(math.nan)
+
+    def reference(self, query: torch.Tensor, cache: Any, batch: Any, spec: Any, sinks: Any) -> Any:
+        from attnhub import reference
+
+        return reference.paged_mla_absorbed(query, cache, batch, spec)
+
+    def tolerance(self, caps: Any) -> Any:
+        return caps.mla.tolerances.get(self.spec.dtype) or caps.tolerances.get(self.spec.dtype)
+
+    def read(self, cache: Any, table_row: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
+        from attnhub import reference
+
+        return tuple(reference.read_latent_sequence(cache, table_row, length))
+
+    def finite_slots(self, cache: Any) -> int:
+        rows_c = cache.kv_c.to("cpu").reshape(-1, self.spec.kv_lora_rank).float()
+        rows_pe = cache.k_pe.to("cpu").reshape(-1, self.spec.qk_rope_head_dim).float()
+        return int((torch.isfinite(rows_c).all(dim=1) & torch.isfinite(rows_pe).all(dim=1)).sum())
+
+
 def dcp_sub_case(
     comm: Any,
     backend_cls: type[Any],
-    spec: Any,  # the rank's AttentionSpec (its heads), without sinks
+    spec: Any,  # the rank's AttentionSpec (its heads, without sinks), or its MLASpec
     device: str,
     emulate: bool,
     sub: SubCase,
@@ -205,13 +292,19 @@ def dcp_sub_case(
 ) -> dict[str, Any]:
     """One DCP step on this rank; what it found (see the module docstring). ``per_rank_sinks``
     also reports the error of a wrong merge that lets every rank's kernel add the sinks (the
-    check's sensitivity)."""
-    from attnhub import BatchMetadata, reference, testing
-    from attnhub.context_parallel import DecodeContextParallel, local_slot_mapping, token_rank
+    check's sensitivity).
 
+    An MLA layer (``spec`` an ``MLASpec``) runs the absorbed form the same way: the rank keeps
+    its shard of the latent cache, the query heads are gathered, the rank's MLA call returns
+    its LSE, the partials merge by it; judged against ``reference.paged_mla_absorbed``."""
+    from attnhub import BatchMetadata, testing
+    from attnhub.context_parallel import DecodeContextParallel, local_slot_mapping, token_rank
+    from attnhub.mla import MLASpec
+
+    layer = (_LatentLayer if isinstance(spec, MLASpec) else _StandardLayer)(spec, sub.sinks)
+    spec = layer.spec
     n, rank = comm.world_size, comm.rank
-    b, hl, kv, d = spec.block_size, spec.num_heads, spec.num_kv_heads, spec.head_size
-    spec = replace(spec, use_sinks=sub.sinks)
+    b, hl = spec.block_size, spec.num_heads
     query_lens, seq_lens = DCP_STEPS[sub.step](b, n)
     g = testing.generator(seed)
     virtual = n * b
@@ -221,10 +314,10 @@ def dcp_sub_case(
     batch = BatchMetadata.from_lengths(
         query_lens, seq_lens, table, virtual, device, num_tokens=tokens + PADDING_ROWS
     )
-    keys = [torch.randn(s, kv, d, generator=g).to(spec.dtype) for s in seq_lens]
-    values = [torch.randn(s, kv, d, generator=g).to(spec.dtype) for s in seq_lens]
-    query = torch.randn(tokens + PADDING_ROWS, n * hl, d, generator=g).to(spec.dtype)
-    all_sinks = torch.randn(n * hl, generator=g) + 2.0
+    first, second = layer.planes(seq_lens, g)
+    query = torch.randn(tokens + PADDING_ROWS, n * hl, layer.query_width(), generator=g)
+    query = query.to(spec.dtype)
+    all_sinks = torch.randn(n * hl, generator=g) + 2.0 if sub.sinks else None
     heads = slice(rank * hl, (rank + 1) * hl)
     dev = torch.device(device)
 
@@ -234,23 +327,21 @@ def dcp_sub_case(
         return torch.cat([packed, packed.new_zeros(PADDING_ROWS, *packed.shape[1:])]).to(dev)
 
     backend = backend_cls(spec, device, emulate=emulate)
-    impl = backend.impl(sinks=all_sinks[heads] if sub.sinks else None)
+    impl = backend.impl() if all_sinks is None else backend.impl(sinks=all_sinks[heads])
     dcp = DecodeContextParallel(backend, comm, world_size=n, interleave=sub.interleave)
     cache = backend.allocate_kv_cache(num_blocks)
     seeded_nan = not backend_cls.capabilities.finite_stale_slots
     if seeded_nan:
-        with cache.edit() as plain:
-            plain.key.fill_(math.nan)
-            plain.value.fill_(math.nan)
-    _write_context(  # earlier steps' keys, this rank's shard of them
-        impl, cache, query_lens, seq_lens, keys, values, dev,
+        layer.seed_nan(cache)
+    _write_context(  # earlier steps' tokens, this rank's shard of them
+        impl, cache, query_lens, seq_lens, first, second, dev,
         lambda r, pos: torch.from_numpy(
             local_slot_mapping(pos, torch.full_like(pos, r), table, b, n, rank, sub.interleave)
         ),
     )  # fmt: skip
     step = dcp.plan(batch)
     out, lse = dcp.forward(
-        impl, step, query[:, heads].to(dev), new_rows(keys), new_rows(values), cache,
+        impl, step, query[:, heads].to(dev), new_rows(first), new_rows(second), cache,
         return_lse=True,
     )  # fmt: skip
     out, lse = out.to("cpu"), lse.to("cpu")
@@ -263,151 +354,40 @@ def dcp_sub_case(
         query_lens, seq_lens, s_table, b, device, num_tokens=tokens + PADDING_ROWS
     )
     s_cache = single.allocate_kv_cache(nxt + 1)
-    s_impl = single.impl(sinks=all_sinks if sub.sinks else None)
+    s_impl = single.impl() if all_sinks is None else single.impl(sinks=all_sinks)
     _write_context(
-        s_impl, s_cache, query_lens, seq_lens, keys, values, dev,
+        s_impl, s_cache, query_lens, seq_lens, first, second, dev,
         lambda r, pos: s_table[r, pos // b].long() * b + pos % b,
     )  # fmt: skip
     want = _single_rank_run(
-        single, s_impl, s_cache, s_batch, query.to(dev), new_rows(keys), new_rows(values), heads
+        single, s_impl, s_cache, s_batch, query.to(dev), new_rows(first), new_rows(second), heads
     )
-    ref, ref_lse = reference.paged_attention(
-        query, s_cache, s_batch, single_spec, sinks=all_sinks if sub.sinks else None
-    )
-    tol = backend_cls.capabilities.tolerances.get(spec.dtype)
+    ref, ref_lse = layer.reference(query, s_cache, s_batch, single_spec, all_sinks)
+    tol = layer.tolerance(backend_cls.capabilities)
     found: dict[str, Any] = {}
     if tol is None:
-        found["errors"] = [f"the backend declares no tolerance for {spec.dtype}"]
+        found["errors"] = [f"the backend declares no {layer.label} tolerance for {spec.dtype}"]
         return found
-    errors = _output_errors("DCP", out, lse, tokens, ref[:, heads], ref_lse[heads], want, tol)
+    errors = _output_errors(layer.label, out, lse, tokens, ref[:, heads], ref_lse[heads], want, tol)
     # The rank's cache holds exactly its shard: the single-rank cache's tokens of this rank.
     local = [int(x) for x in step.shard.seq_lens]
     for r, s in enumerate(seq_lens):
         mine = torch.from_numpy(token_rank(torch.arange(s), n, sub.interleave) == rank)
-        k, v = reference.read_sequence(cache, table[r], local[r])
-        k_all, v_all = reference.read_sequence(s_cache, s_table[r], s)
-        if not (torch.equal(k, k_all[mine]) and torch.equal(v, v_all[mine])):
+        got = layer.read(cache, table[r], local[r])
+        whole = layer.read(s_cache, s_table[r], s)
+        if not all(torch.equal(a, w[mine]) for a, w in zip(got, whole, strict=True)):
             errors.append(f"request {r}: the rank's cache does not hold exactly its shard")
     if seeded_nan:
-        with cache.edit() as plain:
-            rows = plain.key_nhd().to("cpu").reshape(-1, kv * d)
-        written = int(torch.isfinite(rows.float()).all(dim=1).sum())
+        written = layer.finite_slots(cache)
         if written != sum(local):
             errors.append(f"{written} slots written on this rank, its shard has {sum(local)}")
     found.update(
         errors=errors, local_seq_lens=local, seeded_nan=seeded_nan, single_rank=want is not None
     )
-    if per_rank_sinks and sub.sinks:
+    if per_rank_sinks and all_sinks is not None:
         found["per_rank_sinks_error"] = _per_rank_sinks_error(
             dcp, step, comm, query[:, heads].to(dev), cache, all_sinks, heads, ref, tokens
         )
-    return found
-
-
-def mla_dcp_sub_case(
-    comm: Any,
-    backend_cls: type[Any],
-    spec: Any,  # the rank's MLASpec (its heads)
-    device: str,
-    emulate: bool,
-    sub: SubCase,
-    seed: int,
-) -> dict[str, Any]:
-    """One DCP step of an MLA layer (the absorbed form) on this rank, as :func:`dcp_sub_case`:
-    the rank keeps its shard of the latent cache (every rank holds the latents of its
-    tokens: no kv heads), the query heads are gathered, the rank's MLA call returns its LSE,
-    the partials merge by it. The latent output against ``reference.paged_mla_absorbed`` and
-    the same backend's single-rank MLA run of the step; each rank's latent cache against the
-    single-rank one."""
-    from attnhub import BatchMetadata, reference, testing
-    from attnhub.context_parallel import DecodeContextParallel, local_slot_mapping, token_rank
-
-    n, rank = comm.world_size, comm.rank
-    b, hl, rank_width = spec.block_size, spec.num_heads, spec.kv_lora_rank
-    query_lens, seq_lens = DCP_STEPS[sub.step](b, n)
-    g = testing.generator(seed)
-    virtual = n * b
-    num_blocks = testing.num_blocks_for(seq_lens, virtual)
-    table = testing.shuffled_block_table(seq_lens, virtual, num_blocks, g)
-    tokens = sum(query_lens)
-    batch = BatchMetadata.from_lengths(
-        query_lens, seq_lens, table, virtual, device, num_tokens=tokens + PADDING_ROWS
-    )
-    kv_c = [torch.randn(s, rank_width, generator=g).to(spec.dtype) for s in seq_lens]
-    k_pe = [torch.randn(s, spec.qk_rope_head_dim, generator=g).to(spec.dtype) for s in seq_lens]
-    query = torch.randn(tokens + PADDING_ROWS, n * hl, spec.latent_size, generator=g)
-    query = query.to(spec.dtype)
-    heads = slice(rank * hl, (rank + 1) * hl)
-    dev = torch.device(device)
-
-    def new_rows(planes: list[torch.Tensor]) -> torch.Tensor:
-        rows = [p[s - q :] for p, q, s in zip(planes, query_lens, seq_lens, strict=True)]
-        packed = torch.cat(rows)
-        return torch.cat([packed, packed.new_zeros(PADDING_ROWS, *packed.shape[1:])]).to(dev)
-
-    backend = backend_cls(spec, device, emulate=emulate)
-    impl = backend.impl()
-    dcp = DecodeContextParallel(backend, comm, world_size=n, interleave=sub.interleave)
-    cache = backend.allocate_kv_cache(num_blocks)
-    seeded_nan = not backend_cls.capabilities.finite_stale_slots
-    if seeded_nan:
-        cache.kv_c.fill_(math.nan)
-        cache.k_pe.fill_(math.nan)
-    _write_context(  # earlier steps' latents, this rank's shard of them
-        impl, cache, query_lens, seq_lens, kv_c, k_pe, dev,
-        lambda r, pos: torch.from_numpy(
-            local_slot_mapping(pos, torch.full_like(pos, r), table, b, n, rank, sub.interleave)
-        ),
-    )  # fmt: skip
-    step = dcp.plan(batch)
-    out, lse = dcp.forward(
-        impl, step, query[:, heads].to(dev), new_rows(kv_c), new_rows(k_pe), cache,
-        return_lse=True,
-    )  # fmt: skip
-    out, lse = out.to("cpu"), lse.to("cpu")
-
-    # The same step on one rank: every head, the whole latent cache, the same backend.
-    single_spec = replace(spec, num_heads=n * hl)
-    single = backend_cls(single_spec, device, emulate=emulate)
-    s_table, nxt = _single_rank_table(seq_lens, b)
-    s_batch = BatchMetadata.from_lengths(
-        query_lens, seq_lens, s_table, b, device, num_tokens=tokens + PADDING_ROWS
-    )
-    s_cache = single.allocate_kv_cache(nxt + 1)
-    s_impl = single.impl()
-    _write_context(
-        s_impl, s_cache, query_lens, seq_lens, kv_c, k_pe, dev,
-        lambda r, pos: s_table[r, pos // b].long() * b + pos % b,
-    )  # fmt: skip
-    want = _single_rank_run(
-        single, s_impl, s_cache, s_batch, query.to(dev), new_rows(kv_c), new_rows(k_pe), heads
-    )
-    ref, ref_lse = reference.paged_mla_absorbed(query, s_cache, s_batch, single_spec)
-    caps = backend_cls.capabilities
-    tol = caps.mla.tolerances.get(spec.dtype) or caps.tolerances.get(spec.dtype)
-    found: dict[str, Any] = {}
-    if tol is None:
-        found["errors"] = [f"the backend declares no MLA tolerance for {spec.dtype}"]
-        return found
-    errors = _output_errors("MLA DCP", out, lse, tokens, ref[:, heads], ref_lse[heads], want, tol)
-    # The rank's latent cache holds exactly its shard: the single-rank cache's tokens of this rank.
-    local = [int(x) for x in step.shard.seq_lens]
-    for r, s in enumerate(seq_lens):
-        mine = torch.from_numpy(token_rank(torch.arange(s), n, sub.interleave) == rank)
-        c, pe = reference.read_latent_sequence(cache, table[r], local[r])
-        c_all, pe_all = reference.read_latent_sequence(s_cache, s_table[r], s)
-        if not (torch.equal(c, c_all[mine]) and torch.equal(pe, pe_all[mine])):
-            errors.append(f"request {r}: the rank's latent cache does not hold exactly its shard")
-    if seeded_nan:
-        rows_c = cache.kv_c.to("cpu").reshape(-1, rank_width).float()
-        rows_pe = cache.k_pe.to("cpu").reshape(-1, spec.qk_rope_head_dim).float()
-        finite = torch.isfinite(rows_c).all(dim=1) & torch.isfinite(rows_pe).all(dim=1)
-        if int(finite.sum()) != sum(local):
-            errors.append(f"{int(finite.sum())} slots written on this rank, its shard has "
-                          f"{sum(local)}")  # fmt: skip
-    found.update(
-        errors=errors, local_seq_lens=local, seeded_nan=seeded_nan, single_rank=want is not None
-    )
     return found
 
 
@@ -427,8 +407,8 @@ def _per_rank_sinks_error(
 
 
 def _dcp_rank_main(rank: int, n: int, store: str, results: Any, job: dict[str, Any]) -> None:
-    """A rank's run of ``job`` (backend, spec, device, emulate, sub-cases; ``layer="mla"``:
-    the spec an MLASpec, :func:`mla_dcp_sub_case`)."""
+    """A rank's run of ``job`` (backend, spec: an AttentionSpec or an MLASpec, device,
+    emulate, sub-cases)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -443,14 +423,8 @@ def _dcp_rank_main(rank: int, n: int, store: str, results: Any, job: dict[str, A
         variants = {"all_gather_reduce_scatter": AllGatherReduceScatter, "all_to_all": AllToAll}
         backend_cls = load_backend(job["backend"])
         report = {}
-        mla = job.get("layer") == "mla"
         for i, sub in enumerate(job["sub_cases"]):
             comm = variants[sub.variant]()
-            if mla:
-                report[sub.id] = mla_dcp_sub_case(
-                    comm, backend_cls, job["spec"], job["device"], job["emulate"], sub, 100 + i
-                )
-                continue
             report[sub.id] = dcp_sub_case(
                 comm, backend_cls, job["spec"], job["device"], job["emulate"], sub, 100 + i,
                 per_rank_sinks=job.get("per_rank_sinks", False),

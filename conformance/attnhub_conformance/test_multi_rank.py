@@ -50,7 +50,6 @@ def test_mla_decode_context_parallel(case: MLACase) -> None:
     spec, n = case.mla.spec(), int(case.entry)
     job = dict(
         backend=backend_ref(target.backend, target.name),
-        layer="mla",
         spec=spec,
         device=target.device,
         emulate=target.emulate,
