@@ -1,7 +1,8 @@
 """The ``cpu`` backend's MLA layers, through the MLA backend vLLM picks on the CPU
 (``backend.mla_path``, :func:`attnhub_cpu.mla_ops.vllm_mla_backend`): ``CPU_MLA``'s decode kernel
-(``torch.ops._C.mla_decode_kvcache``) or, on AMX CPUs, ``AMX_MLA``'s write and decode ops
-(``concat_and_cache_mla_cpu``, ``decode_attention_cpu``), over a joint latent cache.
+(``torch.ops._C.mla_decode_kvcache``) or, on AMX CPUs, ``AMX_MLA``'s write, decode and extend
+ops (``concat_and_cache_mla_cpu``, ``decode_attention_cpu``, ``extend_attention_cpu``), over a
+joint latent cache.
 
 ``CPU_MLA``:
 What it compiles is what is served: ``kv_lora_rank + qk_rope_head_dim`` = 512 + 64, block 16,
@@ -115,7 +116,7 @@ class CpuMLAImpl(MLAImpl):
             )
         if not cache.joint.is_contiguous():
             amx = self.backend.mla_path == "AMX_MLA"  # type: ignore[attr-defined]
-            op = "decode_attention_cpu" if amx else "mla_decode_kvcache"
+            op = "decode_attention_cpu / extend_attention_cpu" if amx else "mla_decode_kvcache"
             raise InvalidInputError(
                 f"vLLM's {op} reads a dense joint plane [num_blocks, {cache.block_size}, "
                 f"{cache.joint.shape[-1]}]; this cache's strides are {cache.joint.stride()}"
