@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from attnhub.kit import DirectComparison
 from attnhub.spec import AttentionSpec
 from attnhub_cpu import ops
 from attnhub_cpu.backend import CpuAttentionMetadata, CpuBackend, dtype_reason
+
+if TYPE_CHECKING:
+    from attnhub.mla import MLASpec
 
 #: The ISA path vLLM's CPU_ATTN runs a case on: vLLM's rule (``ops.kernel_isa``), the direct
 #: side's own choice (the backend makes its choice apart, and must agree).
@@ -152,21 +156,9 @@ def run_case(case: KernelCase, *, repeats: int = 9) -> KernelRatio:
             scale, True, None, -1, batch.block_table, 0.0, plan, None, None, 1.0, 1.0, "auto",
         )  # fmt: skip
 
-    times: dict[Callable[[], object], list[float]] = {through_backend: [], direct: []}
-    for fn in times:  # warm-up: page in the cache, the kernels' scratch
-        fn()
-    for _ in range(repeats):
-        for fn, runs in times.items():
-            t0 = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - t0)
+    backend_ms, direct_ms, speed = _alternate(through_backend, direct, repeats)
     if not torch.equal(out_backend, out_direct):  # the same kernels on the same tensors
         raise ToolError(f"{case.name}: the backend's output differs from the kernels'")
-    backend_ms = statistics.median(times[through_backend]) * 1e3
-    direct_ms = statistics.median(times[direct]) * 1e3
-    # the ratio of each back-to-back pair, then their median: drift between pairs cancels
-    pairs = zip(times[through_backend], times[direct], strict=True)
-    speed = statistics.median(d / b for b, d in pairs)
     return KernelRatio(
         case=case.name,
         dtype=str(case.dtype).removeprefix("torch."),
@@ -175,6 +167,28 @@ def run_case(case: KernelCase, *, repeats: int = 9) -> KernelRatio:
         direct_ms=direct_ms,
         speed=speed,
         note=note,
+    )
+
+
+def _alternate(
+    through_backend: Callable[[], object], direct: Callable[[], object], repeats: int
+) -> tuple[float, float, float]:
+    """Each side once (warm-up: page in the cache, the kernels' scratch), then ``repeats``
+    back-to-back pairs: each side's median in ms, and the median of the pairs' ratios
+    (direct / backend: drift between pairs cancels)."""
+    times: dict[Callable[[], object], list[float]] = {through_backend: [], direct: []}
+    for fn in times:
+        fn()
+    for _ in range(repeats):
+        for fn, runs in times.items():
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+    pairs = zip(times[through_backend], times[direct], strict=True)
+    return (
+        statistics.median(times[through_backend]) * 1e3,
+        statistics.median(times[direct]) * 1e3,
+        statistics.median(d / b for b, d in pairs),
     )
 
 
@@ -247,7 +261,6 @@ def run_amx_mla(
     bfloat16, block 32, alternated, medians. Only on a CPU where vLLM itself runs AMX_MLA
     (``BenchUnavailableError`` with vLLM's reason elsewhere)."""
     from attnhub.mla import LatentKVCache, MLASpec
-    from attnhub_cpu import mla_ops
 
     why = amx_mla_unavailable_reason()
     if why is not None:
@@ -275,51 +288,15 @@ def run_amx_mla(
     impl = backend.impl()
     meta = backend.metadata_builder().build(batch)
     out_backend = torch.empty(T, num_heads, R, dtype=dtype)
-    kernels = backend.ops
-    # AMXMLAMetadataBuilder.build's tensors, written out here apart from the backend's plan
-    req_to_token = mla_ops.expand_block_table(batch.block_table, bs)
-    pool = torch.arange(num_reqs, dtype=torch.int64)
-    seq_lens = batch.seq_lens.to(torch.int64)
-    slots = batch.slot_mapping.to(torch.int64)
-    splits = mla_ops.num_kv_splits(seq_len, torch.get_num_threads())
-    starts = batch.query_start_loc.to(torch.int64)
-    extend_lens = starts[1:] - starts[:-1]
     results: list[torch.Tensor] = []
 
     def through_backend() -> object:
         return impl.forward(q, kv_c, k_pe, cache, meta, output=out_backend)
 
-    def direct() -> None:  # AMXMLAImpl.do_kv_cache_update, then forward_mqa or forward_mha
-        kernels.concat_and_cache_mla_cpu(kv_c, k_pe, cache.joint, slots)
-        flat = cache.joint.view(-1, 1, 576)
-        if query_len == 1:
-            o = torch.zeros(num_reqs, num_heads, R, dtype=dtype)
-            logits = torch.zeros(num_reqs, num_heads, splits, R + 1)
-            kernels.decode_attention_cpu(
-                q, flat, flat[..., :R], o, None, None, None, logits, req_to_token, pool,
-                seq_lens, float(spec.scale), 0.0, False, 0, None, None,
-            )  # fmt: skip
-        else:
-            k_extend = torch.cat([kv_c, k_pe], dim=-1).unsqueeze(1)
-            o = torch.empty(T, num_heads, R, dtype=dtype)
-            kernels.extend_attention_cpu(
-                q, k_extend, k_extend[..., :R], o, flat, flat[..., :R], req_to_token.long(),
-                pool, seq_lens, extend_lens, starts[:-1], query_len, float(spec.scale), 0.0,
-                False, 0, None, None, None,
-            )  # fmt: skip
-        results[:] = [o]
-
-    times: dict[Callable[[], object], list[float]] = {through_backend: [], direct: []}
-    for fn in times:
-        fn()
-    for _ in range(repeats):
-        for fn, runs in times.items():
-            t0 = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - t0)
+    direct = _amx_mla_direct(backend.ops, spec, cache.joint, batch, q, kv_c, k_pe, results)
+    backend_ms, direct_ms, speed = _alternate(through_backend, direct, repeats)
     if not torch.equal(out_backend, results[0]):
         raise ToolError("AMX_MLA: the backend's output differs from vLLM's ops'")
-    pairs = zip(times[through_backend], times[direct], strict=True)
     case = f"decode {num_reqs}x{seq_len}"
     if query_len > 1:
         case = f"prefill {num_reqs}x{query_len} of {seq_len}"
@@ -327,10 +304,60 @@ def run_amx_mla(
         case=f"mla {case}",
         dtype="bfloat16",
         isa="AMX_MLA",
-        backend_ms=statistics.median(times[through_backend]) * 1e3,
-        direct_ms=statistics.median(times[direct]) * 1e3,
-        speed=statistics.median(d / b for b, d in pairs),
+        backend_ms=backend_ms,
+        direct_ms=direct_ms,
+        speed=speed,
     )
+
+
+def _amx_mla_direct(
+    kernels: ops.Kernels,
+    spec: MLASpec,
+    joint: torch.Tensor,  # [num_blocks, block_size, 576]
+    batch: BatchMetadata,  # every request the same query length
+    q: torch.Tensor,  # [T, H, 576]
+    kv_c: torch.Tensor,  # [T, 512]
+    k_pe: torch.Tensor,  # [T, 64]
+    results: list[torch.Tensor],
+) -> Callable[[], None]:
+    """vLLM's calls as ``AMXMLAImpl`` makes them (``do_kv_cache_update``, then
+    ``forward_mqa`` for one-token requests or ``forward_mha``'s extend call), over
+    ``AMXMLAMetadataBuilder.build``'s tensors made here once, apart from the backend's plan;
+    each call leaves its output in ``results[0]``."""
+    from attnhub_cpu import mla_ops
+
+    num_reqs, T, H, R = batch.num_reqs, q.shape[0], spec.num_heads, spec.kv_lora_rank
+    query_len = T // num_reqs
+    req_to_token = mla_ops.expand_block_table(batch.block_table, spec.block_size)
+    pool = torch.arange(num_reqs, dtype=torch.int64)
+    seq_lens = batch.seq_lens.to(torch.int64)
+    slots = batch.slot_mapping.to(torch.int64)
+    splits = mla_ops.num_kv_splits(int(seq_lens.max()), torch.get_num_threads())
+    starts = batch.query_start_loc.to(torch.int64)
+    extend_lens = starts[1:] - starts[:-1]
+    scale = float(spec.scale)
+
+    def direct() -> None:
+        kernels.concat_and_cache_mla_cpu(kv_c, k_pe, joint, slots)
+        flat = joint.view(-1, 1, 576)
+        if query_len == 1:
+            o = torch.zeros(num_reqs, H, R, dtype=q.dtype)
+            logits = torch.zeros(num_reqs, H, splits, R + 1)
+            kernels.decode_attention_cpu(
+                q, flat, flat[..., :R], o, None, None, None, logits, req_to_token, pool,
+                seq_lens, scale, 0.0, False, 0, None, None,
+            )  # fmt: skip
+        else:
+            k_extend = torch.cat([kv_c, k_pe], dim=-1).unsqueeze(1)
+            o = torch.empty(T, H, R, dtype=q.dtype)
+            kernels.extend_attention_cpu(
+                q, k_extend, k_extend[..., :R], o, flat, flat[..., :R], req_to_token.long(),
+                pool, seq_lens, extend_lens, starts[:-1], query_len, scale, 0.0,
+                False, 0, None, None, None,
+            )  # fmt: skip
+        results[:] = [o]
+
+    return direct
 
 
 def main() -> None:
