@@ -136,3 +136,46 @@ def test_the_allowance_covers_the_row_maximum_model() -> None:
     allowance = testing.probability_allowance(query, cache, batch, spec, "fp8_e4m3")
     assert bool(((model - exact).abs() <= allowance).all())
     assert float(allowance.max()) < 0.1 * float(exact.abs().max()) + 0.2  # not vacuous
+
+
+def test_the_unscaled_scheme_rounds_relative_to_a_maximum_of_one() -> None:
+    """``fp8_e4m3_unscaled`` (FlashMLA's fp8 dense decode): the row maximum is 1, so small
+    probabilities fall into e4m3's subnormals (steps of 2**-9 below 2**-6, 0 below 2**-10)."""
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.5 * 2.0**-8, 0.5 * 2.0**-12]], dtype=torch.float64)
+    got = round_probabilities(p, "fp8_e4m3_unscaled")
+    unit = 0.5  # the row maximum
+    want = (p / unit).float().to(FP8).double() * unit
+    assert torch.equal(got, want)
+    assert got[0, 0] == 0.5 and got[0, 4] == 0.0  # exact maximum; 2**-12 of it flushes to 0
+    assert got[0, 3] == unit * 2.0**-8  # a subnormal that is a multiple of 2**-9 stays
+    scaled = round_probabilities(p, "fp8_e4m3")
+    assert scaled[0, 4] != 0.0  # the 2**8 offset keeps it (the schemes differ)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    scores=st.lists(st.floats(-30, 30), min_size=1, max_size=40),
+    below=st.floats(0, 25),
+)
+def test_the_unscaled_rounding_against_any_running_maximum_stays_within_its_bound(
+    scores: list[float], below: float
+) -> None:
+    """As above for ``fp8_e4m3_unscaled``: ``exp(s - m_t)`` (at most 1) rounded to e4m3 against
+    a running maximum ``m_t`` <= the row's, normalized by the unrounded sum."""
+    s = torch.tensor(scores, dtype=torch.float64)
+    m = float(s.max())
+    m_t = m - below
+    denom = float(torch.exp(s - m).sum())
+    p = torch.exp(s - m) / denom
+    here = s <= m_t
+    rounded = torch.exp(s - m_t).float().to(FP8).double() * math.exp(m_t - m) / denom
+    err = (rounded - p).abs()[here]
+    bound = probability_error_bound(p, "fp8_e4m3_unscaled")[here]
+    assert bool((err <= bound * (1 + 1e-9) + 1e-300).all()), (err - bound).max()
+    # the scaled scheme's tighter subnormal term does not cover this rounding in general
+    assert bool(
+        (
+            probability_error_bound(p, "fp8_e4m3")
+            <= probability_error_bound(p, "fp8_e4m3_unscaled")
+        ).all()
+    )
