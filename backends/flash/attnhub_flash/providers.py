@@ -1045,7 +1045,7 @@ FLASHMLA_LATENT = (512, 64)  # head_size_k 576 (HEAD_DIM_K) = 512 + 64, head_siz
 #: softmax.h; callers: vllm/model_executor/layers/attention/mla_attention.py]. The accuracy
 #: bound is what the emulated kernel measures on the suite's cases, rounded up:
 #: docs/backends/flash.md "FlashMLA".
-FLASHMLA_FP8 = dict(
+FLASHMLA_FP8: dict[str, Any] = dict(
     query_quantization={FP8_KV: "fp8_static"},
     probability_quantization={FP8_KV: "fp8_e4m3_unscaled"},
     # measured on the emulated kernel: worst 0.296 / 0.99703 over 120 decode steps of the suite's
