@@ -18,6 +18,8 @@ from attnhub import (
     AttentionSpec,
     BatchMetadata,
     Capabilities,
+    LatentKVCache,
+    MLASpec,
     PagedKVCache,
     reference,
     testing,
@@ -179,3 +181,45 @@ def test_the_unscaled_rounding_against_any_running_maximum_stays_within_its_boun
             <= probability_error_bound(p, "fp8_e4m3_unscaled")
         ).all()
     )
+
+
+def test_the_mla_allowance_covers_the_row_maximum_model_of_the_absorbed_form() -> None:
+    """``testing.mla_probability_allowance``: per element, what rounding the probabilities
+    (``fp8_e4m3_unscaled``) before ``P @ kv_c`` can change, over a step of an fp8 latent cache."""
+    spec = MLASpec(
+        num_heads=4,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        dtype=torch.bfloat16,
+        block_size=16,
+        kv_cache_dtype="fp8_e4m3",
+    )
+    g = testing.generator(21)
+    batch, nb = testing.make_batch([1, 3, 1], [40, 19, 3], 16, seed=g)
+    cache = LatentKVCache.for_spec(spec, nb, "cpu")
+    testing.fill_latent_cache_random(cache, g)
+    query = testing.random_mla_query(spec, batch.num_tokens, g).double()
+    exact, _ = reference.paged_mla_absorbed(query, cache, batch, spec)
+    rounding = functools.partial(round_probabilities, scheme="fp8_e4m3_unscaled")
+    qsl = batch.query_start_loc_cpu.tolist()
+    model = []
+    for r in range(batch.num_reqs):
+        kv_c, k_pe = reference.read_latent_sequence(
+            cache, batch.block_table[r], int(batch.seq_lens_cpu[r])
+        )
+        out, _ = reference.attention(
+            query[qsl[r] : qsl[r + 1]],
+            torch.cat([kv_c, k_pe], dim=-1)[:, None, :],
+            kv_c[:, None, :],
+            scale=spec.scale,
+            probabilities=rounding,
+        )
+        model.append(out)
+    rounded = torch.cat(model)
+    allowance = testing.mla_probability_allowance(query, cache, batch, spec, "fp8_e4m3_unscaled")
+    assert allowance.shape == exact.shape
+    assert bool(((rounded - exact).abs() <= allowance).all())
+    assert float((rounded - exact).abs().max()) > 0  # the rounding shows
+    assert float(allowance.max()) < 0.1 * float(exact.abs().max()) + 0.2  # not vacuous
