@@ -226,7 +226,13 @@ class MlaSupport:
     request (None: any, causal bottom-right, chunked prefill with context included; 1:
     decode only); ``lse``: where ``forward(return_lse=True)`` returns the LSE;
     ``tolerances``: per dtype, against the float64 reference (absent: the backend's own);
-    ``because``: per refused field (``"mla.dtype"``, ``"mla.kv_cache_dtype"``,
+    ``query_quantization`` / ``probability_quantization``: per fp8 latent format, what the
+    kernels do to the query before attending over it and to the softmax probabilities before
+    ``P @ V`` (the schemes of ``attnhub.quant``, as ``Capabilities`` names them for standard
+    attention; absent: the query and the probabilities as they are), and
+    ``quantization_accuracy``: per such format, how far the output may be from the absorbed
+    form over the unquantized query and the latents as stored (required where either is
+    declared); ``because``: per refused field (``"mla.dtype"``, ``"mla.kv_cache_dtype"``,
     ``"mla.block_size"``, ``"mla.latent_size"``, ``"mla.num_heads"``), the backend's reason,
     appended to the sentence (:meth:`Refusal.because`)."""
 
@@ -240,6 +246,9 @@ class MlaSupport:
     max_query_len: int | None = None
     lse: LseSupport = field(default_factory=LseSupport)
     tolerances: Mapping[torch.dtype, Tolerance] = field(default_factory=dict)
+    query_quantization: Mapping[str, str] = field(default_factory=dict)
+    probability_quantization: Mapping[str, str] = field(default_factory=dict)
+    quantization_accuracy: Mapping[str, AccuracyBound] = field(default_factory=dict)
     reason: str = MLA_NOT_DECLARED
     because: Mapping[str, str] = field(default_factory=dict)
 
@@ -253,6 +262,7 @@ class MlaSupport:
                     f"MlaSupport names kv_cache_dtype {kv!r}; a latent cache stores "
                     f"{', '.join(LATENT_KV_CACHE_DTYPES)}"
                 )
+        self._check_quantization()
         if not self.layouts or any(x not in LATENT_LAYOUTS for x in self.layouts):
             raise UnknownNameError(
                 f"MlaSupport.layouts = {self.layouts!r} must name latent layouts of "
@@ -266,6 +276,37 @@ class MlaSupport:
             raise InvalidInputError(
                 f"MlaSupport.max_query_len = {self.max_query_len!r} must be None or an int >= 1"
             )
+
+    def _check_quantization(self) -> None:
+        """The quantization declarations name declared fp8 latent formats and known schemes,
+        each with an accuracy bound."""
+        for what, mapping in (
+            ("query_quantization", self.query_quantization),
+            ("probability_quantization", self.probability_quantization),
+            ("quantization_accuracy", self.quantization_accuracy),
+        ):
+            for kv in mapping:
+                if kv == "auto" or kv not in self.kv_cache_dtypes:
+                    raise UnknownNameError(
+                        f"MlaSupport.{what} names latent format {kv!r}, which is not an fp8 "
+                        f"format the declaration serves ({', '.join(sorted(self.kv_cache_dtypes))})"
+                    )
+        for scheme in self.query_quantization.values():
+            query_quantization(scheme)
+        for scheme in self.probability_quantization.values():
+            probability_quantization(scheme)
+        for kv in {*self.query_quantization, *self.probability_quantization}:
+            if kv not in self.quantization_accuracy:
+                raise UnknownNameError(
+                    f"MlaSupport quantizes the query or the probabilities over {kv!r} latents "
+                    "without an accuracy bound for it (quantization_accuracy)"
+                )
+        for kv, bound in self.quantization_accuracy.items():
+            if not isinstance(bound, AccuracyBound):
+                raise InvalidInputError(
+                    f"MlaSupport.quantization_accuracy[{kv!r}] must be an AccuracyBound, got "
+                    f"{type(bound).__name__}"
+                )
 
     @property
     def declared(self) -> bool:
@@ -361,6 +402,12 @@ class MlaSupport:
             "max_query_len": "any" if self.max_query_len is None else self.max_query_len,
             "lse": sorted(str(d).removeprefix("torch.") for d in self.lse.dtypes)
             or f"no: {self.lse.reason}",
+            "query_quantization": dict(self.query_quantization),
+            "probability_quantization": dict(self.probability_quantization),
+            "quantization_accuracy": {
+                kv: {"max_abs_error": b.max_abs_error, "min_cosine": b.min_cosine}
+                for kv, b in sorted(self.quantization_accuracy.items())
+            },
         }
 
 

@@ -306,10 +306,15 @@ def mla_line(caps: Capabilities) -> str:
     lse = "lse" if mla.lse.dtypes else "no lse"
     if mla.num_heads is not None:  # only where the kernels name their head counts
         latents += "; heads " + ", ".join(map(str, sorted(mla.num_heads)))
+    quantized = "".join(
+        f"; {kv}: query {mla.query_quantization.get(kv, 'as is')}, probabilities "
+        f"{mla.probability_quantization.get(kv, 'as is')}"
+        for kv in sorted({*mla.query_quantization, *mla.probability_quantization})
+    )
     return (
         f"absorbed form: {dtypes}; kv caches {', '.join(sorted(mla.kv_cache_dtypes))}; blocks "
         f"{sizes(mla.block_sizes, mla.block_size_multiple)}; {latents}; layouts "
-        f"{', '.join(mla.layouts)}; {queries}; {lse}"
+        f"{', '.join(mla.layouts)}; {queries}; {lse}{quantized}"
     )
 
 

@@ -155,6 +155,11 @@ class ProbabilityQuantization(str, enum.Enum):
     #: fp8 e4m3 (round to nearest even) before ``P @ V``. Which kernels do this, and where
     #: their sources say so, is each backend's to document (its capabilities declare it).
     FP8_E4M3 = "fp8_e4m3"
+    #: ``exp`` of the scores relative to the (running) row maximum, *not* scaled (the largest
+    #: is 1), rounded to fp8 e4m3 (round to nearest even) before ``P @ V``: probabilities below
+    #: e4m3's smallest normal ``2**-6`` keep the subnormals' absolute steps of ``2**-9``, and
+    #: those below ``2**-10`` become 0. Which kernels do this is each backend's to document.
+    FP8_E4M3_UNSCALED = "fp8_e4m3_unscaled"
 
 
 #: Every probability scheme by name, with what it does in one line.
@@ -162,14 +167,21 @@ PROBABILITY_QUANTIZATIONS: dict[str, str] = {
     ProbabilityQuantization.FP8_E4M3.value: (
         "softmax probabilities scaled so the row maximum is 2**8, rounded to fp8 e4m3 before P @ V"
     ),
+    ProbabilityQuantization.FP8_E4M3_UNSCALED.value: (
+        "softmax probabilities relative to the row maximum (1), rounded to fp8 e4m3 before P @ V"
+    ),
 }
 
-#: FP8_E4M3: the scaled maximum (2**8) and e4m3's unit roundoff (3 mantissa bits).
-_FP8_PROB_MAX = 2.0**8
+#: Per scheme, the value the row maximum is scaled to before the rounding (FP8_E4M3: 2**8).
+_FP8_PROB_MAX = {
+    ProbabilityQuantization.FP8_E4M3: 2.0**8,
+    ProbabilityQuantization.FP8_E4M3_UNSCALED: 1.0,
+}
+#: e4m3's unit roundoff (3 mantissa bits).
 _E4M3_UNIT_ROUNDOFF = 2.0**-4
 #: e4m3's largest absolute rounding error below its smallest normal 2**-6 (half the 2**-9
-#: subnormal spacing), in units of the scaled maximum: 2**-10 / 2**8.
-_E4M3_SUBNORMAL_ERROR = 2.0**-10 / _FP8_PROB_MAX
+#: subnormal spacing); in units of the scaled maximum it is divided by that maximum.
+_E4M3_SUBNORMAL_ERROR = 2.0**-10
 
 
 def probability_quantization(name: str | ProbabilityQuantization) -> ProbabilityQuantization:
@@ -184,11 +196,12 @@ def round_probabilities(
     scheme: str | ProbabilityQuantization,
 ) -> torch.Tensor:  # same shape and dtype
     """``p`` as a kernel applying ``scheme`` with the row's maximum over all keys multiplies
-    ``V`` with: each row scaled so that its largest probability is ``2**8``, rounded to e4m3,
-    scaled back. A row of zeros (it sees no key) stays zero."""
-    probability_quantization(scheme)
+    ``V`` with: each row scaled so that its largest probability is ``2**8`` (``FP8_E4M3``) or
+    1 (``FP8_E4M3_UNSCALED``), rounded to e4m3, scaled back. A row of zeros (it sees no key)
+    stays zero."""
+    kind = probability_quantization(scheme)
     top = p.amax(dim=-1, keepdim=True)
-    unit = torch.where(top > 0, top / _FP8_PROB_MAX, torch.ones_like(top))
+    unit = torch.where(top > 0, top / _FP8_PROB_MAX[kind], torch.ones_like(top))
     scaled = (p / unit).to(torch.float32).to(torch.float8_e4m3fn)
     return scaled.to(p.dtype) * unit
 
@@ -199,11 +212,13 @@ def probability_error_bound(
 ) -> torch.Tensor:  # same shape: the largest |rounded - p| any tiling of the kernel can give
     """How far ``scheme`` can move each probability, whatever running maximum the kernel
     rounds it against: ``u * p`` in e4m3's normal range (``u = 2**-4``), and in its
-    subnormal range at most ``min(p, 2**-18)``; a running maximum is never above the row's,
-    and an unrounded normalizing sum is at least that maximum's share, so both hold in
-    normalized units. Multiplied into ``|V|`` (``P @ |V|``) it bounds the output's change."""
-    probability_quantization(scheme)
-    return _E4M3_UNIT_ROUNDOFF * p + p.clamp(max=_E4M3_SUBNORMAL_ERROR)
+    subnormal range at most ``min(p, 2**-10 / M)`` with ``M`` the scaled maximum (``2**-18``
+    for ``FP8_E4M3``, ``2**-10`` for ``FP8_E4M3_UNSCALED``); a running maximum is never above
+    the row's, and an unrounded normalizing sum is at least that maximum's share, so both hold
+    in normalized units. Multiplied into ``|V|`` (``P @ |V|``) it bounds the output's
+    change."""
+    kind = probability_quantization(scheme)
+    return _E4M3_UNIT_ROUNDOFF * p + p.clamp(max=_E4M3_SUBNORMAL_ERROR / _FP8_PROB_MAX[kind])
 
 
 # --- static scales: calibration and clipping ------------------------------------------------

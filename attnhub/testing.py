@@ -70,6 +70,7 @@ __all__ = [
     "generator",
     "make_batch",
     "mismatch",
+    "mla_probability_allowance",
     "num_blocks_for",
     "poison_unused_slots",
     "probability_allowance",
@@ -507,6 +508,34 @@ def probability_allowance(
         probabilities=functools.partial(probability_error_bound, scheme=scheme),
     )
     return out
+
+
+def mla_probability_allowance(
+    query: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank + rope], as the kernels use it
+    cache: LatentKVCache,
+    batch: BatchMetadata,
+    spec: MLASpec,
+    scheme: str,
+) -> torch.Tensor:  # [num_actual_tokens, H, kv_lora_rank] f64, host
+    """:func:`probability_allowance` for the absorbed MLA form: per request, the attention of
+    ``query`` over the latents as stored (keys ``[kv_c ; k_pe]``) with the probabilities
+    replaced by ``attnhub.quant.probability_error_bound`` and the values by ``|kv_c|``."""
+    bound = functools.partial(probability_error_bound, scheme=scheme)
+    qsl = batch.query_start_loc_cpu.tolist()
+    outs = [torch.zeros(0, spec.num_heads, spec.kv_lora_rank, dtype=torch.float64)]
+    for r in range(batch.num_reqs):
+        seq_len = int(batch.seq_lens_cpu[r])
+        kv_c, k_pe = reference.read_latent_sequence(cache, batch.block_table[r], seq_len)
+        out, _ = reference.attention(
+            query[qsl[r] : qsl[r + 1]].to("cpu"),
+            torch.cat([kv_c, k_pe], dim=-1)[:, None, :],
+            kv_c.abs()[:, None, :],
+            scale=spec.scale,
+            causal=batch.causal,
+            probabilities=bound,
+        )
+        outs.append(out)
+    return torch.cat(outs)
 
 
 def _abs_values(cache: PagedKVCache) -> PagedKVCache:

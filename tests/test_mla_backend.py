@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import attnhub
-from attnhub import MlaSupport, reference, testing
+from attnhub import AccuracyBound, MlaSupport, reference, testing
 from attnhub.capabilities import Refusal
-from attnhub.cli import main
+from attnhub.cli import main, mla_line
 from attnhub.errors import (
     InvalidInputError,
     UnknownNameError,
@@ -23,6 +23,8 @@ from attnhub.mla_backend import MLAImpl
 from attnhub.registry import default_registry
 from attnhub.spec import AttentionSpec
 from attnhub.torch_backend import TorchBackend
+
+FP8_FORMATS = frozenset({"auto", "fp8_e4m3"})
 
 
 def mla_spec(**kw: object) -> MLASpec:
@@ -113,11 +115,54 @@ def test_a_declared_set_of_head_counts_refuses_the_others() -> None:
         ({"layouts": ()}, UnknownNameError),
         ({"max_query_len": 0}, InvalidInputError),
         ({"reason": " "}, InvalidInputError),
+        # quantization declarations: a declared fp8 format, a known scheme, a bound with it
+        ({"query_quantization": {"fp8_e4m3": "fp8_static"}}, UnknownNameError),
+        (
+            {
+                "kv_cache_dtypes": FP8_FORMATS,
+                "query_quantization": {"auto": "fp8_static"},
+                "quantization_accuracy": {"auto": AccuracyBound(0.1, 0.99)},
+            },
+            UnknownNameError,
+        ),
+        (
+            {"kv_cache_dtypes": FP8_FORMATS, "query_quantization": {"fp8_e4m3": "fp8"}},
+            UnknownNameError,
+        ),
+        (
+            {
+                "kv_cache_dtypes": FP8_FORMATS,
+                "probability_quantization": {"fp8_e4m3": "fp8_e4m3_unscaled"},
+            },
+            UnknownNameError,
+        ),
+        (
+            {"kv_cache_dtypes": FP8_FORMATS, "quantization_accuracy": {"fp8_e4m3": (0.1, 0.99)}},
+            InvalidInputError,
+        ),
     ],
 )
 def test_an_mla_declaration_that_cannot_hold_is_refused(kw: dict, error: type) -> None:
     with pytest.raises(error):
         MlaSupport(dtypes=frozenset({torch.float32}), **kw)
+
+
+def test_mla_quantization_declarations_show_in_the_summary_and_the_listing() -> None:
+    support = MlaSupport(
+        dtypes=frozenset({torch.bfloat16}),
+        kv_cache_dtypes=FP8_FORMATS,
+        query_quantization={"fp8_e4m3": "fp8_static"},
+        probability_quantization={"fp8_e4m3": "fp8_e4m3_unscaled"},
+        quantization_accuracy={"fp8_e4m3": AccuracyBound(0.05, 0.999)},
+    )
+    summary = support.summary()
+    assert summary["query_quantization"] == {"fp8_e4m3": "fp8_static"}
+    assert summary["probability_quantization"] == {"fp8_e4m3": "fp8_e4m3_unscaled"}
+    assert summary["quantization_accuracy"] == {
+        "fp8_e4m3": {"max_abs_error": 0.05, "min_cosine": 0.999}
+    }
+    caps = replace(TorchBackend.capabilities, mla=support)
+    assert mla_line(caps).endswith("; fp8_e4m3: query fp8_static, probabilities fp8_e4m3_unscaled")
 
 
 def test_select_backend_takes_an_mla_spec_and_names_every_refusal() -> None:

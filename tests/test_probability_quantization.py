@@ -18,6 +18,8 @@ from attnhub import (
     AttentionSpec,
     BatchMetadata,
     Capabilities,
+    LatentKVCache,
+    MLASpec,
     PagedKVCache,
     reference,
     testing,
@@ -135,4 +137,89 @@ def test_the_allowance_covers_the_row_maximum_model() -> None:
     )
     allowance = testing.probability_allowance(query, cache, batch, spec, "fp8_e4m3")
     assert bool(((model - exact).abs() <= allowance).all())
+    assert float(allowance.max()) < 0.1 * float(exact.abs().max()) + 0.2  # not vacuous
+
+
+def test_the_unscaled_scheme_rounds_relative_to_a_maximum_of_one() -> None:
+    """``fp8_e4m3_unscaled`` (FlashMLA's fp8 dense decode): the row maximum is 1, so small
+    probabilities fall into e4m3's subnormals (steps of 2**-9 below 2**-6, 0 below 2**-10)."""
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.5 * 2.0**-8, 0.5 * 2.0**-12]], dtype=torch.float64)
+    got = round_probabilities(p, "fp8_e4m3_unscaled")
+    unit = 0.5  # the row maximum
+    want = (p / unit).float().to(FP8).double() * unit
+    assert torch.equal(got, want)
+    assert got[0, 0] == 0.5 and got[0, 4] == 0.0  # exact maximum; 2**-12 of it flushes to 0
+    assert got[0, 3] == unit * 2.0**-8  # a subnormal that is a multiple of 2**-9 stays
+    scaled = round_probabilities(p, "fp8_e4m3")
+    assert scaled[0, 4] != 0.0  # the 2**8 offset keeps it (the schemes differ)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    scores=st.lists(st.floats(-30, 30), min_size=1, max_size=40),
+    below=st.floats(0, 25),
+)
+def test_the_unscaled_rounding_against_any_running_maximum_stays_within_its_bound(
+    scores: list[float], below: float
+) -> None:
+    """As above for ``fp8_e4m3_unscaled``: ``exp(s - m_t)`` (at most 1) rounded to e4m3 against
+    a running maximum ``m_t`` <= the row's, normalized by the unrounded sum."""
+    s = torch.tensor(scores, dtype=torch.float64)
+    m = float(s.max())
+    m_t = m - below
+    denom = float(torch.exp(s - m).sum())
+    p = torch.exp(s - m) / denom
+    here = s <= m_t
+    rounded = torch.exp(s - m_t).float().to(FP8).double() * math.exp(m_t - m) / denom
+    err = (rounded - p).abs()[here]
+    bound = probability_error_bound(p, "fp8_e4m3_unscaled")[here]
+    assert bool((err <= bound * (1 + 1e-9) + 1e-300).all()), (err - bound).max()
+    # the scaled scheme's tighter subnormal term does not cover this rounding in general
+    assert bool(
+        (
+            probability_error_bound(p, "fp8_e4m3")
+            <= probability_error_bound(p, "fp8_e4m3_unscaled")
+        ).all()
+    )
+
+
+def test_the_mla_allowance_covers_the_row_maximum_model_of_the_absorbed_form() -> None:
+    """``testing.mla_probability_allowance``: per element, what rounding the probabilities
+    (``fp8_e4m3_unscaled``) before ``P @ kv_c`` can change, over a step of an fp8 latent cache."""
+    spec = MLASpec(
+        num_heads=4,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        dtype=torch.bfloat16,
+        block_size=16,
+        kv_cache_dtype="fp8_e4m3",
+    )
+    g = testing.generator(21)
+    batch, nb = testing.make_batch([1, 3, 1], [40, 19, 3], 16, seed=g)
+    cache = LatentKVCache.for_spec(spec, nb, "cpu")
+    testing.fill_latent_cache_random(cache, g)
+    query = testing.random_mla_query(spec, batch.num_tokens, g).double()
+    exact, _ = reference.paged_mla_absorbed(query, cache, batch, spec)
+    rounding = functools.partial(round_probabilities, scheme="fp8_e4m3_unscaled")
+    qsl = batch.query_start_loc_cpu.tolist()
+    model = []
+    for r in range(batch.num_reqs):
+        kv_c, k_pe = reference.read_latent_sequence(
+            cache, batch.block_table[r], int(batch.seq_lens_cpu[r])
+        )
+        out, _ = reference.attention(
+            query[qsl[r] : qsl[r + 1]],
+            torch.cat([kv_c, k_pe], dim=-1)[:, None, :],
+            kv_c[:, None, :],
+            scale=spec.scale,
+            probabilities=rounding,
+        )
+        model.append(out)
+    rounded = torch.cat(model)
+    allowance = testing.mla_probability_allowance(query, cache, batch, spec, "fp8_e4m3_unscaled")
+    assert allowance.shape == exact.shape
+    assert bool(((rounded - exact).abs() <= allowance).all())
+    assert float((rounded - exact).abs().max()) > 0  # the rounding shows
     assert float(allowance.max()) < 0.1 * float(exact.abs().max()) + 0.2  # not vacuous

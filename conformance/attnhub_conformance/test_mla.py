@@ -19,6 +19,7 @@ from attnhub.errors import (
     UnsupportedConfigurationError,
 )
 from attnhub.mla import LATENT_LAYOUTS, MLASpec
+from attnhub.quant import simulate_query_quantization
 from attnhub_conformance import mla_fp8
 from attnhub_conformance.mla_cases import MLACase
 
@@ -140,20 +141,46 @@ def assert_vllm_fp8_bytes(
 
 
 def assert_output(step: MLAStep, out: torch.Tensor) -> None:
+    """The output against the reference over the latents as stored, for the query as the
+    kernels use it (quantized where ``Capabilities.mla.query_quantization`` declares it for the
+    format), within the declared tolerance plus what a declared rounding of the probabilities
+    can change (``testing.mla_probability_allowance``); where the format declares an accuracy
+    bound, within it of the reference over the unquantized query."""
     n = step.batch.num_actual_tokens
     host = _on_host(step.cache)
-    want, _ = reference.paged_mla_absorbed(step.query.to("cpu"), host, step.batch, step.spec)
+    mla, kv = step.backend.capabilities.mla, step.spec.kv_cache_dtype
+    query = step.query[:n].to("cpu")
+    scheme = mla.query_quantization.get(kv)
+    kernel_query = query if scheme is None else simulate_query_quantization(query, scheme)
+    want, _ = reference.paged_mla_absorbed(kernel_query, host, step.batch, step.spec)
     shape = (step.query.shape[0], step.spec.num_heads, step.spec.kv_lora_rank)
     assert tuple(out.shape) == shape and out.dtype == step.spec.dtype, (
         f"{step.label}: the output must be {step.spec.dtype} {list(shape)}, got {out.dtype} "
         f"{list(out.shape)}"
     )
     tol = tolerance(step)
-    why = testing.mismatch(out[:n].to("cpu"), want, tol)
+    rounding = mla.probability_quantization.get(kv)
+    allowance = (
+        None
+        if rounding is None
+        else testing.mla_probability_allowance(kernel_query, host, step.batch, step.spec, rounding)
+    )
+    why = testing.mismatch(out[:n].to("cpu"), want, tol, step.batch, allowance=allowance)
     assert why is None, (
         f"{step.label}: the latent output differs from attnhub.reference's absorbed MLA "
-        f"(declared tolerance atol={tol.atol:g} rtol={tol.rtol:g}): {why}"
+        f"(declared tolerance atol={tol.atol:g} rtol={tol.rtol:g}"
+        + ("" if scheme is None else f", the query quantized {scheme}")
+        + ("" if rounding is None else f", plus what {rounding} probabilities can change")
+        + f"): {why}"
     )
+    bound = mla.quantization_accuracy.get(kv)
+    if bound is not None:
+        exact, _ = reference.paged_mla_absorbed(query, host, step.batch, step.spec)
+        why = testing.accuracy_mismatch(out[:n].to("cpu"), exact, bound, step.batch)
+        assert why is None, (
+            f"{step.label}: over {kv} latents the output is further from the absorbed form "
+            f"over the unquantized query than declared (MlaSupport.quantization_accuracy): {why}"
+        )
     assert bool((out[n:] == 0).all()), f"{step.label}: padding rows of the output are not zero"
 
 

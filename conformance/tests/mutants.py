@@ -584,6 +584,23 @@ class MlaDropsFp8ScaleBackend(TorchBackend):
     mla_impl_type = DropsFp8ScaleImpl
 
 
+#: An MLA declaration of an fp8 kernel that quantizes its query (as FlashMLA's fp8 decode).
+FP8_QUERY_MLA = replace(
+    TorchBackend.capabilities.mla,
+    kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
+    query_quantization={"fp8_e4m3": "fp8_static"},
+    quantization_accuracy={"fp8_e4m3": attnhub.AccuracyBound(0.4, 0.995)},
+)
+
+
+class MlaFp8QueryUnquantizedBackend(TorchBackend):
+    """Declares that its fp8 MLA kernel quantizes the query (fp8_static) and attends with the
+    query as given: the reference over the quantized query it declares disagrees."""
+
+    name = "mla_fp8_query_unquantized"
+    capabilities = replace(TorchBackend.capabilities, mla=FP8_QUERY_MLA)
+
+
 class UnsaturatedFp8WriteImpl(TorchMLAImpl):
     def store_kv(  # type: ignore[override]
         self,
@@ -739,6 +756,7 @@ MUTANTS = (
     MlaDropsFp8ScaleBackend,
     MlaUnsaturatedFp8Backend,
     MlaFp8RopeUnscaledBackend,
+    MlaFp8QueryUnquantizedBackend,
     TopLeftCausalBackend,
     WritesPaddingBackend,
     IgnoresWindowBackend,
@@ -867,7 +885,39 @@ class DenseRowsOnlyBackend(TorchBackend):
         return DenseRowsOnlyImpl(self, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
-VARIANTS = (RestrictedBackend, CascadeBackend, FakeVendorBackend, DenseRowsOnlyBackend)
+class Fp8QueryMLAImpl(TorchMLAImpl):
+    """The absorbed form over the query quantized as declared (fp8 e4m3, static scale 1.0: its
+    values are exact in the model dtype)."""
+
+    def attend(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        cache: LatentKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        scheme = self.backend.capabilities.mla.query_quantization.get(self.spec.kv_cache_dtype)
+        if scheme is not None:
+            query = simulate_query_quantization(query, scheme).to(query.dtype)
+        super().attend(query, cache, meta, out, lse)
+
+
+class Fp8QueryMLABackend(TorchBackend):
+    """An MLA backend whose fp8 kernel quantizes the query, as it declares: it conforms."""
+
+    name = "mla_fp8_query"
+    capabilities = replace(TorchBackend.capabilities, mla=FP8_QUERY_MLA)
+    mla_impl_type = Fp8QueryMLAImpl
+
+
+VARIANTS = (
+    RestrictedBackend,
+    CascadeBackend,
+    FakeVendorBackend,
+    DenseRowsOnlyBackend,
+    Fp8QueryMLABackend,
+)
 
 
 def pytest_configure() -> None:

@@ -151,6 +151,14 @@ MUTANT_RUNS = [
         id="mla_drops_fp8_scale",
     ),
     pytest.param(
+        "mla_fp8_query_unquantized",
+        "test_mla and kv_fp8",
+        "test_mla[mla_fp8_query_unquantized-mixed-bf16-r64+16-h8-bs16-joint-kv_fp8_e4m3]",
+        "differs from attnhub.reference's absorbed MLA",
+        "mla: fp8 latent",
+        id="mla_fp8_query_unquantized",
+    ),
+    pytest.param(
         "mla_fp8_unsaturated",
         "test_mla and kv_write",
         "test_mla[mla_fp8_unsaturated-kv_write-bf16-r64+16-h8-bs16-joint-kv_fp8_e4m3]",
@@ -214,6 +222,14 @@ def test_a_declared_query_quantization_is_what_the_same_inputs_reference_uses(ru
     )
     assert run.returncode == 0, run.output[-4000:]
     assert " passed" in run.output
+
+
+def test_a_declared_mla_query_quantization_is_what_the_mla_reference_uses(run_suite) -> None:
+    """An MLA backend whose fp8 kernel quantizes the query as it declares passes the fp8 latent
+    cases (the mutant that declares it and does not fails them, above)."""
+    run = run_suite("--attnhub-backend", "mla_fp8_query", "-k", "test_mla and kv_fp8")
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.state("mla: fp8 latent", "mla_fp8_query") == "pass"
 
 
 def test_suite_catches_precision_lost_past_16k_keys_in_the_full_scope(run_suite) -> None:

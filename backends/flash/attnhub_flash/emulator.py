@@ -1344,8 +1344,11 @@ def concat_and_cache_mla(  # vllm._custom_ops
     kv_cache.size(2) == kv_lora_rank + pe_dim)``, sources read through ``kv_c.stride(0)`` /
     ``k_pe.stride(0)``, the cache through its block and entry strides]. The slots are read
     through a raw int64 pointer, so a strided or int32 mapping is refused as for
-    ``reshape_and_cache_flash`` [inferred]; only ``kv_cache_dtype="auto"`` (the model dtype)
-    is emulated (FLASH_ATTN_MLA takes no fp8 cache)."""
+    ``reshape_and_cache_flash`` [inferred]. ``kv_cache_dtype`` "auto" (the model dtype) and
+    "fp8" / "fp8_e4m3" (FLASHMLA's fp8 cache: each element of ``kv_c`` and ``k_pe`` stored as
+    ``fp8::scaled_convert(x, *scale)``, e4m3 of ``x / scale`` saturated at +-448, into a cache
+    of bytes, uint8 as vLLM allocates it or a float8_e4m3fn view) are emulated; "fp8_e5m2" is
+    valid but not emulated."""
     op = "_custom_ops.concat_and_cache_mla"
     if not isinstance(kv_c, torch.Tensor):
         raise _fail(op, f"kv_c must be a Tensor, got {type(kv_c).__name__}")
@@ -1356,7 +1359,8 @@ def concat_and_cache_mla(  # vllm._custom_ops
     slots = _tensor(op, "slot_mapping", slot_mapping, 1, dev, contiguous=True)
     if slots.dtype != torch.int64:
         raise _fail(op, f"slot_mapping must be int64, got {slots.dtype}")
-    if kv_cache_dtype != "auto":
+    fp8 = kv_cache_dtype in ("fp8", "fp8_e4m3")
+    if kv_cache_dtype != "auto" and not fp8:
         raise NotEmulatedError(f"{op}: kv_cache_dtype {kv_cache_dtype!r} is not emulated")
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
         raise _fail(op, "scale must be a one-element tensor")
@@ -1365,7 +1369,16 @@ def concat_and_cache_mla(  # vllm._custom_ops
         raise _fail(
             op, f"kv_cache.size(2) = {cache.shape[2]} != kv_lora_rank + pe_dim = {rank + pe_dim}"
         )
-    if c.dtype != cache.dtype or pe.dtype != cache.dtype:
+    if fp8:
+        # the kernel reinterprets the cache's bytes as e4m3 and reads kv_c / k_pe as the model
+        # dtype, the scale as float32 [source: DISPATCH_BY_KV_CACHE_DTYPE]
+        if cache.dtype not in (torch.uint8, FP8):
+            raise _fail(op, f"kv_cache must hold bytes (uint8 or fp8) for fp8, got {cache.dtype}")
+        if c.dtype not in (torch.float32, *MODEL_DTYPES) or pe.dtype != c.dtype:
+            raise _fail(op, f"kv_c / k_pe must be float32, fp16 or bf16, got {c.dtype}, {pe.dtype}")
+        if scale.dtype != torch.float32:
+            raise _fail(op, f"scale must be float32 for fp8, got {scale.dtype}")
+    elif c.dtype != cache.dtype or pe.dtype != cache.dtype:
         raise _fail(
             op, f"kv_c {c.dtype} / k_pe {pe.dtype} and the cache {cache.dtype} differ ('auto')"
         )
@@ -1377,7 +1390,7 @@ def concat_and_cache_mla(  # vllm._custom_ops
     if bool((slots[valid] >= num_slots).any()):
         bad = int(slots[valid].max())
         raise _fail(op, f"slot_mapping holds {bad}, outside the cache ({num_slots} slots)")
-    _write_latent(c, pe, cache, slots, valid)
+    _write_latent(c, pe, cache, slots, valid, scale if fp8 else None)
 
 
 @emulation.kernel(null=emulation.skip)
@@ -1387,12 +1400,17 @@ def _write_latent(
     cache: torch.Tensor,
     slots: torch.Tensor,
     valid: torch.Tensor,
+    fp8_scale: torch.Tensor | None,
 ) -> None:
     """``concat_and_cache_mla``'s write, every argument checked by it."""
     rows = torch.nonzero(valid).flatten()
     targets = slots[rows]
     block, offset = targets // cache.shape[1], targets % cache.shape[1]
-    cache[block, offset] = torch.cat([kv_c[rows], k_pe[rows]], dim=-1)
+    entries = torch.cat([kv_c[rows], k_pe[rows]], dim=-1)
+    if fp8_scale is None:
+        cache[block, offset] = entries
+    else:
+        cache.view(torch.uint8)[block, offset] = _to_fp8_bytes(entries, fp8_scale)
 
 
 # --- upstream FA2: flash_attn ------------------------------------------------------------------
@@ -2384,6 +2402,259 @@ def _flashmla_math(
     return out, lse
 
 
+# --- FlashMLA's fp8 dense decode: vLLM's ops/flashmla.py wrappers of _flashmla_extension_C -------
+# vLLM 0.32 / 0.33 define ``get_mla_metadata_dense_fp8`` and ``flash_mla_with_kvcache_fp8`` in
+# ``vllm/v1/attention/ops/flashmla.py`` itself, over ``torch.ops._flashmla_extension_C``
+# (``get_mla_decoding_metadata_dense_fp8``, ``fwd_kvcache_mla_fp8``): vllm-project/FlashMLA's
+# csrc/extension/sm90/dense_fp8 (FlashMLA PR #54), a kernel of its own, not the dense decode's
+# [source: the ops module; the extension's pybind.cpp, whose check texts the vLLM 0.33 wheel's
+# ``_flashmla_extension_C.abi3.so`` holds].
+
+#: ``get_mla_decoding_metadata_dense_fp8``'s row tile (``block_size_m``) [source].
+_FLASHMLA_FP8_BLOCK_M = 64
+
+
+def get_mla_metadata_dense_fp8(
+    cache_seqlens: torch.Tensor,
+    num_q_tokens_per_head_k: int,
+    num_heads_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 kernel's tile schedule, planned on the host's stream: ``tile_scheduler_metadata
+    (num_sm_parts, 8)`` and ``num_splits (batch + 1)``, int32, with ``num_sm_parts = sm_count /
+    num_heads_k / ceil_div(num_q_tokens_per_head_k, 64)`` [source: pybind.cpp]. Checks:
+    ``seqlens_k`` contiguous int32 on the device [source]. As for the dense decode's schedule,
+    the emulator (which splits nothing) holds the lengths it was planned for in
+    ``num_splits[1:]`` [inferred: a stand-in], so that a call with other lengths is refused."""
+    op = "flashmla.get_mla_metadata_dense_fp8"
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise _fail(op, f"seqlens_k must be a Tensor, got {type(cache_seqlens).__name__}")
+    if not cache_seqlens.is_contiguous():
+        raise _fail(op, "Expected seqlens_k.is_contiguous() to be true, but got false.")
+    if cache_seqlens.dtype != torch.int32:
+        raise _fail(op, "Expected seqlens_k.dtype() == torch::kInt32 to be true, but got false.")
+    if cache_seqlens.dim() != 1:
+        raise _fail(op, f"seqlens_k must be (batch_size), got {list(cache_seqlens.shape)}")
+    per_k = int(num_q_tokens_per_head_k)
+    if per_k <= 0 or num_heads_k <= 0:
+        raise _fail(op, "num_heads_per_head_k and num_heads_k must be positive")  # [inferred]
+    parts = _FLASHMLA_NUM_SMS // num_heads_k // -(-per_k // _FLASHMLA_FP8_BLOCK_M)
+    return _flashmla_schedule(parts, cache_seqlens.tolist(), cache_seqlens.device)
+
+
+def flash_mla_with_kvcache_fp8(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    head_dim_v: int,
+    tile_scheduler_metadata: torch.Tensor,
+    num_splits: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    descale_q: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's fp8 dense decode, as vLLM's FLASHMLA backend calls it over an fp8 latent
+    cache (``forward_mqa``: q the absorbed query quantized to e4m3 with the layer's static
+    ``_q_scale``, k_cache the joint fp8 plane ``(num_blocks, 64, 1, 576)``, ``head_dim_v`` 512,
+    ``descale_q = _q_scale``, ``descale_k = _k_scale``, both shape (1,), causal) [callers].
+
+    The math [source: dense_fp8/flash_fwd_mla_kernel.h, softmax.h]: scores ``q8 . k8`` over the
+    576 columns, times ``softmax_scale * descale_q * descale_k``; per row ``e = exp(score -
+    max)`` against the (running) row maximum, not scaled, rounded to e4m3 before ``P @ V`` with
+    the values ``k8[..., :512]`` as stored (fp8); the output ``(P8 @ V8) * descale_k / sum(e)``
+    with the sum of the unrounded ``e``, written as bfloat16 whatever the model dtype (``out_type
+    = torch::kBFloat16``); LSE ``max + log(sum(e))`` float32, natural log, +inf for a row
+    without keys (output 0). Causal bottom-right where ``s_q > 1`` (with ``s_q == 1`` the op
+    drops it). The emulator rounds ``e`` against the row's maximum over all its keys, where the
+    kernel rounds against the running maximum of its key tiles [inferred: one tiling; the
+    scheme's bound covers any]; the scores are summed exactly, where the tensor cores'
+    fp8 accumulation may round [inferred].
+
+    Checks, in pybind.cpp's order (FlashOpError, its texts) [source]: q float8_e4m3fn; k_cache
+    of q's dtype; int32 seqlens_k, block_table, tile_scheduler_metadata, num_splits; one
+    device; contiguous last dims (seqlens_k, the schedule and num_splits contiguous); head_size_k
+    576; head_size_v 512; page_block_size 64; batch_size > 0; num_heads_k dividing num_heads_q;
+    both descales given, float32, contiguous last dim, shape (1,); the shapes of k_cache,
+    seqlens_k, block_table, ``tile_scheduler_metadata.size(1) == 8`` and num_splits (batch + 1).
+    Where the GPU would run on undefined input it refuses too [inferred]: pages outside the
+    cache or too few for a length, a negative length, a schedule made for other lengths."""
+    op = "flashmla.flash_mla_with_kvcache_fp8"
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        got = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise _fail(op, f"q must be (batch_size, seq_len_q, num_heads_q, head_dim), got {got}")
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** (-0.5)
+    rows, kv_lens, descales = _flashmla_fp8_checks(
+        op,
+        q,
+        k_cache,
+        head_dim_v,
+        cache_seqlens,
+        block_table,
+        (tile_scheduler_metadata, num_splits),
+        (descale_q, descale_k),
+    )
+    causal = bool(causal) and q.shape[1] > 1  # "if (seqlen_q_ori == 1) { is_causal = false; }"
+    return _flashmla_fp8_math(
+        q, k_cache, rows, kv_lens, head_dim_v, float(softmax_scale), causal, descales
+    )
+
+
+def _flashmla_fp8_checks(
+    op: str,
+    q: torch.Tensor,
+    k_cache: object,
+    head_dim_v: int,
+    cache_seqlens: object,
+    block_table: object,
+    schedule: tuple[object, object],
+    descales: tuple[object, object],
+) -> tuple[list[list[int]], list[int], tuple[float, float]]:
+    """``fwd_kvcache_mla_fp8``'s checks in its order [source: dense_fp8/pybind.cpp], then the
+    reads of the table, the lengths and the schedule [inferred]: (table rows, key lengths,
+    (descale_q, descale_k))."""
+    if q.dtype != FP8:
+        raise _fail(
+            op, f"Expected q.dtype() == torch::kFloat8_e4m3fn to be true, but got false ({q.dtype})"
+        )
+    if not isinstance(k_cache, torch.Tensor):
+        raise _fail(op, f"kcache must be a Tensor, got {type(k_cache).__name__}")
+    if k_cache.dtype != q.dtype:
+        raise _fail(op, f"query and key must have the same dtype ({q.dtype}, {k_cache.dtype})")
+    tile_meta, num_splits = schedule
+    for name, t, text in (
+        ("seqlens_k", cache_seqlens, "int32"),
+        ("block_table", block_table, "torch.int32"),
+        ("tile_scheduler_metadata", tile_meta, "int32"),
+        ("num_splits", num_splits, "int32"),
+    ):
+        if not isinstance(t, torch.Tensor):
+            raise _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise _fail(op, f"{name} must have dtype {text}, got {t.dtype}")
+    assert isinstance(tile_meta, torch.Tensor) and isinstance(num_splits, torch.Tensor)
+    dev = q.device
+    cache = _tensor(op, "kcache", k_cache, 4, dev)
+    seqlens = _tensor(op, "seqlens_k", cache_seqlens, 1, dev, contiguous=True)
+    table = _tensor(op, "block_table", block_table, 2, dev)
+    meta = _tensor(op, "tile_scheduler_metadata", tile_meta, 2, dev, contiguous=True)
+    splits = _tensor(op, "num_splits", num_splits, 1, dev, contiguous=True)
+    if q.stride(-1) != 1:
+        raise _fail(op, "q must have contiguous last dimension")
+    batch, _, h_q, head_size_k = q.shape
+    if head_size_k != FLASHMLA_HEAD_DIM:
+        raise _fail(op, "Only head_size_k == 576 is supported")
+    if head_dim_v != FLASHMLA_HEAD_DIM_V:
+        raise _fail(op, "Only head_size_v == 512 is supported")
+    page, h_k = cache.shape[1:3]
+    if page != FLASHMLA_PAGE_BLOCK_SIZE:
+        raise _fail(op, f"Currently page_block_size must be 64 (got {page})")
+    if batch <= 0:
+        raise _fail(op, "batch size must be positive")
+    if h_k <= 0 or h_q % h_k:
+        raise _fail(op, "Number of heads in key/value must divide number of heads in query")
+    scales = []
+    for name, d in zip(("descale_q", "descale_k"), descales, strict=True):
+        if d is None:
+            raise _fail(op, "descale is required when input dtype is fp8")
+        t = _tensor(op, name, d, 1, dev) if isinstance(d, torch.Tensor) else None
+        if t is None:
+            raise _fail(op, f"{name} must be a Tensor, got {type(d).__name__}")
+        if t.dtype != torch.float32:
+            raise _fail(op, f"Expected {name}_.dtype() == torch::kFloat to be true, but got false")
+        if tuple(t.shape) != (1,):
+            raise _fail(op, f"{name}_ must have shape (1), got {list(t.shape)}")
+        scales.append(float(t))
+    if cache.shape[3] != head_size_k:
+        raise _fail(
+            op,
+            "kcache must have shape (num_blocks, page_block_size, num_heads_k, head_size_k), "
+            f"got {list(cache.shape)}",
+        )
+    if tuple(seqlens.shape) != (batch,):
+        raise _fail(op, f"seqlens_k must have shape (batch_size), got {list(seqlens.shape)}")
+    if table.shape[0] != batch:
+        raise _fail(
+            op,
+            "block_table must have shape (batch_size, max_num_blocks_per_seq), got "
+            f"{list(table.shape)}",
+        )
+    if meta.shape[1] != _FLASHMLA_SCHED_META_INTS:
+        raise _fail(
+            op,
+            "Expected tile_scheduler_metadata.size(1) == TileSchedulerMetaDataSize to be true, "
+            "but got false",
+        )
+    if tuple(splits.shape) != (batch + 1,):
+        raise _fail(op, f"num_splits must have shape (batch_size+1), got {list(splits.shape)}")
+    kv_lens = seqlens.tolist()
+    if kv_lens and min(kv_lens) < 0:
+        raise _fail(op, f"seqlens_k holds {min(kv_lens)}: a length is >= 0")  # [inferred]
+    if splits[1:].tolist() != kv_lens:  # the emulator's stand-in [inferred]
+        raise _fail(
+            op,
+            "tile_scheduler_metadata / num_splits were planned (get_mla_metadata_dense_fp8) for "
+            "other cache_seqlens",
+        )
+    rows = table.tolist()
+    _check_table(op, cache, rows, kv_lens, list(range(batch + 1)))  # all have queries
+    return rows, kv_lens, (scales[0], scales[1])
+
+
+def _flashmla_fp8_null(
+    q: torch.Tensor, k_cache: torch.Tensor, rows: Any, kv_lens: Any, head_dim_v: int, *rest: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, s_q, h_q = q.shape[:3]
+    return (
+        emulation.preallocated((batch, s_q, h_q, head_dim_v), torch.bfloat16, q.device),
+        emulation.preallocated((batch, h_q, s_q), torch.float32, q.device),
+    )
+
+
+@emulation.kernel(null=_flashmla_fp8_null)
+def _flashmla_fp8_math(
+    q: torch.Tensor,  # [B, s_q, h_q, 576] float8_e4m3fn
+    k_cache: torch.Tensor,  # [num_blocks, 64, h_k, 576] float8_e4m3fn
+    rows: list[list[int]],  # the block table (host data: device code), checked
+    kv_lens: list[int],
+    head_dim_v: int,
+    scale: float,
+    causal: bool,
+    descales: tuple[float, float],
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, s_q, h_q, Dv] bf16, lse [B, h_q, s_q] f32
+    """``flash_mla_with_kvcache_fp8``'s math (its docstring), every argument checked by it."""
+    batch, s_q, h_q, _ = q.shape
+    h_k = k_cache.shape[2]
+    descale_q, descale_k = descales
+    # the kernel's softmax scale: softmax_scale * descale_q * descale_k, in float32
+    scale32 = torch.tensor(scale, dtype=torch.float32) * descale_q * descale_k
+    out = torch.zeros(batch, s_q, h_q, head_dim_v, dtype=torch.float32)
+    lse = torch.full((batch, h_q, s_q), math.inf, dtype=torch.float32)
+    raw = k_cache.view(torch.uint8)  # gathered as bytes (fp8 has no CPU index kernels)
+    for b, kv_len in enumerate(kv_lens):
+        if kv_len == 0:
+            continue
+        keys = _paged_rows(raw, rows[b], kv_len).view(FP8).to(torch.float64)  # [S, h_k, 576]
+        keys = keys.repeat_interleave(h_q // h_k, dim=1)  # query head h reads kv head h // group
+        qb = q[b].to(torch.float64)  # [s_q, h_q, 576]
+        scores = torch.einsum("ihd,jhd->hij", qb, keys).to(torch.float32) * scale32
+        if causal:  # query i of s_q sees kv_len - (s_q - 1 - i) keys
+            seen = torch.arange(kv_len)[None, :] <= torch.arange(s_q)[:, None] + (kv_len - s_q)
+            scores = scores.masked_fill(~seen, -math.inf)
+        top = scores.amax(dim=-1, keepdim=True)  # [h_q, s_q, 1]
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        e = torch.exp(scores - top)  # float32, at most 1; masked keys 0
+        total = e.sum(dim=-1)  # [h_q, s_q], unrounded
+        p8 = e.to(FP8).to(torch.float64)  # rounded to e4m3, not scaled
+        values = keys[..., :head_dim_v]  # [S, h_q, Dv]: the stored fp8 values
+        acc = torch.einsum("hij,jhd->ihd", p8, values).to(torch.float32)  # [s_q, h_q, Dv]
+        norm = torch.where(total > 0, descale_k / total, torch.ones_like(total))
+        out[b] = acc * norm.t()[..., None]
+        lse[b] = torch.where(total > 0, top[..., 0] + torch.log(total), math.inf)
+    return out.to(torch.bfloat16), lse
+
+
 # --- the namespaces ops.py hands out -----------------------------------------------------------
 
 
@@ -2424,6 +2695,8 @@ FLASHMLA = _namespace(
     "vllm.v1.attention.ops.flashmla",
     get_mla_metadata=get_mla_metadata,
     flash_mla_with_kvcache=flash_mla_with_kvcache,
+    get_mla_metadata_dense_fp8=get_mla_metadata_dense_fp8,
+    flash_mla_with_kvcache_fp8=flash_mla_with_kvcache_fp8,
 )
 FLASHMLA.FlashMLASchedMeta = FlashMLASchedMeta
 FA4 = _namespace(
@@ -2452,4 +2725,6 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "flash_attn.cute.flash_attn_varlen_func": fa4_flash_attn_varlen_func,
     "vllm.v1.attention.ops.flashmla.get_mla_metadata": get_mla_metadata,
     "vllm.v1.attention.ops.flashmla.flash_mla_with_kvcache": flash_mla_with_kvcache,
+    "vllm.v1.attention.ops.flashmla.get_mla_metadata_dense_fp8": get_mla_metadata_dense_fp8,
+    "vllm.v1.attention.ops.flashmla.flash_mla_with_kvcache_fp8": flash_mla_with_kvcache_fp8,
 }

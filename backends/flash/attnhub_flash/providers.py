@@ -1034,6 +1034,24 @@ class VllmFA3Provider(VllmProvider):
 #: sm90/decode/dense/config.h; callers: vllm/v1/attention/backends/mla/flashmla.py]
 FLASHMLA_BLOCK_SIZE = 64  # "Currently page_block_size must be 64"; FLASHMLA's [64]
 FLASHMLA_LATENT = (512, 64)  # head_size_k 576 (HEAD_DIM_K) = 512 + 64, head_size_v 512
+#: FlashMLA's fp8 dense decode (``flash_mla_with_kvcache_fp8``, vllm-project/FlashMLA's
+#: csrc/extension/sm90/dense_fp8, which vLLM's FLASHMLA calls for an fp8 cache): q and the joint
+#: latent plane both e4m3 ("query and key must have the same dtype"), the query quantized by
+#: vLLM's layer with its static per-tensor ``_q_scale`` (``_DecodeConcatQuantFP8``: 1.0 unless
+#: the checkpoint sets one; the ``fp8_static`` scheme); ``exp(score - running max)``, not
+#: scaled, rounded to e4m3 before ``P @ V`` (``fp8_e4m3_unscaled``), the sum unrounded;
+#: bfloat16 output only
+#: (``out_type = torch::kBFloat16``) [source: dense_fp8/pybind.cpp, flash_fwd_mla_kernel.h,
+#: softmax.h; callers: vllm/model_executor/layers/attention/mla_attention.py]. The accuracy
+#: bound is what the emulated kernel measures on the suite's cases, rounded up:
+#: docs/backends/flash.md "FlashMLA".
+FLASHMLA_FP8: dict[str, Any] = dict(
+    query_quantization={FP8_KV: "fp8_static"},
+    probability_quantization={FP8_KV: "fp8_e4m3_unscaled"},
+    # measured on the emulated kernel: worst 0.296 / 0.99703 over 120 decode steps of the suite's
+    # shape (4, 8 and 16 heads, N(0, 1) queries and latents): docs/backends/flash.md
+    quantization_accuracy={FP8_KV: AccuracyBound(max_abs_error=0.4, min_cosine=0.995)},
+)
 
 
 def _flashmla_mla() -> MlaSupport:
@@ -1041,7 +1059,10 @@ def _flashmla_mla() -> MlaSupport:
     where = "provider vllm-flashmla (FlashMLA's dense decode, as vLLM's FLASHMLA)"
     return MlaSupport(
         dtypes=HALF,  # "TORCH_CHECK(q_dtype == torch::kBFloat16 || q_dtype == torch::kHalf)"
-        kv_cache_dtypes=frozenset({"auto"}),  # the fp8 path (a kernel of its own) is not wired
+        # fp8: flash_mla_with_kvcache_fp8 (a kernel of its own), e4m3 only, bfloat16 models only
+        # (mla_refusals); vLLM's FLASHMLA declares "fp8" / "fp8_e4m3"
+        kv_cache_dtypes=frozenset({"auto", FP8_KV}),
+        **FLASHMLA_FP8,
         block_sizes=frozenset({FLASHMLA_BLOCK_SIZE}),
         latent_sizes=frozenset({FLASHMLA_LATENT}),
         num_heads=None,  # any count: "num_heads_q % num_heads_k == 0" with one kv head
@@ -1054,8 +1075,9 @@ def _flashmla_mla() -> MlaSupport:
         reason=f"{where}: FlashMLA serves MLA's absorbed form in decode steps",
         because={
             "mla.dtype": "FlashMLA's dense decode takes float16 and bfloat16",
-            "mla.kv_cache_dtype": "FlashMLA's fp8 dense decode (flash_mla_with_kvcache_fp8) is "
-            "not wired",
+            "mla.kv_cache_dtype": "FlashMLA's fp8 dense decode (flash_mla_with_kvcache_fp8) "
+            "takes e4m3 only: the query and the cache in float8_e4m3fn; vLLM's FLASHMLA declares "
+            "fp8 and fp8_e4m3",
             "mla.block_size": "FlashMLA's dense decode pages by 64 ('Currently page_block_size "
             "must be 64'; vLLM's FLASHMLA declares block size 64)",
             "mla.latent_size": "FlashMLA's SM90 dense kernel is built for head_dim 576 (512 + "
@@ -1100,6 +1122,45 @@ class VllmFlashMLAProvider(VllmFA3Provider):
             return f"provider {self.name!r}: is_flashmla_dense_supported() raised {exc!r}"
         return None if supported else f"provider {self.name!r}: vLLM says {reason}"
 
+    def mla_refusals(self, spec: MLASpec) -> list[Refusal]:
+        """The fp8 kernel writes bfloat16 output whatever the query's dtype (``out_type =
+        torch::kBFloat16`` [source: dense_fp8/pybind.cpp]), which vLLM's layer multiplies by
+        ``W_UV`` in the model dtype (``torch.bmm``: one dtype): fp8 latents in bfloat16 models
+        only [inferred: vLLM declares float16 with fp8 and its bmm would refuse the pair]."""
+        if spec.kv_cache_dtype != FP8_KV or spec.dtype == torch.bfloat16:
+            return []
+        return [
+            Refusal(
+                f"MLA kv_cache_dtype {FP8_KV} is not served with dtype "
+                f"{str(spec.dtype).removeprefix('torch.')} (provider {self.name}: FlashMLA's fp8 "
+                "dense decode writes bfloat16 output only, out_type = torch::kBFloat16)",
+                field="mla.kv_cache_dtype",
+                value=spec.kv_cache_dtype,
+                supported="bfloat16 models",
+            )
+        ]
+
+    def mla_write(
+        self,
+        impl: FlashMLAImpl,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache: LatentKVCache,
+        plan: Mapping[str, Any],
+    ) -> None:
+        """vLLM's ``concat_and_cache_mla`` into the joint plane, as ``vllm-fa3``; over an fp8
+        cache with ``kv_cache_dtype`` "fp8_e4m3" and the cache's scale (vLLM's ``_k_scale``):
+        each element of ``kv_c`` and ``k_pe`` stored as ``fp8(x / scale)`` [callers:
+        ``MLACommonImpl.do_kv_cache_update``; source: csrc/cache_kernels.cu]."""
+        if cache.scale is None:
+            super().mla_write(impl, kv_c, k_pe, cache, plan)
+            return
+        cache_ops = impl.backend.ops.cache_ops
+        assert cache_ops is not None
+        cache_ops.concat_and_cache_mla(
+            kv_c, k_pe, cache.joint, plan["slot_mapping"], FP8_KV, cache.scale
+        )
+
     def mla_kwargs(
         self,
         backend: FlashBackend,
@@ -1119,9 +1180,28 @@ class VllmFlashMLAProvider(VllmFA3Provider):
         assert isinstance(spec, MLASpec)
         mla_ops = backend.ops.mla_ops
         assert mla_ops is not None
+        fp8 = spec.kv_cache_dtype == FP8_KV
         schedule, _ = mla_ops.get_mla_metadata(
-            seq_lens, max_query_len * spec.num_heads, 1, is_fp8_kvcache=False
+            seq_lens, max_query_len * spec.num_heads, 1, is_fp8_kvcache=fp8
         )
+        if fp8:
+            # vLLM's builder with an fp8 cache: the fp8 kernel's own schedule, planned now
+            # (get_mla_metadata_dense_fp8), in the FlashMLASchedMeta's two tensors [callers]
+            tile_meta, num_splits = mla_ops.get_mla_metadata_dense_fp8(
+                seq_lens, max_query_len * spec.num_heads, 1
+            )
+            return dict(
+                block_table=block_table,
+                cache_seqlens=seq_lens,
+                head_dim_v=spec.kv_lora_rank,
+                tile_scheduler_metadata=tile_meta,
+                num_splits=num_splits,
+                softmax_scale=spec.scale,
+                causal=True,
+                # the query's static scale: 1.0, vLLM's default _q_scale (a checkpoint's own
+                # q_scale has no place in attnhub's protocol yet)
+                descale_q=torch.ones(1, dtype=torch.float32, device=seq_lens.device),
+            )
         return dict(
             block_table=block_table,
             cache_seqlens=seq_lens,
@@ -1151,9 +1231,20 @@ class VllmFlashMLAProvider(VllmFA3Provider):
         n, num_heads, width = query.shape
         batch = int(kwargs["cache_seqlens"].shape[0])
         q = query.view(batch, n // batch, num_heads, width)
-        result, kernel_lse = mla_ops.flash_mla_with_kvcache(
-            q=q, k_cache=cache.joint.unsqueeze(-2), **kwargs
-        )
+        if cache.scale is not None:
+            # fp8 latents: vLLM's layer quantizes the absorbed query with its static _q_scale
+            # (fp8_static), FLASHMLA passes descale_q = _q_scale, descale_k = _k_scale, shape
+            # (1,) [callers]; the kernel returns bfloat16 (the model dtype: mla_refusals)
+            result, kernel_lse = mla_ops.flash_mla_with_kvcache_fp8(
+                q=quantize_fp8(q, kwargs["descale_q"]),
+                k_cache=cache.joint.unsqueeze(-2),
+                descale_k=cache.scale.reshape(1),
+                **kwargs,
+            )
+        else:
+            result, kernel_lse = mla_ops.flash_mla_with_kvcache(
+                q=q, k_cache=cache.joint.unsqueeze(-2), **kwargs
+            )
         result = result.view(n, num_heads, -1)
         return result, kernel_lse.permute(1, 0, 2).reshape(num_heads, n) if lse else None
 

@@ -13,7 +13,10 @@ must take every keyword of its functions too, checked against their def lines re
 
 from __future__ import annotations
 
+import ast
 import inspect
+import re
+import zipfile
 from pathlib import Path
 
 import flash_schema
@@ -81,6 +84,18 @@ PUBLISHED = {
         flash_schema.VLLM_CUDA_WHEEL,
         FLASHMLA_INTERFACE,
         "flash_mla_with_kvcache",
+    ),
+    # the fp8 dense decode's wrappers are vLLM's own, in ops/flashmla.py (over
+    # torch.ops._flashmla_extension_C), the same in vLLM 0.32 and 0.33
+    "vllm.v1.attention.ops.flashmla.get_mla_metadata_dense_fp8": (
+        flash_schema.VLLM_CUDA_WHEEL,
+        FLASHMLA_OPS,
+        "get_mla_metadata_dense_fp8",
+    ),
+    "vllm.v1.attention.ops.flashmla.flash_mla_with_kvcache_fp8": (
+        flash_schema.VLLM_CUDA_WHEEL,
+        FLASHMLA_OPS,
+        "flash_mla_with_kvcache_fp8",
     ),
 }
 
@@ -164,7 +179,9 @@ def test_the_emulator_takes_every_keyword_of_the_standalone_fork(name: str) -> N
     )
 
 
-@pytest.mark.parametrize("name", sorted(n for n in PUBLISHED if ".flashmla." in n))
+@pytest.mark.parametrize(
+    "name", sorted(n for n, (_, member, _) in PUBLISHED.items() if member == FLASHMLA_INTERFACE)
+)
 def test_vllms_flashmla_ops_re_export_the_interface_the_emulator_is_checked_against(
     name: str,
 ) -> None:
@@ -234,3 +251,62 @@ def test_a_renamed_or_reordered_parameter_is_reported() -> None:
     assert any("positional order" in p for p in flash_schema.differences(want, swapped))
     window = flash_schema.function_params("def f(q, k, block_table=(-1, -1)): ...", "f")
     assert any("default" in p for p in flash_schema.differences(want, window))
+
+
+#: What the emulated fp8 decode relies on: vLLM's wrapper passes its parameters, in this order,
+#: positionally to ``torch.ops._flashmla_extension_C.fwd_kvcache_mla_fp8``, whose schema names
+#: them as the second list (the emulator's error texts use the schema's names) with both
+#: descales optional at the schema (``Tensor?``) and required by the op's check.
+FP8_WRAPPER_ARGS = [
+    "q",
+    "k_cache",
+    "head_dim_v",
+    "cache_seqlens",
+    "block_table",
+    "softmax_scale",
+    "causal",
+    "tile_scheduler_metadata",
+    "num_splits",
+    "descale_q",
+    "descale_k",
+]
+FP8_OP_SCHEMA = (
+    "Tensor q, Tensor kcache, int head_size_v, Tensor seqlens_k, Tensor block_table, "
+    "float softmax_scale, bool is_causal, Tensor tile_scheduler_metadata, Tensor num_splits, "
+    "Tensor? descale_q, Tensor? descale_k"
+)
+
+
+def test_the_fp8_wrapper_calls_the_extension_op_as_its_schema_reads() -> None:
+    """vLLM 0.33's ``flash_mla_with_kvcache_fp8`` forwards its parameters in the op schema's
+    order, and the op's schema (in the wheel's ``_flashmla_extension_C.abi3.so``) is the one
+    the emulator's checks were written from (FlashMLA's csrc/extension/sm90/dense_fp8)."""
+    path = _archive(flash_schema.VLLM_CUDA_WHEEL)
+    tree = ast.parse(flash_schema.read_member(path, FLASHMLA_OPS))
+    wrapper = next(
+        f
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef) and f.name == "flash_mla_with_kvcache_fp8"
+    )
+    call = next(
+        c
+        for c in ast.walk(wrapper)
+        if isinstance(c, ast.Call)
+        and isinstance(c.func, ast.Attribute)
+        and c.func.attr == "fwd_kvcache_mla_fp8"
+    )
+    assert [a.id for a in call.args if isinstance(a, ast.Name)] == FP8_WRAPPER_ARGS
+    assert len(call.args) == len(FP8_WRAPPER_ARGS) and not call.keywords
+    with zipfile.ZipFile(path) as z:
+        (member,) = [n for n in z.namelist() if n.endswith("_flashmla_extension_C.abi3.so")]
+        binary = z.read(member)
+    found = re.search(rb"fwd_kvcache_mla_fp8\(([^)]*)\) -> Tensor\[\]", binary)
+    assert found is not None, f"{member}: no fwd_kvcache_mla_fp8 schema"
+    assert found.group(1).decode() == FP8_OP_SCHEMA
+    for text in (
+        b"descale is required when input dtype is fp8",
+        b"query and key must have the same dtype",
+        b"Currently page_block_size must be 64",
+        b"Dense FP8 MLA is only supported on SM90",
+    ):
+        assert text in binary, f"{member} lacks the check text {text!r}"

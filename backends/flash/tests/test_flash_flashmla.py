@@ -6,6 +6,7 @@ and reused by every layer."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from attnhub_flash.emulator import FlashOpError, NotEmulatedError
 from attnhub import AttentionSpec, BatchMetadata, LatentKVCache, MLASpec, reference, testing
 from attnhub.capabilities import Tolerance
 from attnhub.errors import UnsupportedConfigurationError
+from attnhub.quant import quantize_fp8, round_probabilities, simulate_query_quantization
 
 FLASHMLA = emulator.FLASHMLA
 H, R, P, NB, BS = 4, 512, 64, 6, 64
@@ -267,7 +269,12 @@ def test_a_prefill_is_refused_by_the_builder() -> None:
     [
         ({"block_size": 16}, "mla.block_size", "pages by 64"),
         ({"kv_lora_rank": 256}, "mla.latent_size", "head_dim 576"),
-        ({"kv_cache_dtype": "fp8_e4m3"}, "mla.kv_cache_dtype", "fp8 dense decode"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, "mla.kv_cache_dtype", "takes e4m3 only"),
+        (
+            {"kv_cache_dtype": "fp8_e4m3", "dtype": torch.float16},
+            "mla.kv_cache_dtype",
+            "bfloat16 output only",
+        ),
         ({"dtype": torch.float32}, "mla.dtype", "float16 and bfloat16"),
     ],
 )
@@ -338,3 +345,244 @@ def test_a_native_provider_asks_vllm_whether_flashmla_dense_runs(
         assert why is None
     else:
         assert why is not None and expected in why and "vllm-flashmla" in why
+
+
+# --- fp8 latent caches: flash_mla_with_kvcache_fp8 -------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+FP8_TOL = Tolerance(atol=1e-3, rtol=8e-3)  # the bfloat16 output's rounding, with room
+
+
+class Fp8Call:
+    """One fp8 dense decode as vLLM's FLASHMLA makes it over an fp8 cache: the latents stored
+    with the layer's ``_k_scale``, the absorbed query quantized with its ``_q_scale``."""
+
+    def __init__(self, seq_lens: list[int], s_q: int = 1, q_scale: float = 0.5):
+        g = testing.generator(11)
+        self.s_q, self.seq_lens = s_q, seq_lens
+        self.k_scale = torch.tensor([0.03], dtype=torch.float32)
+        self.q_scale = torch.tensor([q_scale], dtype=torch.float32)
+        latents = torch.randn(NB, BS, R + P, generator=g).clamp(-4, 4)
+        self.plane = quantize_fp8(latents, self.k_scale)
+        query = torch.randn(len(seq_lens) * s_q, H, R + P, generator=g).to(torch.bfloat16)
+        self.query8 = quantize_fp8(query, self.q_scale)
+        blocks = -(-max(seq_lens) // BS)
+        perm = torch.randperm(NB, generator=g)[:blocks].to(torch.int32)
+        self.table = torch.stack([perm.roll(i) for i in range(len(seq_lens))])
+        self.seqlens = torch.tensor(seq_lens, dtype=torch.int32)
+
+    def schedule(self, seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        lens = self.seqlens if seqlens is None else seqlens
+        return FLASHMLA.get_mla_metadata_dense_fp8(lens, self.s_q * H, 1)
+
+    def run(self, **changes: Any) -> Any:
+        tile, splits = self.schedule()
+        kwargs: dict[str, Any] = dict(
+            q=self.query8.view(len(self.seq_lens), self.s_q, H, R + P),
+            k_cache=self.plane.unsqueeze(-2),
+            block_table=self.table,
+            cache_seqlens=self.seqlens,
+            head_dim_v=R,
+            tile_scheduler_metadata=tile,
+            num_splits=splits,
+            softmax_scale=SCALE,
+            causal=True,
+            descale_q=self.q_scale,
+            descale_k=self.k_scale,
+        )
+        kwargs.update(changes)
+        return FLASHMLA.flash_mla_with_kvcache_fp8(**kwargs)
+
+    def expected(self, rounding: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The absorbed form in float64 over the dequantized query and latents, the
+        probabilities rounded by ``rounding`` (``attnhub.quant``) before ``P @ V``."""
+        cache = LatentKVCache.from_joint(
+            self.plane, R, kv_cache_dtype="fp8_e4m3", scale=self.k_scale.reshape(())
+        )
+        batch = BatchMetadata.from_lengths(
+            [self.s_q] * len(self.seq_lens), self.seq_lens, self.table, BS
+        )
+        query = self.query8.double() * float(self.q_scale)
+        probabilities = (
+            None if rounding is None else functools.partial(round_probabilities, scheme=rounding)
+        )
+        outs, lses = [], []
+        for r in range(batch.num_reqs):
+            kv_c, k_pe = reference.read_latent_sequence(
+                cache, batch.block_table[r], self.seq_lens[r]
+            )
+            out, lse = reference.attention(
+                query[r * self.s_q : (r + 1) * self.s_q],
+                torch.cat([kv_c, k_pe], dim=-1)[:, None, :],
+                kv_c[:, None, :],
+                scale=SCALE,
+                causal=True,
+                probabilities=probabilities,
+            )
+            outs.append(out)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+@pytest.mark.parametrize("s_q", [1, 2], ids=["decodes", "uniform-multi-token"])
+def test_fp8_decode_descales_and_rounds_the_probabilities_unscaled(s_q: int) -> None:
+    """Scores over the e4m3 query and latents times ``softmax_scale * descale_q * descale_k``;
+    ``exp(s - max)`` rounded to e4m3 unscaled (``fp8_e4m3_unscaled``) before ``P @ V`` over the
+    stored values, times ``descale_k`` over the unrounded sum; bfloat16 out, float32 LSE."""
+    call = Fp8Call([70, 3, 130], s_q=s_q)  # descale_q 0.5, descale_k 0.03: both read
+    out, lse = call.run()
+    B = len(call.seq_lens)
+    assert out.shape == (B, s_q, H, R) and out.dtype == torch.bfloat16
+    assert lse.shape == (B, H, s_q) and lse.dtype == torch.float32
+    got = out.reshape(-1, H, R)
+    rounded, want_lse = call.expected("fp8_e4m3_unscaled")
+    assert testing.mismatch(got, rounded, FP8_TOL) is None
+    # the rounding is what the output shows: without it, or with the 2**8-scaled scheme
+    # (FA3's), the output is not within the bfloat16 rounding
+    assert testing.mismatch(got, call.expected(None)[0], FP8_TOL) is not None
+    assert testing.mismatch(got, call.expected("fp8_e4m3")[0], FP8_TOL) is not None
+    got_lse = lse.permute(1, 0, 2).reshape(H, -1)
+    assert torch.allclose(got_lse.double(), want_lse, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ("q_bf16", "kFloat8_e4m3fn"),
+        ("cache_e5m2", "query and key must have the same dtype"),
+        ("no_descale_q", "descale is required when input dtype is fp8"),
+        ("no_descale_k", "descale is required when input dtype is fp8"),
+        ("descale_shape", r"descale_k_ must have shape \(1\)"),
+        ("descale_f64", "kFloat"),
+        ("page16", "page_block_size must be 64"),
+        ("head512", "Only head_size_k == 576"),
+        ("head_dim_v", "Only head_size_v == 512"),
+        ("seqlens_int64", "seqlens_k must have dtype int32"),
+        ("splits_int64", "num_splits must have dtype int32"),
+        ("splits_shape", r"num_splits must have shape \(batch_size\+1\)"),
+        ("tile_width", "TileSchedulerMetaDataSize"),
+        ("stale_schedule", "planned .* for other cache_seqlens"),
+        ("heads", "must divide number of heads in query"),
+        ("outside", "outside the cache"),
+    ],
+)
+def test_what_the_fp8_decode_refuses_is_refused(change: str, match: str) -> None:
+    call = Fp8Call([70, 3])
+    kwargs: dict[str, Any] = {}
+    q8 = call.query8.view(2, 1, H, R + P)
+    tile, splits = call.schedule()
+    if change == "q_bf16":
+        kwargs["q"] = q8.to(torch.bfloat16)
+    elif change == "cache_e5m2":
+        kwargs["k_cache"] = call.plane.to(torch.float8_e5m2).unsqueeze(-2)
+    elif change == "no_descale_q":
+        kwargs["descale_q"] = None
+    elif change == "no_descale_k":
+        kwargs["descale_k"] = None
+    elif change == "descale_shape":
+        kwargs["descale_k"] = call.k_scale.expand(2).contiguous()
+    elif change == "descale_f64":
+        kwargs["descale_q"] = call.q_scale.double()
+    elif change == "page16":
+        kwargs["k_cache"] = call.plane.reshape(NB * 4, 16, 1, R + P)
+    elif change == "head512":
+        kwargs["q"] = q8[..., :R].contiguous()
+        kwargs["k_cache"] = call.plane[..., :R].unsqueeze(-2)
+    elif change == "head_dim_v":
+        kwargs["head_dim_v"] = 576
+    elif change == "seqlens_int64":
+        kwargs["cache_seqlens"] = call.seqlens.long()
+    elif change == "splits_int64":
+        kwargs["num_splits"] = splits.long()
+    elif change == "splits_shape":
+        kwargs["num_splits"] = splits[:2].contiguous()
+    elif change == "tile_width":
+        kwargs["tile_scheduler_metadata"] = tile[:, :7].contiguous()
+    elif change == "stale_schedule":
+        kwargs["tile_scheduler_metadata"], kwargs["num_splits"] = call.schedule(
+            torch.tensor([71, 3], dtype=torch.int32)
+        )
+    elif change == "heads":
+        kwargs["k_cache"] = call.plane.view(NB, BS, 1, R + P).expand(NB, BS, 3, R + P)
+    elif change == "outside":
+        table = call.table.clone()
+        table[0, 0] = NB
+        kwargs["block_table"] = table
+    with pytest.raises(FlashOpError, match=match):
+        call.run(**kwargs)
+
+
+def test_the_fp8_schedule_is_sized_as_the_extension_plans_it() -> None:
+    """``num_sm_parts = sm_count / num_heads_k / ceil_div(num_heads_per_head_k, 64)`` (132 SMs:
+    an H100 / H200), ``num_splits`` batch + 1, both int32."""
+    lens = torch.tensor([70, 3, 9], dtype=torch.int32)
+    tile, splits = FLASHMLA.get_mla_metadata_dense_fp8(lens, 128, 1)
+    assert tile.shape == (66, 8) and tile.dtype == torch.int32
+    assert splits.shape == (4,) and splits.dtype == torch.int32
+    with pytest.raises(FlashOpError, match="kInt32"):
+        FLASHMLA.get_mla_metadata_dense_fp8(lens.long(), 128, 1)
+
+
+def test_an_fp8_layer_writes_vllms_bytes_and_makes_one_fp8_call() -> None:
+    spec, backend, batch, cache, query, kv_c, k_pe = _step(
+        [(1, 70), (1, 3), (1, 130)], kv_cache_dtype="fp8_e4m3"
+    )
+    assert cache.scale is not None and cache.joint.dtype == FP8
+    want_cache = cache.clone()
+    reference.write_latent_kv(want_cache, kv_c, k_pe, batch.slot_mapping)
+    with emulator.record_calls() as planned:
+        meta = backend.metadata_builder().build(batch)
+    assert [c.name.rsplit(".", 1)[1] for c in planned] == [
+        "get_mla_metadata",
+        "get_mla_metadata_dense_fp8",
+    ]
+    with emulator.record_calls() as calls:
+        out = backend.impl().forward(query, kv_c, k_pe, cache, meta)
+    assert [c.name for c in calls] == [
+        "vllm._custom_ops.concat_and_cache_mla",
+        "vllm.v1.attention.ops.flashmla.flash_mla_with_kvcache_fp8",
+    ]
+    write, attend = calls[0], calls[1]
+    assert write.args[4] == "fp8_e4m3" and write.args[5] is cache.scale
+    kwargs = attend.kwargs
+    assert kwargs["q"].dtype == FP8 and kwargs["q"].shape == (3, 1, H, R + P)
+    assert float(kwargs["descale_q"]) == 1.0 and torch.equal(
+        kwargs["descale_k"], cache.scale.reshape(1)
+    )
+    assert (kwargs["head_dim_v"], kwargs["causal"], kwargs["softmax_scale"]) == (
+        R,
+        True,
+        spec.scale,
+    )
+    assert cache.equal(want_cache)  # concat_and_cache_mla's bytes: fp8(x / scale), saturated
+    n = batch.num_actual_tokens
+    kernel_query = simulate_query_quantization(query[:n], "fp8_static")
+    want, _ = reference.paged_mla_absorbed(kernel_query, cache, batch, spec)
+    allowance = testing.mla_probability_allowance(
+        kernel_query, cache, batch, spec, "fp8_e4m3_unscaled"
+    )
+    assert out.dtype == torch.bfloat16
+    assert testing.mismatch(out[:n], want, TOL, allowance=allowance) is None
+    assert bool((out[n:] == 0).all())
+
+
+def test_concat_and_cache_mla_writes_the_same_fp8_bytes_into_a_uint8_cache() -> None:
+    """vLLM allocates fp8 caches as uint8 and its write reinterprets the bytes."""
+    g = testing.generator(3)
+    kv_c = torch.randn(5, R, generator=g).to(torch.bfloat16)
+    k_pe = torch.randn(5, P, generator=g).to(torch.bfloat16)
+    slots = torch.tensor([3, -1, 70, 0, 127], dtype=torch.int64)
+    scale = torch.tensor([0.125], dtype=torch.float32)
+    as_fp8 = torch.zeros(2, BS, R + P, dtype=FP8)
+    as_bytes = torch.zeros(2, BS, R + P, dtype=torch.uint8)
+    for cache in (as_fp8, as_bytes):
+        emulator.VLLM_CACHE_OPS.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8", scale)
+    assert torch.equal(as_fp8.view(torch.uint8), as_bytes)
+    entries = torch.cat([kv_c, k_pe], dim=-1)
+    assert torch.equal(as_fp8.view(-1, R + P)[70], quantize_fp8(entries[2], scale))
+    with pytest.raises(FlashOpError, match="must hold bytes"):
+        emulator.VLLM_CACHE_OPS.concat_and_cache_mla(
+            kv_c, k_pe, torch.zeros(2, BS, R + P, dtype=torch.bfloat16), slots, "fp8", scale
+        )
+    with pytest.raises(NotEmulatedError, match="fp8_e5m2"):
+        emulator.VLLM_CACHE_OPS.concat_and_cache_mla(kv_c, k_pe, as_bytes, slots, "fp8_e5m2", scale)
