@@ -2554,6 +2554,16 @@ def _flashmla_fp8_checks(
         raise _fail(op, "batch size must be positive")
     if h_k <= 0 or h_q % h_k:
         raise _fail(op, "Number of heads in key/value must divide number of heads in query")
+    scales = _flashmla_descales(op, descales, dev)
+    rows, kv_lens = _flashmla_fp8_reads(op, cache, seqlens, table, meta, splits, batch)
+    return rows, kv_lens, scales
+
+
+def _flashmla_descales(
+    op: str, descales: tuple[object, object], dev: torch.device
+) -> tuple[float, float]:
+    """``descale_q`` and ``descale_k``: required, float32 tensors of shape (1) [source:
+    dense_fp8/pybind.cpp]."""
     scales = []
     for name, d in zip(("descale_q", "descale_k"), descales, strict=True):
         if d is None:
@@ -2566,6 +2576,21 @@ def _flashmla_fp8_checks(
         if tuple(t.shape) != (1,):
             raise _fail(op, f"{name}_ must have shape (1), got {list(t.shape)}")
         scales.append(float(t))
+    return scales[0], scales[1]
+
+
+def _flashmla_fp8_reads(
+    op: str,
+    cache: torch.Tensor,
+    seqlens: torch.Tensor,
+    table: torch.Tensor,
+    meta: torch.Tensor,
+    splits: torch.Tensor,
+    batch: int,
+) -> tuple[list[list[int]], list[int]]:
+    """The shape checks of the cache, lengths, table and schedule in ``fwd_kvcache_mla_fp8``'s
+    order [source], then their reads [inferred]: (table rows, key lengths)."""
+    head_size_k = FLASHMLA_HEAD_DIM
     if cache.shape[3] != head_size_k:
         raise _fail(
             op,
@@ -2599,7 +2624,7 @@ def _flashmla_fp8_checks(
         )
     rows = table.tolist()
     _check_table(op, cache, rows, kv_lens, list(range(batch + 1)))  # all have queries
-    return rows, kv_lens, (scales[0], scales[1])
+    return rows, kv_lens
 
 
 def _flashmla_fp8_null(
