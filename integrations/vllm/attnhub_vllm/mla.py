@@ -463,7 +463,7 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             return False
         return bool(super().fused_output_quant_supported(quant_key))
 
-    def forward_mha(  # type: ignore[override]
+    def forward_mha(
         self,
         q: torch.Tensor,  # [num_prefill_tokens, H, qk_nope + rope]
         kv_c_normed: torch.Tensor,  # [num_prefill_tokens, kv_lora_rank]

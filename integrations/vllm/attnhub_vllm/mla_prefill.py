@@ -124,7 +124,7 @@ class PrefillStep:
 
     @property
     def batch(self) -> BatchMetadata:
-        return self.meta.batch  # type: ignore[no-any-return]
+        return self.meta.batch
 
 
 def prefill_batch(
@@ -187,7 +187,7 @@ def forward_expanded(
     assert route.backend is not None
     cache = route.backend.allocate_kv_cache(step.num_blocks)
     impl = route.backend.impl()
-    return impl.forward(q, k, v, cache, step.meta, output=output)  # type: ignore[no-any-return]
+    return impl.forward(q, k, v, cache, step.meta, output=output)
 
 
 def transient_bytes(spec: AttentionSpec, num_blocks: int) -> int:
