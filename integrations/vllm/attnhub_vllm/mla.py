@@ -287,6 +287,13 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             kv_cache_dtype.startswith("fp8")
             and getattr(config.attention_config, "use_prefill_query_quantization", False)
         )
+        # prefills with cached context come where chunked prefill or prefix caching is on
+        # (vLLM's CPU platform turns both off for MLA models, except with AMX_MLA): those stay
+        # vLLM's own, which reads the context from the latent cache
+        self._cached_context = bool(
+            getattr(config.scheduler_config, "enable_chunked_prefill", False)
+            or getattr(config.cache_config, "enable_prefix_caching", False)
+        )
         # vLLM's MLAAttention quantizes the decode query to fp8 for an fp8 cache where the impl
         # takes one (MLACommonImpl: True); attnhub's MLA forward takes the model-dtype query
         # over an fp8 latent (dequantized as vLLM's kernels read it), as vLLM's CPU_MLA does
@@ -352,6 +359,7 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
                 device or "cpu",
                 self.choice[1],
                 prefill_query_quantization=self._fp8_prefill,
+                cached_context=self._cached_context,
             )
             logger.info_once(
                 "attnhub-vllm: backend %r MLA prefill (forward_mha): %s",

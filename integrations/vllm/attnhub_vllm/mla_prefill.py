@@ -9,7 +9,9 @@ the key head size (docs/mla.md): keys ``[k_nope ; k_pe]`` (``qk_nope + rope`` wi
 the prefill tokens' keys and values go into a transient cache made for the step's prefills and
 dropped after the layer's call (activation memory, like vLLM's own ``k`` / ``v``; nothing kept
 between layers or steps): every prefill request in blocks of its own, its tokens at positions
-``0..query_len - 1`` (a prefill here has no cached context: :func:`context_refusal`).
+``0..query_len - 1``. A prefill here has no cached context: the route is vLLM's own where the
+engine may send one (chunked prefill or prefix caching on), and one that comes anyway is
+refused by name (:func:`context_refusal`).
 
 Which path serves a layer's prefill is decided once, when the impl binds its spec
 (:func:`prefill_route`): the attnhub backend that serves the layer's decode, for the expanded
@@ -81,12 +83,23 @@ def prefill_route(
     emulate: bool,
     *,
     prefill_query_quantization: bool = False,
+    cached_context: bool = False,
 ) -> PrefillRoute:
     """Decide once, for an MLA layer of ``spec`` whose decode ``mla_backend`` serves, who
     serves its expanded prefill: that backend for :func:`expanded_spec` (the first block size
     it serves), or vLLM's own ``forward_mha`` with the backend's reasons.
     ``prefill_query_quantization``: vLLM quantizes the prefill's query (and keys, values) to
-    fp8 (``use_prefill_query_quantization`` with an fp8 cache): not mapped, vLLM's own."""
+    fp8 (``use_prefill_query_quantization`` with an fp8 cache): not mapped, vLLM's own.
+    ``cached_context``: the engine may send prefills with cached context (chunked prefill or
+    prefix caching on, as vLLM's CPU platform leaves them with ``AMX_MLA``): vLLM's own, which
+    reads that context from the latent cache; the transient cache holds a step's tokens only."""
+    if cached_context:
+        return PrefillRoute(
+            None,
+            f"{VLLM_OWN}: prefills may come with cached context here (enable_chunked_prefill "
+            "or enable_prefix_caching is on), and the adapter's expanded prefill serves "
+            "prefills without cached context",
+        )
     if prefill_query_quantization:
         return PrefillRoute(
             None,

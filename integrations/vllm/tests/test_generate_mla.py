@@ -286,6 +286,7 @@ def test_the_adapter_logs_who_served_the_mla_prefill(
     expanded form (``torch``: keys 96, values 32) or vLLM's own ``forward_mha`` with the
     backend's reason (``cpu``: one head size for keys and values); and the run's tokens are
     vLLM's (``test_attnhub_serves_the_mla_layers_with_vllms_tokens``) either way."""
+    vllm_cpu_mla_run(model_dir, dtype, tmp_path)  # CPU_MLA's engine: no cached context
     got = attnhub_run(model_dir, attention, dtype, tmp_path)
     found = re.findall(
         rf"backend '{attention}' MLA prefill \(forward_mha\): (attnhub|vLLM's own)([^\n]*)",

@@ -108,7 +108,13 @@ class Engine:
 
 
 def _engine(
-    backend: str, dtype: str, geometry: dict[str, int], *, emulate: bool = False, block: int = 16
+    backend: str,
+    dtype: str,
+    geometry: dict[str, int],
+    *,
+    emulate: bool = False,
+    block: int = 16,
+    context: bool = False,
 ) -> Engine:
     """The adapter's MLA impl (random ``kv_b_proj``), the stand-in layer and the adapter's MLA
     builder, as vLLM builds them for one layer."""
@@ -135,6 +141,9 @@ def _engine(
         device_config=DeviceConfig(device="cpu"),
         additional_config={"attnhub": {"backend": backend, "emulate": emulate}},
     )
+    # as vLLM's CPU platform sets them for MLA models (AMX_MLA aside): no cached context
+    config.scheduler_config.enable_chunked_prefill = context
+    config.cache_config.enable_prefix_caching = context
     name = f"mla.{backend}.{dtype}.{heads}.attn"
     with set_current_vllm_config(config):
         impl = AttnhubVllmMLAImpl(
@@ -263,6 +272,20 @@ def test_a_backend_that_refuses_the_expanded_geometry_leaves_the_prefill_to_vllm
     assert "vLLM's CPU kernels take one head_dim for query, key and value" in route.why
     p = _prefill(engine)
     assert p.md.attnhub_prefill == [None]
+    got, want = _forward_mha(engine, p), _forward_mha(engine, p, vllms=True)
+    assert torch.equal(got, want)
+
+
+def test_an_engine_that_may_send_cached_context_keeps_vllms_prefill() -> None:
+    """Chunked prefill or prefix caching on (vLLM's CPU platform leaves them on with
+    ``AMX_MLA``): prefills may continue a cached sequence, so vLLM's own ``forward_mha`` (which
+    reads that context from the latent cache) serves them, with that reason."""
+    engine = _engine("torch", "float32", TINY, context=True)
+    route = engine.impl.prefill_route
+    assert route.backend is None
+    assert "prefills may come with cached context here" in route.why, route.why
+    p = _prefill(engine, ([1, 1, 5, 7, 3], [9, 4, 5, 23, 3]))  # request 3: 16 cached tokens
+    assert p.md.prefill.chunked_context is not None and not any(p.md.attnhub_prefill)
     got, want = _forward_mha(engine, p), _forward_mha(engine, p, vllms=True)
     assert torch.equal(got, want)
 
