@@ -33,9 +33,10 @@ builder ``build``         -> vLLM's ``MLACommonMetadataBuilder.build`` (its deco
                              the step's prefills built once per step by the builder). Where the
                              backend refuses that spec (``cpu``; ``ascend`` / ``flash`` for the
                              tiny model's 96 / 32), vLLM's own ``MLACommonBaseImpl.forward_mha``;
-                             decided once per layer in ``bind`` and logged with the reason. A
-                             prefill with cached context is refused (none on CPU: vLLM disables
-                             chunked prefill and prefix caching for MLA there).
+                             decided once per layer in ``bind`` and logged with the reason;
+                             vLLM's own too where prefills may come with cached context
+                             (chunked prefill or prefix caching on: ``AMX_MLA``'s engines). A
+                             prefill with cached context that comes anyway is refused by name.
 
 fp8 latent caches (vLLM ``kv_cache_dtype`` fp8 / fp8_e4m3 / fp8_e5m2): vLLM's uint8 plane viewed
 in the fp8 dtype, the layer's ``_k_scale`` as the latent's scale, the decode query in the model
