@@ -1,5 +1,6 @@
-"""vLLM v1 MLA backend that runs the decode of every MLA layer (DeepSeek-V2/V3) through an
-attnhub backend's MLA impl (the absorbed form).
+"""vLLM v1 MLA backend that runs every MLA layer (DeepSeek-V2/V3) through an attnhub backend:
+the decode through its MLA impl (the absorbed form), the prefill through its standard impl (the
+expanded form) where it serves the layer's expanded geometry.
 
 vLLM 0.32 splits an MLA layer's work between the layer and the backend's impl:
 
@@ -24,8 +25,18 @@ builder ``build``         -> vLLM's ``MLACommonMetadataBuilder.build`` (its deco
                              step), else with vLLM's slot mapping (checked per layer)
 ``forward_mqa``           -> attnhub ``MLAImpl.forward`` (q ``[B, H, kv_lora_rank + rope]``
                              -> latent output ``[B, H, kv_lora_rank]``)
-``forward_mha``           -> vLLM's own (``MLACommonBaseImpl.forward_mha``): attnhub's backends
-                             serve the absorbed form only (docs/mla.md)
+``forward_mha``           -> the same attnhub backend's standard ``AttentionImpl.forward`` for
+                             ``AttentionSpec(head_size=qk_nope + rope, head_size_v=v_head_dim,
+                             num_kv_heads=num_heads)``, causal: keys ``[k_nope ; k_pe]`` and
+                             values from ``kv_b_proj`` (vLLM's own expansion), written into a
+                             transient cache made for the call (``attnhub_vllm.mla_prefill``;
+                             the step's prefills built once per step by the builder). Where the
+                             backend refuses that spec (``cpu``; ``ascend`` / ``flash`` for the
+                             tiny model's 96 / 32), vLLM's own ``MLACommonBaseImpl.forward_mha``;
+                             decided once per layer in ``bind`` and logged with the reason;
+                             vLLM's own too where prefills may come with cached context
+                             (chunked prefill or prefix caching on: ``AMX_MLA``'s engines). A
+                             prefill with cached context that comes anyway is refused by name.
 
 fp8 latent caches (vLLM ``kv_cache_dtype`` fp8 / fp8_e4m3 / fp8_e5m2): vLLM's uint8 plane viewed
 in the fp8 dtype, the layer's ``_k_scale`` as the latent's scale, the decode query in the model
@@ -60,6 +71,7 @@ from vllm.v1.attention.backend import AttentionLayer, CommonAttentionMetadata
 from attnhub.kit import same_view
 from attnhub.mla import LatentKVCache, MLASpec
 from attnhub_vllm import dcp as dcp_
+from attnhub_vllm import mla_prefill
 from attnhub_vllm.backend import backend_for, configured_checks, configured_choice
 from attnhub_vllm.mapping import (
     MLA_KV_CACHE_DTYPES,
@@ -106,6 +118,9 @@ class AttnhubVllmMLAMetadata(MLACommonMetadata[MLACommonDecodeMetadata]):
     decode requests (None when the step has none)."""
 
     attnhub: list[Any] = field(default_factory=list)
+    #: per attnhub builder, the step's prefills in the expanded form's transient cache
+    #: (``mla_prefill.PrefillStep``; None where the layers' prefill is vLLM's own)
+    attnhub_prefill: list[Any] = field(default_factory=list)
 
 
 class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetadata]):
@@ -133,6 +148,7 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
         ctx = vllm_config.compilation_config.static_forward_context
         builders: dict[MLASpec, Any] = {}
         backends: dict[MLASpec, Any] = {}
+        prefill_builders: dict[MLASpec, Any] = {}
         checks = configured_checks(vllm_config)  # additional_config["attnhub"]["checks"]
         for name in layer_names:
             impl = ctx[name].impl
@@ -147,8 +163,15 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
                 backends[spec] = backend_for(spec, device, impl.choice)
                 builders[spec] = backends[spec].metadata_builder()
                 builders[spec].checks = checks
+                route = impl.prefill_route
+                prefill_builders[spec] = None
+                if route is not None and route.backend is not None:
+                    prefill_builders[spec] = route.backend.metadata_builder()
+                    prefill_builders[spec].checks = checks
             impl.meta_index = list(builders).index(spec)
         self._attnhub_builders = list(builders.values())
+        self._prefill_builders = list(prefill_builders.values())
+        self._device = device
         # decode context parallel: the adapter's DCP planner (attnhub_vllm.dcp, shared with
         # standard layers) over vLLM's DCP group, one DecodeContextParallel per MLA spec
         self._dcp = (
@@ -172,12 +195,23 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
                 common_attn_metadata, self.block_size, md.num_decodes, md.num_decode_tokens
             )
             md.attnhub = [b.build(batch) for b in self._attnhub_builders]
+        prefill = md.prefill
+        if prefill is not None and prefill.chunked_context is None:
+            # the step's prefills in the expanded form's transient cache, once for all layers
+            # (with cached context: none; forward_mha refuses, naming the request)
+            assert prefill.query_lens_cpu is not None
+            md.attnhub_prefill = [
+                None
+                if b is None
+                else mla_prefill.build_prefill_step(b, prefill.query_lens_cpu, self._device)
+                for b in self._prefill_builders
+            ]
         return md
 
 
 class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
-    """``MLACommonImpl`` with its decode and its latent write through attnhub; its prefill
-    (``forward_mha``) is vLLM's own."""
+    """``MLACommonImpl`` with its decode, its latent write and (where the backend serves the
+    expanded geometry: ``prefill_route``) its prefill through attnhub."""
 
     #: vLLM asks an impl for the decode's LSE only under decode context parallel; set per
     #: layer from the backend's ``Capabilities.mla.lse`` (``_declare_lse``).
@@ -246,6 +280,21 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         self._impl: Any = None
         self._cache_key: tuple[int, torch.Size] | None = None
         self._cache: LatentKVCache | None = None
+        #: who serves this layer's prefill (``forward_mha``), decided once in ``bind``
+        self.prefill_route: mla_prefill.PrefillRoute | None = None
+        # vLLM quantizes the prefill's query, keys and values to fp8 where asked (its
+        # determine_prefill_query_data_type): not mapped, that prefill stays vLLM's own
+        self._fp8_prefill = bool(
+            kv_cache_dtype.startswith("fp8")
+            and getattr(config.attention_config, "use_prefill_query_quantization", False)
+        )
+        # prefills with cached context come where chunked prefill or prefix caching is on
+        # (vLLM's CPU platform turns both off for MLA models, except with AMX_MLA): those stay
+        # vLLM's own, which reads the context from the latent cache
+        self._cached_context = bool(
+            getattr(config.scheduler_config, "enable_chunked_prefill", False)
+            or getattr(config.cache_config, "enable_prefix_caching", False)
+        )
         # vLLM's MLAAttention quantizes the decode query to fp8 for an fp8 cache where the impl
         # takes one (MLACommonImpl: True); attnhub's MLA forward takes the model-dtype query
         # over an fp8 latent (dequantized as vLLM's kernels read it), as vLLM's CPU_MLA does
@@ -305,6 +354,19 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             raise AttnhubConfigurationError(refusal)
         if spec != self.spec:
             self.spec, self._impl, self._cache_key = spec, None, None
+            self.prefill_route = mla_prefill.prefill_route(
+                backend,
+                spec,
+                device or "cpu",
+                self.choice[1],
+                prefill_query_quantization=self._fp8_prefill,
+                cached_context=self._cached_context,
+            )
+            logger.info_once(
+                "attnhub-vllm: backend %r MLA prefill (forward_mha): %s",
+                backend.name,
+                self.prefill_route.why,
+            )
         return spec
 
     # --- per layer, per step -------------------------------------------------------------
@@ -400,3 +462,51 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             return meta.partial(q, cache)
         out = impl.forward(q, None, None, cache, meta)
         return out, None
+
+    # --- the prefill ---------------------------------------------------------------------
+    def fused_output_quant_supported(self, quant_key: Any) -> bool:
+        """vLLM's fused fp8 / fp4 output of the prefill: only where the prefill is vLLM's own
+        (attnhub's expanded prefill writes the model dtype)."""
+        route = self.prefill_route
+        if route is not None and route.backend is not None:
+            return False
+        return bool(super().fused_output_quant_supported(quant_key))
+
+    def forward_mha(
+        self,
+        q: torch.Tensor,  # [num_prefill_tokens, H, qk_nope + rope]
+        kv_c_normed: torch.Tensor,  # [num_prefill_tokens, kv_lora_rank]
+        k_pe: torch.Tensor,  # [num_prefill_tokens, 1, rope]
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: AttnhubVllmMLAMetadata,
+        k_scale: torch.Tensor,
+        output: torch.Tensor,  # [num_prefill_tokens, H * v_head_dim]
+        output_scale: torch.Tensor | None = None,
+    ) -> None:
+        """The prefill tokens' expanded attention: keys ``[k_nope ; k_pe]`` and values from
+        ``kv_b_proj`` (the tensors vLLM's own ``forward_mha`` makes), through the attnhub
+        backend's standard impl where ``bind`` routed it there (``mla_prefill``), else
+        vLLM's own ``forward_mha``."""
+        route = self.prefill_route
+        if route is None or route.backend is None:
+            super().forward_mha(
+                q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+                output_scale,
+            )  # fmt: skip
+            return
+        prefill = attn_metadata.prefill
+        assert prefill is not None
+        mla_prefill.context_refusal(prefill, attn_metadata.num_decodes, route.backend.name)
+        if output_scale is not None:  # fused_output_quant_supported said no
+            raise AttnhubConfigurationError(
+                "attnhub-vllm: a fused quantized output of the MLA prefill is not mapped"
+            )
+        step = attn_metadata.attnhub_prefill[self.meta_index]
+        # vLLM's own expansion (MLACommonBaseImpl.forward_mha): the same k and v
+        kv_nope = self.kv_b_proj(kv_c_normed)[0].view(
+            -1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim
+        )
+        k_nope, v = kv_nope.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = self._concat_k_nope_k_pe(k_nope, k_pe)
+        out = output.view(-1, self.num_heads, self.v_head_dim)
+        mla_prefill.forward_expanded(route, q, k, v, step, out)

@@ -1,7 +1,9 @@
 """End to end, MLA: a real vLLM engine runs a tiny DeepSeek-V2 (random weights, written locally
 by ``vllm_generate.write_tiny_deepseek_v2``) through vLLM's own CPU MLA backend and through
 attnhub's MLA backend for vLLM (``attnhub_vllm.mla``: the decode through attnhub's absorbed
-form over vLLM's own latent cache plane, the prefill through vLLM's own ``forward_mha``).
+form over vLLM's own latent cache plane, the prefill through the same attnhub backend's
+standard impl in the expanded form where it serves the layer's 96 / 32 geometry, else vLLM's
+own ``forward_mha``: ``attnhub_vllm.mla_prefill``).
 
 vLLM's own run (float32 and bfloat16):
 - completes with the backend vLLM selects on this CPU (``CPU_MLA``; ``AMX_MLA`` with AMX), as
@@ -17,7 +19,9 @@ in bfloat16, emulated), against vLLM's ``CPU_MLA`` at block 16:
 - every MLA layer runs attnhub's backend class, through the attnhub backend asked for;
 - the same greedy tokens under the project's criterion (``test_generate``: identical in
   float32; in bfloat16 identical up to a near-tie, logprobs within ``BF16_LOGPROB_TOL``);
-- the KV bytes per layer equal vLLM's, and the adapter measured 0 bytes beside them.
+- the KV bytes per layer equal vLLM's, and the adapter measured 0 bytes beside them;
+- who served the prefill, as the adapter logs it: attnhub for ``torch``, vLLM's own with the
+  backend's reason elsewhere (``cpu``: one head size for keys and values).
 
 A backend that declares no MLA is refused at engine start with its reason (vLLM errors; it
 does not fall back to its own MLA backend).
@@ -31,6 +35,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -229,7 +234,7 @@ def test_attnhub_serves_the_mla_layers_with_vllms_tokens(
     # the same batches: decodes first, the same requests' query lengths in every step
     assert [s["query_lens"] for s in got["steps"]] == [s["query_lens"] for s in ref["steps"]]
     mixed = [s for s in ref["steps"] if 1 in s["query_lens"] and max(s["query_lens"]) > 1]
-    assert mixed, "no step mixed decodes (attnhub) and prefills (vLLM's forward_mha)"
+    assert mixed, "no step mixed decodes (forward_mqa) and prefills (forward_mha)"
     n = len(ref["token_ids"])
     if dtype == "float32":
         assert got["token_ids"] == ref["token_ids"]
@@ -258,6 +263,47 @@ def test_attnhub_mla_works_in_vllms_latent_cache_with_no_extra_bytes(
     assert found, got["log"][-3000:]
     assert int(found[1]) == ref["attention_layers"][0]["bytes"]
     assert int(found[2]) == 0
+
+
+def _prefill_route(attention: str, dtype: str) -> Any:
+    """The adapter's decision for the tiny model's prefill on backend ``attention``
+    (``mla_prefill.prefill_route``, as the impl takes it at construction)."""
+    from attnhub_vllm.mla_prefill import prefill_route
+
+    import attnhub
+
+    emulate = attention not in ("torch", "cpu")
+    spec = spec_for(DTYPES[dtype], 16)
+    backend = attnhub.select_backend(spec, "cpu", prefer=attention, emulate=emulate)
+    return prefill_route(backend, spec, "cpu", emulate)
+
+
+@pytest.mark.parametrize(("attention", "dtype"), ATTNHUB_RUNS)
+def test_the_adapter_logs_who_served_the_mla_prefill(
+    model_dir: str, tmp_path: Path, attention: str, dtype: str
+) -> None:
+    """Every run's prefill path is logged once, at engine start (never a silent path): attnhub's
+    expanded form (``torch``: keys 96, values 32) or vLLM's own ``forward_mha`` with the
+    backend's reason (``cpu``: one head size for keys and values); and the run's tokens are
+    vLLM's (``test_attnhub_serves_the_mla_layers_with_vllms_tokens``) either way."""
+    vllm_cpu_mla_run(model_dir, dtype, tmp_path)  # CPU_MLA's engine: no cached context
+    got = attnhub_run(model_dir, attention, dtype, tmp_path)
+    found = re.findall(
+        rf"backend '{attention}' MLA prefill \(forward_mha\): (attnhub|vLLM's own)([^\n]*)",
+        got["log"],
+    )
+    assert found, got["log"][-3000:]
+    assert len(set(found)) == 1, found  # one decision for the model's layers
+    served, detail = found[0]
+    route = _prefill_route(attention, dtype)
+    assert served == ("attnhub" if route.backend is not None else "vLLM's own"), found
+    if attention == "torch":
+        assert served == "attnhub", found
+        assert "head_size 96, head_size_v 32" in detail, detail
+    if attention == "cpu":
+        assert served == "vLLM's own", found
+        assert "vLLM's CPU kernels take one head_dim for query, key and value" in got["log"]
+    print(f"\nMLA {attention} {dtype}: prefill {served}{detail[:120]}")
 
 
 def _backend_without_mla() -> tuple[str, str] | None:
