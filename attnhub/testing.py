@@ -25,7 +25,7 @@ import functools
 import math
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,6 +54,7 @@ __all__ = [
     "FP8_TEST_SCALES",
     "ROUNDING_FLOORS",
     "TOLERANCE_CAPS",
+    "MLAStep",
     "accuracy",
     "accuracy_mismatch",
     "alibi_slopes",
@@ -79,6 +80,7 @@ __all__ = [
     "random_kv",
     "random_latent_kv",
     "random_mla_query",
+    "random_mla_step",
     "random_mla_weights",
     "random_qkv",
     "random_sinks",
@@ -332,6 +334,45 @@ def fill_latent_cache_random(
 
 
 # --- inputs -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLAStep:
+    """One random MLA step for a backend: its batch, a latent cache of the backend's layout
+    filled with random context and stale data, and the step's absorbed query and new latents
+    (one row per token, the padding rows included)."""
+
+    batch: BatchMetadata
+    cache: LatentKVCache
+    query: torch.Tensor  # [num_tokens, H, kv_lora_rank + rope]
+    kv_c: torch.Tensor  # [num_tokens, kv_lora_rank]
+    k_pe: torch.Tensor  # [num_tokens, rope]
+
+
+def random_mla_step(
+    backend: AttentionBackend,
+    requests: Sequence[tuple[int, int]],  # (query_len, seq_len) per request
+    *,
+    seed: int | torch.Generator = 9,
+    padding: int = 2,
+) -> MLAStep:
+    """A step of ``requests`` over a shuffled block table for an MLA ``backend`` (its spec, its
+    cache layout), with ``padding`` rows past the real tokens."""
+    from attnhub.mla import LatentKVCache, MLASpec
+
+    spec = backend.spec
+    assert isinstance(spec, MLASpec)
+    g = _as_generator(seed)
+    query_lens, seq_lens = [q for q, _ in requests], [s for _, s in requests]
+    batch, nb = make_batch(
+        query_lens, seq_lens, spec.block_size, seed=g, num_tokens=sum(query_lens) + padding
+    )
+    cache = backend.allocate_kv_cache(nb + 1)
+    assert isinstance(cache, LatentKVCache)
+    fill_latent_cache_random(cache, g)
+    kv_c, k_pe = random_latent_kv(spec, batch.num_tokens, g)
+    query = random_mla_query(spec, batch.num_tokens, g)
+    return MLAStep(batch, cache, query, kv_c, k_pe)
 
 
 def random_mla_weights(

@@ -65,3 +65,27 @@ def test_random_weights_and_queries_give_the_forms_one_answer() -> None:
     assert testing.random_mla_query(s, 2, g).shape == (2, 3, s.latent_size)
     with pytest.raises(InvalidInputError, match="form = 'latent'"):
         testing.random_mla_query(s, 2, g, form="latent")
+
+
+def test_random_mla_step_is_a_step_of_the_backends_spec_and_layout_drawn_from_its_seed() -> None:
+    import attnhub
+
+    backend = attnhub.get_backend("torch")(spec(dtype=torch.float32), "cpu")
+    requests = [(1, 9), (3, 3), (2, 7)]
+    step = testing.random_mla_step(backend, requests, seed=4, padding=3)
+    batch = step.batch
+    assert batch.query_start_loc.tolist() == [0, 1, 4, 6] and batch.seq_lens.tolist() == [9, 3, 7]
+    assert batch.num_actual_tokens == 6 and batch.num_tokens == 9
+    assert step.cache.layout in backend.capabilities.mla.layouts
+    assert step.query.shape == (9, 3, 24) and step.kv_c.shape == (9, 16)
+    assert step.k_pe.shape == (9, 8) and step.query.dtype == torch.float32
+    # the cache covers every block the table names, and is filled (no zero plane)
+    assert int(batch.block_table.max()) < step.cache.num_blocks
+    assert bool(step.cache.kv_c.abs().sum() > 0) and bool(step.cache.k_pe.abs().sum() > 0)
+    again = testing.random_mla_step(backend, requests, seed=4, padding=3)
+    assert torch.equal(again.query, step.query) and again.cache.equal(step.cache)
+    other = testing.random_mla_step(backend, requests, seed=5, padding=3)
+    assert not torch.equal(other.query, step.query)
+    # the reference runs the step (the helper's shapes are what it takes)
+    out, _ = reference.paged_mla_absorbed(step.query, step.cache, batch, backend.spec)
+    assert out.shape == (6, 3, 16)

@@ -291,20 +291,9 @@ def _step(
 ) -> tuple[Any, ...]:
     spec = mla_spec(dtype=dtype)
     backend = backend_type(spec, "cpu", emulate=True)
-    g = testing.generator(9)
-    batch, nb = testing.make_batch(
-        [q for q, _ in requests],
-        [s for _, s in requests],
-        spec.block_size,
-        seed=g,
-        num_tokens=sum(q for q, _ in requests) + 2,
-    )
-    cache = backend.allocate_kv_cache(nb + 1)
-    assert isinstance(cache, LatentKVCache) and cache.layout == "split"
-    testing.fill_latent_cache_random(cache, g)
-    kv_c, k_pe = testing.random_latent_kv(spec, batch.num_tokens, g)
-    query = testing.random_mla_query(spec, batch.num_tokens, g)
-    return spec, backend, batch, cache, query, kv_c, k_pe
+    step = testing.random_mla_step(backend, requests)
+    assert step.cache.layout == "split"
+    return spec, backend, step.batch, step.cache, step.query, step.kv_c, step.k_pe
 
 
 @pytest.mark.parametrize("backend_type", [AscendBackend, ReshapeAndCacheBackend])

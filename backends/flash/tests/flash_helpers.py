@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from attnhub_flash import BACKENDS, FlashBackend
 
-from attnhub import AttentionSpec, BatchMetadata, PagedKVCache, reference, testing
+from attnhub import AttentionSpec, BatchMetadata, MLASpec, PagedKVCache, reference, testing
 
 PROVIDERS = tuple(BACKENDS)
 #: the smallest block size each provider's paged kernels take
@@ -27,6 +27,17 @@ def spec(provider: str = "vllm", **changes: object) -> AttentionSpec:
     )
     fields.update(changes)
     return AttentionSpec(**fields)  # type: ignore[arg-type]
+
+
+def mla_spec(**changes: object) -> MLASpec:
+    """DeepSeek's MLA geometry (kv_lora_rank 512, rope 64, qk_nope / v head 128), 4 heads,
+    bfloat16, block 16; ``changes`` replace any field."""
+    fields: dict[str, object] = dict(
+        num_heads=4, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, dtype=torch.bfloat16, block_size=16,
+    )  # fmt: skip
+    fields.update(changes)
+    return MLASpec(**fields)  # type: ignore[arg-type]
 
 
 def backend(provider: str = "vllm", s: AttentionSpec | None = None) -> FlashBackend:

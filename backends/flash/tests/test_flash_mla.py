@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import flash_helpers
 import pytest
 import torch
 from attnhub_flash import BACKENDS, emulator
@@ -27,17 +28,7 @@ FA3_MLA_PROVIDERS = ("vllm-fa3", "fa3")
 
 
 def mla_spec(**changes: Any) -> MLASpec:
-    fields: dict[str, Any] = dict(
-        num_heads=H,
-        kv_lora_rank=R,
-        qk_rope_head_dim=P,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        dtype=torch.bfloat16,
-        block_size=BS,
-    )
-    fields.update(changes)
-    return MLASpec(**fields)
+    return flash_helpers.mla_spec(**{"block_size": BS, **changes})
 
 
 class Call:
@@ -265,20 +256,9 @@ def test_a_padded_batch_value_query_is_not_emulated() -> None:
 def _step(provider: str, requests: list[tuple[int, int]], **changes: Any) -> tuple[Any, ...]:
     spec = mla_spec(**changes)
     backend = BACKENDS[provider](spec, "cpu", emulate=True)
-    g = testing.generator(9)
-    batch, nb = testing.make_batch(
-        [q for q, _ in requests],
-        [s for _, s in requests],
-        spec.block_size,
-        seed=g,
-        num_tokens=sum(q for q, _ in requests) + 2,
-    )
-    cache = backend.allocate_kv_cache(nb + 1)
-    assert isinstance(cache, LatentKVCache) and cache.layout == "joint"
-    testing.fill_latent_cache_random(cache, g)
-    kv_c, k_pe = testing.random_latent_kv(spec, batch.num_tokens, g)
-    query = testing.random_mla_query(spec, batch.num_tokens, g)
-    return spec, backend, batch, cache, query, kv_c, k_pe
+    step = testing.random_mla_step(backend, requests)
+    assert step.cache.layout == "joint"
+    return spec, backend, step.batch, step.cache, step.query, step.kv_c, step.k_pe
 
 
 CALLS = {  # fa3 has no write op: its write is the kit's scatter
