@@ -198,23 +198,57 @@ def decode_batch(
 
 
 def latent_cache(
-    kv_cache: torch.Tensor, spec: MLASpec, scale: torch.Tensor | None = None
+    kv_cache: torch.Tensor,
+    spec: MLASpec,
+    scale: torch.Tensor | None = None,
+    layout: str = "joint",
 ) -> LatentKVCache:
     """attnhub's latent cache over vLLM's MLA cache tensor of one layer, ``[num_blocks,
-    block_size, kv_lora_rank + qk_rope_head_dim]`` (``MLAAttention.kv_cache``): the "joint"
-    layout, as it is (no copy: ``LatentKVCache.from_joint``). An fp8 spec: vLLM's uint8 (or
-    ``float8_e4m3fn``, as ``MLAAttention.forward_impl`` views it whatever the fp8 format) plane
-    viewed in the spec's fp8 dtype (the same bytes), ``scale`` the layer's ``_k_scale`` (a
-    float32 scalar, shared: vLLM's calibrated value as it is now)."""
-    if not KV_CACHE_FORMATS[spec.kv_cache_dtype].is_quantized:
-        return LatentKVCache.from_joint(kv_cache, spec.kv_lora_rank)
-    storage = _latent_storage(spec)
-    if kv_cache.dtype != storage and kv_cache.element_size() == storage.itemsize:
-        kv_cache = kv_cache.view(storage)
-    if scale is not None and scale.dim() != 0 and scale.numel() == 1:
-        scale = scale.view(())  # vLLM's _k_scale: a one-element float32 tensor
-    return LatentKVCache.from_joint(
-        kv_cache, spec.kv_lora_rank, kv_cache_dtype=spec.kv_cache_dtype, scale=scale
+    block_size, kv_lora_rank + qk_rope_head_dim]`` (``MLAAttention.kv_cache``), no copy:
+
+    - ``layout`` "joint": vLLM's plane as it is (``LatentKVCache.from_joint``), what vLLM's own
+      kernels read;
+    - ``layout`` "split": the same memory reinterpreted as two dense planes, every block's
+      ``kv_c`` [num_blocks, block_size, kv_lora_rank] first, then every block's ``k_pe``
+      [num_blocks, block_size, qk_rope_head_dim] (for backends whose kernels read the nope and
+      rope parts apart: ``ascend``). Page ``b`` of vLLM's tensor then no longer holds block
+      ``b``'s latents in vLLM's joint layout, so nothing in vLLM may read it as such
+      (:func:`mla_layout_refusal` says when that holds).
+
+    An fp8 spec: vLLM's uint8 (or ``float8_e4m3fn``, as ``MLAAttention.forward_impl`` views it
+    whatever the fp8 format) plane viewed in the spec's fp8 dtype (the same bytes), ``scale``
+    the layer's ``_k_scale`` (a float32 scalar, shared: vLLM's calibrated value as it is now)."""
+    quantized = KV_CACHE_FORMATS[spec.kv_cache_dtype].is_quantized
+    if quantized:
+        storage = _latent_storage(spec)
+        if kv_cache.dtype != storage and kv_cache.element_size() == storage.itemsize:
+            kv_cache = kv_cache.view(storage)
+        if scale is not None and scale.dim() != 0 and scale.numel() == 1:
+            scale = scale.view(())  # vLLM's _k_scale: a one-element float32 tensor
+    else:
+        scale = None
+    kv = spec.kv_cache_dtype if quantized else "auto"
+    if layout == "joint":
+        return LatentKVCache.from_joint(kv_cache, spec.kv_lora_rank, kv_cache_dtype=kv, scale=scale)
+    if layout != "split":
+        raise AttnhubConfigurationError(f"latent layout {layout!r} is not 'joint' or 'split'")
+    num_blocks, n = int(kv_cache.shape[0]), int(kv_cache.shape[1])
+    r, rope = spec.kv_lora_rank, spec.qk_rope_head_dim
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != r + rope or not kv_cache.is_contiguous():
+        raise AttnhubConfigurationError(
+            f"attnhub-vllm carves split latent planes from vLLM's MLA cache only where it is "
+            f"one dense [num_blocks, block_size, {r + rope}] run; got shape "
+            f"{list(kv_cache.shape)}, strides {kv_cache.stride()}"
+        )
+    flat = kv_cache.view(-1)
+    edge = num_blocks * n * r
+    return LatentKVCache(
+        kv_c=flat[:edge].view(num_blocks, n, r),
+        k_pe=flat[edge:].view(num_blocks, n, rope),
+        block_size=n,
+        layout="split",
+        kv_cache_dtype=kv,
+        scale=scale,
     )
 
 
@@ -224,19 +258,88 @@ def _latent_storage(spec: MLASpec) -> torch.dtype:
     return storage
 
 
-def mla_layout_refusal(backend: str, layouts: tuple[str, ...]) -> str | None:
+def prefill_context_sources(vllm_config: Any) -> list[str]:
+    """What in vLLM's engine config (a ``VllmConfig``, read duck-typed) can give a prefill a
+    cached context, which vLLM's own ``forward_mha`` gathers from the layer's cache in the
+    joint layout (``_compute_prefill_context``, run when the step's
+    ``prefill.chunked_context`` is set), or anything else in vLLM that reads or moves the
+    cache's pages by block id; [] when the config rules all of it out. vLLM's CPU platform
+    turns chunked prefill and prefix caching off for MLA models wherever it does not pick
+    ``AMX_MLA`` (``CpuPlatform.check_and_update_config``): there this is []. A setting the
+    config does not have counts as on."""
+    reasons = []
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(scheduler, "enable_chunked_prefill", True):
+        reasons.append(
+            "chunked prefill is on (a prompt's later chunks attend to its earlier ones in the "
+            "cache)"
+        )
+    if getattr(cache, "enable_prefix_caching", True):
+        reasons.append("prefix caching is on (a prompt's cached prefix is its context)")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        reasons.append(
+            "speculative decoding is on (a step's several tokens per request over its cached "
+            "context can run as a prefill)"
+        )
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        reasons.append(
+            "a KV connector is configured (it loads a prompt's context into the cache and "
+            "moves pages by block id)"
+        )
+    if getattr(cache, "kv_offloading_size", None):
+        reasons.append("KV offloading is on (it moves pages by block id)")
+    return reasons
+
+
+def mla_layout_refusal(
+    backend: str, layouts: tuple[str, ...], prefill_context: list[str] | None = None
+) -> str | None:
     """Why the adapter cannot run backend ``backend``'s MLA kernels, which read latent caches
-    in ``layouts`` (``Capabilities.mla.layouts``), or None: the adapter keeps the latents in
-    vLLM's own plane, the "joint" layout, because vLLM's ``forward_mha`` reads a prefill's
-    context from that plane too; latents kept elsewhere (split planes carved from it, or a
-    cache of the backend's own) would not be what vLLM reads."""
+    in ``layouts`` (``Capabilities.mla.layouts``), or None. The adapter keeps the latents in
+    vLLM's own per-layer cache memory, no copy: as vLLM's joint plane where the backend reads
+    "joint"; else, for a backend that reads "split" planes, as the two planes carved from that
+    memory in place (:func:`latent_cache`), which is sound only while nothing in vLLM reads the
+    memory in the joint layout: vLLM does so in ``forward_mha``'s context gather (a prefill
+    with cached context). ``prefill_context``: what in the engine config can give a prefill
+    a cached context (:func:`prefill_context_sources`; None: unknown, i.e. possible); the
+    split planes are allowed exactly when it is []."""
     if "joint" in layouts:
         return None
-    return (
-        f"attnhub-vllm serves MLA layers in vLLM's own latent cache plane (layout 'joint', "
-        f"which vLLM's prefill reads too); backend {backend!r} reads latent layouts "
-        f"{', '.join(layouts)} only"
+    if "split" not in layouts:
+        return (
+            f"attnhub-vllm serves MLA layers in vLLM's own latent cache memory, as its joint "
+            f"plane or as split planes carved from it in place; backend {backend!r} reads "
+            f"latent layouts {', '.join(layouts)} only"
+        )
+    if prefill_context == []:
+        return None
+    why = (
+        "; ".join(prefill_context)
+        if prefill_context
+        else "the engine config is unknown, so a prefill may have cached context"
     )
+    return (
+        f"attnhub-vllm serves MLA layers in vLLM's own latent cache memory; backend "
+        f"{backend!r} reads latent layouts {', '.join(layouts)} only, and split planes carved "
+        f"in place from vLLM's joint plane are sound only while vLLM never reads that memory "
+        f"as its joint plane, which its prefill does over cached context (forward_mha's "
+        f"context gather); this engine can give a prefill cached context: {why}"
+    )
+
+
+def refuse_split_prefill_context(split_layers: list[str], prefill: Any) -> None:
+    """Raise where a step's prefill metadata (vLLM's ``MLACommonMetadata.prefill``, read
+    duck-typed) has cached context (``chunked_context``: vLLM's ``forward_mha`` will gather it
+    from the cache in the joint layout) while ``split_layers`` keep split latent planes in
+    vLLM's memory; the engine config rules this out where those layers were allowed
+    (:func:`mla_layout_refusal`), so this only stops a step that comes anyway."""
+    if split_layers and getattr(prefill, "chunked_context", None) is not None:
+        raise AttnhubConfigurationError(
+            f"attnhub-vllm: a prefill with cached context in a step of MLA layers "
+            f"{', '.join(split_layers)}, whose latents are split planes in vLLM's memory "
+            "(vLLM's forward_mha would read that context as its joint plane)"
+        )
 
 
 def real_requests(cm: Any) -> int:

@@ -19,8 +19,12 @@ vLLM tier                 -> attnhub
 builder ``build``         -> vLLM's ``MLACommonMetadataBuilder.build`` (its decode/prefill
                              split and prefill metadata), plus the attnhub builder's
                              ``build`` of the decode requests (``BatchMetadata`` of them)
-``do_kv_cache_update``    -> attnhub ``MLAImpl.write_kv`` into ``LatentKVCache.from_joint``
-                             over vLLM's own cache plane (no copy, no extra bytes): with the
+``do_kv_cache_update``    -> attnhub ``MLAImpl.write_kv`` into ``mapping.latent_cache`` of
+                             vLLM's own cache tensor (no copy, no extra bytes): its joint
+                             plane, or for a backend reading split planes only (ascend) the
+                             kv_c then k_pe planes carved in place, allowed only where the
+                             engine config gives no prefill cached context (vLLM's
+                             forward_mha reads it in the joint layout): with the
                              step's metadata in a decode-only step (slots checked once per
                              step), else with vLLM's slot mapping (checked per layer)
 ``forward_mqa``           -> attnhub ``MLAImpl.forward`` (q ``[B, H, kv_lora_rank + rope]``
@@ -81,6 +85,8 @@ from attnhub_vllm.mapping import (
     latent_cache,
     mla_layout_refusal,
     mla_spec_from_vllm,
+    prefill_context_sources,
+    refuse_split_prefill_context,
 )
 
 logger = init_logger("vllm.attnhub_vllm")
@@ -149,6 +155,7 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
         builders: dict[MLASpec, Any] = {}
         backends: dict[MLASpec, Any] = {}
         prefill_builders: dict[MLASpec, Any] = {}
+        split: list[str] = []  # layers whose latents are split planes carved in vLLM's memory
         checks = configured_checks(vllm_config)  # additional_config["attnhub"]["checks"]
         for name in layer_names:
             impl = ctx[name].impl
@@ -169,6 +176,9 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
                     prefill_builders[spec] = route.backend.metadata_builder()
                     prefill_builders[spec].checks = checks
             impl.meta_index = list(builders).index(spec)
+            if impl.layout != "joint":
+                split.append(name)
+        self._split_layers = split
         self._attnhub_builders = list(builders.values())
         self._prefill_builders = list(prefill_builders.values())
         self._device = device
@@ -187,6 +197,9 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
         fast_build: bool = False,
     ) -> AttnhubVllmMLAMetadata:
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        # the config ruled this out (mla_layout_refusal): refuse rather than let vLLM's
+        # forward_mha read split planes as its joint plane, should it come anyway
+        refuse_split_prefill_context(self._split_layers, md.prefill)
         if md.num_decodes and self._dcp is not None:  # every rank: the decodes' shard plan
             decodes = (md.num_decodes, md.num_decode_tokens)
             _, md.attnhub = self._dcp.plan(common_attn_metadata, False, decodes)
@@ -280,6 +293,11 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         self._impl: Any = None
         self._cache_key: tuple[int, torch.Size] | None = None
         self._cache: LatentKVCache | None = None
+        # the latent layout in vLLM's memory ("joint": vLLM's plane; "split": the backend's two
+        # planes carved in place, allowed only where this engine's config gives no prefill a
+        # cached context, which vLLM's forward_mha would read in the joint layout)
+        self.layout = "joint"
+        self._prefill_context = prefill_context_sources(config)
         #: who serves this layer's prefill (``forward_mha``), decided once in ``bind``
         self.prefill_route: mla_prefill.PrefillRoute | None = None
         # vLLM quantizes the prefill's query, keys and values to fp8 where asked (its
@@ -288,13 +306,11 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             kv_cache_dtype.startswith("fp8")
             and getattr(config.attention_config, "use_prefill_query_quantization", False)
         )
-        # prefills with cached context come where chunked prefill or prefix caching is on
-        # (vLLM's CPU platform turns both off for MLA models, except with AMX_MLA): those stay
-        # vLLM's own, which reads the context from the latent cache
-        self._cached_context = bool(
-            getattr(config.scheduler_config, "enable_chunked_prefill", False)
-            or getattr(config.cache_config, "enable_prefix_caching", False)
-        )
+        # prefills with cached context come where the config has a source of it (chunked
+        # prefill, prefix caching, ...: vLLM's CPU platform turns the first two off for MLA
+        # models, except with AMX_MLA): those stay vLLM's own, which reads the context from the
+        # latent cache
+        self._cached_context = bool(self._prefill_context)
         # vLLM's MLAAttention quantizes the decode query to fp8 for an fp8 cache where the impl
         # takes one (MLACommonImpl: True); attnhub's MLA forward takes the model-dtype query
         # over an fp8 latent (dequantized as vLLM's kernels read it), as vLLM's CPU_MLA does
@@ -349,11 +365,13 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         if device is None:
             device = get_current_vllm_config().device_config.device
         backend = backend_for(spec, device or "cpu", self.choice)  # raises with its reasons
-        refusal = mla_layout_refusal(backend.name, tuple(backend.capabilities.mla.layouts))
+        layouts = tuple(backend.capabilities.mla.layouts)
+        refusal = mla_layout_refusal(backend.name, layouts, self._prefill_context)
         if refusal is not None:
             raise AttnhubConfigurationError(refusal)
-        if spec != self.spec:
-            self.spec, self._impl, self._cache_key = spec, None, None
+        layout = "joint" if "joint" in layouts else "split"
+        if spec != self.spec or layout != self.layout:
+            self.spec, self.layout, self._impl, self._cache_key = spec, layout, None, None
             self.prefill_route = mla_prefill.prefill_route(
                 backend,
                 spec,
@@ -382,13 +400,15 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         key = (kv_cache.data_ptr(), kv_cache.shape)
         if key != self._cache_key:
             assert self.spec is not None
-            self._cache, self._cache_key = latent_cache(kv_cache, self.spec, k_scale), key
+            self._cache = latent_cache(kv_cache, self.spec, k_scale, self.layout)
+            self._cache_key = key
             logger.info_once(
                 "attnhub-vllm: backend %r MLA KV cache per layer: %d bytes in vLLM's tensor, "
-                "%d bytes extra",
+                "%d bytes extra (latent layout %r)",
                 impl.backend.name,
                 kv_cache.numel() * kv_cache.element_size(),
                 extra_kv_bytes(self._cache, kv_cache),
+                self.layout,
             )
         assert self._cache is not None
         return self._cache

@@ -20,6 +20,8 @@ from attnhub_vllm.mapping import (
     latent_cache,
     mla_layout_refusal,
     mla_spec_from_vllm,
+    prefill_context_sources,
+    refuse_split_prefill_context,
     spec_from_vllm,
 )
 
@@ -464,12 +466,92 @@ def test_latent_cache_is_vllms_joint_plane_itself() -> None:
     assert extra_kv_bytes(own, plane) == 3 * 16 * 576 * 4
 
 
-def test_mla_backends_must_read_vllms_joint_plane() -> None:
-    """vLLM's own prefill reads the joint plane: a backend reading split planes only is refused
-    (naming it and its layouts), not served from a copy vLLM would not see."""
-    assert mla_layout_refusal("torch", ("joint", "split")) is None
-    why = mla_layout_refusal("npu", ("split",))
-    assert why is not None and "'npu'" in why and "split only" in why
+def test_mla_backends_reading_split_planes_only_need_an_engine_without_prefill_context() -> None:
+    """vLLM's own prefill reads a prefill's cached context from the joint plane: a backend
+    reading split planes only is served in place exactly when the engine config gives no
+    prefill cached context (``[]``); otherwise (or the config unknown) refused, naming the
+    backend, its layouts and what in the config gives a prefill context."""
+    for context in (None, [], ["chunked prefill is on"]):
+        assert mla_layout_refusal("torch", ("joint", "split"), context) is None
+    assert mla_layout_refusal("npu", ("split",), []) is None
+    why = mla_layout_refusal("npu", ("split",), ["prefix caching is on (...)", "another"])
+    assert why is not None and "'npu' reads latent layouts split only" in why
+    assert "prefix caching is on (...); another" in why
+    unknown = mla_layout_refusal("npu", ("split",))
+    assert unknown is not None and "config is unknown" in unknown
+    assert mla_layout_refusal("npu", ("paged",), []) is not None  # neither layout
+
+
+def test_a_step_with_prefill_context_is_refused_where_latents_are_split() -> None:
+    """The builder's guard: vLLM's prefill metadata with a chunked context (forward_mha will
+    gather it from the joint plane) over split layers is refused; without split layers, or
+    without context, the step goes on."""
+    with_context = SimpleNamespace(chunked_context=object())
+    with pytest.raises(AttnhubConfigurationError, match=r"layers model\.layers\.0\.attn"):
+        refuse_split_prefill_context(["model.layers.0.attn"], with_context)
+    refuse_split_prefill_context([], with_context)
+    refuse_split_prefill_context(["model.layers.0.attn"], SimpleNamespace(chunked_context=None))
+    refuse_split_prefill_context(["model.layers.0.attn"], None)  # a step without prefills
+
+
+def _engine_config(**over: object) -> SimpleNamespace:
+    """A VllmConfig look-alike as vLLM's CPU platform leaves it for an MLA model."""
+    fields = dict(
+        scheduler_config=SimpleNamespace(enable_chunked_prefill=False),
+        cache_config=SimpleNamespace(enable_prefix_caching=False, kv_offloading_size=None),
+        speculative_config=None,
+        kv_transfer_config=None,
+    )
+    return SimpleNamespace(**(fields | over))
+
+
+@pytest.mark.parametrize(
+    ("over", "named"),
+    [
+        ({"scheduler_config": SimpleNamespace(enable_chunked_prefill=True)}, "chunked prefill"),
+        (
+            {"cache_config": SimpleNamespace(enable_prefix_caching=True, kv_offloading_size=0)},
+            "prefix caching",
+        ),
+        ({"speculative_config": object()}, "speculative decoding"),
+        ({"kv_transfer_config": object()}, "KV connector"),
+        (
+            {"cache_config": SimpleNamespace(enable_prefix_caching=False, kv_offloading_size=4)},
+            "KV offloading",
+        ),
+        ({"scheduler_config": SimpleNamespace()}, "chunked prefill"),  # not said: counted on
+    ],
+)
+def test_prefill_context_sources_name_each_setting(over: dict, named: str) -> None:
+    assert prefill_context_sources(_engine_config()) == []
+    found = prefill_context_sources(_engine_config(**over))
+    assert len(found) == 1 and named in found[0], found
+
+
+def test_split_latent_cache_is_carved_in_place_from_vllms_plane() -> None:
+    """A backend's split planes in vLLM's own MLA plane: the memory read as every block's kv_c
+    then every block's k_pe, dense, no byte beside it. Written through attnhub, the bytes lie
+    where that view says, every other byte untouched."""
+    from attnhub.mla import MLASpec, write_latent_kv
+
+    spec = MLASpec(**MLA_LAYER)
+    g = torch.Generator().manual_seed(1)
+    plane = torch.randn((3, 16, 576), generator=g)  # vLLM's MLA kv_cache of one layer
+    before = plane.clone()
+    cache = latent_cache(plane, spec, layout="split")
+    assert cache.layout == "split" and extra_kv_bytes(cache, plane) == 0
+    assert cache.kv_c.is_contiguous() and cache.k_pe.is_contiguous()
+    assert cache.kv_c.shape == (3, 16, 512) and cache.k_pe.shape == (3, 16, 64)
+    kv_c, k_pe = torch.randn((3, 512), generator=g), torch.randn((3, 64), generator=g)
+    slots = torch.tensor([5, -1, 33])
+    write_latent_kv(spec, cache, kv_c, k_pe, slots)
+    want = before.view(-1).clone()
+    edge = 3 * 16 * 512
+    want[:edge].view(-1, 512)[[5, 33]] = kv_c[[0, 2]]
+    want[edge:].view(-1, 64)[[5, 33]] = k_pe[[0, 2]]
+    assert torch.equal(plane.view(-1), want)
+    with pytest.raises(AttnhubConfigurationError, match="one dense"):
+        latent_cache(torch.zeros(3, 32, 576)[:, :16], spec, layout="split")
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])

@@ -55,11 +55,22 @@ def write_tiny_llama(path: str, seed: int = 0, num_kv_heads: int = 2) -> str:
     return path
 
 
-def write_tiny_deepseek_v2(path: str, seed: int = 0) -> str:
+def write_tiny_deepseek_v2(
+    path: str,
+    seed: int = 0,
+    *,
+    num_heads: int = 4,
+    qk_nope_head_dim: int = 32,
+    v_head_dim: int = 32,
+    hidden_size: int = 256,
+) -> str:
     """A 2-layer DeepSeek-V2 (MLA: kv_lora_rank 512 and qk_rope_head_dim 64, the one geometry
-    vLLM's CPU MLA decode kernel is compiled for; 4 heads, qk_nope / v head 32, no q LoRA;
-    hidden 256, vocab 1000; both layers dense: ``first_k_dense_replace`` = the layer count, so
-    the tiny MoE configured is never built), random weights in safetensors."""
+    vLLM's CPU MLA decode kernel is compiled for; no q LoRA; vocab 1000; both layers dense:
+    ``first_k_dense_replace`` = the layer count, so the tiny MoE configured is never built),
+    random weights in safetensors. By default 4 heads with qk_nope / v head 32, hidden 256;
+    ``num_heads=32, qk_nope_head_dim=128, v_head_dim=128`` gives DeepSeek's own per-head
+    geometry (keys 192, values 128) at a head count the vendor kernels take (FIA's MLA form:
+    query N 32, 64 or 128), still small (hidden 256: ~7 M parameters per layer)."""
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
@@ -67,7 +78,7 @@ def write_tiny_deepseek_v2(path: str, seed: int = 0) -> str:
         return path
     config = DeepseekV2Config(
         vocab_size=1000,
-        hidden_size=256,
+        hidden_size=hidden_size,
         intermediate_size=512,
         moe_intermediate_size=64,
         num_hidden_layers=2,
@@ -75,13 +86,13 @@ def write_tiny_deepseek_v2(path: str, seed: int = 0) -> str:
         n_routed_experts=4,
         n_shared_experts=1,
         num_experts_per_tok=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
         kv_lora_rank=512,
         q_lora_rank=None,
         qk_rope_head_dim=64,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
+        qk_nope_head_dim=qk_nope_head_dim,
+        v_head_dim=v_head_dim,
         head_dim=64,
         max_position_embeddings=1024,
         initializer_range=0.08,
