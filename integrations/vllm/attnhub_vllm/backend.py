@@ -118,14 +118,14 @@ def backend_for(
         except AttnhubError as exc:
             raise AttnhubConfigurationError(
                 f"attnhub backend {name or os.environ.get(ENV_BACKEND) or '(auto)'} cannot serve "
-                f"this vLLM {_describe(spec)}: {exc}"
+                f"this vLLM {describe_spec(spec)}: {exc}"
             ) from exc
         logger.info_once("attnhub-vllm: attention through attnhub backend %r", backend.name)
         _BACKENDS[key] = backend
     return backend
 
 
-def _describe(spec: AttentionSpec | MLASpec) -> str:
+def describe_spec(spec: AttentionSpec | MLASpec) -> str:
     if isinstance(spec, MLASpec):
         return (
             f"MLA layer (heads {spec.num_heads}, kv_lora_rank {spec.kv_lora_rank}, "

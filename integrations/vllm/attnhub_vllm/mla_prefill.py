@@ -27,10 +27,9 @@ from typing import Any
 import torch
 
 from attnhub import AttentionSpec, BatchMetadata
-from attnhub.errors import UnsupportedConfigurationError
+from attnhub.errors import AttnhubError, UnsupportedConfigurationError
 from attnhub.mla import MLASpec
-from attnhub_vllm.backend import backend_for
-from attnhub_vllm.mapping import AttnhubConfigurationError
+from attnhub_vllm.backend import describe_spec
 
 #: What the log says of a layer whose prefill is vLLM's own.
 VLLM_OWN = "vLLM's own (MLACommonBaseImpl.forward_mha)"
@@ -115,10 +114,16 @@ def prefill_route(
             block = size
             break
     want = expanded_spec(spec, block)
+    # the MLA layer's own backend class (for flash: its provider, whatever the registry's
+    # default), made for the expanded spec; its refusal names what it cannot serve
     try:
-        backend = backend_for(want, device, (mla_backend.name, emulate))
-    except AttnhubConfigurationError as exc:
-        return PrefillRoute(None, f"{VLLM_OWN}: {exc}")
+        backend = cls(want, device, emulate=emulate or bool(getattr(mla_backend, "emulate", False)))
+    except AttnhubError as exc:
+        return PrefillRoute(
+            None,
+            f"{VLLM_OWN}: attnhub backend {mla_backend.name} cannot serve this vLLM "
+            f"{describe_spec(want)}: {exc}",
+        )
     return PrefillRoute(
         backend,
         f"attnhub (the expanded form: heads {want.num_heads}, head_size {want.head_size}, "
