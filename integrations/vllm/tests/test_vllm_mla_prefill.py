@@ -335,6 +335,29 @@ def test_flash_vllm_fa3_serves_deepseeks_192_128_prefill(monkeypatch: pytest.Mon
     _check(engine, p, _forward_mha(engine, p))
 
 
+def test_the_prefill_goes_to_the_mla_backends_own_class_and_emulation() -> None:
+    """Regression: the route looked the expanded backend up by name, so a flash MLA layer on
+    provider ``vllm-fa3`` got the registry's default provider (vLLM's fork's FA2, which takes
+    one head size: vLLM's own prefill), and an emulated layer made without ``emulate=`` (the
+    engine's ``ATTNHUB_EMULATE``) a refusal. The layer's own class, emulated as it is, serves."""
+    pytest.importorskip("attnhub_flash")
+    from attnhub_flash.backend import backend_class
+    from attnhub_vllm.mla_prefill import prefill_route
+
+    from attnhub.mla import MLASpec
+
+    spec = MLASpec(
+        num_heads=8, kv_lora_rank=R, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, dtype=torch.bfloat16, block_size=16,
+    )  # fmt: skip
+    cls = backend_class("vllm-fa3")
+    mla_backend = cls(spec, "cpu", emulate=True)
+    route = prefill_route(mla_backend, spec, "cpu", False)  # the impl's own flag: not set
+    assert route.backend is not None, route.why
+    assert type(route.backend) is cls and route.backend.emulated
+    assert (route.spec.head_size, route.spec.head_size_v) == (192, 128)
+
+
 def test_ascend_serves_deepseeks_192_128_prefill_in_blocks_it_declares() -> None:
     """FIA in TND with keys 192 and values 128 (emulated), as vllm-ascend runs DeepSeek's
     prefill; the transient cache in a block size ascend declares (its standard layers' 128..512,
