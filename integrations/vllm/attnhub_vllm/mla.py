@@ -33,10 +33,14 @@ builder ``build``         -> vLLM's ``MLACommonMetadataBuilder.build`` (its deco
                              the step's prefills built once per step by the builder). Where the
                              backend refuses that spec (``cpu``; ``ascend`` / ``flash`` for the
                              tiny model's 96 / 32), vLLM's own ``MLACommonBaseImpl.forward_mha``;
-                             decided once per layer in ``bind`` and logged with the reason;
-                             vLLM's own too where prefills may come with cached context
-                             (chunked prefill or prefix caching on: ``AMX_MLA``'s engines). A
-                             prefill with cached context that comes anyway is refused by name.
+                             decided once per layer in ``bind`` and logged with the reason.
+                             Cached context (chunked prefill, prefix caching: ``AMX_MLA``'s
+                             engines) is read from the latent cache through attnhub
+                             (``attnhub.kit.read_latent_rows``), expanded by ``kv_b_proj`` as
+                             vLLM expands it and attended with the new tokens in the same call,
+                             calls bounded by vLLM's chunked-prefill workspace; context sharded
+                             by decode context parallel stays vLLM's (refused by name if it
+                             comes to attnhub's route).
 
 fp8 latent caches (vLLM ``kv_cache_dtype`` fp8 / fp8_e4m3 / fp8_e5m2): vLLM's uint8 plane viewed
 in the fp8 dtype, the layer's ``_k_scale`` as the latent's scale, the decode query in the model
@@ -196,14 +200,26 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
             )
             md.attnhub = [b.build(batch) for b in self._attnhub_builders]
         prefill = md.prefill
-        if prefill is not None and prefill.chunked_context is None:
-            # the step's prefills in the expanded form's transient cache, once for all layers
-            # (with cached context: none; forward_mha refuses, naming the request)
+        chunked = None if prefill is None else prefill.chunked_context
+        if prefill is not None and (chunked is None or self.dcp_world_size == 1):
+            # the step's prefills in the expanded form's transient caches (each request's
+            # cached context before its new tokens), once for all layers (context sharded over
+            # DCP ranks: none; forward_mha refuses, naming the request)
             assert prefill.query_lens_cpu is not None
+            context: dict[str, Any] = {}
+            if chunked is not None:
+                context = dict(
+                    context_lens=chunked.context_lens_list,
+                    block_table=prefill.block_table,
+                    latent_block_size=self.block_size,
+                    max_context_rows=self.chunked_prefill_workspace_size,
+                )
             md.attnhub_prefill = [
                 None
                 if b is None
-                else mla_prefill.build_prefill_step(b, prefill.query_lens_cpu, self._device)
+                else mla_prefill.build_prefill_step(
+                    b, prefill.query_lens_cpu, self._device, **context
+                )
                 for b in self._prefill_builders
             ]
         return md
@@ -289,9 +305,10 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             and getattr(config.attention_config, "use_prefill_query_quantization", False)
         )
         # prefills with cached context come where chunked prefill or prefix caching is on
-        # (vLLM's CPU platform turns both off for MLA models, except with AMX_MLA): those stay
-        # vLLM's own, which reads the context from the latent cache
-        self._cached_context = bool(
+        # (vLLM's CPU platform turns both off for MLA models, except with AMX_MLA): attnhub's
+        # prefill reads that context from this rank's latent cache, so under decode context
+        # parallel (the context sharded over ranks) the prefill stays vLLM's own
+        self._sharded_context = self.dcp_world_size > 1 and bool(
             getattr(config.scheduler_config, "enable_chunked_prefill", False)
             or getattr(config.cache_config, "enable_prefix_caching", False)
         )
@@ -360,7 +377,7 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
                 device or "cpu",
                 self.choice[1],
                 prefill_query_quantization=self._fp8_prefill,
-                cached_context=self._cached_context,
+                sharded_context=self._sharded_context,
             )
             logger.info_once(
                 "attnhub-vllm: backend %r MLA prefill (forward_mha): %s",
@@ -496,17 +513,34 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             return
         prefill = attn_metadata.prefill
         assert prefill is not None
-        mla_prefill.context_refusal(prefill, attn_metadata.num_decodes, route.backend.name)
+        mla_prefill.context_refusal(
+            prefill, attn_metadata.num_decodes, route.backend.name, self.dcp_world_size
+        )
         if output_scale is not None:  # fused_output_quant_supported said no
             raise AttnhubConfigurationError(
                 "attnhub-vllm: a fused quantized output of the MLA prefill is not mapped"
             )
         step = attn_metadata.attnhub_prefill[self.meta_index]
-        # vLLM's own expansion (MLACommonBaseImpl.forward_mha): the same k and v
-        kv_nope = self.kv_b_proj(kv_c_normed)[0].view(
+        k, v = self._expand(kv_c_normed, k_pe)
+        latent = None
+        if prefill.chunked_context is not None:  # the context's latents, read through attnhub
+            impl = self._impl or self._attnhub(q.device)
+            latent = self._latent(kv_c_and_k_pe_cache, impl, k_scale)
+        out = output.view(-1, self.num_heads, self.v_head_dim)
+        mla_prefill.forward_expanded(route, q, k, v, step, out, latent, self._expand)
+
+    def _expand(
+        self,
+        kv_c: torch.Tensor,  # [n, kv_lora_rank]
+        k_pe: torch.Tensor,  # [n, 1, rope] or [n, rope]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # k [n, H, qk_nope + rope], v [n, H, v_head_dim]
+        """vLLM's own expansion (``MLACommonBaseImpl.forward_mha`` for the new tokens,
+        ``_compute_prefill_context`` for the context): ``kv_b_proj``, split per head, the
+        rope part shared by every head."""
+        kv_nope = self.kv_b_proj(kv_c)[0].view(
             -1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim
         )
         k_nope, v = kv_nope.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = self._concat_k_nope_k_pe(k_nope, k_pe)
-        out = output.view(-1, self.num_heads, self.v_head_dim)
-        mla_prefill.forward_expanded(route, q, k, v, step, out)
+        if k_pe.dim() == 2:
+            k_pe = k_pe.unsqueeze(1)
+        return self._concat_k_nope_k_pe(k_nope, k_pe), v
