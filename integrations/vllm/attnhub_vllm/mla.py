@@ -526,6 +526,13 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         if prefill.chunked_context is not None:  # the context's latents, read through attnhub
             impl = self._impl or self._attnhub(q.device)
             latent = self._latent(kv_c_and_k_pe_cache, impl, k_scale)
+            logger.info_once(
+                "attnhub-vllm: backend %r MLA prefill with cached context served by attnhub: "
+                "the context's latents read from the latent cache (layout %r), expanded by "
+                "kv_b_proj",
+                route.backend.name,
+                latent.layout,
+            )
         out = output.view(-1, self.num_heads, self.v_head_dim)
         mla_prefill.forward_expanded(route, q, k, v, step, out, latent, self._expand)
 
