@@ -31,8 +31,11 @@ builder ``build``         -> vLLM's ``MLACommonMetadataBuilder.build`` (its deco
                              values from ``kv_b_proj`` (vLLM's own expansion), written into a
                              transient cache made for the call (``attnhub_vllm.mla_prefill``;
                              the step's prefills built once per step by the builder). Where the
-                             backend refuses that spec (``cpu``; ``ascend`` / ``flash`` for the
-                             tiny model's 96 / 32), vLLM's own ``MLACommonBaseImpl.forward_mha``;
+                             backend refuses that spec but its MLA impl serves every query
+                             length (``cpu`` on ``AMX_MLA``), the absorbed form through it
+                             (``q_nope @ W_UK``, the MLA impl over the latent cache, ``@ W_UV``);
+                             else (``cpu`` on ``CPU_MLA``; ``ascend`` / ``flash`` for the tiny
+                             model's 96 / 32) vLLM's own ``MLACommonBaseImpl.forward_mha``;
                              decided once per layer in ``bind`` and logged with the reason.
                              Cached context (chunked prefill, prefix caching: ``AMX_MLA``'s
                              engines) is read from the latent cache through attnhub
@@ -169,8 +172,9 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
                 builders[spec].checks = checks
                 route = impl.prefill_route
                 prefill_builders[spec] = None
-                if route is not None and route.backend is not None:
-                    prefill_builders[spec] = route.backend.metadata_builder()
+                if route is not None and route.attnhub:
+                    # the expanded spec's builder, or (absorbed) a second MLA builder of its own
+                    prefill_builders[spec] = (route.backend or route.absorbed).metadata_builder()
                     prefill_builders[spec].checks = checks
             impl.meta_index = list(builders).index(spec)
         self._attnhub_builders = list(builders.values())
@@ -215,14 +219,28 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
                     max_context_rows=self.chunked_prefill_workspace_size,
                 )
             md.attnhub_prefill = [
-                None
-                if b is None
-                else mla_prefill.build_prefill_step(
-                    b, prefill.query_lens_cpu, self._device, **context
-                )
-                for b in self._prefill_builders
+                self._prefill_step(b, prefill, context) for b in self._prefill_builders
             ]
         return md
+
+    def _prefill_step(self, builder: Any, prefill: Any, context: dict[str, Any]) -> Any:
+        """One attnhub prefill builder's metadata of the step's prefills: the expanded form's
+        calls (``mla_prefill.build_prefill_step``), or the MLA builder's build of the prefills
+        over the latent cache (the absorbed form)."""
+        if builder is None:
+            return None
+        if builder.backend.is_mla:
+            batch = mla_prefill.absorbed_batch(
+                prefill.query_lens_cpu,
+                context.get("context_lens"),
+                prefill.block_table,
+                self.block_size,
+                self._device,
+            )
+            return builder.build(batch)
+        return mla_prefill.build_prefill_step(
+            builder, prefill.query_lens_cpu, self._device, **context
+        )
 
 
 class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
@@ -298,6 +316,8 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         self._cache: LatentKVCache | None = None
         #: who serves this layer's prefill (``forward_mha``), decided once in ``bind``
         self.prefill_route: mla_prefill.PrefillRoute | None = None
+        #: the absorbed prefill's W_UK / W_UV (``_absorption``), made on first use
+        self._w_uk_uv: tuple[torch.Tensor, torch.Tensor] | None = None
         # vLLM quantizes the prefill's query, keys and values to fp8 where asked (its
         # determine_prefill_query_data_type): not mapped, that prefill stays vLLM's own
         self._fp8_prefill = bool(
@@ -378,6 +398,7 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
                 self.choice[1],
                 prefill_query_quantization=self._fp8_prefill,
                 sharded_context=self._sharded_context,
+                context_parallel=self.dcp_world_size > 1,
             )
             logger.info_once(
                 "attnhub-vllm: backend %r MLA prefill (forward_mha): %s",
@@ -485,7 +506,7 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         """vLLM's fused fp8 / fp4 output of the prefill: only where the prefill is vLLM's own
         (attnhub's expanded prefill writes the model dtype)."""
         route = self.prefill_route
-        if route is not None and route.backend is not None:
+        if route is not None and route.attnhub:
             return False
         return bool(super().fused_output_quant_supported(quant_key))
 
@@ -505,7 +526,7 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         backend's standard impl where ``bind`` routed it there (``mla_prefill``), else
         vLLM's own ``forward_mha``."""
         route = self.prefill_route
-        if route is None or route.backend is None:
+        if route is None or not route.attnhub:
             super().forward_mha(
                 q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
                 output_scale,
@@ -513,16 +534,29 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             return
         prefill = attn_metadata.prefill
         assert prefill is not None
-        mla_prefill.context_refusal(
-            prefill, attn_metadata.num_decodes, route.backend.name, self.dcp_world_size
-        )
+        name = (route.backend or route.absorbed).name
+        mla_prefill.context_refusal(prefill, attn_metadata.num_decodes, name, self.dcp_world_size)
         if output_scale is not None:  # fused_output_quant_supported said no
             raise AttnhubConfigurationError(
                 "attnhub-vllm: a fused quantized output of the MLA prefill is not mapped"
             )
         step = attn_metadata.attnhub_prefill[self.meta_index]
+        out = output.view(-1, self.num_heads, self.v_head_dim)
+        if route.absorbed is not None:  # the MLA impl over the latent cache (already written)
+            impl = self._impl or self._attnhub(q.device)
+            cache = self._latent(kv_c_and_k_pe_cache, impl, k_scale)
+            w_uk, w_uv = self._absorption()
+            mla_prefill.forward_absorbed(impl, q, cache, step, w_uk, w_uv, out)
+            if prefill.chunked_context is not None:
+                logger.info_once(
+                    "attnhub-vllm: backend %r MLA prefill with cached context served by "
+                    "attnhub: the absorbed form over the latent cache (layout %r)",
+                    name,
+                    cache.layout,
+                )
+            return
         k, v = self._expand(kv_c_normed, k_pe)
-        latent = None
+        latent: LatentKVCache | None = None
         if prefill.chunked_context is not None:  # the context's latents, read through attnhub
             impl = self._impl or self._attnhub(q.device)
             latent = self._latent(kv_c_and_k_pe_cache, impl, k_scale)
@@ -533,8 +567,25 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
                 route.backend.name,
                 latent.layout,
             )
-        out = output.view(-1, self.num_heads, self.v_head_dim)
         mla_prefill.forward_expanded(route, q, k, v, step, out, latent, self._expand)
+
+    def _absorption(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK`` [kv_lora_rank, H, qk_nope] and ``W_UV`` [kv_lora_rank, H, v_head_dim] in
+        the model dtype, from ``kv_b_proj``'s loaded weight (vLLM's split, as ``AMXMLAImpl``
+        makes it in ``process_weights_after_loading``), made on first use."""
+        if self._w_uk_uv is None:
+            from vllm.model_executor.layers.quantization.utils.quant_utils import (
+                get_and_maybe_dequant_weights,
+            )
+
+            assert self.spec is not None
+            w = get_and_maybe_dequant_weights(self.kv_b_proj, out_dtype=self.spec.dtype).T
+            w = w.reshape(
+                self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim + self.v_head_dim
+            )
+            w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+            self._w_uk_uv = (w_uk.contiguous(), w_uv.contiguous())
+        return self._w_uk_uv
 
     def _expand(
         self,

@@ -27,8 +27,10 @@ here (:func:`context_refusal`).
 
 Which path serves a layer's prefill is decided once, when the impl binds its spec
 (:func:`prefill_route`): the attnhub backend that serves the layer's decode, for the expanded
-spec, or, where that backend refuses it (``unsupported_reasons``), vLLM's own ``forward_mha``
-with the backend's reason, logged.
+spec, or, where that backend refuses it (``unsupported_reasons``) but its MLA impl serves
+queries of every length, the absorbed form through that impl (:func:`forward_absorbed`: the
+latents of context and new tokens read by the impl from the latent cache itself), else vLLM's
+own ``forward_mha`` with the backend's reason, logged.
 """
 
 from __future__ import annotations
@@ -67,11 +69,18 @@ def expanded_spec(spec: MLASpec, block_size: int | None = None) -> AttentionSpec
 @dataclass(frozen=True)
 class PrefillRoute:
     """Who serves an MLA layer's prefill: ``backend`` (an attnhub backend bound to the
-    expanded spec) or, where None, vLLM's own ``forward_mha``; ``why`` says which and why
-    (what the adapter logs)."""
+    expanded spec), or ``absorbed`` (the layer's attnhub MLA backend, whose MLA impl serves
+    queries of every length: the absorbed form over the latent cache), or, where both are
+    None, vLLM's own ``forward_mha``; ``why`` says which and why (what the adapter logs)."""
 
     backend: Any
     why: str
+    absorbed: Any = None
+
+    @property
+    def attnhub(self) -> bool:
+        """attnhub serves the prefill (either form)."""
+        return self.backend is not None or self.absorbed is not None
 
     @property
     def spec(self) -> AttentionSpec | None:
@@ -97,6 +106,7 @@ def prefill_route(
     *,
     prefill_query_quantization: bool = False,
     sharded_context: bool = False,
+    context_parallel: bool = False,
 ) -> PrefillRoute:
     """Decide once, for an MLA layer of ``spec`` whose decode ``mla_backend`` serves, who
     serves its expanded prefill: that backend for :func:`expanded_spec` (the first block size
@@ -106,7 +116,10 @@ def prefill_route(
     ``sharded_context``: prefills may come with cached context (chunked prefill or prefix
     caching on) while decode context parallel shards the latent cache over ranks: vLLM's own,
     which gathers that context over the group (``_context_parallel_compute_prefill_context``);
-    the adapter reads a rank's own cache."""
+    the adapter reads a rank's own cache. Where the backend refuses the expanded spec but its
+    MLA impl serves queries of every length (``Capabilities.mla.max_query_len`` None), the
+    absorbed form serves the prefill, unless ``context_parallel`` (decode context parallel:
+    a rank's latent cache holds a shard of the prefill's own tokens too)."""
     if sharded_context:
         return PrefillRoute(
             None,
@@ -132,6 +145,15 @@ def prefill_route(
     try:
         backend = backend_for(want, device, (mla_backend.name, emulate))
     except AttnhubConfigurationError as exc:
+        if not context_parallel and mla_backend.capabilities.mla.max_query_len is None:
+            return PrefillRoute(
+                None,
+                f"attnhub (the absorbed form: the MLA impl of backend {mla_backend.name!r} over "
+                "the latent cache, cached context included, the query absorbed by W_UK and the "
+                f"latent output projected by W_UV, as vLLM's AMX_MLA does; the expanded form "
+                f"refused: {exc})",
+                absorbed=mla_backend,
+            )
         return PrefillRoute(None, f"{VLLM_OWN}: {exc}")
     return PrefillRoute(
         backend,
@@ -334,6 +356,43 @@ def forward_expanded(
     return output
 
 
+def absorbed_batch(
+    query_lens_cpu: torch.Tensor,
+    context_lens: list[int] | None,
+    block_table: torch.Tensor,  # [num_prefills, max_blocks] the latent cache's (vLLM's)
+    block_size: int,
+    device: torch.device | str,
+) -> BatchMetadata:
+    """The ``BatchMetadata`` of a step's prefills over the latent cache itself (the absorbed
+    form): each request's new tokens after its cached context, vLLM's block table (the slots
+    are the ones vLLM wrote the new latents to)."""
+    q = query_lens_cpu.to(torch.int64)
+    ctx = torch.zeros_like(q) if context_lens is None else torch.tensor(context_lens)
+    table = block_table.to("cpu", torch.int32)
+    return BatchMetadata.from_lengths(q, q + ctx, table, block_size, device)
+
+
+def forward_absorbed(
+    impl: Any,  # the layer's attnhub MLA impl
+    q: torch.Tensor,  # [num_prefill_tokens, H, qk_nope + rope]
+    latent: LatentKVCache,  # the step's latents already written (do_kv_cache_update)
+    meta: Any,  # the MLA builder's metadata of ``absorbed_batch``
+    w_uk: torch.Tensor,  # [kv_lora_rank, H, qk_nope]
+    w_uv: torch.Tensor,  # [kv_lora_rank, H, v_head_dim]
+    output: torch.Tensor,  # [num_prefill_tokens, H, v_head_dim]
+) -> torch.Tensor:
+    """One layer's prefill in the absorbed form: ``[q_nope @ W_UK ; q_pe]`` attended by the MLA
+    impl over the latent cache (the context and the new tokens, causal), the latent output
+    projected by ``W_UV`` into ``output`` (vLLM's ``AMXMLAImpl.forward_mha`` computes the same:
+    absorb, ``extend_attention_cpu``, de-absorb)."""
+    nope = w_uk.shape[2]
+    q_nope, q_pe = q.split([nope, q.shape[2] - nope], dim=-1)
+    ql_nope = torch.einsum("thp,lhp->thl", q_nope, w_uk)  # [T, H, kv_lora_rank]
+    out = impl.forward(torch.cat([ql_nope, q_pe], dim=-1), None, None, latent, meta)
+    output.copy_(torch.einsum("thl,lhv->thv", out, w_uv))
+    return output
+
+
 def transient_bytes(spec: AttentionSpec, num_blocks: int) -> int:
     """The transient cache's bytes for ``num_blocks`` blocks of ``spec``."""
     per_slot = spec.num_kv_heads * (spec.head_size + spec.head_size_v) * spec.dtype.itemsize
@@ -346,10 +405,12 @@ __all__ = [
     "PrefillChunk",
     "PrefillRoute",
     "PrefillStep",
+    "absorbed_batch",
     "build_prefill_step",
     "context_refusal",
     "context_slots",
     "expanded_spec",
+    "forward_absorbed",
     "forward_expanded",
     "plan_calls",
     "prefill_batch",

@@ -12,9 +12,9 @@ Three engines (~20 s each): vLLM's own ``AMX_MLA``, attnhub ``torch`` and attnhu
   prefills with cached context, prefix-cache hits among them;
 - attnhub's runs: attnhub's MLA backend class in every layer, the same steps, the same greedy
   tokens under the project's bf16 criterion (``test_generate._compare_bf16``), vLLM's per-layer
-  KV tensor and 0 bytes beside it; ``torch`` serves the prefills with cached context (logged),
-  ``cpu`` detects AMX in its process (its ``AMX_MLA`` path: decodes through attnhub) and its
-  prefills stay vLLM's own (it serves no expanded form), logged with the reason.
+  KV tensor and 0 bytes beside it; ``torch`` serves the prefills with cached context in the
+  expanded form, ``cpu`` (which detects AMX in its process: its ``AMX_MLA`` path) in the
+  absorbed form through its MLA impl, both logged.
 """
 
 from __future__ import annotations
@@ -167,14 +167,18 @@ def test_torch_serves_the_prefills_with_cached_context(model_dir: str, tmp_path:
     ) in log, log[-3000:]
 
 
-def test_cpu_takes_its_amx_mla_path_and_leaves_the_prefill_to_vllm(
+def test_cpu_takes_its_amx_mla_path_and_serves_the_context_prefills_absorbed(
     model_dir: str, tmp_path: Path
 ) -> None:
     """attnhub_cpu's detection follows the patched probe (its AMX_MLA path, which serves the
-    blocks of 32 this engine runs: its CPU_MLA path takes 16 only); its prefill (it serves no
-    expanded form) is vLLM's own, logged."""
+    blocks of 32 this engine runs: its CPU_MLA path takes 16 only); it serves no expanded form,
+    so its prefills, cached context included, go through its MLA impl in the absorbed form
+    (``extend_attention_cpu``, as vLLM's ``AMXMLAImpl.forward_mha``), logged."""
     got = run(model_dir, "cpu", tmp_path)
     log = got["log"]
     assert "attnhub_cpu detects AMX: MLA through AMX_MLA" in log, log[-3000:]
-    assert re.search(r"backend 'cpu' MLA prefill \(forward_mha\): vLLM's own", log), log[-3000:]
-    assert "served by attnhub" not in log
+    assert "backend 'cpu' MLA prefill (forward_mha): attnhub (the absorbed form" in log, log[-3000:]
+    assert (
+        "backend 'cpu' MLA prefill with cached context served by attnhub: the absorbed form "
+        "over the latent cache (layout 'joint')"
+    ) in log, log[-3000:]

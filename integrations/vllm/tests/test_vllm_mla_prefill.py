@@ -74,6 +74,8 @@ class _KvBProj(torch.nn.Module):
     """``kv_b_proj`` as vLLM's linear layers are called: ``(x @ W.T, bias)``, its output per
     head ``[k_nope ; v]`` (vLLM's split in ``process_weights_after_loading``)."""
 
+    quant_method = None  # unquantized (what vLLM's get_and_maybe_dequant_weights reads)
+
     def __init__(self, w_uk: torch.Tensor, w_uv: torch.Tensor) -> None:
         super().__init__()
         heads = w_uk.shape[1]
@@ -145,6 +147,9 @@ def _engine(
         device_config=DeviceConfig(device="cpu"),
         additional_config={"attnhub": {"backend": backend, "emulate": emulate}},
     )
+    # the block asked for (vLLM's CPU platform forces 16 for MLA models where it does not pick
+    # AMX_MLA, as here without AMX tiles)
+    config.cache_config.block_size = block
     # as vLLM's CPU platform sets them for MLA models (AMX_MLA aside): no cached context
     config.scheduler_config.enable_chunked_prefill = context
     config.cache_config.enable_prefix_caching = context
@@ -547,6 +552,82 @@ def test_flash_vllm_fa3_serves_deepseeks_prefill_with_cached_context(
     assert route.backend is not None and route.backend.name == "flash", route
     p = _prefill(engine, CONTEXT_STEP)
     _check(engine, p, _forward_mha(engine, p))
+
+
+def _amx_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``cpu`` backend as on an AMX CPU (its features injected: its ``AMX_MLA`` path, vLLM's
+    own ops, which run on AVX512-BF16 without AMX tiles), in a fresh registry."""
+    pytest.importorskip("attnhub_cpu")
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("AMX_MLA's ops are x86 only")
+    if not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("AMX_MLA's ops have no code path for this CPU (no AMX, no AVX512-BF16)")
+    import attnhub_vllm.backend as adapter
+    from attnhub_cpu import CpuBackend, ops
+    from attnhub_cpu.backend import capabilities_for
+
+    import attnhub
+    import attnhub.registry as registry
+
+    amx = ops.CpuFeatures("x86", avx512=True, avx512_bf16=True, amx=True)
+
+    class AmxCpuBackend(CpuBackend):
+        features = amx
+        capabilities = capabilities_for(amx)
+
+    monkeypatch.setattr(registry, "_REGISTRY", registry.Registry())
+    monkeypatch.setattr(adapter, "_BACKENDS", {})
+    attnhub.register_backend(AmxCpuBackend, replace=True)
+
+
+def test_cpu_on_amx_mla_serves_the_prefill_with_context_in_the_absorbed_form(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cpu`` refuses the expanded form, but its ``AMX_MLA`` path serves queries of every
+    length: the prefill goes through its MLA impl over the latent cache (``extend_attention_cpu``,
+    as vLLM's ``AMXMLAImpl.forward_mha``), the query absorbed by ``W_UK`` and the latent output
+    projected by ``W_UV``; the same attention as both references over the whole sequence."""
+    _amx_cpu(monkeypatch)
+    from attnhub_vllm import mla_prefill
+
+    from attnhub import LatentKVCache
+    from attnhub.mla import write_latent_kv
+
+    engine = _engine("cpu", "bfloat16", TINY, block=32, context=True)
+    route = engine.impl.prefill_route
+    assert route.backend is None and route.absorbed is not None, route
+    assert route.why.startswith("attnhub (the absorbed form: the MLA impl of backend 'cpu'")
+    assert "vLLM's CPU kernels take one head_dim for query, key and value" in route.why
+    p = _prefill(engine, CONTEXT_STEP)
+    # the new tokens' latents are in the cache before forward_mha (do_kv_cache_update)
+    latent = LatentKVCache.from_joint(p.plane, R)
+    slots = p.md.slot_mapping[p.md.num_decode_tokens :]
+    write_latent_kv(engine.impl.spec, latent, p.kv_c, p.k_pe[:, 0], slots)
+    assert not isinstance(p.md.attnhub_prefill[0], mla_prefill.PrefillStep)  # the MLA impl's
+    got = _forward_mha(engine, p)
+    caps = route.absorbed.capabilities
+    tol = caps.mla.tolerance(torch.bfloat16, caps.tolerances)
+    expanded, absorbed = _references(engine, p)
+    torch.testing.assert_close(expanded, absorbed, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(got.double(), expanded, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_the_absorbed_prefill_is_not_taken_under_decode_context_parallel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank's latent cache holds a shard of the prefill's own tokens: vLLM's own prefill."""
+    _amx_cpu(monkeypatch)
+    from attnhub_vllm import mla_prefill
+
+    import attnhub
+
+    engine = _engine("cpu", "bfloat16", TINY, block=32)
+    spec = engine.impl.spec
+    mla_backend = attnhub.select_backend(spec, "cpu", prefer="cpu")
+    route = mla_prefill.prefill_route(mla_backend, spec, "cpu", False, context_parallel=True)
+    assert not route.attnhub and route.why.startswith("vLLM's own"), route
 
 
 # --- refusals --------------------------------------------------------------------------------
