@@ -5,7 +5,9 @@ notice; tests/test_kit.py fails when a backend or integration in this repository
 
   vendor library    VendorLibrary, import_once, EMULATE_HINT, EMULATED_DEVICE, device_type
   KV writes         flat_slots, write_slots, read_slots, FixedShapeWrite (a captured step's),
-                    store_latent_rows (an MLA step's latents, after its checks)
+                    store_latent_rows (an MLA step's latents, after its checks),
+                    read_latent_rows (latents read back, fp8 dequantized: e.g. a
+                    prefill's cached context)
   LSE merge         merge_attn_states
   emulation         emulation (OpLog, kernel, null_kernels, preallocated, skip, timed)
   graph capture     Tape, TapeEntry (the op tape of a captured step), kernel_call (an
@@ -37,7 +39,7 @@ from attnhub.graphs.tape import Tape, TapeEntry, kernel_call, recording_tape
 from attnhub.kv_cache import BlockPacking
 from attnhub.kv_write import FixedShapeWrite, flat_slots, read_slots, write_slots
 from attnhub.lse import merge_attn_states
-from attnhub.mla import store_latent_rows
+from attnhub.mla import read_latent_rows, store_latent_rows
 from attnhub.quant import QueryQuantization, indexable, quantize_fp8
 from attnhub.spec import MODEL_DTYPES
 from attnhub.validation import StepExtents, StepFacts, same_view
@@ -102,6 +104,7 @@ __all__ = [
     "pad_batch",
     "per_call_us",
     "quantize_fp8",
+    "read_latent_rows",
     "read_slots",
     "recording_tape",
     "same_view",

@@ -50,7 +50,7 @@ import torch
 from attnhub import validation
 from attnhub.errors import InvalidInputError, InvalidSpecError
 from attnhub.kv_cache import same_bytes
-from attnhub.kv_write import flat_slots, write_slots
+from attnhub.kv_write import flat_slots, read_slots, write_slots
 from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import KV_CACHE_DTYPES, MODEL_DTYPES, KVCacheDType, canonical_kv_cache_dtype
 
@@ -63,6 +63,7 @@ __all__ = [
     "check_latent_kv",
     "check_latent_slots",
     "dequantize_latent",
+    "read_latent_rows",
     "store_latent_rows",
     "write_latent_kv",
 ]
@@ -538,6 +539,33 @@ def dequantize_latent(
     if scale is None:
         return raw.float()
     return (raw.float() * scale).to(dtype).float()
+
+
+def read_latent_rows(
+    cache: LatentKVCache,
+    slots: torch.Tensor,  # [n] int64, every slot in the cache (the caller's plan)
+    dtype: torch.dtype,  # the model dtype
+) -> tuple[torch.Tensor, torch.Tensor]:  # kv_c [n, kv_lora_rank], k_pe [n, rope] in ``dtype``
+    """What the cache holds at ``slots`` (the read :func:`store_latent_rows` mirrors), in either
+    layout (the joint plane's rows split, or the two planes), as vLLM's kernels read it: fp8
+    dequantized with the cache's scale as :func:`dequantize_latent` does (``fp8 * scale`` in
+    float32, rounded to ``dtype``: ``gather_and_maybe_dequant_cache``, which gathers the cached
+    context of vLLM's expanded prefill). Device ops only (no host read)."""
+    stored = cache.kv_c.dtype
+
+    def read(plane: torch.Tensor) -> torch.Tensor:  # fp8 read as bytes (no CPU index kernels)
+        raw = indexable(plane)
+        return read_slots(raw, flat_slots(raw), slots).view(stored)
+
+    if cache.layout == "joint":
+        rows = read(cache.joint)  # [n, kv_lora_rank + rope]
+        parts = rows.split([cache.kv_lora_rank, cache.qk_rope_head_dim], dim=-1)
+    else:
+        parts = (read(cache.kv_c), read(cache.k_pe))
+    if cache.scale is None:
+        return parts[0].to(dtype), parts[1].to(dtype)
+    kv_c, k_pe = (dequantize_latent(p, cache.scale, dtype).to(dtype) for p in parts)
+    return kv_c, k_pe
 
 
 def store_latent_rows(

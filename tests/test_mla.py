@@ -301,6 +301,34 @@ def test_dequantize_latent_rounds_to_the_model_dtype_as_vllms_kernels() -> None:
     assert torch.equal(dequantize_latent(plain, None, torch.bfloat16), plain.float())
 
 
+@pytest.mark.parametrize("layout", ["joint", "split"])
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_latent_rows_reads_what_the_oracle_reads_in_the_model_dtype(
+    layout: str, kv: str, dtype: torch.dtype
+) -> None:
+    """The read that mirrors the write (a prefill's cached context): the rows at the slots in
+    either layout, fp8 as ``dequantize_latent`` reads it, in the model dtype."""
+    from attnhub.mla import read_latent_rows
+
+    s = spec(kv_cache_dtype=kv, dtype=dtype)
+    cache = filled(s, layout)
+    if cache.scale is not None:
+        cache.scale.fill_(0.05)
+    kv_c, k_pe = latents(NB * BS, seed=8, dtype=dtype)
+    write_latent_kv(s, cache, kv_c, k_pe, torch.arange(NB * BS))
+    slots = torch.tensor([13, 2, 19, 4, 4])
+    got_c, got_pe = read_latent_rows(cache, slots, dtype)
+    assert got_c.dtype == got_pe.dtype == dtype
+    assert got_c.shape == (5, L) and got_pe.shape == (5, R)
+    table = torch.arange(NB, dtype=torch.int32)
+    want_c, want_pe = reference.read_latent_sequence(cache, table, NB * BS)  # float64
+    assert torch.equal(got_c, want_c[slots].to(dtype))
+    assert torch.equal(got_pe, want_pe[slots].to(dtype))
+    if kv == "auto":  # what was written, bit for bit
+        assert torch.equal(got_c, kv_c[slots]) and torch.equal(got_pe, k_pe[slots])
+
+
 def _bad_writes() -> list[tuple[str, dict[str, object], str]]:
     kv_c, k_pe = latents(3)
     slots = torch.tensor([1, 2, 3])

@@ -282,12 +282,20 @@ def prefill_context_sources(vllm_config: Any) -> list[str]:
             "speculative decoding is on (a step's several tokens per request over its cached "
             "context can run as a prefill)"
         )
+    return reasons + page_moving_sources(vllm_config)
+
+
+def page_moving_sources(vllm_config: Any) -> list[str]:
+    """What in vLLM's engine config reads or moves the cache's pages by block id, whoever
+    serves the prefill (a KV connector, KV offloading): latents kept other than as vLLM's joint
+    plane would be moved wrong. [] when the config has none."""
+    reasons = []
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         reasons.append(
             "a KV connector is configured (it loads a prompt's context into the cache and "
             "moves pages by block id)"
         )
-    if getattr(cache, "kv_offloading_size", None):
+    if getattr(getattr(vllm_config, "cache_config", None), "kv_offloading_size", None):
         reasons.append("KV offloading is on (it moves pages by block id)")
     return reasons
 

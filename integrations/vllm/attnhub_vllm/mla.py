@@ -35,12 +35,19 @@ builder ``build``         -> vLLM's ``MLACommonMetadataBuilder.build`` (its deco
                              values from ``kv_b_proj`` (vLLM's own expansion), written into a
                              transient cache made for the call (``attnhub_vllm.mla_prefill``;
                              the step's prefills built once per step by the builder). Where the
-                             backend refuses that spec (``cpu``; ``ascend`` / ``flash`` for the
-                             tiny model's 96 / 32), vLLM's own ``MLACommonBaseImpl.forward_mha``;
-                             decided once per layer in ``bind`` and logged with the reason;
-                             vLLM's own too where prefills may come with cached context
-                             (chunked prefill or prefix caching on: ``AMX_MLA``'s engines). A
-                             prefill with cached context that comes anyway is refused by name.
+                             backend refuses that spec but its MLA impl serves every query
+                             length (``cpu`` on ``AMX_MLA``), the absorbed form through it
+                             (``q_nope @ W_UK``, the MLA impl over the latent cache, ``@ W_UV``);
+                             else (``cpu`` on ``CPU_MLA``; ``ascend`` / ``flash`` for the tiny
+                             model's 96 / 32) vLLM's own ``MLACommonBaseImpl.forward_mha``;
+                             decided once per layer in ``bind`` and logged with the reason.
+                             Cached context (chunked prefill, prefix caching: ``AMX_MLA``'s
+                             engines) is read from the latent cache through attnhub
+                             (``attnhub.kit.read_latent_rows``), expanded by ``kv_b_proj`` as
+                             vLLM expands it and attended with the new tokens in the same call,
+                             calls bounded by vLLM's chunked-prefill workspace; context sharded
+                             by decode context parallel stays vLLM's (refused by name if it
+                             comes to attnhub's route).
 
 fp8 latent caches (vLLM ``kv_cache_dtype`` fp8 / fp8_e4m3 / fp8_e5m2): vLLM's uint8 plane viewed
 in the fp8 dtype, the layer's ``_k_scale`` as the latent's scale, the decode query in the model
@@ -85,6 +92,7 @@ from attnhub_vllm.mapping import (
     latent_cache,
     mla_layout_refusal,
     mla_spec_from_vllm,
+    page_moving_sources,
     prefill_context_sources,
     refuse_split_prefill_context,
 )
@@ -172,12 +180,14 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
                 builders[spec].checks = checks
                 route = impl.prefill_route
                 prefill_builders[spec] = None
-                if route is not None and route.backend is not None:
-                    prefill_builders[spec] = route.backend.metadata_builder()
+                if route is not None and route.attnhub:
+                    # the expanded spec's builder, or (absorbed) a second MLA builder of its own
+                    prefill_builders[spec] = (route.backend or route.absorbed).metadata_builder()
                     prefill_builders[spec].checks = checks
             impl.meta_index = list(builders).index(spec)
-            if impl.layout != "joint":
-                split.append(name)
+            route = impl.prefill_route
+            if impl.layout != "joint" and not (route is not None and route.attnhub):
+                split.append(name)  # split planes vLLM's own forward_mha would read
         self._split_layers = split
         self._attnhub_builders = list(builders.values())
         self._prefill_builders = list(prefill_builders.values())
@@ -209,17 +219,43 @@ class AttnhubVllmMLAMetadataBuilder(MLACommonMetadataBuilder[AttnhubVllmMLAMetad
             )
             md.attnhub = [b.build(batch) for b in self._attnhub_builders]
         prefill = md.prefill
-        if prefill is not None and prefill.chunked_context is None:
-            # the step's prefills in the expanded form's transient cache, once for all layers
-            # (with cached context: none; forward_mha refuses, naming the request)
+        chunked = None if prefill is None else prefill.chunked_context
+        if prefill is not None and (chunked is None or self.dcp_world_size == 1):
+            # the step's prefills in the expanded form's transient caches (each request's
+            # cached context before its new tokens), once for all layers (context sharded over
+            # DCP ranks: none; forward_mha refuses, naming the request)
             assert prefill.query_lens_cpu is not None
+            context: dict[str, Any] = {}
+            if chunked is not None:
+                context = dict(
+                    context_lens=chunked.context_lens_list,
+                    block_table=prefill.block_table,
+                    latent_block_size=self.block_size,
+                    max_context_rows=self.chunked_prefill_workspace_size,
+                )
             md.attnhub_prefill = [
-                None
-                if b is None
-                else mla_prefill.build_prefill_step(b, prefill.query_lens_cpu, self._device)
-                for b in self._prefill_builders
+                self._prefill_step(b, prefill, context) for b in self._prefill_builders
             ]
         return md
+
+    def _prefill_step(self, builder: Any, prefill: Any, context: dict[str, Any]) -> Any:
+        """One attnhub prefill builder's metadata of the step's prefills: the expanded form's
+        calls (``mla_prefill.build_prefill_step``), or the MLA builder's build of the prefills
+        over the latent cache (the absorbed form)."""
+        if builder is None:
+            return None
+        if builder.backend.is_mla:
+            batch = mla_prefill.absorbed_batch(
+                prefill.query_lens_cpu,
+                context.get("context_lens"),
+                prefill.block_table,
+                self.block_size,
+                self._device,
+            )
+            return builder.build(batch)
+        return mla_prefill.build_prefill_step(
+            builder, prefill.query_lens_cpu, self._device, **context
+        )
 
 
 class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
@@ -298,8 +334,11 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         # cached context, which vLLM's forward_mha would read in the joint layout)
         self.layout = "joint"
         self._prefill_context = prefill_context_sources(config)
+        self._page_movers = page_moving_sources(config)
         #: who serves this layer's prefill (``forward_mha``), decided once in ``bind``
         self.prefill_route: mla_prefill.PrefillRoute | None = None
+        #: the absorbed prefill's W_UK / W_UV (``_absorption``), made on first use
+        self._w_uk_uv: tuple[torch.Tensor, torch.Tensor] | None = None
         # vLLM quantizes the prefill's query, keys and values to fp8 where asked (its
         # determine_prefill_query_data_type): not mapped, that prefill stays vLLM's own
         self._fp8_prefill = bool(
@@ -308,9 +347,10 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         )
         # prefills with cached context come where the config has a source of it (chunked
         # prefill, prefix caching, ...: vLLM's CPU platform turns the first two off for MLA
-        # models, except with AMX_MLA): those stay vLLM's own, which reads the context from the
-        # latent cache
-        self._cached_context = bool(self._prefill_context)
+        # models, except with AMX_MLA): attnhub's prefill reads that context from this rank's
+        # latent cache, so under decode context parallel (the context sharded over ranks) the
+        # prefill stays vLLM's own
+        self._sharded_context = self.dcp_world_size > 1 and bool(self._prefill_context)
         # vLLM's MLAAttention quantizes the decode query to fp8 for an fp8 cache where the impl
         # takes one (MLACommonImpl: True); attnhub's MLA forward takes the model-dtype query
         # over an fp8 latent (dequantized as vLLM's kernels read it), as vLLM's CPU_MLA does
@@ -366,20 +406,26 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             device = get_current_vllm_config().device_config.device
         backend = backend_for(spec, device or "cpu", self.choice)  # raises with its reasons
         layouts = tuple(backend.capabilities.mla.layouts)
-        refusal = mla_layout_refusal(backend.name, layouts, self._prefill_context)
-        if refusal is not None:
-            raise AttnhubConfigurationError(refusal)
         layout = "joint" if "joint" in layouts else "split"
         if spec != self.spec or layout != self.layout:
-            self.spec, self.layout, self._impl, self._cache_key = spec, layout, None, None
-            self.prefill_route = mla_prefill.prefill_route(
+            route = mla_prefill.prefill_route(
                 backend,
                 spec,
                 device or "cpu",
                 self.choice[1],
                 prefill_query_quantization=self._fp8_prefill,
-                cached_context=self._cached_context,
+                sharded_context=self._sharded_context,
+                context_parallel=self.dcp_world_size > 1,
             )
+            # vLLM reads the latent memory as its joint plane in its own forward_mha's context
+            # gather (ruled out where attnhub serves the prefill: it reads the context through
+            # attnhub's view) and where it moves pages by block id (whoever serves the prefill)
+            context = self._page_movers if route.attnhub else self._prefill_context
+            refusal = mla_layout_refusal(backend.name, layouts, context)
+            if refusal is not None:
+                raise AttnhubConfigurationError(refusal)
+            self.spec, self.layout, self._impl, self._cache_key = spec, layout, None, None
+            self.prefill_route = route
             logger.info_once(
                 "attnhub-vllm: backend %r MLA prefill (forward_mha): %s",
                 backend.name,
@@ -488,7 +534,7 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         """vLLM's fused fp8 / fp4 output of the prefill: only where the prefill is vLLM's own
         (attnhub's expanded prefill writes the model dtype)."""
         route = self.prefill_route
-        if route is not None and route.backend is not None:
+        if route is not None and route.attnhub:
             return False
         return bool(super().fused_output_quant_supported(quant_key))
 
@@ -508,7 +554,7 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
         backend's standard impl where ``bind`` routed it there (``mla_prefill``), else
         vLLM's own ``forward_mha``."""
         route = self.prefill_route
-        if route is None or route.backend is None:
+        if route is None or not route.attnhub:
             super().forward_mha(
                 q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
                 output_scale,
@@ -516,17 +562,71 @@ class AttnhubVllmMLAImpl(MLACommonImpl[AttnhubVllmMLAMetadata]):
             return
         prefill = attn_metadata.prefill
         assert prefill is not None
-        mla_prefill.context_refusal(prefill, attn_metadata.num_decodes, route.backend.name)
+        name = (route.backend or route.absorbed).name
+        mla_prefill.context_refusal(prefill, attn_metadata.num_decodes, name, self.dcp_world_size)
         if output_scale is not None:  # fused_output_quant_supported said no
             raise AttnhubConfigurationError(
                 "attnhub-vllm: a fused quantized output of the MLA prefill is not mapped"
             )
         step = attn_metadata.attnhub_prefill[self.meta_index]
-        # vLLM's own expansion (MLACommonBaseImpl.forward_mha): the same k and v
-        kv_nope = self.kv_b_proj(kv_c_normed)[0].view(
+        out = output.view(-1, self.num_heads, self.v_head_dim)
+        if route.absorbed is not None:  # the MLA impl over the latent cache (already written)
+            impl = self._impl or self._attnhub(q.device)
+            cache = self._latent(kv_c_and_k_pe_cache, impl, k_scale)
+            w_uk, w_uv = self._absorption()
+            mla_prefill.forward_absorbed(impl, q, cache, step, w_uk, w_uv, out)
+            if prefill.chunked_context is not None:
+                logger.info_once(
+                    "attnhub-vllm: backend %r MLA prefill with cached context served by "
+                    "attnhub: the absorbed form over the latent cache (layout %r)",
+                    name,
+                    cache.layout,
+                )
+            return
+        k, v = self._expand(kv_c_normed, k_pe)
+        latent: LatentKVCache | None = None
+        if prefill.chunked_context is not None:  # the context's latents, read through attnhub
+            impl = self._impl or self._attnhub(q.device)
+            latent = self._latent(kv_c_and_k_pe_cache, impl, k_scale)
+            logger.info_once(
+                "attnhub-vllm: backend %r MLA prefill with cached context served by attnhub: "
+                "the context's latents read from the latent cache (layout %r), expanded by "
+                "kv_b_proj",
+                route.backend.name,
+                latent.layout,
+            )
+        mla_prefill.forward_expanded(route, q, k, v, step, out, latent, self._expand)
+
+    def _absorption(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK`` [kv_lora_rank, H, qk_nope] and ``W_UV`` [kv_lora_rank, H, v_head_dim] in
+        the model dtype, from ``kv_b_proj``'s loaded weight (vLLM's split, as ``AMXMLAImpl``
+        makes it in ``process_weights_after_loading``), made on first use."""
+        if self._w_uk_uv is None:
+            from vllm.model_executor.layers.quantization.utils.quant_utils import (
+                get_and_maybe_dequant_weights,
+            )
+
+            assert self.spec is not None
+            w = get_and_maybe_dequant_weights(self.kv_b_proj, out_dtype=self.spec.dtype).T
+            w = w.reshape(
+                self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim + self.v_head_dim
+            )
+            w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+            self._w_uk_uv = (w_uk.contiguous(), w_uv.contiguous())
+        return self._w_uk_uv
+
+    def _expand(
+        self,
+        kv_c: torch.Tensor,  # [n, kv_lora_rank]
+        k_pe: torch.Tensor,  # [n, 1, rope] or [n, rope]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # k [n, H, qk_nope + rope], v [n, H, v_head_dim]
+        """vLLM's own expansion (``MLACommonBaseImpl.forward_mha`` for the new tokens,
+        ``_compute_prefill_context`` for the context): ``kv_b_proj``, split per head, the
+        rope part shared by every head."""
+        kv_nope = self.kv_b_proj(kv_c)[0].view(
             -1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim
         )
         k_nope, v = kv_nope.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = self._concat_k_nope_k_pe(k_nope, k_pe)
-        out = output.view(-1, self.num_heads, self.v_head_dim)
-        mla_prefill.forward_expanded(route, q, k, v, step, out)
+        if k_pe.dim() == 2:
+            k_pe = k_pe.unsqueeze(1)
+        return self._concat_k_nope_k_pe(k_nope, k_pe), v

@@ -468,11 +468,14 @@ def test_backend_without_mla_is_refused_at_engine_start(model_dir: str, tmp_path
 # --- ascend's split planes in vLLM's own memory: when the adapter allows them ---------------
 
 
-def _ascend_impl(model: str, mutate: Any = None) -> tuple[Any, Any]:
+def _ascend_impl(
+    model: str, mutate: Any = None, nope_v: tuple[int, int] | None = None
+) -> tuple[Any, Any]:
     """The adapter's MLA impl for the 32-head model's layer, served by ``ascend`` emulated,
     as vLLM's ``MLAAttention`` builds it under a real ``VllmConfig`` (vLLM's CPU platform has
     adjusted it: ``VllmConfig.__post_init__`` calls ``check_and_update_config``); ``mutate``
-    changes the finished config first (what another platform, or a user, may leave on)."""
+    changes the finished config first (what another platform, or a user, may leave on);
+    ``nope_v`` another (qk_nope_head_dim, v_head_dim) for the layer."""
     from attnhub_vllm.mla import AttnhubVllmMLAImpl
     from vllm.config import (
         CacheConfig,
@@ -491,7 +494,7 @@ def _ascend_impl(model: str, mutate: Any = None) -> tuple[Any, Any]:
     if mutate is not None:
         mutate(config)
     g = MODELS["h32"]
-    nope, v = g["qk_nope_head_dim"], g["v_head_dim"]
+    nope, v = nope_v or (g["qk_nope_head_dim"], g["v_head_dim"])
     with set_current_vllm_config(config):
         impl = AttnhubVllmMLAImpl(
             g["num_heads"], 576, 0.1, 1, None, None, "auto", None, "decoder", None,
@@ -549,24 +552,38 @@ def test_vllms_cpu_platform_rules_out_prefill_context_so_ascend_splits_in_place(
     assert cache.k_pe.data_ptr() == plane.data_ptr() + edge * plane.element_size()
 
 
-@pytest.mark.parametrize(
-    ("setting", "named"),
-    [
-        (lambda c: setattr(c.cache_config, "enable_prefix_caching", True), "prefix caching"),
-        (lambda c: setattr(c.scheduler_config, "enable_chunked_prefill", True), "chunked prefill"),
-    ],
-    ids=["prefix-caching", "chunked-prefill"],
-)
-def test_split_latents_are_refused_where_the_engine_can_give_prefill_context(
+SETTINGS = [
+    (lambda c: setattr(c.cache_config, "enable_prefix_caching", True), "prefix caching"),
+    (lambda c: setattr(c.scheduler_config, "enable_chunked_prefill", True), "chunked prefill"),
+]
+
+
+@pytest.mark.parametrize(("setting", "named"), SETTINGS, ids=["prefix-caching", "chunked-prefill"])
+def test_split_latents_are_refused_where_vllms_own_prefill_would_read_context(
     tmp_path_factory: pytest.TempPathFactory, setting: Any, named: str
 ) -> None:
     """Where vLLM's config leaves chunked prefill or prefix caching on (vLLM's CPU platform
-    with AMX_MLA, or another platform), vLLM's ``forward_mha`` gathers prefill context from
-    the cache in its joint layout: the layer is refused at construction (engine start), naming
-    the setting."""
+    with AMX_MLA, or another platform) and the layer's prefill stays vLLM's own (here: ascend
+    takes the expanded form at 192 / 128 only, and its MLA form at most 16 query tokens, so a
+    96 / 32 layer's prefill is vLLM's), vLLM's ``forward_mha`` gathers prefill context from the
+    cache in its joint layout: the layer is refused at construction (engine start), naming the
+    setting."""
     from attnhub_vllm.mapping import AttnhubConfigurationError
 
     _skip_unless_split_served()
     with pytest.raises(AttnhubConfigurationError, match=named) as refused:
-        _ascend_impl(write_model("h32", tmp_path_factory), setting)
+        _ascend_impl(write_model("h32", tmp_path_factory), setting, nope_v=(32, 32))
     assert "'ascend' reads latent layouts split only" in str(refused.value)
+
+
+@pytest.mark.parametrize(("setting", "named"), SETTINGS, ids=["prefix-caching", "chunked-prefill"])
+def test_split_latents_stay_where_attnhub_serves_the_prefill_context_too(
+    tmp_path_factory: pytest.TempPathFactory, setting: Any, named: str
+) -> None:
+    """With the same settings on, a 192 / 128 layer's prefill is attnhub's (the expanded form,
+    its cached context read through attnhub's split view): nothing in vLLM reads the memory as
+    its joint plane, so ascend keeps its split planes in place."""
+    _skip_unless_split_served()
+    impl, _ = _ascend_impl(write_model("h32", tmp_path_factory), setting)
+    assert impl.layout == "split"
+    assert impl.prefill_route.attnhub and impl.prefill_route.backend is not None

@@ -528,6 +528,29 @@ def test_prefill_context_sources_name_each_setting(over: dict, named: str) -> No
     assert len(found) == 1 and named in found[0], found
 
 
+def test_page_moving_sources_are_the_ones_whoever_serves_the_prefill() -> None:
+    """A KV connector and KV offloading move pages by block id: split planes in vLLM's memory
+    are refused with them even where attnhub serves the prefill (the bind passes these alone
+    then); chunked prefill, prefix caching and speculative decoding are not among them."""
+    from attnhub_vllm.mapping import page_moving_sources
+
+    assert page_moving_sources(_engine_config()) == []
+    on = _engine_config(
+        scheduler_config=SimpleNamespace(enable_chunked_prefill=True),
+        cache_config=SimpleNamespace(enable_prefix_caching=True, kv_offloading_size=4),
+        speculative_config=object(),
+        kv_transfer_config=object(),
+    )
+    movers = page_moving_sources(on)
+    assert [m.split(" (")[0] for m in movers] == [
+        "a KV connector is configured",
+        "KV offloading is on",
+    ]
+    assert prefill_context_sources(on)[-2:] == movers
+    assert mla_layout_refusal("ascend", ("split",), movers) is not None
+    assert mla_layout_refusal("ascend", ("split",), []) is None
+
+
 def test_split_latent_cache_is_carved_in_place_from_vllms_plane() -> None:
     """A backend's split planes in vLLM's own MLA plane: the memory read as every block's kv_c
     then every block's k_pe, dense, no byte beside it. Written through attnhub, the bytes lie

@@ -8,8 +8,12 @@ Checked against ``attnhub.reference`` (the expanded form per request, and the ab
 projected by ``W_UV``: the same attention), against vLLM's own ``forward_mha`` (its CPU prefill
 backend), for ``torch`` (the tiny DeepSeek-V2's 96 / 32) and the emulated ``flash``
 (``vllm-fa3``) and ``ascend`` at DeepSeek's 192 / 128 in bfloat16; where the backend refuses the
-expanded geometry, the prefill is vLLM's own, with the backend's reason; a prefill with cached
-context and bad input are refused with typed errors.
+expanded geometry, the prefill is vLLM's own, with the backend's reason. Prefills with cached
+context (a chunked prefill's earlier chunks, a prefix-cache hit) read it from the layer's latent
+cache through attnhub (joint or split planes, fp8 dequantized), expanded by ``kv_b_proj``,
+checked against the same references over the whole sequence and against vLLM's own
+``forward_mha`` with its context gather; context sharded over decode context parallel ranks
+and bad input are refused with typed errors.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ def _use_vllm_fa3(monkeypatch: pytest.MonkeyPatch) -> None:
 class _KvBProj(torch.nn.Module):
     """``kv_b_proj`` as vLLM's linear layers are called: ``(x @ W.T, bias)``, its output per
     head ``[k_nope ; v]`` (vLLM's split in ``process_weights_after_loading``)."""
+
+    quant_method = None  # unquantized (what vLLM's get_and_maybe_dequant_weights reads)
 
     def __init__(self, w_uk: torch.Tensor, w_uv: torch.Tensor) -> None:
         super().__init__()
@@ -141,6 +147,9 @@ def _engine(
         device_config=DeviceConfig(device="cpu"),
         additional_config={"attnhub": {"backend": backend, "emulate": emulate}},
     )
+    # the block asked for (vLLM's CPU platform forces 16 for MLA models where it does not pick
+    # AMX_MLA, as here without AMX tiles)
+    config.cache_config.block_size = block
     # as vLLM's CPU platform sets them for MLA models (AMX_MLA aside): no cached context
     config.scheduler_config.enable_chunked_prefill = context
     config.cache_config.enable_prefix_caching = context
@@ -186,8 +195,22 @@ class Prefill:
     q: torch.Tensor  # [prefill tokens, H, nope + rope]
     kv_c: torch.Tensor  # [prefill tokens, R]
     k_pe: torch.Tensor  # [prefill tokens, 1, P]
-    plane: torch.Tensor  # vLLM's latent plane of the layer (forward_mha reads no context)
+    plane: torch.Tensor  # vLLM's latent plane of the layer (random: the cached context)
     query_lens: list[int]
+    context_lens: list[int]  # per prefill
+    block_table: torch.Tensor | None  # vLLM's rows of the prefills
+
+    def context(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill ``r``'s cached context as the plane holds it (kv_c [c, R], k_pe [c, P])."""
+        c = self.context_lens[r]
+        assert self.block_table is not None or c == 0
+        if c == 0:
+            return self.plane.new_zeros((0, R)), self.plane.new_zeros((0, P))
+        assert self.block_table is not None
+        bs = self.plane.shape[1]
+        pos = torch.arange(c)
+        rows = self.plane[self.block_table[r].long()[pos // bs], pos % bs]
+        return rows[:, :R], rows[:, R:]
 
 
 def _prefill(engine: Engine, step: tuple[list[int], list[int]] = STEP, seed: int = 5) -> Prefill:
@@ -207,8 +230,12 @@ def _prefill(engine: Engine, step: tuple[list[int], list[int]] = STEP, seed: int
     q = torch.randn((n, impl.num_heads, impl.qk_nope_head_dim + P), generator=g).to(dtype)
     kv_c = torch.randn((n, R), generator=g).to(dtype)
     k_pe = torch.randn((n, 1, P), generator=g).to(dtype)
-    plane = torch.zeros((64, block, R + P), dtype=dtype)
-    return Prefill(md, q, kv_c, k_pe, plane, query_lens[md.num_decodes :])
+    # vLLM's latent plane: random latents (a prefill's cached context is read from it)
+    plane = torch.randn((64, block, R + P), generator=g).to(dtype)
+    prefill = md.prefill
+    table = None if prefill is None else prefill.block_table
+    ctx = [s - q_ for q_, s in zip(query_lens, seq_lens, strict=True)][md.num_decodes :]
+    return Prefill(md, q, kv_c, k_pe, plane, query_lens[md.num_decodes :], ctx, table)
 
 
 def _forward_mha(engine: Engine, p: Prefill, *, vllms: bool = False) -> torch.Tensor:
@@ -231,9 +258,11 @@ def _references(engine: Engine, p: Prefill) -> tuple[torch.Tensor, torch.Tensor]
     impl = engine.impl
     expanded, absorbed = [], []
     start = 0
-    for n in p.query_lens:
+    for r, n in enumerate(p.query_lens):
         q = p.q[start : start + n]
-        kv_c, k_pe = p.kv_c[start : start + n], p.k_pe[start : start + n, 0]
+        ctx_c, ctx_pe = p.context(r)  # the whole sequence: cached context, then the new tokens
+        kv_c = torch.cat([ctx_c, p.kv_c[start : start + n]])
+        k_pe = torch.cat([ctx_pe, p.k_pe[start : start + n, 0]])
         out, _ = reference.mla_expanded(q, kv_c, k_pe, engine.w_uk, engine.w_uv, scale=impl.scale)
         expanded.append(out)
         q_nope, q_pe = q.split([impl.qk_nope_head_dim, P], dim=-1)
@@ -276,18 +305,26 @@ def test_a_backend_that_refuses_the_expanded_geometry_leaves_the_prefill_to_vllm
     assert torch.equal(got, want)
 
 
-def test_an_engine_that_may_send_cached_context_keeps_vllms_prefill() -> None:
+def test_an_engine_that_may_send_cached_context_routes_the_prefill_to_attnhub() -> None:
     """Chunked prefill or prefix caching on (vLLM's CPU platform leaves them on with
-    ``AMX_MLA``): prefills may continue a cached sequence, so vLLM's own ``forward_mha`` (which
-    reads that context from the latent cache) serves them, with that reason."""
+    ``AMX_MLA``): attnhub serves the prefill, reading cached context from the latent cache."""
     engine = _engine("torch", "float32", TINY, context=True)
     route = engine.impl.prefill_route
+    assert route.backend is not None and route.backend.name == "torch", route
+    assert "cached context read from the latent cache and expanded by kv_b_proj" in route.why
+
+
+def test_context_sharded_over_decode_context_parallel_ranks_keeps_vllms_prefill() -> None:
+    """Under decode context parallel a rank's latent cache holds a shard of the context (vLLM
+    gathers it over the group): an engine that may send context keeps vLLM's own prefill."""
+    from attnhub_vllm import mla_prefill
+
+    engine = _engine("torch", "float32", TINY)
+    spec = engine.impl.spec
+    mla_backend = engine.builder._attnhub_builders[0].backend
+    route = mla_prefill.prefill_route(mla_backend, spec, "cpu", False, sharded_context=True)
     assert route.backend is None
-    assert "prefills may come with cached context here" in route.why, route.why
-    p = _prefill(engine, ([1, 1, 5, 7, 3], [9, 4, 5, 23, 3]))  # request 3: 16 cached tokens
-    assert p.md.prefill.chunked_context is not None and not any(p.md.attnhub_prefill)
-    got, want = _forward_mha(engine, p), _forward_mha(engine, p, vllms=True)
-    assert torch.equal(got, want)
+    assert "sharded over the decode context parallel group" in route.why, route.why
 
 
 def test_flash_refuses_the_tiny_models_96_32_with_its_reason(
@@ -428,23 +465,210 @@ def test_the_transient_cache_is_dropped_after_the_layers_call() -> None:
     assert mla_prefill.transient_bytes(backend.spec, num_blocks) == want
 
 
+# --- cached context ---------------------------------------------------------------------------
+
+#: two decodes, then prefills: none, 16 and 41 tokens of cached context (a chunked prefill's
+#: earlier chunks or a prefix-cache hit), none
+CONTEXT_STEP = ([1, 1, 5, 7, 3, 9], [9, 4, 5, 23, 3, 50])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_torch_prefill_with_cached_context_matches_the_reference_and_vllms_own(dtype: str) -> None:
+    """The context's latents read from vLLM's plane, expanded by ``kv_b_proj`` and attended
+    with the new tokens: the whole sequence's attention (both references), and vLLM's own
+    ``forward_mha`` (its context gather, its prefill backend's chunk and LSE merge)."""
+    engine = _engine("torch", dtype, TINY, context=True)
+    p = _prefill(engine, CONTEXT_STEP)
+    assert p.md.prefill.chunked_context is not None and p.context_lens == [0, 16, 0, 41]
+    got = _forward_mha(engine, p)
+    _check(engine, p, got)
+    vllms = _forward_mha(engine, p, vllms=True)
+    tol = engine.impl.prefill_route.backend.capabilities.tolerance(p.q.dtype)
+    torch.testing.assert_close(got, vllms, atol=tol.atol, rtol=tol.rtol)
+    # the context counts: without it the output is another one
+    no_context = _references(engine, dataclasses.replace(p, context_lens=[0] * 4))[0]
+    assert not torch.allclose(got.double(), no_context, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_the_context_is_cut_into_calls_bounded_by_vllms_workspace() -> None:
+    """Calls whose contexts sum to at most vLLM's chunked-prefill workspace (a request with more
+    in a call of its own), one transient cache alive at a time; the same attention."""
+    from attnhub_vllm import mla_prefill
+
+    assert mla_prefill.plan_calls([0, 16, 0, 41], None) == [(0, 4)]
+    assert mla_prefill.plan_calls([0, 16, 0, 41], 32) == [(0, 3), (3, 4)]
+    assert mla_prefill.plan_calls([20, 20, 5, 0], 32) == [(0, 1), (1, 4)]
+    assert mla_prefill.plan_calls([], 32) == []
+    engine = _engine("torch", "float32", TINY, context=True)
+    engine.builder.chunked_prefill_workspace_size = 32
+    p = _prefill(engine, CONTEXT_STEP)
+    step = p.md.attnhub_prefill[0]
+    assert [c.tokens for c in step.chunks] == [slice(0, 15), slice(15, 24)]
+    assert [c.context.batch.num_actual_tokens for c in step.chunks] == [16, 41]
+    backend = engine.impl.prefill_route.backend
+    made: list[int] = []
+    allocate = backend.allocate_kv_cache
+    backend.allocate_kv_cache = lambda n: made.append(n) or allocate(n)
+    try:
+        got = _forward_mha(engine, p)
+    finally:
+        del backend.allocate_kv_cache
+    # blocks of 16: requests of 5, 7 + 16, 3 tokens; then 9 + 41
+    assert made == [1 + 2 + 1, 4]
+    _check(engine, p, got)
+
+
+@pytest.mark.parametrize("layout", ["joint", "split"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_context_is_read_in_the_caches_layout_and_fp8_dequantized(
+    layout: str, kv_cache_dtype: str
+) -> None:
+    """``forward_expanded`` over attnhub's latent cache in either layout (the joint plane, or
+    the split planes a vendor keeps), fp8 latents read as ``fp8 * scale`` rounded to the model
+    dtype (``attnhub.mla.dequantize_latent``): the reference over those latents."""
+    from attnhub_vllm import mla_prefill
+
+    from attnhub import LatentKVCache, reference
+    from attnhub.mla import write_latent_kv
+    from attnhub.testing import generator
+
+    engine = _engine("torch", "bfloat16", TINY, context=True)
+    p = _prefill(engine, CONTEXT_STEP)
+    spec = dataclasses.replace(engine.impl.spec, kv_cache_dtype=kv_cache_dtype)
+    latent = LatentKVCache.for_spec(spec, 64, layout=layout)
+    g = generator(9)
+    kv_c = torch.randn((64 * 16, R), generator=g).to(torch.bfloat16)
+    k_pe = torch.randn((64 * 16, P), generator=g).to(torch.bfloat16)
+    if latent.scale is not None:
+        latent.scale.fill_(0.25)
+    write_latent_kv(spec, latent, kv_c, k_pe, torch.arange(64 * 16))
+    impl = engine.impl
+    k, v = impl._expand(p.kv_c, p.k_pe)
+    out = torch.full((p.q.shape[0], 4, 32), float("nan"), dtype=torch.bfloat16)
+    step = p.md.attnhub_prefill[0]
+    mla_prefill.forward_expanded(impl.prefill_route, p.q, k, v, step, out, latent, impl._expand)
+    # the reference over the latents as the cache holds them (fp8: dequantized)
+    want, start = [], 0
+    for r, n in enumerate(p.query_lens):
+        # the oracle's read (float64, fp8 times the scale), rounded to the model dtype
+        ctx_c, ctx_pe = reference.read_latent_sequence(latent, p.block_table[r], p.context_lens[r])
+        ctx_c, ctx_pe = ctx_c.to(torch.bfloat16), ctx_pe.to(torch.bfloat16)
+        seq_c = torch.cat([ctx_c, p.kv_c[start : start + n]])
+        seq_pe = torch.cat([ctx_pe, p.k_pe[start : start + n, 0]])
+        o, _ = reference.mla_expanded(
+            p.q[start : start + n], seq_c, seq_pe, engine.w_uk, engine.w_uv, scale=impl.scale
+        )
+        want.append(o)
+        start += n
+    tol = impl.prefill_route.backend.capabilities.tolerance(torch.bfloat16)
+    torch.testing.assert_close(out.double(), torch.cat(want), atol=tol.atol, rtol=tol.rtol)
+
+
+def test_flash_vllm_fa3_serves_deepseeks_prefill_with_cached_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The emulated FA3 varlen kernel at 192 / 128 over each request's context and new tokens
+    (bottom-right causal), against both references."""
+    _use_vllm_fa3(monkeypatch)
+    engine = _engine("flash", "bfloat16", DEEPSEEK, emulate=True, context=True)
+    route = engine.impl.prefill_route
+    assert route.backend is not None and route.backend.name == "flash", route
+    p = _prefill(engine, CONTEXT_STEP)
+    _check(engine, p, _forward_mha(engine, p))
+
+
+def _amx_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``cpu`` backend as on an AMX CPU (its features injected: its ``AMX_MLA`` path, vLLM's
+    own ops, which run on AVX512-BF16 without AMX tiles), in a fresh registry."""
+    pytest.importorskip("attnhub_cpu")
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("AMX_MLA's ops are x86 only")
+    if not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("AMX_MLA's ops have no code path for this CPU (no AMX, no AVX512-BF16)")
+    import attnhub_vllm.backend as adapter
+    from attnhub_cpu import CpuBackend, ops
+    from attnhub_cpu.backend import capabilities_for
+
+    import attnhub
+    import attnhub.registry as registry
+
+    amx = ops.CpuFeatures("x86", avx512=True, avx512_bf16=True, amx=True)
+
+    class AmxCpuBackend(CpuBackend):
+        features = amx
+        capabilities = capabilities_for(amx)
+
+    monkeypatch.setattr(registry, "_REGISTRY", registry.Registry())
+    monkeypatch.setattr(adapter, "_BACKENDS", {})
+    attnhub.register_backend(AmxCpuBackend, replace=True)
+
+
+def test_cpu_on_amx_mla_serves_the_prefill_with_context_in_the_absorbed_form(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cpu`` refuses the expanded form, but its ``AMX_MLA`` path serves queries of every
+    length: the prefill goes through its MLA impl over the latent cache (``extend_attention_cpu``,
+    as vLLM's ``AMXMLAImpl.forward_mha``), the query absorbed by ``W_UK`` and the latent output
+    projected by ``W_UV``; the same attention as both references over the whole sequence."""
+    _amx_cpu(monkeypatch)
+    from attnhub_vllm import mla_prefill
+
+    from attnhub import LatentKVCache
+    from attnhub.mla import write_latent_kv
+
+    engine = _engine("cpu", "bfloat16", TINY, block=32, context=True)
+    route = engine.impl.prefill_route
+    assert route.backend is None and route.absorbed is not None, route
+    assert route.why.startswith("attnhub (the absorbed form: the MLA impl of backend 'cpu'")
+    assert "vLLM's CPU kernels take one head_dim for query, key and value" in route.why
+    p = _prefill(engine, CONTEXT_STEP)
+    # the new tokens' latents are in the cache before forward_mha (do_kv_cache_update)
+    latent = LatentKVCache.from_joint(p.plane, R)
+    slots = p.md.slot_mapping[p.md.num_decode_tokens :]
+    write_latent_kv(engine.impl.spec, latent, p.kv_c, p.k_pe[:, 0], slots)
+    assert not isinstance(p.md.attnhub_prefill[0], mla_prefill.PrefillStep)  # the MLA impl's
+    got = _forward_mha(engine, p)
+    caps = route.absorbed.capabilities
+    tol = caps.mla.tolerance(torch.bfloat16, caps.tolerances)
+    expanded, absorbed = _references(engine, p)
+    torch.testing.assert_close(expanded, absorbed, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(got.double(), expanded, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_the_absorbed_prefill_is_not_taken_under_decode_context_parallel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank's latent cache holds a shard of the prefill's own tokens: vLLM's own prefill."""
+    _amx_cpu(monkeypatch)
+    from attnhub_vllm import mla_prefill
+
+    import attnhub
+
+    engine = _engine("cpu", "bfloat16", TINY, block=32)
+    spec = engine.impl.spec
+    mla_backend = attnhub.select_backend(spec, "cpu", prefer="cpu")
+    route = mla_prefill.prefill_route(mla_backend, spec, "cpu", False, context_parallel=True)
+    assert not route.attnhub and route.why.startswith("vLLM's own"), route
+
+
 # --- refusals --------------------------------------------------------------------------------
 
 
-def test_a_prefill_with_cached_context_is_refused_naming_the_request() -> None:
+def test_a_prefill_with_context_sharded_over_dcp_ranks_is_refused_naming_the_request() -> None:
+    """Where such context comes to attnhub's route anyway (the engine said it would not)."""
+    from attnhub_vllm import mla_prefill
+
     from attnhub.errors import UnsupportedConfigurationError
 
-    engine = _engine("torch", "float32", TINY)
-    # the second prefill (request 3 of the batch) continues a sequence: 16 cached tokens
-    p = _prefill(engine, ([1, 1, 5, 7, 3], [9, 4, 5, 23, 3]))
-    assert p.md.prefill.chunked_context is not None
-    out = torch.zeros((p.q.shape[0], 4 * 32))
+    engine = _engine("torch", "float32", TINY, context=True)
+    p = _prefill(engine, CONTEXT_STEP)
+    mla_prefill.context_refusal(p.md.prefill, 2, "torch", 1)  # one rank: served
     with pytest.raises(UnsupportedConfigurationError, match=r"MLA prefill request 1 of the step "
-                       r"\(request 3 of the batch\) has 16 tokens of cached context"):  # fmt: skip
-        engine.impl.forward_mha(
-            p.q, p.kv_c, p.k_pe, p.plane, p.md, engine.layer._k_scale, output=out
-        )
-    assert torch.equal(out, torch.zeros_like(out))  # nothing written
+                       r"\(request 3 of the batch\) has 16 tokens of cached context sharded "
+                       r"over 2 decode context parallel ranks"):  # fmt: skip
+        mla_prefill.context_refusal(p.md.prefill, 2, "torch", 2)
 
 
 @pytest.mark.parametrize(
