@@ -2359,17 +2359,22 @@ def _flashmla_check_schedule(
         )
 
 
-def _flashmla_null(
-    q: torch.Tensor, k_cache: torch.Tensor, rows: Any, kv_lens: Any, head_dim_v: int, *rest: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, s_q, h_q = q.shape[:3]
-    return (
-        emulation.preallocated((batch, s_q, h_q, head_dim_v), torch.float32, q.device),
-        emulation.preallocated((batch, h_q, s_q), torch.float32, q.device),
-    )
+def _flashmla_null(out_dtype: torch.dtype) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The null kernel of a FlashMLA decode whose output is ``out_dtype`` (the LSE float32)."""
+
+    def null(
+        q: torch.Tensor, k_cache: torch.Tensor, rows: Any, kv_lens: Any, head_dim_v: int, *_: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, s_q, h_q = q.shape[:3]
+        return (
+            emulation.preallocated((batch, s_q, h_q, head_dim_v), out_dtype, q.device),
+            emulation.preallocated((batch, h_q, s_q), torch.float32, q.device),
+        )
+
+    return null
 
 
-@emulation.kernel(null=_flashmla_null)
+@emulation.kernel(null=_flashmla_null(torch.float32))
 def _flashmla_math(
     q: torch.Tensor,  # [B, s_q, h_q, 576]
     k_cache: torch.Tensor,  # [num_blocks, 64, h_k, 576]
@@ -2627,17 +2632,7 @@ def _flashmla_fp8_reads(
     return rows, kv_lens
 
 
-def _flashmla_fp8_null(
-    q: torch.Tensor, k_cache: torch.Tensor, rows: Any, kv_lens: Any, head_dim_v: int, *rest: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, s_q, h_q = q.shape[:3]
-    return (
-        emulation.preallocated((batch, s_q, h_q, head_dim_v), torch.bfloat16, q.device),
-        emulation.preallocated((batch, h_q, s_q), torch.float32, q.device),
-    )
-
-
-@emulation.kernel(null=_flashmla_fp8_null)
+@emulation.kernel(null=_flashmla_null(torch.bfloat16))
 def _flashmla_fp8_math(
     q: torch.Tensor,  # [B, s_q, h_q, 576] float8_e4m3fn
     k_cache: torch.Tensor,  # [num_blocks, 64, h_k, 576] float8_e4m3fn
