@@ -50,23 +50,10 @@ def _impl(kv_cache_dtype: str, backend: str = "torch", dtype: str = "bfloat16") 
     return impl
 
 
-_MODEL: list[str] = []
-
-
 def _model() -> str:
-    if not _MODEL:
-        import sys
-        import tempfile
-        from pathlib import Path
+    from vllm_generate import tiny_deepseek_v2_once  # this directory: pytest's rootdir insertion
 
-        here = str(Path(__file__).resolve().parent)
-        sys.path.insert(0, here)
-        try:
-            from vllm_generate import write_tiny_deepseek_v2
-        finally:
-            sys.path.remove(here)
-        _MODEL.append(write_tiny_deepseek_v2(tempfile.mkdtemp(prefix="tiny-dsv2-")))
-    return _MODEL[0]
+    return tiny_deepseek_v2_once()
 
 
 def test_vllms_cpu_build_has_no_concat_and_cache_mla() -> None:

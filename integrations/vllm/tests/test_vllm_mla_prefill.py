@@ -37,23 +37,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: (query_lens, seq_lens): two decodes (vLLM's builder puts them first) beside three prefills
 STEP = ([1, 1, 5, 17, 3], [9, 4, 5, 17, 3])
 
-_MODEL: list[str] = []
-
 
 def _model() -> str:
-    if not _MODEL:
-        import sys
-        import tempfile
-        from pathlib import Path
+    from vllm_generate import tiny_deepseek_v2_once  # this directory: pytest's rootdir insertion
 
-        here = str(Path(__file__).resolve().parent)
-        sys.path.insert(0, here)
-        try:
-            from vllm_generate import write_tiny_deepseek_v2
-        finally:
-            sys.path.remove(here)
-        _MODEL.append(write_tiny_deepseek_v2(tempfile.mkdtemp(prefix="tiny-dsv2-")))
-    return _MODEL[0]
+    return tiny_deepseek_v2_once()
 
 
 def _use_vllm_fa3(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -106,6 +106,19 @@ def write_tiny_deepseek_v2(
     return path
 
 
+_TINY_DEEPSEEK: list[str] = []
+
+
+def tiny_deepseek_v2_once() -> str:
+    """The default tiny DeepSeek-V2 (:func:`write_tiny_deepseek_v2`), written once per process
+    into a temporary directory: the model the adapter's unit tests build vLLM configs of."""
+    if not _TINY_DEEPSEEK:
+        import tempfile
+
+        _TINY_DEEPSEEK.append(write_tiny_deepseek_v2(tempfile.mkdtemp(prefix="tiny-dsv2-")))
+    return _TINY_DEEPSEEK[0]
+
+
 def interpreted_kernel(source: object) -> object:
     """A vLLM Triton kernel's source under the real ``triton.jit``, run by Triton's
     interpreter on the CPU (vLLM's CPU build stubs Triton out: its kernels are plain
