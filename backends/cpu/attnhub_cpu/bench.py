@@ -221,8 +221,93 @@ def direct_comparisons(*, quick: bool = False, repeats: int = 9) -> list[DirectC
             goal=r.goal,
             note="; ".join(n for n in (f"vLLM ISA path {r.isa}, block {bs}", r.note) if n),
         )
-        for r in run(cases, repeats=repeats)
+        for r in [*run(cases, repeats=repeats), *mla_comparisons(quick=quick, repeats=repeats)]
     ]
+
+
+def mla_comparisons(*, quick: bool = False, repeats: int = 9) -> list[KernelRatio]:
+    """The cpu backend's MLA ``forward`` against vLLM's MLA calls made directly, on the path
+    vLLM picks on this CPU (``mla_ops.vllm_mla_backend``): ``CPU_MLA``'s decode in each dtype
+    it serves here, or ``AMX_MLA``'s decode and prefill (bfloat16). DeepSeek's latent (512 +
+    64), 16 heads; decode 32 x 2048 (``quick``: 4 x 256), prefill 4 x 256 new of 1024."""
+    from attnhub_cpu import mla_ops
+
+    if mla_ops.vllm_mla_backend(CpuBackend.features) == "AMX_MLA":
+        if quick:
+            return [run_amx_mla(4, 256, repeats=repeats)]
+        return [
+            run_amx_mla(repeats=repeats),
+            run_amx_mla(4, 1024, query_len=256, repeats=repeats),
+        ]
+    reqs, seq = (4, 256) if quick else (32, 2048)
+    return [
+        run_cpu_mla(reqs, seq, dtype=dtype, repeats=repeats)
+        for dtype in (torch.float32, torch.bfloat16)
+        if not mla_ops.vllm_mla_refusals(CpuBackend.features, _deepseek_mla(16, dtype, 16))
+    ]
+
+
+def _deepseek_mla(num_heads: int, dtype: torch.dtype, block_size: int) -> MLASpec:
+    from attnhub.mla import MLASpec
+
+    return MLASpec(
+        num_heads=num_heads, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, dtype=dtype, block_size=block_size,
+    )  # fmt: skip
+
+
+def run_cpu_mla(
+    num_reqs: int = 32,
+    seq_len: int = 2048,
+    num_heads: int = 16,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    repeats: int = 15,
+) -> KernelRatio:
+    """The cpu backend's MLA ``forward`` on ``CPU_MLA`` (one decode token per request) against
+    what ``CPU_MLA`` does per layer, made directly: the latent write as tensor stores
+    (``do_kv_cache_update``), then ``mla_decode_kvcache`` over the int32 block table and lengths
+    made once outside the timing; block 16, alternated, medians."""
+    from attnhub.mla import LatentKVCache
+
+    spec = _deepseek_mla(num_heads, dtype, 16)
+    backend = CpuBackend(spec)
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = num_reqs * -(-seq_len // 16) + 1
+    cache = backend.allocate_kv_cache(num_blocks)
+    assert isinstance(cache, LatentKVCache)
+    cache.joint.copy_(torch.randn(cache.joint.shape, generator=gen).to(dtype))
+    table = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(num_reqs, -1)
+    batch = BatchMetadata.from_lengths([1] * num_reqs, [seq_len] * num_reqs, table, 16, "cpu")
+    q = torch.randn(num_reqs, num_heads, 576, generator=gen).to(dtype)
+    kv_c = torch.randn(num_reqs, 512, generator=gen).to(dtype)
+    k_pe = torch.randn(num_reqs, 64, generator=gen).to(dtype)
+    impl, meta = backend.impl(), backend.metadata_builder().build(batch)
+    out_backend, out_direct = (torch.empty(num_reqs, num_heads, 512, dtype=dtype) for _ in "ab")
+    slots = batch.slot_mapping.long()
+    tables, lens = batch.block_table.to(torch.int32), batch.seq_lens.to(torch.int32)
+    flat = cache.joint.view(-1, 576)
+    kernels = backend.ops
+
+    def through_backend() -> object:
+        return impl.forward(q, kv_c, k_pe, cache, meta, output=out_backend)
+
+    def direct() -> None:
+        flat[slots, :512] = kv_c
+        flat[slots, 512:] = k_pe
+        kernels.mla_decode_kvcache(out_direct, q, cache.joint, float(spec.scale), tables, lens)
+
+    backend_ms, direct_ms, speed = _alternate(through_backend, direct, repeats)
+    if not torch.equal(out_backend, out_direct):
+        raise ToolError("CPU_MLA: the backend's output differs from vLLM's kernel's")
+    return KernelRatio(
+        case=f"mla decode {num_reqs}x{seq_len}",
+        dtype=str(dtype).removeprefix("torch."),
+        isa="CPU_MLA",
+        backend_ms=backend_ms,
+        direct_ms=direct_ms,
+        speed=speed,
+    )
 
 
 #: Where vLLM says it runs AMX_MLA only with AMX (quoted by the refusal of :func:`run_amx_mla`).
@@ -260,17 +345,14 @@ def run_amx_mla(
     > 1: every request a prefill of that many new tokens, chunked where ``seq_len`` is longer),
     bfloat16, block 32, alternated, medians. Only on a CPU where vLLM itself runs AMX_MLA
     (``BenchUnavailableError`` with vLLM's reason elsewhere)."""
-    from attnhub.mla import LatentKVCache, MLASpec
+    from attnhub.mla import LatentKVCache
 
     why = amx_mla_unavailable_reason()
     if why is not None:
         raise BenchUnavailableError(f"AMX_MLA cannot run here: {why}")
     gen = torch.Generator().manual_seed(0)
     bs, dtype, R = 32, torch.bfloat16, 512
-    spec = MLASpec(
-        num_heads=num_heads, kv_lora_rank=R, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128, dtype=dtype, block_size=bs,
-    )  # fmt: skip
+    spec = _deepseek_mla(num_heads, dtype, bs)
     backend = CpuBackend(spec)
     blocks_per_req = -(-seq_len // bs)
     num_blocks = num_reqs * blocks_per_req + 1

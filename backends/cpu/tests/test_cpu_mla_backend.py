@@ -108,3 +108,19 @@ def test_a_prefill_is_refused_at_build_naming_the_request(mla_kernel: None) -> N
         UnsupportedConfigurationError, match=r"request 1 .* prefill.*\(decode only\)"
     ):
         backend.metadata_builder().build(batch)
+
+
+def test_attnhub_bench_compares_mla_on_the_path_vllm_picks_here(mla_kernel: None) -> None:
+    """``attnhub bench``'s cpu comparisons carry MLA rows: the backend's forward against vLLM's
+    calls made directly on the MLA path vLLM picks on this CPU (each row's output compared
+    byte for byte inside; the ratio reported, never asserted: no timing assertions)."""
+    from attnhub_cpu import bench
+
+    if CpuBackend.availability("cpu") is not None:
+        pytest.skip(f"cpu backend unavailable: {CpuBackend.availability('cpu')}")
+    path = mla_ops.vllm_mla_backend(CpuBackend.features)
+    rows = bench.mla_comparisons(quick=True, repeats=1)
+    assert rows and {r.isa for r in rows} == {path}
+    assert all(r.case.startswith("mla ") and r.speed > 0 for r in rows)
+    cpu_rows = bench.direct_comparisons(quick=True, repeats=1)
+    assert {(r.case, r.dtype) for r in rows} <= {(r.case, r.dtype) for r in cpu_rows}
