@@ -7,7 +7,8 @@ kernels run their AVX512-BF16 code (oneDNN's brgemm without tiles): this checks 
 configuration and the adapter, never AMX's numerics or speed. The prompts share a 96-token
 prefix, so prefix caching (and chunked prefill) make prefills with cached context.
 
-Three engines (~20 s each): vLLM's own ``AMX_MLA``, attnhub ``torch`` and attnhub ``cpu``:
+Three engines (~20 s each) on the 4-head model: vLLM's own ``AMX_MLA``, attnhub ``torch`` and
+attnhub ``cpu``:
 - vLLM's run: ``AMX_MLA`` in every layer, [num_blocks, 32, 576] bfloat16 latent planes, and
   prefills with cached context, prefix-cache hits among them;
 - attnhub's runs: attnhub's MLA backend class in every layer, the same steps, the same greedy
@@ -15,6 +16,15 @@ Three engines (~20 s each): vLLM's own ``AMX_MLA``, attnhub ``torch`` and attnhu
   KV tensor and 0 bytes beside it; ``torch`` serves the prefills with cached context in the
   expanded form, ``cpu`` (which detects AMX in its process: its ``AMX_MLA`` path) in the
   absorbed form through its MLA impl, both logged.
+
+Seven more on the 32-head model (``h32``: DeepSeek's 192 / 128): vLLM's own ``AMX_MLA`` at
+blocks 32, 64 and 128 (the block asked kept: the platform forces 16 only without AMX_MLA), and
+attnhub through ``torch`` (the control) and ``flash`` ``vllm-fa3`` at 32, ``flash``
+``vllm-flashmla`` (FlashMLA pages by 64) at 64 and ``ascend`` (its MLA form pages by 16 or 128;
+split planes carved in place) at 128, the vendors emulated, each against vLLM's run at its own
+block (vLLM's own tokens change with the block here beyond the bf16 criterion): the bf16
+criterion, attnhub's MLA class in every layer, 0 bytes extra, the prefills with cached context
+through attnhub's expanded form (logged).
 """
 
 from __future__ import annotations
