@@ -139,6 +139,19 @@ def _single_threaded(session: nox.Session) -> None:
     session.env["OMP_NUM_THREADS"] = "1"
 
 
+#: pytest-xdist's workers for the long test runs: one per core (``-n auto``), at most 4 (each
+#: vLLM engine test process holds a model and its KV cache). Every test is independent of the
+#: others' order and process; a run on 2 cores takes about 0.6 of a serial one.
+XDIST_MAX_WORKERS = 4
+
+
+def _spread(dist: str) -> tuple[str, ...]:
+    """pytest arguments spreading a run over the cores: ``dist`` is xdist's scheduling
+    (``worksteal``: test by test; ``loadscope``: a module's tests in one worker, for modules
+    that reuse one engine run across their tests)."""
+    return ("-n", "auto", f"--maxprocesses={XDIST_MAX_WORKERS}", f"--dist={dist}")
+
+
 def _junit(name: str) -> str:
     os.makedirs(RESULTS, exist_ok=True)
     return f"--junitxml={os.path.join(RESULTS, name + '.xml')}"
@@ -190,6 +203,7 @@ def tests(session: nox.Session) -> None:
         "-m",
         "not contract",
         "-q",
+        *_spread("worksteal"),
         _junit("tests"),
         *session.posargs,
     )
@@ -219,6 +233,7 @@ def conformance(session: nox.Session) -> None:
                 *("pytest", "--pyargs", "attnhub_conformance", "-q", "-p", "no:cacheprovider"),
                 f"--attnhub-backend={backend}",
                 "--attnhub-emulate",
+                *_spread("worksteal"),
                 _junit(f"conformance-{label}"),
                 *args,
                 env=env,
@@ -545,9 +560,11 @@ def vllm(session: nox.Session) -> None:
         "backends/cpu/tests",
         *("-m", "not contract"),  # the adapter's wheel contracts: ``nox -s contracts``
         "-q",
-        "-s",
+        "-rP",  # what each engine test prints (tokens agreeing, gaps, host time), after it passes
         "-p",
         "no:cacheprovider",
+        # a module's tests in one worker: they compare with one reference engine run
+        *_spread("loadscope"),
         _junit("vllm"),
         *session.posargs,
     )
