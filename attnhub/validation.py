@@ -14,7 +14,8 @@ first that fails.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from types import FunctionType
 from typing import Any
@@ -26,6 +27,11 @@ from attnhub.batch import BatchMetadata
 from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import BlockPacking, PagedKVCache
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
+
+try:  # the optional compiled pass (attnhub[speedups]); the Python rules decide without it
+    from attnhub_speedups import step_values as _compiled_step_values
+except ImportError:  # not installed (or not built for this Python)
+    _compiled_step_values = None
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -624,6 +630,42 @@ STEP = Rules(
 STEP_STRUCTURE = Rules(
     "batch, spec, device", STRUCTURE, returns="StepFacts(max_slot=-1, max_block=-1)"
 )
+
+#: The item size of a batch's integer dtypes (the structure rules admit these two only).
+_ITEMSIZE = {torch.int32: 4, torch.int64: 8}
+#: A step's lengths and values (:data:`LENGTHS`, :data:`VALUES`) in one compiled pass over
+#: its host copies (attnhub-speedups' ``step_values``), read once the structure rules hold:
+#: their data pointers, item sizes and counts, each proven by those rules (qsl [B + 1], seq
+#: [B], the slot mapping 1-D, the table [B, width]). Anything unusual (a strided host copy, a
+#: batch on an accelerator without its host copy, a slot mapping of another rank) does not
+#: pass, and neither does a step that breaks a rule: :data:`STEP` then decides and words it.
+FAST_VALUES: list[Rule | Let] = [
+    Let("qsl_t", "batch.query_start_loc_cpu"),
+    Let("seq_t", "batch.seq_lens_cpu"),
+    Let("slots_t", "batch.slot_mapping_cpu"),
+    Let("table_t", "batch.block_table_cpu"),
+    Let("slots_t", "slot_mapping if slots_t is None else slots_t"),
+    Let("table_t", "block_table if table_t is None else table_t"),
+    Rule("slots_t.is_cpu and table_t.is_cpu and slot_mapping.ndim == 1"),
+    Rule(
+        "qsl_t.is_contiguous() and seq_t.is_contiguous() and slots_t.is_contiguous() "
+        "and table_t.is_contiguous()"
+    ),
+    Let(
+        "got",
+        "_compiled_step_values(qsl_t.data_ptr(), _ITEMSIZE[qsl_t.dtype], seq_t.data_ptr(), "
+        "_ITEMSIZE[seq_t.dtype], B, batch.block_size, batch.num_actual_tokens, "
+        "batch.max_query_len, batch.max_seq_len, slots_t.data_ptr(), _ITEMSIZE[slots_t.dtype], "
+        "slots_t.shape[0], table_t.data_ptr(), _ITEMSIZE[table_t.dtype], block_table.shape[1])",
+    ),
+    Rule("got is not None"),
+]
+#: Every check of a step with the compiled pass: what :data:`STEP` returns where it passes
+#: (its arrays read from the batch on first use: :class:`_FastStepFacts`). Only ``passes`` is
+#: read (:func:`check_step`): a failure is worded by :data:`STEP`.
+FAST_STEP = Rules(
+    "batch, spec, device", [*STRUCTURE, *FAST_VALUES], returns="_FastStepFacts.made(batch, got)"
+)
 #: A slot mapping given to ``write_kv`` without a step.
 GIVEN_SLOTS = Rules("slots, cache", [SLOT_FACTS, SLOT_IN_CACHE, SLOTS_DISTINCT])
 #: A checked step's extents in a cache: O(1) where they fit (the host data is read only to
@@ -738,6 +780,76 @@ class StepFacts:
         )
 
 
+def _lazily(
+    name: str, read: Callable[[_FastStepFacts, BatchMetadata], np.ndarray | None]
+) -> property:
+    """A :class:`StepFacts` array as a property of :class:`_FastStepFacts`: ``read`` from the
+    batch on first use, then kept in the field's slot (None for a batch without requests, as
+    :data:`STEP` has it)."""
+    slot = StepFacts.__dict__[name]  # the dataclass field's slot
+
+    def get(self: _FastStepFacts) -> np.ndarray | None:
+        try:
+            return slot.__get__(self)  # type: ignore[no-any-return]
+        except AttributeError:  # not read yet
+            value = read(self, self._batch) if self._batch.num_reqs else None
+            slot.__set__(self, value)
+            return value
+
+    def put(self: _FastStepFacts, value: np.ndarray | None) -> None:
+        slot.__set__(self, value)
+
+    return property(get, put, doc=f"StepFacts.{name}, read from the batch on first use")
+
+
+class _FastStepFacts(StepFacts):
+    """The :class:`StepFacts` of a step checked by the compiled pass (:data:`FAST_STEP`): its
+    scalars from the pass, its arrays read from the batch's host copies on first use, once,
+    exactly as :data:`STEP` reads them (a planner that reads them pays what it pays without
+    the pass; one that does not, nothing)."""
+
+    __slots__ = ("_batch",)
+    _batch: BatchMetadata
+
+    query_start_locs = _lazily("query_start_locs", lambda f, b: b.query_start_loc_cpu.numpy())  # type: ignore[assignment]
+    seq_lens = _lazily("seq_lens", lambda f, b: b.seq_lens_cpu.numpy())  # type: ignore[assignment]
+    query_lens = _lazily(  # type: ignore[assignment]
+        "query_lens", lambda f, b: _diff(f.query_start_locs)
+    )
+    context_lens = _lazily(  # type: ignore[assignment]
+        "context_lens", lambda f, b: _minus(f.seq_lens, f.query_lens)
+    )
+    block_table = _lazily("block_table", lambda f, b: b.host_block_table().numpy())  # type: ignore[assignment]
+
+    @classmethod
+    def made(cls, batch: BatchMetadata, got: tuple[int, int, int, int, int]) -> _FastStepFacts:
+        """The facts of ``batch`` from the pass's (max_slot, max_block, min_slot,
+        min_query_len, min_context_len): no array read yet."""
+        facts = _NEW(cls)
+        (
+            facts.max_slot,
+            facts.max_block,
+            facts.min_slot,
+            facts.min_query_len,
+            facts.min_context_len,
+        ) = got
+        facts._batch = batch
+        return facts
+
+
+_NEW = object.__new__
+
+
+def _diff(qsl: np.ndarray | None) -> np.ndarray:
+    assert qsl is not None
+    return qsl[1:] - qsl[:-1]
+
+
+def _minus(seq: np.ndarray | None, qlens: np.ndarray | None) -> np.ndarray:
+    assert seq is not None and qlens is not None
+    return seq - qlens
+
+
 def check_slot_values(slot_mapping: torch.Tensor, cache: PagedKVCache) -> None:
     """Every slot is -1 (padding) or inside the cache, and no two are equal: for ``write_kv``
     given a slot mapping of its own (not a step's). Reads values on the host (numpy: a torch
@@ -779,8 +891,41 @@ def check_step(
     value read): the trade-off an engine that builds each step itself may make, as vLLM's and
     FlashInfer's own builders do. Nothing then bounds the step's slots and blocks (extents -1:
     layers compare nothing), so a wrong value reaches the kernels."""
-    table = STEP if values else STEP_STRUCTURE
-    return table.passes(batch, spec, device) or table.explain(batch, spec, device)
+    if not values:
+        return STEP_STRUCTURE.passes(batch, spec, device) or STEP_STRUCTURE.explain(
+            batch, spec, device
+        )
+    return _full.passes(batch, spec, device) or STEP.explain(batch, spec, device)
+
+
+#: The table :func:`check_step` passes a step's full checks through: :data:`FAST_STEP` where
+#: attnhub-speedups is installed and not turned off (``ATTNHUB_SPEEDUPS=0``,
+#: :func:`use_speedups`), else :data:`STEP`. Either way a step that does not pass is decided
+#: and worded by :data:`STEP` (``explain`` returns its facts where every rule holds).
+_full = STEP
+
+
+def speedups_available() -> bool:
+    """Whether attnhub-speedups (the compiled step checks) is installed and importable."""
+    return _compiled_step_values is not None
+
+
+def use_speedups(enabled: bool = True) -> bool:
+    """Run a step's full checks through the compiled pass of attnhub-speedups (``enabled``)
+    or the pure-Python rules; returns whether the compiled pass is now in use (False where it
+    is not installed). Verdicts, errors and facts are the same either way; for benchmarks and
+    tests (``ATTNHUB_SPEEDUPS=0`` in the environment turns it off at import)."""
+    global _full
+    _full = FAST_STEP if enabled and _compiled_step_values is not None else STEP
+    return _full is FAST_STEP
+
+
+def speedups_in_use() -> bool:
+    """Whether a step's full checks run through the compiled pass now."""
+    return _full is FAST_STEP
+
+
+use_speedups(os.environ.get("ATTNHUB_SPEEDUPS", "1").strip().lower() not in ("0", "false", "no"))
 
 
 def check_given_lengths(

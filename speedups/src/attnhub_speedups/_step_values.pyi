@@ -1,0 +1,18 @@
+def step_values(
+    qsl: int,
+    qsl_itemsize: int,
+    seq: int,
+    seq_itemsize: int,
+    num_reqs: int,
+    block_size: int,
+    num_actual_tokens: int,
+    max_query_len: int,
+    max_seq_len: int,
+    slots: int,
+    slots_itemsize: int,
+    num_slots: int,
+    table: int,
+    table_itemsize: int,
+    width: int,
+    /,
+) -> tuple[int, int, int, int, int] | None: ...
