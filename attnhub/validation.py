@@ -28,7 +28,10 @@ from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import BlockPacking, PagedKVCache
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
 
-try:  # the optional compiled pass (attnhub[speedups]); the Python rules decide without it
+#: attnhub-speedups' compiled step pass (attnhub[speedups]), None where it is not installed:
+#: the Python rules then decide alone (:func:`check_step`).
+_compiled_step_values: Callable[..., tuple[int, int, int, int, int] | None] | None
+try:
     from attnhub_speedups import step_values as _compiled_step_values
 except ImportError:  # not installed (or not built for this Python)
     _compiled_step_values = None
@@ -790,7 +793,7 @@ def _lazily(
 
     def get(self: _FastStepFacts) -> np.ndarray | None:
         try:
-            return slot.__get__(self)  # type: ignore[no-any-return]
+            return slot.__get__(self)
         except AttributeError:  # not read yet
             value = read(self, self._batch) if self._batch.num_reqs else None
             slot.__set__(self, value)
@@ -811,15 +814,11 @@ class _FastStepFacts(StepFacts):
     __slots__ = ("_batch",)
     _batch: BatchMetadata
 
-    query_start_locs = _lazily("query_start_locs", lambda f, b: b.query_start_loc_cpu.numpy())  # type: ignore[assignment]
-    seq_lens = _lazily("seq_lens", lambda f, b: b.seq_lens_cpu.numpy())  # type: ignore[assignment]
-    query_lens = _lazily(  # type: ignore[assignment]
-        "query_lens", lambda f, b: _diff(f.query_start_locs)
-    )
-    context_lens = _lazily(  # type: ignore[assignment]
-        "context_lens", lambda f, b: _minus(f.seq_lens, f.query_lens)
-    )
-    block_table = _lazily("block_table", lambda f, b: b.host_block_table().numpy())  # type: ignore[assignment]
+    query_start_locs = _lazily("query_start_locs", lambda f, b: b.query_start_loc_cpu.numpy())
+    seq_lens = _lazily("seq_lens", lambda f, b: b.seq_lens_cpu.numpy())
+    query_lens = _lazily("query_lens", lambda f, b: _diff(f.query_start_locs))
+    context_lens = _lazily("context_lens", lambda f, b: _minus(f.seq_lens, f.query_lens))
+    block_table = _lazily("block_table", lambda f, b: b.host_block_table().numpy())
 
     @classmethod
     def made(cls, batch: BatchMetadata, got: tuple[int, int, int, int, int]) -> _FastStepFacts:

@@ -1,0 +1,431 @@
+"""attnhub-speedups' compiled pass (``validation.FAST_STEP``) held to the Python rules
+(``validation.STEP``): on any step, valid or spoiled, the pass clears it exactly where the rules
+do, and then with the very facts and arrays the rules return. Also: the pass stays out of the
+way where it is off or where a step is unusual (the rules decide), and its arrays are read from
+the batch on first use, once."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnhub import validation
+from attnhub.batch import BatchMetadata
+from attnhub.errors import InvalidInputError
+from attnhub.spec import AttentionSpec
+
+pytest.importorskip(
+    "attnhub_speedups",
+    reason="attnhub-speedups (the optional C extension, ./speedups) is not installed here; "
+    "nox installs it, so CI runs these tests",
+)
+
+CPU = torch.device("cpu")
+I32, I64 = np.iinfo(np.int32), np.iinfo(np.int64)
+ARRAYS = ("query_lens", "seq_lens", "context_lens", "query_start_locs", "block_table")
+SCALARS = ("max_slot", "max_block", "min_slot", "min_query_len", "min_context_len")
+
+
+@pytest.fixture(autouse=True)
+def _restored() -> Any:
+    """Each test leaves the pass as it found it (on, or off under ``ATTNHUB_SPEEDUPS=0``)."""
+    was = validation.speedups_in_use()
+    yield
+    validation.use_speedups(was)
+
+
+def _spec(block_size: int) -> AttentionSpec:
+    return AttentionSpec(
+        num_heads=2, num_kv_heads=1, head_size=8, dtype=torch.float32, block_size=block_size
+    )
+
+
+def _python(batch: BatchMetadata, spec: AttentionSpec) -> Any:
+    """The rules' verdict: their facts, or the exception they raise (any kind: a step numpy
+    cannot reduce raises ValueError, the pass must not clear it either)."""
+    try:
+        return validation.STEP.passes(batch, spec, CPU) or validation.STEP.explain(batch, spec, CPU)
+    except Exception as exc:
+        return exc
+
+
+def _assert_same_facts(fast: validation.StepFacts, slow: validation.StepFacts) -> None:
+    for name in SCALARS:
+        assert getattr(fast, name) == getattr(slow, name), name
+    for name in ARRAYS:
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def _assert_agree(batch: BatchMetadata, spec: AttentionSpec) -> bool:
+    """The pass clears ``batch`` exactly where the rules do, with the same facts; and
+    ``check_step`` with and without it raises the same error or returns equal facts. Whether
+    the step passes."""
+    slow = _python(batch, spec)
+    fast = validation.FAST_STEP.passes(batch, spec, CPU)
+    if isinstance(slow, Exception):
+        assert fast is False, f"the pass cleared a step the rules refuse: {slow!r}"
+        assert validation.use_speedups(True)
+        with pytest.raises(type(slow)) as raised:
+            validation.check_step(spec, batch, CPU)
+        assert str(raised.value) == str(slow)
+        return False
+    assert fast is not False, f"the pass refused a step the rules clear: {slow}"
+    _assert_same_facts(fast, slow)
+    assert validation.use_speedups(True)
+    _assert_same_facts(validation.check_step(spec, batch, CPU), slow)
+    return True
+
+
+# --- steps: valid ones, then spoiled -------------------------------------------------------------
+
+INT = st.sampled_from([np.int32, np.int64])
+
+
+@st.composite
+def valid_steps(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid step as numpy arrays and scalars (dtypes drawn per array)."""
+    B = draw(st.integers(0, 6))
+    bs = draw(st.sampled_from([1, 2, 4, 16]))
+    qlens = np.array(draw(st.lists(st.integers(1, 6), min_size=B, max_size=B)), np.int64)
+    ctx = np.array(draw(st.lists(st.integers(0, 40), min_size=B, max_size=B)), np.int64)
+    seq = ctx + qlens
+    need = int((-(-seq // bs)).max()) if B else 0
+    width = need + draw(st.integers(0, 2))
+    total = int(qlens.sum())
+    pad = draw(st.integers(0, 3))
+    written = draw(st.lists(st.integers(0, 500), min_size=total, max_size=total, unique=True))
+    entries = written + [-1] * pad  # padding at the end, as engines have it, or anywhere
+    slots = np.array(draw(st.permutations(entries)) if draw(st.booleans()) else entries, np.int64)
+    table = np.array(
+        draw(st.lists(st.integers(0, 300), min_size=B * width, max_size=B * width)), np.int64
+    ).reshape(B, width)
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int64)
+    return dict(
+        qsl=np.asarray(qsl, draw(INT)),
+        seq=np.asarray(seq, draw(INT)),
+        slots=np.asarray(slots, draw(INT)),
+        table=np.asarray(table, draw(INT)),
+        block_size=bs,
+        num_actual_tokens=total,
+        max_query_len=int(qlens.max()) if B else 0,
+        max_seq_len=int(seq.max()) if B else 0,
+        host_copies=draw(st.booleans()),
+    )
+
+
+def _batch(s: dict[str, Any]) -> BatchMetadata:
+    def t(a: Any) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    qsl, seq, table, slots = t(s["qsl"]), t(s["seq"]), t(s["table"]), t(s["slots"])
+    return BatchMetadata(
+        query_start_loc=qsl.clone(),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq.clone(),
+        seq_lens_cpu=seq,
+        num_reqs=len(s["seq"]),
+        num_actual_tokens=s["num_actual_tokens"],
+        max_query_len=s["max_query_len"],
+        max_seq_len=s["max_seq_len"],
+        block_table=table.clone() if s["host_copies"] else table,
+        slot_mapping=slots.clone() if s["host_copies"] else slots,
+        block_size=s["block_size"],
+        block_table_cpu=table if s["host_copies"] else None,
+        slot_mapping_cpu=slots if s["host_copies"] else None,
+    )
+
+
+def _set(s: dict[str, Any], key: str, i: int, value: int) -> None:
+    """``s[key]`` (flat index ``i``) = ``value``, the array widened to int64 where it does not
+    hold it."""
+    a = s[key]
+    value = (value + 2**63) % 2**64 - 2**63  # as int64 holds it
+    info = np.iinfo(a.dtype)
+    if not info.min <= value <= info.max:
+        a = a.astype(np.int64)
+    a = a.copy()
+    a.reshape(-1)[i] = value
+    s[key] = a
+
+
+EXTREMES = [I32.min, I32.min + 1, I32.max, I32.max - 1, I64.min, I64.min + 1, I64.max, -2, -1]
+
+
+def _spoil(s: dict[str, Any], how: str, data: st.DataObject) -> None:
+    """Break (or stress) one rule of the step ``s`` in place."""
+    B, n = len(s["seq"]), len(s["slots"])
+    r = data.draw(st.integers(0, max(B - 1, 0)))
+    k = data.draw(st.integers(0, max(n - 1, 0)))
+    if how == "qsl0" and B:
+        s["qsl"] = s["qsl"] + data.draw(st.sampled_from([-1, 1, 2]))
+    elif how == "query len < 1" and B:
+        _set(s, "qsl", r + 1, int(s["qsl"][r]) - data.draw(st.integers(0, 2)))
+    elif how == "seq < query" and B:
+        _set(s, "seq", r, int(s["qsl"][r + 1] - s["qsl"][r]) - data.draw(st.integers(1, 3)))
+    elif how == "num_actual_tokens":
+        s["num_actual_tokens"] += data.draw(st.sampled_from([-1, 1]))
+    elif how == "slot mapping short" and n:
+        s["slots"] = s["slots"][: data.draw(st.integers(0, n - 1))]
+    elif how == "table narrow" and s["table"].shape[1]:
+        s["table"] = s["table"][:, : data.draw(st.integers(0, s["table"].shape[1] - 1))]
+    elif how == "max_query_len":
+        s["max_query_len"] += data.draw(st.sampled_from([-1, 1]))
+    elif how == "max_seq_len":
+        s["max_seq_len"] += data.draw(st.sampled_from([-1, 1]))
+    elif how == "slot below -1" and n:
+        _set(s, "slots", k, data.draw(st.sampled_from([-2, -7, int(I32.min), int(I64.min)])))
+    elif how == "duplicate slot" and n > 1:
+        j = data.draw(st.integers(0, n - 1))
+        _set(s, "slots", j, int(s["slots"][k]))
+    elif how == "negative block" and s["table"].size:
+        i = data.draw(st.integers(0, s["table"].size - 1))  # read by a request or not
+        _set(s, "table", i, data.draw(st.sampled_from([-1, -5, int(I32.min), int(I64.min)])))
+    elif how == "huge entry":
+        key = data.draw(st.sampled_from(["qsl", "seq", "slots", "table"]))
+        if s[key].size:
+            i = data.draw(st.integers(0, s[key].size - 1))
+            _set(s, key, i, data.draw(st.sampled_from(EXTREMES)))
+    elif how == "huge scalar":
+        key = data.draw(st.sampled_from(["num_actual_tokens", "max_query_len", "max_seq_len"]))
+        s[key] = data.draw(st.sampled_from([*EXTREMES, 2**70, -(2**70)]))
+
+
+SPOILERS = [
+    "qsl0",
+    "query len < 1",
+    "seq < query",
+    "num_actual_tokens",
+    "slot mapping short",
+    "table narrow",
+    "max_query_len",
+    "max_seq_len",
+    "slot below -1",
+    "duplicate slot",
+    "negative block",
+    "huge entry",
+    "huge scalar",
+]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(step=valid_steps(), spoilers=st.lists(st.sampled_from(SPOILERS), max_size=3), data=st.data())
+def test_the_compiled_pass_agrees_with_the_rules(
+    step: dict[str, Any], spoilers: list[str], data: st.DataObject
+) -> None:
+    for how in spoilers:
+        _spoil(step, how, data)
+    spec = _spec(step["block_size"])
+    passed = _assert_agree(_batch(step), spec)
+    if not spoilers:
+        assert passed  # a valid step passes both ways
+
+
+def _wrapped(values: list[int], dtype: Any) -> np.ndarray:
+    return np.array(values, np.int64).astype(dtype)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_compiled_pass_wraps_where_numpy_does(data: st.DataObject) -> None:
+    """Offsets and lengths near the dtypes' limits, where numpy's differences wrap (int32
+    query lengths, contexts in the wider dtype): the lengths drawn from extremes and small
+    numbers, with the step's scalars computed as the rules compute them, so that some of
+    these steps pass."""
+    B = data.draw(st.integers(1, 4))
+    pick = st.one_of(st.integers(-3, 9), st.sampled_from(EXTREMES))
+    qdt, sdt = data.draw(INT), data.draw(INT)
+    qsl = _wrapped(data.draw(st.lists(pick, min_size=B + 1, max_size=B + 1)), qdt)
+    seq = _wrapped(data.draw(st.lists(pick, min_size=B, max_size=B)), sdt)
+    if data.draw(st.booleans()):
+        qsl[0] = 0
+    qlens = qsl[1:] - qsl[:-1]
+    bs = data.draw(st.sampled_from([1, 4]))
+    width = data.draw(st.integers(0, 3))
+    total = int(qsl[-1])
+    n = data.draw(st.integers(0, 6))
+    step = dict(
+        qsl=qsl,
+        seq=seq,
+        slots=np.arange(n, dtype=data.draw(INT)),
+        table=np.zeros((B, width), data.draw(INT)),
+        block_size=bs,
+        num_actual_tokens=total if data.draw(st.booleans()) else min(total, n),
+        max_query_len=int(qlens.max()),
+        max_seq_len=int(seq.max()),
+        host_copies=True,
+    )
+    _assert_agree(_batch(step), _spec(bs))
+
+
+def _step(qsl: Any, seq: Any, table: Any, block_size: int, **scalars: Any) -> dict[str, Any]:
+    """A step from its arrays, its scalars as the rules compute them unless given."""
+    qlens = qsl[1:] - qsl[:-1]
+    return dict(
+        qsl=qsl,
+        seq=seq,
+        slots=scalars.pop("slots", np.arange(int(qsl[-1]) if 0 <= qsl[-1] <= 64 else 0)),
+        table=table,
+        block_size=block_size,
+        num_actual_tokens=scalars.pop("num_actual_tokens", int(qsl[-1])),
+        max_query_len=scalars.pop("max_query_len", int(qlens.max())),
+        max_seq_len=scalars.pop("max_seq_len", int(seq.max())),
+        host_copies=True,
+    )
+
+
+_32, _64 = np.int32, np.int64
+#: Steps at the edges of the rules' arithmetic, and whether the rules clear them.
+EDGES = {
+    # int32 offsets whose differences wrap: query lengths [2**31 - 1, 1], contexts wrap too
+    "query lengths wrap in int32": (
+        _step(
+            np.array([0, I32.max, I32.min], _32), np.array([I32.min, I32.min], _32),
+            np.zeros((2, 1), _32), 4,
+        ),
+        True,
+    ),
+    # the same offsets in int64 do not wrap: a negative query length
+    "query lengths in int64": (
+        _step(
+            np.array([0, I32.max, I32.min], _64), np.array([I32.min, I32.min], _32),
+            np.zeros((2, 1), _32), 4,
+        ),
+        False,
+    ),
+    # a uniform step's shortest context is min(seq) - max query, in Python ints: no wrap
+    "uniform step's context": (
+        _step(np.array([0, 1, 2], _32), np.array([I32.min, 5], _32), np.zeros((2, 2), _32), 4),
+        False,
+    ),
+    # a negative entry no request reads (row 0 reads 1 block of 4)
+    "negative unread block": (
+        _step(np.array([0, 1, 2], _32), np.array([3, 9], _64),
+              np.array([[7, -1, -5], [1, 2, 3]], _32), 4, slots=np.array([0, 1])),
+        True,
+    ),
+    "negative read block": (
+        _step(np.array([0, 1, 2], _32), np.array([5, 9], _64),
+              np.array([[7, -1, -5], [1, 2, 3]], _32), 4, slots=np.array([0, 1])),
+        False,
+    ),
+    # the block count of a request with a negative (wrapped) sequence length: none read
+    "negative sequence reads no block": (
+        _step(np.array([0, 1, 3], _32), np.array([I32.min, I32.min], _32),
+              np.full((2, 1), -3, _64), 4),
+        True,
+    ),
+    # int32 offsets, int64 sequence lengths: contexts in int64, where they do not wrap
+    "contexts in the wider dtype": (
+        _step(np.array([0, 1, 3], _32), np.array([I32.min, I32.min], _64),
+              np.full((2, 1), -3, _64), 4),
+        False,
+    ),
+    "padding and a duplicate slot": (
+        _step(np.array([0, 1, 3], _64), np.array([1, 2], _64), np.zeros((2, 1), _32), 4,
+              slots=np.array([5, -1, 9, -1, 5], _32)),
+        False,
+    ),
+    "padding only": (
+        _step(np.array([0, 1], _64), np.array([1], _64), np.zeros((1, 1), _32), 4,
+              slots=np.array([-1, -1, -1], _64), num_actual_tokens=1),
+        True,
+    ),
+    # max_query_len beyond int64: the pass cannot take it, the rules refuse it
+    "max_query_len beyond int64": (
+        _step(np.array([0, 1], _64), np.array([1], _64), np.zeros((1, 1), _32), 4,
+              slots=np.array([0]), max_query_len=2**64 + 1),
+        False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(EDGES))
+def test_the_compiled_pass_agrees_at_the_edges(name: str) -> None:
+    step, passes = EDGES[name]
+    assert _assert_agree(_batch(step), _spec(step["block_size"])) == passes
+
+
+# --- the pass's place ---------------------------------------------------------------------------
+
+
+def _good(**changes: Any) -> BatchMetadata:
+    table = torch.arange(1, 13, dtype=torch.int32).view(3, 4)
+    batch = BatchMetadata.from_lengths([1, 5, 1], [20, 9, 33], table, 16, num_tokens=9)
+    return dataclasses.replace(batch, **changes)
+
+
+def test_a_strided_host_copy_is_left_to_the_rules() -> None:
+    """The pass reads dense buffers only: a strided host copy does not pass it, and the rules
+    decide (here: the step is valid)."""
+    batch = _good()
+    wide = torch.stack([batch.slot_mapping, batch.slot_mapping], 1)
+    strided = _good(slot_mapping=batch.slot_mapping, slot_mapping_cpu=wide[:, 0])
+    assert strided.slot_mapping_cpu is not None
+    assert not strided.slot_mapping_cpu.is_contiguous()
+    spec = _spec(16)
+    assert validation.FAST_STEP.passes(strided, spec, CPU) is False
+    assert validation.use_speedups(True)
+    _assert_same_facts(validation.check_step(spec, strided, CPU), _python(batch, spec))
+
+
+def test_a_refused_step_is_worded_by_the_rules() -> None:
+    slots = _good().slot_mapping.clone()
+    slots[4] = slots[2]
+    assert validation.use_speedups(True)
+    with pytest.raises(InvalidInputError, match=r"slot_mapping\[2\] and slot_mapping\[4\]"):
+        validation.check_step(_spec(16), _good(slot_mapping=slots), CPU)
+
+
+def test_the_arrays_are_read_on_first_use_once() -> None:
+    batch = _good()
+    facts = validation.FAST_STEP.passes(batch, _spec(16), CPU)
+    assert isinstance(facts, validation.StepFacts)
+    for name in ARRAYS:  # nothing read yet: the slots are empty
+        with pytest.raises(AttributeError):
+            validation.StepFacts.__dict__[name].__get__(facts)
+    first = facts.context_lens
+    assert first is facts.context_lens and facts.query_lens is facts.query_lens
+    assert facts.block_table is not None and facts.block_table.shape == (3, 4)
+    _assert_same_facts(facts, _python(batch, _spec(16)))
+
+
+def test_a_step_without_requests_has_no_arrays() -> None:
+    empty = BatchMetadata.from_lengths([], [], torch.zeros(0, 1, dtype=torch.int32), 16)
+    facts = validation.FAST_STEP.passes(empty, _spec(16), CPU)
+    assert facts is not False
+    assert all(getattr(facts, name) is None for name in ARRAYS)
+    _assert_same_facts(facts, _python(empty, _spec(16)))
+
+
+def test_use_speedups_switches_the_pass() -> None:
+    try:
+        assert not validation.use_speedups(False)
+        assert not validation.speedups_in_use()
+        assert type(validation.check_step(_spec(16), _good(), CPU)) is validation.StepFacts
+    finally:
+        assert validation.use_speedups(True)
+    assert validation.speedups_available() and validation.speedups_in_use()
+    assert type(validation.check_step(_spec(16), _good(), CPU)) is not validation.StepFacts
+
+
+def test_attnhub_speedups_0_turns_it_off() -> None:
+    code = "from attnhub import validation as v; print(v.speedups_available(), v.speedups_in_use())"
+    for value, expected in (("0", "True False"), ("1", "True True")):
+        env = dict(os.environ, ATTNHUB_SPEEDUPS=value)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.split() == expected.split()
