@@ -856,6 +856,9 @@ class HostOverhead:
     #: build with structural checks only (``builder.checks = "structural"``: shapes, dtypes,
     #: devices; no value read), as an engine that builds each step itself may ask.
     build_structural_us: float | None = None
+    #: build with full checks on the pure-Python rules, where attnhub-speedups is installed
+    #: and ``build_us`` ran its compiled pass (None: it is not in use, ``build_us`` is this).
+    build_python_us: float | None = None
 
 
 def per_call_us(fn: Callable[[], object], calls: int, runs: int = 7, minus: Any = None) -> float:
@@ -944,7 +947,7 @@ def host_overhead(
     meta = builder.build(batch)
     q, k = s.q, s.k
     out = torch.empty_like(q)  # the engine's output buffer, as vLLM's forward is given one
-    build_us = per_call_us(lambda: builder.build(batch), 200)
+    build_us, build_python_us = _build_us(builder, batch)
     structural = be.metadata_builder()
     structural.checks = "structural"
     build_structural_us = per_call_us(lambda: structural.build(batch), 200)
@@ -989,6 +992,7 @@ def host_overhead(
         num_reqs=len(s.query_lens),
         build_us=build_us,
         build_structural_us=build_structural_us,
+        build_python_us=build_python_us,
         forward_us=fwd_us,
         write_kv_us=kv_us,
         null_kernels=null,
@@ -997,6 +1001,22 @@ def host_overhead(
         forward_noop_us=fwd_noop_us,
         write_kv_noop_us=kv_noop_us,
     )
+
+
+def _build_us(builder: Any, batch: BatchMetadata) -> tuple[float, float | None]:
+    """``builder.build(batch)`` per call with its full checks as they run here (the compiled
+    pass of attnhub-speedups where it is in use), and with the pure-Python rules where that
+    differs (else None)."""
+    from attnhub import validation
+
+    full = per_call_us(lambda: builder.build(batch), 200)
+    if not validation.speedups_in_use():
+        return full, None
+    validation.use_speedups(False)
+    try:
+        return full, per_call_us(lambda: builder.build(batch), 200)
+    finally:
+        validation.use_speedups(True)
 
 
 # A vendor backend's op namespace replaced by no-ops. Null-kernel mode still runs every op's

@@ -31,6 +31,7 @@ from typing import Any
 
 COLUMNS = (
     ("build", "build_us"),
+    ("build Python checks", "build_python_us"),
     ("build structural", "build_structural_us"),
     ("forward", "forward_us"),
     ("write_kv", "write_kv_us"),

@@ -429,3 +429,11 @@ def test_attnhub_speedups_0_turns_it_off() -> None:
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )
         assert out.stdout.split() == expected.split()
+
+
+def test_the_host_bench_times_build_with_and_without_the_pass() -> None:
+    from attnhub import bench
+
+    row = bench.host_overhead("decode x1", backend="torch")
+    assert row.build_us > 0 and row.build_python_us is not None and row.build_python_us > 0
+    assert validation.speedups_in_use()  # switched back on after timing the Python rules
