@@ -10,6 +10,11 @@ Each rule is written once, as data (:class:`Rule`: a condition over the call's f
 error naming the value that breaks it), in tables (:class:`Rules`) read two ways: one compiled
 pass over every condition for the usual call, and the same conditions one by one to word the
 first that fails.
+
+A step's full checks run through one more table where attnhub-speedups (an optional C
+extension, ``attnhub[speedups]``) is installed: :data:`FAST_STEP`, the structure rules and one
+compiled call for every length and value rule; a step it does not clear is decided and worded
+by :data:`STEP`, so verdicts, errors and facts are the same with or without it.
 """
 
 from __future__ import annotations
@@ -747,7 +752,9 @@ class StepExtents:
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~1 us more per step
 class StepFacts:
     """What :func:`check_step` read of a step's host copies on the way, for the builder's
-    planning hook to reuse instead of reading the batch again (``Step.facts``; read only)."""
+    planning hook to reuse instead of reading the batch again (``Step.facts``; read only).
+    Where the compiled pass checked the step, the arrays are read from the batch on first use
+    (:class:`_FastStepFacts`), the same values."""
 
     max_slot: int  # the largest slot written (-1: none, or not read: structural checks)
     max_block: int  # the largest block-table entry, read or not (-1: no request, or not read)
