@@ -112,6 +112,9 @@ DISTRIBUTION_DIRS = [
 #: absent): a label -> (backend name, environment). The flash backend runs once per provider.
 CONFORMANCE_TARGETS: dict[str, tuple[str, dict[str, str]]] = {
     "torch": ("torch", {}),
+    # the step checks on the pure-Python rules: attnhub without attnhub-speedups, which every
+    # other target runs with (installed with ALL_DISTRIBUTIONS)
+    "torch-python-checks": ("torch", {"ATTNHUB_SPEEDUPS": "0"}),
     "ascend": ("ascend", {}),
     "iluvatar": ("iluvatar", {}),
     **{
@@ -261,7 +264,9 @@ def soak(session: nox.Session) -> None:
     ``python -m attnhub_conformance.soak`` after the defaults: ``nox -s soak -- --steps 500``."""
     backends = [d for d in DISTRIBUTION_DIRS if d.startswith("backends/")]
     session.install(
-        TORCH, "-e", ".", "-e", "./conformance", *(a for d in backends for a in ("-e", f"./{d}"))
+        TORCH,
+        *("-e", ".", "-e", "./conformance", "-e", "./speedups"),
+        *(a for d in backends for a in ("-e", f"./{d}")),
     )
     _single_threaded(session)
     os.makedirs(RESULTS, exist_ok=True)
