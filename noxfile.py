@@ -551,8 +551,7 @@ def vllm(session: nox.Session) -> None:
     # `import transformers`; text models need none of them. Removed in this venv only.
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install(
-        "-e",
-        ".",
+        *("-e", ".", "-e", "speedups"),
         *("-e", "backends/ascend", "-e", "backends/iluvatar", "-e", "backends/flash"),
         *("-e", "integrations/vllm[test]"),
     )
