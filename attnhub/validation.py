@@ -460,7 +460,7 @@ TABLE_WIDE_ENOUGH = Rule(
 GIVEN_LENGTHS = Rules(
     "qlens, seq, table, block_size",
     [
-        Let("ctx", "seq - qlens"),
+        Let("ctx", "_SUB(seq, qlens, dtype=_I64)"),
         Let("lo_q", "int(_MIN(qlens))"),
         Let("lo_c", "int(_MIN(ctx))"),
         Let("hi_s", "int(_MAX(seq))"),
@@ -565,7 +565,9 @@ LENGTHS: list[Rule | Let] = _with_requests(
     [
         Let("qsl", "batch.query_start_loc_cpu.numpy()"),
         Let("seq", "batch.seq_lens_cpu.numpy()"),
-        Let("qlens", "qsl[1:] - qsl[:-1]"),
+        # in int64, exact: int32 differences would wrap (offsets [0, 2**31 - 1, -2**31] would
+        # read as query lengths [2**31 - 1, 1], a sequence length of -2**31 as a context >= 0)
+        Let("qlens", "_SUB(qsl[1:], qsl[:-1], dtype=_I64)"),
         Let("ctx", "seq - qlens"),
         Let("total", "int(qsl[-1])"),
         Let("hi_q", "int(_MAX(qlens))"),
@@ -696,6 +698,8 @@ EXTENT_BLOCKS = Rules("seq, block_size, table, top, cache", [BLOCK_IN_CACHE])
 
 
 _MAX, _MIN, _OR = np.maximum.reduce, np.minimum.reduce, np.logical_or.reduce
+#: Lengths are differences taken in int64 (``_SUB(a, b, dtype=_I64)``): exact for int32 data
+_SUB, _I64 = np.subtract, np.int64
 #: A signed table read as unsigned: its dtype, and the largest value without a negative entry.
 _UNSIGNED = {
     np.dtype(np.int32): (np.uint32, int(np.iinfo(np.int32).max)),
@@ -776,7 +780,7 @@ class StepFacts:
         for a plan made without the step's checks (a captured graph's)."""
         qsl = batch.query_start_loc_cpu.numpy()
         seq = batch.seq_lens_cpu.numpy()
-        q = qsl[1:] - qsl[:-1]
+        q = _SUB(qsl[1:], qsl[:-1], dtype=_I64)
         ctx = seq - q
         return cls(
             max_slot=-1,
@@ -848,7 +852,7 @@ _NEW = object.__new__
 
 def _diff(qsl: np.ndarray | None) -> np.ndarray:
     assert qsl is not None
-    return qsl[1:] - qsl[:-1]
+    return _SUB(qsl[1:], qsl[:-1], dtype=_I64)
 
 
 def _minus(seq: np.ndarray | None, qlens: np.ndarray | None) -> np.ndarray:

@@ -65,6 +65,17 @@ def test_from_lengths_uses_int32_lengths_and_table_and_int64_slots() -> None:
     assert b.slot_mapping.dtype == torch.int64
 
 
+def test_from_lengths_refuses_a_negative_int32_sequence_length_exactly() -> None:
+    """Regression: seq_lens - query_lens was taken in int32, where -2**31 - 1 wraps to
+    2**31 - 1 (a context that looked >= 0): an IndexError followed. Lengths are compared in
+    int64."""
+    with pytest.raises(InvalidInputError, match=r"seq_lens\[0\] = -2147483648 is less than"):
+        BatchMetadata.from_lengths(
+            torch.tensor([1], dtype=torch.int32), torch.tensor([-(2**31)], dtype=torch.int32),
+            [[0]], 16,
+        )  # fmt: skip
+
+
 def test_from_lengths_slot_mapping_follows_block_table_and_positions() -> None:
     assert hand_batch().slot_mapping.tolist() == HAND_SLOTS
 

@@ -5,11 +5,11 @@
  * Python side proved: attnhub then runs its own rules, which word the error), else the tuple
  * (max_slot, max_block, min_slot, min_query_len, min_context_len) that validation.STEP returns.
  *
- * Every arithmetic step mirrors the Python rules exactly, numpy's wrap-around included: the
- * query lengths qsl[1:] - qsl[:-1] wrap in qsl's dtype, the context lengths seq - qlens in the
- * wider of the two dtypes, a request's block count (seq + block_size - 1) // block_size in
- * int64; what Python computes on its ints (the uniform-step test, ceil(max seq / block_size),
- * the shortest context of a uniform step) is computed here in 128 bits, exactly.
+ * Every arithmetic step mirrors the Python rules exactly, numpy's int64 wrap-around included:
+ * the query lengths qsl[1:] - qsl[:-1] and the context lengths seq - qlens in int64 (exact for
+ * int32 data), a request's block count (seq + block_size - 1) // block_size in int64; what
+ * Python computes on its ints (the uniform-step test, ceil(max seq / block_size), the shortest
+ * context of a uniform step) is computed here in 128 bits, exactly.
  *
  * Memory: the caller (validation.FAST_STEP) passes data pointers of contiguous host tensors
  * and counts read from their shapes after the structure rules held: qsl holds B + 1 entries,
@@ -28,12 +28,11 @@ at(const void *p, int isz, Py_ssize_t i)
     return isz == 4 ? (int64_t)((const int32_t *)p)[i] : ((const int64_t *)p)[i];
 }
 
-/* a - b wrapped to a signed integer of isz bytes (numpy's subtraction in that dtype) */
+/* a - b in int64, wrapping as numpy's int64 subtraction does */
 static inline int64_t
-wrap_sub(int64_t a, int64_t b, int isz)
+sub64(int64_t a, int64_t b)
 {
-    uint64_t d = (uint64_t)a - (uint64_t)b;
-    return isz == 4 ? (int64_t)(int32_t)(uint32_t)d : (int64_t)d;
+    return (int64_t)((uint64_t)a - (uint64_t)b);
 }
 
 /* floor(a / b) for b > 0 (Python's and numpy's //) */
@@ -155,16 +154,15 @@ static int
 lengths(const Step *s, int64_t *lo_q_out, int64_t *lo_c_out)
 {
     const int64_t B = s->B;
-    const int ctx_isz = s->qsl_isz > s->seq_isz ? s->qsl_isz : s->seq_isz;
     int64_t prev = at(s->qsl, s->qsl_isz, 0);
     const int64_t qsl0 = prev;
     int64_t hi_q = INT64_MIN, lo_q = INT64_MAX, lo_ctx = INT64_MAX;
     int64_t lo_s = INT64_MAX, hi_s = INT64_MIN;
     for (int64_t r = 0; r < B; r++) {
         const int64_t next = at(s->qsl, s->qsl_isz, r + 1);
-        const int64_t q = wrap_sub(next, prev, s->qsl_isz);
+        const int64_t q = sub64(next, prev); /* int64, as validation's _SUB(..., _I64) */
         const int64_t seq = at(s->seq, s->seq_isz, r);
-        const int64_t ctx = wrap_sub(seq, q, ctx_isz);
+        const int64_t ctx = sub64(seq, q);
         prev = next;
         hi_q = q > hi_q ? q : hi_q;
         lo_q = q < lo_q ? q : lo_q;
