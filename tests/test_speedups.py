@@ -345,6 +345,14 @@ EDGES = {
               slots=np.array([-1, -1, -1], _64), num_actual_tokens=1),
         True,
     ),
+    # no request: the rules compare no length with max_query_len, however large (a regression:
+    # the pass refused it, found by the hypothesis test above)
+    "max_query_len beyond int64, no request": (
+        dict(qsl=np.array([0], _32), seq=np.array([], _32), slots=np.array([], _32),
+             table=np.zeros((0, 0), _32), block_size=1, num_actual_tokens=0,
+             max_query_len=2**70, max_seq_len=-(2**70), host_copies=False),
+        True,
+    ),
     # max_query_len beyond int64: the pass cannot take it, the rules refuse it
     "max_query_len beyond int64": (
         _step(np.array([0, 1], _64), np.array([1], _64), np.zeros((1, 1), _32), 4,

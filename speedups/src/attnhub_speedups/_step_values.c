@@ -119,6 +119,9 @@ typedef struct {
     const void *qsl, *seq, *slots, *table;
     int qsl_isz, seq_isz, slots_isz, table_isz;
     int64_t B, block_size, num_actual_tokens, max_query_len, max_seq_len, n_slots, width;
+    /* num_actual_tokens, max_query_len or max_seq_len outside int64: the rules compare them
+     * with lengths only where there are requests (then they cannot be equal) */
+    int huge_scalar;
 } Step;
 
 /* The arguments, or 0 where one is not what the Python side proves (then no rule is read). */
@@ -136,9 +139,11 @@ parse(PyObject *const *args, Step *s)
     s->table_isz = (int)as_int64(args[A_TABLE_ISZ], &bad);
     s->B = as_int64(args[A_B], &bad);
     s->block_size = as_int64(args[A_BLOCK_SIZE], &bad);
-    s->num_actual_tokens = as_int64(args[A_NUM_ACTUAL_TOKENS], &bad);
-    s->max_query_len = as_int64(args[A_MAX_QUERY_LEN], &bad);
-    s->max_seq_len = as_int64(args[A_MAX_SEQ_LEN], &bad);
+    int huge = 0;
+    s->num_actual_tokens = as_int64(args[A_NUM_ACTUAL_TOKENS], &huge);
+    s->max_query_len = as_int64(args[A_MAX_QUERY_LEN], &huge);
+    s->max_seq_len = as_int64(args[A_MAX_SEQ_LEN], &huge);
+    s->huge_scalar = huge;
     s->n_slots = as_int64(args[A_NUM_SLOTS], &bad);
     s->width = as_int64(args[A_WIDTH], &bad);
     int sizes_ok = 1;
@@ -154,6 +159,8 @@ static int
 lengths(const Step *s, int64_t *lo_q_out, int64_t *lo_c_out)
 {
     const int64_t B = s->B;
+    if (s->huge_scalar)
+        return 0; /* a length the rules compare with it is an int64 */
     int64_t prev = at(s->qsl, s->qsl_isz, 0);
     const int64_t qsl0 = prev;
     int64_t hi_q = INT64_MIN, lo_q = INT64_MAX, lo_ctx = INT64_MAX;
