@@ -780,8 +780,8 @@ class StepFacts:
         for a plan made without the step's checks (a captured graph's)."""
         qsl = batch.query_start_loc_cpu.numpy()
         seq = batch.seq_lens_cpu.numpy()
-        q = _SUB(qsl[1:], qsl[:-1], dtype=_I64)
-        ctx = seq - q
+        q = _diff(qsl)
+        ctx = _minus(seq, q)
         return cls(
             max_slot=-1,
             max_block=-1,
@@ -851,6 +851,7 @@ _NEW = object.__new__
 
 
 def _diff(qsl: np.ndarray | None) -> np.ndarray:
+    """A step's query lengths from its query start offsets, in int64 (as :data:`LENGTHS`)."""
     assert qsl is not None
     return _SUB(qsl[1:], qsl[:-1], dtype=_I64)
 
