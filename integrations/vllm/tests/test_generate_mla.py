@@ -472,36 +472,18 @@ def _ascend_impl(
     model: str, mutate: Any = None, nope_v: tuple[int, int] | None = None
 ) -> tuple[Any, Any]:
     """The adapter's MLA impl for the 32-head model's layer, served by ``ascend`` emulated,
-    as vLLM's ``MLAAttention`` builds it under a real ``VllmConfig`` (vLLM's CPU platform has
-    adjusted it: ``VllmConfig.__post_init__`` calls ``check_and_update_config``); ``mutate``
-    changes the finished config first (what another platform, or a user, may leave on);
-    ``nope_v`` another (qk_nope_head_dim, v_head_dim) for the layer."""
-    from attnhub_vllm.mla import AttnhubVllmMLAImpl
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        ModelConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
+    under a real ``VllmConfig`` (``vllm_generate.mla_layer_impl``); ``mutate`` changes the
+    finished config first; ``nope_v`` another (qk_nope_head_dim, v_head_dim) for the layer."""
+    from vllm_generate import mla_layer_impl
 
-    config = VllmConfig(
-        model_config=ModelConfig(model=model, dtype="bfloat16", max_model_len=256),
-        cache_config=CacheConfig(block_size=16),
-        device_config=DeviceConfig(device="cpu"),
-        additional_config={"attnhub": {"backend": "ascend", "emulate": True}},
-    )
-    if mutate is not None:
-        mutate(config)
     g = MODELS["h32"]
-    nope, v = nope_v or (g["qk_nope_head_dim"], g["v_head_dim"])
-    with set_current_vllm_config(config):
-        impl = AttnhubVllmMLAImpl(
-            g["num_heads"], 576, 0.1, 1, None, None, "auto", None, "decoder", None,
-            q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=nope, qk_rope_head_dim=64,
-            qk_head_dim=nope + 64, v_head_dim=v, kv_b_proj=None,
-        )  # fmt: skip
-    return impl, config
+    return mla_layer_impl(
+        model,
+        {"backend": "ascend", "emulate": True},
+        num_heads=g["num_heads"],
+        nope_v=nope_v or (g["qk_nope_head_dim"], g["v_head_dim"]),
+        mutate=mutate,
+    )
 
 
 def _skip_unless_split_served() -> None:

@@ -23,29 +23,20 @@ R, P, HEADS, BLOCK = 512, 64, 4, 16  # the tiny DeepSeek-V2's latent (vllm_gener
 
 
 def _impl(kv_cache_dtype: str, backend: str = "torch", dtype: str = "bfloat16") -> Any:
-    """The adapter's MLA impl as vLLM's ``MLAAttention`` builds it for one layer (its
-    arguments; no weights needed for the latent write and the decode)."""
-    from attnhub_vllm.mla import AttnhubVllmMLAImpl
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        ModelConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
+    """The adapter's MLA impl as vLLM's ``MLAAttention`` builds it for one layer of the tiny
+    DeepSeek-V2 (``vllm_generate.mla_layer_impl``: no weights needed for the latent write and
+    the decode)."""
+    from vllm_generate import mla_layer_impl
 
-    config = VllmConfig(
-        model_config=ModelConfig(model=_model(), dtype=dtype, max_model_len=256),
-        cache_config=CacheConfig(block_size=BLOCK, cache_dtype=kv_cache_dtype),
-        device_config=DeviceConfig(device="cpu"),
-        additional_config={"attnhub": {"backend": backend}},
+    impl, config = mla_layer_impl(
+        _model(),
+        {"backend": backend},
+        num_heads=HEADS,
+        nope_v=(32, 32),
+        dtype=dtype,
+        block_size=BLOCK,
+        kv_cache_dtype=kv_cache_dtype,
     )
-    with set_current_vllm_config(config):
-        impl = AttnhubVllmMLAImpl(
-            HEADS, R + P, 0.1, 1, None, None, kv_cache_dtype, None, "decoder", None,
-            q_lora_rank=None, kv_lora_rank=R, qk_nope_head_dim=32, qk_rope_head_dim=P,
-            qk_head_dim=32 + P, v_head_dim=32, kv_b_proj=None,
-        )  # fmt: skip
     impl.vllm_config = config  # (the test's: the forward context of a write)
     return impl
 

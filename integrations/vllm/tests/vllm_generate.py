@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 
 def write_tiny_llama(path: str, seed: int = 0, num_kv_heads: int = 2) -> str:
@@ -117,6 +118,51 @@ def tiny_deepseek_v2_once() -> str:
 
         _TINY_DEEPSEEK.append(write_tiny_deepseek_v2(tempfile.mkdtemp(prefix="tiny-dsv2-")))
     return _TINY_DEEPSEEK[0]
+
+
+def mla_layer_impl(
+    model: str,
+    attnhub: dict,
+    *,
+    num_heads: int,
+    nope_v: tuple[int, int],
+    dtype: str = "bfloat16",
+    block_size: int = 16,
+    kv_cache_dtype: str = "auto",
+    mutate: Callable[[object], None] | None = None,
+) -> tuple[object, object]:
+    """The adapter's MLA impl for one layer of ``model`` (latent 512, rope 64), as vLLM's
+    ``MLAAttention`` builds it under a real ``VllmConfig`` (its platform has adjusted the
+    config: ``VllmConfig.__post_init__`` calls ``check_and_update_config``), and that config.
+    ``attnhub``: the adapter's settings (``additional_config["attnhub"]``); ``nope_v``: the
+    layer's (qk_nope_head_dim, v_head_dim); ``mutate(config)`` changes the finished config
+    first (what another platform, or a user, may leave on). No weights: enough for the latent
+    write, the decode and the adapter's checks."""
+    from attnhub_vllm.mla import AttnhubVllmMLAImpl
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=model, dtype=dtype, max_model_len=256),
+        cache_config=CacheConfig(block_size=block_size, cache_dtype=kv_cache_dtype),
+        device_config=DeviceConfig(device="cpu"),
+        additional_config={"attnhub": attnhub},
+    )
+    if mutate is not None:
+        mutate(config)
+    nope, v = nope_v
+    with set_current_vllm_config(config):
+        impl = AttnhubVllmMLAImpl(
+            num_heads, 512 + 64, 0.1, 1, None, None, kv_cache_dtype, None, "decoder", None,
+            q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=nope, qk_rope_head_dim=64,
+            qk_head_dim=nope + 64, v_head_dim=v, kv_b_proj=None,
+        )  # fmt: skip
+    return impl, config
 
 
 def interpreted_kernel(source: object) -> object:
