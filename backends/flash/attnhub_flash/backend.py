@@ -368,6 +368,10 @@ class FlashAttentionImpl(AttentionImpl):
             if lse is not None:
                 assert kernel_lse is not None
                 self.kernels.store_lse(lse[:n], kernel_lse, self.kernel_sinks)
+                if self.alibi_slopes is not None:  # FA2's causal branch biases its LSE
+                    self.kernels.unbias_alibi_lse(
+                        lse[:n], self.alibi_slopes, meta.main, self.window, cache.block_size
+                    )
             return
         assert meta.suffix is not None
         # the prefix carries no sink (it joins the denominator once: in the suffix call)

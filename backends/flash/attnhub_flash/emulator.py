@@ -21,7 +21,9 @@ reading where they are silent; docs/backends/flash.md lists every one):
     and kv_len Sk sees keys [i + Sk - Sq - left, i + Sk - Sq + right]; -1 (FA4: None) is
     unbounded; ``causal`` forces right = 0 [doc].
   - softcap after scaling (``cap * tanh(s / cap)``), then the ALiBi bias
-    ``-slope * |i + Sk - Sq - j|`` [doc; their order inferred], then the mask.
+    ``-slope * |i + Sk - Sq - j|`` [doc; their order inferred], then the mask. FA2's kernels
+    on their causal branch add ``+slope * j`` instead: the same output, an LSE higher by
+    ``slope * (i + Sk - Sq)`` [source: mask.h] (``_Rules.causal_alibi_column_bias``).
   - a row that sees no key: output 0 [doc: "If the row of the mask is all zero, the output will
     be zero"]; LSE +inf on FA2 and vLLM's ``fa_version=2``, -inf on FA3 (hopper, and vLLM's
     ``fa_version=3``) and FA4 [source: FA2 flash_api.cpp / softmax.h, hopper softmax.h and
@@ -183,6 +185,12 @@ class _Rules:
     #: shape: FA2's ``CHECK_SHAPE(v, ..., head_size)``), else the check of a
     #: ``(head_size, head_size_v)`` pair for q's dtype (raises; ``_fa3_head_size_v``).
     head_size_v: Callable[[str, int, int, torch.dtype], None] | None = None
+    #: FA2's kernels (upstream and the fork's ``fa_version=2``): on their causal branch the
+    #: ALiBi bias is ``+slope * j`` ("we add the same bias vector to all rows"), not
+    #: ``-slope * |i + Sk - Sq - j|``: the same softmax, but the LSE is higher by
+    #: ``slope * (i + Sk - Sq)`` [source: csrc/flash_attn/src/mask.h ``Mask::apply_mask``]
+    #: (``_fa2_causal_branch`` says when that branch runs).
+    causal_alibi_column_bias: bool = False
 
 
 #: FA3's value head sizes other than q/k's [source: hopper/flash_api.cpp mha_fwd, upstream
@@ -608,6 +616,7 @@ def _varlen(
     sink: torch.Tensor | None,
     descale: torch.Tensor | None = None,  # [B, 3, Hk]: fp8 inputs (_descales)
     qv: torch.Tensor | None = None,  # [total_q, H, Dv]: FA3's value query (_check_qv)
+    causal_branch: bool = False,  # FA2's kernel runs its causal branch (_fa2_causal_branch)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, Dv] f32, lse [H, total_q] f32
     if table is not None:
         _check_table(op, k, table, kv_lens, q_starts)  # v has k's shape (_check_qkv)
@@ -627,6 +636,7 @@ def _varlen(
         sink=sink,
         descale=descale,
         qv=qv,
+        causal_branch=causal_branch,
     )
 
 
@@ -658,11 +668,15 @@ def _varlen_math(
     sink: torch.Tensor | None,
     descale: torch.Tensor | None = None,
     qv: torch.Tensor | None = None,
+    causal_branch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [total_q, H, Dv] f32, lse [H, total_q] f32
     """``_varlen``'s math, every argument checked by it. With ``qv`` (FA3's value query,
     MLA's absorbed form): scores ``q . k + qv . v`` (the value rows are keys too), output over
     ``v`` [doc: hopper/flash_attn_interface.py 'qv'; callers: vLLM's FLASH_ATTN_MLA], computed
-    as one attention of ``[q ; qv]`` over keys ``[k ; v]``."""
+    as one attention of ``[q ; qv]`` over keys ``[k ; v]``. With ALiBi on FA2's causal branch
+    (``causal_branch``, ``_Rules.causal_alibi_column_bias``) the LSE is the kernel's: each
+    row's higher by ``slope * (i + Sk - Sq)`` (the output is the same softmax)."""
+    column_bias = causal_branch and slopes is not None and rules.causal_alibi_column_bias
     total_q, num_heads = q.shape[:2]
     out = torch.zeros(total_q, num_heads, v.shape[-1], dtype=torch.float32)
     lse = torch.full((num_heads, total_q), rules.empty_lse, dtype=torch.float32)
@@ -691,8 +705,25 @@ def _varlen_math(
             empty_lse=rules.empty_lse,
             descale=None if descale is None else descale[b],
         )
+        if column_bias:
+            assert slopes is not None
+            # the kernel's scores carry +slope * j: every row's LSE is higher by slope times
+            # its query position i + Sk - Sq (an empty row keeps its +inf)
+            pos = torch.arange(hi - lo, dtype=torch.float32) + (kv_len - (hi - lo))
+            l_ = torch.where(torch.isinf(l_), l_, l_ + slopes[b].float()[:, None] * pos[None])
         out[lo:hi], lse[:, lo:hi] = o, l_
     return out, lse
+
+
+def _fa2_causal_branch(window: tuple[int, int], seqlen_k: int) -> bool:
+    """Whether FA2's kernel runs its causal branch: the window after ``causal`` forced right to
+    0 and both sides at or past ``seqlen_k`` were made unbounded (``window_size_left >=
+    max_seqlen_k`` -> -1: the varlen call's ``max_seqlen_k``, kvcache's ``seqlen_k`` =
+    ``max_num_blocks_per_seq * page_block_size``), then ``is_causal = window_size_left < 0 &&
+    window_size_right == 0`` [source: csrc/flash_attn/flash_api.cpp ``set_params_fprop``, the
+    same upstream and in vLLM's fork]."""
+    left, right = (-1 if side >= seqlen_k else side for side in window)
+    return left < 0 and right == 0
 
 
 def _cumulative(op: str, name: str, ends: list[int], total: int | None) -> list[int]:
@@ -756,6 +787,7 @@ _VLLM_RULES = _Rules(  # fa_version=2: the fork's FA2 kernels
     "head sizes that are multiples of 8 up to 256",
     16,
     math.inf,
+    causal_alibi_column_bias=True,
 )
 _VLLM_FA3_RULES = _Rules(  # fa_version=3: the fork's hopper kernels
     "vllm_flash_attn (FA3)",
@@ -876,6 +908,7 @@ def flash_attn_varlen_func(  # type: ignore[no-untyped-def]  # vLLM's fork
         # FA2's kernel is not passed the descales [schema]; fp8 q only reaches FA3 (above)
         descale=_descales(op, q, batch, k.shape[-2], q_descale, k_descale, v_descale),
     )
+    args["causal_branch"] = _fa2_causal_branch(args["window"], int(max_seqlen_k))
     if qv_t is not None:
         args["qv"] = qv_t
     if paged:
@@ -1421,6 +1454,7 @@ _FA2_RULES = _Rules(
     "head sizes up to 256 (multiples of 8 without padding the cache)",
     256,
     math.inf,
+    causal_alibi_column_bias=True,
 )
 
 
@@ -1467,6 +1501,7 @@ def fa2_flash_attn_varlen_func(
         slopes=_alibi(op, alibi_slopes, q.shape[1], batch, dev),
         sink=None,
     )
+    args["causal_branch"] = _fa2_causal_branch(args["window"], int(max_seqlen_k))
     if paged:
         res, lse = _paged_call(op, _FA2_RULES, q, k, v, q_starts, kv_lens, block_table, **args)
     else:
@@ -1509,6 +1544,10 @@ def _padded_batch_call(
     t = _tensor(op, table_name, table, 2, q.device)
     if t.dtype != torch.int32:
         raise _fail(op, f"{table_name} must have dtype torch.int32, got {t.dtype}")
+    if rules.causal_alibi_column_bias:  # kvcache's seqlen_k: the table's capacity [source]
+        math_args["causal_branch"] = _fa2_causal_branch(
+            math_args["window"], t.shape[1] * kc.shape[1]
+        )
     res, lse = _paged_call(op, rules, qf, kc, vc, starts, kv_lens, t, **math_args)
     out = res.to(_out_dtype(qf)).view(batch, seqlen, q.shape[2], vc.shape[-1])
     # (H, B * Sq) -> (B, H, Sq)

@@ -373,6 +373,12 @@ class Provider(abc.ABC):
     #: Whether a captured call takes a host-planned value that must be refreshed before every
     #: replay (``refresh_graph_args``; the builder's ``update_graph_params`` then calls it).
     graph_updates: ClassVar[bool] = False
+    #: FA2's kernels (upstream and the fork's ``fa_version=2``): on their causal branch the
+    #: ALiBi bias is ``+slope * j`` ("we add the same bias vector to all rows"), the same
+    #: softmax as ``-slope * |i + Sk - Sq - j|`` but an LSE higher by ``slope`` times the
+    #: query's position [source: csrc/flash_attn/src/mask.h ``Mask::apply_mask``]:
+    #: ``unbias_alibi_lse`` takes it off.
+    causal_alibi_column_bias: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return f"<FlashAttention provider {self.name!r}>"
@@ -588,6 +594,40 @@ class Provider(abc.ABC):
         else:
             lse.copy_(torch.where(empty, sinks.float().view(1, -1), lse))
 
+    def unbias_alibi_lse(
+        self,
+        lse: torch.Tensor,  # [n, H] float32: the call's rows (store_lse), n > 0
+        slopes: torch.Tensor,  # [H] float32: the layer's ALiBi slopes
+        a: KernelArgs,
+        window: tuple[int, int],  # the layer's (left, right), -1 = unbounded
+        block_size: int,
+    ) -> None:
+        """An ALiBi call's LSE as attnhub has it (the bias ``-slope * |i + Sk - Sq - j|``):
+        where the call ran FA2's causal branch (``causal_alibi_column_bias``), each row's
+        LSE less ``slope * (i + Sk - Sq)``, its query's position (+inf rows stay +inf).
+        Device ops only; a host decision from the call's host ints, as the kernel's."""
+        if not self.causal_alibi_column_bias:
+            return
+        # the kernel's branch [source: flash_api.cpp]: causal forces right to 0, a side at
+        # or past seqlen_k is unbounded, and is_causal = left < 0 && right == 0
+        seqlen_k = self.kernel_seqlen_k(a, block_size)
+        left, right = (-1 if side >= seqlen_k else side for side in window)
+        if a.causal:
+            right = 0
+        if not (left < 0 and right == 0):
+            return  # the local / non-causal branch: the bias as attnhub's
+        n = lse.shape[0]
+        ends = a.query_start_loc[1:]  # each request's query end
+        token = torch.arange(n, device=lse.device, dtype=ends.dtype)
+        req = torch.searchsorted(ends, token, right=True)
+        position = a.seq_lens[req] - ends[req] + token  # i + Sk - Sq of every row
+        lse.sub_(position.float()[:, None] * slopes.float()[None, :])
+
+    def kernel_seqlen_k(self, a: KernelArgs, block_size: int) -> int:
+        """The ``seqlen_k`` the call's kernel compares the window with: the varlen call's
+        ``max_seqlen_k``."""
+        return a.max_seq_len
+
     def window(self, spec: AttentionSpec) -> tuple[Any, Any]:
         """The spec's window as the kernels spell it: (left, right), -1 = unbounded."""
         return spec.window
@@ -672,6 +712,7 @@ class VllmProvider(Provider):
         "kv_cache_dtype": "fp8 caches need fa_version=3: provider vllm-fa3",
     }
     fa_version: ClassVar[int] = 2
+    causal_alibi_column_bias = True  # the fork's FA2 kernels [source: its mask.h]
 
     def check_planes(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Also equal strides: ``reshape_and_cache_flash`` addresses both planes with
@@ -779,6 +820,7 @@ class VllmFA3Provider(VllmProvider):
 
     name = VLLM_FA3_NAME
     empty_lse = -math.inf  # the fork's hopper/softmax.h finalize, epilogue store_zero [source]
+    causal_alibi_column_bias = False  # no ALiBi on FA3 (the wrapper asserts it away)
     # vLLM's _is_fa3_supported: "FA3 is only supported on devices with compute capability 9.x"
     source = ops.Source(
         "vllm.vllm_flash_attn",
@@ -1280,6 +1322,15 @@ class FA2Provider(Provider):
         "sinks": "FA2 has no attention sinks",
         "kv_cache_dtype": "FA2 has no fp8 or int8 KV cache",
     }
+
+    causal_alibi_column_bias = True  # FA2's kernels [source: csrc/flash_attn/src/mask.h]
+
+    def kernel_seqlen_k(self, a: KernelArgs, block_size: int) -> int:
+        """Also the decode call's: flash_attn_with_kvcache's ``seqlen_k`` is the block table's
+        capacity, ``max_num_blocks_per_seq * page_block_size`` [source: flash_api.cpp]."""
+        if a.decode_only:
+            return a.block_table.shape[1] * block_size
+        return a.max_seq_len
 
     def refusals(self, spec: AttentionSpec, declared: list[Refusal]) -> list[Refusal]:
         # any multiple of 256 [source]; block_sizes: the suite's

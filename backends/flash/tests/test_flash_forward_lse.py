@@ -102,3 +102,21 @@ def test_an_empty_row_is_plus_inf_or_the_sink_alone_whatever_the_kernel_gives(
     sinks = torch.tensor([-0.25, 2.0], dtype=torch.bfloat16)
     kernels.store_lse(rows, kernel_lse, sinks)
     assert rows.tolist() == [[0.5, 1.5], [-0.25, 2.0]]
+
+
+@pytest.mark.parametrize("provider", ["vllm", "fa2"])
+@pytest.mark.parametrize("sliding_window", [None, 8, 1000])
+@pytest.mark.parametrize("requests", [MIXED, [(1, 37), (1, 20), (1, 5)]], ids=["mixed", "decodes"])
+def test_an_alibi_layer_returns_the_reference_lse_where_fa2_biases_its_own(
+    provider: str, sliding_window: int | None, requests: list[tuple[int, int]]
+) -> None:
+    """FA2's kernels (the fork's fa_version=2, upstream FA2) bias ALiBi scores by ``+slope * j``
+    on their causal branch, their LSE higher by ``slope`` times the query's position
+    [source: csrc/flash_attn/src/mask.h]: attnhub's LSE is the reference's on that branch (no
+    window, or one at or past the call's ``seqlen_k``) and on the local one (a window that
+    cuts), varlen and decode-only calls alike."""
+    spec = _spec(provider, use_alibi=True, sliding_window=sliding_window)
+    st = h.step(_requests(provider, requests), provider, spec, padding=2)
+    out, lse, calls = _run(st)
+    assert len(calls) == 1, calls
+    _assert_lse(st, out, lse)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from attnhub_flash import emulator
 
-from attnhub import reference
+from attnhub import reference, testing
 from attnhub.lse import merge_attn_states
 
 H, HK, D = 4, 2, 64
@@ -113,13 +113,15 @@ def call(
     kv_lens: list[int] | None = None,
     table: torch.Tensor | None = None,
     causal: bool = True,
+    **layer: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One call of ``form`` asking for the LSE: (out [T, H, D], lse [H, T], the LSE as the
-    function returned it). ``kv_lens`` / ``table``: the keys to read (default: the case's)."""
+    function returned it). ``kv_lens`` / ``table``: the keys to read (default: the case's);
+    ``layer``: more keyword arguments (``alibi_slopes``, ``window_size``)."""
     kv = c.kv_lens if kv_lens is None else kv_lens
     tab = c.table if table is None else table
     q_lens, B = c.q_lens, len(c.q_lens)
-    common: dict[str, Any] = dict(softmax_scale=SCALE, causal=causal)
+    common: dict[str, Any] = dict(softmax_scale=SCALE, causal=causal, **layer)
     if form in ("vllm", "vllm-fa3"):
         out, lse = emulator.VLLM.flash_attn_varlen_func(
             q=c.q, k=c.k, v=c.v, cu_seqlens_q=_cu(q_lens), max_seqlen_q=max(q_lens),
@@ -256,3 +258,37 @@ def test_the_lse_is_not_returned_unless_asked() -> None:
         c.q, c.k, c.v, cu_seqlens_q=_cu(c.q_lens), seqused_k=_i32(c.kv_lens), page_table=c.table
     )
     assert lse is None
+
+
+#: The forms that run FA2's kernels (upstream, and vLLM's fork with fa_version=2).
+FA2_KERNELS = ("vllm", "vllm-packed", "fa2-varlen", "fa2-kvcache")
+
+
+@pytest.mark.parametrize("form", FA2_KERNELS)
+@pytest.mark.parametrize("window", [(-1, -1), (7, 0), (95, 0)])
+def test_fa2_kernels_causal_alibi_lse_is_higher_by_slope_times_the_query_position(
+    form: str, window: tuple[int, int]
+) -> None:
+    """FA2's causal branch biases the scores by ``+slope * j`` ("we add the same bias vector to
+    all rows"): the output is the reference's (the same softmax), the LSE higher by
+    ``slope * (i + Sk - Sq)`` [source: csrc/flash_attn/src/mask.h]. The branch runs where the
+    window, once a side at or past ``seqlen_k`` is unbounded, is (-1, 0): the varlen calls'
+    ``max_seqlen_k`` (90 here), kvcache's table capacity (one 256-key page); any other window
+    runs the local branch with the bias ``-slope * |i + Sk - Sq - j|``."""
+    q_lens, kv_lens = _lens(form)
+    c = Case(q_lens, kv_lens, PAGE.get(form, 16))
+    slopes = testing.alibi_slopes(H)
+    out, lse, _ = call(form, c, alibi_slopes=slopes, window_size=window)
+    outs, lses, positions = [], [], []
+    for (ks, vs), q_len, start in zip(c.seqs, q_lens, _cu(q_lens).tolist(), strict=False):
+        q = c.q[start : start + q_len]
+        o, l_ = reference.attention(q, ks, vs, scale=SCALE, window=window, alibi_slopes=slopes)
+        outs.append(o)
+        lses.append(l_)
+        positions += range(ks.shape[0] - q_len, ks.shape[0])
+    want_lse = torch.cat(lses, dim=1)
+    seqlen_k = c.table.shape[1] * c.page if form == "fa2-kvcache" else max(kv_lens)
+    if window[0] < 0 or window[0] >= seqlen_k:  # the causal branch
+        want_lse = want_lse + slopes.double()[:, None] * torch.tensor(positions).double()[None]
+    torch.testing.assert_close(out.double(), torch.cat(outs), atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-4, rtol=1e-5)
