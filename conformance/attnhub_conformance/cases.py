@@ -1314,9 +1314,10 @@ LSE_CONTEXT_AND_NEW = Shape(
 def lse_cases(target: Target, scope: Scope) -> list[Case]:
     """``forward(..., return_lse=True)``, generated from ``Capabilities.lse``: where declared,
     the LSE's value (natural log) against the reference's, its shape, dtype and padding rows
-    (+inf), per dtype, cache format and with every feature at once; and a merge of the (out,
-    LSE) of two halves of each request's keys (two builds over split block tables) equal to
-    attention over the whole. Where not declared: a typed refusal, the cache untouched."""
+    (+inf), per dtype, cache format, with each feature alone and every feature at once; and a
+    merge of the (out, LSE) of two halves of each request's keys (two builds over split block
+    tables) equal to attention over the whole. Where not declared: a typed refusal, the cache
+    untouched."""
     ax = Axes(target, scope)
     out = Cases(target, "lse", scope)
     base = ax.base
@@ -1325,7 +1326,11 @@ def lse_cases(target: Target, scope: Scope) -> list[Case]:
     configs = [base.with_(dtype=d) for d in ax.dtypes]
     configs += [base.with_(kv_cache_dtype=k) for k in ax.kv_cache_dtypes]
     combined = ax.combined_features(base)
-    configs += [combined] if combined else [base.with_(features=(f,)) for f in ax.features]
+    # every feature alone too, beside all at once: one feature can hide another's effect on
+    # the LSE (a window that cuts keys takes FA2's kernels off the causal branch whose ALiBi
+    # bias shifts each row's LSE by slope times the query's position)
+    configs += [combined] if combined else []
+    configs += [base.with_(features=(f,)) for f in ax.features]
     shape = main_shape(base.attn_type)
     declared = target.capabilities.lse
     if combined and "sinks" in combined.features and not declared.sinks:

@@ -208,6 +208,9 @@ def test_lse_cases_follow_the_declaration() -> None:
         torch.float32,
     }
     assert any(c.config.features for c in torch_cases)  # every feature at once (sinks too)
+    # and each feature alone: a window that cuts keys can hide what ALiBi does to a kernel's LSE
+    alone = {c.config.features for c in torch_cases if len(c.config.features) == 1}
+    assert alone == {(f,) for f in FEATURES if TorchBackend.capabilities.supports_feature(f)}
     assert {c.config.kv_cache_dtype for c in torch_cases} >= {"auto", "fp8_e4m3"}
     # declared for one dtype: the others are refusals, reported as not supported
     partial = generate("lse", target_for(LseForFloat16), QUICK)
