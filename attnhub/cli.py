@@ -62,6 +62,17 @@ def thread_count(text: str) -> int:
     return n
 
 
+def repeat_count(text: str) -> int:
+    """``attnhub bench --repeats``' argument: a positive integer (a median needs one run)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: use a positive number of timed runs")
+    return n
+
+
 def _dtype_name(text: str) -> str:
     """A dtype the CLI takes: float32 / float16 / bfloat16, or fp32 / fp16 / half / bf16."""
     name = DTYPE_ALIASES.get(text.lower(), text.lower())
@@ -550,13 +561,10 @@ def _error(message: str) -> None:
 
 # --- attnhub bench ---------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.plot:  # before benchmarking, not after minutes of it
-        from attnhub.bench import plotting_problem
-
-        problem = plotting_problem()
-        if problem is not None:
-            _error(f"bench: {problem}")
-            return 2
+    problem = _bench_problem(args)  # before benchmarking, not after minutes of it
+    if problem is not None:
+        _error(f"bench: {problem}")
+        return 2
 
     import torch
 
@@ -588,6 +596,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench.plot(run, args.plot, where, host=host)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _bench_problem(args: argparse.Namespace) -> str | None:
+    """Why ``attnhub bench`` cannot do what it was asked (None: it can): an unknown
+    ``--backend``, an output file it could not write, a figure matplotlib cannot draw."""
+    from attnhub import bench
+    from attnhub.errors import NoBackendError
+    from attnhub.registry import get_backend
+
+    if args.backend is not None:
+        try:
+            get_backend(args.backend)
+        except NoBackendError as exc:
+            return f"--backend: {exc.message}"
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(path or "") or "."
+        if path and not os.path.isdir(folder):
+            return f"{flag} {path}: the folder {folder!r} does not exist"
+    return None if not args.plot else bench.plotting_problem(args.plot)
 
 
 def _warn(message: str) -> None:
@@ -987,7 +1014,11 @@ def _add_bench_command(sub: Commands) -> None:
         "JSON, one figure)",
     )
     p.add_argument(
-        "--repeats", type=int, default=7, metavar="N", help="timed runs per case (default: 7)"
+        "--repeats",
+        type=repeat_count,
+        default=7,
+        metavar="N",
+        help="timed runs per case (default: 7)",
     )
     p.add_argument(
         "--threads",

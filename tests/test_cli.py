@@ -167,6 +167,40 @@ def test_bench_plot_without_matplotlib_stops_before_benchmarking(tmp_path, capsy
     assert not (tmp_path / "r.png").exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--backend", "no-such-backend"], "no backend named 'no-such-backend' (known: "),
+        (["--json", "{missing}/r.json"], "--json {missing}/r.json: the folder"),
+        (["--plot", "{missing}/r.png"], "--plot {missing}/r.png: the folder"),
+        (["--plot", "{tmp}/r.txt"], "matplotlib writes no 'txt' figure"),
+    ],
+)
+def test_bench_refuses_what_it_cannot_do_before_benchmarking(
+    tmp_path, capsys, monkeypatch, flags, said
+):
+    """An unknown backend, an output folder that is not there or a figure format matplotlib does
+    not write: one line naming the value and exit 2, not minutes of timing then a traceback."""
+    pytest.importorskip("matplotlib")
+    places = {"missing": str(tmp_path / "missing"), "tmp": str(tmp_path)}
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("benchmarked before checking the arguments")
+
+    monkeypatch.setattr(bench, "run_case", must_not_run)
+    monkeypatch.setattr(bench, "measure_ceilings", must_not_run)
+    assert main(["bench", "--quick", *(f.format(**places) for f in flags)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said.format(**places) in err[0]
+
+
+def test_bench_refuses_no_timed_runs(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--repeats", "0"])
+    assert exit_.value.code == 2
+    assert "argument --repeats: 0: use a positive number of timed runs" in capsys.readouterr().err
+
+
 @pytest.fixture
 def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """The OS reports an idle machine (bench warns on a loaded one)."""
