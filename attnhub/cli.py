@@ -1082,7 +1082,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from attnhub.emulation import in_terms_of
 
         message = in_terms_of(str(exc), "cli")
-        _console(stderr=True).print(f"[red]error:[/red] {escape(message)}")
+        # one line in a log (soft_wrap: a terminal wraps it, rich does not break it at 80
+        # columns), led by the command as argparse's own errors are
+        _console(stderr=True).print(
+            f"attnhub {args.command}: [red]error:[/red] {escape(message)}", soft_wrap=True
+        )
         return 2
 
 

@@ -380,6 +380,17 @@ def test_select_refuses_an_unknown_dtype_naming_the_known_ones(capsys):
     assert "'int4' is not a dtype" in err and "fp16" in err and "bfloat16" in err
 
 
+def test_a_refused_spec_is_one_line_naming_the_command_outside_a_terminal(capsys, monkeypatch):
+    """A CI log gets the typed error whole on one line (rich once broke it at 80 columns),
+    led by the command as argparse's errors are."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["select", "--heads", "8", "--head-size", "64", "--kv-cache-dtype", "bogus"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("attnhub select: error: kv_cache_dtype = 'bogus' is unknown; known:")
+    assert err[0].endswith("int8_k")
+
+
 def test_select_help_documents_its_exit_status(capsys):
     with pytest.raises(SystemExit):
         main(["select", "--help"])
