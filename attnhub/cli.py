@@ -600,7 +600,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_problem(args: argparse.Namespace) -> str | None:
     """Why ``attnhub bench`` cannot do what it was asked (None: it can): an unknown
-    ``--backend``, an output file it could not write, a figure matplotlib cannot draw."""
+    ``--backend``, an output folder it cannot make (it makes a missing one, as ``attnhub
+    conformance --report`` does), a figure matplotlib cannot draw."""
     from attnhub import bench
     from attnhub.errors import NoBackendError
     from attnhub.registry import get_backend
@@ -612,8 +613,12 @@ def _bench_problem(args: argparse.Namespace) -> str | None:
             return f"--backend: {exc.message}"
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         folder = os.path.dirname(path or "") or "."
-        if path and not os.path.isdir(folder):
-            return f"{flag} {path}: the folder {folder!r} does not exist"
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            return f"{flag} {path}: {folder!r} is a file, not a folder"
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:  # a file on the way (FileExistsError), no permission
+            return f"{flag} {path}: cannot make its folder {folder!r}: {exc.strerror}"
     return None if not args.plot else bench.plotting_problem(args.plot)
 
 

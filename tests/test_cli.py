@@ -171,18 +171,21 @@ def test_bench_plot_without_matplotlib_stops_before_benchmarking(tmp_path, capsy
     ("flags", "said"),
     [
         (["--backend", "no-such-backend"], "no backend named 'no-such-backend' (known: "),
-        (["--json", "{missing}/r.json"], "--json {missing}/r.json: the folder"),
-        (["--plot", "{missing}/r.png"], "--plot {missing}/r.png: the folder"),
+        (["--json", "{file}/r.json"], "--json {file}/r.json: '{file}' is a file, not a folder"),
+        (["--plot", "{file}/r.png"], "--plot {file}/r.png: '{file}' is a file, not a folder"),
+        (["--plot", "{file}/sub/r.png"], "--plot {file}/sub/r.png: cannot make its folder"),
         (["--plot", "{tmp}/r.txt"], "matplotlib writes no 'txt' figure"),
     ],
 )
 def test_bench_refuses_what_it_cannot_do_before_benchmarking(
     tmp_path, capsys, monkeypatch, flags, said
 ):
-    """An unknown backend, an output folder that is not there or a figure format matplotlib does
-    not write: one line naming the value and exit 2, not minutes of timing then a traceback."""
+    """An unknown backend, an output folder that cannot be made (under a file) or a figure
+    format matplotlib does not write: one line naming the value and exit 2, not minutes of
+    timing then a traceback."""
     pytest.importorskip("matplotlib")
-    places = {"missing": str(tmp_path / "missing"), "tmp": str(tmp_path)}
+    (tmp_path / "a-file").write_text("")
+    places = {"file": str(tmp_path / "a-file"), "tmp": str(tmp_path)}
 
     def must_not_run(*args: object, **kwargs: object) -> None:
         raise AssertionError("benchmarked before checking the arguments")
@@ -192,6 +195,16 @@ def test_bench_refuses_what_it_cannot_do_before_benchmarking(
     assert main(["bench", "--quick", *(f.format(**places) for f in flags)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and said.format(**places) in err[0]
+
+
+def test_bench_makes_a_missing_output_folder(tmp_path, quiet_machine, fake_backend_runs):
+    """As ``attnhub conformance --report`` does."""
+    out_json = tmp_path / "results" / "today" / "r.json"
+    assert (
+        main(["bench", "--quick", "--repeats", "1", "--backend", "torch", "--json", str(out_json)])
+        == 0
+    )
+    assert json.loads(out_json.read_text())["results"]
 
 
 def test_bench_refuses_no_timed_runs(capsys):
