@@ -858,12 +858,20 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
         epilog="Installed plugins add commands through the attnhub_commands hook (the "
         "conformance suite adds 'conformance').",
     )
+    parser.add_argument("--version", action="version", version=f"attnhub {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_list_command(sub)
     _add_select_command(sub)
     _add_bench_command(sub)
     _add_plugin_commands(parser, sub, plugins or {})
     return parser
+
+
+def _version() -> str:
+    try:
+        return md.version("attnhub")
+    except md.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "(not installed)"
 
 
 def _add_list_command(sub: Commands) -> None:

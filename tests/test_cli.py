@@ -417,3 +417,12 @@ def test_a_missing_conformance_command_names_its_distribution(capsys, monkeypatc
     err = capsys.readouterr().err
     assert "comes from attnhub-conformance (attnhub's extra [conformance])" in err
     assert "docs/install.md" in err
+
+
+def test_version_names_the_installed_attnhub(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"attnhub {metadata.version('attnhub')}"
