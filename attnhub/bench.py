@@ -653,13 +653,21 @@ def report(
 PLOT_EXTRA = "pip install 'attnhub[plot]'"
 
 
-def plotting_problem() -> str | None:
-    """Why ``plot`` cannot draw here (None: it can). ``attnhub bench --plot`` asks before it
-    benchmarks, not after."""
+def plotting_problem(path: str | None = None) -> str | None:
+    """Why ``plot`` cannot draw here, or into ``path`` (its suffix names a format matplotlib
+    does not write) (None: it can). ``attnhub bench --plot`` asks before it benchmarks, not
+    after."""
     try:
         _pyplot()
     except ToolError as exc:
         return str(exc)
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = os.path.splitext(path or "")[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        known = ", ".join(sorted(formats))
+        return f"{path}: matplotlib writes no {suffix!r} figure (use .png; it writes {known})"
     return None
 
 

@@ -62,6 +62,17 @@ def thread_count(text: str) -> int:
     return n
 
 
+def repeat_count(text: str) -> int:
+    """``attnhub bench --repeats``' argument: a positive integer (a median needs one run)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: use a positive number of timed runs")
+    return n
+
+
 def _dtype_name(text: str) -> str:
     """A dtype the CLI takes: float32 / float16 / bfloat16, or fp32 / fp16 / half / bf16."""
     name = DTYPE_ALIASES.get(text.lower(), text.lower())
@@ -550,13 +561,10 @@ def _error(message: str) -> None:
 
 # --- attnhub bench ---------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.plot:  # before benchmarking, not after minutes of it
-        from attnhub.bench import plotting_problem
-
-        problem = plotting_problem()
-        if problem is not None:
-            _error(f"bench: {problem}")
-            return 2
+    problem = _bench_problem(args)  # before benchmarking, not after minutes of it
+    if problem is not None:
+        _error(f"bench: {problem}")
+        return 2
 
     import torch
 
@@ -588,6 +596,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench.plot(run, args.plot, where, host=host)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _bench_problem(args: argparse.Namespace) -> str | None:
+    """Why ``attnhub bench`` cannot do what it was asked (None: it can): an unknown
+    ``--backend``, an output folder it cannot make (it makes a missing one, as ``attnhub
+    conformance --report`` does), a figure matplotlib cannot draw."""
+    from attnhub import bench
+    from attnhub.errors import NoBackendError
+    from attnhub.registry import get_backend
+
+    if args.backend is not None:
+        try:
+            get_backend(args.backend)
+        except NoBackendError as exc:
+            return f"--backend: {exc.message}"
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(path or "") or "."
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            return f"{flag} {path}: {folder!r} is a file, not a folder"
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:  # a file on the way (FileExistsError), no permission
+            return f"{flag} {path}: cannot make its folder {folder!r}: {exc.strerror}"
+    return None if not args.plot else bench.plotting_problem(args.plot)
 
 
 def _warn(message: str) -> None:
@@ -826,12 +858,20 @@ def build_parser(plugins: dict[str, PluginCommand] | None = None) -> argparse.Ar
         epilog="Installed plugins add commands through the attnhub_commands hook (the "
         "conformance suite adds 'conformance').",
     )
+    parser.add_argument("--version", action="version", version=f"attnhub {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_list_command(sub)
     _add_select_command(sub)
     _add_bench_command(sub)
     _add_plugin_commands(parser, sub, plugins or {})
     return parser
+
+
+def _version() -> str:
+    try:
+        return md.version("attnhub")
+    except md.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "(not installed)"
 
 
 def _add_list_command(sub: Commands) -> None:
@@ -987,7 +1027,11 @@ def _add_bench_command(sub: Commands) -> None:
         "JSON, one figure)",
     )
     p.add_argument(
-        "--repeats", type=int, default=7, metavar="N", help="timed runs per case (default: 7)"
+        "--repeats",
+        type=repeat_count,
+        default=7,
+        metavar="N",
+        help="timed runs per case (default: 7)",
     )
     p.add_argument(
         "--threads",
@@ -1051,7 +1095,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from attnhub.emulation import in_terms_of
 
         message = in_terms_of(str(exc), "cli")
-        _console(stderr=True).print(f"[red]error:[/red] {escape(message)}")
+        # one line in a log (soft_wrap: a terminal wraps it, rich does not break it at 80
+        # columns), led by the command as argparse's own errors are
+        _console(stderr=True).print(
+            f"attnhub {args.command}: [red]error:[/red] {escape(message)}", soft_wrap=True
+        )
         return 2
 
 

@@ -167,6 +167,53 @@ def test_bench_plot_without_matplotlib_stops_before_benchmarking(tmp_path, capsy
     assert not (tmp_path / "r.png").exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--backend", "no-such-backend"], "no backend named 'no-such-backend' (known: "),
+        (["--json", "{file}/r.json"], "--json {file}/r.json: '{file}' is a file, not a folder"),
+        (["--plot", "{file}/r.png"], "--plot {file}/r.png: '{file}' is a file, not a folder"),
+        (["--plot", "{file}/sub/r.png"], "--plot {file}/sub/r.png: cannot make its folder"),
+        (["--plot", "{tmp}/r.txt"], "matplotlib writes no 'txt' figure"),
+    ],
+)
+def test_bench_refuses_what_it_cannot_do_before_benchmarking(
+    tmp_path, capsys, monkeypatch, flags, said
+):
+    """An unknown backend, an output folder that cannot be made (under a file) or a figure
+    format matplotlib does not write: one line naming the value and exit 2, not minutes of
+    timing then a traceback."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "a-file").write_text("")
+    places = {"file": str(tmp_path / "a-file"), "tmp": str(tmp_path)}
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("benchmarked before checking the arguments")
+
+    monkeypatch.setattr(bench, "run_case", must_not_run)
+    monkeypatch.setattr(bench, "measure_ceilings", must_not_run)
+    assert main(["bench", "--quick", *(f.format(**places) for f in flags)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said.format(**places) in err[0]
+
+
+def test_bench_makes_a_missing_output_folder(tmp_path, quiet_machine, fake_backend_runs):
+    """As ``attnhub conformance --report`` does."""
+    out_json = tmp_path / "results" / "today" / "r.json"
+    assert (
+        main(["bench", "--quick", "--repeats", "1", "--backend", "torch", "--json", str(out_json)])
+        == 0
+    )
+    assert json.loads(out_json.read_text())["results"]
+
+
+def test_bench_refuses_no_timed_runs(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--repeats", "0"])
+    assert exit_.value.code == 2
+    assert "argument --repeats: 0: use a positive number of timed runs" in capsys.readouterr().err
+
+
 @pytest.fixture
 def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """The OS reports an idle machine (bench warns on a loaded one)."""
@@ -346,6 +393,17 @@ def test_select_refuses_an_unknown_dtype_naming_the_known_ones(capsys):
     assert "'int4' is not a dtype" in err and "fp16" in err and "bfloat16" in err
 
 
+def test_a_refused_spec_is_one_line_naming_the_command_outside_a_terminal(capsys, monkeypatch):
+    """A CI log gets the typed error whole on one line (rich once broke it at 80 columns),
+    led by the command as argparse's errors are."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["select", "--heads", "8", "--head-size", "64", "--kv-cache-dtype", "bogus"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("attnhub select: error: kv_cache_dtype = 'bogus' is unknown; known:")
+    assert err[0].endswith("int8_k")
+
+
 def test_select_help_documents_its_exit_status(capsys):
     with pytest.raises(SystemExit):
         main(["select", "--help"])
@@ -359,3 +417,12 @@ def test_a_missing_conformance_command_names_its_distribution(capsys, monkeypatc
     err = capsys.readouterr().err
     assert "comes from attnhub-conformance (attnhub's extra [conformance])" in err
     assert "docs/install.md" in err
+
+
+def test_version_names_the_installed_attnhub(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"attnhub {metadata.version('attnhub')}"

@@ -307,6 +307,11 @@ def pytest_configure(config: pytest.Config) -> None:
     seed = config.getoption("attnhub_hypothesis_seed")
     if seed != "random":
         _parse_seed(seed)
+    examples = config.getoption("attnhub_hypothesis_examples")
+    if examples < 1:  # hypothesis would fail every property test, each with its own traceback
+        raise pytest.UsageError(
+            f"--attnhub-hypothesis-examples {examples}: use a positive number of examples"
+        )
     for path in config.getoption("attnhub_report"):
         if not path.lower().endswith((".json", ".md", ".markdown", ".html", ".htm")):
             raise pytest.UsageError(f"--attnhub-report {path}: use a .json, .md or .html file name")

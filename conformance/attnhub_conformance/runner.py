@@ -73,13 +73,32 @@ def _report_path(path: str) -> str:
     return path
 
 
+def _example_count(text: str) -> int:
+    """``--hypothesis-examples``' argument: a positive integer."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: use a positive number of examples")
+    return n
+
+
+def _seed(text: str) -> str:
+    """``--hypothesis-seed``' argument: a non-negative integer or 'random'."""
+    if text != "random" and not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text}: use a non-negative integer or 'random'")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="attnhub conformance",
         description="Run the attnhub conformance suite against backends and print the "
         "features x backends matrix.",
-        epilog="Exit status: 0 everything that ran passed; 1 a test failed; 4 usage error (e.g. "
-        f"an unknown backend); {EXIT_BACKEND_CANNOT_RUN} nothing failed, but a backend the run "
+        epilog="Exit status: 0 everything that ran passed; 1 a test failed; 2 or 4 usage error "
+        "(e.g. a bad option value, an unknown backend); 5 no case was selected (-k matched "
+        f"none); {EXIT_BACKEND_CANNOT_RUN} nothing failed, but a backend the run "
         "had to test cannot run here (named with --backend and unavailable, no backend of a "
         "default run can run, or a plugin failed to load).",
     )
@@ -126,13 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--hypothesis-examples",
-        type=int,
+        type=_example_count,
         default=None,
         metavar="N",
         help="examples per backend of the random-batch property test",
     )
     p.add_argument(
         "--hypothesis-seed",
+        type=_seed,
         default=None,
         metavar="N|random",
         help="seed of the property test's examples (default 0: every run draws the same; "
@@ -365,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         out.print(f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
         for path in ns.report:
             out.print(f"matrix written to {path}")
+    elif code == pytest.ExitCode.NO_TESTS_COLLECTED and ns.keyword and not ns.verbose:
+        console.print(f"no conformance case matches -k {ns.keyword!r}", markup=False)
     elif code not in (pytest.ExitCode.OK, EXIT_BACKEND_CANNOT_RUN) and not ns.verbose:
         # Nothing ran (a usage error, an internal error, nothing collected): show pytest's words.
         console.print(in_cli_terms(plugin.buffer.getvalue()), markup=False, highlight=False)

@@ -54,7 +54,7 @@ import torch
 
 import attnhub
 from attnhub import AttentionBackend, AttentionSpec, BatchMetadata, PagedKVCache, testing
-from attnhub.errors import AttnhubError
+from attnhub.errors import AttnhubError, NoBackendError
 from attnhub.reference import attention
 
 __all__ = ["SoakReport", "backend_label", "default_spec", "fault_table", "main", "run"]
@@ -707,9 +707,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(fault_table(args.table))
         return 0
     names = args.backend or [i.name for i in attnhub.list_backends() if i.backend is not None]
+    classes = {}
+    for name in names:  # every name checked before the first backend's minutes of soak
+        try:
+            classes[name] = attnhub.get_backend(name)
+        except NoBackendError as exc:
+            parser.error(f"--backend: {exc.message}")
     failed = False
-    for name in names:
-        cls = attnhub.get_backend(name)
+    for name, cls in classes.items():
         why = cls.availability(args.device, args.emulate)
         if why is not None:
             print(f"soak {name}: cannot run on {args.device}: {why}", file=sys.stderr)

@@ -85,3 +85,10 @@ def test_a_bad_seed_is_a_usage_error(run_suite, bad: str) -> None:
     run = run_suite("--attnhub-backend", "torch", "--attnhub-hypothesis-seed", bad)
     assert run.returncode == 4, run.output[-3000:]
     assert f"--attnhub-hypothesis-seed {bad}: use a non-negative integer or 'random'" in run.output
+
+
+@pytest.mark.parametrize("bad", ["-3", "0"])
+def test_a_count_of_no_examples_is_a_usage_error(run_suite, bad: str) -> None:
+    run = run_suite("--attnhub-backend", "torch", "--attnhub-hypothesis-examples", bad)
+    assert run.returncode == 4, run.output[-3000:]
+    assert f"--attnhub-hypothesis-examples {bad}: use a positive number of examples" in run.output

@@ -146,3 +146,28 @@ def test_the_commands_hypothesis_seed_reaches_the_plugin() -> None:
     assert args[args.index("--attnhub-hypothesis-seed") + 1] == "random"
     assert "--attnhub-hypothesis-seed" not in pytest_args(build_parser().parse_args([]))
     assert in_cli_terms("--attnhub-hypothesis-seed 7") == "--hypothesis-seed 7"
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--hypothesis-examples", "-3"], "argument --hypothesis-examples: -3: use a positive"),
+        (["--hypothesis-examples", "0"], "argument --hypothesis-examples: 0: use a positive"),
+        (["--hypothesis-seed", "foo"], "argument --hypothesis-seed: foo: use a non-negative"),
+        (["--hypothesis-seed", "-1"], "argument --hypothesis-seed: -1: use a non-negative"),
+    ],
+)
+def test_a_bad_hypothesis_option_is_a_usage_error_before_the_run(capsys, flags, said) -> None:
+    """Not a run whose property tests all fail (-3 examples), nor the plugin's option name."""
+    with pytest.raises(SystemExit) as exit_:
+        runner_main(flags)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "--attnhub-" not in err
+
+
+def test_a_keyword_that_matches_no_case_says_so(tmp_path: Path) -> None:
+    proc = run_cli(["--backend", "torch", "-k", "zzz_matches_nothing"], tmp_path)
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert "no conformance case matches -k 'zzz_matches_nothing'" in proc.stderr
+    assert "warnings summary" not in proc.stdout + proc.stderr  # not pytest's own report

@@ -193,3 +193,15 @@ def test_the_command_prints_the_figures_and_the_fault_table(
     soak_row, fuzz_row = (line for line in table.splitlines() if line.startswith("| torch-x |"))
     assert 15 <= int(soak_row.split(" | ")[2]) <= 20  # steps run: one with nothing to do is not
     assert fuzz_row.split(" | ")[1] == "13"
+
+
+def test_the_command_refuses_an_unknown_backend_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before any soak (it takes minutes per backend), not a NoBackendError traceback after."""
+    with pytest.raises(SystemExit) as exit_:
+        soak.main(["--backend", "torch", "--backend", "no_such_backend", "--steps", "1"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert "--backend: no backend named 'no_such_backend' (known: " in captured.err
+    assert "soak torch" not in captured.out  # nothing ran
