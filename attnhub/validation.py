@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from types import FunctionType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -33,13 +33,21 @@ from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import BlockPacking, PagedKVCache
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
 
-#: attnhub-speedups' compiled step pass (attnhub[speedups]), None where it is not installed:
-#: the Python rules then decide alone (:func:`check_step`).
-_compiled_step_values: Callable[..., tuple[int, int, int, int, int] | None] | None
-try:
-    from attnhub_speedups import step_values as _compiled_step_values
-except ImportError:  # not installed (or not built for this Python)
-    _compiled_step_values = None
+_StepValues = Callable[..., "tuple[int, int, int, int, int] | None"]
+
+
+def _installed_step_values() -> _StepValues | None:
+    """attnhub-speedups' compiled step pass (attnhub[speedups]), None where it is not
+    installed (or not built for this Python): the Python rules then decide alone
+    (:func:`check_step`)."""
+    try:
+        from attnhub_speedups import step_values
+    except ImportError:
+        return None
+    return cast(_StepValues, step_values)
+
+
+_compiled_step_values = _installed_step_values()
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
