@@ -39,6 +39,7 @@ from attnhub.errors import (
     BackendUnavailableError,
     DuplicateBackendError,
     InvalidBackendError,
+    InvalidInputError,
     NoBackendError,
     PluginLoadError,
     PluginLoadWarning,
@@ -65,9 +66,25 @@ ENV_BACKEND = "ATTNHUB_BACKEND"
 ENV_EMULATE = "ATTNHUB_EMULATE"
 
 
+_ENV_YES = ("1", "true", "yes", "on")
+_ENV_NO = ("", "0", "false", "no", "off")
+
+
 def emulate_from_env() -> bool:
-    """Whether ``ATTNHUB_EMULATE`` asks for emulation ("1", "true" or "yes")."""
-    return os.environ.get(ENV_EMULATE, "").lower() in ("1", "true", "yes")
+    """Whether ``ATTNHUB_EMULATE`` asks for emulation ("1", "true", "yes" or "on"; unset,
+    empty, "0", "false", "no" or "off": not). Any other value is refused (InvalidInputError
+    naming it) rather than read as "off": a misspelt switch must not silently pick another
+    backend."""
+    value = os.environ.get(ENV_EMULATE, "")
+    word = value.strip().lower()
+    if word in _ENV_YES:
+        return True
+    if word in _ENV_NO:
+        return False
+    raise InvalidInputError(
+        f"{ENV_EMULATE}={value!r}: use 1, true, yes or on to let vendor backends run through "
+        "their CPU emulators, or 0, false, no, off (or unset) for not"
+    )
 
 
 IN_PROCESS = "<in-process>"  # BackendInfo.plugin of a backend given to register_backend()

@@ -23,6 +23,7 @@ from attnhub.errors import (
     BackendUnavailableError,
     DuplicateBackendError,
     InvalidBackendError,
+    InvalidInputError,
     NoBackendError,
     PluginLoadError,
     PluginLoadWarning,
@@ -247,6 +248,37 @@ def test_env_attnhub_emulate_means_emulate_true(
     fresh.register(EmulatedBackend)
     monkeypatch.setenv("ATTNHUB_EMULATE", "1")
     assert type(fresh.select(INT8_SPEC, "cpu")) is EmulatedBackend
+
+
+@pytest.mark.parametrize(("value", "emulate"), [("on", True), ("TRUE ", True), ("off", False)])
+def test_env_attnhub_emulate_takes_the_usual_switch_words(
+    fresh: registry.Registry, monkeypatch: pytest.MonkeyPatch, value: str, emulate: bool
+) -> None:
+    fresh.register(TorchBackend)
+    fresh.register(EmulatedBackend)
+    monkeypatch.setenv("ATTNHUB_EMULATE", value)
+    if emulate:
+        assert type(fresh.select(INT8_SPEC, "cpu")) is EmulatedBackend
+    else:
+        with pytest.raises(NoBackendError, match="emulate=True"):
+            fresh.select(INT8_SPEC, "cpu")
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enable"])
+def test_env_attnhub_emulate_refuses_a_value_it_cannot_read(
+    fresh: registry.Registry,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    value: str,
+) -> None:
+    """A misspelt switch is an error naming it, not "off" (which silently chose another
+    backend, or none)."""
+    fresh.register(TorchBackend)
+    monkeypatch.setenv("ATTNHUB_EMULATE", value)
+    with pytest.raises(InvalidInputError, match=f"ATTNHUB_EMULATE='{value}'"):
+        fresh.select(SPEC, "cpu")
+    assert cli_main(["select", "--heads", "4", "--head-size", "64"]) == 2
+    assert f"attnhub select: error: ATTNHUB_EMULATE='{value}'" in capsys.readouterr().err
 
 
 def test_native_backend_ranks_before_an_emulated_one(fresh: registry.Registry) -> None:
