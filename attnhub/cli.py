@@ -51,26 +51,26 @@ DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16"
 BENCH_THREADS = 1
 
 
-def thread_count(text: str) -> int:
-    """``--threads``' argument: a positive integer (``attnhub bench``, ``attnhub conformance``)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text}: use a positive number of threads")
-    return n
+def positive_count(what: str) -> Callable[[str], int]:
+    """An argparse type: a positive integer, anything else refused as "use a positive number
+    of ``what``"."""
+
+    def count(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{text}: use a positive number of {what}")
+        return n
+
+    return count
 
 
-def repeat_count(text: str) -> int:
-    """``attnhub bench --repeats``' argument: a positive integer (a median needs one run)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text}: use a positive number of timed runs")
-    return n
+#: ``--threads``' argument (``attnhub bench``, ``attnhub conformance``).
+thread_count = positive_count("threads")
+#: ``attnhub bench --repeats``' argument (a median needs one run).
+repeat_count = positive_count("timed runs")
 
 
 def _dtype_name(text: str) -> str:

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from attnhub.cli import thread_count
+from attnhub.cli import positive_count, thread_count
 
 PLUGIN = "attnhub_conformance.plugin"
 #: plugin.EXIT_BACKEND_CANNOT_RUN, restated: importing the plugin module before pytest loads it
@@ -73,15 +73,8 @@ def _report_path(path: str) -> str:
     return path
 
 
-def _example_count(text: str) -> int:
-    """``--hypothesis-examples``' argument: a positive integer."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text}: use a positive number of examples")
-    return n
+#: ``--hypothesis-examples``' argument.
+_example_count = positive_count("examples")
 
 
 def _seed(text: str) -> str:
