@@ -19,7 +19,7 @@ import pytest
 import torch
 from attnhub_conformance.multi_rank import DCP_STEPS, SubCase, run_group, sub_cases
 
-from attnhub import AttentionSpec, BatchMetadata, LseSupport
+from attnhub import AttentionSpec, BatchMetadata, LseSupport, testing
 from attnhub.capabilities import Refusal
 from attnhub.context_parallel import (
     AllGatherReduceScatter,
@@ -139,6 +139,62 @@ def bad_inputs(rank: int, n: int, job: dict[str, Any]) -> dict[str, tuple[str, s
     return found
 
 
+def non_causal_step(rank: int, n: int) -> dict[str, Any]:
+    """A step that is not causal (``batch.causal`` False: every row sees every key of its
+    request, as the single-rank backend and the reference take it): a multi-token decode and a
+    chunked prefill over their context, and a first prefill, through DCP (interleave 1, sinks)
+    against the float64 reference of the whole step. What this rank found."""
+    from attnhub import reference
+    from attnhub.context_parallel import local_slot_mapping
+
+    g = generator(11)
+    virtual, hl = n * BLOCK_SIZE, SPEC.num_heads
+    query_lens, seq_lens = [3, 5, 4], [n * BLOCK_SIZE + 3, 2 * n * BLOCK_SIZE + 1, 4]
+    table = shuffled_block_table(seq_lens, virtual, num_blocks_for(seq_lens, virtual), g)
+    batch = BatchMetadata.from_lengths(query_lens, seq_lens, table, virtual, causal=False)
+    keys, values = ([torch.randn(s, 1, 16, generator=g) for s in seq_lens] for _ in range(2))
+    query = torch.randn(sum(query_lens), n * hl, 16, generator=g)
+    sinks = torch.randn(n * hl, generator=g)
+    heads = slice(rank * hl, (rank + 1) * hl)
+    spec = replace(SPEC, use_sinks=True)
+    backend = TorchBackend(spec)
+    impl = backend.impl(sinks=sinks[heads])
+    cache = backend.allocate_kv_cache(num_blocks_for(seq_lens, virtual))
+    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        pos = torch.arange(s - q)
+        slots = local_slot_mapping(pos, torch.full_like(pos, r), table, BLOCK_SIZE, n, rank)
+        impl.write_kv(keys[r][: s - q], values[r][: s - q], cache, torch.from_numpy(slots))
+    dcp = DecodeContextParallel(backend, AllGatherReduceScatter(), world_size=n)
+
+    def new(planes: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([p[s - q :] for p, q, s in zip(planes, query_lens, seq_lens, strict=True)])
+
+    out = dcp.forward(impl, dcp.plan(batch), query[:, heads], new(keys), new(values), cache)
+    # the reference over one cache of every token (blocks 0.. in order), every head
+    one = replace(spec, num_heads=n * hl)
+    single = TorchBackend(one)
+    whole = single.allocate_kv_cache(sum(-(-s // BLOCK_SIZE) for s in seq_lens))
+    s_table = torch.zeros(len(seq_lens), max(seq_lens) // BLOCK_SIZE + 1, dtype=torch.int32)
+    nxt = 0
+    for r, s in enumerate(seq_lens):
+        blocks = -(-s // BLOCK_SIZE)
+        s_table[r, :blocks] = torch.arange(nxt, nxt + blocks)
+        nxt += blocks
+        pos = torch.arange(s)
+        slots = s_table[r, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+        single.impl(sinks=sinks).write_kv(keys[r], values[r], whole, slots)
+    s_batch = BatchMetadata.from_lengths(query_lens, seq_lens, s_table, BLOCK_SIZE, causal=False)
+    ref, _ = reference.paged_attention(query, whole, s_batch, one, sinks=sinks)
+    tol = TorchBackend.capabilities.tolerances[torch.float32]
+    return {"mismatch": testing.mismatch(out, ref[:, heads], tol)}
+
+
+def rank_extras(rank: int, n: int, job: dict[str, Any]) -> dict[str, Any]:
+    """What every rank runs after the DCP sub-cases: the bad inputs, then a step that is not
+    causal."""
+    return bad_inputs(rank, n, job) | {"non_causal_step": non_causal_step(rank, n)}
+
+
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"N{n}")
 def group(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
     n: int = request.param
@@ -149,7 +205,7 @@ def group(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
         emulate=False,
         sub_cases=RUN[n],
         per_rank_sinks=True,
-        extra=f"{__name__}:bad_inputs",
+        extra=f"{__name__}:rank_extras",
     )
     return n, run_group(n, job)
 
@@ -198,6 +254,16 @@ def test_sinks_enter_once_a_merge_adding_them_per_rank_is_caught(
         for sub in RUN[n]:
             if sub.sinks:
                 assert report[sub.id]["per_rank_sinks_error"] > 100 * tol.atol, report[sub.id]
+
+
+def test_a_step_that_is_not_causal_sees_every_key_of_its_requests(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    """``batch.causal`` False: each row attends over every key of its request on every rank
+    (not only those up to its own position), as the single-rank step does."""
+    _, reports = group
+    for rank, report in reports.items():
+        assert report["extra"]["non_causal_step"]["mismatch"] is None, rank
 
 
 def _refusals(reports: dict[int, Any], name: str) -> list[tuple[str, str, int]]:

@@ -27,7 +27,8 @@ How one layer runs (docs/context-parallel.md, "A DCP step"):
    split into a context part and a causal part among the new tokens (vLLM's, merged by a
    second LSE merge) is not needed: every key a row attends to is on exactly one rank, and
    the merge over the group gives attention over all of them. It is the decode-only path
-   (the whole shard, the new token included) for every row.
+   (the whole shard, the new token included) for every row. In a step that is not causal
+   (``batch.causal`` False) every row sees every key of its request: the rank's whole share.
 4. ``combine``: the partials merged over the group for the rank's heads; the layer's sinks
    enter once, there (the backend runs without them).
 
@@ -290,12 +291,16 @@ class DecodeContextParallel:
 
     def _row_lengths(self, batch: BatchMetadata, shard: ContextShard) -> tuple[np.ndarray, ...]:
         """Each query row's request and the rank's keys it sees (those at global positions up
-        to the row's own)."""
+        to the row's own; in a step that is not causal, ``batch.causal`` False, every key of
+        its request: the last position's)."""
         qsl = batch.query_start_loc_cpu.numpy().astype(np.int64)
         qlens = qsl[1:] - qsl[:-1]
         seq = batch.seq_lens_cpu.numpy().astype(np.int64)
         rows = np.repeat(np.arange(batch.num_reqs), qlens)
-        position = np.repeat(seq - qlens - qsl[:-1], qlens) + np.arange(rows.size)
+        if batch.causal:
+            position = np.repeat(seq - qlens - qsl[:-1], qlens) + np.arange(rows.size)
+        else:
+            position = np.repeat(seq - 1, qlens)
         lens = local_seq_lens(position + 1, shard.world_size, shard.rank, shard.interleave)
         return rows, lens
 
