@@ -189,10 +189,35 @@ def non_causal_step(rank: int, n: int) -> dict[str, Any]:
     return {"mismatch": testing.mismatch(out, ref[:, heads], tol)}
 
 
+def short_query(n: int) -> tuple[str, str, bool]:
+    """A query of the step's real tokens only (its padding rows left out): the outcome, and
+    whether the rank's cache is byte-identical to before the call."""
+    g = generator(5)
+    virtual = n * BLOCK_SIZE
+    seq_lens = [9, 7]
+    table = shuffled_block_table(seq_lens, virtual, num_blocks_for(seq_lens, virtual), g)
+    batch = BatchMetadata.from_lengths([1, 3], seq_lens, table, virtual, num_tokens=6)
+    backend = TorchBackend(SPEC)
+    dcp = DecodeContextParallel(backend, AllGatherReduceScatter(), world_size=n)
+    cache = backend.allocate_kv_cache(num_blocks_for(seq_lens, virtual))
+    step = dcp.plan(batch)
+    with cache.edit() as plain:
+        before = (plain.key.clone(), plain.value.clone())
+    key, value = (torch.randn(6, 1, 16, generator=g) for _ in range(2))
+    query = torch.randn(4, SPEC.num_heads, 16, generator=g)
+    kind, message = _outcome(lambda: dcp.forward(backend.impl(), step, query, key, value, cache))
+    with cache.edit() as plain:
+        untouched = torch.equal(plain.key, before[0]) and torch.equal(plain.value, before[1])
+    return kind, message, untouched
+
+
 def rank_extras(rank: int, n: int, job: dict[str, Any]) -> dict[str, Any]:
-    """What every rank runs after the DCP sub-cases: the bad inputs, then a step that is not
-    causal."""
-    return bad_inputs(rank, n, job) | {"non_causal_step": non_causal_step(rank, n)}
+    """What every rank runs after the DCP sub-cases: the bad inputs, a step that is not
+    causal, a query without the step's padding rows."""
+    return bad_inputs(rank, n, job) | {
+        "non_causal_step": non_causal_step(rank, n),
+        "short_query": short_query(n),
+    }
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"N{n}")
@@ -264,6 +289,19 @@ def test_a_step_that_is_not_causal_sees_every_key_of_its_requests(
     _, reports = group
     for rank, report in reports.items():
         assert report["extra"]["non_causal_step"]["mismatch"] is None, rank
+
+
+def test_a_query_of_other_rows_than_the_step_is_refused_before_the_kv_write(
+    group: tuple[int, dict[int, Any]],
+) -> None:
+    """Every rank refuses it (the check is local: the same on every rank of an agreed step),
+    its cache untouched: not found only in the merge, after the new keys were written."""
+    _, reports = group
+    for rank, report in reports.items():
+        kind, message, untouched = report["extra"]["short_query"]
+        assert kind == InvalidInputError.__name__, (rank, message)
+        assert "query has 4 rows, the step 6" in message, (rank, message)
+        assert untouched, rank
 
 
 def _refusals(reports: dict[int, Any], name: str) -> list[tuple[str, str, int]]:

@@ -332,6 +332,11 @@ class DecodeContextParallel:
                 f"query must be [num_tokens, {hl}, {width}] (this rank's heads), "
                 f"got {list(query.shape)}"
             )
+        rows = int(step.empty_rows.shape[0])  # the step's rows, padding included
+        if query.shape[0] != rows:  # else found only in the merge, after the write
+            raise InvalidInputError(
+                f"query has {query.shape[0]} rows, the step {rows} (its padding rows included)"
+            )
         if (key is None) != (value is None):
             raise InvalidInputError(
                 "key and value (an MLA layer's kv_c and k_pe): both given or both None"
