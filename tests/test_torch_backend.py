@@ -686,6 +686,29 @@ def test_staircase_masks_equal_the_masks_compared_from_positions(
         assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("extras", [{}, {"use_sinks": True}])
+def test_one_token_query_under_a_non_causal_window_of_no_right_keys(extras: dict) -> None:
+    """A non-causal layer's window (-1, 0) (every key up to the query's position) makes a
+    one-request chunk's mask read off the staircase, a one-token query too: its mask is a
+    valid tensor (a staircase view's negative stride on the query axis of one reached
+    ``torch.from_numpy``, which raised ValueError: found by a differential fuzz)."""
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=32, dtype=F32, block_size=4,
+        attn_type="encoder_only", window=(-1, 0), **extras,
+    )  # fmt: skip
+    batch, nblk = make_batch([1, 3, 1], [1, 9, 6], 4, seed=151)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, generator(152))
+    poison_unused_slots(cache, batch)
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(153))
+    weights = per_head_weights(spec, 154)
+    expected_cache, expected = reference_after_write(spec, cache, batch, q, k, v, **weights)
+    out = backend.impl(**weights).forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    assert cache.equal(expected_cache)
+    assert_within(out, expected, tol(F32), "window (-1, 0), non-causal, one-token queries")
+
+
 def _same_chunks(got: tuple, want: tuple) -> None:
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):

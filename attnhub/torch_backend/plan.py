@@ -579,9 +579,12 @@ class Planner:
             stairs = np.zeros(2 * K, dtype=np.bool_)
             stairs[:K] = True
             self._stairs = stairs  # filled first: views of the old one stay as they are
-        # row q, key k reads stairs[K - 1 - context - q + k]: True iff k <= context + q
+        # row q, key k reads stairs[K - 1 - context - q + k]: True iff k <= context + q. One
+        # row (Q == 1) takes stride 0: numpy's contiguity ignores an axis of one, so
+        # ascontiguousarray would keep a -1 there, which torch.from_numpy refuses
+        step = -1 if Q > 1 else 0
         return np.ndarray(
-            (1, Q, L), dtype=np.bool_, buffer=stairs, offset=K - 1 - context, strides=(0, -1, 1)
+            (1, Q, L), dtype=np.bool_, buffer=stairs, offset=K - 1 - context, strides=(0, step, 1)
         )
 
     def _arange(self, n: int) -> np.ndarray:
