@@ -336,6 +336,38 @@ def test_write_kv_with_fewer_slots_than_tokens_writes_the_first_ones() -> None:
     assert cache.equal(expected)
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_scales_the_engine_attaches_after_a_step_are_the_ones_written_with(kv: str) -> None:
+    """The engine owns an fp8 cache's scales and may attach its own tensors to the cache
+    (``cache.key_scale = ...``) after the layer has run a step (a profiling run, a recalibration):
+    the next write quantizes with the scales the cache holds then, as the read dequantizes
+    with them. (The impl's remembered write targets kept the first scales: every later value
+    was stored under the old scale, read under the new, with no error.)"""
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=16, dtype=F32, block_size=4, kv_cache_dtype=kv
+    )
+    backend = TorchBackend(spec, "cpu")
+    impl = backend.impl()
+    batch, nblk = make_batch([3, 1], [5, 2], 4, seed=161)
+    cache = backend.allocate_kv_cache(nblk)
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(162))
+    meta = backend.metadata_builder().build(batch)
+    impl.forward(q, k, v, cache, meta)  # a first step, with the scales allocated (1.0)
+    cache.key_scale, cache.value_scale = torch.tensor(0.05), torch.tensor(0.04)
+    expected_cache, expected = reference_after_write(spec, cache, batch, q, k, v)
+    out = impl.forward(q, k, v, cache, meta)
+    assert cache.equal(expected_cache)
+    assert_within(out, expected, tol(F32), "fp8 scales attached after a step")
+    again = cache.clone()  # write_kv alone, by its own slots, and by the step's
+    cache.key_scale, cache.value_scale = torch.tensor(0.03), torch.tensor(0.02)
+    for write in (lambda: impl.write_kv(k, v, cache, batch.slot_mapping),
+                  lambda: impl.write_kv(k, v, cache, meta=meta)):  # fmt: skip
+        want = cache.clone()
+        reference.write_kv(want, k, v, batch.slot_mapping)
+        write()
+        assert cache.equal(want) and not cache.equal(again)
+
+
 Tensor = torch.Tensor
 Setup = tuple[AttentionSpec, BatchMetadata, TorchBackend, PagedKVCache, Tensor, Tensor, Tensor]
 
