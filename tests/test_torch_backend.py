@@ -718,6 +718,35 @@ def test_staircase_masks_equal_the_masks_compared_from_positions(
         assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("mix", ["decode", "mixed", "chunked", "mtd"])
+def test_sdpa_outputs_laid_out_heads_last_as_cuda_returns_them_are_read_right(
+    mix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SDPA's CUDA kernels (flash, memory-efficient) return the output [B, H, L, D] laid out
+    [B, L, H, D]; the CPU's return it dense. A decode chunk's output [C, Hkv, group, Dv] was
+    read through ``view(C, H, Dv)``, which such a layout cannot give: every GQA decode step on
+    CUDA raised RuntimeError after its KV write (found on an H100 by a differential fuzz). Here
+    SDPA returns the same values in that layout."""
+    import attnhub.torch_backend.kernels as kernels
+
+    sdpa = kernels.F.scaled_dot_product_attention
+
+    def heads_last(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", heads_last)
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype=F32, block_size=16)
+    batch, nblk = make_batch(*MIXES[mix], 16, seed=171)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, generator(172))
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(173))
+    expected_cache, expected = reference_after_write(spec, cache, batch, q, k, v)
+    out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    assert cache.equal(expected_cache)
+    assert_within(out, expected, tol(F32), f"{mix}: SDPA output laid out heads last")
+
+
 @pytest.mark.parametrize("extras", [{}, {"use_sinks": True}])
 def test_one_token_query_under_a_non_causal_window_of_no_right_keys(extras: dict) -> None:
     """A non-causal layer's window (-1, 0) (every key up to the query's position) makes a
