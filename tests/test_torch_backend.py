@@ -986,6 +986,36 @@ def test_a_plan_for_another_device_has_every_array_there(features: dict) -> None
                 assert a == b, (name, a, b)
 
 
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_decode_chunk_masks_planned_for_an_accelerator_start_16_byte_aligned(
+    dtype: torch.dtype,
+) -> None:
+    """The ragged decode chunks' additive SDPA masks are made in one array and sent to the
+    device at once; each chunk's mask, a view of it, goes to SDPA as it is. Its CUDA kernels
+    read a mask with 16-byte loads from its first element: a view starting elsewhere failed
+    (cuDNN: ``mha_graph.execute ... is_good()``; memory-efficient: misaligned address, which
+    poisons the CUDA context), found on an H100 by a differential fuzz. The ``meta`` device
+    stands in for the accelerator."""
+    from attnhub.torch_backend.plan import Planner
+
+    spec = Case("plan", block_size=4, dtype=dtype).spec()
+    # three runs of decodes of ragged lengths (the prefills between them split the runs),
+    # cut further by the budget: several chunks whose masks are views of one array
+    q_lens = [1, 1, 1, 3, 1, 1, 1, 1, 3, 1, 1]
+    s_lens = [83, 25, 47, 12, 37, 38, 75, 31, 9, 13, 5]
+    batch, _ = make_batch(q_lens, s_lens, 4, seed=3)
+    planner = Planner(
+        spec, decode_threshold=16, gather_budget_tokens=150, eager=False,
+        device=torch.device("meta"),
+    )  # fmt: skip
+    chunks = planner.plan(batch).chunks
+    masks = [c.mask for c in chunks if c.query_len == 1 and c.mask is not None]
+    assert len(masks) > 3
+    for m in masks:
+        assert m.dtype == dtype and m.device.type == "meta"
+        assert m.storage_offset() * m.element_size() % 16 == 0, (m.shape, m.storage_offset())
+
+
 def test_structural_checks_plan_the_same_gather_as_full_checks() -> None:
     """Under structural checks the step's lengths are not read by the checks: the plan reads
     them itself, and must not take the unread extents' defaults for the shortest context (a

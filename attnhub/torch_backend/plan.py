@@ -510,6 +510,11 @@ class Planner:
             per = list(zip(*splits, strict=True))
         chunks = []
         for s, C, (ids_c, pads_c, v) in zip(shapes, sizes, per, strict=True):
+            if not (self.eager or self.on_cpu) and v.storage_offset() * v.element_size() % 16:
+                # SDPA takes the mask as it is, and its CUDA kernels read it with 16-byte
+                # loads from its first element: a view of the masks' array starting elsewhere
+                # is misaligned (a kernel fault), so such a chunk's mask gets its own memory
+                v = v.clone()
             view = v.view(C, 1, 1, 1, s.kv_len) if self.eager else v.view(C, 1, 1, s.kv_len)
             visible, mask = (view, None) if self.eager else (None, view)  # see Chunk
             record = (s.first_token, C, 1, s.kv_len, s.num_blocks, ids_c, pads_c, visible, mask)
