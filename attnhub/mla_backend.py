@@ -49,7 +49,20 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[Any]):
 
     def _check_batch_kinds(self, batch: BatchMetadata) -> None:
         """Refuse requests longer than ``capabilities.mla.max_query_len`` (a decode-only
-        kernel: 1), naming the first."""
+        kernel: 1), naming the first; and a non-causal batch with a request of query_len > 1
+        (MLA layers are causal: no MLA kernel lets a query row see keys past its position,
+        which ``batch.causal=False`` asks for; one-token queries see every key either way)."""
+        if not batch.causal and batch.max_query_len > 1:
+            q = batch.query_lens_cpu
+            r = int(np.flatnonzero(q.numpy() > 1)[0])
+            raise UnsupportedConfigurationError(
+                self.backend.name,
+                [
+                    f"batch.causal is False and request {r} has query_len {int(q[r])}: MLA "
+                    "layers are causal (bottom-right); a non-causal step is served only where "
+                    "every query_len is 1 (each row then sees every key either way)"
+                ],
+            )
         longest = self.backend.capabilities.mla.max_query_len
         if longest is None or batch.max_query_len <= longest:
             return

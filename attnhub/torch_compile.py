@@ -284,15 +284,16 @@ def attention(
     cache: PagedKVCache,
     layer_name: str,
     *,
-    output: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size]
+    output: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size_v]
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One layer's ``impl.forward`` as a ``torch.compile``-able call: the impl and cache
     registered as ``layer_name`` (:func:`register_layer`; ``cache`` must be that cache: the
     op declares that it writes its planes), the metadata of the enclosing
     :func:`forward_context`. Returns the output (``output`` where given, else a new tensor like
-    ``query``), and with ``return_lse=True`` ``(out, lse)``, ``lse`` ``[num_tokens,
-    num_heads]`` float32 as ``forward(return_lse=True)`` gives it. Every check of ``forward``
+    ``query``, as wide as the cache's values: ``head_size_v``), and with ``return_lse=True``
+    ``(out, lse)``, ``lse`` ``[num_tokens, num_heads]`` float32 as ``forward(return_lse=True)``
+    gives it. Every check of ``forward``
     runs when the op runs; eager calls work the same. Inference only: no gradient flows
     through the op, and inputs that require grad (grad mode on) are refused."""
     if torch.is_grad_enabled() and any(
@@ -302,7 +303,12 @@ def attention(
             f"attnhub.attention (layer {layer_name!r}) computes no gradients, and query, key or "
             "value requires grad: run the model under torch.no_grad() or torch.inference_mode()"
         )
-    out = torch.empty_like(query) if output is None else output
+    if output is not None:
+        out = output
+    elif cache.head_size_v == query.shape[2]:
+        out = torch.empty_like(query)
+    else:  # values of another head size than keys (head_size_v): the output is as wide
+        out = query.new_empty((query.shape[0], query.shape[1], cache.head_size_v))
     lse = None
     if return_lse:
         lse = torch.empty(

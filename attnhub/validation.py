@@ -346,6 +346,38 @@ def check_cache(
             raise InvalidInputError(
                 f"kv_cache_dtype {spec.kv_cache_dtype!r} needs cache.{which}, which is None"
             )
+        _check_scale(spec, cache, which, getattr(fmt, which))
+
+
+def _check_scale(spec: AttentionSpec, cache: PagedKVCache, which: str, kind: str) -> None:
+    """A quantized cache's scale (engines attach their own) is what its kind says: float32 on
+    the cache's device, one element ("tensor": ``()`` or ``(1,)``), ``(num_kv_heads, the
+    plane's head size)`` ("channel") or one per slot and kv head (``cache.key.shape[:3]``,
+    "slot"); a kernel would otherwise broadcast it wrongly, or fail after the other plane was
+    written."""
+    scale = getattr(cache, which)
+    if kind == "none" or scale is None:
+        return
+    name, kv = f"cache.{which}", spec.kv_cache_dtype
+    width = spec.head_size if which == "key_scale" else spec.head_size_v
+    want = {
+        "tensor": (),
+        "channel": (spec.num_kv_heads, width),
+        "slot": tuple(cache.key.shape[:3]),
+    }[kind]
+    if not isinstance(scale, torch.Tensor):
+        raise InvalidInputError(
+            f"{name} must be a float32 tensor {want} for kv_cache_dtype {kv!r}, got "
+            f"{type(scale).__name__}"
+        )
+    shape = tuple(scale.shape)
+    if scale.dtype != torch.float32 or not (shape == want or (kind == "tensor" and shape == (1,))):
+        raise InvalidInputError(
+            f"{name} must be float32 {want}{' (or (1,))' if kind == 'tensor' else ''} for "
+            f"kv_cache_dtype {kv!r}, got {scale.dtype} {shape}"
+        )
+    if not _same_device(scale.device, cache.device):
+        raise InvalidInputError(f"{name} is on {scale.device}, the cache on {cache.device}")
 
 
 #: New keys and values: [n >= num_slots, num_kv_heads, head_size] in the model dtype (values

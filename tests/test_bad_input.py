@@ -300,6 +300,53 @@ def test_quantized_cache_without_its_scale_is_rejected() -> None:
     assert cache.equal(before)
 
 
+@pytest.mark.parametrize(
+    ("which", "scale", "named"),
+    [
+        # per kv head where the format has one per-tensor scale: the keys were written, then
+        # the values' quantization raised torch's RuntimeError (a half-written cache)
+        (
+            "value_scale",
+            torch.full((2,), 0.04),
+            r"value_scale must be float32 \(\).*got torch\.float32 \(2,\)",
+        ),
+        (
+            "value_scale",
+            torch.full((2, 1), 0.04),
+            r"value_scale must be float32 \(\).*got torch\.float32 \(2, 1\)",
+        ),
+        (
+            "key_scale",
+            torch.full((1, 1, 1, 1), 0.05),
+            r"key_scale must be float32 \(\).*got torch\.float32 \(1, 1, 1, 1\)",
+        ),
+        ("key_scale", torch.tensor(1), r"key_scale must be float32 \(\).*got torch\.int64 \(\)"),
+        ("key_scale", torch.tensor(0.05, device="meta"), r"key_scale is on meta"),
+    ],
+)
+def test_a_static_scale_of_the_wrong_shape_dtype_or_device_is_refused_before_writing(
+    which: str, scale: torch.Tensor, named: str
+) -> None:
+    """An engine attaches an fp8 cache's scales itself; one that is not the format's (one
+    float per tensor, on the cache's device) is refused with InvalidInputError naming it,
+    the cache untouched."""
+    spec = replace(SPEC, kv_cache_dtype="fp8_e4m3")
+    batch, nblk = make_batch(QUERY_LENS, SEQ_LENS, BS, seed=8)
+    backend = TorchBackend(spec, "cpu")
+    cache = replace(backend.allocate_kv_cache(nblk), **{which: scale})
+    planes = [p.view(torch.uint8).clone() for p in (cache.key, cache.value)]
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(9))
+    meta = backend.metadata_builder().build(batch)
+    for call in (
+        lambda: backend.impl().forward(q, k, v, cache, meta),
+        lambda: backend.impl().write_kv(k, v, cache, batch.slot_mapping),
+    ):
+        with pytest.raises(InvalidInputError, match=named):
+            call()
+        for plane, held in zip((cache.key, cache.value), planes, strict=True):
+            assert torch.equal(plane.view(torch.uint8), held)
+
+
 # --- builder.build ------------------------------------------------------------------------------
 
 BUILD_CASES: list[tuple[str, Call, type[Exception], str]] = [

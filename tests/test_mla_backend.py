@@ -319,6 +319,25 @@ def test_a_decode_only_declaration_refuses_a_prefill_at_build() -> None:
         DecodeOnly(spec).metadata_builder().build(batch)
 
 
+def test_a_non_causal_step_of_multi_token_queries_is_refused_at_build() -> None:
+    """MLA layers are causal (every MLA kernel computes bottom-right causal attention); a batch
+    marked non-causal asks for (and attnhub.reference computes) each query row over every key
+    of its sequence. Refused at build where that differs (a request of query_len > 1); a step
+    of one-token queries is the same either way and is served. (A differential fuzz found the
+    torch backend returning the causal answer to a non-causal step.)"""
+    spec = mla_spec(dtype=torch.float32, block_size=4)
+    backend = TorchBackend(spec)
+    batch, *_ = _step(spec, [1, 5], [9, 12])
+    with pytest.raises(UnsupportedConfigurationError, match=r"batch\.causal is False.*request 1"):
+        backend.metadata_builder().build(replace(batch, causal=False))
+    decodes, cache, q, kv_c, k_pe = _step(spec, [1, 1], [9, 12])
+    meta = backend.metadata_builder().build(replace(decodes, causal=False))
+    out = backend.impl().forward(q, kv_c, k_pe, cache, meta)
+    want, _ = reference.paged_mla_absorbed(q, cache, meta.batch, spec)
+    n, tol = decodes.num_actual_tokens, TorchBackend.capabilities.tolerance(spec.dtype)
+    assert testing.mismatch(out[:n], want, tol) is None
+
+
 @pytest.mark.parametrize(
     "spoil",
     [

@@ -336,6 +336,38 @@ def test_write_kv_with_fewer_slots_than_tokens_writes_the_first_ones() -> None:
     assert cache.equal(expected)
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_scales_the_engine_attaches_after_a_step_are_the_ones_written_with(kv: str) -> None:
+    """The engine owns an fp8 cache's scales and may attach its own tensors to the cache
+    (``cache.key_scale = ...``) after the layer has run a step (a profiling run, a recalibration):
+    the next write quantizes with the scales the cache holds then, as the read dequantizes
+    with them. (The impl's remembered write targets kept the first scales: every later value
+    was stored under the old scale, read under the new, with no error.)"""
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=16, dtype=F32, block_size=4, kv_cache_dtype=kv
+    )
+    backend = TorchBackend(spec, "cpu")
+    impl = backend.impl()
+    batch, nblk = make_batch([3, 1], [5, 2], 4, seed=161)
+    cache = backend.allocate_kv_cache(nblk)
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(162))
+    meta = backend.metadata_builder().build(batch)
+    impl.forward(q, k, v, cache, meta)  # a first step, with the scales allocated (1.0)
+    cache.key_scale, cache.value_scale = torch.tensor(0.05), torch.tensor(0.04)
+    expected_cache, expected = reference_after_write(spec, cache, batch, q, k, v)
+    out = impl.forward(q, k, v, cache, meta)
+    assert cache.equal(expected_cache)
+    assert_within(out, expected, tol(F32), "fp8 scales attached after a step")
+    again = cache.clone()  # write_kv alone, by its own slots, and by the step's
+    cache.key_scale, cache.value_scale = torch.tensor(0.03), torch.tensor(0.02)
+    for write in (lambda: impl.write_kv(k, v, cache, batch.slot_mapping),
+                  lambda: impl.write_kv(k, v, cache, meta=meta)):  # fmt: skip
+        want = cache.clone()
+        reference.write_kv(want, k, v, batch.slot_mapping)
+        write()
+        assert cache.equal(want) and not cache.equal(again)
+
+
 Tensor = torch.Tensor
 Setup = tuple[AttentionSpec, BatchMetadata, TorchBackend, PagedKVCache, Tensor, Tensor, Tensor]
 
@@ -686,6 +718,58 @@ def test_staircase_masks_equal_the_masks_compared_from_positions(
         assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("mix", ["decode", "mixed", "chunked", "mtd"])
+def test_sdpa_outputs_laid_out_heads_last_as_cuda_returns_them_are_read_right(
+    mix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SDPA's CUDA kernels (flash, memory-efficient) return the output [B, H, L, D] laid out
+    [B, L, H, D]; the CPU's return it dense. A decode chunk's output [C, Hkv, group, Dv] was
+    read through ``view(C, H, Dv)``, which such a layout cannot give: every GQA decode step on
+    CUDA raised RuntimeError after its KV write (found on an H100 by a differential fuzz). Here
+    SDPA returns the same values in that layout."""
+    import attnhub.torch_backend.kernels as kernels
+
+    sdpa = kernels.F.scaled_dot_product_attention
+
+    def heads_last(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", heads_last)
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, dtype=F32, block_size=16)
+    batch, nblk = make_batch(*MIXES[mix], 16, seed=171)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, generator(172))
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(173))
+    expected_cache, expected = reference_after_write(spec, cache, batch, q, k, v)
+    out = backend.impl().forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    assert cache.equal(expected_cache)
+    assert_within(out, expected, tol(F32), f"{mix}: SDPA output laid out heads last")
+
+
+@pytest.mark.parametrize("extras", [{}, {"use_sinks": True}])
+def test_one_token_query_under_a_non_causal_window_of_no_right_keys(extras: dict) -> None:
+    """A non-causal layer's window (-1, 0) (every key up to the query's position) makes a
+    one-request chunk's mask read off the staircase, a one-token query too: its mask is a
+    valid tensor (a staircase view's negative stride on the query axis of one reached
+    ``torch.from_numpy``, which raised ValueError: found by a differential fuzz)."""
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_size=32, dtype=F32, block_size=4,
+        attn_type="encoder_only", window=(-1, 0), **extras,
+    )  # fmt: skip
+    batch, nblk = make_batch([1, 3, 1], [1, 9, 6], 4, seed=151)
+    backend = TorchBackend(spec, "cpu")
+    cache = backend.allocate_kv_cache(nblk)
+    fill_cache_random(cache, generator(152))
+    poison_unused_slots(cache, batch)
+    q, k, v = random_qkv(spec, batch.num_tokens, generator(153))
+    weights = per_head_weights(spec, 154)
+    expected_cache, expected = reference_after_write(spec, cache, batch, q, k, v, **weights)
+    out = backend.impl(**weights).forward(q, k, v, cache, backend.metadata_builder().build(batch))
+    assert cache.equal(expected_cache)
+    assert_within(out, expected, tol(F32), "window (-1, 0), non-causal, one-token queries")
+
+
 def _same_chunks(got: tuple, want: tuple) -> None:
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -900,6 +984,36 @@ def test_a_plan_for_another_device_has_every_array_there(features: dict) -> None
                 assert (a.shape, a.dtype) == (b.shape, b.dtype), name
             else:
                 assert a == b, (name, a, b)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_decode_chunk_masks_planned_for_an_accelerator_start_16_byte_aligned(
+    dtype: torch.dtype,
+) -> None:
+    """The ragged decode chunks' additive SDPA masks are made in one array and sent to the
+    device at once; each chunk's mask, a view of it, goes to SDPA as it is. Its CUDA kernels
+    read a mask with 16-byte loads from its first element: a view starting elsewhere failed
+    (cuDNN: ``mha_graph.execute ... is_good()``; memory-efficient: misaligned address, which
+    poisons the CUDA context), found on an H100 by a differential fuzz. The ``meta`` device
+    stands in for the accelerator."""
+    from attnhub.torch_backend.plan import Planner
+
+    spec = Case("plan", block_size=4, dtype=dtype).spec()
+    # three runs of decodes of ragged lengths (the prefills between them split the runs),
+    # cut further by the budget: several chunks whose masks are views of one array
+    q_lens = [1, 1, 1, 3, 1, 1, 1, 1, 3, 1, 1]
+    s_lens = [83, 25, 47, 12, 37, 38, 75, 31, 9, 13, 5]
+    batch, _ = make_batch(q_lens, s_lens, 4, seed=3)
+    planner = Planner(
+        spec, decode_threshold=16, gather_budget_tokens=150, eager=False,
+        device=torch.device("meta"),
+    )  # fmt: skip
+    chunks = planner.plan(batch).chunks
+    masks = [c.mask for c in chunks if c.query_len == 1 and c.mask is not None]
+    assert len(masks) > 3
+    for m in masks:
+        assert m.dtype == dtype and m.device.type == "meta"
+        assert m.storage_offset() * m.element_size() % 16 == 0, (m.shape, m.storage_offset())
 
 
 def test_structural_checks_plan_the_same_gather_as_full_checks() -> None:

@@ -304,3 +304,28 @@ def test_a_step_with_no_new_keys_passes_none_through_the_op(layer_names):
         out = attnhub.attention(q, None, None, model.cache, "nokv.layer")
     assert model.cache.equal(before)
     assert torch.equal(out, model.backend.impl().forward(q, None, None, before, meta))
+
+
+def test_values_narrower_than_keys_get_an_output_of_the_value_head_size(layer_names):
+    """A layer whose values have another head size than its keys (``head_size_v``: MLA's
+    expanded prefill) is served through the op, eager and compiled: the output it allocates is
+    [T, H, head_size_v], as forward's (it was made like the query, and forward refused it)."""
+    model = _model(layer_names, "narrow.layer", _spec(head_size=16, head_size_v=8))
+    cache, name = model.cache, "narrow.layer"
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        return attnhub.attention(q, k, v, cache, name, return_lse=True)
+
+    compiled = torch.compile(attend, fullgraph=True)
+    batch, _ = model.step([3, 1, 6], [3, 20, 30])
+    meta = model.builder.build(batch)
+    q, k, v = testing.random_qkv(model.spec, batch.num_tokens, testing.generator(8))
+    twin = cache.clone()
+    want, want_lse = model.backend.impl().forward(q, k, v, twin, meta, return_lse=True)
+    for fn in (attend, compiled):  # the second call rewrites what the first wrote
+        with attnhub.forward_context(meta):
+            out, lse = fn(q, k, v)
+        assert out.shape == (batch.num_tokens, 4, 8)
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+        assert cache.equal(twin)

@@ -140,7 +140,9 @@ class TorchAttentionImpl(AttentionImpl):
         sinks: torch.Tensor | None = None,
     ) -> None:
         super().__init__(backend, alibi_slopes=alibi_slopes, sinks=sinks)
-        self._targets: tuple[torch.Tensor, torch.Tensor, list[_WriteTarget]] | None = None
+        #: The last cache's key, value, key_scale, value_scale (compared by identity) and its
+        #: write targets.
+        self._targets: tuple[Any, Any, Any, Any, list[_WriteTarget]] | None = None
         self._eager = bool({"softcap", "alibi", "sinks"} & self.spec.features())
         self._invariant = self.spec.batch_invariant
 
@@ -174,17 +176,24 @@ class TorchAttentionImpl(AttentionImpl):
     def _write_targets(self, cache: PagedKVCache) -> list[_WriteTarget]:
         """Per plane: a flat [num_slots, Hkv, D] view to index_copy_ into (None where the
         plane's strides cannot merge blocks and slots), the plane, its fp8 scale. Remembered
-        for the last cache's planes (every step writes the same cache)."""
+        for the last cache's planes and scales (every step writes the same cache; an engine
+        may attach scale tensors of its own to it between steps: those are then written with)."""
         memo = self._targets
-        if memo is not None and memo[0] is cache.key and memo[1] is cache.value:
-            return memo[2]
+        if (
+            memo is not None
+            and memo[0] is cache.key
+            and memo[1] is cache.value
+            and memo[2] is cache.key_scale
+            and memo[3] is cache.value_scale
+        ):
+            return memo[4]
         targets = []
         for dst, scale in ((cache.key, cache.key_scale), (cache.value, cache.value_scale)):
             raw = indexable(dst)  # fp8: copy the bytes
             targets.append(
                 _WriteTarget(flat=flat_slots(raw), plane=raw, scale=scale, dtype=dst.dtype)
             )
-        self._targets = (cache.key, cache.value, targets)
+        self._targets = (cache.key, cache.value, cache.key_scale, cache.value_scale, targets)
         return targets
 
     def _scatter(

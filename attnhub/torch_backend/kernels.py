@@ -46,7 +46,9 @@ def attend_sdpa(
     if Q == 1:  # decode: the rows of a kv head are its group's query heads, a plain view
         q = q_rows.view(C, Hkv, group, D)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
-        out_rows.copy_(o.view(C, H, Dv))
+        # copied through a view of the output (split, never merged): SDPA's CUDA kernels
+        # return o laid out [C, group, Hkv, Dv], whose (Hkv, group) cannot merge into H
+        out_rows.view(C, Hkv, group, Dv).copy_(o)
         return
     q = q_rows.view(C, Q, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(C, Hkv, group * Q, D)
     o = F.scaled_dot_product_attention(

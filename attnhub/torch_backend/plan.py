@@ -510,6 +510,11 @@ class Planner:
             per = list(zip(*splits, strict=True))
         chunks = []
         for s, C, (ids_c, pads_c, v) in zip(shapes, sizes, per, strict=True):
+            if not (self.eager or self.on_cpu) and v.storage_offset() * v.element_size() % 16:
+                # SDPA takes the mask as it is, and its CUDA kernels read it with 16-byte
+                # loads from its first element: a view of the masks' array starting elsewhere
+                # is misaligned (a kernel fault), so such a chunk's mask gets its own memory
+                v = v.clone()
             view = v.view(C, 1, 1, 1, s.kv_len) if self.eager else v.view(C, 1, 1, s.kv_len)
             visible, mask = (view, None) if self.eager else (None, view)  # see Chunk
             record = (s.first_token, C, 1, s.kv_len, s.num_blocks, ids_c, pads_c, visible, mask)
@@ -579,9 +584,12 @@ class Planner:
             stairs = np.zeros(2 * K, dtype=np.bool_)
             stairs[:K] = True
             self._stairs = stairs  # filled first: views of the old one stay as they are
-        # row q, key k reads stairs[K - 1 - context - q + k]: True iff k <= context + q
+        # row q, key k reads stairs[K - 1 - context - q + k]: True iff k <= context + q. One
+        # row (Q == 1) takes stride 0: numpy's contiguity ignores an axis of one, so
+        # ascontiguousarray would keep a -1 there, which torch.from_numpy refuses
+        step = -1 if Q > 1 else 0
         return np.ndarray(
-            (1, Q, L), dtype=np.bool_, buffer=stairs, offset=K - 1 - context, strides=(0, -1, 1)
+            (1, Q, L), dtype=np.bool_, buffer=stairs, offset=K - 1 - context, strides=(0, step, 1)
         )
 
     def _arange(self, n: int) -> np.ndarray:
