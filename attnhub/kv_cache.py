@@ -49,6 +49,25 @@ def _kv_cache_dtype(name: str) -> str:
     return canonical
 
 
+def scale_shape(
+    kind: str, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, layout: str
+) -> tuple[int, ...] | None:
+    """The shape of a scale plane of ``kind`` for a cache of this geometry and layout (the
+    plane's own head size), None for "none": what ``allocate`` makes and ``check_cache``
+    holds an engine's own scales to ("tensor" takes ``(1,)`` too)."""
+    if kind == "none":
+        return None
+    if kind == "tensor":
+        return ()
+    if kind == "slot":
+        if layout == "NHD":
+            return (num_blocks, block_size, num_kv_heads)
+        return (num_blocks, num_kv_heads, block_size)
+    if kind == "channel":
+        return (num_kv_heads, head_size)
+    raise InvalidInputError(f"unknown scale kind {kind!r}")
+
+
 def _scale_plane(
     kind: str,
     num_blocks: int,
@@ -58,20 +77,11 @@ def _scale_plane(
     layout: str,
     device: torch.device | str,
 ) -> torch.Tensor | None:
-    if kind == "none":
+    shape = scale_shape(kind, num_blocks, block_size, num_kv_heads, head_size, layout)
+    if shape is None:
         return None
-    if kind == "tensor":
-        return torch.ones((), dtype=torch.float32, device=device)
-    if kind == "slot":
-        shape = (
-            (num_blocks, block_size, num_kv_heads)
-            if layout == "NHD"
-            else (num_blocks, num_kv_heads, block_size)
-        )
-        return torch.zeros(shape, dtype=torch.float32, device=device)
-    if kind == "channel":
-        return torch.ones((num_kv_heads, head_size), dtype=torch.float32, device=device)
-    raise InvalidInputError(f"unknown scale kind {kind!r}")
+    fill = torch.zeros if kind == "slot" else torch.ones
+    return fill(shape, dtype=torch.float32, device=device)
 
 
 class BlockPacking:

@@ -30,7 +30,7 @@ import torch
 
 from attnhub.batch import BatchMetadata
 from attnhub.errors import InvalidInputError
-from attnhub.kv_cache import BlockPacking, PagedKVCache
+from attnhub.kv_cache import BlockPacking, PagedKVCache, scale_shape
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
 
 _StepValues = Callable[..., "tuple[int, int, int, int, int] | None"]
@@ -360,11 +360,9 @@ def _check_scale(spec: AttentionSpec, cache: PagedKVCache, which: str, kind: str
         return
     name, kv = f"cache.{which}", spec.kv_cache_dtype
     width = spec.head_size if which == "key_scale" else spec.head_size_v
-    want = {
-        "tensor": (),
-        "channel": (spec.num_kv_heads, width),
-        "slot": tuple(cache.key.shape[:3]),
-    }[kind]
+    want = scale_shape(
+        kind, cache.num_blocks, spec.block_size, spec.num_kv_heads, width, cache.layout
+    )
     if not isinstance(scale, torch.Tensor):
         raise InvalidInputError(
             f"{name} must be a float32 tensor {want} for kv_cache_dtype {kv!r}, got "

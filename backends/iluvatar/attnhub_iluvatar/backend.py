@@ -652,36 +652,21 @@ class IluvatarAttentionImpl(AttentionImpl):
         self._check_scales(cache)
 
     def _check_scales(self, cache: PagedKVCache) -> None:
-        """The int8 caches' scale planes as the kernels read them: the per-slot key scales
-        float32 ``(num_blocks, Hkv, block_size)``, mode 1's static value scale float32
-        ``(Hkv, head_size)`` and finite (a NaN or infinite scale would be written into every
-        value quantized with it), each contiguous on the backend's device. The value scale's
-        values are read on the host once per change of that tensor (its torch version
-        counter and storage): an engine sets it with the weights, so steps read nothing."""
+        """The int8 caches' scale planes as the kernels read them: contiguous (their kind,
+        dtype, shape and device are the core's ``check_cache``'s, made first: per-slot key
+        scales ``(num_blocks, Hkv, block_size)``, mode 1's static value scale ``(Hkv,
+        head_size)``), and mode 1's value scale finite (a NaN or infinite scale would be
+        written into every value quantized with it). The value scale's values are read on the
+        host once per change of that tensor (its torch version counter and storage): an
+        engine sets it with the weights, so steps read nothing."""
         kv = self.spec.kv_cache_dtype
         if kv == "auto":
             return
-        spec, dev = self.spec, self.backend.device
-        planes: list[tuple[str, torch.Tensor | None, tuple[int, ...]]] = [
-            ("key_scale", cache.key_scale, (cache.num_blocks, spec.num_kv_heads, spec.block_size))
-        ]
-        if kv == "int8":
-            planes.append(("value_scale", cache.value_scale, (spec.num_kv_heads, spec.head_size)))
-        for name, plane, shape in planes:
-            if not isinstance(plane, torch.Tensor):
+        for name in ("key_scale", "value_scale") if kv == "int8" else ("key_scale",):
+            plane = getattr(cache, name)
+            if not plane.is_contiguous():
                 raise InvalidInputError(
-                    f"kv_cache_dtype {kv!r} needs cache.{name}, a float32 tensor {shape}; got "
-                    f"{type(plane).__name__}"
-                )
-            if plane.dtype != torch.float32 or tuple(plane.shape) != shape:
-                raise InvalidInputError(
-                    f"cache.{name} must be float32 {shape} for kv_cache_dtype {kv!r}, got "
-                    f"{plane.dtype} {tuple(plane.shape)}"
-                )
-            if not plane.is_contiguous() or plane.device != dev:
-                raise InvalidInputError(
-                    f"cache.{name} must be contiguous on {dev}, got strides {plane.stride()} "
-                    f"on {plane.device}"
+                    f"cache.{name} must be contiguous, got strides {plane.stride()}"
                 )
         if kv != "int8":
             return
