@@ -401,7 +401,9 @@ def test_the_cuda_adaptor_replays_the_torch_backend_on_a_gpu() -> None:
         kv_caches=[cache],
     )
     assert isinstance(runner.adaptor, CUDAGraphAdaptor)
-    for i, seqs in enumerate([[3, 50, 90], [60, 2, 5], [100, 30, 31, 7]]):
+    # Three steps padded to 4 requests (one graph), one to 8 (the second graph).
+    steps = [[3, 50, 90], [60, 2, 5], [100, 30, 31, 7], [9, 1, 40, 70, 12]]
+    for i, seqs in enumerate(steps):
         batch, _ = testing.make_batch([1] * len(seqs), seqs, BS, 48, seed=i, device="cuda")
         q, k, v = testing.random_qkv(SPEC, batch.num_tokens, testing.generator(i), device="cuda")
         _, expected = testing.reference_after_write(SPEC, cache, batch, q, k, v)

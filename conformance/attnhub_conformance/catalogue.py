@@ -23,7 +23,7 @@ from attnhub.errors import (
 )
 from attnhub.spec import KV_CACHE_DTYPES, MODEL_DTYPES, AttentionType
 from attnhub_conformance.cases import Config
-from attnhub_conformance.harness import Layer, Step
+from attnhub_conformance.harness import Layer, Step, with_tensors
 from attnhub_conformance.targets import Target
 
 
@@ -78,7 +78,7 @@ def _with_slot(step: Step, slot: int) -> BatchMetadata:
     backend that writes before checking corrupts the cache)."""
     slots = step.batch.slot_mapping.clone()
     slots[step.n - 1] = slot
-    return replace(step.batch, slot_mapping=slots)
+    return with_tensors(step.batch, slot_mapping=slots)
 
 
 def _with_block(step: Step, block: int) -> BatchMetadata:
@@ -92,7 +92,7 @@ def _with_block(step: Step, block: int) -> BatchMetadata:
             r = i
             break
     table[r, c] = block
-    return replace(step.batch, block_table=table)
+    return with_tensors(step.batch, block_table=table)
 
 
 def _with_lengths(

@@ -83,8 +83,11 @@ def step_plans(target: Target, config: Config, scope: Scope) -> list[BatchPlan]:
     return [*full, *fewer, BatchPlan(((1, 2 * bs + 3),))]
 
 
-def _weight(rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    return (torch.randn(rows, cols, generator=gen) / math.sqrt(cols)).to(dtype)
+def _weight(
+    rows: int, cols: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+) -> torch.Tensor:
+    # drawn on the host (the generator's), the same bits on every device
+    return (torch.randn(rows, cols, generator=gen) / math.sqrt(cols)).to(device, dtype)
 
 
 class DecoderLayer(torch.nn.Module):
@@ -105,9 +108,10 @@ class DecoderLayer(torch.nn.Module):
         compiled: bool,
     ) -> None:
         super().__init__()
-        h, hkv, d, dt = spec.num_heads, spec.num_kv_heads, spec.head_size, spec.dtype
-        self.wq, self.wk = _weight(h * d, HIDDEN, dt, gen), _weight(hkv * d, HIDDEN, dt, gen)
-        self.wv, self.wo = _weight(hkv * d, HIDDEN, dt, gen), _weight(HIDDEN, h * d, dt, gen)
+        h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_size
+        shapes = ((h * d, HIDDEN), (hkv * d, HIDDEN), (hkv * d, HIDDEN), (HIDDEN, h * d))
+        weights = [_weight(r, c, spec.dtype, cache.device, gen) for r, c in shapes]
+        self.wq, self.wk, self.wv, self.wo = weights
         self.heads, self.kv_heads, self.head_size = h, hkv, d
         self.impl, self.cache, self.name, self.compiled = impl, cache, name, compiled
 

@@ -44,6 +44,7 @@ from hypothesis import strategies as st
 from attnhub import AttentionBackend, BatchMetadata, PagedKVCache, testing
 from attnhub.errors import AttnhubError
 from attnhub.spec import AttentionSpec
+from attnhub_conformance.harness import with_tensors
 from attnhub_conformance.soak import backend_label
 
 __all__ = ["KNOWN_DEFECTS", "TARGETS", "FuzzReport", "backend_label", "run"]
@@ -425,15 +426,15 @@ class _Fuzzer:
                 if how == "outside"
                 else -data.draw(st.integers(2, 1000))
             )
-            batch = replace(b, slot_mapping=slots)
+            batch = with_tensors(b, slot_mapping=slots)
         elif how == "int32":
-            batch = replace(b, slot_mapping=slots.to(torch.int32))
+            batch = with_tensors(b, slot_mapping=slots.to(torch.int32))
         elif how == "float":
-            batch = replace(b, slot_mapping=slots.to(torch.float32))
+            batch = with_tensors(b, slot_mapping=slots.to(torch.float32))
         elif how == "short":
-            batch = replace(b, slot_mapping=slots[: b.num_actual_tokens - 1])
+            batch = with_tensors(b, slot_mapping=slots[: b.num_actual_tokens - 1])
         else:
-            batch = replace(b, slot_mapping=_strided(slots))
+            batch = with_tensors(b, slot_mapping=_strided(slots))
         return self.forward_attempt(base, "slot_mapping", f"slot_mapping/{how}", batch=batch)
 
     def spoil_block_table(self, data: st.DataObject, base: _Base) -> _Attempt:
@@ -452,16 +453,16 @@ class _Fuzzer:
                 if how == "outside"
                 else -data.draw(st.integers(1, 100))
             )
-            batch = replace(b, block_table=table)
+            batch = with_tensors(b, block_table=table)
         elif how == "unused_entry":  # a column past the request's blocks: any value is valid
             table[r, used[r] :] = data.draw(st.integers(0, 2**31 - 1))
-            batch = replace(b, block_table=table)
+            batch = with_tensors(b, block_table=table)
         elif how == "int64":
-            batch = replace(b, block_table=table.to(torch.int64))
+            batch = with_tensors(b, block_table=table.to(torch.int64))
         elif how == "one_d":
-            batch = replace(b, block_table=table.flatten())
+            batch = with_tensors(b, block_table=table.flatten())
         else:
-            batch = replace(b, block_table=_strided(table))
+            batch = with_tensors(b, block_table=_strided(table))
         return self.forward_attempt(base, "block_table", f"block_table/{how}", batch=batch)
 
     def spoil_common_prefix(self, data: st.DataObject, base: _Base) -> _Attempt:

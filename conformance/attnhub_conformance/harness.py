@@ -371,6 +371,20 @@ def assert_matches_reference(
     )
 
 
+def with_tensors(batch: BatchMetadata, **tensors: torch.Tensor) -> BatchMetadata:
+    """The batch with ``tensors`` (its device tensors by field name: ``slot_mapping=...``)
+    replaced, and each one's host copy (``slot_mapping_cpu``), where the batch carries one,
+    replaced by the same values: an engine's two copies agree, and a builder checks the host
+    copy. A spoiled device copy beside an intact host copy is a contradiction no builder can
+    see without reading device memory; on an accelerator its kernels then index with the
+    unchecked values (CUDA: a device-side assert, which ends the process's CUDA context)."""
+    changes: dict[str, Any] = dict(tensors)
+    for name, t in tensors.items():
+        if getattr(batch, name + "_cpu", None) is not None:
+            changes[name + "_cpu"] = t.cpu()
+    return replace(batch, **changes)
+
+
 # --- sub-batches (batch invariance) ------------------------------------------------------------
 
 
