@@ -214,6 +214,11 @@ def _cache_given(name: str, registered: PagedKVCache, planes: list[torch.Tensor]
 _TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
+# ``lse`` is mutable and may be None, but has no default: torch's custom_op wrapper (2.11 and
+# earlier, pytorch/pytorch#176078, fixed by #180621) bumps the version of each mutated argument
+# by its schema position, and the dispatcher strips an argument left at its default first, so
+# every call without an LSE raised IndexError('tuple index out of range'): eager and compiled
+# (seen on torch 2.11, 2026-11-26).
 @torch.library.custom_op(OP_NAME, mutates_args=("output", "kv_cache", "lse"), tags=_TAGS)
 def attention_op(
     query: torch.Tensor,
@@ -222,7 +227,7 @@ def attention_op(
     output: torch.Tensor,
     kv_cache: list[torch.Tensor],
     layer_name: str,
-    lse: torch.Tensor | None = None,
+    lse: torch.Tensor | None,  # no default (above)
 ) -> None:
     """``torch.ops.attnhub.forward``: the registered layer ``layer_name``'s ``impl.forward``
     with the forward context's metadata, writing ``output`` (and ``lse`` where given) and the
@@ -244,7 +249,7 @@ def _attention_fake(
     output: torch.Tensor,
     kv_cache: list[torch.Tensor],
     layer_name: str,
-    lse: torch.Tensor | None = None,
+    lse: torch.Tensor | None,
 ) -> None:
     """Nothing to compute at trace time: the op returns nothing, and what it writes (output,
     the cache, lse) is declared by ``mutates_args``, in place and of the shapes given."""
@@ -314,7 +319,7 @@ def attention(
         lse = torch.empty(
             (query.shape[0], query.shape[1]), dtype=torch.float32, device=query.device
         )
-    torch.ops.attnhub.forward(query, key, value, out, mutable_planes(cache), layer_name, lse=lse)
+    torch.ops.attnhub.forward(query, key, value, out, mutable_planes(cache), layer_name, lse)
     if lse is not None:
         return out, lse
     return out

@@ -203,11 +203,22 @@ def test_the_op_passes_torch_library_opcheck(layer_names):
     model = _model(layer_names, "opcheck.layer")
     batch, _ = model.step([3, 1], [3, 20])
     q, k, v = testing.random_qkv(model.spec, batch.num_tokens, testing.generator(2))
-    args = (q, k, v, torch.empty_like(q), mutable_planes(model.cache), "opcheck.layer")
+    args = (q, k, v, torch.empty_like(q), mutable_planes(model.cache), "opcheck.layer", None)
     with attnhub.forward_context(model.builder.build(batch)), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # opcheck hands the op copies
         torch.library.opcheck(torch.ops.attnhub.forward.default, args)
     assert OP_NAME == "attnhub::forward"
+
+
+def test_no_argument_the_op_writes_has_a_default():
+    """Regression (torch 2.11 on an H100 machine, 2026-11-26): ``lse`` was ``Tensor(a!)? =
+    None``. torch's custom_op wrapper up to 2.11 (pytorch/pytorch#176078) bumps each mutated
+    argument's version by its schema position after the dispatcher has stripped arguments left
+    at their defaults: every call without an LSE, eager or compiled, raised IndexError."""
+    schema = torch.ops.attnhub.forward.default._schema
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert {a.name for a in written} == {"output", "kv_cache", "lse"}
+    assert [a.name for a in written if a.has_default_value()] == []
 
 
 def test_the_op_is_kept_out_of_the_cuda_graphs_torch_compile_captures():
