@@ -67,7 +67,7 @@ class SoakReport:
     backend: str
     spec: str
     seed: int
-    steps: int = 0  # engine steps run
+    steps: int = 0  # layer steps run: engine steps that scheduled work, the drains' included
     tokens: int = 0  # query tokens attended (padding rows not counted)
     kv_writes: int = 0  # keys/values written (= tokens)
     requests_finished: int = 0
