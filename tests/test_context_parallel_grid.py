@@ -12,10 +12,12 @@ shard.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
+from attnhub_conformance.hostsync import guard_tree, unguard
 from attnhub_conformance.multi_rank import run_group
 
 from attnhub import AttentionSpec, BatchMetadata, reference
@@ -71,6 +73,12 @@ def _grid_case(grid: ContextParallelGrid, interleave: int, seed: int) -> dict[st
     batch = BatchMetadata.from_lengths(
         QUERY_LENS, SEQ_LENS, table, virtual, num_tokens=tokens + PADDING_ROWS
     )
+    # an accelerator's batch: host copies beside the device tensors, which only plan reads
+    batch = replace(
+        batch,
+        block_table_cpu=batch.block_table.clone(),
+        slot_mapping_cpu=batch.slot_mapping.clone(),
+    )
     keys = [torch.randn(s, KV_HEADS, HEAD_SIZE, generator=g) for s in SEQ_LENS]
     values = [torch.randn(s, KV_HEADS, HEAD_SIZE, generator=g) for s in SEQ_LENS]
     query = torch.randn(tokens, TP * HEADS_PER_TP_RANK, HEAD_SIZE, generator=g)
@@ -102,8 +110,16 @@ def _grid_case(grid: ContextParallelGrid, interleave: int, seed: int) -> dict[st
     rows = step.rows
     new_k = torch.cat([k[s - q :] for k, q, s in zip(keys, QUERY_LENS, SEQ_LENS, strict=True)])
     new_v = torch.cat([v[s - q :] for v, q, s in zip(values, QUERY_LENS, SEQ_LENS, strict=True)])
-    out = attn.forward(impl, step, query[rows][:, heads], new_k[rows][:, kv],
-                       new_v[rows][:, kv], cache)  # fmt: skip
+    # every layer under the host-sync guard: a host read of the step's device tensors or of its
+    # metadata's (a sync on an accelerator, on every layer) raises
+    guarded = replace(
+        step,
+        batch=guard_tree(step.batch, "the step's batch"),
+        meta=guard_tree(step.meta, "the chunks' metadata"),
+        written=guard_tree(step.written, "the write's metadata"),
+    )
+    out = unguard(attn.forward(impl, guarded, query[rows][:, heads], new_k[rows][:, kv],
+                               new_v[rows][:, kv], cache))  # fmt: skip
 
     want = torch.zeros(tokens, TP * HEADS_PER_TP_RANK, HEAD_SIZE, dtype=torch.float64)
     start = 0

@@ -28,8 +28,10 @@ A step over a grid (:class:`GridAttention`), on every rank:
 1. ``plan(batch)``: the PCP split of the step (``shard_prefill`` over the PCP group: the rank's
    rows, vLLM's head-tail split, decodes on every rank), then, with ``DCP > 1``, the DCP plan of
    the whole step over the DCP group (its KV shard); with ``DCP = 1``, the backend's build of
-   the rank's chunks. Every agreement and build settled over its group: a refusal on one rank
-   is raised on every rank before the layer's collectives.
+   the rank's chunks and of the whole step's real tokens, whose metadata every layer's write
+   of every new key takes (its slots checked once, on the step's host copies). Every agreement
+   and build settled over its group: a refusal on one rank is raised on every rank before the
+   layer's collectives.
 2. ``forward(impl, step, query, key, value, cache)`` with the rank's rows: the new keys and
    values (and, with ``DCP > 1``, the queries) exchanged over the PCP group into the step's
    order; with ``DCP > 1``, the DCP layer call over the whole step (each rank writes and
@@ -40,7 +42,7 @@ A step over a grid (:class:`GridAttention`), on every rank:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -202,6 +204,10 @@ class GridStep:
     prefill: PrefillShard | None  # the PCP split (None where PCP = 1)
     dcp: DcpStep | None  # the DCP plan of the whole step (None where DCP = 1)
     meta: AttentionMetadata | None  # DCP = 1: the backend's metadata of the rank's chunks
+    #: DCP = 1 with PCP: the backend's metadata of the step's real tokens, which each layer's
+    #: write of every new key takes (``write_kv(meta=)``: slots checked once per step, on host
+    #: data; a write given the slot mapping itself would copy it to the host on every layer).
+    written: AttentionMetadata | None = None
 
 
 class GridAttention:
@@ -245,9 +251,11 @@ class GridAttention:
         assert self._builder is not None
         if pcp is None or prefill is None:  # neither: the rank's own step
             return GridStep(batch, rows, None, None, self._builder.build(batch))
-        builder, chunks = self._builder, prefill.batch
-        meta = pcp.settle(lambda: builder.build(chunks), "the prefill chunks' metadata build")
-        return GridStep(batch, rows, prefill, None, meta)
+        builder, chunks, real = self._builder, prefill.batch, _real_tokens(batch)
+        meta, written = pcp.settle(
+            lambda: (builder.build(chunks), builder.build(real)), "the prefill metadata builds"
+        )
+        return GridStep(batch, rows, prefill, None, meta, written)
 
     def forward(
         self,
@@ -273,8 +281,8 @@ class GridAttention:
             if pcp is None or shard is None:  # neither: the rank's own step
                 return impl.forward(query, key, value, cache, step.meta)
             k_all, v_all = pcp.exchange(key, shard), pcp.exchange(value, shard)
-            slots = step.batch.slot_mapping[: step.batch.num_actual_tokens]
-            impl.write_kv(k_all, v_all, cache, slots)
+            assert step.written is not None  # plan's, with the PCP split
+            impl.write_kv(k_all, v_all, cache, meta=step.written)  # the step's real tokens
             return impl.forward(query, key, value, cache, step.meta)
         assert step.dcp is not None
         if pcp is not None and shard is not None:  # every row of the step, padded
@@ -284,6 +292,20 @@ class GridAttention:
         out = self.dcp.forward(impl, step.dcp, query, key, value, cache)
         assert isinstance(out, torch.Tensor)
         return out[step.rows.to(out.device)] if shard is not None else out
+
+
+def _real_tokens(batch: BatchMetadata) -> BatchMetadata:
+    """``batch`` without its padding rows (the slot mapping of its real tokens: views, no
+    copy), the rows the PCP exchange gives back."""
+    n = batch.num_actual_tokens
+    if batch.num_tokens == n:
+        return batch
+    host = batch.slot_mapping_cpu
+    return replace(
+        batch,
+        slot_mapping=batch.slot_mapping[:n],
+        slot_mapping_cpu=None if host is None else host[:n],
+    )
 
 
 def _pad(rows: torch.Tensor, n: int) -> torch.Tensor:
