@@ -149,7 +149,7 @@ def test_a_batch_invariant_spec_declares_no_graph_support() -> None:
     plain = TorchBackend(dataclasses.replace(SPEC, batch_invariant=False), "cpu")
     assert plain.metadata_builder().graph_support == GraphSupport.UNIFORM_BATCH
     with pytest.raises(UnsupportedConfigurationError, match=r"GraphSupport\.NEVER"):
-        GraphRunner(backend, lambda *a: None, capture_sizes=[2], max_blocks_per_req=4)
+        GraphRunner(backend, lambda *a: None, capture_sizes=[2], max_blocks_per_req=4, kv_caches=[])
 
 
 def test_select_backend_serves_a_batch_invariant_spec_through_torch() -> None:

@@ -25,7 +25,7 @@ import torch
 from attnhub.backend import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import GraphSupport
-from attnhub.errors import UnsupportedConfigurationError
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.graphs.adaptor import CapturedGraph, GraphAdaptor
 from attnhub.graphs.buffers import PersistentBatch, PersistentInputs
 from attnhub.graphs.descriptor import BatchDescriptor, describe
@@ -75,10 +75,26 @@ def capture_or_replay(
     return entry.graph.output
 
 
+def checked_caches(kv_caches: Sequence[PagedKVCache], who: str) -> list[PagedKVCache]:
+    """``kv_caches`` as a list; refused when empty: a replay runs no Python (no layer checks a
+    step's slots and blocks against its cache then), so the runner compares every step's
+    extents with these caches before its replay, and without them a step whose slot or block
+    lies outside a cache would be written there."""
+    caches = list(kv_caches)
+    if not caches:
+        raise InvalidInputError(
+            f"{who}(kv_caches=[]): pass the KV caches the step writes and reads (every "
+            "layer's); a replay runs no Python, so each step's slots and blocks are checked "
+            "against them before it replays"
+        )
+    return caches
+
+
 class GraphRunner:
-    """See the module docstring. ``eager_fallback``: batches that cannot be captured (beyond
-    the backend's declared support, or larger than the largest capture size) run eagerly with
-    ordinary metadata instead of raising."""
+    """See the module docstring. ``kv_caches``: every cache the step writes or reads (each
+    step's extents are checked against them before its replay; required). ``eager_fallback``:
+    batches that cannot be captured (beyond the backend's declared support, or larger than
+    the largest capture size) run eagerly with ordinary metadata instead of raising."""
 
     def __init__(
         self,
@@ -87,7 +103,7 @@ class GraphRunner:
         *,
         capture_sizes: CaptureSizes | Sequence[int],
         max_blocks_per_req: int,
-        kv_caches: Sequence[PagedKVCache] = (),
+        kv_caches: Sequence[PagedKVCache],
         eager_fallback: bool = False,
         adaptor: GraphAdaptor | None = None,
     ) -> None:
@@ -103,7 +119,7 @@ class GraphRunner:
             capture_sizes = CaptureSizes(capture_sizes)
         self.sizes = capture_sizes
         self.width = max_blocks_per_req
-        self.kv_caches = list(kv_caches)
+        self.kv_caches = checked_caches(kv_caches, "GraphRunner")
         self.eager_fallback = eager_fallback
         self.adaptor = adaptor if adaptor is not None else backend.graph_adaptor()
         largest = self.sizes.largest
