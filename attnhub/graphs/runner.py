@@ -94,7 +94,8 @@ class GraphRunner:
     """See the module docstring. ``kv_caches``: every cache the step writes or reads (each
     step's extents are checked against them before its replay; required). ``eager_fallback``:
     batches that cannot be captured (beyond the backend's declared support, or larger than
-    the largest capture size) run eagerly with ordinary metadata instead of raising."""
+    the largest capture size, or refused by the backend's ``build_for_graph_capture``) run
+    eagerly with ordinary metadata instead of raising."""
 
     def __init__(
         self,
@@ -156,10 +157,18 @@ class GraphRunner:
         for cache in self.kv_caches:
             check_extents(extents, step_batch, cache)
         static = self.input_buffers.load(inputs, padded.num_real_tokens, desc.num_tokens)
-        output = capture_or_replay(
-            self.graphs, desc, builder=self.builder, adaptor=self.adaptor,
-            step_batch=step_batch, step=lambda meta: self.step(*static, meta), stats=self.stats,
-        )  # fmt: skip
+        try:
+            output = capture_or_replay(
+                self.graphs, desc, builder=self.builder, adaptor=self.adaptor,
+                step_batch=step_batch, step=lambda meta: self.step(*static, meta),
+                stats=self.stats,
+            )  # fmt: skip
+        except UnsupportedConfigurationError:
+            # a batch the backend refuses to capture (its build_for_graph_capture: e.g. a
+            # non-causal batch where only causal ones are captured) is not capturable either
+            if not self.eager_fallback or desc in self.graphs:
+                raise
+            return self._eager(batch, inputs)
         return output_rows(output, padded.num_real_tokens)
 
     def _eager(self, batch: BatchMetadata, inputs: Sequence[torch.Tensor]) -> Any:
