@@ -244,9 +244,11 @@ class DcpGraphRunner:
             block_size=dcp.spec.block_size, interleave=dcp.interleave,
         )  # fmt: skip
         flat, empty = dcp.flat_step(batch, shard, "cpu")
-        desc = BatchDescriptor(size, size, uniform_decode=True, causal=batch.causal)
+        # the rank's call is the flat step (one-token rows whose lengths say what each row
+        # sees, the step's causality included), as eagerly: causal whatever batch.causal is
+        desc = BatchDescriptor(size, size, uniform_decode=True, causal=flat.causal)
         padded = pad_batch(flat, desc, self.width)
-        step_batch = self.batch_buffers.load(padded, causal=batch.causal)
+        step_batch = self.batch_buffers.load(padded, causal=flat.causal)
         extents = self.builder.check_graph_step(step_batch)
         for cache in self.kv_caches:
             check_extents(extents, step_batch, cache)
