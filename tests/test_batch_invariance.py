@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attnhub
-from attnhub import AttentionSpec, BatchInvariance, Capabilities, Refusal
+from attnhub import AttentionSpec, BatchInvariance, Capabilities, GraphSupport, Refusal
 from attnhub.capabilities import BATCH_INVARIANCE_NOT_DECLARED
 from attnhub.cli import main
 from attnhub.errors import (
@@ -20,6 +20,7 @@ from attnhub.errors import (
     UnknownNameError,
     UnsupportedConfigurationError,
 )
+from attnhub.graphs import GraphRunner
 from attnhub.testing import fill_cache_random, generator, make_batch, random_qkv
 from attnhub.torch_backend import TorchBackend
 
@@ -138,6 +139,17 @@ def test_a_batch_invariant_spec_refuses_graph_capture_with_its_reason() -> None:
     backend, batch, _ = _step(SPEC, ((1, 1), (9, 30)))
     with pytest.raises(UnsupportedConfigurationError, match="batch_invariant: graph capture"):
         backend.metadata_builder().build_for_graph_capture(batch)
+
+
+def test_a_batch_invariant_spec_declares_no_graph_support() -> None:
+    """Its captures are refused, so its builder's level says so: a graph runner refuses it at
+    construction, and vLLM (through the adapter's level) never plans a FULL graph of it."""
+    backend = TorchBackend(SPEC, "cpu")
+    assert backend.metadata_builder().graph_support == GraphSupport.NEVER
+    plain = TorchBackend(dataclasses.replace(SPEC, batch_invariant=False), "cpu")
+    assert plain.metadata_builder().graph_support == GraphSupport.UNIFORM_BATCH
+    with pytest.raises(UnsupportedConfigurationError, match=r"GraphSupport\.NEVER"):
+        GraphRunner(backend, lambda *a: None, capture_sizes=[2], max_blocks_per_req=4, kv_caches=[])
 
 
 def test_select_backend_serves_a_batch_invariant_spec_through_torch() -> None:

@@ -139,7 +139,13 @@ class Model:
         )
 
     def batch(
-        self, seed: int, num_reqs: int, *, runs: bool = True, multi: bool = False
+        self,
+        seed: int,
+        num_reqs: int,
+        *,
+        runs: bool = True,
+        multi: bool = False,
+        causal: bool = True,
     ) -> tuple[Any, ...]:
         """A step of ``num_reqs`` decodes (the same on every rank; with ``multi`` the first is
         a decode of 3 tokens): its batch, the query of every head, the new keys and values
@@ -162,7 +168,9 @@ class Model:
             for i, (r, p) in enumerate(rows):
                 layer["keys"][r, p] = k[i]
                 layer["values"][r, p] = v[i]
-        batch = BatchMetadata.from_lengths(qlens, seqs, self.table[reqs], self.virtual)
+        batch = BatchMetadata.from_lengths(
+            qlens, seqs, self.table[reqs], self.virtual, causal=causal
+        )
         return batch, q.to(spec.dtype), k, v, rows
 
     def check(self, batch: BatchMetadata, q: torch.Tensor, k: Any, v: Any, rows: Any) -> list:
@@ -304,6 +312,20 @@ def graph_rank(rank: int, n: int, job: dict[str, Any]) -> dict[str, Any]:
         )
         report["too_large_alive"] = alive()
 
+        # a size first captured with a step that is not causal (one-token decodes: each row
+        # sees every key of its request either way): the rank's call is the flat step, causal
+        fresh = DcpGraphRunner(model.dcp, model.graph_step, capture_sizes=CAPTURE_SIZES,
+                               max_blocks_per_req=WIDTH,
+                               kv_caches=[layer["graph"] for layer in model.layers])  # fmt: skip
+        model.runner, kept = fresh, model.runner
+        try:
+            errors = model.check(*model.batch(120, 3, causal=False))
+            report["non_causal"] = ("mismatch" if errors else "no error", "; ".join(errors))
+        except Exception as exc:
+            report["non_causal"] = (type(exc).__name__, str(exc))
+        model.runner = kept
+        report["non_causal_alive"] = alive()
+
         # bad inputs on rank 0 only: refused by every rank (rank 0 its own error, the others
         # naming it), before any collective of the graph
         batch, q, k, v, _ = model.batch(150, 3, runs=False)
@@ -384,6 +406,19 @@ def test_a_skipped_update_is_detected(reports: dict[int, Any], name: str, kind: 
         report = reports[rank][name]
         assert report["skipped"][0] == kind, report["skipped"]
         assert report["skipped_alive"] == N
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_a_step_that_is_not_causal_is_captured_as_the_eager_flat_step(
+    reports: dict[int, Any], name: str
+) -> None:
+    """The rank's call is its flat step (one-token rows, causal, their lengths the rows'
+    keys): a step with ``causal=False`` is captured as such (ascend's builder refuses to
+    capture a non-causal batch) and replays like the eager DCP run and the reference."""
+    for rank in range(N):
+        report = reports[rank][name]
+        assert report["non_causal"] == ("no error", ""), report["non_causal"]
+        assert report["non_causal_alive"] == N
 
 
 @pytest.mark.parametrize("name", list(SPECS))

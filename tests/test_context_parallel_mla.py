@@ -116,7 +116,9 @@ def bad_inputs(rank: int, n: int, job: dict[str, Any]) -> dict[str, tuple[str, s
 
     def captured(query: torch.Tensor) -> Any:
         dcp = DecodeContextParallel(backend, comm, world_size=n)
-        runner = DcpGraphRunner(dcp, lambda *a: a[0], capture_sizes=[4], max_blocks_per_req=2)
+        runner = DcpGraphRunner(
+            dcp, lambda *a: a[0], capture_sizes=[4], max_blocks_per_req=2, kv_caches=[cache]
+        )
         return runner.run(batch, query, latent, rope)
 
     t, hl = 4, spec.num_heads

@@ -21,6 +21,7 @@ from attnhub.graphs import (
     describe,
     pad_batch,
 )
+from attnhub.graphs.runner import checked_caches
 from attnhub.torch_backend.backend import TorchBackend
 from attnhub.validation import check_step
 
@@ -80,7 +81,13 @@ def test_padding_adds_dummy_requests_that_every_step_check_accepts() -> None:
     assert padded.block_table[3:].eq(0).all()
     assert torch.equal(padded.block_table[:3, : batch.block_table.shape[1]], batch.block_table)
     backend = TorchBackend(SPEC, "cpu")
-    runner = GraphRunner(backend, lambda *a: None, capture_sizes=[8], max_blocks_per_req=6)
+    runner = GraphRunner(
+        backend,
+        lambda *a: None,
+        capture_sizes=[8],
+        max_blocks_per_req=6,
+        kv_caches=[backend.allocate_kv_cache(48)],
+    )
     step_batch = runner.batch_buffers.load(padded)
     assert check_step(SPEC, step_batch, torch.device("cpu")).max_slot == int(
         batch.slot_mapping.max()
@@ -119,11 +126,13 @@ def test_an_always_backend_gets_mixed_descriptors() -> None:
 
 def _padded_batch(padded: PaddedStep, spec: AttentionSpec = SPEC) -> attnhub.BatchMetadata:
     """``padded`` in a runner's persistent buffers: the batch a captured step runs with."""
+    backend = TorchBackend(spec, "cpu")
     runner = GraphRunner(
-        TorchBackend(spec, "cpu"),
+        backend,
         lambda *a: None,
         capture_sizes=[int(padded.slot_mapping.shape[0])],
         max_blocks_per_req=int(padded.block_table.shape[1]),
+        kv_caches=[backend.allocate_kv_cache(1)],
     )
     return runner.batch_buffers.load(padded)
 
@@ -343,6 +352,16 @@ def test_a_bad_step_is_refused_before_any_replay_and_leaves_the_cache() -> None:
     assert runner.stats["replays"] == 1
 
 
+def test_a_runner_without_the_caches_it_must_check_is_refused() -> None:
+    """A replay runs no Python: without ``kv_caches`` nothing would compare a later step's
+    slots and blocks with its cache, and one outside it would be written there."""
+    model = Model()
+    with pytest.raises(InvalidInputError, match=r"GraphRunner\(kv_caches=\[\]\)"):
+        model.runner(kv_caches=[])
+    with pytest.raises(InvalidInputError, match=r"DcpGraphRunner\(kv_caches=\[\]\)"):
+        checked_caches((), "DcpGraphRunner")
+
+
 def test_every_feature_of_the_torch_backend_replays_correctly() -> None:
     spec = AttentionSpec(
         num_heads=4,
@@ -382,7 +401,13 @@ def test_a_backend_that_never_captures_gets_no_runner() -> None:
         capabilities = replace(TorchBackend.capabilities, graph_capture=GraphSupport.NEVER)
 
     with pytest.raises(UnsupportedConfigurationError, match="not supported"):
-        GraphRunner(Never(SPEC, "cpu"), lambda *a: None, capture_sizes=[4], max_blocks_per_req=4)
+        GraphRunner(
+            Never(SPEC, "cpu"),
+            lambda *a: None,
+            capture_sizes=[4],
+            max_blocks_per_req=4,
+            kv_caches=[],
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda)")

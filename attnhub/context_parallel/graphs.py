@@ -69,7 +69,7 @@ from attnhub.graphs.adaptor import GraphAdaptor
 from attnhub.graphs.buffers import PersistentBatch, PersistentInputs
 from attnhub.graphs.descriptor import BatchDescriptor
 from attnhub.graphs.padding import pad_batch
-from attnhub.graphs.runner import GraphEntry, capture_or_replay, output_rows
+from attnhub.graphs.runner import GraphEntry, capture_or_replay, checked_caches, output_rows
 from attnhub.graphs.sizes import CaptureSizes
 from attnhub.kv_cache import PagedKVCache
 from attnhub.validation import check_extents
@@ -119,9 +119,10 @@ class DcpGraphRunner:
     tensor of rows (or a tuple/list of them); ``capture_sizes``: the padded row counts graphs
     are captured for; ``max_blocks_per_req``: the width ``W`` of the step's table (virtual
     blocks of ``N x B`` tokens); ``kv_caches``: the rank's caches the step writes and reads,
-    checked against each step's extents before its replay. ``adaptor``: the gathered backend's
-    ``graph_adaptor()`` by default. What the backend or the group cannot capture is raised by
-    :meth:`run` on every rank, after the step's agreement (no rank left in a collective)."""
+    checked against each step's extents before its replay (required, as ``GraphRunner``'s);
+    ``adaptor``: the gathered backend's ``graph_adaptor()`` by default. What the backend or
+    the group cannot capture is raised by :meth:`run` on every rank, after the step's
+    agreement (no rank left in a collective)."""
 
     def __init__(
         self,
@@ -130,7 +131,7 @@ class DcpGraphRunner:
         *,
         capture_sizes: CaptureSizes | Sequence[int],
         max_blocks_per_req: int,
-        kv_caches: Sequence[PagedKVCache] = (),
+        kv_caches: Sequence[PagedKVCache],
         adaptor: GraphAdaptor | None = None,
     ) -> None:
         if not isinstance(capture_sizes, CaptureSizes):
@@ -147,7 +148,7 @@ class DcpGraphRunner:
         self.step = step
         self.sizes = capture_sizes
         self.width = max_blocks_per_req
-        self.kv_caches = list(kv_caches)
+        self.kv_caches = checked_caches(kv_caches, "DcpGraphRunner")
         self.graphs: dict[int, GraphEntry] = {}
         #: "captures", "replays" so far.
         self.stats: dict[str, int] = {"captures": 0, "replays": 0}
@@ -243,9 +244,11 @@ class DcpGraphRunner:
             block_size=dcp.spec.block_size, interleave=dcp.interleave,
         )  # fmt: skip
         flat, empty = dcp.flat_step(batch, shard, "cpu")
-        desc = BatchDescriptor(size, size, uniform_decode=True, causal=batch.causal)
+        # the rank's call is the flat step (one-token rows whose lengths say what each row
+        # sees, the step's causality included), as eagerly: causal whatever batch.causal is
+        desc = BatchDescriptor(size, size, uniform_decode=True, causal=flat.causal)
         padded = pad_batch(flat, desc, self.width)
-        step_batch = self.batch_buffers.load(padded, causal=batch.causal)
+        step_batch = self.batch_buffers.load(padded, causal=flat.causal)
         extents = self.builder.check_graph_step(step_batch)
         for cache in self.kv_caches:
             check_extents(extents, step_batch, cache)

@@ -25,7 +25,7 @@ import torch
 from attnhub.backend import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import GraphSupport
-from attnhub.errors import UnsupportedConfigurationError
+from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
 from attnhub.graphs.adaptor import CapturedGraph, GraphAdaptor
 from attnhub.graphs.buffers import PersistentBatch, PersistentInputs
 from attnhub.graphs.descriptor import BatchDescriptor, describe
@@ -75,10 +75,27 @@ def capture_or_replay(
     return entry.graph.output
 
 
+def checked_caches(kv_caches: Sequence[PagedKVCache], who: str) -> list[PagedKVCache]:
+    """``kv_caches`` as a list; refused when empty: a replay runs no Python (no layer checks a
+    step's slots and blocks against its cache then), so the runner compares every step's
+    extents with these caches before its replay, and without them a step whose slot or block
+    lies outside a cache would be written there."""
+    caches = list(kv_caches)
+    if not caches:
+        raise InvalidInputError(
+            f"{who}(kv_caches=[]): pass the KV caches the step writes and reads (every "
+            "layer's); a replay runs no Python, so each step's slots and blocks are checked "
+            "against them before it replays"
+        )
+    return caches
+
+
 class GraphRunner:
-    """See the module docstring. ``eager_fallback``: batches that cannot be captured (beyond
-    the backend's declared support, or larger than the largest capture size) run eagerly with
-    ordinary metadata instead of raising."""
+    """See the module docstring. ``kv_caches``: every cache the step writes or reads (each
+    step's extents are checked against them before its replay; required). ``eager_fallback``:
+    batches that cannot be captured (beyond the backend's declared support, or larger than
+    the largest capture size, or refused by the backend's ``build_for_graph_capture``) run
+    eagerly with ordinary metadata instead of raising."""
 
     def __init__(
         self,
@@ -87,7 +104,7 @@ class GraphRunner:
         *,
         capture_sizes: CaptureSizes | Sequence[int],
         max_blocks_per_req: int,
-        kv_caches: Sequence[PagedKVCache] = (),
+        kv_caches: Sequence[PagedKVCache],
         eager_fallback: bool = False,
         adaptor: GraphAdaptor | None = None,
     ) -> None:
@@ -103,7 +120,7 @@ class GraphRunner:
             capture_sizes = CaptureSizes(capture_sizes)
         self.sizes = capture_sizes
         self.width = max_blocks_per_req
-        self.kv_caches = list(kv_caches)
+        self.kv_caches = checked_caches(kv_caches, "GraphRunner")
         self.eager_fallback = eager_fallback
         self.adaptor = adaptor if adaptor is not None else backend.graph_adaptor()
         largest = self.sizes.largest
@@ -140,10 +157,18 @@ class GraphRunner:
         for cache in self.kv_caches:
             check_extents(extents, step_batch, cache)
         static = self.input_buffers.load(inputs, padded.num_real_tokens, desc.num_tokens)
-        output = capture_or_replay(
-            self.graphs, desc, builder=self.builder, adaptor=self.adaptor,
-            step_batch=step_batch, step=lambda meta: self.step(*static, meta), stats=self.stats,
-        )  # fmt: skip
+        try:
+            output = capture_or_replay(
+                self.graphs, desc, builder=self.builder, adaptor=self.adaptor,
+                step_batch=step_batch, step=lambda meta: self.step(*static, meta),
+                stats=self.stats,
+            )  # fmt: skip
+        except UnsupportedConfigurationError:
+            # a batch the backend refuses to capture (its build_for_graph_capture: e.g. a
+            # non-causal batch where only causal ones are captured) is not capturable either
+            if not self.eager_fallback or desc in self.graphs:
+                raise
+            return self._eager(batch, inputs)
         return output_rows(output, padded.num_real_tokens)
 
     def _eager(self, batch: BatchMetadata, inputs: Sequence[torch.Tensor]) -> Any:

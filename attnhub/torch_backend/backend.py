@@ -108,6 +108,15 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchAttentionMetadata]):
         )
         return {"plan": plan, "gather_buffers": buffers}
 
+    @property
+    def graph_support(self) -> GraphSupport:
+        """The declared level, but NEVER for a batch-invariant spec: its captured steps are
+        refused (``build_for_graph_capture``), so a graph runner and vLLM (through the adapter)
+        never plan a capture of it."""
+        if self.spec.batch_invariant:
+            return GraphSupport.NEVER
+        return self.backend.capabilities.graph_capture
+
     def build_for_graph_capture(self, batch: BatchMetadata) -> TorchAttentionMetadata:
         """Metadata of the static-shape graph path (graph.py): no host planning at all; the
         batch's device tensors (the runner's persistent buffers) are read by forward.

@@ -203,6 +203,22 @@ def test_graph_support_is_never_for_specs_with_data_dependent_shapes() -> None:
 # --- the emulated graph API's own rules ----------------------------------------------------------
 
 
+def test_a_non_causal_batch_is_refused_at_capture_or_run_eagerly_with_the_fallback() -> None:
+    """The builder captures causal batches only: a non-causal one (npu_fusion_attention's
+    packed path) is refused by build_for_graph_capture, before any write; a runner with
+    eager_fallback runs it eagerly, as every batch it cannot capture."""
+    model = Model()
+    batch = BatchMetadata.from_lengths([1, 1], [100, 7], _table(2), BS, causal=False)
+    q, k, v = _qkv(model.spec, 2, seed=3)
+    before = model.caches[0].clone()
+    with pytest.raises(UnsupportedConfigurationError, match="non-causal batch"):
+        model.runner().run(batch, q, k, v)
+    assert torch.equal(model.caches[0].key, before.key)
+    runner = model.runner(eager_fallback=True)
+    model.check(runner.run(batch, q, k, v).clone(), batch, q, "a non-causal step")
+    assert runner.stats == {"eager": 1}
+
+
 def test_the_emulated_graph_api_refuses_what_the_device_refuses() -> None:
     npu = npu_graph
     s = npu.Stream()

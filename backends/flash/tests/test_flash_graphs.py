@@ -87,7 +87,9 @@ def test_a_replay_longer_than_the_capture_step_is_right(provider: str) -> None:
     graph's max_seqlen_k is the capacity (vLLM captures with the max model length)."""
     m = Model(provider)
     bs = m.spec.block_size
-    runner = GraphRunner(m.backend, m.step, capture_sizes=[4], max_blocks_per_req=WIDTH)
+    runner = GraphRunner(
+        m.backend, m.step, capture_sizes=[4], max_blocks_per_req=WIDTH, kv_caches=[m.cache]
+    )
     for seqs in ([2, 3, 1, 2], [WIDTH * bs, bs + 1, 7, WIDTH * bs - 1], [5, 9, 3, 2 * bs]):
         batch = m.batch([1] * 4, seqs)
         q, k, v = m.inputs(batch)
@@ -102,7 +104,9 @@ def test_a_value_head_size_of_its_own_replays(provider: str) -> None:
     scatter of each plane at its width (vllm-fa3 too: reshape_and_cache_flash is not used for
     two planes of two widths), the schedule planned with headdim_v."""
     m = Model(provider, head_size=192, head_size_v=128)
-    runner = GraphRunner(m.backend, m.step, capture_sizes=[4], max_blocks_per_req=WIDTH)
+    runner = GraphRunner(
+        m.backend, m.step, capture_sizes=[4], max_blocks_per_req=WIDTH, kv_caches=[m.cache]
+    )
     for seqs in ([3, 9, 1, 4], [17, 2, 40, 5]):
         batch = m.batch([1] * 4, seqs)
         q, k, v = m.inputs(batch)
@@ -146,7 +150,9 @@ def test_a_graph_baking_the_steps_own_max_seqlen_k_is_refused_on_a_longer_replay
 
 def test_vllm_fa3_plans_the_schedule_again_before_every_replay() -> None:
     m = Model("vllm-fa3")
-    runner = GraphRunner(m.backend, m.step, capture_sizes=[4], max_blocks_per_req=WIDTH)
+    runner = GraphRunner(
+        m.backend, m.step, capture_sizes=[4], max_blocks_per_req=WIDTH, kv_caches=[m.cache]
+    )
     emulator.reset_call_counts()
     for seqs in ([3, 9, 1, 4], [17, 2, 40, 5]):
         batch = m.batch([1] * 4, seqs)

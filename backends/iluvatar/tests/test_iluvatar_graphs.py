@@ -88,7 +88,9 @@ def test_captured_decodes_take_the_graph_arguments_and_replay_longer_contexts(
 ) -> None:
     m = Model(kv_cache_dtype)
     bs = m.spec.block_size
-    runner = GraphRunner(m.backend, m.step, capture_sizes=[4], max_blocks_per_req=WIDTH)
+    runner = GraphRunner(
+        m.backend, m.step, capture_sizes=[4], max_blocks_per_req=WIDTH, kv_caches=[m.cache]
+    )
     calls = m.run_checked(runner, [3, 2, 5, 1])  # the capture step: short contexts
     name = PAGED.get(kv_cache_dtype, h.KVCACHE)
     decode = [c for c in calls if c.name == name]
