@@ -198,6 +198,12 @@ class LatentKVCache:
     scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the cache's own invariants (InvalidInputError naming what is wrong): run at
+        construction and again by :func:`check_latent_cache` where the planes or the scale
+        were replaced since (an engine attaching its own scale tensor)."""
         kv = _latent_kv_cache_dtype(self.kv_cache_dtype, InvalidInputError)
         object.__setattr__(self, "kv_cache_dtype", kv)
         if self.layout not in LATENT_LAYOUTS:
@@ -234,6 +240,10 @@ class LatentKVCache:
             if not isinstance(s, torch.Tensor) or s.dim() != 0 or s.dtype != torch.float32:
                 raise InvalidInputError(
                     f"kv_cache_dtype {kv!r} needs scale, a float32 scalar tensor; got {_short(s)}"
+                )
+            if not validation.same_device(s.device, kv_c.device):
+                raise InvalidInputError(
+                    f"cache scale is on {s.device}, the planes on {kv_c.device}"
                 )
         elif self.scale is not None:
             raise InvalidInputError(f"kv_cache_dtype {kv!r} has no scale; got {self.scale!r}")
@@ -433,6 +443,7 @@ def check_latent_cache(spec: MLASpec, cache: object, device: torch.device | str)
     (:class:`~attnhub.errors.InvalidInputError` naming what differs)."""
     if not isinstance(cache, LatentKVCache):
         raise InvalidInputError(f"cache must be a LatentKVCache, got {type(cache).__name__}")
+    cache.validate()  # its planes or its scale may have been replaced since construction
     if cache.kv_cache_dtype != spec.kv_cache_dtype:
         raise InvalidInputError(
             f"cache kv_cache_dtype is {cache.kv_cache_dtype!r}, the spec says "

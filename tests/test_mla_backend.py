@@ -18,6 +18,7 @@ from attnhub.errors import (
     UnknownNameError,
     UnsupportedConfigurationError,
 )
+from attnhub.kv_cache import same_bytes
 from attnhub.mla import LatentKVCache, MLASpec
 from attnhub.mla_backend import MLAImpl
 from attnhub.registry import default_registry
@@ -310,6 +311,38 @@ def test_write_kv_with_a_steps_meta_refuses_other_slots_before_writing() -> None
             meta=backend.metadata_builder().build(batch),
         )
     assert cache.equal(before)
+
+
+@pytest.mark.parametrize(
+    ("bad_scale", "match"),
+    [
+        (torch.tensor(0.5, dtype=torch.float64), "needs scale, a float32 scalar"),
+        (torch.tensor([0.5]), "needs scale, a float32 scalar"),
+        (torch.tensor(0.5, device="meta"), "cache scale is on meta"),
+    ],
+)
+def test_a_scale_the_engine_attaches_after_construction_is_checked_before_writing(
+    bad_scale: torch.Tensor, match: str
+) -> None:
+    """An engine attaches its own scale tensor to an fp8 latent cache (docs/concepts.md: "an
+    engine may attach its own tensors"; they are checked with the cache). Such a scale of
+    another dtype, shape or device is refused before the write, by a layer that had accepted
+    the cache before and by ``write_latent_kv``, the cache byte-identical. (A differential fuzz
+    found a float64 scale accepted by the torch backend, read and written with it, and an
+    untyped error from the flash emulator's write.)"""
+    spec = mla_spec(dtype=torch.float32, block_size=4, kv_cache_dtype="fp8_e4m3")
+    backend = TorchBackend(spec)
+    impl = backend.impl()
+    batch, cache, q, kv_c, k_pe = _step(spec, [1, 3], [6, 9])
+    meta = backend.metadata_builder().build(batch)
+    impl.forward(q, kv_c, k_pe, cache, meta)  # the cache accepted as built
+    cache.scale = bad_scale
+    before_c, before_pe = cache.kv_c.clone(), cache.k_pe.clone()
+    with pytest.raises(InvalidInputError, match=match):
+        impl.forward(q, kv_c, k_pe, cache, meta)
+    with pytest.raises(InvalidInputError, match=match):
+        attnhub.mla.write_latent_kv(spec, cache, kv_c, k_pe, batch.slot_mapping)
+    assert same_bytes(cache.kv_c, before_c) and same_bytes(cache.k_pe, before_pe)
 
 
 def test_a_decode_only_declaration_refuses_a_prefill_at_build() -> None:
