@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from types import FunctionType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from attnhub.batch import BatchMetadata
 from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import BlockPacking, PagedKVCache, scale_shape
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
+
+if TYPE_CHECKING:
+    from attnhub.mla import LatentKVCache
 
 _StepValues = Callable[..., "tuple[int, int, int, int, int] | None"]
 
@@ -385,7 +388,9 @@ def tensor_scale_names(spec: AttentionSpec) -> tuple[str, ...]:
     return tuple(w for w in ("key_scale", "value_scale") if getattr(fmt, w) == "tensor")
 
 
-def tensor_scale_key(cache: PagedKVCache, names: tuple[str, ...]) -> tuple[object, ...]:
+def tensor_scale_key(
+    cache: PagedKVCache | LatentKVCache, names: tuple[str, ...]
+) -> tuple[object, ...]:
     """What identifies the values of the cache's per-tensor scales without reading them: each
     one's storage and torch version counter (bumped by every in-place change; an inference
     tensor, made under ``torch.inference_mode``, has none: its storage alone)."""
@@ -396,7 +401,7 @@ def tensor_scale_key(cache: PagedKVCache, names: tuple[str, ...]) -> tuple[objec
     return tuple(key)
 
 
-def check_tensor_scale_values(cache: PagedKVCache, names: tuple[str, ...]) -> None:
+def check_tensor_scale_values(cache: PagedKVCache | LatentKVCache, names: tuple[str, ...]) -> None:
     """Each per-tensor (fp8) scale is finite and non-zero: keys and values are stored as
     ``fp8(x / scale)`` and read back as ``fp8 * scale``, so a zero scale reads every value back
     as 0 (and stores a zero input as NaN), an infinite one reads NaN, a NaN one NaN, silently.
