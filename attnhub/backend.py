@@ -579,6 +579,14 @@ CACHE_REMEMBERED = Rule(
     "and last[3] is cache.key_scale and last[4] is cache.value_scale",
     otherwise="self._accept_cache(cache)",
 )
+#: The cache's per-tensor (fp8) scales hold the values found finite and non-zero last (their
+#: storage and version counters compared, no value read: ``_check_scale_values`` reads them
+#: when these changed, i.e. when an engine sets or replaces them).
+SCALES_SEEN = Rule(
+    "not self._tensor_scales "
+    "or self._scales_seen == validation.tensor_scale_key(cache, self._tensor_scales)",
+    otherwise="self._check_scale_values(cache)",
+)
 BACKEND_CHECKS = Rule("self.check_call(cache, meta) or True")  # raises its own errors
 #: What the rules below read of the impl and the step.
 FACTS = [
@@ -614,7 +622,9 @@ def _where_given(name: str, items: list[Rule | Let]) -> list[Rule | Let]:
 
 
 _STEP_CALL = validation.Rules(
-    "self, cache, meta", [LAST, META_KIND, CACHE_REMEMBERED, *FACTS, OWNER, EXTENTS_FIT], _NAMES
+    "self, cache, meta",
+    [LAST, META_KIND, CACHE_REMEMBERED, SCALES_SEEN, *FACTS, OWNER, EXTENTS_FIT],
+    _NAMES,
 )
 _FORWARD = validation.Rules(
     "self, query, key, value, cache, meta, output",
@@ -622,6 +632,7 @@ _FORWARD = validation.Rules(
         LAST,
         META_KIND,
         CACHE_REMEMBERED,
+        SCALES_SEEN,
         BACKEND_CHECKS,
         *FACTS,
         OWNER,
@@ -663,6 +674,7 @@ _WRITE_STEP = validation.Rules(
     [
         LAST,
         CACHE_REMEMBERED,
+        SCALES_SEEN,
         META_KIND,
         BACKEND_CHECKS,
         *FACTS,
@@ -686,6 +698,7 @@ _WRITE_OWN = validation.Rules(
     [
         LAST,
         CACHE_REMEMBERED,
+        SCALES_SEEN,
         Rule("slot_mapping is not None", "write_kv needs slot_mapping or meta="),
         *FACTS[:2],
         *validation.tensor_rules(
@@ -729,6 +742,10 @@ class AttentionImpl(abc.ABC):
         #: The backend whose builders' metadata this layer accepts without comparing specs:
         #: its own, or the last other one found to be of the same kind, spec and device.
         self._owner_ok: object = backend
+        #: The cache's per-tensor (fp8) scales by name, and what identified their values when
+        #: they were last found finite and non-zero (``validation.tensor_scale_key``).
+        self._tensor_scales = validation.tensor_scale_names(spec)
+        self._scales_seen: tuple[object, ...] | None = None
         #: Why ``forward(return_lse=True)`` is refused for this spec (None: it is served).
         self._lse_refusal = backend.capabilities.lse.refusal(spec)
 
@@ -922,6 +939,14 @@ class AttentionImpl(abc.ABC):
         )
         planes = (cache, cache.key, cache.value, cache.key_scale, cache.value_scale)
         self._checked_cache = (*planes, cache.num_slots, cache.num_blocks)
+
+    def _check_scale_values(self, cache: PagedKVCache) -> None:
+        """The cache's per-tensor scales are finite and non-zero (read on the host), then
+        remembered: :data:`SCALES_SEEN` compares their storage and versions on later calls, so
+        an engine's step reads nothing until it sets or replaces a scale."""
+        key = validation.tensor_scale_key(cache, self._tensor_scales)
+        validation.check_tensor_scale_values(cache, self._tensor_scales)
+        self._scales_seen = key
 
     def _check_owner(self, meta: AttentionMetadata) -> None:
         """``meta`` was built for this layer: by a builder of this backend, or of another

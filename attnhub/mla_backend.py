@@ -96,11 +96,25 @@ class MLAImpl(abc.ABC):
         self._layouts = mla.layouts
         #: (cache, kv_c plane, k_pe plane, scale, num_slots, num_blocks) accepted last.
         self._checked_cache: tuple[Any, ...] | None = None
+        #: What identified the fp8 scale's value when it was last found finite and non-zero
+        #: (``validation.tensor_scale_key``).
+        self._scale_seen: tuple[object, ...] | None = None
         self._owner_ok: object = backend
         self._lse_refusal = mla.lse.refusal(spec)
 
     # --- checks ----------------------------------------------------------------------------
     def _accept_cache(self, cache: object) -> LatentKVCache:
+        """The cache, checked (its planes once per cache; an fp8 scale's value once per change
+        of the tensor, ``validation.check_tensor_scale_values``)."""
+        latent = self._accept_planes(cache)
+        if latent.scale is not None:
+            key = validation.tensor_scale_key(latent, ("scale",))
+            if key != self._scale_seen:
+                validation.check_tensor_scale_values(latent, ("scale",))
+                self._scale_seen = key
+        return latent
+
+    def _accept_planes(self, cache: object) -> LatentKVCache:
         last = self._checked_cache
         if (
             last is not None

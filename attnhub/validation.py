@@ -19,11 +19,12 @@ by :data:`STEP`, so verdicts, errors and facts are the same with or without it.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from types import FunctionType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from attnhub.batch import BatchMetadata
 from attnhub.errors import InvalidInputError
 from attnhub.kv_cache import BlockPacking, PagedKVCache, scale_shape
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
+
+if TYPE_CHECKING:
+    from attnhub.mla import LatentKVCache
 
 _StepValues = Callable[..., "tuple[int, int, int, int, int] | None"]
 
@@ -376,6 +380,44 @@ def _check_scale(spec: AttentionSpec, cache: PagedKVCache, which: str, kind: str
         )
     if not _same_device(scale.device, cache.device):
         raise InvalidInputError(f"{name} is on {scale.device}, the cache on {cache.device}")
+
+
+def tensor_scale_names(spec: AttentionSpec) -> tuple[str, ...]:
+    """The cache's per-tensor ("tensor" kind: fp8) scale planes of this spec, by name."""
+    fmt = KV_CACHE_DTYPES[spec.kv_cache_dtype]
+    return tuple(w for w in ("key_scale", "value_scale") if getattr(fmt, w) == "tensor")
+
+
+def tensor_scale_key(
+    cache: PagedKVCache | LatentKVCache, names: tuple[str, ...]
+) -> tuple[object, ...]:
+    """What identifies the values of the cache's per-tensor scales without reading them: each
+    one's storage and torch version counter (bumped by every in-place change; an inference
+    tensor, made under ``torch.inference_mode``, has none: its storage alone)."""
+    key: list[object] = []
+    for name in names:
+        t = getattr(cache, name)
+        key.append(None if t is None else (t.data_ptr(), None if t.is_inference() else t._version))
+    return tuple(key)
+
+
+def check_tensor_scale_values(cache: PagedKVCache | LatentKVCache, names: tuple[str, ...]) -> None:
+    """Each per-tensor (fp8) scale is finite and non-zero: keys and values are stored as
+    ``fp8(x / scale)`` and read back as ``fp8 * scale``, so a zero scale reads every value back
+    as 0 (and stores a zero input as NaN), an infinite one reads NaN, a NaN one NaN, silently.
+    (A negative scale round-trips, the formats being sign-symmetric.) Reads the values on the
+    host: call it when they may have changed (``tensor_scale_key``), not per step."""
+    for name in names:
+        t = getattr(cache, name)
+        if t is None or t.device.type == "meta":  # no values to read on a stand-in device
+            continue
+        v = float(t.detach().reshape(()).to("cpu", torch.float64))
+        if not math.isfinite(v) or v == 0.0:
+            raise InvalidInputError(
+                f"cache.{name} = {v} must be finite and non-zero for kv_cache_dtype "
+                f"{cache.kv_cache_dtype!r}: the cache stores fp8(x / scale) and reads back "
+                "fp8 * scale, which this scale turns into zeros or NaN"
+            )
 
 
 #: New keys and values: [n >= num_slots, num_kv_heads, head_size] in the model dtype (values

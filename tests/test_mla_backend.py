@@ -225,6 +225,29 @@ def test_torch_forward_is_the_reference_absorbed_form_with_its_lse(layout: str, 
     assert bool((out[n:] == 0).all()) and bool(torch.isposinf(lse[n:]).all())
 
 
+@pytest.mark.parametrize("call", ["forward", "write_kv"])
+@pytest.mark.parametrize("bad", [0.0, float("nan"), float("inf")], ids=repr)
+def test_a_zero_or_non_finite_fp8_latent_scale_is_refused_before_any_write(
+    bad: float, call: str
+) -> None:
+    # Regression: it was written with (x / 0 saturates, 0 / 0 is NaN) and read back as
+    # fp8 * scale: every latent 0 or NaN, silently. Checked again after an in-place change.
+    spec = mla_spec(dtype=torch.bfloat16, block_size=8, kv_cache_dtype="fp8_e4m3")
+    backend = TorchBackend(spec)
+    batch, cache, q, kv_c, k_pe = _step(spec, [1, 3], [9, 12])
+    impl, meta = backend.impl(), backend.metadata_builder().build(batch)
+    impl.forward(q, kv_c, k_pe, cache, meta)
+    assert cache.scale is not None
+    cache.scale.fill_(bad)
+    before = cache.clone()
+    with pytest.raises(InvalidInputError, match=rf"cache\.scale = {bad} must be finite and non-"):
+        if call == "forward":
+            impl.forward(q, kv_c, k_pe, cache, meta)
+        else:
+            impl.write_kv(kv_c, k_pe, cache, meta=meta)
+    assert cache.equal(before)
+
+
 @pytest.mark.parametrize("layout", ["joint", "split"])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 def test_torch_reads_fp8_latents_as_vllm_triton_mla_does(layout: str, kv: str) -> None:

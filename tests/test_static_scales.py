@@ -9,9 +9,11 @@ bound states the condition; ``calibrate_kv_scales`` computes covering scales fro
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from attnhub_conformance.hostsync import run_layer_guarded
+from attnhub_conformance.hostsync import HostSyncError, run_layer_guarded
 
 from attnhub import AccuracyBound, AttentionSpec
 from attnhub.capabilities import STATIC_SCALES_COVER
@@ -201,9 +203,10 @@ def test_counts_add_up_over_write_kv_calls_and_reset() -> None:
 def test_counting_reads_nothing_on_the_host_during_the_step() -> None:
     backend, batch, cache, q, k, v = _fp8_layer(1 / 448, 1 / 448)
     impl = backend.impl()
+    meta = backend.metadata_builder().build(batch)
+    impl.forward(q, k, v, cache, meta)  # the first step: the layer reads its new fp8 scales
     counter = ClipCounter()
     counter.watch("layers.0", impl)
-    meta = backend.metadata_builder().build(batch)
     run_layer_guarded(impl, q, k, v, cache, meta)  # raises HostSyncError on a host read
     assert counter.counts()["layers.0"].clipped > 0  # read here, when asked
 
@@ -218,3 +221,73 @@ def test_a_layer_is_watched_once() -> None:
 
 def test_a_layer_is_not_watched_unless_asked() -> None:
     assert TorchBackend(SPEC).impl().clip_counter is None
+
+
+# --- the values of per-tensor scales ----------------------------------------------------------
+
+
+def _calls(impl, batch, meta, cache, q, k, v):  # type: ignore[no-untyped-def]
+    return {
+        "forward": lambda: impl.forward(q, k, v, cache, meta),
+        "write_kv(meta=)": lambda: impl.write_kv(k, v, cache, meta=meta),
+        "write_kv(slot_mapping)": lambda: impl.write_kv(k, v, cache, batch.slot_mapping),
+    }
+
+
+@pytest.mark.parametrize("call", ["forward", "write_kv(meta=)", "write_kv(slot_mapping)"])
+@pytest.mark.parametrize("which", ["key_scale", "value_scale"])
+@pytest.mark.parametrize("bad", [0.0, float("nan"), float("inf"), float("-inf")], ids=repr)
+def test_a_zero_or_non_finite_fp8_scale_is_refused_before_any_write(
+    bad: float, which: str, call: str
+) -> None:
+    # Regression: such a scale was written with: x / 0 saturates (0 / 0 is NaN) and reads back
+    # as 0 * fp8 = 0 or NaN; x / inf reads back as 0 * inf = NaN; all silently.
+    backend, batch, cache, q, k, v = _fp8_layer(0.02, 0.02)
+    getattr(cache, which).fill_(bad)
+    impl, meta = backend.impl(), backend.metadata_builder().build(batch)
+    before = cache.clone()
+    with pytest.raises(InvalidInputError, match=rf"cache\.{which} = {bad} must be finite and non-"):
+        _calls(impl, batch, meta, cache, q, k, v)[call]()
+    assert cache.equal(before)
+
+
+def test_a_scale_changed_in_place_after_a_step_is_checked_again() -> None:
+    # vLLM's calc_kv_scales sets _k_scale in place to amax / range: 0 for an all-zero batch
+    backend, batch, cache, q, k, v = _fp8_layer(0.02, 0.02)
+    impl, meta = backend.impl(), backend.metadata_builder().build(batch)
+    impl.forward(q, k, v, cache, meta)
+    assert cache.key_scale is not None
+    with torch.inference_mode():  # as during an engine's step: the version counter still moves
+        cache.key_scale.zero_()
+    before = cache.clone()
+    with pytest.raises(InvalidInputError, match=r"cache\.key_scale = 0\.0"):
+        impl.forward(q, k, v, cache, meta)
+    assert cache.equal(before)
+    cache.key_scale.fill_(0.03)  # a good value again: read on the host once more
+    with pytest.raises(HostSyncError):
+        run_layer_guarded(impl, q, k, v, cache, meta)
+    impl.forward(q, k, v, cache, meta)  # served, the value read
+    run_layer_guarded(impl, q, k, v, cache, meta)  # and not read again
+
+
+def test_a_negative_fp8_scale_round_trips_and_is_served() -> None:
+    # fp8(x / -s) * -s == fp8(x / s) * s: the formats are sign-symmetric (vLLM's loader turns
+    # its -1 "not loaded" sentinel into 1.0, but a negative scale is not wrong)
+    outs = []
+    for sign in (1, -1):
+        backend, batch, cache, q, k, v = _fp8_layer(0.02 * sign, 0.03 * sign)
+        impl, meta = backend.impl(), backend.metadata_builder().build(batch)
+        impl.forward(q, k, v, cache, meta)
+        outs.append(impl.forward(q, None, None, cache, meta))
+    assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])
+
+
+def test_fp8_scales_made_under_inference_mode_are_served() -> None:
+    with torch.inference_mode():
+        backend, batch, cache, q, k, v = _fp8_layer(0.02, 0.02)
+        assert cache.key_scale is not None and cache.key_scale.is_inference()
+        impl, meta = backend.impl(), backend.metadata_builder().build(batch)
+        impl.forward(q, k, v, cache, meta)
+        bad = cache.key_scale.clone().fill_(float("nan"))
+        with pytest.raises(InvalidInputError, match=r"cache\.key_scale = nan"):
+            impl.forward(q, k, v, replace(cache, key_scale=bad), meta)

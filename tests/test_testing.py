@@ -340,6 +340,17 @@ def test_cache_differences_allows_one_quantization_step_in_written_slots() -> No
     )
 
 
+def test_cache_differences_allows_one_step_under_a_negative_fp8_scale() -> None:
+    # Regression: the allowance was ``2**-mant * |want| + scale * tiny``, negative (nothing
+    # allowed, every written slot flagged) under a negative scale, which round-trips and is served
+    cache = cache_of("fp8_e4m3")
+    testing.fill_cache_random(cache, testing.generator(0), fp8_scales=(-0.025, -0.02))
+    expected = cache.clone()
+    bits = cache.key_nhd()[1, 2].view(torch.uint8)
+    bits.copy_(torch.where(bits & 0x7F < 0x7E, bits + 1, bits))  # one fp8 step up (not NaN)
+    assert testing.cache_differences(cache, expected, torch.tensor([6])) == []
+
+
 def test_cache_differences_flags_a_written_value_off_by_more_than_a_step() -> None:
     cache = cache_of("int8")
     testing.fill_cache_random(cache, testing.generator(0))

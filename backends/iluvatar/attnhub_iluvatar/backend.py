@@ -639,8 +639,9 @@ class IluvatarAttentionImpl(AttentionImpl):
         # position, -1 unbounded; attnhub's normalized pair is exactly that [callers].
         self.causal_window = (spec.window[0], 0) if spec.has_window else (-1, -1)
         self.full_window = spec.window
-        #: The static V scale whose values were last found finite: (data_ptr, version).
-        self._checked_value_scale: tuple[int, int] | None = None
+        #: The static V scale whose values were last found finite: (data_ptr, version; None
+        #: for an inference tensor).
+        self._checked_value_scale: tuple[int, int | None] | None = None
         self._quantized = spec.kv_cache_format.is_quantized
 
     def check_call(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
@@ -672,7 +673,10 @@ class IluvatarAttentionImpl(AttentionImpl):
             return
         scale = cache.value_scale
         assert scale is not None
-        seen = (scale.data_ptr(), scale._version)
+        # An inference tensor (made under torch.inference_mode, as engines run) has no version
+        # counter: its storage is the key (an in-place change of it inside inference mode is
+        # not seen: it would be a per-step host read to see it).
+        seen = (scale.data_ptr(), None if scale.is_inference() else scale._version)
         if seen == self._checked_value_scale:
             return
         bad = ~torch.isfinite(scale)

@@ -332,6 +332,26 @@ def test_a_changed_value_scale_is_checked_again() -> None:
     assert st.cache.equal(before)
 
 
+def test_a_value_scale_made_under_inference_mode_is_served_and_checked() -> None:
+    # Regression: engines run steps under torch.inference_mode, and a value scale made there
+    # is an inference tensor, with no version counter: the once-per-change check read it and
+    # failed with torch's RuntimeError instead of serving the step.
+    with torch.inference_mode():
+        st = _step(DECODES, "int8")
+        assert st.cache.value_scale is not None and st.cache.value_scale.is_inference()
+        meta = st.backend.metadata_builder().build(st.batch)
+        out, _, expected = _run(st, meta)
+        _assert_matches_quantized_reference(st, out)
+        assert st.cache.equal(expected)
+        bad = st.cache.value_scale.clone()
+        bad[0, 5] = float("nan")
+        cache = replace(st.cache, value_scale=bad)  # another tensor: its values are read
+        before = cache.clone()
+        with pytest.raises(InvalidInputError, match=r"value_scale\[0, 5\] = nan"):
+            st.backend.impl().forward(st.query, st.key, st.value, cache, meta)
+        assert cache.equal(before)
+
+
 # --- bad input to the int8 paths: a typed error naming the value, the cache untouched --------
 
 
