@@ -579,12 +579,12 @@ CACHE_REMEMBERED = Rule(
     "and last[3] is cache.key_scale and last[4] is cache.value_scale",
     otherwise="self._accept_cache(cache)",
 )
-#: The cache's per-tensor (fp8) scales hold the values found finite and non-zero last (their
-#: storage and version counters compared, no value read: ``_check_scale_values`` reads them
-#: when these changed, i.e. when an engine sets or replaces them).
+#: The cache's per-tensor (fp8) scales hold values this layer found finite and non-zero (their
+#: storage and version counters looked up, no value read: ``_check_scale_values`` reads them
+#: when an engine sets or replaces them, or on a cache this impl has not seen them in).
 SCALES_SEEN = Rule(
     "not self._tensor_scales "
-    "or self._scales_seen == validation.tensor_scale_key(cache, self._tensor_scales)",
+    "or validation.tensor_scale_key(cache, self._tensor_scales) in self._scales_seen",
     otherwise="self._check_scale_values(cache)",
 )
 BACKEND_CHECKS = Rule("self.check_call(cache, meta) or True")  # raises its own errors
@@ -742,10 +742,11 @@ class AttentionImpl(abc.ABC):
         #: The backend whose builders' metadata this layer accepts without comparing specs:
         #: its own, or the last other one found to be of the same kind, spec and device.
         self._owner_ok: object = backend
-        #: The cache's per-tensor (fp8) scales by name, and what identified their values when
-        #: they were last found finite and non-zero (``validation.tensor_scale_key``).
+        #: The cache's per-tensor (fp8) scales by name, and what identified their values each
+        #: time they were found finite and non-zero (``validation.tensor_scale_key``): a set,
+        #: as one impl may serve several layers' caches in turn.
         self._tensor_scales = validation.tensor_scale_names(spec)
-        self._scales_seen: tuple[object, ...] | None = None
+        self._scales_seen: set[tuple[object, ...]] = set()
         #: Why ``forward(return_lse=True)`` is refused for this spec (None: it is served).
         self._lse_refusal = backend.capabilities.lse.refusal(spec)
 
@@ -946,7 +947,9 @@ class AttentionImpl(abc.ABC):
         an engine's step reads nothing until it sets or replaces a scale."""
         key = validation.tensor_scale_key(cache, self._tensor_scales)
         validation.check_tensor_scale_values(cache, self._tensor_scales)
-        self._scales_seen = key
+        if len(self._scales_seen) >= validation.SCALES_REMEMBERED:
+            self._scales_seen.clear()  # an engine replacing scales step after step
+        self._scales_seen.add(key)
 
     def _check_owner(self, meta: AttentionMetadata) -> None:
         """``meta`` was built for this layer: by a builder of this backend, or of another

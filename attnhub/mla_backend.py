@@ -96,9 +96,9 @@ class MLAImpl(abc.ABC):
         self._layouts = mla.layouts
         #: (cache, kv_c plane, k_pe plane, scale, num_slots, num_blocks) accepted last.
         self._checked_cache: tuple[Any, ...] | None = None
-        #: What identified the fp8 scale's value when it was last found finite and non-zero
-        #: (``validation.tensor_scale_key``).
-        self._scale_seen: tuple[object, ...] | None = None
+        #: What identified the fp8 scale's value each time it was found finite and non-zero
+        #: (``validation.tensor_scale_key``): a set, as one impl may serve several layers.
+        self._scales_seen: set[tuple[object, ...]] = set()
         self._owner_ok: object = backend
         self._lse_refusal = mla.lse.refusal(spec)
 
@@ -109,9 +109,11 @@ class MLAImpl(abc.ABC):
         latent = self._accept_planes(cache)
         if latent.scale is not None:
             key = validation.tensor_scale_key(latent, ("scale",))
-            if key != self._scale_seen:
+            if key not in self._scales_seen:
                 validation.check_tensor_scale_values(latent, ("scale",))
-                self._scale_seen = key
+                if len(self._scales_seen) >= validation.SCALES_REMEMBERED:
+                    self._scales_seen.clear()
+                self._scales_seen.add(key)
         return latent
 
     def _accept_planes(self, cache: object) -> LatentKVCache:

@@ -388,6 +388,11 @@ def tensor_scale_names(spec: AttentionSpec) -> tuple[str, ...]:
     return tuple(w for w in ("key_scale", "value_scale") if getattr(fmt, w) == "tensor")
 
 
+#: How many scale states (``tensor_scale_key``) one impl remembers as checked before it forgets
+#: them all: one per layer it serves, times the scale changes an engine makes.
+SCALES_REMEMBERED = 1024
+
+
 def tensor_scale_key(
     cache: PagedKVCache | LatentKVCache, names: tuple[str, ...]
 ) -> tuple[object, ...]:

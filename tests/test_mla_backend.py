@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attnhub
-from attnhub import AccuracyBound, MlaSupport, reference, testing
+from attnhub import AccuracyBound, MlaSupport, reference, testing, validation
 from attnhub.capabilities import Refusal
 from attnhub.cli import main, mla_line
 from attnhub.errors import (
@@ -246,6 +246,25 @@ def test_a_zero_or_non_finite_fp8_latent_scale_is_refused_before_any_write(
         else:
             impl.write_kv(kv_c, k_pe, cache, meta=meta)
     assert cache.equal(before)
+
+
+def test_an_mla_impl_serving_two_layers_reads_each_latent_scale_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Regression: the impl remembered the last cache's scale only, so one impl called with two
+    # layers' caches in turn read the scale on the host at every call (a sync per layer)
+    spec = mla_spec(dtype=torch.bfloat16, block_size=8, kv_cache_dtype="fp8_e4m3")
+    backend = TorchBackend(spec)
+    batch, cache, q, kv_c, k_pe = _step(spec, [1, 3], [9, 12])
+    _, other, _, _, _ = _step(spec, [1, 3], [9, 12])
+    impl, meta = backend.impl(), backend.metadata_builder().build(batch)
+    impl.forward(q, kv_c, k_pe, cache, meta)  # each cache's first sight: its scale read
+    impl.forward(q, kv_c, k_pe, other, meta)
+    reads: list[object] = []
+    monkeypatch.setattr(validation, "check_tensor_scale_values", lambda *a: reads.append(a))
+    for layer_cache in (cache, other, cache, other):
+        impl.forward(q, kv_c, k_pe, layer_cache, meta)
+    assert reads == []
 
 
 @pytest.mark.parametrize("layout", ["joint", "split"])

@@ -291,3 +291,19 @@ def test_fp8_scales_made_under_inference_mode_are_served() -> None:
         bad = cache.key_scale.clone().fill_(float("nan"))
         with pytest.raises(InvalidInputError, match=r"cache\.key_scale = nan"):
             impl.forward(q, k, v, replace(cache, key_scale=bad), meta)
+
+
+def test_an_impl_serving_two_layers_reads_each_caches_scales_once() -> None:
+    # Regression: the impl remembered the last cache's scales only, so an impl called with two
+    # layers' caches in turn read a scale on the host at every call (a sync per layer on an
+    # accelerator; a capture of such a step failed on the CPU tape)
+    backend, batch, cache, q, k, v = _fp8_layer(0.02, 0.02)
+    other = backend.allocate_kv_cache(cache.num_blocks)
+    assert other.key_scale is not None and other.value_scale is not None
+    other.key_scale.fill_(0.03)
+    other.value_scale.fill_(0.04)
+    impl, meta = backend.impl(), backend.metadata_builder().build(batch)
+    impl.forward(q, k, v, cache, meta)  # each cache's first sight: its scales read
+    impl.forward(q, k, v, other, meta)
+    for layer_cache in (cache, other, cache, other):
+        run_layer_guarded(impl, q, k, v, layer_cache, meta)  # raises HostSyncError on a read
