@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -241,7 +243,7 @@ def test_the_eager_adaptor_replays_what_was_captured_not_the_python() -> None:
     buf.fill_(5)
     adaptor.replay(captured)
     adaptor.replay(captured)
-    assert len(calls) == 1
+    assert len(calls) == 2  # the warm-up and the recorded run; replays run no Python
     assert captured.output.tolist() == [6, 6]
 
 
@@ -299,6 +301,23 @@ def test_replays_of_one_descriptor_match_eager_and_the_reference(query_len: int)
     # sizes 4 and 8 for query_len 1 (2 for one or two requests), fewer captures than steps
     assert runner.stats["replays"] == 7
     assert runner.stats["captures"] == len(runner.graphs) < 7
+
+
+def test_a_first_step_that_is_captured_reads_what_layers_check_once_in_the_warm_up() -> None:
+    """Regression (2026-11-26): the tape adaptor recorded a layer's very first call, in which
+    the layer reads its fp8 cache's scale values on the host once (they are checked finite and
+    non-zero per change, never per step); the recorder refuses host reads, so a runner whose
+    first step was captured failed with GraphCaptureError on every step. A device adaptor runs
+    the step once before it captures; the tape does too now."""
+    spec = replace(SPEC, kv_cache_dtype="fp8_e4m3")
+    m = Model(spec)
+    runner = m.runner()
+    batch = _batch([1, 1, 1], [5, 40, 90], num_blocks=48)
+    q, k, v = _step_inputs(spec, batch, seed=3)
+    out = runner.run(batch, q, k, v)
+    _, expected = testing.reference_after_write(spec, m.caches[1], batch, q, k, v)
+    testing.assert_within(out, expected.float(), TOL, "the captured first step", batch=batch)
+    assert runner.stats["captures"] == 1
 
 
 def test_padding_never_touches_the_cache_outside_the_real_slots() -> None:

@@ -1,6 +1,7 @@
 """EagerAdaptor: "graphs" on any device, as a recorded tape of aten ops (see ``tape``).
 
-Truthful about what a device graph freezes: the capture runs the step once under a recorder;
+Truthful about what a device graph freezes: the capture runs the step once eagerly (the warm-up
+a device adaptor runs too), then once under a recorder;
 replay re-executes the recorded ops with their captured host values (Python ints, lists,
 shapes) and the captured tensors (whose contents are read anew), never the Python code. So a
 backend that bakes a host value into a kernel argument and forgets to refresh it gives the
@@ -21,6 +22,10 @@ class EagerAdaptor(GraphAdaptor):
     name = "eager"
 
     def capture(self, fn: Callable[[], Any]) -> CapturedGraph:
+        # one eager run first, as the device adaptors' warm-up (CUDA's side stream, the NPU's):
+        # what a layer reads on the host once, at its first sight of a cache or a scale, is
+        # read there and not under the recorder (KV writes are idempotent)
+        fn()
         tape = Tape()
         with tape.recording():
             output = fn()
