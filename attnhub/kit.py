@@ -14,8 +14,10 @@ notice; tests/test_kit.py fails when a backend or integration in this repository
                     emulated kernel as one tape entry), recording_tape, NPUGraphAdaptor;
                     for an engine that captures through its own graph wrapper: GraphAdaptor,
                     PersistentBatch, pad_batch, uniform_query_len
-  step facts        StepExtents (what layers compare), StepFacts (what build's checks read:
-                    ``Step.facts``), same_view, as_contiguous
+  step facts        StepExtents (what layers compare), check_extents (a step's extents
+                    against a cache: for an engine's own graph replay, which runs no layer
+                    check), StepFacts (what build's checks read: ``Step.facts``), same_view,
+                    as_contiguous
   cache layout      BlockPacking (a kernel's element order inside an HND block)
   dtypes            MODEL_DTYPES, indexable, quantize_fp8, QueryQuantization
   bench plugins     BenchUnavailable, DirectComparison, machine, HostOverhead, host_step,
@@ -42,7 +44,7 @@ from attnhub.lse import merge_attn_states
 from attnhub.mla import read_latent_rows, store_latent_rows
 from attnhub.quant import QueryQuantization, indexable, quantize_fp8
 from attnhub.spec import MODEL_DTYPES
-from attnhub.validation import StepExtents, StepFacts, same_view
+from attnhub.validation import StepExtents, StepFacts, check_extents, same_view
 from attnhub.vendor import EMULATE_HINT, EMULATED_DEVICE, VendorLibrary, import_once
 
 if TYPE_CHECKING:
@@ -92,6 +94,7 @@ __all__ = [
     "TapeEntry",
     "VendorLibrary",
     "as_contiguous",
+    "check_extents",
     "device_type",
     "emulation",
     "flat_slots",

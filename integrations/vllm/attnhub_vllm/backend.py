@@ -50,7 +50,15 @@ from attnhub import AttentionSpec, BatchMetadata, PagedKVCache
 from attnhub.capabilities import GraphSupport
 from attnhub.errors import AttnhubError
 from attnhub.graphs import BatchDescriptor as GraphDescriptor
-from attnhub.kit import GraphAdaptor, PersistentBatch, pad_batch, same_view, uniform_query_len
+from attnhub.kit import (
+    GraphAdaptor,
+    PersistentBatch,
+    StepExtents,
+    check_extents,
+    pad_batch,
+    same_view,
+    uniform_query_len,
+)
 from attnhub.mla import MLASpec
 from attnhub_vllm import dcp as dcp_
 from attnhub_vllm.mapping import (
@@ -430,6 +438,10 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
         self.block_size = int(kv_cache_spec.block_size)
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         builders: dict[AttentionSpec, Any] = {}
+        #: the group's attnhub layers: a FULL replay's step is compared with their caches
+        self._impls: list[AttnhubVllmImpl] = []
+        #: (the layers' caches when last looked at, one cache per distinct size among them)
+        self._sized: tuple[tuple[Any, ...], list[PagedKVCache]] = ((), [])
         choice = configured_choice(vllm_config)
         checks = configured_checks(vllm_config)
         for layer in layers.values():  # once at start, not per step
@@ -441,6 +453,7 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
                 builders[spec] = backend_for(spec, device, choice).metadata_builder()
                 builders[spec].checks = checks
             impl.meta_index = list(builders).index(spec)
+            self._impls.append(impl)
         self._builders = list(builders.values())
         #: vLLM's decode context parallel: attnhub's sharding over vLLM's DCP group
         self._dcp = (
@@ -524,16 +537,18 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
             )
         else:
             desc = GraphDescriptor(tokens, reqs, uniform_decode=True, causal=batch.causal)
-        step = self._load(desc, batch)
+        step, _ = self._load(desc, batch)
         graph = _Graph(desc, [b.build_for_graph_capture(step) for b in self._builders])
         self._graphs[key] = graph
         fences = [None] * len(self._builders)  # a capture replays nothing: no update
         md = GraphStep(graph, step, batch, fences, self, updated=True)
         return AttnhubVllmMetadata(tokens, graph.metas, md)
 
-    def _load(self, desc: GraphDescriptor, batch: BatchMetadata) -> BatchMetadata:
+    def _load(
+        self, desc: GraphDescriptor, batch: BatchMetadata
+    ) -> tuple[BatchMetadata, list[StepExtents]]:
         """``batch`` padded to ``desc`` and copied into the persistent buffers (on the current
-        stream), checked in full by every builder."""
+        stream), checked in full by every builder; with each builder's extents of it."""
         if self._buffers is None:
             largest = self.vllm_config.compilation_config.max_cudagraph_capture_size
             largest = max(int(largest or 0), desc.num_tokens)
@@ -542,9 +557,34 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
             )
             self._adaptors = [b.backend.graph_adaptor() for b in self._builders]
         step = self._buffers.load(pad_batch(batch, desc, self._width), causal=batch.causal)
-        for b in self._builders:
-            b.check_graph_step(step)
-        return step
+        return step, [b.check_graph_step(step) for b in self._builders]
+
+    def _cache_sizes(self) -> list[PagedKVCache]:
+        """One of the layers' attnhub caches per distinct (num_slots, num_blocks) among them
+        (usually one: a KV-cache group's layers share vLLM's ``num_blocks``), found again only
+        when a layer's cache changed (one identity comparison per layer per step). A layer not
+        called yet has none: a captured graph holds only layers its capture called, which
+        bound theirs."""
+        caches = tuple(impl._cache for impl in self._impls)
+        seen, sized = self._sized
+        if len(seen) != len(caches) or any(a is not b for a, b in zip(seen, caches, strict=True)):
+            sizes: dict[tuple[int, int], PagedKVCache] = {}
+            for cache in caches:
+                if cache is not None:
+                    sizes.setdefault((cache.num_slots, cache.num_blocks), cache)
+            sized = list(sizes.values())
+            self._sized = (caches, sized)
+        return sized
+
+    def _check_replay(self, step: BatchMetadata, extents: list[StepExtents]) -> None:
+        """A FULL replay's step fits the layers' caches (``check_extents``: integer comparisons
+        with the step's host facts; no device read): a replay runs no Python, so no layer
+        compares the step with its cache then, and a slot or block outside it would be written
+        or read there. Raises InvalidInputError naming the slot or block, before the
+        replay (and its updates)."""
+        for cache in self._cache_sizes():
+            for ext in extents:
+                check_extents(ext, step, cache)
 
     def _graph_step(self, cm: CommonAttentionMetadata) -> AttnhubVllmMetadata | None:
         """The step of a captured graph when ``cm`` has its shape (vLLM pads a FULL step to
@@ -563,7 +603,8 @@ class AttnhubVllmMetadataBuilder(AttentionMetadataBuilder[AttnhubVllmMetadata]):
             return None
         if desc.uniform_decode and uniform_query_len(batch) != desc.query_len:
             return None
-        step = self._load(desc, batch)
+        step, extents = self._load(desc, batch)
+        self._check_replay(step, extents)
         fences = [_fence(a) for a in self._adaptors]
         md = GraphStep(graph, step, batch, fences, self)
         if not self.deferred_updates:

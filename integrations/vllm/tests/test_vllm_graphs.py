@@ -48,6 +48,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 import attnhub
 from attnhub import BatchMetadata, reference
 from attnhub.capabilities import GraphSupport
+from attnhub.errors import InvalidInputError
 from attnhub.graphs import EagerAdaptor, NPUGraphAdaptor
 from attnhub.testing import fill_cache_random, generator
 
@@ -757,3 +758,58 @@ def test_a_skipped_update_is_caught_by_the_emulated_graph(model_dir: str) -> Non
             assert "task update skipped" in str(exc)
             return
     pytest.fail("a replay without its update was not caught")
+
+
+#: (what lies outside the cache, the step's sequence length and block-table row): a slot (the
+#: token's block is the cache's first block past its end), or only a block the step's context
+#: reads (its token written in block 3, inside)
+OUTSIDE = {
+    "slot": (5, [NUM_BLOCKS]),
+    "block": (130, [NUM_BLOCKS + 2, 3]),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "ascend"])
+@pytest.mark.parametrize("outside", sorted(OUTSIDE))
+def test_a_full_replay_step_outside_the_cache_is_refused_before_the_replay(
+    model_dir: str, backend: str, outside: str
+) -> None:
+    """A FULL replay runs no Python: no layer compares the step with its KV cache then (the
+    eager path's check). ``build`` compares each replayed step's extents with the layers'
+    caches (host facts only) and refuses a slot or block outside them with the layer's own
+    error, before the replay and its updates: the caches stay byte-identical, and the next
+    step in range replays with the reference answer."""
+    _level(backend)  # skips a backend this machine cannot run
+    config = _config(model_dir, backend)
+    _, dispatcher = _resolve(config, CUDAGraphMode.FULL_AND_PIECEWISE)
+    with set_current_vllm_config(config):
+        builder = AttnhubVllmMetadataBuilder(_kv_spec(config), LAYERS, config, torch.device("cpu"))
+    runner = _Runner(config, builder)
+    _fill_context(runner, seed=5)
+    adaptor, _ = _graph_api(runner)
+    run_mode, desc = dispatcher.dispatch(2, uniform_decode=True)
+    assert run_mode == CUDAGraphMode.FULL
+    md = builder.build_for_cudagraph_capture(runner.dummy(desc.num_tokens, 1))
+    graph = adaptor.capture(lambda: runner.forward(md, desc.num_tokens, run_mode, desc))
+    for x in (runner.query, runner.key, runner.value):
+        x.copy_(torch.randn(x.shape, generator=generator(9)).to(x.dtype))
+    before = [c.clone() for c in runner.caches]
+
+    seq_len, row = OUTSIDE[outside]
+    bad = runner.step([1, 1], [9, seq_len], [[3], row], desc)
+    if outside == "slot":  # the second request's token: position 4 of block NUM_BLOCKS
+        named = rf"slot_mapping\[1\] = {NUM_BLOCKS * builder.block_size + 4} is outside"
+    else:
+        named = rf"block_table\[1, 0\] = {NUM_BLOCKS + 2} is outside"
+    with pytest.raises(InvalidInputError, match=named):
+        builder.build(0, bad)
+    for cache, old in zip(runner.caches, before, strict=True):
+        assert torch.equal(cache.view(torch.uint8), old.view(torch.uint8))
+
+    query_lens, seq_lens, table = [1, 1], [9, 130], [[3], [5, 6]]
+    md = builder.build(0, runner.step(query_lens, seq_lens, table, desc))
+    assert md.graph is not None
+    graph.graph.replay()
+    if builder.deferred_updates:
+        md.graph.update()
+    _check_against_reference(runner, query_lens, seq_lens, table)
