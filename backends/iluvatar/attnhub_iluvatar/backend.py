@@ -71,6 +71,9 @@ BLOCK_SIZES = frozenset({16, 32, 64})
 #: about 40% headroom on the error and 1.5-3x on 1 - cosine.
 INT8_MAX_ABS, INT8_MIN_COS = 0.06, 0.9995
 INT8_K_MAX_ABS, INT8_K_MIN_COS = 0.05, 0.9997
+#: How many value-scale states (storage, version) one impl remembers as checked before it
+#: forgets them all: one per layer it serves, times the scale changes an engine makes.
+_VALUE_SCALES_REMEMBERED = 1024
 
 
 #: Why the LSE is returned for model-dtype caches without sinks only.
@@ -639,9 +642,9 @@ class IluvatarAttentionImpl(AttentionImpl):
         # position, -1 unbounded; attnhub's normalized pair is exactly that [callers].
         self.causal_window = (spec.window[0], 0) if spec.has_window else (-1, -1)
         self.full_window = spec.window
-        #: The static V scale whose values were last found finite: (data_ptr, version; None
-        #: for an inference tensor).
-        self._checked_value_scale: tuple[int, int | None] | None = None
+        #: The static V scales whose values were found finite: (data_ptr, version; None for an
+        #: inference tensor) each; a set, as one impl may serve several layers' caches in turn.
+        self._checked_value_scales: set[tuple[int, int | None]] = set()
         self._quantized = spec.kv_cache_format.is_quantized
 
     def check_call(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
@@ -677,7 +680,7 @@ class IluvatarAttentionImpl(AttentionImpl):
         # counter: its storage is the key (an in-place change of it inside inference mode is
         # not seen: it would be a per-step host read to see it).
         seen = (scale.data_ptr(), None if scale.is_inference() else scale._version)
-        if seen == self._checked_value_scale:
+        if seen in self._checked_value_scales:
             return
         bad = ~torch.isfinite(scale)
         if bool(bad.any()):
@@ -687,7 +690,9 @@ class IluvatarAttentionImpl(AttentionImpl):
                 f"value scale of kv_cache_dtype 'int8' must be finite ({int(bad.sum())} entries "
                 "are not)"
             )
-        self._checked_value_scale = seen
+        if len(self._checked_value_scales) >= _VALUE_SCALES_REMEMBERED:
+            self._checked_value_scales.clear()  # an engine replacing scales step after step
+        self._checked_value_scales.add(seen)
 
     # --- KV write ---------------------------------------------------------------------------
     def store_kv(

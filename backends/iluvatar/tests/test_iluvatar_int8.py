@@ -332,6 +332,19 @@ def test_a_changed_value_scale_is_checked_again() -> None:
     assert st.cache.equal(before)
 
 
+def test_an_impl_serving_two_layers_reads_each_value_scale_once() -> None:
+    # Regression: the impl remembered the last cache's value scale only, so one impl called
+    # with two layers' caches in turn read a value scale on the host at every call
+    hostsync = pytest.importorskip("attnhub_conformance.hostsync")
+    st, other = _step(DECODES, "int8"), _step(DECODES, "int8")
+    meta = st.backend.metadata_builder().build(st.batch)
+    impl = st.backend.impl()
+    impl.forward(st.query, st.key, st.value, st.cache, meta)  # each cache's first sight
+    impl.forward(st.query, st.key, st.value, other.cache, meta)
+    for cache in (st.cache, other.cache, st.cache):
+        hostsync.run_layer_guarded(impl, st.query, st.key, st.value, cache, meta)
+
+
 def test_a_value_scale_made_under_inference_mode_is_served_and_checked() -> None:
     # Regression: engines run steps under torch.inference_mode, and a value scale made there
     # is an inference tensor, with no version counter: the once-per-change check read it and
