@@ -154,10 +154,11 @@ def _layer_calls(backend: AttentionBackend, batch: BatchMetadata) -> None:
         else {}
     )
     impl, builder = backend.impl(**kw), backend.metadata_builder()
-    if getattr(cache, "value_scale", None) is not None and hasattr(impl, "_checked_value_scale"):
+    if backend.name == "iluvatar" and getattr(cache, "value_scale", None) is not None:
         # iluvatar's int8: the static value scale's values are read on the host once per change
         # of the tensor (an engine sets it with the weights), by design; taken as read here
-        impl._checked_value_scale = (cache.value_scale.data_ptr(), cache.value_scale._version)
+        scale = cache.value_scale
+        impl._checked_value_scales.add((scale.data_ptr(), scale._version))
     meta = builder.build(batch)
     impl.forward(q, k, v, cache, meta)
     impl.write_kv(k, v, cache, meta=meta)
