@@ -743,10 +743,9 @@ class AttentionImpl(abc.ABC):
         #: its own, or the last other one found to be of the same kind, spec and device.
         self._owner_ok: object = backend
         #: The cache's per-tensor (fp8) scales by name, and what identified their values each
-        #: time they were found finite and non-zero (``validation.tensor_scale_key``): a set,
-        #: as one impl may serve several layers' caches in turn.
+        #: time they were found finite and non-zero (``validation.tensor_scale_key``).
         self._tensor_scales = validation.tensor_scale_names(spec)
-        self._scales_seen: set[tuple[object, ...]] = set()
+        self._scales_seen = validation.CheckedStates()
         #: Why ``forward(return_lse=True)`` is refused for this spec (None: it is served).
         self._lse_refusal = backend.capabilities.lse.refusal(spec)
 
@@ -947,8 +946,6 @@ class AttentionImpl(abc.ABC):
         an engine's step reads nothing until it sets or replaces a scale."""
         key = validation.tensor_scale_key(cache, self._tensor_scales)
         validation.check_tensor_scale_values(cache, self._tensor_scales)
-        if len(self._scales_seen) >= validation.SCALES_REMEMBERED:
-            self._scales_seen.clear()  # an engine replacing scales step after step
         self._scales_seen.add(key)
 
     def _check_owner(self, meta: AttentionMetadata) -> None:

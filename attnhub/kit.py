@@ -18,6 +18,8 @@ notice; tests/test_kit.py fails when a backend or integration in this repository
                     against a cache: for an engine's own graph replay, which runs no layer
                     check), StepFacts (what build's checks read: ``Step.facts``), same_view,
                     as_contiguous
+  checked values    CheckedStates, tensor_state (a tensor's values checked once per change of
+                    it, not per step: e.g. a static scale read on the host)
   cache layout      BlockPacking (a kernel's element order inside an HND block)
   dtypes            MODEL_DTYPES, indexable, quantize_fp8, QueryQuantization
   bench plugins     BenchUnavailable, DirectComparison, machine, HostOverhead, host_step,
@@ -44,7 +46,14 @@ from attnhub.lse import merge_attn_states
 from attnhub.mla import read_latent_rows, store_latent_rows
 from attnhub.quant import QueryQuantization, indexable, quantize_fp8
 from attnhub.spec import MODEL_DTYPES
-from attnhub.validation import StepExtents, StepFacts, check_extents, same_view
+from attnhub.validation import (
+    CheckedStates,
+    StepExtents,
+    StepFacts,
+    check_extents,
+    same_view,
+    tensor_state,
+)
 from attnhub.vendor import EMULATE_HINT, EMULATED_DEVICE, VendorLibrary, import_once
 
 if TYPE_CHECKING:
@@ -81,6 +90,7 @@ __all__ = [
     "MODEL_DTYPES",
     "BenchUnavailable",
     "BlockPacking",
+    "CheckedStates",
     "DirectComparison",
     "FixedShapeWrite",
     "GraphAdaptor",
@@ -112,6 +122,7 @@ __all__ = [
     "recording_tape",
     "same_view",
     "store_latent_rows",
+    "tensor_state",
     "uniform_query_len",
     "write_slots",
 ]

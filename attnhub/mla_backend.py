@@ -97,8 +97,8 @@ class MLAImpl(abc.ABC):
         #: (cache, kv_c plane, k_pe plane, scale, num_slots, num_blocks) accepted last.
         self._checked_cache: tuple[Any, ...] | None = None
         #: What identified the fp8 scale's value each time it was found finite and non-zero
-        #: (``validation.tensor_scale_key``): a set, as one impl may serve several layers.
-        self._scales_seen: set[tuple[object, ...]] = set()
+        #: (``validation.tensor_scale_key``).
+        self._scales_seen = validation.CheckedStates()
         self._owner_ok: object = backend
         self._lse_refusal = mla.lse.refusal(spec)
 
@@ -111,8 +111,6 @@ class MLAImpl(abc.ABC):
             key = validation.tensor_scale_key(latent, ("scale",))
             if key not in self._scales_seen:
                 validation.check_tensor_scale_values(latent, ("scale",))
-                if len(self._scales_seen) >= validation.SCALES_REMEMBERED:
-                    self._scales_seen.clear()
                 self._scales_seen.add(key)
         return latent
 

@@ -388,22 +388,48 @@ def tensor_scale_names(spec: AttentionSpec) -> tuple[str, ...]:
     return tuple(w for w in ("key_scale", "value_scale") if getattr(fmt, w) == "tensor")
 
 
-#: How many scale states (``tensor_scale_key``) one impl remembers as checked before it forgets
-#: them all: one per layer it serves, times the scale changes an engine makes.
+#: How many tensor states (``tensor_state``) a :class:`CheckedStates` remembers before it forgets
+#: them all: one per layer an impl serves, times the scale changes an engine makes.
 SCALES_REMEMBERED = 1024
+
+
+def tensor_state(t: torch.Tensor | None) -> object:
+    """What identifies a tensor's values without reading them: its storage and torch version
+    counter (bumped by every in-place change; an inference tensor, made under
+    ``torch.inference_mode``, has none: its storage alone, so an in-place change of it inside
+    inference mode is not seen)."""
+    return None if t is None else (t.data_ptr(), None if t.is_inference() else t._version)
 
 
 def tensor_scale_key(
     cache: PagedKVCache | LatentKVCache, names: tuple[str, ...]
 ) -> tuple[object, ...]:
-    """What identifies the values of the cache's per-tensor scales without reading them: each
-    one's storage and torch version counter (bumped by every in-place change; an inference
-    tensor, made under ``torch.inference_mode``, has none: its storage alone)."""
-    key: list[object] = []
-    for name in names:
-        t = getattr(cache, name)
-        key.append(None if t is None else (t.data_ptr(), None if t.is_inference() else t._version))
-    return tuple(key)
+    """The states (``tensor_state``) of the cache's scale planes of these names."""
+    return tuple(tensor_state(getattr(cache, name)) for name in names)
+
+
+class CheckedStates:
+    """The states of tensors whose values a check found good (keys made of ``tensor_state``),
+    so that the check reads values on the host only when they change, not per step. A set, as
+    one impl may serve several layers' caches in turn; bounded: past ``bound`` states (an
+    engine replacing scales step after step) it forgets them all and checks afresh."""
+
+    __slots__ = ("_seen", "bound")
+
+    def __init__(self, bound: int = SCALES_REMEMBERED) -> None:
+        self._seen: set[object] = set()
+        self.bound = bound
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._seen
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def add(self, key: object) -> None:
+        if len(self._seen) >= self.bound:
+            self._seen.clear()
+        self._seen.add(key)
 
 
 def check_tensor_scale_values(cache: PagedKVCache | LatentKVCache, names: tuple[str, ...]) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from attnhub import AttentionBackend, AttentionSpec, BatchMetadata, MLASpec, testing
+from attnhub import AttentionBackend, AttentionSpec, BatchMetadata, MLASpec, kit, testing
 from attnhub.errors import UnsupportedConfigurationError
 
 STAND_IN = torch.device("meta")
@@ -157,8 +157,7 @@ def _layer_calls(backend: AttentionBackend, batch: BatchMetadata) -> None:
     if backend.name == "iluvatar" and getattr(cache, "value_scale", None) is not None:
         # iluvatar's int8: the static value scale's values are read on the host once per change
         # of the tensor (an engine sets it with the weights), by design; taken as read here
-        scale = cache.value_scale
-        impl._checked_value_scales.add((scale.data_ptr(), scale._version))
+        impl._checked_value_scales.add(kit.tensor_state(cache.value_scale))
     meta = builder.build(batch)
     impl.forward(q, k, v, cache, meta)
     impl.write_kv(k, v, cache, meta=meta)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from attnhub_conformance.hostsync import HostSyncError, run_layer_guarded
 
-from attnhub import AccuracyBound, AttentionSpec
+from attnhub import AccuracyBound, AttentionSpec, kit
 from attnhub.capabilities import STATIC_SCALES_COVER
 from attnhub.errors import InvalidInputError, UnknownNameError
 from attnhub.quant import (
@@ -307,3 +307,21 @@ def test_an_impl_serving_two_layers_reads_each_caches_scales_once() -> None:
     impl.forward(q, k, v, other, meta)
     for layer_cache in (cache, other, cache, other):
         run_layer_guarded(impl, q, k, v, layer_cache, meta)  # raises HostSyncError on a read
+
+
+def test_checked_states_forget_all_past_their_bound_and_see_in_place_changes() -> None:
+    # The one bounded memory every impl keeps of the scale states it checked (core, MLA,
+    # iluvatar's int8 value scale): an in-place change is a new state; past the bound (an
+    # engine replacing scales step after step) everything is forgotten and read again
+    scale = torch.tensor(0.02)
+    states = kit.CheckedStates(bound=2)
+    first = kit.tensor_state(scale)
+    states.add(first)
+    scale.fill_(0.03)
+    assert first in states and kit.tensor_state(scale) not in states
+    states.add(kit.tensor_state(scale))
+    states.add(kit.tensor_state(torch.tensor(0.04)))
+    assert len(states) == 1 and first not in states
+    with torch.inference_mode():
+        frozen = torch.tensor(0.05)
+    assert kit.tensor_state(frozen) == (frozen.data_ptr(), None) and kit.tensor_state(None) is None

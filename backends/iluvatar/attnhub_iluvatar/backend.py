@@ -53,7 +53,13 @@ from attnhub.capabilities import (
     Tolerance,
 )
 from attnhub.errors import InvalidInputError, UnsupportedConfigurationError
-from attnhub.kit import QueryQuantization, as_contiguous, merge_attn_states
+from attnhub.kit import (
+    CheckedStates,
+    QueryQuantization,
+    as_contiguous,
+    merge_attn_states,
+    tensor_state,
+)
 from attnhub.kv_cache import PagedKVCache
 from attnhub.spec import AttentionSpec, AttentionType
 from attnhub_iluvatar import ops
@@ -71,9 +77,6 @@ BLOCK_SIZES = frozenset({16, 32, 64})
 #: about 40% headroom on the error and 1.5-3x on 1 - cosine.
 INT8_MAX_ABS, INT8_MIN_COS = 0.06, 0.9995
 INT8_K_MAX_ABS, INT8_K_MIN_COS = 0.05, 0.9997
-#: How many value-scale states (storage, version) one impl remembers as checked before it
-#: forgets them all: one per layer it serves, times the scale changes an engine makes.
-_VALUE_SCALES_REMEMBERED = 1024
 
 
 #: Why the LSE is returned for model-dtype caches without sinks only.
@@ -642,9 +645,8 @@ class IluvatarAttentionImpl(AttentionImpl):
         # position, -1 unbounded; attnhub's normalized pair is exactly that [callers].
         self.causal_window = (spec.window[0], 0) if spec.has_window else (-1, -1)
         self.full_window = spec.window
-        #: The static V scales whose values were found finite: (data_ptr, version; None for an
-        #: inference tensor) each; a set, as one impl may serve several layers' caches in turn.
-        self._checked_value_scales: set[tuple[int, int | None]] = set()
+        #: What identified the static V scales' values each time they were found finite.
+        self._checked_value_scales = CheckedStates()
         self._quantized = spec.kv_cache_format.is_quantized
 
     def check_call(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
@@ -676,10 +678,7 @@ class IluvatarAttentionImpl(AttentionImpl):
             return
         scale = cache.value_scale
         assert scale is not None
-        # An inference tensor (made under torch.inference_mode, as engines run) has no version
-        # counter: its storage is the key (an in-place change of it inside inference mode is
-        # not seen: it would be a per-step host read to see it).
-        seen = (scale.data_ptr(), None if scale.is_inference() else scale._version)
+        seen = tensor_state(scale)  # read once per change of the tensor, not per step
         if seen in self._checked_value_scales:
             return
         bad = ~torch.isfinite(scale)
@@ -690,8 +689,6 @@ class IluvatarAttentionImpl(AttentionImpl):
                 f"value scale of kv_cache_dtype 'int8' must be finite ({int(bad.sum())} entries "
                 "are not)"
             )
-        if len(self._checked_value_scales) >= _VALUE_SCALES_REMEMBERED:
-            self._checked_value_scales.clear()  # an engine replacing scales step after step
         self._checked_value_scales.add(seen)
 
     # --- KV write ---------------------------------------------------------------------------
