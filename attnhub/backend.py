@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import (
     TYPE_CHECKING,
@@ -154,27 +154,56 @@ class _MetadataMaker:
             and not hasattr(cls, "__slots__")
             and not hasattr(cls, "__post_init__")
         )
-        self.names = frozenset(f.name for f in fields if f.init)
+        names = frozenset(f.name for f in fields if f.init)
+        self.count = len(names)
         self.defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
         self.factories = tuple(
             (f.name, f.default_factory)
             for f in fields
             if f.default_factory is not dataclasses.MISSING
         )
-        self.required = self.names - self.defaults.keys() - {n for n, _ in self.factories}
+        self.required = names - self.defaults.keys() - {n for n, _ in self.factories}
+        self.batch_only = self.required == {"batch"}
 
     def __call__(self, values: dict[str, Any]) -> AttentionMetadata:
-        if not self.direct or not (self.required <= values.keys() <= self.names):
-            return self.cls(**values)  # (its own error for a missing or unknown name)
-        made = object.__new__(self.cls)
-        state = made.__dict__
-        state.update(self.defaults)
-        for name, factory in self.factories:
-            state[name] = factory()
-        state.update(values)
-        return made
+        if self.direct:
+            made = _NEW(self.cls)
+            state = made.__dict__
+            state.update(self.defaults)
+            for name, factory in self.factories:
+                state[name] = factory()
+            state.update(values)
+            if self._complete(state):
+                return made
+        return self.cls(**values)  # (its own error for a missing or unknown name)
+
+    def of_step(self, step: Step, planned: Mapping[str, Any]) -> AttentionMetadata:
+        """The metadata of a checked step and what was planned for it (``__call__`` with the
+        base fields taken from the step, without a dict of them)."""
+        if self.direct:
+            made = _NEW(self.cls)
+            state = made.__dict__
+            state.update(self.defaults)
+            for name, factory in self.factories:
+                state[name] = factory()
+            state["batch"], _, state["extents"], state["common_prefix_len"] = step
+            state.update(planned)
+            # (the base fields set here: the other required ones must come from the plan)
+            if len(state) == self.count and (self.batch_only or self.required <= state.keys()):
+                return made
+        batch, _, extents, common_prefix_len = step
+        return self.cls(
+            batch=batch, common_prefix_len=common_prefix_len, extents=extents, **planned
+        )
+
+    def _complete(self, state: dict[str, Any]) -> bool:
+        """Every field once and no other name: the defaults and factories fill all but the
+        required fields, so the count matches with the required there only then."""
+        return len(state) == self.count and self.required <= state.keys()
 
 
+_NEW = object.__new__
+_TUPLE_NEW = tuple.__new__
 _MAKERS: dict[type[AttentionMetadata], _MetadataMaker] = {}
 
 
@@ -383,6 +412,20 @@ class AttentionMetadataBuilder(Generic[M]):
         self.backend = backend
         self.spec = backend.spec
         self._checks = "full"
+        #: The step checks ``checks`` names (:func:`validation.check_step` or
+        #: :func:`validation.check_structure`): (spec, batch, device) -> StepFacts.
+        self._check_facts: Callable[[AttentionSpec, BatchMetadata, torch.device], StepFacts] = (
+            validation.check_step
+        )
+        #: Whether ``_check_batch_kinds`` may refuse a step (it returns at once, unless a
+        #: subclass checks more, where every kind of request is declared).
+        caps = backend.capabilities
+        self._kinds_refusable = not (caps.chunked_prefill and caps.multi_token_decode) or (
+            type(self)._check_batch_kinds is not AttentionMetadataBuilder._check_batch_kinds
+        )
+        #: The extents of every dense step checked for its structure only: nothing read,
+        #: nothing bounded (-1 each), this backend's (one instance, read only).
+        self._unbounded = StepExtents(-1, -1, backend, None)
 
     @property
     def checks(self) -> str:
@@ -402,6 +445,7 @@ class AttentionMetadataBuilder(Generic[M]):
         if value not in ("full", "structural"):
             raise InvalidInputError(f"checks = {value!r} must be 'full' or 'structural'")
         self._checks = value
+        self._check_facts = validation.check_step if value == "full" else validation.check_structure
 
     @property
     def graph_support(self) -> GraphSupport:
@@ -424,10 +468,9 @@ class AttentionMetadataBuilder(Generic[M]):
         the checked step, as ``plan`` receives it."""
         given = batch
         batch = validation.dense_batch(batch)
-        facts = validation.check_step(
-            self.spec, batch, self.backend.device, values=self._checks == "full"
-        )
-        self._check_batch_kinds(batch)
+        facts = self._check_facts(self.spec, batch, self.backend.device)
+        if self._kinds_refusable:
+            self._check_batch_kinds(batch)
         if common_prefix_len:
             if not self.backend.capabilities.cascade:
                 raise UnsupportedConfigurationError(
@@ -438,13 +481,16 @@ class AttentionMetadataBuilder(Generic[M]):
                     ],
                 )
             validation.check_common_prefix(batch, common_prefix_len, facts)
-        extents = StepExtents(
-            facts.max_slot,
-            facts.max_block,
-            self.backend,
-            None if batch is given else given.slot_mapping,
-        )
-        return Step(batch, facts, extents, common_prefix_len)
+        if facts is validation.STRUCTURAL_FACTS and batch is given:
+            extents = self._unbounded
+        else:
+            extents = StepExtents(
+                facts.max_slot,
+                facts.max_block,
+                self.backend,
+                None if batch is given else given.slot_mapping,
+            )
+        return _TUPLE_NEW(Step, (batch, facts, extents, common_prefix_len))  # (Step(...), faster)
 
     def plan(self, step: Step) -> Mapping[str, Any]:
         """Backend-specific host-side work of one checked step: the values of the fields of
@@ -454,13 +500,8 @@ class AttentionMetadataBuilder(Generic[M]):
 
     def metadata(self, step: Step, planned: Mapping[str, Any]) -> M:
         """The step's metadata: ``metadata_type`` of the step and what was planned for it."""
-        values = {
-            "batch": step.batch,
-            "common_prefix_len": step.common_prefix_len,
-            "extents": step.extents,
-        }
-        values.update(planned)
-        return cast(M, _metadata_maker(self.metadata_type)(values))
+        maker = _MAKERS.get(self.metadata_type) or _metadata_maker(self.metadata_type)
+        return maker.of_step(step, planned)  # type: ignore[return-value]
 
     def _check_batch_kinds(self, batch: BatchMetadata) -> None:
         """Refuse requests of a kind the backend does not declare.

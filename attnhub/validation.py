@@ -748,9 +748,7 @@ STEP = Rules(
     "block_table=table)",
 )
 #: A step's structure alone (``values=False``).
-STEP_STRUCTURE = Rules(
-    "batch, spec, device", STRUCTURE, returns="StepFacts(max_slot=-1, max_block=-1)"
-)
+STEP_STRUCTURE = Rules("batch, spec, device", STRUCTURE, returns="STRUCTURAL_FACTS")
 
 #: The item size of a batch's integer dtypes (the structure rules admit these two only).
 _ITEMSIZE = {torch.int32: 4, torch.int64: 8}
@@ -905,6 +903,26 @@ class StepFacts:
         )
 
 
+class _ReadOnlyFacts(StepFacts):
+    """:class:`StepFacts` no one may change: one instance serves every step."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"StepFacts.{name}: the facts of a checked step are read only")
+
+
+def _structural_facts() -> StepFacts:
+    facts = StepFacts(max_slot=-1, max_block=-1)
+    facts.__class__ = _ReadOnlyFacts  # (the same slots: only writes change)
+    return facts
+
+
+#: The facts of every step checked for its structure only (``values=False``): nothing read
+#: (extents -1, no arrays); one read-only instance, as they are the same for every step.
+STRUCTURAL_FACTS = _structural_facts()
+
+
 def _lazily(
     name: str, read: Callable[[_FastStepFacts, BatchMetadata], np.ndarray | None]
 ) -> property:
@@ -1014,10 +1032,14 @@ def check_step(
     FlashInfer's own builders do. Nothing then bounds the step's slots and blocks (extents -1:
     layers compare nothing), so a wrong value reaches the kernels."""
     if not values:
-        return STEP_STRUCTURE.passes(batch, spec, device) or STEP_STRUCTURE.explain(
-            batch, spec, device
-        )
+        return check_structure(spec, batch, device)
     return _full.passes(batch, spec, device) or STEP.explain(batch, spec, device)
+
+
+def check_structure(spec: AttentionSpec, batch: BatchMetadata, device: torch.device) -> StepFacts:
+    """A step's structure only (``check_step(values=False)``): :data:`STRUCTURAL_FACTS`, or
+    the error of the first structure rule that does not hold."""
+    return STEP_STRUCTURE.passes(batch, spec, device) or STEP_STRUCTURE.explain(batch, spec, device)
 
 
 #: The table :func:`check_step` passes a step's full checks through: :data:`FAST_STEP` where

@@ -171,3 +171,43 @@ def test_metadata_with_a_post_init_is_made_by_its_constructor() -> None:
     batch = _batch([1], [1])
     with pytest.raises(ValueError, match="width 0"):
         _metadata_maker(_Checked)({"batch": batch, "width": 0})
+
+
+@dataclasses.dataclass(frozen=True)
+class _NeedsWidth(AttentionMetadata):  # a planned field without a default: plan must give it
+    width: int = dataclasses.field(kw_only=True)
+
+
+@pytest.mark.parametrize("cls", [AttentionMetadata, _Planned, _NeedsWidth, *METADATA_TYPES])
+def test_metadata_of_a_step_equals_its_constructors(cls: type[AttentionMetadata]) -> None:
+    # of_step (build's path) sets the base fields from the step itself: the same metadata as
+    # the constructor, the same errors for an unknown or a missing planned field
+    batch = _batch([1, 3], [9, 3])
+    step = TorchBackend(SPEC).metadata_builder().check_step(batch)
+    planned = {"width": 2} if cls is _NeedsWidth else {}
+    made = _metadata_maker(cls).of_step(step, planned)
+    built = cls(batch=step.batch, common_prefix_len=0, extents=step.extents, **planned)
+    assert type(made) is cls and made == built and made.extents is step.extents
+    with pytest.raises(TypeError, match="bogus"):
+        _metadata_maker(cls).of_step(step, {**planned, "bogus": 1})
+    if cls is _NeedsWidth:
+        with pytest.raises(TypeError, match="width"):
+            _metadata_maker(cls).of_step(step, {})
+        with pytest.raises(TypeError):  # a missing field and an unknown one: counts that match
+            _metadata_maker(cls).of_step(step, {"bogus": 1})
+
+
+def test_structural_steps_share_read_only_facts_and_extents() -> None:
+    # Checked for their structure only, every step's facts and extents are the same (nothing
+    # read, nothing bounded): one instance each, and no planner may change them
+    builder = TorchBackend(SPEC).metadata_builder()
+    builder.checks = "structural"
+    first, second = builder.check_step(_batch([1], [9])), builder.check_step(_batch([2], [5]))
+    assert first.facts is second.facts and first.extents is second.extents
+    assert (first.extents.max_slot, first.extents.max_block) == (-1, -1)
+    assert first.extents.owner is builder.backend
+    with pytest.raises(AttributeError, match="read only"):
+        first.facts.max_slot = 3
+    builder.checks = "full"
+    full = builder.check_step(_batch([1], [9]))
+    assert full.facts is not first.facts and full.extents.max_slot >= 0

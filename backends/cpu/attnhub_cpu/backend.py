@@ -469,10 +469,7 @@ class CpuAttentionMetadata(AttentionMetadata):
         return self.repacked[0]
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t``, a checked step's (dense: ``build`` made it so), in the dtype a kernel reads
-    (attnhub batches may hold int32 or int64)."""
-    return t if t.dtype == dtype else t.to(dtype)
+_INT32, _INT64 = torch.int32, torch.int64
 
 
 class CpuMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]):
@@ -508,8 +505,18 @@ class CpuMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]):
         if isinstance(window, str):
             raise UnsupportedConfigurationError(backend.name, [window])
         causal, sliding_window = window
-        query_start_loc = _as(batch.query_start_loc, torch.int32)
-        seq_lens = _as(batch.seq_lens, torch.int32)
+        # The step's tensors (dense: build made them so) in the dtypes the kernels read
+        # (attnhub batches may hold int32 or int64).
+        query_start_loc, seq_lens = batch.query_start_loc, batch.seq_lens
+        block_table, slot_mapping = batch.block_table, batch.slot_mapping
+        if query_start_loc.dtype is not _INT32:
+            query_start_loc = query_start_loc.to(_INT32)
+        if seq_lens.dtype is not _INT32:
+            seq_lens = seq_lens.to(_INT32)
+        if block_table.dtype is not _INT32:
+            block_table = block_table.to(_INT32)
+        if slot_mapping.dtype is not _INT64:
+            slot_mapping = slot_mapping.to(_INT64)
         heads, kv_heads, head_size = self._sched_args
         scheduler_metadata = backend.ops.get_scheduler_metadata(
             batch.num_reqs,
@@ -526,15 +533,15 @@ class CpuMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]):
             None,
             "auto",
         )
-        return dict(
-            causal=causal,
-            sliding_window=sliding_window,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table=_as(batch.block_table, torch.int32),
-            slot_mapping=_as(batch.slot_mapping, torch.int64),
-            scheduler_metadata=scheduler_metadata,
-        )
+        return {
+            "causal": causal,
+            "sliding_window": sliding_window,
+            "query_start_loc": query_start_loc,
+            "seq_lens": seq_lens,
+            "block_table": block_table,
+            "slot_mapping": slot_mapping,
+            "scheduler_metadata": scheduler_metadata,
+        }
 
 
 class CpuAttentionImpl(AttentionImpl):
