@@ -122,8 +122,17 @@ def test_an_always_backend_gets_mixed_descriptors() -> None:
     assert describe(full, sizes, GraphSupport.ALWAYS) == BatchDescriptor(
         num_tokens=16, num_reqs=2, uniform_decode=False
     )
-    with pytest.raises(BatchTooLargeError, match="17 tokens"):
+    # Regression: the error counted the dummy request's token as the batch's own (17 tokens)
+    with pytest.raises(
+        BatchTooLargeError, match=r"batch of 16 tokens needs .* least 17 \(.* 3 requests .* 4: 1"
+    ) as raised:
         describe(_batch([1, 1, 14], [5, 40, 20]), sizes, GraphSupport.ALWAYS)  # 16 + 1 dummy
+    assert raised.value.num_tokens == 16
+    # 16 requests (the largest size), 17 tokens: too many tokens already, no dummy named
+    with pytest.raises(BatchTooLargeError, match=r"batch of 17 tokens needs .* least 17;"):
+        describe(_batch([1] * 15 + [2], [5] * 16), sizes, GraphSupport.ALWAYS)
+    with pytest.raises(BatchTooLargeError, match=r"batch of 20 tokens needs .* least 20;"):
+        describe(_batch([1] * 20, [5] * 19 + [6]), sizes, GraphSupport.ALWAYS)  # 20 requests
 
 
 def _padded_batch(padded: PaddedStep, spec: AttentionSpec = SPEC) -> attnhub.BatchMetadata:

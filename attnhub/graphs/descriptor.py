@@ -17,6 +17,7 @@ import numpy as np
 
 from attnhub.batch import BatchMetadata
 from attnhub.capabilities import GraphSupport
+from attnhub.graphs.errors import BatchTooLargeError
 from attnhub.graphs.sizes import CaptureSizes
 
 
@@ -64,11 +65,16 @@ def describe(
         # request, so a batch whose request count is a size but whose token count is not
         # takes the next request size
         n, t = batch.num_reqs, batch.num_actual_tokens
-        reqs = sizes.size_for(n)
-        size = sizes.size_for(t + reqs - n)
-        if size > t and reqs == n:
-            reqs = sizes.size_for(n + 1)
+        reqs = n  # (what the requests pad to so far: the error names the dummies apart)
+        try:
+            reqs = sizes.size_for(n)
             size = sizes.size_for(t + reqs - n)
+            if size > t and reqs == n:
+                reqs = n + 1
+                reqs = sizes.size_for(n + 1)
+                size = sizes.size_for(t + reqs - n)
+        except BatchTooLargeError:
+            raise BatchTooLargeError(t, sizes.largest, num_reqs=n, padded_reqs=reqs) from None
         return BatchDescriptor(
             num_tokens=size, num_reqs=reqs, uniform_decode=False, causal=batch.causal
         )
