@@ -63,6 +63,15 @@ def grid_id(grid: tuple[int, str, int]) -> str:
 # --- what every rank runs ------------------------------------------------------------------------
 
 
+class _RowsNotCopied(torch.Tensor):
+    """A step's rows (host data): a layer that copies them to the device fails. Regression:
+    with DCP and PCP every layer copied them, a host-to-device copy per layer; plan now
+    copies them once per step (``GridStep.device_rows``)."""
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a layer copied the step's rows (plan copies them once)")
+
+
 def _grid_case(grid: ContextParallelGrid, interleave: int, seed: int) -> dict[str, Any]:
     dcp = grid.dcp_size
     g = generator(seed)
@@ -114,6 +123,7 @@ def _grid_case(grid: ContextParallelGrid, interleave: int, seed: int) -> dict[st
     # metadata's (a sync on an accelerator, on every layer) raises
     guarded = replace(
         step,
+        rows=step.rows.as_subclass(_RowsNotCopied),
         batch=guard_tree(step.batch, "the step's batch"),
         meta=guard_tree(step.meta, "the chunks' metadata"),
         written=guard_tree(step.written, "the write's metadata"),

@@ -208,6 +208,9 @@ class GridStep:
     #: write of every new key takes (``write_kv(meta=)``: slots checked once per step, on host
     #: data; a write given the slot mapping itself would copy it to the host on every layer).
     written: AttentionMetadata | None = None
+    #: DCP with PCP: ``rows`` on the backend's device, copied once per step (each layer picks
+    #: the rank's rows of the merged result with it).
+    device_rows: torch.Tensor | None = None
 
 
 class GridAttention:
@@ -247,7 +250,8 @@ class GridAttention:
             )  # fmt: skip
             rows = prefill.token_rows
         if self.dcp is not None:
-            return GridStep(batch, rows, prefill, self.dcp.plan(batch), None)
+            on_device = None if prefill is None else rows.to(self.backend.device)
+            return GridStep(batch, rows, prefill, self.dcp.plan(batch), None, None, on_device)
         assert self._builder is not None
         if pcp is None or prefill is None:  # neither: the rank's own step
             return GridStep(batch, rows, None, None, self._builder.build(batch))
@@ -291,7 +295,10 @@ class GridAttention:
             )
         out = self.dcp.forward(impl, step.dcp, query, key, value, cache)
         assert isinstance(out, torch.Tensor)
-        return out[step.rows.to(out.device)] if shard is not None else out
+        if shard is None:
+            return out
+        assert step.device_rows is not None  # plan's, with the PCP split
+        return out[step.device_rows]
 
 
 def _real_tokens(batch: BatchMetadata) -> BatchMetadata:
