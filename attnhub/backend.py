@@ -167,25 +167,29 @@ class _MetadataMaker:
 
     def __call__(self, values: dict[str, Any]) -> AttentionMetadata:
         if self.direct:
-            made = _NEW(self.cls)
-            state = made.__dict__
-            state.update(self.defaults)
-            for name, factory in self.factories:
-                state[name] = factory()
+            made, state = self._defaulted()
             state.update(values)
-            if self._complete(state):
+            if len(state) == self.count and self.required <= state.keys():
                 return made
         return self.cls(**values)  # (its own error for a missing or unknown name)
+
+    def _defaulted(self) -> tuple[AttentionMetadata, dict[str, Any]]:
+        """A new instance, not initialized, and its ``__dict__`` holding the defaults and a
+        value of each default factory. The count of fields then matches, once the given
+        values are in, only where every field is given once and no other name (required
+        fields being all those without a default)."""
+        made = _NEW(self.cls)
+        state = made.__dict__
+        state.update(self.defaults)
+        for name, factory in self.factories:
+            state[name] = factory()
+        return made, state
 
     def of_step(self, step: Step, planned: Mapping[str, Any]) -> AttentionMetadata:
         """The metadata of a checked step and what was planned for it (``__call__`` with the
         base fields taken from the step, without a dict of them)."""
         if self.direct:
-            made = _NEW(self.cls)
-            state = made.__dict__
-            state.update(self.defaults)
-            for name, factory in self.factories:
-                state[name] = factory()
+            made, state = self._defaulted()
             state["batch"], _, state["extents"], state["common_prefix_len"] = step
             state.update(planned)
             # (the base fields set here: the other required ones must come from the plan)
@@ -195,11 +199,6 @@ class _MetadataMaker:
         return self.cls(
             batch=batch, common_prefix_len=common_prefix_len, extents=extents, **planned
         )
-
-    def _complete(self, state: dict[str, Any]) -> bool:
-        """Every field once and no other name: the defaults and factories fill all but the
-        required fields, so the count matches with the required there only then."""
-        return len(state) == self.count and self.required <= state.keys()
 
 
 _NEW = object.__new__
