@@ -215,6 +215,7 @@ class LatentKVCache:
                 raise InvalidInputError(
                     f"cache {name} must be a 3-D tensor [num_blocks, block_size, width], got {got}"
                 )
+        validation.check_planes_written_in_place(self, ("kv_c", "k_pe"))
         kv_c, k_pe = self.kv_c, self.k_pe
         if kv_c.shape[:2] != k_pe.shape[:2] or kv_c.shape[1] != self.block_size:
             raise InvalidInputError(

@@ -310,6 +310,9 @@ def check_cache(
             f"cache blocks are packed {cache.packing.name}, this backend's kernels' blocks "
             f"{theirs} (allocate with backend.allocate_kv_cache)"
         )
+    fmt = KV_CACHE_DTYPES[spec.kv_cache_dtype]
+    slot_scales = tuple(w for w in ("key_scale", "value_scale") if getattr(fmt, w) == "slot")
+    check_planes_written_in_place(cache, ("key", "value", *slot_scales))
     if cache.kv_cache_dtype != spec.kv_cache_dtype:
         raise InvalidInputError(
             f"cache kv_cache_dtype is {cache.kv_cache_dtype!r}, the spec says "
@@ -344,13 +347,27 @@ def check_cache(
             f"{cache.value.stride()} (allocate with backend.allocate_kv_cache, or lay K and V out "
             "as two planes)"
         )
-    fmt = KV_CACHE_DTYPES[spec.kv_cache_dtype]
     for which in ("key_scale", "value_scale"):
         if getattr(fmt, which) != "none" and getattr(cache, which) is None:
             raise InvalidInputError(
                 f"kv_cache_dtype {spec.kv_cache_dtype!r} needs cache.{which}, which is None"
             )
         _check_scale(spec, cache, which, getattr(fmt, which))
+
+
+def check_planes_written_in_place(cache: object, names: tuple[str, ...]) -> None:
+    """None of the cache's planes of these names (those KV writes write) requires grad: the
+    writes are in place, which torch refuses for a tensor that requires grad under grad mode,
+    after another plane may have been written (a half-written cache and an untyped
+    RuntimeError)."""
+    for name in names:
+        t = getattr(cache, name, None)
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise InvalidInputError(
+                f"cache.{name} requires grad: a KV cache is written in place, which torch "
+                "refuses for a tensor that requires grad; make its planes with "
+                f"requires_grad=False (or call cache.{name}.requires_grad_(False))"
+            )
 
 
 def _check_scale(spec: AttentionSpec, cache: PagedKVCache, which: str, kind: str) -> None:
