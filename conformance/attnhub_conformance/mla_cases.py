@@ -155,6 +155,19 @@ def mla_cases(target: Target, scope: Scope) -> list[Case]:
     # the quick cases' head count, or the fewest the kernels take where they name some
     heads = NUM_HEADS if mla.num_heads is None or NUM_HEADS in mla.num_heads else min(mla.num_heads)
     base = MLAConfig(dtypes[0], blocks[0], latents[0], mla.layouts[0], num_heads=heads)
+    if target.refusal(base.spec()):
+        # declared, yet refused where the suite runs: a declaration made without asking the
+        # device (flash's fa4 declares its Blackwell MLA at import, and a Hopper GPU refuses it)
+        add(
+            f"{ROW} absorbed form",
+            f"refused-here-{base.id}",
+            "an MLA spec the backend declares but refuses on this device is refused at "
+            "construction with that reason",
+            mla=base,
+            entry="refused",
+            not_supported=True,
+        )
+        return list(cases.values())
     shapes = _shapes(base.block_size)
     served = {n: p for n, p in shapes.items() if shape_fits(p, mla.max_query_len)}
     main = "mixed" if "mixed" in served else "decode"

@@ -338,6 +338,25 @@ def test_fa4_refuses_mla_off_blackwell(monkeypatch: pytest.MonkeyPatch) -> None:
         BACKENDS["fa4"](mla_spec(), "cpu", emulate=True)
 
 
+def test_the_suite_tests_a_declared_mla_that_this_gpu_refuses_as_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an H100 the fa4 provider's MLA, declared at import for Blackwell, is refused at
+    construction: the suite made its output cases anyway and failed every one (21 on the H100,
+    2026-11-26). Here the architecture changes after import, as the GPU's does there."""
+    from attnhub_conformance.cases import QUICK, generate
+    from attnhub_conformance.targets import Target
+    from attnhub_conformance.test_mla import test_mla
+
+    target = Target(name="flash", device="cpu", emulate=True, backend=BACKENDS["fa4"])
+    assert BACKENDS["fa4"].capabilities.mla.declared
+    assert len(generate("mla", target, QUICK)) > 10  # on Blackwell: every output case
+    monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_90a")
+    cases = generate("mla", target, QUICK)
+    assert [(c.rows, c.not_supported) for c in cases] == [(("mla: absorbed form",), True)]
+    test_mla(cases[0])  # the construction is refused with the declaration's reason
+
+
 @pytest.mark.parametrize(
     ("provider", "changes", "field"),
     [
