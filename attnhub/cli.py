@@ -73,6 +73,34 @@ thread_count = positive_count("threads")
 repeat_count = positive_count("timed runs")
 
 
+def torch_device(text: str) -> str:
+    """An argparse type: a device string torch can parse (``cpu``, ``cuda:1``), or one of a
+    device type a discovered backend declares (``npu`` before torch_npu registers it), kept as
+    written; anything else refused, naming both lists."""
+    import torch
+
+    try:
+        torch.device(text)
+        return text
+    except (RuntimeError, ValueError) as exc:
+        torch_says = str(exc)
+    from attnhub.registry import list_backends
+
+    declared = set()
+    for info in list_backends():
+        if info.capabilities is not None:
+            declared |= info.capabilities.devices or set()
+    kind, colon, index = text.partition(":")
+    if kind in declared and (not colon or index.isdigit()):
+        return text
+    if kind in declared:
+        raise argparse.ArgumentTypeError(f"{text!r}: a device index is a number ({kind}:0)")
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a device: torch says {torch_says!r}, and no discovered backend "
+        f"declares the device type {kind!r} (declared: {', '.join(sorted(declared))})"
+    )
+
+
 def _dtype_name(text: str) -> str:
     """A dtype the CLI takes: float32 / float16 / bfloat16, or fp32 / fp16 / half / bf16."""
     name = DTYPE_ALIASES.get(text.lower(), text.lower())
@@ -879,6 +907,7 @@ def _add_list_command(sub: Commands) -> None:
     p.add_argument(
         "--device",
         action="append",
+        type=torch_device,
         metavar="DEV",
         help="also report availability on this device (repeatable)",
     )
@@ -980,7 +1009,9 @@ def _add_select_command(sub: Commands) -> None:
         action="store_true",
         help="ask for bitwise batch invariance (a backend that does not declare it refuses)",
     )
-    p.add_argument("--device", default="cpu", help="device to select for (default: cpu)")
+    p.add_argument(
+        "--device", default="cpu", type=torch_device, help="device to select for (default: cpu)"
+    )
     p.add_argument(
         "--emulate",
         action="store_true",
@@ -1008,7 +1039,9 @@ def _add_bench_command(sub: Commands) -> None:
         metavar="NAME",
         help="time this backend only, no direct comparisons (default: every installed one)",
     )
-    p.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
+    p.add_argument(
+        "--device", default="cpu", type=torch_device, help="device to run on (default: cpu)"
+    )
     p.add_argument(
         "--emulate",
         action="store_true",

@@ -426,3 +426,39 @@ def test_version_names_the_installed_attnhub(capsys):
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"attnhub {metadata.version('attnhub')}"
+
+
+class QpuBackend(TorchBackend):
+    """A backend whose native device type torch does not know until its library loads."""
+
+    name = "qpu-cli-test"
+    capabilities = caps(devices=frozenset({"qpu", "cpu"}))
+
+
+@pytest.mark.parametrize("command", ["list", "select", "bench", "conformance"])
+def test_a_device_neither_torch_nor_a_backend_knows_is_a_usage_error(capsys, command):
+    """Before, ``attnhub list --device bogus`` printed every backend as unable to run on
+    'bogus' and exited 0."""
+    extra = ["--heads", "8"] if command == "select" else []
+    with pytest.raises(SystemExit) as exit_:
+        main([command, *extra, "--device", "bogus"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --device: 'bogus' is not a device" in err
+    assert "declared: " in err and "cpu" in err
+
+
+def test_a_device_type_a_backend_declares_is_taken_before_torch_knows_it(capsys):
+    registry.register_backend(QpuBackend)
+    try:
+        assert cli.torch_device("qpu") == "qpu"
+        assert cli.torch_device("qpu:1") == "qpu:1"
+        assert cli.torch_device("cuda:3") == "cuda:3"  # torch parses it, GPU or not
+        with pytest.raises(argparse.ArgumentTypeError, match="a device index is a number"):
+            cli.torch_device("qpu:x")
+        assert main(["list", "--device", "qpu"]) == 0
+        assert "on qpu" in capsys.readouterr().out
+    finally:
+        registry.default_registry().unregister(QpuBackend.name)
+    with pytest.raises(argparse.ArgumentTypeError, match="'qpu' is not a device"):
+        cli.torch_device("qpu")

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from attnhub.cli import positive_count, thread_count
+from attnhub.cli import positive_count, thread_count, torch_device
 
 PLUGIN = "attnhub_conformance.plugin"
 #: plugin.EXIT_BACKEND_CANNOT_RUN, restated: importing the plugin module before pytest loads it
@@ -129,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="also write the matrix to PATH (.json, .md or .html; repeatable)",
     )
-    p.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
+    p.add_argument(
+        "--device", default="cpu", type=torch_device, help="device to run on (default: cpu)"
+    )
     p.add_argument(
         "--allow-unavailable",
         action="store_true",

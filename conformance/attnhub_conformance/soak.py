@@ -54,6 +54,7 @@ import torch
 
 import attnhub
 from attnhub import AttentionBackend, AttentionSpec, BatchMetadata, PagedKVCache, testing
+from attnhub.cli import torch_device
 from attnhub.errors import AttnhubError, NoBackendError
 from attnhub.reference import attention
 
@@ -695,7 +696,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1000, help="soak steps per backend")
     parser.add_argument("--fuzz-examples", type=int, default=0, help="fuzz examples per backend")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", type=torch_device)
     parser.add_argument("--emulate", action="store_true", help="vendor backends through emulators")
     parser.add_argument("--label", default=None, help="the backend's name in the figures")
     parser.add_argument("--json", default=None, help="append the reports to this JSON-lines file")
