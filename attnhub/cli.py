@@ -86,7 +86,7 @@ def torch_device(text: str) -> str:
         torch_says = str(exc)
     from attnhub.registry import list_backends
 
-    declared = set()
+    declared: set[str] = set()
     for info in list_backends():
         if info.capabilities is not None:
             declared |= info.capabilities.devices or set()

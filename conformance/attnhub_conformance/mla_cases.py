@@ -155,7 +155,7 @@ def mla_cases(target: Target, scope: Scope) -> list[Case]:
     # the quick cases' head count, or the fewest the kernels take where they name some
     heads = NUM_HEADS if mla.num_heads is None or NUM_HEADS in mla.num_heads else min(mla.num_heads)
     base = MLAConfig(dtypes[0], blocks[0], latents[0], mla.layouts[0], num_heads=heads)
-    if target.refusal(base.spec()):
+    if target.refusal(base.spec()):  # type: ignore[arg-type]
         # declared, yet refused where the suite runs: a declaration made without asking the
         # device (flash's fa4 declares its Blackwell MLA at import, and a Hopper GPU refuses it)
         add(
