@@ -181,13 +181,19 @@ def _storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype
     return KV_CACHE_DTYPES[kv_cache_dtype].key_dtype or model_dtype
 
 
+#: The shapes a latent cache's fp8 scale may have: one value, as a paged KV cache's
+#: per-tensor scale (``kv_cache.scale_shape``'s "tensor": ``()``, or ``(1,)``).
+_SCALE_SHAPES = ((), (1,))
+
+
 @dataclass
 class LatentKVCache:
     """The paged latent cache of one MLA layer (layouts: see the module docstring).
 
     ``kv_c`` [num_blocks, block_size, kv_lora_rank] and ``k_pe`` [num_blocks, block_size,
     qk_rope_head_dim]: for layout "joint" the two views of one plane (:attr:`joint`), for
-    "split" two planes. ``scale``: fp8's float32 scalar (one for both parts), else None.
+    "split" two planes. ``scale``: fp8's float32 scalar (one for both parts; shape ``()`` or
+    ``(1,)``), else None.
     """
 
     kv_c: torch.Tensor
@@ -238,9 +244,14 @@ class LatentKVCache:
             )
         if fmt.key_scale == "tensor":
             s = self.scale
-            if not isinstance(s, torch.Tensor) or s.dim() != 0 or s.dtype != torch.float32:
+            if (
+                not isinstance(s, torch.Tensor)
+                or s.shape not in _SCALE_SHAPES
+                or s.dtype != torch.float32
+            ):
                 raise InvalidInputError(
-                    f"kv_cache_dtype {kv!r} needs scale, a float32 scalar tensor; got {_short(s)}"
+                    f"kv_cache_dtype {kv!r} needs scale, a float32 scalar tensor (shape () or "
+                    f"(1,), as a paged KV cache's per-tensor scale); got {_short(s)}"
                 )
             if not validation.same_device(s.device, kv_c.device):
                 raise InvalidInputError(

@@ -359,7 +359,7 @@ def test_write_kv_with_a_steps_meta_refuses_other_slots_before_writing() -> None
     ("bad_scale", "match"),
     [
         (torch.tensor(0.5, dtype=torch.float64), "needs scale, a float32 scalar"),
-        (torch.tensor([0.5]), "needs scale, a float32 scalar"),
+        (torch.tensor([[0.5]]), "needs scale, a float32 scalar"),
         (torch.tensor(0.5, device="meta"), "cache scale is on meta"),
     ],
 )
@@ -385,6 +385,26 @@ def test_a_scale_the_engine_attaches_after_construction_is_checked_before_writin
     with pytest.raises(InvalidInputError, match=match):
         attnhub.mla.write_latent_kv(spec, cache, kv_c, k_pe, batch.slot_mapping)
     assert same_bytes(cache.kv_c, before_c) and same_bytes(cache.k_pe, before_pe)
+
+
+def test_an_fp8_latent_scale_of_shape_one_is_the_scalar_in_every_byte_and_output() -> None:
+    """A paged KV cache takes a per-tensor scale of shape ``()`` or ``(1,)``; a latent cache
+    took ``()`` only, and refused the other with InvalidInputError. It takes both now, and the
+    same value writes the same bytes and reads back the same output either way."""
+    spec = mla_spec(dtype=torch.bfloat16, block_size=8, kv_cache_dtype="fp8_e4m3")
+    backend = TorchBackend(spec)
+    got = []
+    for shape in [(), (1,)]:
+        batch, cache, q, kv_c, k_pe = _step(spec, [1, 6, 2], [13, 21, 9])
+        cache = replace(cache, scale=torch.full(shape, 0.25))  # the constructor's checks
+        meta = backend.metadata_builder().build(batch)
+        out = backend.impl().forward(q, kv_c, k_pe, cache, meta)
+        again = cache.clone()
+        backend.impl().write_kv(kv_c, k_pe, again, batch.slot_mapping)
+        got.append((out, cache.joint, again.joint))
+    (out0, joint0, again0), (out1, joint1, again1) = got
+    assert torch.equal(out0, out1)
+    assert same_bytes(joint0, joint1) and same_bytes(again0, again1)
 
 
 def test_a_decode_only_declaration_refuses_a_prefill_at_build() -> None:

@@ -6,6 +6,7 @@ and reused by every layer."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -566,3 +567,19 @@ def test_concat_and_cache_mla_writes_the_same_fp8_bytes_into_a_uint8_cache() -> 
         )
     with pytest.raises(NotEmulatedError, match="fp8_e5m2"):
         emulator.VLLM_CACHE_OPS.concat_and_cache_mla(kv_c, k_pe, as_bytes, slots, "fp8_e5m2", scale)
+
+
+def test_an_fp8_latent_scale_of_shape_one_makes_the_same_bytes_and_output() -> None:
+    """A latent cache's fp8 scale may be ``()`` or ``(1,)``, as a paged KV cache's per-tensor
+    scale: vLLM's write op and the fp8 decode (``descale_k``, ``(1,)``) read the same value."""
+    got = []
+    for shape in [(), (1,)]:
+        _, backend, batch, cache, query, kv_c, k_pe = _step(
+            [(1, 70), (1, 3)], kv_cache_dtype="fp8_e4m3"
+        )
+        cache = dataclasses.replace(cache, scale=torch.full(shape, 0.03))
+        meta = backend.metadata_builder().build(batch)
+        got.append((backend.impl().forward(query, kv_c, k_pe, cache, meta), cache.joint))
+    (out0, joint0), (out1, joint1) = got
+    assert torch.equal(out0, out1)
+    assert torch.equal(joint0.view(torch.uint8), joint1.view(torch.uint8))
