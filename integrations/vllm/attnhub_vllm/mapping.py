@@ -223,8 +223,6 @@ def latent_cache(
         storage = _latent_storage(spec)
         if kv_cache.dtype != storage and kv_cache.element_size() == storage.itemsize:
             kv_cache = kv_cache.view(storage)
-        if scale is not None and scale.dim() != 0 and scale.numel() == 1:
-            scale = scale.view(())  # vLLM's _k_scale: a one-element float32 tensor
     else:
         scale = None
     kv = spec.kv_cache_dtype if quantized else "auto"

@@ -581,14 +581,18 @@ def test_split_latent_cache_is_carved_in_place_from_vllms_plane() -> None:
 def test_latent_cache_views_vllms_fp8_plane_in_the_specs_format(fmt: str) -> None:
     """vLLM allocates an fp8 MLA cache as uint8 and ``MLAAttention.forward_impl`` views it as
     ``float8_e4m3fn`` whatever the format: either way attnhub's view is the spec's fp8 dtype
-    over the same bytes, with the layer's ``_k_scale`` (a one-element tensor: as a scalar)."""
+    over the same bytes, with the layer's ``_k_scale`` itself (a one-element tensor, ``[]`` or
+    ``[1]``: the engine's in-place calibration is what the cache reads)."""
     spec, _ = mla_spec_from_vllm(**(MLA_LAYER | {"dtype": torch.bfloat16}), kv_cache_dtype=fmt)
     assert spec is not None and spec.kv_cache_dtype == fmt
     plane = torch.randint(0, 256, (3, 16, 576), dtype=torch.uint8)
     storage = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
-    for given in (plane, plane.view(torch.float8_e4m3fn)):
-        cache = latent_cache(given, spec, torch.tensor([0.5]))
+    for given, k_scale in (
+        (plane, torch.tensor([0.5])),
+        (plane.view(torch.float8_e4m3fn), torch.tensor(0.5)),
+    ):
+        cache = latent_cache(given, spec, k_scale)
         assert cache.kv_c.dtype == cache.k_pe.dtype == storage
         assert cache.joint.data_ptr() == plane.data_ptr()
         assert torch.equal(cache.joint.view(torch.uint8), plane)
-        assert cache.scale is not None and cache.scale.dim() == 0 and float(cache.scale) == 0.5
+        assert cache.scale is k_scale and float(cache.scale) == 0.5
