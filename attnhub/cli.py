@@ -74,9 +74,9 @@ repeat_count = positive_count("timed runs")
 
 
 def torch_device(text: str) -> str:
-    """An argparse type: a device string torch can parse (``cpu``, ``cuda:1``), or one of a
-    device type a discovered backend declares (one that torch knows only once the vendor's
-    library is imported), kept as written; anything else refused, naming both lists."""
+    """An argparse type: a device string torch can parse (``cpu``, ``cuda:1``), or one whose
+    type a discovered backend declares (a type torch knows only once the vendor's library is
+    imported), kept as written; anything else refused, naming both lists."""
     import torch
 
     try:
