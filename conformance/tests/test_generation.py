@@ -296,3 +296,47 @@ def test_multi_rank_mla_cases_follow_the_mla_lse_declaration() -> None:
     on_meta = replace(target_for(TorchBackend), device="meta")
     (elsewhere,) = generate("multi_rank_mla", on_meta, QUICK)
     assert elsewhere.skip is not None and "gloo" in elsewhere.skip
+
+
+class MlaRefusedOnThisDevice(TorchBackend):
+    """Declares MLA (the torch backend's declaration) and, as a native backend on a GPU
+    without the kernels does, refuses every MLA layer at construction only."""
+
+    name = "mla-refused-here"
+
+    def __init__(self, spec, device="cpu", *, emulate=False, **kw):
+        from attnhub.errors import UnsupportedConfigurationError
+        from attnhub.mla import MLASpec
+
+        if isinstance(spec, MLASpec):
+            raise UnsupportedConfigurationError(self.name, ["no MLA kernels on this device"])
+        super().__init__(spec, device, emulate=emulate, **kw)
+
+
+class MlaBlockMismatch(TorchBackend):
+    """Declares MLA blocks it then refuses: a declaration bug, which must fail, not pass as
+    'not supported'."""
+
+    name = "mla-block-mismatch"
+
+    @classmethod
+    def mla_unsupported_reasons(cls, spec):
+        from attnhub.capabilities import Refusal
+
+        reasons = super().mla_unsupported_reasons(spec)
+        return [*reasons, Refusal("block_size 16 is not served", field="mla.block_size", value=16)]
+
+
+def test_a_declared_mla_the_device_refuses_at_construction_is_one_refusal_case() -> None:
+    """vLLM's FA3 providers refuse an MLA layer at construction off Hopper, their declaration
+    unchanged (flash's fa4 on an H100, 2026-11-26: every MLA output case failed there). A
+    refusal of one declared field is not that: its output cases stay, to fail."""
+    from attnhub_conformance.test_mla import test_mla
+
+    cases = generate("mla", target_for(MlaRefusedOnThisDevice, "here"), QUICK)
+    assert [(c.entry, c.rows, c.not_supported) for c in cases] == [
+        ("refused_here", ("mla: absorbed form",), True)
+    ]
+    test_mla(cases[0])  # construction is refused
+    mismatch = generate("mla", target_for(MlaBlockMismatch, "mismatch"), QUICK)
+    assert sum(c.entry == "output" for c in mismatch) > 5

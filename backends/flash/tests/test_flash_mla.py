@@ -349,7 +349,8 @@ def test_the_suite_tests_a_declared_mla_that_this_gpu_refuses_as_refused(
     from attnhub_conformance.test_mla import test_mla
 
     target = Target(name="flash", device="cpu", emulate=True, backend=BACKENDS["fa4"])
-    assert BACKENDS["fa4"].capabilities.mla.declared
+    if not BACKENDS["fa4"].capabilities.mla.declared:
+        pytest.skip("FLASH_ATTENTION_ARCH named a GPU without FA4's MLA when attnhub_flash loaded")
     assert len(generate("mla", target, QUICK)) > 10  # on Blackwell: every output case
     monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_90a")
     cases = generate("mla", target, QUICK)
