@@ -76,7 +76,8 @@ repeat_count = positive_count("timed runs")
 def torch_device(text: str) -> str:
     """An argparse type: a device string torch can parse (``cpu``, ``cuda:1``), or one whose
     type a discovered backend declares (a type torch knows only once the vendor's library is
-    imported), kept as written; anything else refused, naming both lists."""
+    imported) with an index, if any, as torch writes one; kept as written; anything else
+    refused, naming what torch and the backends take."""
     import torch
 
     try:
@@ -84,21 +85,27 @@ def torch_device(text: str) -> str:
         return text
     except (RuntimeError, ValueError) as exc:
         torch_says = str(exc)
+    kind, colon, index = text.partition(":")
+    try:
+        torch.device(kind)  # a type torch knows: the rest of the string is what it refused
+    except (RuntimeError, ValueError):
+        pass
+    else:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: torch says {torch_says!r}")
     from attnhub.registry import list_backends
 
     declared: set[str] = set()
     for info in list_backends():
         if info.capabilities is not None:
             declared |= info.capabilities.devices or set()
-    kind, colon, index = text.partition(":")
-    if kind in declared and (not colon or index.isdigit()):
-        return text
-    if kind in declared:
+    if kind not in declared:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device: torch says {torch_says!r}, and no discovered backend "
+            f"declares the device type {kind!r} (declared: {', '.join(sorted(declared))})"
+        )
+    if colon and not re.fullmatch(r"0|[1-9][0-9]*", index, re.ASCII):
         raise argparse.ArgumentTypeError(f"{text!r}: a device index is a number ({kind}:0)")
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is not a device: torch says {torch_says!r}, and no discovered backend "
-        f"declares the device type {kind!r} (declared: {', '.join(sorted(declared))})"
-    )
+    return text
 
 
 def _dtype_name(text: str) -> str:
