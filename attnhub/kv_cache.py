@@ -49,6 +49,11 @@ def _kv_cache_dtype(name: str) -> str:
     return canonical
 
 
+#: The shapes a per-tensor ("tensor" kind) scale may have, in a paged KV cache and a latent
+#: one alike: one value, ``()`` (what ``allocate`` makes) or ``(1,)``.
+TENSOR_SCALE_SHAPES = ((), (1,))
+
+
 def scale_shape(
     kind: str, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, layout: str
 ) -> tuple[int, ...] | None:

@@ -49,7 +49,7 @@ import torch
 
 from attnhub import validation
 from attnhub.errors import InvalidInputError, InvalidSpecError
-from attnhub.kv_cache import same_bytes
+from attnhub.kv_cache import TENSOR_SCALE_SHAPES, same_bytes
 from attnhub.kv_write import flat_slots, read_slots, write_slots
 from attnhub.quant import indexable, quantize_fp8
 from attnhub.spec import KV_CACHE_DTYPES, MODEL_DTYPES, KVCacheDType, canonical_kv_cache_dtype
@@ -181,11 +181,6 @@ def _storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype
     return KV_CACHE_DTYPES[kv_cache_dtype].key_dtype or model_dtype
 
 
-#: The shapes a latent cache's fp8 scale may have: one value, as a paged KV cache's
-#: per-tensor scale (``kv_cache.scale_shape``'s "tensor": ``()``, or ``(1,)``).
-_SCALE_SHAPES = ((), (1,))
-
-
 @dataclass
 class LatentKVCache:
     """The paged latent cache of one MLA layer (layouts: see the module docstring).
@@ -246,7 +241,7 @@ class LatentKVCache:
             s = self.scale
             if (
                 not isinstance(s, torch.Tensor)
-                or s.shape not in _SCALE_SHAPES
+                or s.shape not in TENSOR_SCALE_SHAPES
                 or s.dtype != torch.float32
             ):
                 raise InvalidInputError(

@@ -31,7 +31,7 @@ import torch
 
 from attnhub.batch import BatchMetadata
 from attnhub.errors import InvalidInputError
-from attnhub.kv_cache import BlockPacking, PagedKVCache, scale_shape
+from attnhub.kv_cache import TENSOR_SCALE_SHAPES, BlockPacking, PagedKVCache, scale_shape
 from attnhub.spec import KV_CACHE_DTYPES, AttentionSpec
 
 if TYPE_CHECKING:
@@ -390,7 +390,9 @@ def _check_scale(spec: AttentionSpec, cache: PagedKVCache, which: str, kind: str
             f"{type(scale).__name__}"
         )
     shape = tuple(scale.shape)
-    if scale.dtype != torch.float32 or not (shape == want or (kind == "tensor" and shape == (1,))):
+    if scale.dtype != torch.float32 or not (
+        shape == want or (kind == "tensor" and shape in TENSOR_SCALE_SHAPES)
+    ):
         raise InvalidInputError(
             f"{name} must be float32 {want}{' (or (1,))' if kind == 'tensor' else ''} for "
             f"kv_cache_dtype {kv!r}, got {scale.dtype} {shape}"
