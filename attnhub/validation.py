@@ -14,7 +14,9 @@ first that fails.
 A step's full checks run through one more table where attnhub-speedups (an optional C
 extension, ``attnhub[speedups]``) is installed: :data:`FAST_STEP`, the structure rules and one
 compiled call for every length and value rule; a step it does not clear is decided and worded
-by :data:`STEP`, so verdicts, errors and facts are the same with or without it.
+by :data:`STEP`, so verdicts, errors and facts are the same with or without it. Where its C++
+part is built against this torch, a step's structure and dense-batch test are one compiled
+call too (:func:`checked_step`, :func:`checked_structure`), on the same terms.
 """
 
 from __future__ import annotations
@@ -52,6 +54,31 @@ def _installed_step_values() -> _StepValues | None:
 
 
 _compiled_step_values = _installed_step_values()
+
+_StepStructure = Callable[[object, object, torch.device], bool]
+
+
+def _installed_step_structure() -> tuple[_StepStructure | None, str]:
+    """attnhub-speedups' compiled structure pass (``step_structure(batch, block_size,
+    device)``: the :data:`STRUCTURE` rules and :func:`dense_batch`'s test, read through
+    torch's C++ API), and why it is not in use where it is None: not installed, not built (it
+    is built only where torch is importable at build time), or built against another torch
+    (it is tied to the torch it was compiled with)."""
+    try:
+        from attnhub_speedups import _step_structure
+    except ImportError as exc:
+        return None, f"attnhub_speedups._step_structure is not importable ({exc})"
+    built_with = getattr(_step_structure, "TORCH_BUILT_WITH", None)
+    if built_with != torch.__version__:
+        return None, (
+            f"attnhub_speedups._step_structure was built against torch {built_with}, this is "
+            f"torch {torch.__version__}: rebuild attnhub-speedups (docs/install.md)"
+        )
+    _step_structure.bind(BatchMetadata)
+    return _step_structure.step_structure, ""
+
+
+_compiled_step_structure, STRUCTURE_PASS_MISSING = _installed_step_structure()
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -804,6 +831,18 @@ FAST_VALUES: list[Rule | Let] = [
 FAST_STEP = Rules(
     "batch, spec, device", [*STRUCTURE, *FAST_VALUES], returns="_FastStepFacts.made(batch, got)"
 )
+#: :data:`FAST_STEP` for a step whose structure the compiled structure pass cleared (its
+#: batch then dense): the values alone, over the fields that pass proved.
+FAST_VALUES_OF_SOUND_STRUCTURE = Rules(
+    "batch, spec, device",
+    [
+        Let("slot_mapping", "batch.slot_mapping"),
+        Let("block_table", "batch.block_table"),
+        Let("B", "batch.num_reqs"),
+        *FAST_VALUES,
+    ],
+    returns="_FastStepFacts.made(batch, got)",
+)
 #: A slot mapping given to ``write_kv`` without a step.
 GIVEN_SLOTS = Rules("slots, cache", [SLOT_FACTS, SLOT_IN_CACHE, SLOTS_DISTINCT])
 #: A checked step's extents in a cache: O(1) where they fit (the host data is read only to
@@ -1061,11 +1100,42 @@ def check_structure(spec: AttentionSpec, batch: BatchMetadata, device: torch.dev
     return STEP_STRUCTURE.passes(batch, spec, device) or STEP_STRUCTURE.explain(batch, spec, device)
 
 
+def checked_step(
+    spec: AttentionSpec, batch: BatchMetadata, device: torch.device
+) -> tuple[BatchMetadata, StepFacts]:
+    """:func:`check_step` of :func:`dense_batch` of ``batch``: the batch the step's kernels
+    read (``batch`` itself where it is dense) and its facts. Where attnhub-speedups' structure
+    pass is in use and clears the batch (dense, structure sound), only the values are left to
+    check; else the batch is made dense and checked as it is without the pass."""
+    if _structure is not None and _structure(batch, spec.block_size, device):
+        return batch, (
+            FAST_VALUES_OF_SOUND_STRUCTURE.passes(batch, spec, device)
+            or STEP.explain(batch, spec, device)
+        )
+    batch = dense_batch(batch)
+    return batch, check_step(spec, batch, device)
+
+
+def checked_structure(
+    spec: AttentionSpec, batch: BatchMetadata, device: torch.device
+) -> tuple[BatchMetadata, StepFacts]:
+    """:func:`check_structure` of :func:`dense_batch` of ``batch``, as :func:`checked_step`
+    (the structure pass, where it is in use, decides the usual batch alone)."""
+    if _structure is not None and _structure(batch, spec.block_size, device):
+        return batch, STRUCTURAL_FACTS
+    batch = dense_batch(batch)
+    return batch, check_structure(spec, batch, device)
+
+
 #: The table :func:`check_step` passes a step's full checks through: :data:`FAST_STEP` where
 #: attnhub-speedups is installed and not turned off (``ATTNHUB_SPEEDUPS=0``,
 #: :func:`use_speedups`), else :data:`STEP`. Either way a step that does not pass is decided
 #: and worded by :data:`STEP` (``explain`` returns its facts where every rule holds).
 _full = STEP
+#: attnhub-speedups' structure pass where it is built for this torch and the passes are in
+#: use (:func:`use_speedups`), else None: :func:`checked_step` and :func:`checked_structure`
+#: then run the Python rules.
+_structure: _StepStructure | None = None
 
 
 def speedups_available() -> bool:
@@ -1078,14 +1148,21 @@ def use_speedups(enabled: bool = True) -> bool:
     or the pure-Python rules; returns whether the compiled pass is now in use (False where it
     is not installed). Verdicts, errors and facts are the same either way; for benchmarks and
     tests (``ATTNHUB_SPEEDUPS=0`` in the environment turns it off at import)."""
-    global _full
+    global _full, _structure
     _full = FAST_STEP if enabled and _compiled_step_values is not None else STEP
+    _structure = _compiled_step_structure if _full is FAST_STEP else None
     return _full is FAST_STEP
 
 
 def speedups_in_use() -> bool:
     """Whether a step's full checks run through the compiled pass now."""
     return _full is FAST_STEP
+
+
+def structure_pass_in_use() -> bool:
+    """Whether a step's structure is checked by attnhub-speedups' compiled structure pass now
+    (where it is not built for this torch: :data:`STRUCTURE_PASS_MISSING` says why)."""
+    return _structure is not None
 
 
 use_speedups(os.environ.get("ATTNHUB_SPEEDUPS", "1").strip().lower() not in ("0", "false", "no"))
