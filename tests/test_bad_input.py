@@ -508,16 +508,12 @@ def test_step_values_are_read_by_build_once_never_by_layers(
             lambda *a, _o=original, _n=name, **k: (calls.append(_n), _o(*a, **k))[1],
         )
     meta = ctx.builder.build(ctx.batch)  # (a new builder: it takes the patched checked_step)
-    # checked_step calls check_step unless attnhub-speedups' structure pass cleared the batch
-    by_build = (
-        ["checked_step"] if validation.structure_pass_in_use() else ["checked_step", "check_step"]
-    )
-    assert calls == by_build
+    assert calls == ["checked_step"]
     layers = [ctx.impl for _ in range(3)]
     for impl in layers:
         impl.write_kv(ctx.k, ctx.v, ctx.cache, meta=meta)
         impl.forward(ctx.q, None, None, ctx.cache, meta)
-    assert calls == by_build
+    assert calls == ["checked_step"]
 
 
 def test_metadata_is_frozen_after_build(ctx: Ctx) -> None:
