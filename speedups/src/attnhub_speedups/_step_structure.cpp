@@ -63,9 +63,33 @@ bool intern_names() {
     return true;
 }
 
-// A field of the batch, borrowed from its instance dictionary (nullptr where it is not there:
-// cautious).
-PyObject *field(PyObject *dict, PyObject *name) { return PyDict_GetItem(dict, name); }
+// The batch's fields, read with getattr (not through its __dict__: asking CPython for an
+// instance's dictionary turns its inline attribute values into a dict for good, which makes
+// every later attribute read of that batch slower) and held until the pass returns.
+class Fields {
+  public:
+    explicit Fields(PyObject *batch) : batch_(batch) {}
+    ~Fields() {
+        for (int i = 0; i < count_; ++i) Py_DECREF(held_[i]);
+    }
+    Fields(const Fields &) = delete;
+    Fields &operator=(const Fields &) = delete;
+    // batch.<name>, borrowed until the pass returns (nullptr where it is missing: cautious)
+    PyObject *operator()(PyObject *name) {
+        PyObject *value = PyObject_GetAttr(batch_, name);
+        if (value == nullptr) {
+            PyErr_Clear();
+            return nullptr;
+        }
+        held_[count_++] = value;
+        return value;
+    }
+
+  private:
+    PyObject *batch_;
+    PyObject *held_[16];  // (11 fields are read)
+    int count_ = 0;
+};
 
 // The tensor held by obj where obj is a plain tensor (torch.Tensor or Parameter: no
 // __torch_function__ of its own), strided, with concrete sizes; else nullptr (cautious).
@@ -110,22 +134,22 @@ bool host_copy_ok(PyObject *copy, const at::Tensor &of) {
 }
 
 // The STRUCTURE rules, in their order, and the dense-batch test.
-bool structure_holds(PyObject *dict, PyObject *spec_block_size, const c10::Device &device) {
+bool structure_holds(Fields &field, PyObject *spec_block_size, const c10::Device &device) {
     // batch.block_size == spec.block_size (both plain ints)
     int64_t block_size, spec_bs;
-    if (!as_int64(field(dict, names.block_size), &block_size)) return false;
+    if (!as_int64(field(names.block_size), &block_size)) return false;
     if (!as_int64(spec_block_size, &spec_bs) || block_size != spec_bs) return false;
-    const at::Tensor *qsl = plain_tensor(field(dict, names.query_start_loc));
-    const at::Tensor *seq = plain_tensor(field(dict, names.seq_lens));
-    const at::Tensor *table = plain_tensor(field(dict, names.block_table));
-    const at::Tensor *slots = plain_tensor(field(dict, names.slot_mapping));
-    const at::Tensor *qsl_cpu = plain_tensor(field(dict, names.query_start_loc_cpu));
-    const at::Tensor *seq_cpu = plain_tensor(field(dict, names.seq_lens_cpu));
+    const at::Tensor *qsl = plain_tensor(field(names.query_start_loc));
+    const at::Tensor *seq = plain_tensor(field(names.seq_lens));
+    const at::Tensor *table = plain_tensor(field(names.block_table));
+    const at::Tensor *slots = plain_tensor(field(names.slot_mapping));
+    const at::Tensor *qsl_cpu = plain_tensor(field(names.query_start_loc_cpu));
+    const at::Tensor *seq_cpu = plain_tensor(field(names.seq_lens_cpu));
     if (!qsl || !seq || !table || !slots || !qsl_cpu || !seq_cpu) return false;
     const c10::Device dev = qsl->device();
     if (!same_device(dev, device)) return false;
     int64_t B;
-    if (!as_int64(field(dict, names.num_reqs), &B)) return false;
+    if (!as_int64(field(names.num_reqs), &B)) return false;
     if (!shape_is(*qsl_cpu, B + 1) || !shape_is(*seq_cpu, B)) return false;
     for (const at::Tensor *t : {qsl, seq, table, slots}) {
         if (!int_dtype(*t) || !t->is_contiguous()) return false;
@@ -136,14 +160,14 @@ bool structure_holds(PyObject *dict, PyObject *spec_block_size, const c10::Devic
     for (const at::Tensor *t : {seq, table, slots}) {
         if (t->device() != dev) return false;
     }
-    PyObject *table_cpu = field(dict, names.block_table_cpu);
-    PyObject *slots_cpu = field(dict, names.slot_mapping_cpu);
+    PyObject *table_cpu = field(names.block_table_cpu);
+    PyObject *slots_cpu = field(names.slot_mapping_cpu);
     if (table_cpu == nullptr || slots_cpu == nullptr) return false;
     if (!host_copy_ok(table_cpu, *table) || !host_copy_ok(slots_cpu, *slots)) return false;
     if (table->dim() != 2 || table->size(0) != B) return false;
     if (B == 0) {  // B or batch.num_actual_tokens == 0
         int64_t tokens;
-        if (!as_int64(field(dict, names.num_actual_tokens), &tokens) || tokens != 0) return false;
+        if (!as_int64(field(names.num_actual_tokens), &tokens) || tokens != 0) return false;
     }
     return true;
 }
@@ -157,16 +181,16 @@ PyObject *step_structure(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         !THPDevice_Check(args[2])) {
         Py_RETURN_FALSE;
     }
-    PyObject *dict = PyObject_GenericGetDict(args[0], nullptr);  // the batch's fields
     bool holds = false;
-    if (dict != nullptr && PyDict_CheckExact(dict)) {
+    {
+        Fields fields(args[0]);
         try {
-            holds = structure_holds(dict, args[1], reinterpret_cast<THPDevice *>(args[2])->device);
+            holds =
+                structure_holds(fields, args[1], reinterpret_cast<THPDevice *>(args[2])->device);
         } catch (...) {  // a c10::Error from an attribute read: cautious
             holds = false;
         }
     }
-    Py_XDECREF(dict);
     if (PyErr_Occurred()) PyErr_Clear();
     if (holds) Py_RETURN_TRUE;
     Py_RETURN_FALSE;
