@@ -432,8 +432,13 @@ def test_use_speedups_switches_the_pass() -> None:
 
 
 def test_attnhub_speedups_0_turns_it_off() -> None:
-    code = "from attnhub import validation as v; print(v.speedups_available(), v.speedups_in_use())"
-    for value, expected in (("0", "True False"), ("1", "True True")):
+    """Both passes (the structure pass where it is built here)."""
+    code = (
+        "from attnhub import validation as v; "
+        "print(v.speedups_available(), v.speedups_in_use(), v.structure_pass_in_use())"
+    )
+    built = validation._compiled_step_structure is not None
+    for value, expected in (("0", "True False False"), ("1", f"True True {built}")):
         env = dict(os.environ, ATTNHUB_SPEEDUPS=value)
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
@@ -662,14 +667,3 @@ def test_the_pass_is_used_only_with_the_torch_it_was_built_against(monkeypatch: 
     monkeypatch.setitem(sys.modules, "attnhub_speedups._step_structure", None)
     found, why = validation._installed_step_structure()
     assert found is None and "not importable" in why
-
-
-@structure_pass
-def test_attnhub_speedups_0_turns_the_structure_pass_off() -> None:
-    code = "from attnhub import validation as v; print(v.structure_pass_in_use())"
-    for value, expected in (("0", "False"), ("1", "True")):
-        env = dict(os.environ, ATTNHUB_SPEEDUPS=value)
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        )
-        assert out.stdout.split() == [expected]
