@@ -147,7 +147,7 @@ def _install_speedups(session: nox.Session) -> None:
     """attnhub-speedups, editable, built against the session's torch (installed before): without
     build isolation its setup.py sees that torch and builds the C++ structure pass as well as
     the C value pass (docs/install.md); its build requirement comes first."""
-    session.install("setuptools>=64")
+    session.install("setuptools>=77")  # (77: speedups declares its license as an SPDX string)
     session.install("--no-build-isolation", "-e", "./speedups")
 
 

@@ -687,6 +687,17 @@ STRUCTURE: list[Rule | Let] = [
         "batch.seq_lens_cpu.shape == (B,)",
         "seq_lens must have num_reqs = {B} entries, got shape {tuple(batch.seq_lens_cpu.shape)}",
     ),
+    # the device tensors too: a kernel reads B + 1 offsets and B lengths from them
+    Rule(
+        "query_start_loc.shape == (B + 1,)",
+        "query_start_loc (the device tensor) must have num_reqs + 1 = {B + 1} entries, got "
+        "shape {tuple(query_start_loc.shape)}",
+    ),
+    Rule(
+        "seq_lens.shape == (B,)",
+        "seq_lens (the device tensor) must have num_reqs = {B} entries, got shape "
+        "{tuple(seq_lens.shape)}",
+    ),
     *INT_TENSOR.values(),
     *(
         Rule(

@@ -200,6 +200,18 @@ BAD_EDITS = [
         "num_reqs + 1 = 4",
         id="query_start_loc_wrong_length",
     ),
+    # the device tensors are read by kernels: a regression (only the host copies' lengths were
+    # checked, so a short device query_start_loc or seq_lens reached the kernels)
+    pytest.param(
+        {"query_start_loc": torch.tensor([0, 1, 4], dtype=torch.int32)},
+        "query_start_loc (the device tensor) must have num_reqs + 1 = 4 entries",
+        id="device_query_start_loc_short",
+    ),
+    pytest.param(
+        {"seq_lens": torch.tensor([[5, 3, 9]], dtype=torch.int32)},
+        "seq_lens (the device tensor) must have num_reqs = 3 entries, got shape (1, 3)",
+        id="device_seq_lens_2d",
+    ),
     pytest.param({"num_actual_tokens": 7}, "num_actual_tokens = 7", id="num_actual_tokens_wrong"),
     pytest.param({"max_query_len": 2}, "max_query_len = 2", id="max_query_len_wrong"),
     pytest.param({"max_seq_len": 5}, "max_seq_len = 5", id="max_seq_len_wrong"),

@@ -521,6 +521,7 @@ TENSOR_CHANGES = {
     "one more dimension": lambda t: t.unsqueeze(0),
     "flattened": lambda t: t.reshape(-1),
     "strided": _strided,
+    "nested": lambda t: torch.nested.nested_tensor([t]),
     "on meta": lambda t: t.to("meta"),
     "subclass": lambda t: t.as_subclass(_Traced),
     "None": lambda t: None,
@@ -549,6 +550,7 @@ SCALAR_CHANGES = {
 #: does): it must then leave the batch to the rules.
 CAUTIOUS = {
     "subclass",
+    "nested",
     "num_reqs as numpy",
     "num_reqs as float",
     "block_size as numpy",
@@ -571,7 +573,7 @@ def _same(a: Any, b: Any) -> None:
     (batch_a, facts_a), (batch_b, facts_b) = a, b
     for name in _DENSE_FIELDS:
         x, y = getattr(batch_a, name), getattr(batch_b, name)
-        assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), name
+        assert x is y or (x is not None and y is not None and torch.equal(x, y)), name
     assert type(facts_a) is type(facts_b) or validation.StepFacts in (
         type(facts_a).__mro__[1:] + type(facts_b).__mro__[1:]
     )
@@ -602,7 +604,7 @@ def test_the_structure_pass_agrees_with_the_rules(
     fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     for name, how in changes:
         if name:
-            if isinstance(fields[name], torch.Tensor):
+            if isinstance(fields[name], torch.Tensor) and not fields[name].is_nested:
                 fields[name] = TENSOR_CHANGES[how](fields[name])
         else:
             field, change = SCALAR_CHANGES[how]
@@ -642,6 +644,26 @@ def test_a_sound_batch_is_cleared_as_it_is() -> None:
     assert got is batch and facts is validation.STRUCTURAL_FACTS
     got, facts = validation.checked_step(_spec(16), batch, CPU)
     assert got is batch and facts.max_slot == int(batch.slot_mapping.max()) == 9 * 16
+
+
+@structure_pass
+def test_under_a_torch_function_mode_the_rules_decide() -> None:
+    """A TorchFunctionMode sees Python's reads of tensor attributes (it could answer them its
+    way), so the pass leaves the batch to the rules while one is active."""
+    from torch.overrides import TorchFunctionMode
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    batch = BatchMetadata.from_lengths([1, 2], [5, 9], [[1], [2]], 16)
+    assert validation._compiled_step_structure(batch, 16, CPU)
+    with Passing():
+        assert not validation._compiled_step_structure(batch, 16, CPU)
+        got, facts = validation.checked_structure(_spec(16), batch, CPU)
+    assert got is batch and facts is validation.STRUCTURAL_FACTS
 
 
 @structure_pass

@@ -485,6 +485,19 @@ INVALID_INPUTS: tuple[InvalidInput, ...] = (
         "a block table entry = -1",
         lambda s, la: _forward(s, la, batch=_with_block(s, -1)),
     ),
+    _e(
+        "query_start_loc_device_short",
+        "a device query_start_loc one entry short of num_reqs + 1 (its host copy right): a "
+        "kernel reading num_reqs + 1 offsets from it would read past its end",
+        lambda s, la: _forward(
+            s, la, batch=replace(s.batch, query_start_loc=s.batch.query_start_loc[:-1])
+        ),
+    ),
+    _e(
+        "seq_lens_device_short",
+        "a device seq_lens one entry short of num_reqs (its host copy right)",
+        lambda s, la: _forward(s, la, batch=replace(s.batch, seq_lens=s.batch.seq_lens[:-1])),
+    ),
     _e("query_len_zero", "a request with query_len 0", _query_len_zero),
     _e("seq_len_below_query_len", "a request with seq_len < query_len", _seq_below_query),
     _e(

@@ -18,9 +18,12 @@
  * uses it only under the same version (validation._installed_step_structure).
  *
  * batch must be an instance of exactly the class given to bind() (attnhub's BatchMetadata:
- * plain attributes, no properties), device a torch.device.
+ * plain attributes, no properties), device a torch.device. Not seen here: a method of a tensor
+ * shadowed by an attribute of that tensor object (t.is_contiguous = ...), which Python's reads
+ * would call.
  */
-#include <Python.h>
+#include <Python.h>  // (first, as Python asks)
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -92,11 +95,12 @@ class Fields {
 };
 
 // The tensor held by obj where obj is a plain tensor (torch.Tensor or Parameter: no
-// __torch_function__ of its own), strided, with concrete sizes; else nullptr (cautious).
+// __torch_function__ of its own), strided and not nested (Python cannot read a nested
+// tensor's shape), with concrete sizes; else nullptr (cautious).
 const at::Tensor *plain_tensor(PyObject *obj) {
     if (obj == nullptr || !THPVariable_CheckExact(obj)) return nullptr;
     const at::Tensor &t = THPVariable_Unpack(obj);
-    if (!t.defined() || t.layout() != at::kStrided) return nullptr;
+    if (!t.defined() || t.layout() != at::kStrided || t.is_nested()) return nullptr;
     if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return nullptr;
     return &t;
 }
@@ -149,8 +153,10 @@ bool structure_holds(Fields &field, PyObject *spec_block_size, const c10::Device
     const c10::Device dev = qsl->device();
     if (!same_device(dev, device)) return false;
     int64_t B;
-    if (!as_int64(field(names.num_reqs), &B)) return false;
+    // (B < 0 fails the rules too: no tensor has B entries; INT64_MAX: B + 1 would overflow)
+    if (!as_int64(field(names.num_reqs), &B) || B < 0 || B == INT64_MAX) return false;
     if (!shape_is(*qsl_cpu, B + 1) || !shape_is(*seq_cpu, B)) return false;
+    if (!shape_is(*qsl, B + 1) || !shape_is(*seq, B)) return false;
     for (const at::Tensor *t : {qsl, seq, table, slots}) {
         if (!int_dtype(*t) || !t->is_contiguous()) return false;
     }
@@ -177,8 +183,9 @@ PyObject *step_structure(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "step_structure(batch, block_size, device)");
         return nullptr;
     }
+    // (under a TorchFunctionMode, Python's reads of a tensor's attributes go through the mode)
     if (batch_class == nullptr || Py_TYPE(args[0]) != (PyTypeObject *)batch_class ||
-        !THPDevice_Check(args[2])) {
+        !THPDevice_Check(args[2]) || at::impl::torch_function_mode_enabled()) {
         Py_RETURN_FALSE;
     }
     bool holds = false;
