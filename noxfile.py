@@ -100,7 +100,7 @@ WHEELHOUSE = REPO / "dist"
 DISTRIBUTION_DIRS = [
     ".",
     "conformance",
-    "speedups",  # attnhub-speedups: the optional C pass of a step's checks (a C compiler builds it)
+    "speedups",  # attnhub-speedups: the optional compiled passes of a step's checks (C; C++)
     *sorted(
         p.parent.relative_to(REPO).as_posix()
         for pattern in ("backends/*/pyproject.toml", "integrations/*/pyproject.toml")
